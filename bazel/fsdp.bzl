@@ -1,0 +1,42 @@
+"""Macros that set compiler flags once for every fsdp target (STYLE.md)."""
+
+load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library", "cc_test")
+
+FSDP_COPTS = [
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+]
+
+# Targets that need CUDA/NCCL: built only under --config=nccl.
+NCCL_ONLY = select({
+    "//bazel:nccl_enabled": [],
+    "//conditions:default": ["//bazel:unsupported"],
+})
+
+def fsdp_cc_library(name, copts = [], **kwargs):
+    cc_library(name = name, copts = FSDP_COPTS + copts, **kwargs)
+
+def fsdp_cc_binary(name, copts = [], **kwargs):
+    cc_binary(name = name, copts = FSDP_COPTS + copts, **kwargs)
+
+def fsdp_cc_test(name, copts = [], deps = [], env = {}, **kwargs):
+    """A GoogleTest binary with gtest_main; one intra-op thread per process."""
+    test_env = {"OMP_NUM_THREADS": "1"}
+    test_env.update(env)
+    cc_test(
+        name = name,
+        copts = FSDP_COPTS + copts,
+        deps = deps + ["@com_google_googletest//:gtest_main"],
+        env = test_env,
+        **kwargs
+    )
+
+def fsdp_cc_benchmark(name, copts = [], deps = [], **kwargs):
+    """A Google Benchmark binary (run it with bazel run -c opt)."""
+    cc_binary(
+        name = name,
+        copts = FSDP_COPTS + copts,
+        deps = deps + ["@com_github_google_benchmark//:benchmark_main"],
+        **kwargs
+    )

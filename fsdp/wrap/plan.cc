@@ -1,0 +1,227 @@
+#include "fsdp/wrap/plan.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+namespace {
+
+// Note [Wrap planning]
+// The seed recounts `module.parameters()` at every level of the recursion, which costs
+// O(modules x depth). We count each subtree's distinct parameters once for the whole tree:
+// every occurrence of a parameter adds its numel at its node, and every later occurrence
+// (in pre-order) also subtracts it at the lowest common ancestor with the previous one,
+// so a subtree sum counts a shared parameter exactly once (the usual distinct-count trick
+// on trees). The decisions are then replayed with an explicit stack, calling the policy
+// in the seed's order, and the same numbers reach it.
+
+struct TreeFacts {
+  std::vector<bool> ignored;          // node is in an ignored subtree
+  absl::flat_hash_set<const void*> ignored_params;
+  std::vector<int> subtree_end;       // descendants of i are (i, subtree_end[i])
+  std::vector<int64_t> subtree_numel;  // distinct non-ignored parameters below (and at) i
+};
+
+int lowest_common_ancestor(const ModuleTree& tree, int a, int b) {
+  while (tree.node(a).depth > tree.node(b).depth) a = tree.node(a).parent;
+  while (tree.node(b).depth > tree.node(a).depth) b = tree.node(b).parent;
+  while (a != b) {
+    a = tree.node(a).parent;
+    b = tree.node(b).parent;
+  }
+  return a;
+}
+
+TreeFacts collect_facts(const ModuleTree& tree, const WrapPlanOptions& options) {
+  const int n = tree.size();
+  TreeFacts facts;
+  facts.ignored.assign(n, false);
+  for (int index : options.ignored_modules()) {
+    TORCH_CHECK(index >= 0 && index < n, "wrap planning: ignored module index ", index,
+                " is outside the tree of ", n, " modules");
+    facts.ignored[index] = true;
+  }
+  facts.ignored_params.insert(options.ignored_params().begin(),
+                              options.ignored_params().end());
+  for (int i = 1; i < n; ++i) {
+    if (facts.ignored[tree.node(i).parent]) facts.ignored[i] = true;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!facts.ignored[i]) continue;
+    for (const ParamEntry& param : tree.node(i).params) {
+      facts.ignored_params.insert(param.key);
+    }
+  }
+
+  facts.subtree_numel.assign(n, 0);
+  absl::flat_hash_map<const void*, int> last_seen;  // parameter -> last node holding it
+  for (int i = 0; i < n; ++i) {
+    if (facts.ignored[i]) continue;
+    for (const ParamEntry& param : tree.node(i).params) {
+      if (facts.ignored_params.contains(param.key)) continue;
+      facts.subtree_numel[i] += param.numel;
+      auto [it, first] = last_seen.try_emplace(param.key, i);
+      if (!first) {
+        facts.subtree_numel[lowest_common_ancestor(tree, it->second, i)] -= param.numel;
+        it->second = i;
+      }
+    }
+  }
+  facts.subtree_end.resize(n);
+  for (int i = 0; i < n; ++i) facts.subtree_end[i] = i + 1;
+  for (int i = n - 1; i > 0; --i) {
+    const int parent = tree.node(i).parent;
+    facts.subtree_numel[parent] += facts.subtree_numel[i];
+    facts.subtree_end[parent] = std::max(facts.subtree_end[parent], facts.subtree_end[i]);
+  }
+  return facts;
+}
+
+void check_not_wrapped(const ModuleTree& tree, const TreeFacts& facts) {
+  for (const ModuleNode& node : tree.nodes()) {
+    TORCH_CHECK(facts.ignored[node.index] || !node.is_fsdp_wrapper, "module '", node.fqn,
+                "' (", node.type_name,
+                ") is already an FSDP unit; auto-wrapping expects a model without units: "
+                "remove the manual wrap, or list the module in ignored_modules");
+  }
+}
+
+// Replays the seed's recursion; returns is_unit per node and the root's return value.
+std::vector<bool> decide_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
+                               const TreeFacts& facts, bool only_wrap_children,
+                               int64_t* root_wrapped_numel,
+                               std::vector<int64_t>* remainder) {
+  const int n = tree.size();
+  std::vector<bool> is_unit(n, false);
+  std::vector<int64_t> returned(n, 0);  // the seed's second return value per module
+  struct Frame {
+    int node;
+    bool children_done;
+  };
+  std::vector<Frame> stack = {{0, false}};
+  while (!stack.empty()) {
+    const Frame frame = stack.back();
+    stack.pop_back();
+    const ModuleNode& node = tree.node(frame.node);
+    if (!frame.children_done) {
+      if (!policy(node, /*recurse=*/true, facts.subtree_numel[node.index])) continue;
+      stack.push_back({node.index, true});
+      for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) {
+        if (!facts.ignored[*it]) stack.push_back({*it, false});
+      }
+      continue;
+    }
+    int64_t total_wrapped = 0;
+    for (int child : node.children) {
+      if (!facts.ignored[child]) total_wrapped += returned[child];
+    }
+    const int64_t rest = facts.subtree_numel[node.index] - total_wrapped;
+    const bool may_wrap = !(only_wrap_children && node.index == 0);
+    if (may_wrap && policy(node, /*recurse=*/false, rest)) {
+      is_unit[node.index] = true;
+      (*remainder)[node.index] = rest;
+      returned[node.index] = facts.subtree_numel[node.index];
+    } else {
+      returned[node.index] = total_wrapped;
+    }
+  }
+  *root_wrapped_numel = returned[0];
+  return is_unit;
+}
+
+// Flattened numel per unit: each parameter goes to the first unit (children before
+// parents, earlier siblings first) whose subtree holds it.
+std::vector<int64_t> owned_numels(const ModuleTree& tree, const TreeFacts& facts,
+                                  const std::vector<bool>& is_unit) {
+  const int n = tree.size();
+  std::vector<int> unit_of(n, -1);  // innermost unit at or above each node
+  for (int i = 0; i < n; ++i) {
+    unit_of[i] = is_unit[i] ? i : (i == 0 ? -1 : unit_of[tree.node(i).parent]);
+  }
+  // Does unit a wrap before unit b (post-order)?
+  auto wraps_first = [&](int a, int b) {
+    if (a < b && b < facts.subtree_end[a]) return false;  // a encloses b
+    if (b < a && a < facts.subtree_end[b]) return true;   // b encloses a
+    return a < b;
+  };
+  absl::flat_hash_map<const void*, std::pair<int, int64_t>> owner;  // key -> (unit, numel)
+  for (int i = 0; i < n; ++i) {
+    if (facts.ignored[i] || unit_of[i] < 0) continue;
+    for (const ParamEntry& param : tree.node(i).params) {
+      if (facts.ignored_params.contains(param.key)) continue;
+      auto [it, first] = owner.try_emplace(param.key, unit_of[i], param.numel);
+      if (!first && wraps_first(unit_of[i], it->second.first)) it->second.first = unit_of[i];
+    }
+  }
+  std::vector<int64_t> owned(n, 0);
+  for (const auto& [key, unit_and_numel] : owner) {
+    owned[unit_and_numel.first] += unit_and_numel.second;
+  }
+  return owned;
+}
+
+WrapPlan make_plan(const ModuleTree& tree, const AutoWrapPolicy& policy,
+                   const WrapPlanOptions& options, bool fsdp_root) {
+  TORCH_CHECK(tree.size() > 0, "wrap planning: the module tree is empty");
+  const TreeFacts facts = collect_facts(tree, options);
+  check_not_wrapped(tree, facts);
+  WrapPlan plan;
+  plan.total_numel = facts.subtree_numel[0];
+  std::vector<int64_t> remainder(tree.size(), 0);
+  std::vector<bool> is_unit(tree.size(), false);
+  if (policy != nullptr) {
+    is_unit = decide_units(tree, policy, facts, options.only_wrap_children() || fsdp_root,
+                           &plan.wrapped_numel, &remainder);
+  } else {
+    TORCH_CHECK(fsdp_root, "plan_recursive_wrap: auto_wrap_policy is empty");
+  }
+  if (fsdp_root) {
+    // The FSDP constructor wraps the root last, around whatever no child unit took.
+    is_unit[0] = true;
+    remainder[0] = plan.total_numel - plan.wrapped_numel;
+  }
+  const std::vector<int64_t> owned = owned_numels(tree, facts, is_unit);
+  for (int i = 0; i < tree.size(); ++i) {
+    if (!is_unit[i]) continue;
+    plan.units.push_back({i, tree.node(i).fqn, owned[i], remainder[i]});
+  }
+  // Post-order: by end of subtree, and an enclosing unit after the units inside it.
+  plan.wrap_order.resize(plan.units.size());
+  for (size_t k = 0; k < plan.units.size(); ++k) plan.wrap_order[k] = static_cast<int>(k);
+  std::sort(plan.wrap_order.begin(), plan.wrap_order.end(), [&](int a, int b) {
+    const int node_a = plan.units[a].node, node_b = plan.units[b].node;
+    if (facts.subtree_end[node_a] != facts.subtree_end[node_b]) {
+      return facts.subtree_end[node_a] < facts.subtree_end[node_b];
+    }
+    return node_a > node_b;
+  });
+  return plan;
+}
+
+}  // namespace
+
+WrapPlan plan_recursive_wrap(const ModuleTree& tree, const AutoWrapPolicy& policy,
+                             const WrapPlanOptions& options) {
+  return make_plan(tree, policy, options, /*fsdp_root=*/false);
+}
+
+WrapPlan plan_fsdp_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
+                         const WrapPlanOptions& options) {
+  return make_plan(tree, policy, options, /*fsdp_root=*/true);
+}
+
+int64_t shard_numel(int64_t numel, int64_t world_size) {
+  TORCH_CHECK(numel >= 0, "shard_numel: numel must be >= 0, got ", numel);
+  TORCH_CHECK(world_size >= 1, "shard_numel: world_size must be >= 1, got ", world_size);
+  return (numel + world_size - 1) / world_size;
+}
+
+int64_t shard_padding(int64_t numel, int64_t world_size) {
+  return shard_numel(numel, world_size) * world_size - numel;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,307 @@
+#!/usr/bin/python3
+"""Reference oracle for the C++ wrap planner (`fsdp_plan`).
+
+Runs PyTorch's own `_recursive_wrap` (from the seed copy of
+torch/distributed/fsdp/wrap.py) on real Python models and prints the FSDP
+units it would create, so the C++ planner can be compared against it.
+
+Subcommands:
+  make-models OUT_DIR   script + save every model as OUT_DIR/NAME.pt
+  oracle --model NAME --policy size|always|transformer
+         [--min_num_params N] [--layer_cls PY.CLASS.PATH ...] [--world_size W]
+                        print {"total_numel": N, "units": [...]} as JSON
+  selfcheck             check the seed's wrap logic on a tiny model
+
+Uses only the stdlib, torch and torchvision (run with /usr/bin/python3).
+"""
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import re
+import sys
+import types
+import warnings
+
+import torch
+import torch.nn as nn
+
+# --------------------------------------------------------------------------
+# Models. Constructors are deterministic in structure; values don't matter,
+# so the oracle rebuilds the same Python model that make-models scripted.
+# --------------------------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """Tiny LM whose output head shares its weight with the embedding."""
+
+    def __init__(self, vocab: int = 100, dim: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            [nn.TransformerEncoderLayer(dim, 4, 64) for _ in range(2)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: same Parameter object
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _resnet18() -> nn.Module:
+    import torchvision  # imported lazily: only this model needs it
+    return torchvision.models.resnet18()  # no weights
+
+
+def _transformer_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128)
+    return nn.TransformerEncoder(layer, num_layers=3)
+
+
+MODELS = {
+    "resnet18": _resnet18,
+    "transformer_encoder": _transformer_encoder,
+    "tied_lm": TiedLM,
+}
+
+
+def build_model(name: str) -> nn.Module:
+    if name not in MODELS:
+        sys.exit(f"plan_oracle: unknown model {name!r}; known: {sorted(MODELS)}")
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def total_numel(model: nn.Module) -> int:
+    # parameters() already dedups shared parameters by identity.
+    return sum(p.numel() for p in model.parameters())
+
+
+def cmd_make_models(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    manifest = {}
+    for name in MODELS:
+        model = build_model(name)
+        with warnings.catch_warnings():  # scripting TransformerEncoder is noisy
+            warnings.simplefilter("ignore")
+            scripted = torch.jit.script(model)
+        path = os.path.join(out_dir, name + ".pt")
+        scripted.save(path)
+        manifest[name] = {"path": path, "total_numel": total_numel(model)}
+        print(f"saved {path}", file=sys.stderr)
+    # Not needed by the oracle (it rebuilds from MODELS) but handy to inspect.
+    with open(os.path.join(out_dir, "models.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------
+# The seed wrap.py, exec'd as a module.
+# --------------------------------------------------------------------------
+
+
+def seed_wrap_path() -> str:
+    env = os.environ.get("FSDP_SEED_WRAP_PY")
+    if env:
+        return env
+    # <repo root>/../shared/seeds/..., repo root = parent of tests/. Under
+    # Bazel this script is a runfiles symlink, so also try its real location.
+    rel = os.path.join("..", "shared", "seeds", "001_355b10becd97f4d2.txt")
+    candidates = []
+    for here in (os.path.abspath(__file__), os.path.realpath(__file__)):
+        repo_root = os.path.dirname(os.path.dirname(here))
+        candidates.append(os.path.normpath(os.path.join(repo_root, rel)))
+    for c in candidates:
+        if os.path.isfile(c):
+            return c
+    sys.exit(f"plan_oracle: seed wrap.py not found (tried {candidates}); "
+             "set FSDP_SEED_WRAP_PY")
+
+
+BARE_PATH = re.compile(r"^\s*[\w.-]+(/[\w.-]+)+\s*$")
+
+
+def load_seed_wrap() -> types.ModuleType:
+    path = seed_wrap_path()
+    with open(path) as f:
+        lines = f.read().splitlines(keepends=True)
+    # The seed file starts with a bare path line ("torch/distributed/fsdp/
+    # wrap.py") that is not meant as Python (it even parses, as divisions),
+    # so drop leading bare-path and blank lines before compiling.
+    dropped = 0
+    while dropped < len(lines) and (not lines[dropped].strip()
+                                    or BARE_PATH.match(lines[dropped])):
+        dropped += 1
+    # Keep blank lines in their place so tracebacks show the file's numbering.
+    code = compile("\n" * dropped + "".join(lines[dropped:]), path, "exec")
+    module = types.ModuleType("seed_fsdp_wrap")
+    module.__file__ = path
+    # dataclasses looks the defining module up in sys.modules.
+    sys.modules[module.__name__] = module
+    exec(code, module.__dict__)
+    return module
+
+
+# --------------------------------------------------------------------------
+# Emulating FSDP's construction.
+# --------------------------------------------------------------------------
+
+WRAPPED = "_fsdp_wrapped_module"
+
+
+class Wrapper(nn.Module):
+    """Stand-in for FullyShardedDataParallel; records creation order."""
+
+    created = []  # all Wrapper instances, in creation order
+
+    def __init__(self, module: nn.Module, **kwargs):
+        super().__init__()
+        setattr(self, WRAPPED, module)
+        Wrapper.created.append(self)
+
+
+def clean_fqn(name: str) -> str:
+    """FQN in the wrapped tree -> FQN in the unwrapped model."""
+    return ".".join(s for s in name.split(".") if s and s != WRAPPED)
+
+
+def resolve_class(path: str) -> type:
+    """'pkg.mod.Class' (or 'pkg.mod.Outer.Inner') -> the class object."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # longest importable module prefix
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        if isinstance(obj, type):
+            return obj
+        break
+    sys.exit(f"plan_oracle: cannot resolve class {path!r}")
+
+
+def make_policy(seed, args):
+    if args.policy == "always":
+        return seed.always_wrap_policy
+    if args.policy == "size":
+        return functools.partial(seed.size_based_auto_wrap_policy,
+                                 min_num_params=args.min_num_params)
+    if args.policy == "transformer":
+        if not args.layer_cls:
+            sys.exit("plan_oracle: --policy=transformer needs --layer_cls")
+        classes = {resolve_class(c) for c in args.layer_cls}
+        return functools.partial(seed.transformer_auto_wrap_policy,
+                                 transformer_layer_cls=classes)
+    sys.exit(f"plan_oracle: unknown policy {args.policy!r}")
+
+
+def plan(seed, model: nn.Module, policy, world_size: int) -> dict:
+    """Wrap `model` like FSDP does and describe the resulting units."""
+    orig_names = {id(m): n for n, m in model.named_modules()}
+    total = total_numel(model)
+
+    # FSDP.__init__: wrap the children per the policy, then the root, always.
+    Wrapper.created = []
+    seed._recursive_wrap(model, policy, wrapper_cls=Wrapper,
+                         ignored_modules=set(), ignored_params=set(),
+                         only_wrap_children=True)
+    root = Wrapper(model)
+
+    # Each unit flattens the not-yet-claimed params of its subtree; units are
+    # processed in creation order (post-order, root last), so a shared
+    # parameter goes to the first unit created that contains it.
+    claimed = set()
+    numel = {}
+    for unit in Wrapper.created:
+        n = 0
+        for p in unit.parameters():
+            if id(p) not in claimed:
+                claimed.add(id(p))
+                n += p.numel()
+        numel[id(unit)] = n
+    assert sum(numel.values()) == total, "units must cover every parameter"
+
+    # Report units in pre-order of the tree (same as the original tree's).
+    units = []
+    for name, m in root.named_modules():
+        if not isinstance(m, Wrapper):
+            continue
+        fqn = clean_fqn(name)
+        # Cross-check the name against the unwrapped model's module names.
+        assert fqn == orig_names[id(getattr(m, WRAPPED))], (fqn, name)
+        n = numel[id(m)]
+        shard = -(-n // world_size)  # ceil
+        units.append({"fqn": fqn, "numel": n, "shard_numel": shard,
+                      "padding": shard * world_size - n})
+    assert len(units) == len(Wrapper.created)
+    return {"total_numel": total, "units": units}
+
+
+def cmd_oracle(args) -> None:
+    if args.world_size < 1:
+        sys.exit("plan_oracle: --world_size must be >= 1")
+    seed = load_seed_wrap()
+    policy = make_policy(seed, args)
+    model = build_model(args.model)
+    json.dump(plan(seed, model, policy, args.world_size), sys.stdout)
+    sys.stdout.write("\n")
+
+
+def cmd_selfcheck() -> None:
+    """Check the exec'd seed + FSDP emulation on a hand-computed example."""
+    seed = load_seed_wrap()
+
+    def tiny():
+        return nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5),
+                             nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)))
+
+    def check(policy, expected):
+        got = [(u["fqn"], u["numel"]) for u in plan(seed, tiny(), policy, 1)["units"]]
+        if got != expected:
+            sys.exit(f"plan_oracle selfcheck FAILED: got {got}, want {expected}")
+
+    # Each Linear(5, 5) has 30 params. With min 40, only "2" (60) is wrapped.
+    check(functools.partial(seed.size_based_auto_wrap_policy, min_num_params=40),
+          [("", 60), ("2", 60)])
+    check(seed.always_wrap_policy,
+          [("", 0), ("0", 30), ("1", 30), ("2", 0), ("2.0", 30), ("2.1", 30)])
+    print("selfcheck ok")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-models", help="script and save the models")
+    mk.add_argument("out_dir")
+    orc = sub.add_parser("oracle", help="print the seed's wrap plan as JSON")
+    orc.add_argument("--model", required=True, choices=sorted(MODELS))
+    orc.add_argument("--policy", required=True,
+                     choices=["size", "always", "transformer"])
+    orc.add_argument("--min_num_params", type=int, default=int(1e8))
+    # Repeatable and/or comma-separated, like fsdp_plan's --layer_cls.
+    orc.add_argument("--layer_cls", nargs="+", action="extend", default=[],
+                     type=lambda s: [c for c in s.split(",") if c])
+    orc.add_argument("--world_size", type=int, default=1)
+    sub.add_parser("selfcheck")
+    args = parser.parse_args()
+
+    if args.cmd == "make-models":
+        cmd_make_models(args.out_dir)
+    elif args.cmd == "oracle":
+        args.layer_cls = [c for group in args.layer_cls for c in group]
+        cmd_oracle(args)
+    else:
+        cmd_selfcheck()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Compares the C++ wrap planner (fsdp_plan) against PyTorch's own
+# _recursive_wrap (tests/plan_oracle.py) on real architectures.
+#
+# Usage: plan_oracle_test.sh PATH/TO/fsdp_plan
+# Runs as a Bazel sh_test (uses $TEST_TMPDIR) or by hand.
+set -euo pipefail
+
+PY=/usr/bin/python3  # Debian's python with torch; the pyenv one has none
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ORACLE="$HERE/plan_oracle.py"
+LAYER=torch.nn.modules.transformer.TransformerEncoderLayer
+
+die() { echo "ERROR: $*" >&2; exit 1; }
+
+[[ $# -eq 1 ]] || die "usage: $0 PATH/TO/fsdp_plan"
+PLAN="$1"
+[[ -x "$PY" ]] || die "$PY not found"
+[[ -f "$ORACLE" ]] || die "$ORACLE not found"
+[[ -f "$PLAN" && -x "$PLAN" ]] || die "fsdp_plan binary '$PLAN' is not executable"
+
+if [[ -n "${TEST_TMPDIR:-}" ]]; then
+  TMP="$TEST_TMPDIR/plan_oracle"
+  mkdir -p "$TMP"
+else
+  TMP="$(mktemp -d)"
+  trap 'rm -rf "$TMP"' EXIT
+fi
+
+# The oracle must be right on a hand-computed example before we trust it.
+"$PY" "$ORACLE" selfcheck || die "plan_oracle.py selfcheck failed"
+"$PY" "$ORACLE" make-models "$TMP" || die "model creation failed"
+
+# One case a line: NAME MODEL WORLD_SIZE POLICY-FLAGS...
+# The policy flags are passed unchanged to both fsdp_plan and the oracle.
+CASES=(
+  "resnet18_size_1e5_w8            resnet18            8 --policy=size --min_num_params=100000"
+  "resnet18_size_1e6_w3            resnet18            3 --policy=size --min_num_params=1000000"
+  "resnet18_size_0_w1              resnet18            1 --policy=size --min_num_params=0"
+  "resnet18_size_1e8_w3            resnet18            3 --policy=size --min_num_params=100000000"
+  "resnet18_always_w2              resnet18            2 --policy=always"
+  "encoder_size_1e4_w2             transformer_encoder 2 --policy=size --min_num_params=10000"
+  "encoder_size_1e5_w3             transformer_encoder 3 --policy=size --min_num_params=100000"
+  "encoder_transformer_w8          transformer_encoder 8 --policy=transformer --layer_cls=$LAYER"
+  "encoder_always_w3               transformer_encoder 3 --policy=always"
+  "tied_lm_transformer_w2          tied_lm             2 --policy=transformer --layer_cls=$LAYER"
+  "tied_lm_size_1e3_w3             tied_lm             3 --policy=size --min_num_params=1000"
+  "tied_lm_always_w8               tied_lm             8 --policy=always"
+)
+
+# Compares total_numel and units (fqn, numel, shard_numel, padding, in
+# order); other keys (e.g. per_rank) are ignored. argv: CASE ORACLE PLAN.
+COMPARE='
+import difflib, json, sys
+case, oracle_path, plan_path = sys.argv[1:]
+def lines(path):
+    with open(path) as f:
+        d = json.load(f)
+    out = ["total_numel %s" % d.get("total_numel")]
+    for u in d.get("units", []):
+        out.append("unit %-32r numel=%s shard_numel=%s padding=%s" % (
+            u.get("fqn"), u.get("numel"), u.get("shard_numel"), u.get("padding")))
+    return out
+want = lines(oracle_path)
+try:
+    got = lines(plan_path)
+except (ValueError, AttributeError) as e:
+    sys.exit("  fsdp_plan output is not the expected JSON: %s" % e)
+if want != got:
+    for l in difflib.unified_diff(want, got, "oracle", "fsdp_plan", lineterm="", n=2):
+        print("  " + l)
+    sys.exit(1)
+'
+
+passed=0
+failed=0
+for line in "${CASES[@]}"; do
+  read -r name model ws flags <<<"$line"
+  read -r -a flags <<<"$flags"
+  out="$TMP/$name"
+  if ! "$PY" "$ORACLE" oracle --model="$model" --world_size="$ws" "${flags[@]}" \
+      >"$out.oracle.json" 2>"$out.oracle.err"; then
+    echo "FAIL $name (oracle failed)"; sed 's/^/  /' "$out.oracle.err"
+    failed=$((failed + 1)); continue
+  fi
+  plan_cmd=("$PLAN" --model="$TMP/$model.pt" --world_size="$ws" --format=json "${flags[@]}")
+  if ! "${plan_cmd[@]}" >"$out.plan.json" 2>"$out.plan.err"; then
+    echo "FAIL $name (fsdp_plan failed): ${plan_cmd[*]}"; sed 's/^/  /' "$out.plan.err"
+    failed=$((failed + 1)); continue
+  fi
+  if diff_text="$("$PY" -c "$COMPARE" "$name" "$out.oracle.json" "$out.plan.json" 2>&1)"; then
+    echo "ok $name"
+    passed=$((passed + 1))
+  else
+    echo "FAIL $name: ${plan_cmd[*]}"; echo "$diff_text"
+    failed=$((failed + 1))
+  fi
+done
+
+echo "$passed passed, $failed failed"
+[[ $failed -eq 0 ]]

@@ -1,0 +1,150 @@
+// fsdp_plan: which FSDP units a policy makes of a real model, and what each sharding
+// strategy would cost per rank.
+//
+//   fsdp_plan --model=resnet18.pt --policy=size --min_num_params=1000000 --world_size=8
+//   fsdp_plan --model=gpt.pt --policy=transformer --format=json
+//       --layer_cls=torch.nn.modules.transformer.TransformerEncoderLayer
+//
+// The model is a TorchScript file (torch.jit.script(model).save(path) in PyTorch). Bad
+// input prints one line on stderr and exits with status 2.
+#include <cstdlib>
+#include <iostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "fsdp/wrap/module_tree.h"
+#include "fsdp/wrap/plan.h"
+#include "fsdp/wrap/policy.h"
+#include "fsdp/wrap/torchscript_tree.h"
+#include "tools/plan_report.h"
+#include <c10/util/Exception.h>
+
+ABSL_FLAG(std::string, model, "", "TorchScript file of the model (required)");
+ABSL_FLAG(std::string, policy, "size", "auto-wrap policy: size, always or transformer");
+ABSL_FLAG(int64_t, min_num_params, 100000000,
+          "size policy: a module is large iff its unwrapped numel >= this (elements)");
+ABSL_FLAG(std::vector<std::string>, layer_cls, {},
+          "transformer policy: Python class paths of the layers to wrap, comma-separated");
+ABSL_FLAG(std::vector<std::string>, force_leaf, {},
+          "size policy: class paths never recursed into (default: MultiheadAttention)");
+ABSL_FLAG(std::vector<std::string>, exclude, {},
+          "size policy: class paths never wrapped (default: ModuleList, ModuleDict)");
+ABSL_FLAG(std::vector<std::string>, ignored_modules, {},
+          "FQNs of modules FSDP leaves alone, comma-separated");
+ABSL_FLAG(int64_t, world_size, 1, "number of ranks to shard over (>= 1)");
+ABSL_FLAG(std::string, format, "table", "output: table or json");
+
+namespace {
+
+using fsdp::ModuleTree;
+using fsdp::ModuleType;
+
+// Bad input: one line on stderr, status 2.
+[[noreturn]] void fail(const std::string& message) {
+  std::cerr << "fsdp_plan: " << message << "\n";
+  std::exit(2);
+}
+
+// Class paths must name a type in the model or a torch.nn type: catches typos that would
+// otherwise silently match nothing.
+std::vector<ModuleType> class_paths(const ModuleTree& tree, const std::string& flag,
+                                    const std::vector<std::string>& paths) {
+  std::set<std::string> present;
+  for (const fsdp::ModuleNode& node : tree.nodes()) present.insert(node.type_name);
+  std::vector<ModuleType> types;
+  for (const std::string& path : paths) {
+    if (present.count(path) == 0 && !fsdp::is_known_torch_class_path(path)) {
+      fail(absl::StrCat("unknown class path '", path, "' in --", flag,
+                        ": not a torch.nn module type and no module of the model has it; "
+                        "the model's types are: ",
+                        absl::StrJoin(present, ", ")));
+    }
+    types.push_back(ModuleType::named(path));
+  }
+  return types;
+}
+
+fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
+  const std::string policy = absl::GetFlag(FLAGS_policy);
+  if (policy == "always") return fsdp::always_wrap_policy();
+  if (policy == "transformer") {
+    if (absl::GetFlag(FLAGS_layer_cls).empty()) {
+      fail("--policy=transformer needs --layer_cls=PY.CLASS.PATH[,...]");
+    }
+    return fsdp::transformer_auto_wrap_policy(
+        class_paths(tree, "layer_cls", absl::GetFlag(FLAGS_layer_cls)));
+  }
+  if (policy == "size") {
+    const int64_t min_num_params = absl::GetFlag(FLAGS_min_num_params);
+    if (min_num_params < 0) {
+      fail(absl::StrCat("--min_num_params must be >= 0, got ", min_num_params));
+    }
+    fsdp::SizeBasedPolicyOptions options;
+    options.min_num_params(min_num_params);
+    if (!absl::GetFlag(FLAGS_force_leaf).empty()) {
+      options.force_leaf_modules(class_paths(tree, "force_leaf", absl::GetFlag(FLAGS_force_leaf)));
+    }
+    if (!absl::GetFlag(FLAGS_exclude).empty()) {
+      options.exclude_wrap_modules(class_paths(tree, "exclude", absl::GetFlag(FLAGS_exclude)));
+    }
+    return fsdp::size_based_auto_wrap_policy(options);
+  }
+  fail(absl::StrCat("unknown --policy '", policy, "': expected size, always or transformer"));
+}
+
+int run() {
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) fail("--model=FILE.pt is required (a TorchScript file)");
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format != "table" && format != "json") {
+    fail(absl::StrCat("unknown --format '", format, "': expected table or json"));
+  }
+  const int64_t world_size = absl::GetFlag(FLAGS_world_size);
+  if (world_size < 1) fail(absl::StrCat("--world_size must be >= 1, got ", world_size));
+
+  const ModuleTree tree = fsdp::load_torchscript_tree(model);
+  const fsdp::AutoWrapPolicy policy = make_policy(tree);
+  fsdp::WrapPlanOptions options;
+  for (const std::string& fqn : absl::GetFlag(FLAGS_ignored_modules)) {
+    const int index = tree.find(fqn);
+    if (index < 0) fail(absl::StrCat("--ignored_modules: no module '", fqn, "' in ", model));
+    options.ignored_modules().push_back(index);
+  }
+  const fsdp::tools::PlanReport report =
+      fsdp::tools::make_report(fsdp::plan_fsdp_units(tree, policy, options), world_size);
+  if (format == "json") {
+    std::cout << fsdp::tools::to_json(report);
+  } else {
+    std::cout << fsdp::tools::to_table(
+        report, absl::StrCat(model, " (", tree.node(0).type_name, "), policy ",
+                             absl::GetFlag(FLAGS_policy)));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Plans FSDP units for a TorchScript model.\n"
+      "  fsdp_plan --model=FILE.pt --policy=size|always|transformer [--min_num_params=N]\n"
+      "            [--layer_cls=PY.CLASS.PATH,...] [--force_leaf=...] [--exclude=...]\n"
+      "            [--ignored_modules=FQN,...] [--world_size=W] [--format=table|json]");
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    fail(absl::StrCat("unexpected argument '", positional[1], "'; see --help"));
+  }
+  try {
+    return run();
+  } catch (const c10::Error& e) {
+    fail(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+}

@@ -32,11 +32,18 @@ def fsdp_cc_test(name, copts = [], deps = [], env = {}, **kwargs):
         **kwargs
     )
 
-def fsdp_cc_benchmark(name, copts = [], deps = [], **kwargs):
-    """A Google Benchmark binary (run it with bazel run -c opt)."""
+def fsdp_cc_benchmark(name, copts = [], deps = [], custom_main = False, **kwargs):
+    """A Google Benchmark binary (run it with bazel run -c opt).
+
+    With custom_main, the sources define main() (e.g. to compare with a reference run
+    after the benchmarks); otherwise Google Benchmark's main is linked in.
+    """
+    main_dep = "@com_github_google_benchmark//:benchmark"
+    if not custom_main:
+        main_dep = "@com_github_google_benchmark//:benchmark_main"
     cc_binary(
         name = name,
         copts = FSDP_COPTS + copts,
-        deps = deps + ["@com_github_google_benchmark//:benchmark_main"],
+        deps = deps + [main_dep],
         **kwargs
     )

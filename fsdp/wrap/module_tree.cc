@@ -115,7 +115,13 @@ int ModuleTree::add_child(int parent, std::string name, std::string type_name) {
 
 void ModuleTree::add_param(int node, std::string name, const void* key, int64_t numel) {
   TORCH_CHECK(node >= 0 && node < size(), "ModuleTree::add_param: no node ", node);
-  nodes_[node].params.push_back({std::move(name), key, numel});
+  auto [it, first] = slot_of_.try_emplace(key, num_param_slots());
+  nodes_[node].params.push_back({std::move(name), key, numel, it->second});
+}
+
+int ModuleTree::slot_of(const void* key) const {
+  auto it = slot_of_.find(key);
+  return it == slot_of_.end() ? -1 : it->second;
 }
 
 int ModuleTree::find(absl::string_view fqn) const {

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
 #include <torch/nn/module.h>
 
@@ -30,9 +31,10 @@ namespace fsdp {
 
 // One parameter registered directly on a module.
 struct ParamEntry {
-  std::string name;     // local name, e.g. "weight"
-  const void* key;      // identity: equal keys are the same (shared) parameter
-  int64_t numel;        // number of elements
+  std::string name;  // local name, e.g. "weight"
+  const void* key;   // identity: equal keys are the same (shared) parameter
+  int64_t numel;     // number of elements
+  int slot;          // dense index of the distinct parameter, in first-added order
 };
 
 // One module of the tree. Nodes are stored in pre-order; node 0 is the root.
@@ -66,6 +68,10 @@ class ModuleTree {
   void add_param(int node, std::string name, const void* key, int64_t numel);
 
   int size() const { return static_cast<int>(nodes_.size()); }
+  // Number of distinct parameters (slots); shared parameters count once.
+  int num_param_slots() const { return static_cast<int>(slot_of_.size()); }
+  // Slot of the parameter with this key, or -1 if the tree has no such parameter.
+  int slot_of(const void* key) const;
   const ModuleNode& node(int index) const { return nodes_[index]; }
   const std::vector<ModuleNode>& nodes() const { return nodes_; }
 
@@ -75,6 +81,7 @@ class ModuleTree {
  private:
   std::vector<ModuleNode> nodes_;
   std::vector<int> path_;  // indices from the root to the last added node
+  absl::flat_hash_map<const void*, int> slot_of_;
 };
 
 // Python class path of a C++ frontend module type name, e.g. "torch::nn::LinearImpl" ->

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -16,13 +14,14 @@ namespace {
 // every occurrence of a parameter adds its numel at its node, and every later occurrence
 // (in pre-order) also subtracts it at the lowest common ancestor with the previous one,
 // so a subtree sum counts a shared parameter exactly once (the usual distinct-count trick
-// on trees). The decisions are then replayed with an explicit stack, calling the policy
-// in the seed's order, and the same numbers reach it.
+// on trees). Parameter identity was resolved when the ModuleTree was built (dense slots),
+// so planning needs no hashing. The decisions are then replayed with an explicit stack,
+// calling the policy in the seed's order, and the same numbers reach it.
 
 struct TreeFacts {
-  std::vector<bool> ignored;          // node is in an ignored subtree
-  absl::flat_hash_set<const void*> ignored_params;
-  std::vector<int> subtree_end;       // descendants of i are (i, subtree_end[i])
+  std::vector<bool> ignored;           // node is in an ignored subtree
+  std::vector<bool> ignored_slot;      // parameter slot is ignored
+  std::vector<int> subtree_end;        // descendants of i are (i, subtree_end[i])
   std::vector<int64_t> subtree_numel;  // distinct non-ignored parameters below (and at) i
 };
 
@@ -45,30 +44,28 @@ TreeFacts collect_facts(const ModuleTree& tree, const WrapPlanOptions& options) 
                 " is outside the tree of ", n, " modules");
     facts.ignored[index] = true;
   }
-  facts.ignored_params.insert(options.ignored_params().begin(),
-                              options.ignored_params().end());
-  for (int i = 1; i < n; ++i) {
-    if (facts.ignored[tree.node(i).parent]) facts.ignored[i] = true;
+  facts.ignored_slot.assign(tree.num_param_slots(), false);
+  for (const void* key : options.ignored_params()) {
+    const int slot = tree.slot_of(key);
+    if (slot >= 0) facts.ignored_slot[slot] = true;
   }
   for (int i = 0; i < n; ++i) {
+    if (i > 0 && facts.ignored[tree.node(i).parent]) facts.ignored[i] = true;
     if (!facts.ignored[i]) continue;
-    for (const ParamEntry& param : tree.node(i).params) {
-      facts.ignored_params.insert(param.key);
-    }
+    for (const ParamEntry& param : tree.node(i).params) facts.ignored_slot[param.slot] = true;
   }
 
   facts.subtree_numel.assign(n, 0);
-  absl::flat_hash_map<const void*, int> last_seen;  // parameter -> last node holding it
+  std::vector<int> last_node(tree.num_param_slots(), -1);  // last node holding each slot
   for (int i = 0; i < n; ++i) {
-    if (facts.ignored[i]) continue;
     for (const ParamEntry& param : tree.node(i).params) {
-      if (facts.ignored_params.contains(param.key)) continue;
+      if (facts.ignored_slot[param.slot]) continue;
       facts.subtree_numel[i] += param.numel;
-      auto [it, first] = last_seen.try_emplace(param.key, i);
-      if (!first) {
-        facts.subtree_numel[lowest_common_ancestor(tree, it->second, i)] -= param.numel;
-        it->second = i;
+      int& last = last_node[param.slot];
+      if (last >= 0) {
+        facts.subtree_numel[lowest_common_ancestor(tree, last, i)] -= param.numel;
       }
+      last = i;
     }
   }
   facts.subtree_end.resize(n);
@@ -90,46 +87,46 @@ void check_not_wrapped(const ModuleTree& tree, const TreeFacts& facts) {
   }
 }
 
-// Replays the seed's recursion; returns is_unit per node and the root's return value.
+// Replays the seed's recursion as one scan in pre-order: a module is entered (recurse?)
+// when the scan reaches it and left (wrap?) when the scan passes its subtree; a subtree
+// the policy does not recurse into is skipped whole. Returns is_unit per node.
 std::vector<bool> decide_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
                                const TreeFacts& facts, bool only_wrap_children,
                                int64_t* root_wrapped_numel,
                                std::vector<int64_t>* remainder) {
   const int n = tree.size();
   std::vector<bool> is_unit(n, false);
-  std::vector<int64_t> returned(n, 0);  // the seed's second return value per module
-  struct Frame {
-    int node;
-    bool children_done;
-  };
-  std::vector<Frame> stack = {{0, false}};
-  while (!stack.empty()) {
-    const Frame frame = stack.back();
-    stack.pop_back();
-    const ModuleNode& node = tree.node(frame.node);
-    if (!frame.children_done) {
-      if (!policy(node, /*recurse=*/true, facts.subtree_numel[node.index])) continue;
-      stack.push_back({node.index, true});
-      for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) {
-        if (!facts.ignored[*it]) stack.push_back({*it, false});
-      }
-      continue;
+  std::vector<int64_t> wrapped_below(n, 0);  // sum of the children's return values
+  *root_wrapped_numel = 0;
+  auto leave = [&](int v) {
+    const int64_t rest = facts.subtree_numel[v] - wrapped_below[v];
+    const bool may_wrap = !(only_wrap_children && v == 0);
+    int64_t returned = wrapped_below[v];  // the seed's second return value
+    if (may_wrap && policy(tree.node(v), /*recurse=*/false, rest)) {
+      is_unit[v] = true;
+      (*remainder)[v] = rest;
+      returned = facts.subtree_numel[v];
     }
-    int64_t total_wrapped = 0;
-    for (int child : node.children) {
-      if (!facts.ignored[child]) total_wrapped += returned[child];
-    }
-    const int64_t rest = facts.subtree_numel[node.index] - total_wrapped;
-    const bool may_wrap = !(only_wrap_children && node.index == 0);
-    if (may_wrap && policy(node, /*recurse=*/false, rest)) {
-      is_unit[node.index] = true;
-      (*remainder)[node.index] = rest;
-      returned[node.index] = facts.subtree_numel[node.index];
+    if (v == 0) {
+      *root_wrapped_numel = returned;
     } else {
-      returned[node.index] = total_wrapped;
+      wrapped_below[tree.node(v).parent] += returned;
+    }
+  };
+  std::vector<int> open;  // entered modules whose subtree the scan has not passed yet
+  int i = 0;
+  while (i < n) {
+    while (!open.empty() && i >= facts.subtree_end[open.back()]) {
+      leave(open.back());
+      open.pop_back();
+    }
+    if (!facts.ignored[i] && policy(tree.node(i), /*recurse=*/true, facts.subtree_numel[i])) {
+      open.push_back(i++);
+    } else {
+      i = facts.subtree_end[i];  // not recursed into: returns 0, children never offered
     }
   }
-  *root_wrapped_numel = returned[0];
+  for (auto it = open.rbegin(); it != open.rend(); ++it) leave(*it);
   return is_unit;
 }
 
@@ -148,18 +145,20 @@ std::vector<int64_t> owned_numels(const ModuleTree& tree, const TreeFacts& facts
     if (b < a && a < facts.subtree_end[b]) return true;   // b encloses a
     return a < b;
   };
-  absl::flat_hash_map<const void*, std::pair<int, int64_t>> owner;  // key -> (unit, numel)
+  std::vector<int> owner(tree.num_param_slots(), -1);  // slot -> unit node
+  std::vector<int64_t> slot_numel(tree.num_param_slots(), 0);
   for (int i = 0; i < n; ++i) {
-    if (facts.ignored[i] || unit_of[i] < 0) continue;
+    if (unit_of[i] < 0) continue;
     for (const ParamEntry& param : tree.node(i).params) {
-      if (facts.ignored_params.contains(param.key)) continue;
-      auto [it, first] = owner.try_emplace(param.key, unit_of[i], param.numel);
-      if (!first && wraps_first(unit_of[i], it->second.first)) it->second.first = unit_of[i];
+      if (facts.ignored_slot[param.slot]) continue;
+      int& unit = owner[param.slot];
+      if (unit < 0 || wraps_first(unit_of[i], unit)) unit = unit_of[i];
+      slot_numel[param.slot] = param.numel;
     }
   }
   std::vector<int64_t> owned(n, 0);
-  for (const auto& [key, unit_and_numel] : owner) {
-    owned[unit_and_numel.first] += unit_and_numel.second;
+  for (size_t slot = 0; slot < owner.size(); ++slot) {
+    if (owner[slot] >= 0) owned[owner[slot]] += slot_numel[slot];
   }
   return owned;
 }

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# fsdp_plan's command line: a good run prints the plan; each kind of bad input prints
+# exactly one line on stderr ("fsdp_plan: ...") and exits with status 2.
+#   fsdp_plan_cli_test.sh PATH/TO/fsdp_plan
+set -uo pipefail
+
+plan=${1:?usage: fsdp_plan_cli_test.sh PATH/TO/fsdp_plan}
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+passed=0
+failed=0
+
+/usr/bin/python3 - "$tmp/model.pt" <<'PY' || { echo "cannot create the test model"; exit 1; }
+import sys, torch
+model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 2))
+torch.jit.script(model).save(sys.argv[1])
+PY
+echo "not a zip" > "$tmp/corrupt.pt"
+head -c 300 "$tmp/model.pt" > "$tmp/truncated.pt"
+
+# expect_error NAME EXPECTED_SUBSTRING ARGS...
+expect_error() {
+  local name=$1 expected=$2
+  shift 2
+  local err rc
+  err=$("$plan" "$@" 2>&1 >/dev/null)
+  rc=$?
+  if [[ $rc -eq 2 && $(wc -l <<<"$err") -eq 1 && "$err" == "fsdp_plan: "*"$expected"* ]]; then
+    echo "ok $name"
+    passed=$((passed + 1))
+  else
+    echo "FAIL $name: status $rc, stderr:"
+    echo "$err" | head -5
+    failed=$((failed + 1))
+  fi
+}
+
+expect_error missing_model "--model=FILE.pt is required"
+expect_error missing_file "cannot open '$tmp/nope.pt'" --model="$tmp/nope.pt"
+expect_error corrupt_file "is not a readable TorchScript archive" --model="$tmp/corrupt.pt"
+expect_error truncated_file "is not a readable TorchScript archive" --model="$tmp/truncated.pt"
+expect_error unknown_policy "unknown --policy 'biggest'" --model="$tmp/model.pt" --policy=biggest
+expect_error negative_threshold "--min_num_params must be >= 0, got -5" \
+  --model="$tmp/model.pt" --min_num_params=-5
+expect_error unknown_class "unknown class path 'torch.nn.modules.linear.Linearr'" \
+  --model="$tmp/model.pt" --policy=transformer --layer_cls=torch.nn.modules.linear.Linearr
+expect_error transformer_without_layers "needs --layer_cls" --model="$tmp/model.pt" \
+  --policy=transformer
+expect_error bad_world_size "--world_size must be >= 1, got 0" --model="$tmp/model.pt" \
+  --world_size=0
+expect_error bad_format "unknown --format 'xml'" --model="$tmp/model.pt" --format=xml
+expect_error unknown_ignored "no module '7'" --model="$tmp/model.pt" --ignored_modules=7
+
+# A good run: Linear(10,10) = 110 elements becomes a unit at min 100; the root keeps 22.
+out=$("$plan" --model="$tmp/model.pt" --policy=size --min_num_params=100 --world_size=4 \
+  --format=json 2>&1)
+want='"units": [{"fqn": "", "numel": 22, "shard_numel": 6, "padding": 2}, {"fqn": "0", "numel": 110, "shard_numel": 28, "padding": 2}]'
+if [[ $? -eq 0 && "$out" == *"$want"* ]]; then
+  echo "ok good_run"
+  passed=$((passed + 1))
+else
+  echo "FAIL good_run: $out"
+  failed=$((failed + 1))
+fi
+
+echo "$passed passed, $failed failed"
+[[ $failed -eq 0 ]]

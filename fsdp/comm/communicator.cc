@@ -1,0 +1,265 @@
+#include "fsdp/comm/communicator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+const char* collective_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather:
+      return "all_gather_into_tensor";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter_tensor";
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+  }
+  return "unknown";
+}
+
+void TrafficCounters::record(CollectiveKind kind, int64_t bytes_sent, int64_t bytes_received) {
+  Slot& slot = slots_[static_cast<int>(kind)];
+  slot.calls.fetch_add(1, std::memory_order_relaxed);
+  slot.sent.fetch_add(bytes_sent, std::memory_order_relaxed);
+  slot.received.fetch_add(bytes_received, std::memory_order_relaxed);
+}
+
+CollectiveTraffic TrafficCounters::get(CollectiveKind kind) const {
+  const Slot& slot = slots_[static_cast<int>(kind)];
+  return {slot.calls.load(), slot.sent.load(), slot.received.load()};
+}
+
+CollectiveTraffic TrafficCounters::total() const {
+  CollectiveTraffic sum;
+  for (int k = 0; k < kNumCollectiveKinds; ++k) {
+    const CollectiveTraffic one = get(static_cast<CollectiveKind>(k));
+    sum.calls += one.calls;
+    sum.bytes_sent += one.bytes_sent;
+    sum.bytes_received += one.bytes_received;
+  }
+  return sum;
+}
+
+void TrafficCounters::reset() {
+  for (Slot& slot : slots_) {
+    slot.calls = 0;
+    slot.sent = 0;
+    slot.received = 0;
+  }
+}
+
+CommError::CommError(std::string collective, int64_t sequence, int rank, int peer,
+                     const std::string& detail)
+    : std::runtime_error(absl::StrCat(
+          collective, " #", sequence, " failed on rank ", rank,
+          peer >= 0 ? absl::StrCat(" (peer rank ", peer, ")") : std::string(), ": ", detail)),
+      collective_(std::move(collective)),
+      sequence_(sequence),
+      rank_(rank),
+      peer_(peer) {}
+
+CommBuffer CommBuffer::of(const at::Tensor& tensor, const char* what) {
+  TORCH_CHECK(tensor.defined(), what, ": expected a tensor, got an undefined one");
+  TORCH_CHECK(tensor.is_contiguous(), what, ": expected a contiguous tensor, got sizes ",
+              tensor.sizes(), " strides ", tensor.strides(), "; call .contiguous() first");
+  return {tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), tensor.device()};
+}
+
+std::string CommBuffer::describe() const {
+  return absl::StrCat("[", numel, "] ", c10::toString(dtype), " on ", device.str());
+}
+
+void Work::wait() { wait(default_timeout_); }
+
+bool is_supported_dtype(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+    case c10::kDouble:
+    case c10::kHalf:
+    case c10::kBFloat16:
+    case c10::kLong:
+    case c10::kInt:
+    case c10::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Communicator::Communicator(int rank, int world_size, std::chrono::milliseconds timeout)
+    : rank_(rank), world_size_(world_size), timeout_(timeout) {
+  TORCH_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ",
+              rank);
+  TORCH_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");
+}
+
+void Communicator::mark_broken(const CommError& error) {
+  std::lock_guard<std::mutex> lock(broken_mutex_);
+  if (!broken_) broken_ = error;
+}
+
+int64_t Communicator::begin_collective(CollectiveKind kind, int64_t bytes_sent,
+                                       int64_t bytes_received) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mutex_);
+    if (broken_) {
+      throw CommError(collective_name(kind), sequence_, rank_, broken_->peer(),
+                      absl::StrCat("the communicator is broken by an earlier failure: ",
+                                   broken_->what()));
+    }
+  }
+  counters_.record(kind, bytes_sent, bytes_received);
+  return sequence_++;
+}
+
+void Communicator::check_buffer(const char* collective, const CommBuffer& buffer) const {
+  TORCH_CHECK(is_supported_dtype(buffer.dtype), collective, ": unsupported dtype ",
+              c10::toString(buffer.dtype),
+              "; expected float32, float64, float16, bfloat16, int64, int32 or uint8");
+  TORCH_CHECK(supports_device(buffer.device), collective, ": the ", backend_name(),
+              " backend cannot move a buffer on ", buffer.device.str());
+  TORCH_CHECK(buffer.numel == 0 || buffer.data != nullptr, collective,
+              ": buffer has ", buffer.numel, " elements but a null data pointer");
+}
+
+namespace {
+
+void check_pair(const char* collective, const CommBuffer& output, const CommBuffer& input,
+                int64_t expected_output_numel, const char* rule) {
+  TORCH_CHECK(output.dtype == input.dtype && output.device == input.device, collective,
+              ": output and input must have the same dtype and device, got output ",
+              output.describe(), " and input ", input.describe());
+  TORCH_CHECK(output.numel == expected_output_numel, collective, ": ", rule, ", got output ",
+              output.describe(), " and input ", input.describe());
+}
+
+void check_op(const char* collective, ReduceOp op, c10::ScalarType dtype) {
+  TORCH_CHECK(op != ReduceOp::kAvg || c10::isFloatingType(dtype), collective,
+              ": ReduceOp::kAvg needs a floating-point dtype, got ", c10::toString(dtype),
+              "; use kSum and divide yourself");
+}
+
+}  // namespace
+
+WorkHandle Communicator::all_gather_into_tensor_async(const CommBuffer& output,
+                                                      const CommBuffer& input) {
+  const char* name = collective_name(CollectiveKind::kAllGather);
+  check_buffer(name, output);
+  check_buffer(name, input);
+  check_pair(name, output, input, input.numel * world_size_,
+             "output must hold world_size x input numel elements");
+  const int64_t bytes = (world_size_ - 1) * input.nbytes();
+  const int64_t sequence = begin_collective(CollectiveKind::kAllGather, bytes, bytes);
+  return do_all_gather(output, input, sequence);
+}
+
+WorkHandle Communicator::reduce_scatter_tensor_async(const CommBuffer& output,
+                                                     const CommBuffer& input, ReduceOp op) {
+  const char* name = collective_name(CollectiveKind::kReduceScatter);
+  check_buffer(name, output);
+  check_buffer(name, input);
+  TORCH_CHECK(input.numel == output.numel * world_size_ && output.dtype == input.dtype &&
+                  output.device == input.device,
+              name, ": input must hold world_size x output numel elements of the output's "
+              "dtype and device, got output ", output.describe(), " and input ",
+              input.describe());
+  check_op(name, op, input.dtype);
+  const int64_t bytes = (world_size_ - 1) * output.nbytes();
+  const int64_t sequence = begin_collective(CollectiveKind::kReduceScatter, bytes, bytes);
+  return do_reduce_scatter(output, input, op, sequence);
+}
+
+WorkHandle Communicator::all_reduce_async(const CommBuffer& tensor, ReduceOp op) {
+  const char* name = collective_name(CollectiveKind::kAllReduce);
+  check_buffer(name, tensor);
+  check_op(name, op, tensor.dtype);
+  const int64_t chunk = (tensor.numel + world_size_ - 1) / world_size_;
+  const int64_t bytes =
+      2 * (world_size_ - 1) * chunk * static_cast<int64_t>(c10::elementSize(tensor.dtype));
+  const int64_t sequence = begin_collective(CollectiveKind::kAllReduce, bytes, bytes);
+  return do_all_reduce(tensor, op, sequence);
+}
+
+WorkHandle Communicator::broadcast_async(const CommBuffer& tensor, int root) {
+  const char* name = collective_name(CollectiveKind::kBroadcast);
+  check_buffer(name, tensor);
+  TORCH_CHECK(root >= 0 && root < world_size_, name, ": root must be in [0, ", world_size_,
+              "), got ", root);
+  const bool is_root = rank_ == root;
+  const int64_t sent = is_root ? (world_size_ - 1) * tensor.nbytes() : 0;
+  const int64_t received = is_root ? 0 : tensor.nbytes();
+  const int64_t sequence = begin_collective(CollectiveKind::kBroadcast, sent, received);
+  return do_broadcast(tensor, root, sequence);
+}
+
+WorkHandle Communicator::barrier_async() {
+  return do_barrier(begin_collective(CollectiveKind::kBarrier, 0, 0));
+}
+
+// The tensor overloads: view, issue, and for the blocking ones wait with timeout().
+WorkHandle Communicator::all_gather_into_tensor_async(const at::Tensor& output,
+                                                      const at::Tensor& input) {
+  return all_gather_into_tensor_async(CommBuffer::of(output, "all_gather_into_tensor output"),
+                                      CommBuffer::of(input, "all_gather_into_tensor input"));
+}
+void Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
+  all_gather_into_tensor_async(output, input)->wait(timeout_);
+}
+WorkHandle Communicator::reduce_scatter_tensor_async(const at::Tensor& output,
+                                                     const at::Tensor& input, ReduceOp op) {
+  return reduce_scatter_tensor_async(CommBuffer::of(output, "reduce_scatter_tensor output"),
+                                     CommBuffer::of(input, "reduce_scatter_tensor input"), op);
+}
+void Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
+                                         ReduceOp op) {
+  reduce_scatter_tensor_async(output, input, op)->wait(timeout_);
+}
+WorkHandle Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
+  return all_reduce_async(CommBuffer::of(tensor, "all_reduce tensor"), op);
+}
+void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  all_reduce_async(tensor, op)->wait(timeout_);
+}
+WorkHandle Communicator::broadcast_async(const at::Tensor& tensor, int root) {
+  return broadcast_async(CommBuffer::of(tensor, "broadcast tensor"), root);
+}
+void Communicator::broadcast(const at::Tensor& tensor, int root) {
+  broadcast_async(tensor, root)->wait(timeout_);
+}
+void Communicator::barrier() { barrier_async()->wait(timeout_); }
+
+std::shared_ptr<Communicator> Communicator::new_subgroup(const std::vector<int>& ranks) {
+  TORCH_CHECK(!ranks.empty(), "new_subgroup: expected at least one rank");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < world_size_ && (i == 0 || ranks[i - 1] < ranks[i]),
+                "new_subgroup: expected distinct ascending ranks in [0, ", world_size_,
+                "), got [", absl::StrJoin(ranks, ", "), "]");
+  }
+  if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) return nullptr;
+  const int count = subgroups_made_[ranks]++;
+  return do_new_subgroup(ranks, absl::StrCat("group[", absl::StrJoin(ranks, ","), "]#", count));
+}
+
+HybridGroups Communicator::split_hybrid(int shard_group_size) {
+  TORCH_CHECK(shard_group_size >= 1 && world_size_ % shard_group_size == 0,
+              "split_hybrid: world_size ", world_size_,
+              " must be a multiple of the shard group size, got ", shard_group_size);
+  const int first = rank_ / shard_group_size * shard_group_size;
+  std::vector<int> shard, replicate;
+  for (int r = first; r < first + shard_group_size; ++r) shard.push_back(r);
+  for (int r = rank_ % shard_group_size; r < world_size_; r += shard_group_size) {
+    replicate.push_back(r);
+  }
+  return {new_subgroup(shard), new_subgroup(replicate)};
+}
+
+}  // namespace fsdp

@@ -1,0 +1,249 @@
+// The communicator: every byte fsdp moves between ranks goes through this interface.
+// fsdp/comm knows nothing of FSDP; backends (gloo.h, fake.h, nccl.h) only move bytes.
+//
+//   std::shared_ptr<fsdp::Communicator> comm = fsdp::init_from_environment();  // rendezvous.h
+//   at::Tensor shard = at::ones({5});
+//   at::Tensor full = at::empty({5 * comm->world_size()});
+//   comm->all_gather_into_tensor(full, shard);            // blocks
+//   fsdp::WorkHandle work = comm->reduce_scatter_tensor_async(shard, full, fsdp::ReduceOp::kAvg);
+//   work->wait();                                          // throws fsdp::CommError on failure
+//   comm->counters().get(fsdp::CollectiveKind::kAllGather).bytes_sent;  // 4 * 5 * (W - 1)
+//
+// Buffers. A collective takes CommBuffers: non-owning views of contiguous memory (a CPU
+// at::Tensor, or a raw device pointer for NCCL). The caller keeps the memory alive and
+// untouched until the work completes, as with c10d.
+//
+// Validation. Sizes, dtypes and devices are checked before any traffic; a mismatch
+// throws c10::Error naming the collective and both shapes. Backend failures (a peer gone,
+// a timeout, an NCCL error) throw CommError (see Note [Communication errors]).
+//
+// Ordering and threading. Every rank must issue the same collectives in the same order.
+// Works of one communicator complete in issue order. A communicator may be used from one
+// thread at a time; counters may be read from any thread.
+//
+// Traffic counters. Each collective adds what this rank sends and receives under the
+// algorithm the backends implement (ring or pairwise exchange; see CollectiveKind):
+// exact, and checked against the loopback interface's counters by the benchmarks.
+#ifndef FSDP_COMM_COMMUNICATOR_H_
+#define FSDP_COMM_COMMUNICATOR_H_
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+namespace fsdp {
+
+enum class ReduceOp {
+  kSum,
+  kAvg,  // sum / world_size; floating-point dtypes only
+};
+
+// Collective kinds, with the bytes one rank sends (and receives) for a call on W ranks:
+enum class CollectiveKind : int {
+  kAllGather = 0,     // (W - 1) x input bytes
+  kReduceScatter,     // (W - 1) x output bytes
+  kAllReduce,         // 2 (W - 1) x ceil(bytes / W) (reduce-scatter then all-gather)
+  kBroadcast,         // root sends W - 1 copies; every other rank receives one
+  kBarrier,           // 0 bytes
+};
+inline constexpr int kNumCollectiveKinds = 5;
+
+// "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "barrier".
+const char* collective_name(CollectiveKind kind);
+
+struct CollectiveTraffic {
+  int64_t calls = 0;
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+};
+
+// Per-kind call and byte counters of one communicator. Thread-safe.
+class TrafficCounters {
+ public:
+  void record(CollectiveKind kind, int64_t bytes_sent, int64_t bytes_received);
+  CollectiveTraffic get(CollectiveKind kind) const;
+  CollectiveTraffic total() const;  // all kinds summed
+  void reset();
+
+ private:
+  struct Slot {
+    std::atomic<int64_t> calls{0}, sent{0}, received{0};
+  };
+  std::array<Slot, kNumCollectiveKinds> slots_;
+};
+
+// Note [Communication errors]
+// Whatever the backend (a Gloo exception, an NCCL result code, a timeout, a fake
+// backend's injected failure), a failed collective surfaces as one CommError thrown from
+// Work::wait or the blocking call, and it says which collective (name and sequence
+// number on this communicator), which rank saw it, which peer is to blame when the
+// backend knows (-1 otherwise), and what the backend reported. After a CommError the
+// communicator is broken: every later call throws a CommError that repeats the first.
+class CommError : public std::runtime_error {
+ public:
+  CommError(std::string collective, int64_t sequence, int rank, int peer,
+            const std::string& detail);
+  const std::string& collective() const { return collective_; }
+  int64_t sequence() const { return sequence_; }
+  int rank() const { return rank_; }
+  int peer() const { return peer_; }  // -1: unknown
+
+ private:
+  std::string collective_;
+  int64_t sequence_;
+  int rank_;
+  int peer_;
+};
+
+// A non-owning view of contiguous memory holding `numel` elements of `dtype`.
+struct CommBuffer {
+  void* data = nullptr;
+  int64_t numel = 0;
+  c10::ScalarType dtype = c10::kFloat;
+  c10::Device device = c10::Device(c10::kCPU);
+
+  // A view of a contiguous tensor; throws c10::Error (naming `what`) if it is not
+  // contiguous or not defined.
+  static CommBuffer of(const at::Tensor& tensor, const char* what);
+  int64_t nbytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
+  std::string describe() const;  // e.g. "[10] Float on cpu"
+};
+
+// Handle to an issued collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective completed. Throws CommError if it failed or did not
+  // complete within `timeout` (the communicator's timeout() by default, see below).
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+  void wait();
+  virtual bool is_completed() = 0;
+
+ protected:
+  explicit Work(std::chrono::milliseconds default_timeout) : default_timeout_(default_timeout) {}
+
+ private:
+  std::chrono::milliseconds default_timeout_;
+};
+using WorkHandle = std::shared_ptr<Work>;
+
+// The two groups of hybrid sharding for this rank: parameters are sharded inside
+// `shard_group` (F consecutive ranks, e.g. one host) and replicated across
+// `replicate_group` (the ranks with the same index in the other shard groups).
+struct HybridGroups {
+  std::shared_ptr<class Communicator> shard_group;
+  std::shared_ptr<class Communicator> replicate_group;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  // Default deadline of blocking calls and Work::wait().
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  virtual std::string backend_name() const = 0;
+
+  // output: numel = world_size x input numel, rank r's input lands at r x input numel.
+  // Same dtype and device. PyTorch: dist.all_gather_into_tensor.
+  WorkHandle all_gather_into_tensor_async(const CommBuffer& output, const CommBuffer& input);
+  void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input);
+  WorkHandle all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input);
+
+  // input: numel = world_size x output numel; output = op over ranks of chunk `rank` of
+  // the inputs. Same dtype and device. PyTorch: dist.reduce_scatter_tensor.
+  WorkHandle reduce_scatter_tensor_async(const CommBuffer& output, const CommBuffer& input,
+                                         ReduceOp op = ReduceOp::kSum);
+  void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op = ReduceOp::kSum);
+  WorkHandle reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                         ReduceOp op = ReduceOp::kSum);
+
+  // In place: tensor = op over ranks of tensor. PyTorch: dist.all_reduce.
+  WorkHandle all_reduce_async(const CommBuffer& tensor, ReduceOp op = ReduceOp::kSum);
+  void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  WorkHandle all_reduce_async(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+
+  // In place: every rank's tensor = root's. 0 <= root < world_size. PyTorch:
+  // dist.broadcast.
+  WorkHandle broadcast_async(const CommBuffer& tensor, int root);
+  void broadcast(const at::Tensor& tensor, int root);
+  WorkHandle broadcast_async(const at::Tensor& tensor, int root);
+
+  // Returns when every rank has entered the barrier. PyTorch: dist.barrier.
+  WorkHandle barrier_async();
+  void barrier();
+
+  // A communicator over `ranks` (ascending, distinct, each in [0, world_size)), or nullptr
+  // on ranks not in the list. No traffic: only the members call it, each the same number
+  // of times for the same list. Rank i of the subgroup is ranks[i]. PyTorch:
+  // dist.new_group.
+  std::shared_ptr<Communicator> new_subgroup(const std::vector<int>& ranks);
+
+  // Hybrid sharding groups with `shard_group_size` F ranks per shard group; world_size
+  // must be a multiple of F. Every rank calls it. PyTorch: the process groups of
+  // ShardingStrategy.HYBRID_SHARD (_init_intra_and_inter_node_groups).
+  HybridGroups split_hybrid(int shard_group_size);
+
+  TrafficCounters& counters() { return counters_; }
+  const TrafficCounters& counters() const { return counters_; }
+
+ protected:
+  Communicator(int rank, int world_size, std::chrono::milliseconds timeout);
+
+  // Backends implement these; arguments are already validated. `sequence` numbers this
+  // communicator's collectives from 0, for error messages.
+  virtual WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
+                                   int64_t sequence) = 0;
+  virtual WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input,
+                                       ReduceOp op, int64_t sequence) = 0;
+  virtual WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op,
+                                   int64_t sequence) = 0;
+  virtual WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) = 0;
+  virtual WorkHandle do_barrier(int64_t sequence) = 0;
+  // `ranks` is validated and contains this rank; `tag` is equal on all members and
+  // distinct for every subgroup made from this communicator with this rank list.
+  virtual std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
+                                                        const std::string& tag) = 0;
+  // Devices this backend moves (checked for every buffer).
+  virtual bool supports_device(const c10::Device& device) const = 0;
+
+  // Records the first failure; from then on every new collective throws it again. Safe
+  // to call from any thread (a Work may fail while being waited on elsewhere).
+  void mark_broken(const CommError& error);
+
+ private:
+  int64_t begin_collective(CollectiveKind kind, int64_t bytes_sent, int64_t bytes_received);
+  void check_buffer(const char* collective, const CommBuffer& buffer) const;
+
+  int rank_;
+  int world_size_;
+  std::chrono::milliseconds timeout_;
+  int64_t sequence_ = 0;
+  std::map<std::vector<int>, int> subgroups_made_;  // rank list -> subgroups made
+  TrafficCounters counters_;
+  std::mutex broken_mutex_;
+  std::optional<CommError> broken_;
+};
+
+// dtypes every backend moves: float32, float64, float16, bfloat16, int64, int32, uint8.
+bool is_supported_dtype(c10::ScalarType dtype);
+
+}  // namespace fsdp
+
+#endif  // FSDP_COMM_COMMUNICATOR_H_

@@ -1,0 +1,263 @@
+#include "fsdp/comm/fake.h"
+
+#include <condition_variable>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+namespace comm_internal {
+
+// What one rank brings to a collective.
+struct Arrival {
+  CollectiveKind kind;
+  CommBuffer input;
+  int64_t numel;
+  int root;
+};
+
+// The ranks of one (sub)group meeting at numbered collectives. Each collective is two
+// barriers: after the first every rank reads all inputs into a private result; after the
+// second (nobody reads any more) each writes its result, so in-place ops are safe.
+class FakeGroup {
+ public:
+  FakeGroup(int world_size, std::chrono::milliseconds timeout)
+      : world_size_(world_size), timeout_(timeout) {}
+
+  int world_size() const { return world_size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Blocks until every rank arrived at `sequence` (phase 0) or finished reading (phase
+  // 1). Returns all arrivals. Throws CommError naming a missing or mismatched rank.
+  std::vector<Arrival> meet(int rank, int64_t sequence, int phase, const Arrival& mine) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    Meeting& meeting = meetings_[{sequence, phase}];
+    if (meeting.arrivals.empty()) meeting.arrivals.resize(world_size_);
+    meeting.arrivals[rank] = mine;
+    meeting.present.insert(rank);
+    cv_.notify_all();
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const std::string name = collective_name(mine.kind);
+    while (static_cast<int>(meeting.present.size()) < world_size_) {
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
+          static_cast<int>(meeting.present.size()) < world_size_) {
+        std::vector<int> missing;
+        for (int r = 0; r < world_size_; ++r) {
+          if (meeting.present.count(r) == 0) missing.push_back(r);
+        }
+        throw CommError(name, sequence, rank, missing.front(),
+                        absl::StrCat("rank(s) ", absl::StrJoin(missing, ", "),
+                                     " did not reach it within ", timeout_.count(), " ms"));
+      }
+    }
+    std::vector<Arrival> all = meeting.arrivals;
+    if (++meeting.departed == world_size_) meetings_.erase({sequence, phase});
+    for (int r = 0; r < world_size_; ++r) {
+      if (all[r].kind != mine.kind || all[r].numel != mine.numel || all[r].root != mine.root) {
+        throw CommError(name, sequence, rank, r,
+                        absl::StrCat("rank ", r, " issued ", collective_name(all[r].kind),
+                                     " of ", all[r].numel, " elements (root ", all[r].root,
+                                     ") at the same point; every rank must issue the same "
+                                     "collectives in the same order"));
+      }
+    }
+    return all;
+  }
+
+  std::shared_ptr<FakeGroup> subgroup(const std::string& tag, int size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& group = subgroups_[tag];
+    if (!group) group = std::make_shared<FakeGroup>(size, timeout_);
+    return group;
+  }
+
+  void inject_failure(int rank, int64_t sequence) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failures_.insert({rank, sequence});
+  }
+  bool should_fail(int rank, int64_t sequence) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failures_.count({rank, sequence}) > 0;
+  }
+
+ private:
+  struct Meeting {
+    std::vector<Arrival> arrivals;
+    std::set<int> present;
+    int departed = 0;
+  };
+  const int world_size_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::pair<int64_t, int>, Meeting> meetings_;
+  std::map<std::string, std::shared_ptr<FakeGroup>> subgroups_;
+  std::set<std::pair<int, int64_t>> failures_;
+};
+
+namespace {
+
+at::Tensor as_tensor(const CommBuffer& buffer) {
+  return at::from_blob(buffer.data, {buffer.numel}, at::TensorOptions().dtype(buffer.dtype));
+}
+
+// A work that already finished, successfully or with an error.
+class DoneWork : public Work {
+ public:
+  DoneWork(std::chrono::milliseconds timeout, std::exception_ptr error)
+      : Work(timeout), error_(std::move(error)) {}
+  void wait(std::chrono::milliseconds) override {
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() override { return true; }
+
+ private:
+  std::exception_ptr error_;
+};
+
+class FakeCommunicator : public Communicator {
+ public:
+  FakeCommunicator(std::shared_ptr<FakeGroup> group, int rank)
+      : Communicator(rank, group->world_size(), group->timeout()), group_(std::move(group)) {}
+
+  std::string backend_name() const override { return "fake"; }
+
+ protected:
+  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
+
+  WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
+                           int64_t sequence) override {
+    return run({CollectiveKind::kAllGather, input, input.numel, -1}, sequence,
+               [&](const std::vector<Arrival>& all) {
+                 std::vector<at::Tensor> parts;
+                 for (const Arrival& a : all) parts.push_back(as_tensor(a.input).clone());
+                 return at::cat(parts);
+               },
+               output);
+  }
+
+  WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
+                               int64_t sequence) override {
+    return run({CollectiveKind::kReduceScatter, input, input.numel, -1}, sequence,
+               [&](const std::vector<Arrival>& all) {
+                 return reduce(all, op, rank() * output.numel, output.numel);
+               },
+               output);
+  }
+
+  WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
+    return run({CollectiveKind::kAllReduce, tensor, tensor.numel, -1}, sequence,
+               [&](const std::vector<Arrival>& all) {
+                 return reduce(all, op, 0, tensor.numel);
+               },
+               tensor);
+  }
+
+  WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
+    return run({CollectiveKind::kBroadcast, tensor, tensor.numel, root}, sequence,
+               [&](const std::vector<Arrival>& all) {
+                 return as_tensor(all[root].input).clone();
+               },
+               tensor);
+  }
+
+  WorkHandle do_barrier(int64_t sequence) override {
+    return run({CollectiveKind::kBarrier, CommBuffer{}, 0, -1}, sequence,
+               [](const std::vector<Arrival>&) { return at::Tensor(); }, CommBuffer{});
+  }
+
+  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
+                                                const std::string& tag) override {
+    const int index = static_cast<int>(
+        std::lower_bound(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+    return std::make_shared<FakeCommunicator>(
+        group_->subgroup(tag, static_cast<int>(ranks.size())), index);
+  }
+
+ private:
+  // Sums chunk [offset, offset + numel) of every rank's input in rank order.
+  static at::Tensor reduce(const std::vector<Arrival>& all, ReduceOp op, int64_t offset,
+                           int64_t numel) {
+    at::Tensor sum = as_tensor(all[0].input).narrow(0, offset, numel).clone();
+    for (size_t r = 1; r < all.size(); ++r) {
+      sum.add_(as_tensor(all[r].input).narrow(0, offset, numel));
+    }
+    if (op == ReduceOp::kAvg) sum.div_(static_cast<double>(all.size()));
+    return sum;
+  }
+
+  template <typename Compute>
+  WorkHandle run(const Arrival& mine, int64_t sequence, Compute compute,
+                 const CommBuffer& output) {
+    try {
+      if (group_->should_fail(rank(), sequence)) {
+        throw CommError(collective_name(mine.kind), sequence, rank(), -1,
+                        "injected failure (FakeWorld::inject_failure)");
+      }
+      at::Tensor result = compute(group_->meet(rank(), sequence, 0, mine));
+      group_->meet(rank(), sequence, 1, mine);  // everyone has read the inputs
+      if (result.defined()) as_tensor(output).copy_(result);
+      return std::make_shared<DoneWork>(timeout(), nullptr);
+    } catch (const CommError& error) {
+      mark_broken(error);
+      return std::make_shared<DoneWork>(timeout(), std::current_exception());
+    }
+  }
+
+  std::shared_ptr<FakeGroup> group_;
+};
+
+}  // namespace
+}  // namespace comm_internal
+
+FakeWorld::FakeWorld(std::shared_ptr<comm_internal::FakeGroup> group)
+    : group_(std::move(group)) {}
+
+std::shared_ptr<FakeWorld> FakeWorld::create(int world_size,
+                                             std::chrono::milliseconds timeout) {
+  TORCH_CHECK(world_size >= 1, "FakeWorld: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(timeout.count() > 0, "FakeWorld: timeout must be positive");
+  return std::shared_ptr<FakeWorld>(
+      new FakeWorld(std::make_shared<comm_internal::FakeGroup>(world_size, timeout)));
+}
+
+std::shared_ptr<Communicator> FakeWorld::communicator(int rank) {
+  return std::make_shared<comm_internal::FakeCommunicator>(group_, rank);
+}
+
+void FakeWorld::inject_failure(int rank, int64_t sequence) {
+  group_->inject_failure(rank, sequence);
+}
+
+int FakeWorld::world_size() const { return group_->world_size(); }
+
+void FakeWorld::run(const std::shared_ptr<FakeWorld>& world,
+                    const std::function<void(Communicator&)>& fn) {
+  const int n = world->world_size();
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < n; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        std::shared_ptr<Communicator> comm = world->communicator(rank);
+        fn(*comm);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,64 @@
+// An in-process fake backend: W ranks as threads of one process, for fast unit tests of
+// the layers above fsdp/comm. Same validation, counters and errors as the real backends;
+// results computed exactly (sums in rank order, in the buffer's dtype).
+//
+//   auto world = fsdp::FakeWorld::create(/*world_size=*/4);
+//   world->inject_failure(/*rank=*/1, /*sequence=*/3);   // rank 1's 4th collective fails
+//   fsdp::FakeWorld::run(world, [](fsdp::Communicator& comm) {
+//     at::Tensor t = at::full({2}, comm.rank());
+//     comm.all_reduce(t);                                // every rank: 0+1+2+3
+//   });
+//
+// A rank that does not reach a collective within the timeout makes the others throw a
+// CommError naming the missing rank. Ranks that issue different collectives (or
+// different sizes) at the same sequence number throw a CommError saying so.
+//
+// Threading: each rank's communicator is used by that rank's thread; a FakeWorld is
+// shared by all of them.
+#ifndef FSDP_COMM_FAKE_H_
+#define FSDP_COMM_FAKE_H_
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <set>
+#include <utility>
+
+#include "fsdp/comm/communicator.h"
+
+namespace fsdp {
+
+namespace comm_internal {
+class FakeGroup;
+}  // namespace comm_internal
+
+class FakeWorld {
+ public:
+  // Throws c10::Error if world_size < 1 or timeout <= 0.
+  static std::shared_ptr<FakeWorld> create(
+      int world_size, std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+  // Rank `rank`'s communicator (one per rank; calling twice gives two communicators that
+  // share the rank, which is an error to use concurrently).
+  std::shared_ptr<Communicator> communicator(int rank);
+
+  // Rank `rank`'s collective number `sequence` (0-based, counted on the world
+  // communicator) fails with a CommError on that rank, which then stops taking part:
+  // its peers time out waiting for it.
+  void inject_failure(int rank, int64_t sequence);
+
+  // Runs fn(comm) for every rank on its own thread; returns when all are done. Rethrows
+  // the exception of the lowest failing rank, if any.
+  static void run(const std::shared_ptr<FakeWorld>& world,
+                  const std::function<void(Communicator&)>& fn);
+
+  int world_size() const;
+
+ private:
+  explicit FakeWorld(std::shared_ptr<comm_internal::FakeGroup> group);
+  std::shared_ptr<comm_internal::FakeGroup> group_;
+};
+
+}  // namespace fsdp
+
+#endif  // FSDP_COMM_FAKE_H_

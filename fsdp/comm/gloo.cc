@@ -1,0 +1,273 @@
+#include "fsdp/comm/gloo.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+namespace fsdp {
+namespace {
+
+// Note [Gloo collectives]
+// LibTorch 1.13's Gloo has no _allgather_base and no reduce_scatter, and knows only some
+// dtypes. Everything moves as bytes (kByte views), which any dtype can be:
+// - all-gather: `allgather` into W narrow() views of the flat output (ring: each rank
+//   sends and receives (W - 1) x input bytes).
+// - reduce-scatter: `alltoall_base` of the flat input in W equal chunks, so rank r
+//   receives every rank's chunk r ((W - 1)/W of the input each way, as a ring
+//   reduce-scatter), then sums them locally in rank order, in the buffer's dtype.
+//   An all-reduce-based emulation would send twice as much.
+// - all-reduce: reduce-scatter then all-gather over the tensor padded to W x ceil(n / W).
+// - broadcast and barrier: Gloo's own.
+// Each collective is one task on the communicator's worker thread, which calls c10d
+// synchronously; Gloo's timeout (the communicator's) bounds every wait.
+
+at::Tensor bytes_of(const CommBuffer& buffer) {
+  return at::from_blob(buffer.data, {buffer.nbytes()}, at::TensorOptions().dtype(at::kByte));
+}
+
+// Issue-ordered tasks on one thread.
+class Worker {
+ public:
+  Worker() : thread_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  std::shared_future<void> submit(std::function<void()> task) {
+    auto promise = std::make_shared<std::promise<void>>();
+    std::shared_future<void> done = promise->get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tasks_.push_back([task = std::move(task), promise] {
+        try {
+          task();
+          promise->set_value();
+        } catch (...) {
+          promise->set_exception(std::current_exception());
+        }
+      });
+    }
+    cv_.notify_all();
+    return done;
+  }
+
+ private:
+  void loop() {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// First line of an exception message (c10::Error appends a C++ stack trace).
+std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
+
+class GlooCommunicator : public Communicator,
+                         public std::enable_shared_from_this<GlooCommunicator> {
+ public:
+  GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                   const GlooOptions& options)
+      : Communicator(rank, world_size, options.timeout()),
+        store_(std::move(store)),
+        options_(options) {
+    auto pg_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+    pg_options->devices.push_back(make_device(options));
+    pg_options->threads = 1;
+    try {
+      group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, world_size, pg_options);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "Gloo: rank ", rank, " of ", world_size,
+                  " could not connect to its peers within ", options.timeout().count(),
+                  " ms: ", first_line(e.what()));
+    }
+  }
+
+  std::string backend_name() const override { return "gloo"; }
+
+  // For GlooWork, which sees failures when they are waited on.
+  void mark_broken_from_work(const CommError& error) { mark_broken(error); }
+
+ protected:
+  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
+
+  WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
+                           int64_t sequence) override {
+    return submit(CollectiveKind::kAllGather, sequence, [this, output, input] {
+      all_gather_bytes(bytes_of(output), bytes_of(input));
+    });
+  }
+
+  WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
+                               int64_t sequence) override {
+    return submit(CollectiveKind::kReduceScatter, sequence, [this, output, input, op] {
+      reduce_scatter(at::from_blob(output.data, {output.numel}, output.dtype),
+                     at::from_blob(input.data, {input.numel}, input.dtype), op);
+    });
+  }
+
+  WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
+    return submit(CollectiveKind::kAllReduce, sequence, [this, tensor, op] {
+      const int64_t w = world_size();
+      const int64_t chunk = (tensor.numel + w - 1) / w;
+      at::Tensor data = at::from_blob(tensor.data, {tensor.numel}, tensor.dtype);
+      at::Tensor padded = at::zeros({chunk * w}, tensor.dtype);
+      padded.narrow(0, 0, tensor.numel).copy_(data);
+      at::Tensor mine = at::empty({chunk}, tensor.dtype);
+      reduce_scatter(mine, padded, op);
+      all_gather_bytes(padded.view(at::kByte), mine.view(at::kByte));
+      data.copy_(padded.narrow(0, 0, tensor.numel));
+    });
+  }
+
+  WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
+    return submit(CollectiveKind::kBroadcast, sequence, [this, tensor, root] {
+      std::vector<at::Tensor> tensors = {bytes_of(tensor)};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      group_->broadcast(tensors, options)->wait();
+    });
+  }
+
+  WorkHandle do_barrier(int64_t sequence) override {
+    return submit(CollectiveKind::kBarrier, sequence, [this] { group_->barrier()->wait(); });
+  }
+
+  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
+                                                const std::string& tag) override {
+    const int index = static_cast<int>(
+        std::lower_bound(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+    return std::make_shared<GlooCommunicator>(
+        c10::make_intrusive<c10d::PrefixStore>(tag, store_), index,
+        static_cast<int>(ranks.size()), options_);
+  }
+
+ private:
+  static std::shared_ptr<::gloo::transport::Device> make_device(const GlooOptions& options) {
+    if (!options.interface().empty()) {
+      return c10d::ProcessGroupGloo::createDeviceForInterface(options.interface());
+    }
+    if (!options.hostname().empty()) {
+      return c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname());
+    }
+    return c10d::ProcessGroupGloo::createDefaultDevice();
+  }
+
+  void all_gather_bytes(const at::Tensor& output, const at::Tensor& input) {
+    const int64_t n = input.numel();
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < world_size(); ++r) outputs[0].push_back(output.narrow(0, r * n, n));
+    std::vector<at::Tensor> inputs = {input};
+    group_->allgather(outputs, inputs)->wait();
+  }
+
+  // output: n elements; input: W x n elements of the same dtype. See Note [Gloo collectives].
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+    const int64_t n = output.numel();
+    at::Tensor received = at::empty({input.numel()}, input.dtype());
+    at::Tensor received_bytes = received.view(at::kByte);
+    at::Tensor input_bytes = input.view(at::kByte);
+    std::vector<int64_t> equal_splits;  // empty = W equal chunks
+    group_->alltoall_base(received_bytes, input_bytes, equal_splits, equal_splits)->wait();
+    output.copy_(received.narrow(0, 0, n));
+    for (int r = 1; r < world_size(); ++r) output.add_(received.narrow(0, r * n, n));
+    if (op == ReduceOp::kAvg) output.div_(static_cast<double>(world_size()));
+  }
+
+  WorkHandle submit(CollectiveKind kind, int64_t sequence, std::function<void()> task);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  GlooOptions options_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  Worker worker_;  // last: joined first on destruction, while the group still exists
+};
+
+class GlooWork : public Work {
+ public:
+  GlooWork(std::weak_ptr<GlooCommunicator> comm, CollectiveKind kind, int64_t sequence,
+           int rank, std::shared_future<void> done, std::chrono::milliseconds timeout)
+      : Work(timeout),
+        comm_(std::move(comm)),
+        kind_(kind),
+        sequence_(sequence),
+        rank_(rank),
+        done_(std::move(done)) {}
+
+  void wait(std::chrono::milliseconds timeout) override {
+    if (done_.wait_for(timeout) != std::future_status::ready) {
+      fail(absl::StrCat("did not complete within ", timeout.count(), " ms"));
+    }
+    try {
+      done_.get();
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      fail(first_line(e.what()));
+    }
+  }
+
+  bool is_completed() override {
+    return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& detail) {
+    CommError error(collective_name(kind_), sequence_, rank_, -1, detail);
+    if (auto comm = comm_.lock()) comm->mark_broken_from_work(error);
+    throw error;
+  }
+
+  std::weak_ptr<GlooCommunicator> comm_;
+  CollectiveKind kind_;
+  int64_t sequence_;
+  int rank_;
+  std::shared_future<void> done_;
+};
+
+WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence,
+                                    std::function<void()> task) {
+  return std::make_shared<GlooWork>(weak_from_this(), kind, sequence, rank(),
+                                    worker_.submit(std::move(task)), timeout());
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::Store> store,
+                                                     int rank, int world_size,
+                                                     const GlooOptions& options) {
+  TORCH_CHECK(store, "make_gloo_communicator: store is null");
+  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
+              "make_gloo_communicator: expected 0 <= rank < world_size, got rank ", rank,
+              " and world_size ", world_size);
+  return std::make_shared<GlooCommunicator>(std::move(store), rank, world_size, options);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,50 @@
+// The Gloo backend: CPU collectives over c10d's ProcessGroupGloo (LibTorch 1.13), the
+// embedded default that needs no GPU. See ../shared/design/ARCHITECTURE.md §4.
+//
+//   c10::intrusive_ptr<c10d::Store> store = fsdp::connect_store(env, options);  // rendezvous.h
+//   std::shared_ptr<fsdp::Communicator> comm = fsdp::make_gloo_communicator(
+//       store, env.rank, env.world_size, fsdp::GlooOptions().timeout(std::chrono::seconds(30)));
+//
+// How the collectives map onto Gloo (see Note [Gloo collectives] in gloo.cc): all-gather
+// is Gloo's ring allgather into views of the flat output; reduce-scatter is a pairwise
+// all-to-all followed by a local sum, so each rank sends and receives (W - 1)/W of the
+// input, like a ring reduce-scatter; all-reduce is that reduce-scatter followed by the
+// all-gather on a buffer padded to a multiple of W. Data moves as bytes, so every dtype
+// of is_supported_dtype works.
+//
+// Threading: collectives run in issue order on one worker thread per communicator;
+// Work::wait may be called from any thread. PyTorch: ProcessGroupGloo.
+#ifndef FSDP_COMM_GLOO_H_
+#define FSDP_COMM_GLOO_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "fsdp/comm/communicator.h"
+
+namespace fsdp {
+
+struct GlooOptions {
+  // Deadline of every collective (Gloo's own timeout, and Work::wait's default).
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  // Network interface to bind (like GLOO_SOCKET_IFNAME); wins over `hostname`.
+  TORCH_ARG(std::string, interface) = "";
+  // Address or host name to bind; "" = this host's name, or loopback if it does not
+  // resolve (c10d's default device).
+  TORCH_ARG(std::string, hostname) = "";
+};
+
+// Connects `world_size` ranks through `store` (every rank calls it; blocks until all
+// have). Throws c10::Error if rank/world_size are out of range or the connection fails
+// within the timeout.
+std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::Store> store,
+                                                     int rank, int world_size,
+                                                     const GlooOptions& options = {});
+
+}  // namespace fsdp
+
+#endif  // FSDP_COMM_GLOO_H_

@@ -1,0 +1,101 @@
+// The Gloo backend with real processes on loopback (W = 2, 3, 4): the same closed-form
+// checks as every backend, subgroups, and a peer killed mid-collective.
+#include "fsdp/comm/gloo.h"
+
+#include <csignal>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <ATen/Functions.h>
+
+#include "fsdp/comm/internal/collective_checks.h"
+#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/rendezvous.h"
+
+namespace fsdp {
+namespace {
+
+using ::testing::HasSubstr;
+using comm_internal::describe;
+using comm_internal::RankOutcome;
+using comm_internal::run_test_as_ranks;
+
+constexpr auto kDeadline = std::chrono::seconds(120);
+
+// ---- Worker tests: run by the ranks spawned below (see multiprocess.h). ----
+
+TEST(DISABLED_GlooWorker, Collectives) {
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
+  EXPECT_EQ(comm->backend_name(), "gloo");
+  for (c10::ScalarType dtype : {c10::kFloat, c10::kBFloat16, c10::kHalf, c10::kLong}) {
+    comm_internal::expect_collectives_match_closed_forms(*comm, dtype);
+  }
+  comm_internal::expect_average_divides_by_world_size(*comm);
+  if (comm->world_size() == 4) comm_internal::expect_hybrid_groups_of_four(*comm);
+  // Async works complete in issue order.
+  at::Tensor a = at::ones({1000}), b = at::ones({1000});
+  WorkHandle first = comm->all_reduce_async(a);
+  WorkHandle second = comm->all_reduce_async(b);
+  second->wait();
+  EXPECT_TRUE(first->is_completed());
+  first->wait();
+  EXPECT_TRUE(at::equal(a, at::full({1000}, static_cast<double>(comm->world_size()))));
+}
+
+TEST(DISABLED_GlooWorker, PeerKilledDuringAllReduce) {
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(5)));
+  comm->barrier();
+  comm->barrier();
+  if (comm->rank() == 1) std::raise(SIGKILL);
+  at::Tensor t = at::ones({1 << 16});
+  try {
+    comm->all_reduce(t);
+    ADD_FAILURE() << "all_reduce succeeded without rank 1";
+  } catch (const CommError& e) {
+    std::cout << "survivor error: " << e.what() << std::endl;
+    EXPECT_EQ(e.collective(), "all_reduce");
+    EXPECT_EQ(e.sequence(), 2);
+    EXPECT_EQ(e.rank(), comm->rank());
+  }
+}
+
+// ---- Tests. ----
+
+void expect_all_passed(const std::vector<RankOutcome>& ranks) {
+  for (const RankOutcome& rank : ranks) {
+    ASSERT_EQ(rank.exit_code, 0) << describe(ranks);
+    ASSERT_THAT(rank.output, HasSubstr("[  PASSED  ] 1 test")) << describe(ranks);
+  }
+}
+
+TEST(GlooTest, CollectivesMatchClosedFormsOnTwoRanks) {
+  expect_all_passed(run_test_as_ranks(2, "DISABLED_GlooWorker.Collectives", kDeadline));
+}
+
+TEST(GlooTest, CollectivesMatchClosedFormsOnThreeRanks) {
+  expect_all_passed(run_test_as_ranks(3, "DISABLED_GlooWorker.Collectives", kDeadline));
+}
+
+TEST(GlooTest, CollectivesAndHybridGroupsOnFourRanks) {
+  expect_all_passed(run_test_as_ranks(4, "DISABLED_GlooWorker.Collectives", kDeadline));
+}
+
+TEST(GlooTest, PeerKilledMidCollectiveMakesSurvivorsRaiseInTime) {
+  const std::vector<RankOutcome> ranks =
+      run_test_as_ranks(3, "DISABLED_GlooWorker.PeerKilledDuringAllReduce", kDeadline);
+  EXPECT_EQ(ranks[1].term_signal, SIGKILL) << describe(ranks);
+  for (int rank : {0, 2}) {
+    EXPECT_EQ(ranks[rank].exit_code, 0) << describe(ranks);
+    EXPECT_THAT(ranks[rank].output,
+                HasSubstr("survivor error: all_reduce #2 failed on rank " + std::to_string(rank)))
+        << describe(ranks);
+    // Within the 5 s timeout plus start-up and a margin.
+    EXPECT_LT(ranks[rank].seconds, 20.0) << describe(ranks);
+  }
+}
+
+}  // namespace
+}  // namespace fsdp

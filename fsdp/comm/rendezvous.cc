@@ -1,0 +1,168 @@
+#include "fsdp/comm/rendezvous.h"
+
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace fsdp {
+namespace {
+
+// The variable names of one launcher.
+struct Scheme {
+  const char* launcher;
+  const char* rank;
+  const char* world_size;
+  const char* local_rank;
+  const char* local_world_size;
+};
+
+constexpr Scheme kSchemes[] = {
+    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"MPICH", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+};
+
+// The variable's integer value, `fallback` if unset; throws if set but not an integer
+// in [min, max].
+int int_variable(const EnvLookup& lookup, const char* name, int fallback, int min, int max) {
+  const std::optional<std::string> value = lookup(name);
+  if (!value) return fallback;
+  int parsed = 0;
+  TORCH_CHECK(absl::SimpleAtoi(*value, &parsed) && parsed >= min && parsed <= max, name, "='",
+              *value, "' is not an integer in [", min, ", ", max, "]; check how the job was "
+              "launched");
+  return parsed;
+}
+
+bool is_loopback(const std::string& address) {
+  return address == "localhost" || absl::StartsWith(address, "127.") || address == "::1";
+}
+
+// Every rank sets "join/<rank>" = world size, then waits until ranks 0..W-1 all did.
+void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
+                      const RendezvousOptions& options, const std::string& where) {
+  store.set(absl::StrCat("join/", env.rank), std::vector<uint8_t>(
+      reinterpret_cast<const uint8_t*>(&env.world_size),
+      reinterpret_cast<const uint8_t*>(&env.world_size) + sizeof(int)));
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout();
+  std::vector<int> missing;
+  while (true) {
+    missing.clear();
+    for (int r = 0; r < env.world_size; ++r) {
+      if (!store.check({absl::StrCat("join/", r)})) missing.push_back(r);
+    }
+    if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  TORCH_CHECK(missing.empty(), "rendezvous at ", where, ": rank(s) ",
+              absl::StrJoin(missing, ", "), " of ", env.world_size, " did not join within ",
+              options.timeout().count(), " ms; start every rank with the same MASTER_ADDR, "
+              "MASTER_PORT and WORLD_SIZE");
+  for (int r = 0; r < env.world_size; ++r) {
+    const std::vector<uint8_t> value = store.get(absl::StrCat("join/", r));
+    int theirs = 0;
+    TORCH_INTERNAL_ASSERT(value.size() == sizeof(int));
+    std::copy(value.begin(), value.end(), reinterpret_cast<uint8_t*>(&theirs));
+    TORCH_CHECK(theirs == env.world_size, "rendezvous at ", where, ": rank ", r,
+                " was started with WORLD_SIZE=", theirs, " but rank ", env.rank,
+                " with WORLD_SIZE=", env.world_size, "; start every rank with the same "
+                "world size");
+  }
+}
+
+}  // namespace
+
+LaunchEnvironment read_launch_environment(const EnvLookup& lookup_or_null) {
+  const EnvLookup lookup = lookup_or_null ? lookup_or_null
+                                          : [](const std::string& name) {
+                                              const char* value = std::getenv(name.c_str());
+                                              return value == nullptr
+                                                         ? std::nullopt
+                                                         : std::optional<std::string>(value);
+                                            };
+  LaunchEnvironment env;
+  env.launcher = "none";
+  for (const Scheme& scheme : kSchemes) {
+    if (!lookup(scheme.rank) || !lookup(scheme.world_size)) continue;
+    env.launcher = scheme.launcher;
+    env.world_size = int_variable(lookup, scheme.world_size, 1, 1, 1 << 20);
+    env.rank = int_variable(lookup, scheme.rank, 0, 0, env.world_size - 1);
+    env.local_world_size =
+        int_variable(lookup, scheme.local_world_size, env.world_size, 1, env.world_size);
+    env.local_rank =
+        int_variable(lookup, scheme.local_rank, env.rank % env.local_world_size, 0,
+                     env.local_world_size - 1);
+    break;
+  }
+  env.master_addr = lookup("MASTER_ADDR").value_or(
+      env.launcher == std::string("Slurm") ? lookup("SLURM_LAUNCH_NODE_IPADDR").value_or("")
+                                           : "");
+  env.master_port = int_variable(lookup, "MASTER_PORT", 0, 1, 65535);
+  return env;
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
+                                              const RendezvousOptions& options) {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string where;
+  if (!options.file_store_path().empty()) {
+    where = absl::StrCat("file ", options.file_store_path());
+    store = c10::make_intrusive<c10d::FileStore>(options.file_store_path(), env.world_size);
+  } else {
+    TORCH_CHECK(env.world_size == 1 || (!env.master_addr.empty() && env.master_port > 0),
+                "rendezvous: MASTER_ADDR and MASTER_PORT must be set for ", env.world_size,
+                " ranks (launcher: ", env.launcher, "); use fsdp_run or torchrun, or set "
+                "RendezvousOptions::file_store_path");
+    const std::string addr = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
+    where = absl::StrCat(addr, ":", env.master_port);
+    c10d::TCPStoreOptions tcp;
+    tcp.port = static_cast<uint16_t>(env.master_port);
+    tcp.isServer = env.rank == 0;
+    tcp.numWorkers = env.world_size;
+    tcp.waitWorkers = false;  // check_all_joined names the missing ranks instead
+    tcp.timeout = options.timeout();
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(addr, tcp);
+    } catch (const std::exception& e) {
+      const std::string what = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
+      TORCH_CHECK(env.rank != 0, "rendezvous: rank 0 cannot host the store on ", where, " (",
+                  what, "); pick a free MASTER_PORT (fsdp_run picks one by default)");
+      TORCH_CHECK(false, "rendezvous: rank ", env.rank, " cannot reach the master at ", where,
+                  " within ", options.timeout().count(), " ms (", what,
+                  "); check MASTER_ADDR/MASTER_PORT and that rank 0 is running");
+    }
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
+  check_all_joined(*prefixed, env, options, where);
+  return prefixed;
+}
+
+std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
+                                                const RendezvousOptions& options) {
+  c10::intrusive_ptr<c10d::Store> store = connect_store(env, options);
+  GlooOptions gloo;
+  gloo.timeout(options.timeout());
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
+    gloo.interface(interface);
+  } else if (env.master_addr.empty() || is_loopback(env.master_addr)) {
+    gloo.hostname("127.0.0.1");
+  }
+  return make_gloo_communicator(store, env.rank, env.world_size, gloo);
+}
+
+std::shared_ptr<Communicator> init_from_environment(const RendezvousOptions& options) {
+  return init_communicator(read_launch_environment(), options);
+}
+
+}  // namespace fsdp

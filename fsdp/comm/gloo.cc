@@ -88,6 +88,14 @@ class Worker {
   std::thread thread_;
 };
 
+// Note [Naming the lost peer]
+// Gloo reports a lost connection by socket address, not by rank. After a failure, each
+// survivor marks itself alive in the store for that collective and waits up to
+// kProbeTime for the others; the lowest rank that never shows up is named as the peer.
+// If the store cannot be reached, its host (rank 0) is the one gone. A failure where
+// every rank is alive (e.g. mismatched collectives) names no peer.
+constexpr auto kProbeTime = std::chrono::milliseconds(1500);
+
 // First line of an exception message (c10::Error appends a C++ stack trace).
 std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
 
@@ -115,6 +123,26 @@ class GlooCommunicator : public Communicator,
 
   // For GlooWork, which sees failures when they are waited on.
   void mark_broken_from_work(const CommError& error) { mark_broken(error); }
+
+  // Which rank is gone, after collective `sequence` failed? See Note [Naming the lost
+  // peer]. Returns -1 if every rank answered.
+  int find_lost_peer(int64_t sequence) {
+    const std::string prefix = absl::StrCat("alive/", sequence, "/");
+    try {
+      store_->set(absl::StrCat(prefix, rank()), std::vector<uint8_t>{1});
+      const auto deadline = std::chrono::steady_clock::now() + kProbeTime;
+      while (true) {
+        int missing = -1;
+        for (int r = world_size() - 1; r >= 0; --r) {
+          if (!store_->check({absl::StrCat(prefix, r)})) missing = r;
+        }
+        if (missing < 0 || std::chrono::steady_clock::now() > deadline) return missing;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const std::exception&) {
+      return 0;  // the store itself is gone, and rank 0 hosts it
+    }
+  }
 
  protected:
   bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
@@ -240,8 +268,10 @@ class GlooWork : public Work {
 
  private:
   [[noreturn]] void fail(const std::string& detail) {
-    CommError error(collective_name(kind_), sequence_, rank_, -1, detail);
-    if (auto comm = comm_.lock()) comm->mark_broken_from_work(error);
+    std::shared_ptr<GlooCommunicator> comm = comm_.lock();
+    const int peer = comm ? comm->find_lost_peer(sequence_) : -1;
+    CommError error(collective_name(kind_), sequence_, rank_, peer, detail);
+    if (comm) comm->mark_broken_from_work(error);
     throw error;
   }
 

@@ -59,6 +59,7 @@ TEST(DISABLED_GlooWorker, PeerKilledDuringAllReduce) {
     EXPECT_EQ(e.collective(), "all_reduce");
     EXPECT_EQ(e.sequence(), 2);
     EXPECT_EQ(e.rank(), comm->rank());
+    EXPECT_EQ(e.peer(), 1);
   }
 }
 
@@ -90,10 +91,17 @@ TEST(GlooTest, PeerKilledMidCollectiveMakesSurvivorsRaiseInTime) {
   for (int rank : {0, 2}) {
     EXPECT_EQ(ranks[rank].exit_code, 0) << describe(ranks);
     EXPECT_THAT(ranks[rank].output,
-                HasSubstr("survivor error: all_reduce #2 failed on rank " + std::to_string(rank)))
+                HasSubstr("survivor error: all_reduce #2 failed on rank " + std::to_string(rank) +
+                          " (peer rank 1)"))
         << describe(ranks);
     // Within the 5 s timeout plus start-up and a margin.
     EXPECT_LT(ranks[rank].seconds, 20.0) << describe(ranks);
+    const std::string& out = ranks[rank].output;
+    const size_t at = out.find("survivor error");
+    if (at != std::string::npos) {
+      std::cout << "rank " << rank << " after " << ranks[rank].seconds << " s: "
+                << out.substr(at, out.find('\n', at) - at) << "\n";
+    }
   }
 }
 

@@ -50,8 +50,8 @@ bool is_loopback(const std::string& address) {
 }
 
 // Every rank sets "join/<rank>" = world size, then waits until ranks 0..W-1 all did.
-void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
-                      const RendezvousOptions& options, const std::string& where) {
+void wait_for_all_ranks(c10d::Store& store, const LaunchEnvironment& env,
+                        const RendezvousOptions& options, const std::string& where) {
   store.set(absl::StrCat("join/", env.rank), std::vector<uint8_t>(
       reinterpret_cast<const uint8_t*>(&env.world_size),
       reinterpret_cast<const uint8_t*>(&env.world_size) + sizeof(int)));
@@ -78,6 +78,20 @@ void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
                 " was started with WORLD_SIZE=", theirs, " but rank ", env.rank,
                 " with WORLD_SIZE=", env.world_size, "; start every rank with the same "
                 "world size");
+  }
+}
+
+void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
+                      const RendezvousOptions& options, const std::string& where) {
+  try {
+    wait_for_all_ranks(store, env, options, where);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The TCPStore lives in rank 0: losing it mostly means rank 0 failed.
+    TORCH_CHECK(false, "rendezvous at ", where, ": rank ", env.rank,
+                " lost the store hosted by rank 0 (", e.what(),
+                "); rank 0 has probably failed: see its output");
   }
 }
 

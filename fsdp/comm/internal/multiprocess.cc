@@ -52,6 +52,11 @@ std::vector<RankOutcome> run_test_as_ranks(
   std::vector<std::string> logs(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     Environment env = rank_environment(options, rank, current_environment());
+    // The children are not the test Bazel runs: they must not write its result files.
+    for (const char* name : {"TEST_PREMATURE_EXIT_FILE", "XML_OUTPUT_FILE", "GTEST_OUTPUT",
+                             "TEST_SHARD_STATUS_FILE"}) {
+      env.erase(name);
+    }
     if (customize) customize(rank, env);
     std::vector<std::string> entries;
     for (const auto& [name, value] : env) entries.push_back(absl::StrCat(name, "=", value));

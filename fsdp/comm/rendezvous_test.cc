@@ -1,0 +1,183 @@
+// Launch variables of torchrun, Open MPI, MPICH and Slurm, and the rendezvous errors a
+// user meets: a missing peer, an unreachable master, a port in use, mismatched world
+// sizes.
+#include "fsdp/comm/rendezvous.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <ATen/Functions.h>
+
+#include "fsdp/comm/internal/multiprocess.h"
+
+namespace fsdp {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+EnvLookup lookup_in(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+TEST(LaunchEnvironmentTest, Torchrun) {
+  const LaunchEnvironment env = read_launch_environment(
+      lookup_in({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                 {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
+                 {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "9"}}));
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 2);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST(LaunchEnvironmentTest, OpenMpiMpichAndSlurm) {
+  LaunchEnvironment env = read_launch_environment(lookup_in(
+      {{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}}));
+  EXPECT_EQ(env.launcher, "Open MPI");
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 4);
+
+  env = read_launch_environment(lookup_in({{"PMI_RANK", "2"}, {"PMI_SIZE", "3"}}));
+  EXPECT_EQ(env.launcher, "MPICH");
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.local_rank, 2);  // no local variables: one node
+  EXPECT_EQ(env.local_world_size, 3);
+
+  env = read_launch_environment(lookup_in(
+      {{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"},
+       {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
+  EXPECT_EQ(env.launcher, "Slurm");
+  EXPECT_EQ(env.rank, 6);
+  EXPECT_EQ(env.local_rank, 2);
+  EXPECT_EQ(env.master_addr, "10.1.2.3");
+}
+
+TEST(LaunchEnvironmentTest, NoVariablesMeansOneRank) {
+  const LaunchEnvironment env = read_launch_environment(lookup_in({}));
+  EXPECT_EQ(env.launcher, "none");
+  EXPECT_EQ(env.rank, 0);
+  EXPECT_EQ(env.world_size, 1);
+}
+
+TEST(LaunchEnvironmentTest, BadValuesNameTheVariable) {
+  EXPECT_THAT([] { read_launch_environment(lookup_in({{"RANK", "x"}, {"WORLD_SIZE", "2"}})); },
+              ThrowsMessage<c10::Error>(HasSubstr("RANK='x' is not an integer in [0, 1]")));
+  EXPECT_THAT([] { read_launch_environment(lookup_in({{"RANK", "2"}, {"WORLD_SIZE", "2"}})); },
+              ThrowsMessage<c10::Error>(HasSubstr("RANK='2' is not an integer in [0, 1]")));
+  EXPECT_THAT([] {
+    read_launch_environment(lookup_in({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}}));
+  }, ThrowsMessage<c10::Error>(HasSubstr("MASTER_PORT='70000'")));
+}
+
+LaunchEnvironment two_ranks(int rank, int port) {
+  LaunchEnvironment env;
+  env.rank = rank;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  env.launcher = "test";
+  return env;
+}
+
+int free_port() {
+  absl::StatusOr<int> port = pick_free_port("127.0.0.1");
+  EXPECT_TRUE(port.ok()) << port.status();
+  return port.value_or(0);
+}
+
+TEST(RendezvousTest, MissingPeerIsNamedAfterTheTimeout) {
+  const RendezvousOptions options = RendezvousOptions().timeout(std::chrono::milliseconds(1000));
+  EXPECT_THAT([&] { connect_store(two_ranks(0, free_port()), options); },
+              ThrowsMessage<c10::Error>(HasSubstr("rank(s) 1 of 2 did not join within 1000 ms")));
+}
+
+TEST(RendezvousTest, UnreachableMasterIsAClearError) {
+  const RendezvousOptions options = RendezvousOptions().timeout(std::chrono::milliseconds(1000));
+  EXPECT_THAT([&] { connect_store(two_ranks(1, free_port()), options); },
+              ThrowsMessage<c10::Error>(HasSubstr("rank 1 cannot reach the master at 127.0.0.1:")));
+}
+
+TEST(RendezvousTest, PortInUseIsAClearError) {
+  // Hold a listening socket on a port, then ask rank 0 to host the store there.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t length = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  const int port = ntohs(addr.sin_port);
+  const RendezvousOptions options = RendezvousOptions().timeout(std::chrono::milliseconds(1000));
+  EXPECT_THAT([&] { connect_store(two_ranks(0, port), options); },
+              ThrowsMessage<c10::Error>(HasSubstr("rank 0 cannot host the store on 127.0.0.1:" +
+                                                  std::to_string(port))));
+  close(fd);
+}
+
+TEST(RendezvousTest, MasterAddressIsRequiredForSeveralRanks) {
+  LaunchEnvironment env = two_ranks(0, 0);
+  env.master_addr = "";
+  EXPECT_THAT([&] { connect_store(env); },
+              ThrowsMessage<c10::Error>(HasSubstr("MASTER_ADDR and MASTER_PORT must be set")));
+}
+
+TEST(DISABLED_RendezvousWorker, Join) {
+  init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(3)))->barrier();
+}
+
+TEST(RendezvousTest, DifferentWorldSizesAreNamed) {
+  const auto ranks = comm_internal::run_test_as_ranks(
+      2, "DISABLED_RendezvousWorker.Join", std::chrono::seconds(60),
+      [](int rank, Environment& env) {
+        if (rank == 1) env["WORLD_SIZE"] = "3";
+      });
+  EXPECT_NE(ranks[0].exit_code, 0) << comm_internal::describe(ranks);
+  EXPECT_THAT(ranks[0].output, HasSubstr("rank 1 was started with WORLD_SIZE=3 but rank 0 "
+                                         "with WORLD_SIZE=2"));
+  // Rank 1 waits for a rank 2 that never comes, unless rank 0's failure takes the store
+  // (which rank 0 hosts) down first.
+  EXPECT_NE(ranks[1].exit_code, 0);
+  EXPECT_THAT(ranks[1].output,
+              ::testing::AnyOf(HasSubstr("rank(s) 2 of 3 did not join within 3000 ms"),
+                               HasSubstr("rank 1 lost the store hosted by rank 0")));
+}
+
+TEST(RendezvousTest, FileStoreRendezvous) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
+                                                                  : "/tmp") + "/filestore";
+  unlink(path.c_str());
+  const auto ranks = comm_internal::run_test_as_ranks(
+      2, "DISABLED_RendezvousWorker.JoinThroughFile", std::chrono::seconds(60),
+      [&](int, Environment& env) { env["FSDP_TEST_FILE_STORE"] = path; });
+  for (const auto& rank : ranks) EXPECT_EQ(rank.exit_code, 0) << comm_internal::describe(ranks);
+}
+
+TEST(DISABLED_RendezvousWorker, JoinThroughFile) {
+  const RendezvousOptions options = RendezvousOptions()
+                                        .timeout(std::chrono::seconds(10))
+                                        .file_store_path(std::getenv("FSDP_TEST_FILE_STORE"));
+  std::shared_ptr<Communicator> comm = init_from_environment(options);
+  at::Tensor t = at::ones({2});
+  comm->all_reduce(t);
+  EXPECT_EQ(t[0].item<float>(), 2.0f);
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README): installs what is missing, then builds and runs every test.
-# Prints "N passed, M failed" last; exits non-zero on any failure.
+# The test command (README): installs what is missing, then builds and runs every test,
+# and the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without
+# a GPU). Prints "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -9,7 +10,9 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 # Test results are not taken from the cache: every run really runs the tests.
-bazel test //... --nocache_test_results "$@" 2>&1 | tee "$log" || status=$?
+bazel test //... --nocache_test_results "$@" 2>&1 | tee -a "$log" || status=$?
+bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 |
+  tee -a "$log" || status=$?
 passed=$(grep -cE '^//[^ ]+ +PASSED' "$log" || true)
 failed=$(grep -cE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)
 if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # e.g. a build error

@@ -28,7 +28,9 @@ namespace {
 //   receives every rank's chunk r ((W - 1)/W of the input each way, as a ring
 //   reduce-scatter), then sums them locally in rank order, in the buffer's dtype.
 //   An all-reduce-based emulation would send twice as much.
-// - all-reduce: reduce-scatter then all-gather over the tensor padded to W x ceil(n / W).
+// - all-reduce: Gloo's ring allreduce for the dtypes it sums (float32/64, float16, int);
+//   for the others (bfloat16), reduce-scatter then all-gather over the tensor padded to
+//   W x ceil(n / W). Both send 2 (W - 1)/W of the buffer.
 // - broadcast and barrier: Gloo's own.
 // Each collective is one task on the communicator's worker thread, which calls c10d
 // synchronously; Gloo's timeout (the communicator's) bounds every wait.
@@ -164,12 +166,19 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
     return submit(CollectiveKind::kAllReduce, sequence, [this, tensor, op] {
+      at::Tensor data = at::from_blob(tensor.data, {tensor.numel}, tensor.dtype);
+      if (gloo_reduces(tensor.dtype)) {
+        std::vector<at::Tensor> tensors = {data};
+        group_->allreduce(tensors)->wait();
+        if (op == ReduceOp::kAvg) data.div_(static_cast<double>(world_size()));
+        return;
+      }
       const int64_t w = world_size();
       const int64_t chunk = (tensor.numel + w - 1) / w;
-      at::Tensor data = at::from_blob(tensor.data, {tensor.numel}, tensor.dtype);
-      at::Tensor padded = at::zeros({chunk * w}, tensor.dtype);
+      at::Tensor padded = scratch(kPaddedSlot, chunk * w, tensor.dtype);
       padded.narrow(0, 0, tensor.numel).copy_(data);
-      at::Tensor mine = at::empty({chunk}, tensor.dtype);
+      padded.narrow(0, tensor.numel, chunk * w - tensor.numel).zero_();
+      at::Tensor mine = scratch(kChunkSlot, chunk, tensor.dtype);
       reduce_scatter(mine, padded, op);
       all_gather_bytes(padded.view(at::kByte), mine.view(at::kByte));
       data.copy_(padded.narrow(0, 0, tensor.numel));
@@ -217,10 +226,26 @@ class GlooCommunicator : public Communicator,
     group_->allgather(outputs, inputs)->wait();
   }
 
+  // Dtypes Gloo's own ring all-reduce sums in LibTorch 1.13.
+  static bool gloo_reduces(c10::ScalarType dtype) {
+    return dtype == c10::kFloat || dtype == c10::kDouble || dtype == c10::kHalf ||
+           dtype == c10::kLong || dtype == c10::kInt || dtype == c10::kByte;
+  }
+
+  // A reusable buffer of `numel` elements (worker thread only): a fresh allocation per
+  // call costs a page fault per 4 KiB, more than the copy itself.
+  enum ScratchSlot { kReceivedSlot, kPaddedSlot, kChunkSlot, kNumSlots };
+  at::Tensor scratch(ScratchSlot slot, int64_t numel, c10::ScalarType dtype) {
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    at::Tensor& buffer = scratch_[slot];
+    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
+    return buffer.narrow(0, 0, bytes).view(dtype);
+  }
+
   // output: n elements; input: W x n elements of the same dtype. See Note [Gloo collectives].
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
     const int64_t n = output.numel();
-    at::Tensor received = at::empty({input.numel()}, input.dtype());
+    at::Tensor received = scratch(kReceivedSlot, input.numel(), input.scalar_type());
     at::Tensor received_bytes = received.view(at::kByte);
     at::Tensor input_bytes = input.view(at::kByte);
     std::vector<int64_t> equal_splits;  // empty = W equal chunks
@@ -235,6 +260,7 @@ class GlooCommunicator : public Communicator,
   c10::intrusive_ptr<c10d::Store> store_;
   GlooOptions options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  at::Tensor scratch_[kNumSlots];
   Worker worker_;  // last: joined first on destruction, while the group still exists
 };
 

@@ -8,9 +8,9 @@
 // How the collectives map onto Gloo (see Note [Gloo collectives] in gloo.cc): all-gather
 // is Gloo's ring allgather into views of the flat output; reduce-scatter is a pairwise
 // all-to-all followed by a local sum, so each rank sends and receives (W - 1)/W of the
-// input, like a ring reduce-scatter; all-reduce is that reduce-scatter followed by the
-// all-gather on a buffer padded to a multiple of W. Data moves as bytes, so every dtype
-// of is_supported_dtype works.
+// input, like a ring reduce-scatter; all-reduce is Gloo's ring all-reduce (or, for
+// dtypes Gloo cannot sum, that reduce-scatter followed by the all-gather). Data that is
+// only moved moves as bytes, so every dtype of is_supported_dtype works.
 //
 // Threading: collectives run in issue order on one worker thread per communicator;
 // Work::wait may be called from any thread. PyTorch: ProcessGroupGloo.

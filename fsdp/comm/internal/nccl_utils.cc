@@ -64,8 +64,7 @@ const char* nccl_result_name(ncclResult_t result) {
   }
 }
 
-std::string describe_nccl_failure(const char* call, ncclResult_t result,
-                                  const char* last_error) {
+std::string describe_nccl_failure(const char* call, ncclResult_t result, const char* last_error) {
   std::string message = absl::StrCat(call, " failed: ", ncclGetErrorString(result), " [",
                                      nccl_result_name(result), "]");
   if (last_error != nullptr && last_error[0] != '\0') {
@@ -75,8 +74,8 @@ std::string describe_nccl_failure(const char* call, ncclResult_t result,
 }
 
 std::string describe_cuda_failure(const char* call, cudaError_t result) {
-  return absl::StrCat(call, " failed: ", cudaGetErrorString(result), " [",
-                      cudaGetErrorName(result), "]");
+  return absl::StrCat(call, " failed: ", cudaGetErrorString(result), " [", cudaGetErrorName(result),
+                      "]");
 }
 
 void check_nccl(ncclResult_t result, const char* call) {
@@ -102,10 +101,11 @@ std::vector<uint8_t> fetch_bytes(c10d::Store& store, const std::string& key, int
   try {
     return store.get(key);
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, "rank ", rank, " could not fetch the NCCL unique id from store key \"",
-                key, "\" within the store's timeout of ", store.getTimeout().count(),
+    TORCH_CHECK(false, "rank ", rank, " could not fetch the NCCL unique id from store key \"", key,
+                "\" within the store's timeout of ", store.getTimeout().count(),
                 " ms (rank 0 publishes it; is rank 0 up and using the same store and "
-                "prefix?): ", error.what());
+                "prefix?): ",
+                error.what());
   }
 }
 
@@ -121,9 +121,9 @@ ncclUniqueId exchange_unique_id(c10d::Store& store, const std::string& key, int 
     return id;
   }
   const std::vector<uint8_t> bytes = fetch_bytes(store, key, rank);
-  TORCH_CHECK(bytes.size() == sizeof(id.internal), "rank ", rank,
-              ": store key \"", key, "\" holds ", bytes.size(),
-              " bytes, expected an NCCL unique id of ", sizeof(id.internal),
+  TORCH_CHECK(bytes.size() == sizeof(id.internal), "rank ", rank, ": store key \"", key,
+              "\" holds ", bytes.size(), " bytes, expected an NCCL unique id of ",
+              sizeof(id.internal),
               " bytes; another program may be using the same key (set a distinct "
               "NcclOptions::store_prefix)");
   std::memcpy(id.internal, bytes.data(), bytes.size());

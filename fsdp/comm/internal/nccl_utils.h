@@ -49,8 +49,7 @@ class NcclCallError : public c10::Error {
 
 // The message of a failed NCCL call: "<call> failed: <ncclGetErrorString> [<code name>]",
 // then "; last NCCL error: <last_error>" when last_error is neither null nor empty.
-std::string describe_nccl_failure(const char* call, ncclResult_t result,
-                                  const char* last_error);
+std::string describe_nccl_failure(const char* call, ncclResult_t result, const char* last_error);
 
 // The message of a failed CUDA runtime call: "<call> failed: <cudaGetErrorString>
 // [<cudaGetErrorName>]".

@@ -1,0 +1,116 @@
+// The NCCL backend: collectives between GPUs through the NCCL C API, on raw device buffers
+// (PyTorch: ProcessGroupNCCL). This LibTorch is CPU-only, so there are no CUDA tensors:
+// callers pass CommBuffers that point into device memory (cudaMalloc'ed, or the
+// data_ptr() of a CUDA tensor in a CUDA build), with device = c10::Device(c10::kCUDA, i).
+//
+//   auto store = c10::make_intrusive<c10d::TCPStore>(master_addr, store_options);
+//   fsdp::NcclOptions options;
+//   options.device_index(local_rank).compute_stream(my_stream);   // a cudaStream_t
+//   std::shared_ptr<fsdp::Communicator> comm =
+//       fsdp::make_nccl_communicator(store, rank, world_size, options);
+//   const c10::Device gpu(c10::kCUDA, local_rank);
+//   float *shard, *full;                       // n and n * world_size floats on `gpu`
+//   // ... a kernel on my_stream writes `shard` ...
+//   fsdp::WorkHandle work = comm->all_gather_into_tensor_async(
+//       {full, n * world_size, c10::kFloat, gpu}, {shard, n, c10::kFloat, gpu});
+//   work->wait();   // done; kernels queued on my_stream from now on see `full`
+//
+// Buffers: Communicator checks shapes, dtypes (float32, float64, float16, bfloat16,
+// int64, int32, uint8) and devices (c10::Device(c10::kCUDA, options.device_index), or
+// kCUDA without an index) before any traffic. It cannot check that a pointer is device
+// memory of that size: NCCL rejects some bad pointers (a CommError), others are undefined
+// behaviour, as in NCCL.
+//
+// Note [NCCL streams and events]
+// A communicator owns three CUDA streams on its device, created non-blocking so that they
+// never synchronize implicitly with the legacy default stream: one for all-gather, one
+// for reduce-scatter, and a third shared by all-reduce, broadcast and barrier (kept off
+// the first two so that those stay free of unrelated waits, as in PyTorch FSDP's
+// all-gather and reduce-scatter streams). Issuing a collective
+//   1. records an event on the compute stream (NcclOptions::compute_stream) and makes the
+//      collective's stream wait on it, so the collective sees everything the caller
+//      queued on the compute stream before the call (e.g. the kernel that wrote its input);
+//   2. launches the NCCL call on the collective's stream and records a completion event.
+// The host does not wait for the device. NCCL itself runs the kernels of one communicator
+// in issue order, whatever their stream, so the streams order collectives against
+// compute, not against each other.
+//   Work::is_completed() queries the completion event without blocking (true also once
+// the work failed; wait() then throws). Work::wait(timeout) polls the event and
+// ncclCommGetAsyncError until the event fires, NCCL reports an error, or the timeout
+// passes (so, unlike ProcessGroupNCCL's wait, it blocks the host until the collective
+// finished: that is what lets it enforce the deadline); on success it also makes the
+// compute stream wait for the completion event (cudaStreamWaitEvent), so the caller may
+// use the output on the compute stream. On an
+// error or a timeout it aborts the NCCL communicator (ncclCommAbort), which fails every
+// other pending work of this communicator, marks the communicator broken, and throws a
+// CommError naming the collective, its sequence number, this rank and what NCCL (or
+// CUDA) reported. Peers see the failure as an error or a timeout of their own.
+//   The caller keeps inputs unchanged and outputs unread (on other streams) and every
+// buffer allocated until the work completed, as with c10d.
+//
+// Threading: collectives of one communicator are issued from one thread at a time (see
+// communicator.h); its works may be waited on or polled from any thread. Every call sets
+// the current CUDA device to options.device_index while it runs and restores the
+// caller's afterwards.
+#ifndef FSDP_COMM_NCCL_H_
+#define FSDP_COMM_NCCL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "fsdp/comm/communicator.h"
+
+namespace fsdp {
+
+// A cudaStream_t, as void* so that this header needs no CUDA header.
+using CudaStreamHandle = void*;
+
+struct NcclOptions {
+  // The CUDA device of this rank (usually LOCAL_RANK), >= 0. Every buffer must be on it.
+  TORCH_ARG(int, device_index) = 0;
+  // Default deadline of Work::wait() and of the blocking calls, milliseconds, > 0.
+  // ProcessGroupNCCL's default is 10 minutes as well.
+  TORCH_ARG(int64_t, timeout_ms) = 10 * 60 * 1000;
+  // The caller's compute stream, a cudaStream_t of device_index; nullptr is the legacy
+  // default stream. Collectives start after the work queued on it before
+  // the call; a successful Work::wait() orders it after the collective. See Note [NCCL
+  // streams and events].
+  TORCH_ARG(CudaStreamHandle, compute_stream) = nullptr;
+  // Namespace of this communicator's keys in the store: the NCCL unique id is published
+  // under "<store_prefix>/nccl_unique_id", a subgroup's under "<store_prefix>/<tag>/...".
+  // Keys are never deleted: every communicator made from one store needs its own prefix.
+  TORCH_ARG(std::string, store_prefix) = "fsdp/nccl";
+};
+
+// Makes this rank's NCCL communicator of `world_size` ranks (PyTorch:
+// ProcessGroupNCCL(store, rank, size)). Collective over the ranks: blocks until all of
+// them called it with the same store, world_size and store_prefix. Rank 0 creates the
+// NCCL unique id (ncclGetUniqueId) and publishes it through `store`; the other ranks
+// wait for it in store->get (under the store's timeout). Then every rank calls
+// ncclCommInitRank on options.device_index.
+//
+// new_subgroup() makes a new NCCL communicator among the members (same device, timeout
+// and compute stream, its own streams), exchanging its unique id through the same store
+// under "<store_prefix>/<tag>". Not ncclCommSplit: that is collective over every rank of
+// the parent, while new_subgroup is called by the members only.
+//
+// Destruction never waits for a pending collective: if none is pending and the
+// communicator is not broken it calls ncclCommDestroy, otherwise ncclCommAbort (pending
+// works then throw a CommError from wait()). Then it destroys the streams and events and
+// frees the barrier buffer (cudaFree may wait for kernels already running on the device).
+//
+// Throws c10::Error if `store` is null, rank/world_size/options are out of range, the id
+// cannot be exchanged (e.g. rank 0 did not publish it within the store's timeout), or a
+// CUDA or NCCL setup call fails (no device, an invalid device index, ncclCommInitRank);
+// the message names the failing call.
+std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store> store,
+                                                     int rank, int world_size,
+                                                     NcclOptions options = {});
+
+}  // namespace fsdp
+
+#endif  // FSDP_COMM_NCCL_H_

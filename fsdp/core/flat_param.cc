@@ -74,6 +74,7 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
     sharded_ = unsharded_flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_).clone();
   }
   sharded_.set_requires_grad(true);
+  reshard();  // sharded from the start: only the shard's memory stays allocated
 }
 
 std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {

@@ -13,7 +13,8 @@
 // elements in the given order (shared parameters must be passed once), padded with zeros
 // to shard_numel x world_size elements; rank r owns elements [r x shard_numel,
 // (r + 1) x shard_numel). After construction the original parameters are views into the
-// unsharded flat buffer (set_data), so modules keep using them unchanged.
+// unsharded flat buffer (set_data), so modules keep using them unchanged; the handle
+// starts resharded (that buffer's memory freed), so read them after unshard().
 //
 // NO_SHARD keeps the whole (unpadded) flat parameter on every rank: the sharded flat
 // parameter is the flat buffer itself, unshard/reshard do nothing, and gradients are

@@ -66,7 +66,11 @@ TEST_P(FlatParamHandleTest, ShardsUnshardsReshardsAndReducesGradients) {
     EXPECT_EQ(handle.sharded_flat_param().numel(), shard);
     EXPECT_TRUE(handle.sharded_flat_param().requires_grad());
     EXPECT_TRUE(handle.sharded_flat_param().is_leaf());
-    // The original parameters are views with their old values and shapes.
+    // Sharded from the start; unsharded, the original parameters are views with their
+    // old values and shapes.
+    EXPECT_FALSE(handle.is_unsharded());
+    EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
+    handle.unshard();
     EXPECT_TRUE(at::equal(handle.original_params()[0], expected0));
     EXPECT_EQ(params[1].param.sizes(), c10::IntArrayRef({4}));
 

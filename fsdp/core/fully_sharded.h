@@ -1,0 +1,107 @@
+// FullyShardedDataParallel: the root of an FSDP model. It makes the wrapped model the
+// root unit, binds every Unit<T> inside it (unit.h), flattens and shards each unit's
+// parameters, and trains with the runtime of internal/runtime.h.
+//
+//   auto comm = fsdp::init_from_environment();
+//   fsdp::FullyShardedDataParallel<NetImpl> model(
+//       std::make_shared<NetImpl>(),
+//       fsdp::FullyShardedDataParallelOptions(comm).sharding_strategy(
+//           fsdp::ShardingStrategy::kFullShard));
+//   torch::optim::SGD optimizer(model->parameters(), /*lr=*/0.01);  // the flat shards
+//   auto loss = model->forward(x).pow(2).mean();
+//   loss.backward();      // gradients reduce-scattered into the shards' .grad
+//   optimizer.step();
+//
+// Units: the Unit<T> modules of the model (annotate with fsdp::Unit / fsdp::wrap) plus
+// the root, which owns every parameter no unit inside it owns. Each unit flattens its
+// parameters (shared ones once) into a FlatParamHandle. A parameter shared by two units
+// neither of which contains the other is an error at construction naming both FQNs:
+// place both users inside one unit.
+//
+// Collectives per iteration (n = units with parameters; REFERENCE §4): FULL_SHARD:
+// forward all-gathers n, backward all-gathers n - 1 (the root is not resharded after
+// forward), reduce-scatters n; SHARD_GRAD_OP: all-gathers n, reduce-scatters n;
+// NO_SHARD: all-reduces n. Gradients are averaged over ranks, so training matches one
+// process on the global batch when each rank's loss is a mean over its equal share.
+//
+// Parameters: parameters() of the root gives the sharded flat parameters for the
+// optimizer (call it on the FullyShardedDataParallelImpl, not through a Module&, which
+// still lists the original parameters: those stay registered so names and state-dict
+// keys equal the unwrapped model's). PyTorch: torch.distributed.fsdp.
+// FullyShardedDataParallel (use_orig_params=False).
+//
+// Threading: one root per rank, used by that rank's thread. Errors: c10::Error.
+#ifndef FSDP_CORE_FULLY_SHARDED_H_
+#define FSDP_CORE_FULLY_SHARDED_H_
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/arg.h>
+
+#include "fsdp/comm/communicator.h"
+#include "fsdp/core/flat_param.h"
+#include "fsdp/core/unit.h"
+
+namespace fsdp {
+
+struct FullyShardedDataParallelOptions {
+  explicit FullyShardedDataParallelOptions(std::shared_ptr<Communicator> communicator)
+      : communicator_(std::move(communicator)) {}
+  // The ranks to shard over.
+  TORCH_ARG(std::shared_ptr<Communicator>, communicator);
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  // Modules (with everything below them) FSDP leaves alone: not flattened, not sharded.
+  TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);
+};
+
+// Binds `root` and every Unit inside it; returns the root's runtime state. Used by
+// FullyShardedDataParallelImpl; throws c10::Error on bad models (see the file comment).
+std::shared_ptr<core_internal::RootState> bind_fully_sharded(
+    UnitBase& root, const FullyShardedDataParallelOptions& options);
+
+template <typename Contained>
+class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
+ public:
+  FullyShardedDataParallelImpl(std::shared_ptr<Contained> module,
+                               const FullyShardedDataParallelOptions& options)
+      : UnitImpl<Contained>(std::move(module)),
+        root_(bind_fully_sharded(*this, options)) {}
+
+  // The sharded flat parameters of every unit, in pre-order: what the optimizer updates.
+  std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const {
+    std::vector<at::Tensor> flat;
+    for (const auto& unit : root_->units()) {
+      if (unit->handle() != nullptr) flat.push_back(unit->handle()->sharded_flat_param());
+    }
+    return flat;
+  }
+
+  // Units in pre-order (the root first), for inspection.
+  const std::vector<std::shared_ptr<core_internal::UnitState>>& units() const {
+    return root_->units();
+  }
+  TrainingState training_state() const { return root_->training_state(); }
+  Communicator& communicator() const { return root_->comm(); }
+
+ private:
+  std::shared_ptr<core_internal::RootState> root_;
+};
+
+template <typename Contained>
+class FullyShardedDataParallel
+    : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Contained>> {
+ public:
+  using torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Contained>>::ModuleHolder;
+  FullyShardedDataParallel(std::shared_ptr<Contained> module,
+                           const FullyShardedDataParallelOptions& options)
+      : torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Contained>>(
+            std::make_shared<FullyShardedDataParallelImpl<Contained>>(std::move(module),
+                                                                      options)) {}
+};
+
+}  // namespace fsdp
+
+#endif  // FSDP_CORE_FULLY_SHARDED_H_

@@ -1,0 +1,185 @@
+#include "fsdp/core/internal/runtime.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace fsdp {
+
+const char* training_state_name(TrainingState state) {
+  switch (state) {
+    case TrainingState::kIdle:
+      return "TrainingState.IDLE";
+    case TrainingState::kForwardBackward:
+      return "TrainingState.FORWARD_BACKWARD";
+    case TrainingState::kSummonFullParams:
+      return "TrainingState.SUMMON_FULL_PARAMS";
+  }
+  return "unknown";
+}
+
+const char* handle_training_state_name(HandleTrainingState state) {
+  switch (state) {
+    case HandleTrainingState::kIdle:
+      return "HandleTrainingState.IDLE";
+    case HandleTrainingState::kForward:
+      return "HandleTrainingState.FORWARD";
+    case HandleTrainingState::kBackwardPre:
+      return "HandleTrainingState.BACKWARD_PRE";
+    case HandleTrainingState::kBackwardPost:
+      return "HandleTrainingState.BACKWARD_POST";
+    case HandleTrainingState::kSummonFullParams:
+      return "HandleTrainingState.SUMMON_FULL_PARAMS";
+  }
+  return "unknown";
+}
+
+namespace core_internal {
+namespace {
+
+// Note [Units intercept forward and backward]
+// The C++ frontend has no module hooks, so a unit's forward() itself runs the FSDP steps
+// around the wrapped module's forward (unit.h): pre_forward unshards, post_forward
+// reshards (FULL_SHARD, not the root) and puts a hook on each output that requires
+// grad. In backward:
+// - pre-backward: the output hook fires before the unit's own backward ops and gathers
+//   the parameters again (the first such hook of a pass also queues the end-of-backward
+//   callback on the autograd engine);
+// - post-backward: every original parameter is an output of one GradientSink node per
+//   unit (set_gradient_edge), so the engine calls the sink once, with every parameter's
+//   summed gradient, after the last op that uses them; the sink reduce-scatters into the
+//   sharded flat parameter's .grad and reshards;
+// - end of backward: the queued callback reshards units whose sink never ran (unused in
+//   this iteration) and resets the per-iteration state.
+
+class GradientSink : public torch::autograd::Node {
+ public:
+  explicit GradientSink(std::weak_ptr<UnitState> unit) : unit_(std::move(unit)) {}
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (auto unit = unit_.lock()) unit->post_backward(grads);
+    return {};
+  }
+
+  std::string name() const override { return "fsdp::GradientSink"; }
+
+ private:
+  std::weak_ptr<UnitState> unit_;
+};
+
+}  // namespace
+
+UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
+                     std::unique_ptr<FlatParamHandle> handle)
+    : fqn_(std::move(fqn)), is_root_(is_root), root_(root), handle_(std::move(handle)) {}
+
+void UnitState::install_gradient_sink() {
+  if (!handle_) return;
+  auto sink = std::make_shared<GradientSink>(weak_from_this());
+  const std::vector<at::Tensor>& params = handle_->original_params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].requires_grad(), "FullyShardedDataParallel: parameter '",
+                handle_->param_infos()[i].fqn,
+                "' does not require grad; frozen parameters are not supported yet: leave the "
+                "module out with ignored_modules");
+    sink->add_input_metadata(params[i]);
+    torch::autograd::impl::set_gradient_edge(params[i],
+                                             {sink, static_cast<uint32_t>(i)});
+  }
+}
+
+void UnitState::pre_forward() {
+  root_->assert_in_states({TrainingState::kIdle, TrainingState::kForwardBackward},
+                          "forward");
+  if (is_root_) root_->begin_forward();
+  if (!handle_) return;
+  handle_->unshard();
+  handle_state_ = HandleTrainingState::kForward;
+}
+
+bool UnitState::hook_output(const at::Tensor& output) {
+  if (!output.defined() || !output.requires_grad()) return false;
+  std::weak_ptr<UnitState> self = weak_from_this();
+  output.register_hook([self](const at::Tensor& grad) {
+    if (auto unit = self.lock()) unit->pre_backward();
+    return grad;
+  });
+  return true;
+}
+
+void UnitState::post_forward(bool hooked) {
+  if (handle_) {
+    handle_state_ = HandleTrainingState::kIdle;
+    // The root keeps its parameters for backward (saves an all-gather); a unit whose
+    // outputs carry no hook keeps them too, since nothing would gather them again.
+    if (!is_root_ && hooked && root_->strategy() == ShardingStrategy::kFullShard) {
+      handle_->reshard();
+    }
+  }
+  if (is_root_ && !at::GradMode::is_enabled()) root_->end_forward_without_grad();
+}
+
+void UnitState::pre_backward() {
+  root_->ensure_end_of_backward_callback();
+  if (pre_backward_done_ || !handle_) return;
+  pre_backward_done_ = true;
+  handle_->unshard();
+  handle_state_ = HandleTrainingState::kBackwardPre;
+}
+
+void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
+  TORCH_INTERNAL_ASSERT(handle_ != nullptr);
+  handle_state_ = HandleTrainingState::kBackwardPost;
+  handle_->reduce_grad(grads);
+  reshard_if_sharded_strategy();
+}
+
+void UnitState::reshard_if_sharded_strategy() {
+  if (handle_ && root_->strategy() != ShardingStrategy::kNoShard) handle_->reshard();
+}
+
+void UnitState::finish_iteration() {
+  reshard_if_sharded_strategy();
+  handle_state_ = HandleTrainingState::kIdle;
+  pre_backward_done_ = false;
+}
+
+void RootState::assert_in_states(std::initializer_list<TrainingState> states,
+                                 const char* what) const {
+  for (TrainingState state : states) {
+    if (state == training_state_) return;
+  }
+  std::vector<std::string> names;
+  for (TrainingState state : states) names.push_back(training_state_name(state));
+  TORCH_CHECK(false, "FullyShardedDataParallel ", what, ": expected to be in states [",
+              absl::StrJoin(names, ", "), "] but current state is ",
+              training_state_name(training_state_));
+}
+
+void RootState::begin_forward() { training_state_ = TrainingState::kForwardBackward; }
+
+void RootState::end_forward_without_grad() {
+  for (const auto& unit : units_) unit->finish_iteration();
+  training_state_ = TrainingState::kIdle;
+}
+
+void RootState::ensure_end_of_backward_callback() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+}
+
+void RootState::finish_backward() {
+  for (const auto& unit : units_) unit->finish_iteration();
+  training_state_ = TrainingState::kIdle;
+  callback_queued_ = false;
+}
+
+}  // namespace core_internal
+}  // namespace fsdp

@@ -1,0 +1,102 @@
+// The FSDP runtime behind units (unit.h) and FullyShardedDataParallel
+// (fully_sharded.h): per-unit state, the hooks that unshard, reshard and reduce
+// gradients, and the training-state checks. Not a public API.
+//
+// See Note [Units intercept forward and backward] in runtime.cc.
+#ifndef FSDP_CORE_INTERNAL_RUNTIME_H_
+#define FSDP_CORE_INTERNAL_RUNTIME_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "fsdp/comm/communicator.h"
+#include "fsdp/core/flat_param.h"
+
+namespace fsdp {
+
+// PyTorch: torch.distributed.fsdp._common_utils.TrainingState.
+enum class TrainingState { kIdle, kForwardBackward, kSummonFullParams };
+// PyTorch: torch.distributed.fsdp._common_utils.HandleTrainingState.
+enum class HandleTrainingState { kIdle, kForward, kBackwardPre, kBackwardPost, kSummonFullParams };
+
+const char* training_state_name(TrainingState state);          // "TrainingState.IDLE", ...
+const char* handle_training_state_name(HandleTrainingState state);
+
+namespace core_internal {
+
+class RootState;
+
+class UnitState : public std::enable_shared_from_this<UnitState> {
+ public:
+  // `handle` may be null (a unit that owns no parameters).
+  UnitState(std::string fqn, bool is_root, RootState* root,
+            std::unique_ptr<FlatParamHandle> handle);
+
+  const std::string& fqn() const { return fqn_; }
+  bool is_root() const { return is_root_; }
+  FlatParamHandle* handle() const { return handle_.get(); }
+  HandleTrainingState handle_state() const { return handle_state_; }
+
+  // Connects the original parameters to this unit's gradient sink. Called once, after
+  // construction (needs shared_from_this).
+  void install_gradient_sink();
+
+  void pre_forward();
+  // Puts the pre-backward hook on an output of the unit's forward that requires grad;
+  // returns whether it did.
+  bool hook_output(const at::Tensor& output);
+  // `hooked`: an output carries the pre-backward hook, so the unit may reshard now and
+  // gather again before its backward.
+  void post_forward(bool hooked);
+
+  void pre_backward();
+  void post_backward(const std::vector<at::Tensor>& grads);
+  // End of a backward pass: reshard whatever is still unsharded, reset per-iteration flags.
+  void finish_iteration();
+  void reshard_if_sharded_strategy();
+
+ private:
+  std::string fqn_;
+  bool is_root_;
+  RootState* root_;
+  std::unique_ptr<FlatParamHandle> handle_;
+  HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
+  bool pre_backward_done_ = false;
+};
+
+class RootState {
+ public:
+  RootState(std::shared_ptr<Communicator> comm, ShardingStrategy strategy)
+      : comm_(std::move(comm)), strategy_(strategy) {}
+
+  Communicator& comm() { return *comm_; }
+  ShardingStrategy strategy() const { return strategy_; }
+  TrainingState training_state() const { return training_state_; }
+  const std::vector<std::shared_ptr<UnitState>>& units() const { return units_; }
+  void add_unit(std::shared_ptr<UnitState> unit) { units_.push_back(std::move(unit)); }
+
+  // The seed's _assert_in_training_states: throws c10::Error with its message.
+  void assert_in_states(std::initializer_list<TrainingState> states, const char* what) const;
+
+  void begin_forward();                 // root pre-forward
+  void end_forward_without_grad();      // no backward will come: reshard, back to idle
+  void ensure_end_of_backward_callback();  // from any pre-backward hook
+
+ private:
+  void finish_backward();
+
+  std::shared_ptr<Communicator> comm_;
+  ShardingStrategy strategy_;
+  TrainingState training_state_ = TrainingState::kIdle;
+  bool callback_queued_ = false;
+  std::vector<std::shared_ptr<UnitState>> units_;  // pre-order
+};
+
+}  // namespace core_internal
+}  // namespace fsdp
+
+#endif  // FSDP_CORE_INTERNAL_RUNTIME_H_

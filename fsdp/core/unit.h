@@ -1,0 +1,147 @@
+// FSDP units: the module wrapper that makes a submodule one unit of sharding.
+//
+//   struct Net : torch::nn::Module {
+//     Net() {
+//       block1 = register_module("block1", fsdp::Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+//       head = register_module("head", torch::nn::Linear(64, 10));
+//     }
+//     torch::Tensor forward(torch::Tensor x) { return head(block1(x)); }
+//     fsdp::Unit<BlockImpl> block1{nullptr};
+//     torch::nn::Linear head{nullptr};
+//   };
+//
+// A Unit<T> holds the module as its child "_fsdp_wrapped_module" (so names clean as in
+// PyTorch: "block1._fsdp_wrapped_module.fc.weight" -> "block1.fc.weight") and has T's
+// forward signature, so it sits in a typed member, a ModuleList, a std::vector or a
+// Sequential (AnyModule). Until a FullyShardedDataParallel root binds it, a unit is a
+// transparent pass-through: the same model code runs with and without FSDP.
+//
+// Bound, its forward unshards the unit's flat parameter, runs T::forward, reshards
+// (FULL_SHARD) and hooks the tensor outputs for backward (see Note [Units intercept
+// forward and backward] in internal/runtime.cc). Outputs hooked: at::Tensor,
+// std::tuple/std::vector of tensors; a unit with other outputs keeps its parameters
+// gathered until its backward. PyTorch: a nested FullyShardedDataParallel instance.
+//
+// Threading: a unit runs on its rank's thread.
+#ifndef FSDP_CORE_UNIT_H_
+#define FSDP_CORE_UNIT_H_
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "fsdp/core/internal/runtime.h"
+
+namespace fsdp {
+
+// What the runtime finds in a module tree: any Unit<T>.
+class UnitBase : public torch::nn::Module {
+ public:
+  // The wrapped module.
+  virtual std::shared_ptr<torch::nn::Module> wrapped_module() const = 0;
+  // Null until a FullyShardedDataParallel root binds this unit.
+  core_internal::UnitState* state() const { return state_.get(); }
+  void bind(std::shared_ptr<core_internal::UnitState> state) { state_ = std::move(state); }
+
+ protected:
+  // Runs `forward` (the wrapped module's) with the FSDP steps around it.
+  template <typename Forward>
+  auto run(Forward&& forward) -> decltype(forward()) {
+    if (!state_) return forward();
+    state_->pre_forward();
+    auto output = forward();
+    state_->post_forward(hook_outputs(output));
+    return output;
+  }
+
+ private:
+  bool hook_outputs(const at::Tensor& output) { return state_->hook_output(output); }
+  bool hook_outputs(const std::vector<at::Tensor>& outputs) {
+    bool hooked = false;
+    for (const at::Tensor& t : outputs) hooked = state_->hook_output(t) || hooked;
+    return hooked;
+  }
+  template <typename... Ts>
+  bool hook_outputs(const std::tuple<Ts...>& outputs) {
+    return std::apply([this](const auto&... items) { return (hook_item(items) | ... | false); },
+                      outputs);
+  }
+  template <typename T>
+  bool hook_outputs(const T&) {
+    return false;  // not a tensor: see the file comment
+  }
+  template <typename T>
+  bool hook_item(const T& item) {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return state_->hook_output(item);
+    } else {
+      return false;
+    }
+  }
+
+  std::shared_ptr<core_internal::UnitState> state_;
+};
+
+namespace core_internal {
+
+// Gives Derived a non-template forward() with exactly the signature of Contained's, so
+// AnyModule (Sequential) can take its address. Derived provides call(args...).
+template <typename Derived, typename Signature>
+class ForwardAs;
+
+template <typename Derived, typename Contained, typename Result, typename... Args>
+class ForwardAs<Derived, Result (Contained::*)(Args...)> {
+ public:
+  Result forward(Args... args) {
+    return static_cast<Derived*>(this)->call(std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace core_internal
+
+template <typename Contained>
+class UnitImpl : public UnitBase,
+                 public core_internal::ForwardAs<UnitImpl<Contained>,
+                                                 decltype(&Contained::forward)> {
+ public:
+  explicit UnitImpl(std::shared_ptr<Contained> module)
+      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {}
+
+  std::shared_ptr<torch::nn::Module> wrapped_module() const override { return module_; }
+  const std::shared_ptr<Contained>& module() const { return module_; }
+
+  template <typename... Args>
+  decltype(auto) call(Args&&... args) {
+    return run([&]() -> decltype(auto) { return module_->forward(std::forward<Args>(args)...); });
+  }
+
+ private:
+  std::shared_ptr<Contained> module_;
+};
+
+// A ModuleHolder for UnitImpl<Contained>, made from the module to wrap:
+//   fsdp::Unit<torch::nn::LinearImpl> unit(torch::nn::Linear(5, 5).ptr());
+template <typename Contained>
+class Unit : public torch::nn::ModuleHolder<UnitImpl<Contained>> {
+ public:
+  using torch::nn::ModuleHolder<UnitImpl<Contained>>::ModuleHolder;
+  explicit Unit(std::shared_ptr<Contained> module)
+      : torch::nn::ModuleHolder<UnitImpl<Contained>>(
+            std::make_shared<UnitImpl<Contained>>(std::move(module))) {}
+};
+
+// Unit<T> for a module holder: fsdp::make_unit(torch::nn::Linear(5, 5)).
+template <typename Contained>
+Unit<Contained> make_unit(const torch::nn::ModuleHolder<Contained>& module) {
+  return Unit<Contained>(module.ptr());
+}
+
+}  // namespace fsdp
+
+#endif  // FSDP_CORE_UNIT_H_

@@ -6,8 +6,10 @@
 //       --layer_cls=torch.nn.modules.transformer.TransformerEncoderLayer
 //
 // The model is a TorchScript file (torch.jit.script(model).save(path) in PyTorch). Bad
-// input prints one line on stderr and exits with status 2.
+// input prints one line on stderr and exits with status 2 (an unknown flag name is
+// Abseil's to reject, with status 1).
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <set>
 #include <string>
@@ -16,6 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/wrap/module_tree.h"
@@ -27,8 +30,9 @@
 
 ABSL_FLAG(std::string, model, "", "TorchScript file of the model (required)");
 ABSL_FLAG(std::string, policy, "size", "auto-wrap policy: size, always or transformer");
-ABSL_FLAG(int64_t, min_num_params, 100000000,
-          "size policy: a module is large iff its unwrapped numel >= this (elements)");
+ABSL_FLAG(std::string, min_num_params, "1e8",
+          "size policy: a module is large iff its unwrapped numel >= this (elements; "
+          "an integer, also written like 1e8)");
 ABSL_FLAG(std::vector<std::string>, layer_cls, {},
           "transformer policy: Python class paths of the layers to wrap, comma-separated");
 ABSL_FLAG(std::vector<std::string>, force_leaf, {},
@@ -37,7 +41,7 @@ ABSL_FLAG(std::vector<std::string>, exclude, {},
           "size policy: class paths never wrapped (default: ModuleList, ModuleDict)");
 ABSL_FLAG(std::vector<std::string>, ignored_modules, {},
           "FQNs of modules FSDP leaves alone, comma-separated");
-ABSL_FLAG(int64_t, world_size, 1, "number of ranks to shard over (>= 1)");
+ABSL_FLAG(std::string, world_size, "1", "number of ranks to shard over, 1 ... 1048576");
 ABSL_FLAG(std::string, format, "table", "output: table or json");
 
 namespace {
@@ -51,10 +55,49 @@ using fsdp::ModuleType;
   std::exit(2);
 }
 
+// An integer flag: digits, or a float literal with an integral value (1e8), in
+// [min, max].
+int64_t count_flag(const char* flag, const std::string& text, int64_t min, int64_t max) {
+  int64_t value = 0;
+  double real = 0;
+  const bool ok = absl::SimpleAtoi(text, &value) ||
+                  (absl::SimpleAtod(text, &real) && real >= -9e15 && real <= 9e15 &&
+                   real == static_cast<double>(value = static_cast<int64_t>(real)));
+  if (!ok || value < min || value > max) {
+    fail(absl::StrCat("--", flag, " must be an integer in [", min, ", ", max, "], got '",
+                      text, "'"));
+  }
+  return value;
+}
+
+// A comma-separated list flag without empty entries (a trailing comma is a mistake).
+std::vector<std::string> list_flag(const char* flag, const std::vector<std::string>& items) {
+  for (const std::string& item : items) {
+    if (item.empty()) fail(absl::StrCat("--", flag, " has an empty entry; remove the extra comma"));
+  }
+  return items;
+}
+
+// The model file must be a regular file (not a directory, a FIFO, a device).
+void check_model_file(const std::string& path) {
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (error || !std::filesystem::exists(status)) {
+    fail(absl::StrCat("cannot open '", path, "': no such file; expected a TorchScript file "
+                      "written by torch.jit.script(model).save(path)"));
+  }
+  if (!std::filesystem::is_regular_file(status)) {
+    fail(absl::StrCat("'", path, "' is ",
+                      std::filesystem::is_directory(status) ? "a directory" : "not a regular file",
+                      "; expected a TorchScript file written by torch.jit.script(model).save(path)"));
+  }
+}
+
 // Class paths must name a type in the model or a torch.nn type: catches typos that would
 // otherwise silently match nothing.
-std::vector<ModuleType> class_paths(const ModuleTree& tree, const std::string& flag,
+std::vector<ModuleType> class_paths(const ModuleTree& tree, const char* flag,
                                     const std::vector<std::string>& paths) {
+  list_flag(flag, paths);
   std::set<std::string> present;
   for (const fsdp::ModuleNode& node : tree.nodes()) present.insert(node.type_name);
   std::vector<ModuleType> types;
@@ -72,6 +115,13 @@ std::vector<ModuleType> class_paths(const ModuleTree& tree, const std::string& f
 
 fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
   const std::string policy = absl::GetFlag(FLAGS_policy);
+  if (policy != "transformer" && !absl::GetFlag(FLAGS_layer_cls).empty()) {
+    fail("--layer_cls is used by --policy=transformer only");
+  }
+  if (policy != "size" &&
+      (!absl::GetFlag(FLAGS_force_leaf).empty() || !absl::GetFlag(FLAGS_exclude).empty())) {
+    fail("--force_leaf and --exclude are used by --policy=size only");
+  }
   if (policy == "always") return fsdp::always_wrap_policy();
   if (policy == "transformer") {
     if (absl::GetFlag(FLAGS_layer_cls).empty()) {
@@ -81,10 +131,8 @@ fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
         class_paths(tree, "layer_cls", absl::GetFlag(FLAGS_layer_cls)));
   }
   if (policy == "size") {
-    const int64_t min_num_params = absl::GetFlag(FLAGS_min_num_params);
-    if (min_num_params < 0) {
-      fail(absl::StrCat("--min_num_params must be >= 0, got ", min_num_params));
-    }
+    const int64_t min_num_params =
+        count_flag("min_num_params", absl::GetFlag(FLAGS_min_num_params), 0, int64_t{1} << 53);
     fsdp::SizeBasedPolicyOptions options;
     options.min_num_params(min_num_params);
     if (!absl::GetFlag(FLAGS_force_leaf).empty()) {
@@ -105,13 +153,15 @@ int run() {
   if (format != "table" && format != "json") {
     fail(absl::StrCat("unknown --format '", format, "': expected table or json"));
   }
-  const int64_t world_size = absl::GetFlag(FLAGS_world_size);
-  if (world_size < 1) fail(absl::StrCat("--world_size must be >= 1, got ", world_size));
+  const int64_t world_size =
+      count_flag("world_size", absl::GetFlag(FLAGS_world_size), 1, int64_t{1} << 20);
 
+  check_model_file(model);
   const ModuleTree tree = fsdp::load_torchscript_tree(model);
   const fsdp::AutoWrapPolicy policy = make_policy(tree);
   fsdp::WrapPlanOptions options;
-  for (const std::string& fqn : absl::GetFlag(FLAGS_ignored_modules)) {
+  for (const std::string& fqn :
+       list_flag("ignored_modules", absl::GetFlag(FLAGS_ignored_modules))) {
     const int index = tree.find(fqn);
     if (index < 0) fail(absl::StrCat("--ignored_modules: no module '", fqn, "' in ", model));
     options.ignored_modules().push_back(index);

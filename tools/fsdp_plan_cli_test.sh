@@ -9,11 +9,17 @@ tmp=${TEST_TMPDIR:-$(mktemp -d)}
 passed=0
 failed=0
 
-/usr/bin/python3 - "$tmp/model.pt" <<'PY' || { echo "cannot create the test model"; exit 1; }
+# From a file: TorchScript reads a function's source.
+cat > "$tmp/make_models.py" <<'PY'
+
 import sys, torch
 model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 2))
 torch.jit.script(model).save(sys.argv[1])
+def double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+torch.jit.save(torch.jit.script(double), sys.argv[1].replace("model.pt", "function.pt"))
 PY
+/usr/bin/python3 "$tmp/make_models.py" "$tmp/model.pt" || { echo "cannot create the test models"; exit 1; }
 echo "not a zip" > "$tmp/corrupt.pt"
 head -c 300 "$tmp/model.pt" > "$tmp/truncated.pt"
 
@@ -35,23 +41,35 @@ expect_error() {
 }
 
 expect_error missing_model "--model=FILE.pt is required"
-expect_error missing_file "cannot open '$tmp/nope.pt'" --model="$tmp/nope.pt"
+expect_error missing_file "cannot open '$tmp/nope.pt': no such file" --model="$tmp/nope.pt"
+expect_error directory "'$tmp' is a directory" --model="$tmp"
+mkfifo "$tmp/fifo"
+expect_error fifo "'$tmp/fifo' is not a regular file" --model="$tmp/fifo"
 expect_error corrupt_file "is not a readable TorchScript archive" --model="$tmp/corrupt.pt"
 expect_error truncated_file "is not a readable TorchScript archive" --model="$tmp/truncated.pt"
 expect_error unknown_policy "unknown --policy 'biggest'" --model="$tmp/model.pt" --policy=biggest
-expect_error negative_threshold "--min_num_params must be >= 0, got -5" \
+expect_error negative_threshold "--min_num_params must be an integer in [0, 9007199254740992], got '-5'" \
   --model="$tmp/model.pt" --min_num_params=-5
+expect_error fractional_threshold "got '1.5'" --model="$tmp/model.pt" --min_num_params=1.5
+expect_error huge_world_size "--world_size must be an integer in [1, 1048576], got '9223372036854775807'" \
+  --model="$tmp/model.pt" --world_size=9223372036854775807
+expect_error text_world_size "got 'abc'" --model="$tmp/model.pt" --world_size=abc
+expect_error trailing_comma "--ignored_modules has an empty entry" --model="$tmp/model.pt" \
+  --ignored_modules=0,
+expect_error layer_cls_with_size "--layer_cls is used by --policy=transformer only" \
+  --model="$tmp/model.pt" --layer_cls=torch.nn.modules.linear.Linear
+expect_error scripted_function "holds a scripted function, not a module" --model="$tmp/function.pt"
 expect_error unknown_class "unknown class path 'torch.nn.modules.linear.Linearr'" \
   --model="$tmp/model.pt" --policy=transformer --layer_cls=torch.nn.modules.linear.Linearr
 expect_error transformer_without_layers "needs --layer_cls" --model="$tmp/model.pt" \
   --policy=transformer
-expect_error bad_world_size "--world_size must be >= 1, got 0" --model="$tmp/model.pt" \
-  --world_size=0
+expect_error bad_world_size "--world_size must be an integer in [1, 1048576], got '0'" \
+  --model="$tmp/model.pt" --world_size=0
 expect_error bad_format "unknown --format 'xml'" --model="$tmp/model.pt" --format=xml
 expect_error unknown_ignored "no module '7'" --model="$tmp/model.pt" --ignored_modules=7
 
 # A good run: Linear(10,10) = 110 elements becomes a unit at min 100; the root keeps 22.
-out=$("$plan" --model="$tmp/model.pt" --policy=size --min_num_params=100 --world_size=4 \
+out=$("$plan" --model="$tmp/model.pt" --policy=size --min_num_params=1e2 --world_size=4 \
   --format=json 2>&1)
 want='"units": [{"fqn": "", "numel": 22, "shard_numel": 6, "padding": 2}, {"fqn": "0", "numel": 110, "shard_numel": 28, "padding": 2}]'
 if [[ $? -eq 0 && "$out" == *"$want"* ]]; then

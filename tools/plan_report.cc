@@ -87,7 +87,11 @@ std::string to_table(const PlanReport& report, const std::string& title) {
   absl::StrAppendFormat(&out, "\ntotal_numel %d in %d units, world_size %d\n\n",
                         report.plan.total_numel, report.plan.units.size(),
                         report.world_size);
-  absl::StrAppendFormat(&out, "Per rank, fp32 + Adam, one step:\n%-14s %20s %12s %20s %12s\n",
+  absl::StrAppend(&out,
+                  "Per rank, one step, fp32 parameters and gradients with Adam: model state "
+                  "= 16 bytes per sharded element\n+ the unsharded working set (largest unit "
+                  "and its gradient; all units for SHARD_GRAD_OP); wire = bytes sent.\n");
+  absl::StrAppendFormat(&out, "%-14s %20s %12s %20s %12s\n",
                         "strategy", "model_state_bytes", "MiB", "wire_bytes_per_step",
                         "MiB");
   for (const StrategyCost& cost : report.costs) {

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -326,8 +327,13 @@ void move_fd(int fd, int target) {
 }
 
 // In the child only, between fork() and exec: async-signal-safe calls only.
-[[noreturn]] void exec_rank(const ChildFds& fds, char* const argv[], char* const envp[]) {
+[[noreturn]] void exec_rank(const ChildFds& fds, pid_t launcher, char* const argv[],
+                            char* const envp[]) {
   setpgid(0, 0);  // See Note [Process groups].
+  // A launcher killed outright (SIGKILL) takes its ranks with it. If it died before
+  // prctl, getppid() no longer names it.
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher) _exit(128 + SIGKILL);
   struct sigaction default_action = {};
   default_action.sa_handler = SIG_DFL;
   for (int signo : kHandledSignals) sigaction(signo, &default_action, nullptr);
@@ -384,12 +390,13 @@ absl::StatusOr<StartedRank> start_rank(const CStringArray& argv, const CStringAr
     if (absl::Status status = set_nonblocking(fd); !status.ok()) return status;
   }
   pid_t pid;
+  const pid_t launcher = getpid();
   {
     const ScopedSignalBlock block;
     pid = fork();
     if (pid == 0) {
       exec_rank({stdin_fd, out->write.get(), err->write.get(), exec_error->write.get()},
-                argv.data(), envp.data());
+                launcher, argv.data(), envp.data());
     }
   }
   if (pid < 0) return errno_status("fork");

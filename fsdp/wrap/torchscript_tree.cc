@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include <c10/util/Exception.h>
 #include <torch/csrc/jit/serialization/import.h>
 
@@ -58,7 +59,11 @@ ModuleTree load_torchscript_tree(const std::string& path) {
     TORCH_CHECK(false, "'", path, "' is not a readable TorchScript archive (", what,
                 "); expected a file written by torch.jit.script(model).save(path)");
   }
-  return module_tree_from_torchscript(module);
+  ModuleTree tree = module_tree_from_torchscript(module);
+  TORCH_CHECK(!absl::EndsWith(tree.node(0).type_name, "PlaceholderModule"), "'", path,
+              "' holds a scripted function, not a module; save a module with "
+              "torch.jit.script(model).save(path)");
+  return tree;
 }
 
 }  // namespace fsdp

@@ -104,16 +104,41 @@ void FlatParamHandle::reshard() {
   unsharded_ = false;
 }
 
-void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
-  TORCH_CHECK(grads.size() == infos_.size(), "reduce_grad: expected ", infos_.size(),
+at::Tensor FlatParamHandle::flatten_grads(const std::vector<at::Tensor>& grads) const {
+  TORCH_CHECK(grads.size() == infos_.size(), "FlatParamHandle: expected ", infos_.size(),
               " gradients (one per original parameter), got ", grads.size());
   at::Tensor flat_grad = at::zeros({padded_numel_}, sharded_.options().requires_grad(false));
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;
-    TORCH_CHECK(grads[i].numel() == infos_[i].numel, "reduce_grad: gradient of '",
+    TORCH_CHECK(grads[i].numel() == infos_[i].numel, "FlatParamHandle: gradient of '",
                 infos_[i].fqn, "' has ", grads[i].numel(), " elements, expected ",
                 infos_[i].numel);
     flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grads[i].reshape({-1}));
+  }
+  return flat_grad;
+}
+
+void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
+  at::Tensor flat_grad = flatten_grads(grads);
+  if (unsharded_grad_.defined()) {
+    unsharded_grad_.add_(flat_grad);
+  } else {
+    unsharded_grad_ = flat_grad;
+  }
+}
+
+void FlatParamHandle::write_back_shard() {
+  TORCH_CHECK(unsharded_, "write_back_shard: the flat parameter is not unsharded");
+  if (strategy_ == ShardingStrategy::kNoShard) return;  // one buffer: nothing to copy
+  sharded_.detach().copy_(
+      unsharded_flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_));
+}
+
+void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
+  at::Tensor flat_grad = flatten_grads(grads);
+  if (unsharded_grad_.defined()) {
+    flat_grad.add_(unsharded_grad_);
+    unsharded_grad_ = at::Tensor();
   }
   at::Tensor shard_grad;
   if (strategy_ == ShardingStrategy::kNoShard) {

@@ -108,6 +108,15 @@ class FlatParamHandle {
   // all-reduce for NO_SHARD), and adds the result to sharded_flat_param().grad().
   void reduce_grad(const std::vector<at::Tensor>& grads);
 
+  // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded
+  // accumulator, without communication; the next reduce_grad reduces their sum.
+  void accumulate_grad(const std::vector<at::Tensor>& grads);
+  bool has_accumulated_grad() const { return unsharded_grad_.defined(); }
+
+  // Copies this rank's chunk of the unsharded flat buffer (edited through the original
+  // parameters, e.g. in summon_full_params) back into the shard. Needs is_unsharded().
+  void write_back_shard();
+
   // A copy of the full flat parameter (numel elements, no padding), e.g. for tests.
   at::Tensor full_flat_param();
 
@@ -120,7 +129,10 @@ class FlatParamHandle {
   int64_t shard_numel_ = 0;
   int64_t padded_numel_ = 0;
   at::Tensor unsharded_flat_;  // padded_numel elements; its storage is freed by reshard()
+  at::Tensor flatten_grads(const std::vector<at::Tensor>& grads) const;
+
   at::Tensor sharded_;         // the optimizer's leaf
+  at::Tensor unsharded_grad_;  // no_sync accumulator, padded_numel elements, or undefined
   bool unsharded_ = true;
 };
 

@@ -46,6 +46,19 @@ bool inside(const std::string& fqn, const std::string& unit_fqn) {
 
 }  // namespace
 
+NoSyncScope::NoSyncScope(core_internal::RootState& root)
+    : root_(root), previous_(root.sync_gradients()) {
+  root_.set_sync_gradients(false);
+}
+NoSyncScope::~NoSyncScope() { root_.set_sync_gradients(previous_); }
+
+SummonFullParamsScope::SummonFullParamsScope(core_internal::RootState& root, bool writeback,
+                                             bool rank0_only)
+    : root_(root) {
+  root_.begin_summon(writeback, rank0_only);
+}
+SummonFullParamsScope::~SummonFullParamsScope() { root_.end_summon(); }
+
 std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options) {
   TORCH_CHECK(options.communicator() != nullptr,

@@ -62,6 +62,30 @@ struct FullyShardedDataParallelOptions {
 std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options);
 
+// RAII scopes returned by FullyShardedDataParallelImpl::no_sync / summon_full_params.
+class NoSyncScope {
+ public:
+  explicit NoSyncScope(core_internal::RootState& root);
+  ~NoSyncScope();
+  NoSyncScope(const NoSyncScope&) = delete;
+  NoSyncScope& operator=(const NoSyncScope&) = delete;
+
+ private:
+  core_internal::RootState& root_;
+  bool previous_;
+};
+
+class SummonFullParamsScope {
+ public:
+  SummonFullParamsScope(core_internal::RootState& root, bool writeback, bool rank0_only);
+  ~SummonFullParamsScope();
+  SummonFullParamsScope(const SummonFullParamsScope&) = delete;
+  SummonFullParamsScope& operator=(const SummonFullParamsScope&) = delete;
+
+ private:
+  core_internal::RootState& root_;
+};
+
 template <typename Contained>
 class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
  public:
@@ -77,6 +101,23 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
       if (unit->handle() != nullptr) flat.push_back(unit->handle()->sharded_flat_param());
     }
     return flat;
+  }
+
+  // While the returned scope lives, backward passes accumulate gradients unsharded on
+  // each rank with no communication (no reduce-scatter, no all-reduce); the first
+  // backward after it reduces the sum. Every rank must use it the same way. PyTorch:
+  // FullyShardedDataParallel.no_sync().
+  std::unique_ptr<NoSyncScope> no_sync() { return std::make_unique<NoSyncScope>(*root_); }
+
+  // While the returned scope lives, every original parameter holds its full value (one
+  // all-gather per unit, on every rank). With writeback, edits made to them are copied
+  // back into the shards when the scope ends. With rank0_only, only rank 0 keeps the full
+  // values: the other ranks' original parameters must not be read (their memory is
+  // freed). Needs the model idle (not inside forward/backward); writeback with
+  // rank0_only is an error. PyTorch: FullyShardedDataParallel.summon_full_params().
+  std::unique_ptr<SummonFullParamsScope> summon_full_params(bool writeback = true,
+                                                            bool rank0_only = false) {
+    return std::make_unique<SummonFullParamsScope>(*root_, writeback, rank0_only);
   }
 
   // Units in pre-order (the root first), for inspection.

@@ -136,7 +136,11 @@ void UnitState::pre_backward() {
 void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
   TORCH_INTERNAL_ASSERT(handle_ != nullptr);
   handle_state_ = HandleTrainingState::kBackwardPost;
-  handle_->reduce_grad(grads);
+  if (root_->sync_gradients()) {
+    handle_->reduce_grad(grads);
+  } else {
+    handle_->accumulate_grad(grads);  // no_sync: no communication
+  }
   reshard_if_sharded_strategy();
 }
 
@@ -160,6 +164,32 @@ void RootState::assert_in_states(std::initializer_list<TrainingState> states,
   TORCH_CHECK(false, "FullyShardedDataParallel ", what, ": expected to be in states [",
               absl::StrJoin(names, ", "), "] but current state is ",
               training_state_name(training_state_));
+}
+
+void RootState::begin_summon(bool writeback, bool rank0_only) {
+  assert_in_states({TrainingState::kIdle}, "summon_full_params");
+  TORCH_CHECK(!(writeback && rank0_only), "summon_full_params: writeback=true with "
+              "rank0_only=true is not supported (the other ranks hold no full copy to write "
+              "back); pass writeback=false");
+  training_state_ = TrainingState::kSummonFullParams;
+  summon_writeback_ = writeback;
+  for (const auto& unit : units_) {
+    FlatParamHandle* handle = unit->handle();
+    if (handle == nullptr) continue;
+    handle->unshard();  // every rank takes part in the all-gather
+    unit->set_handle_state(HandleTrainingState::kSummonFullParams);
+    if (rank0_only && comm_->rank() != 0) handle->reshard();
+  }
+}
+
+void RootState::end_summon() {
+  for (const auto& unit : units_) {
+    FlatParamHandle* handle = unit->handle();
+    if (handle == nullptr) continue;
+    if (summon_writeback_ && handle->is_unsharded()) handle->write_back_shard();
+    unit->finish_iteration();
+  }
+  training_state_ = TrainingState::kIdle;
 }
 
 void RootState::begin_forward() { training_state_ = TrainingState::kForwardBackward; }

@@ -58,6 +58,7 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   // End of a backward pass: reshard whatever is still unsharded, reset per-iteration flags.
   void finish_iteration();
   void reshard_if_sharded_strategy();
+  void set_handle_state(HandleTrainingState state) { handle_state_ = state; }
 
  private:
   std::string fqn_;
@@ -82,6 +83,15 @@ class RootState {
   // The seed's _assert_in_training_states: throws c10::Error with its message.
   void assert_in_states(std::initializer_list<TrainingState> states, const char* what) const;
 
+  // Gradient synchronization (off inside no_sync).
+  bool sync_gradients() const { return sync_gradients_; }
+  void set_sync_gradients(bool sync) { sync_gradients_ = sync; }
+
+  // summon_full_params: gathers every unit (rank 0 only if rank0_only); end_summon
+  // writes edits back to the shards if writeback, then reshards.
+  void begin_summon(bool writeback, bool rank0_only);
+  void end_summon();
+
   void begin_forward();                 // root pre-forward
   void end_forward_without_grad();      // no backward will come: reshard, back to idle
   void ensure_end_of_backward_callback();  // from any pre-backward hook
@@ -93,6 +103,8 @@ class RootState {
   ShardingStrategy strategy_;
   TrainingState training_state_ = TrainingState::kIdle;
   bool callback_queued_ = false;
+  bool sync_gradients_ = true;
+  bool summon_writeback_ = false;
   std::vector<std::shared_ptr<UnitState>> units_;  // pre-order
 };
 

@@ -7,10 +7,104 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "fsdp/state/fqn.h"
+#include "fsdp/wrap/module_tree.h"
+#include "fsdp/wrap/plan.h"
+#include <c10/util/Type.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp {
 namespace {
+
+// Note [Auto-wrapping]
+// With an auto_wrap_policy, the planner of fsdp/wrap (PyTorch's _recursive_wrap) runs
+// over the model as if no Unit<T> were in it: a Unit's place in the tree shows the module
+// it wraps. Each module the policy picks must then be made a unit where its parent calls
+// it: an annotated Unit<T> around it is activated; a torch::nn::Sequential child is
+// swapped, in the Sequential's own AnyModule list and its registered children, for an
+// AnyUnitImpl around it; any other parent calls the module directly (a typed member, a
+// ModuleList the parent casts from), which no wrapper can intercept, so that is an error
+// naming the FQN and how to annotate it.
+
+// Where a module of the transparent tree sits.
+struct TreeSite {
+  torch::nn::Module* parent = nullptr;  // the module that registers it (null: root)
+  std::string name;                     // its name there
+  UnitBase* annotation = nullptr;       // the Unit<T> around it, if any
+  torch::nn::Module* module = nullptr;
+};
+
+ModuleTree transparent_tree(UnitBase& root, std::vector<TreeSite>* sites) {
+  struct Frame {
+    TreeSite site;
+    int parent_index;
+  };
+  ModuleTree tree;
+  std::vector<Frame> stack = {{{nullptr, "", &root, root.wrapped_module().get()}, -1}};
+  while (!stack.empty()) {
+    Frame frame = std::move(stack.back());
+    stack.pop_back();
+    TreeSite site = frame.site;
+    while (auto* unit = dynamic_cast<UnitBase*>(site.module)) {  // see through units
+      site.annotation = unit;
+      site.module = unit->wrapped_module().get();
+    }
+    const std::string type = python_class_path_for_cpp(c10::demangle(typeid(*site.module).name()));
+    const int index = frame.parent_index < 0 ? tree.add_root(type)
+                                             : tree.add_child(frame.parent_index, site.name, type);
+    tree.set_cpp_module(index, site.module);
+    for (const auto& item : site.module->named_parameters(/*recurse=*/false)) {
+      tree.add_param(index, item.key(), item.value().unsafeGetTensorImpl(), item.value().numel());
+    }
+    sites->push_back(site);
+    const auto children = site.module->named_children();
+    for (auto it = children.end(); it != children.begin();) {
+      --it;
+      stack.push_back({{site.module, it->key(), nullptr, it->value().get()}, index});
+    }
+  }
+  return tree;
+}
+
+// Makes the unit for a picked module (see the Note); returns it.
+UnitBase* make_picked_unit(const TreeSite& site, const std::string& fqn) {
+  if (site.annotation != nullptr) return site.annotation;
+  if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(site.parent)) {
+    for (auto it = sequential->begin(); it != sequential->end(); ++it) {
+      if (it->ptr().get() != site.module) continue;
+      auto unit = std::make_shared<AnyUnitImpl>(std::move(*it));
+      *it = torch::nn::AnyModule(unit);
+      sequential->replace_module(site.name, unit);
+      return unit.get();
+    }
+  }
+  TORCH_CHECK(false, "FullyShardedDataParallel: auto_wrap_policy picked '", fqn, "' (",
+              c10::demangle(typeid(*site.module).name()),
+              "), but its parent calls it directly, so FSDP cannot intercept its forward; "
+              "annotate it where the parent holds it (fsdp::Unit<T> / fsdp::make_unit), or "
+              "hold it in a torch::nn::Sequential");
+}
+
+// The units an auto_wrap_policy makes, besides the root.
+absl::flat_hash_set<const UnitBase*> apply_policy(
+    UnitBase& root, const FullyShardedDataParallelOptions& options) {
+  std::vector<TreeSite> sites;
+  const ModuleTree tree = transparent_tree(root, &sites);
+  WrapPlanOptions plan_options;
+  const absl::flat_hash_set<const torch::nn::Module*> ignored(options.ignored_modules().begin(),
+                                                              options.ignored_modules().end());
+  for (size_t i = 0; i < sites.size(); ++i) {
+    if (ignored.contains(sites[i].module) || ignored.contains(sites[i].annotation)) {
+      plan_options.ignored_modules().push_back(static_cast<int>(i));
+    }
+  }
+  const WrapPlan plan = plan_fsdp_units(tree, options.auto_wrap_policy(), plan_options);
+  absl::flat_hash_set<const UnitBase*> active = {&root};
+  for (const PlannedUnit& unit : plan.units) {
+    if (unit.node != 0) active.insert(make_picked_unit(sites[unit.node], unit.fqn));
+  }
+  return active;
+}
 
 struct FoundUnit {
   UnitBase* unit;
@@ -65,7 +159,16 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
               "FullyShardedDataParallel: options.communicator is null");
   const absl::flat_hash_set<const torch::nn::Module*> ignored(options.ignored_modules().begin(),
                                                               options.ignored_modules().end());
-  std::vector<FoundUnit> units = find_units(root, ignored);
+  std::vector<FoundUnit> units;
+  if (options.auto_wrap_policy() != nullptr) {
+    const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options);
+    units = find_units(root, ignored);
+    units.erase(std::remove_if(units.begin(), units.end(),
+                               [&](const FoundUnit& f) { return !active.contains(f.unit); }),
+                units.end());
+  } else {
+    units = find_units(root, ignored);
+  }
   for (const FoundUnit& found : units) {
     TORCH_CHECK(found.unit->state() == nullptr, "FullyShardedDataParallel: unit '", found.fqn,
                 "' is already bound to a FullyShardedDataParallel root; wrap the model once");

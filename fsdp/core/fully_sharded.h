@@ -44,6 +44,7 @@
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/unit.h"
+#include "fsdp/wrap/policy.h"
 
 namespace fsdp {
 
@@ -55,6 +56,13 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
   // Modules (with everything below them) FSDP leaves alone: not flattened, not sharded.
   TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);
+  // Which modules become units (see Note [Auto-wrapping] in fully_sharded.cc). Unset:
+  // every Unit<T> annotated in the model. Set: the modules the policy picks (PyTorch's
+  // _recursive_wrap over the model seen without annotations); a picked module must be
+  // annotated with Unit<T> or be a child of a torch::nn::Sequential (with a
+  // Tensor -> Tensor forward), which is rebuilt around a unit; anything else is an error
+  // naming its FQN. Annotated units the policy does not pick stay pass-throughs.
+  TORCH_ARG(AutoWrapPolicy, auto_wrap_policy) = nullptr;
 };
 
 // Binds `root` and every Unit inside it; returns the root's runtime state. Used by

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
 #include "fsdp/core/internal/runtime.h"
@@ -134,6 +135,23 @@ class Unit : public torch::nn::ModuleHolder<UnitImpl<Contained>> {
   explicit Unit(std::shared_ptr<Contained> module)
       : torch::nn::ModuleHolder<UnitImpl<Contained>>(
             std::make_shared<UnitImpl<Contained>>(std::move(module))) {}
+};
+
+// A unit around a type-erased module with a Tensor -> Tensor forward: what
+// FullyShardedDataParallel's auto_wrap_policy puts in place of a Sequential's child.
+class AnyUnitImpl : public UnitBase {
+ public:
+  explicit AnyUnitImpl(torch::nn::AnyModule module)
+      : module_(std::move(module)),
+        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {}
+  std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }
+  at::Tensor forward(at::Tensor input) {
+    return run([&] { return module_.forward(std::move(input)); });
+  }
+
+ private:
+  torch::nn::AnyModule module_;
+  std::shared_ptr<torch::nn::Module> wrapped_;
 };
 
 // Unit<T> for a module holder: fsdp::make_unit(torch::nn::Linear(5, 5)).

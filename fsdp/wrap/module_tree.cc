@@ -119,6 +119,11 @@ void ModuleTree::add_param(int node, std::string name, const void* key, int64_t 
   nodes_[node].params.push_back({std::move(name), key, numel, it->second});
 }
 
+void ModuleTree::set_cpp_module(int node, const torch::nn::Module* module) {
+  TORCH_CHECK(node >= 0 && node < size(), "ModuleTree::set_cpp_module: no node ", node);
+  nodes_[node].cpp_module = module;
+}
+
 int ModuleTree::slot_of(const void* key) const {
   auto it = slot_of_.find(key);
   return it == slot_of_.end() ? -1 : it->second;
@@ -150,7 +155,7 @@ ModuleTree ModuleTree::from_module(const torch::nn::Module& root) {
     }
     at_depth.resize(depth + 1);
     at_depth[depth] = index;
-    tree.nodes_[index].cpp_module = &module;
+    tree.set_cpp_module(index, &module);
     for (const auto& item : module.named_parameters(/*recurse=*/false)) {
       tree.add_param(index, item.key(), param_key(item.value()), item.value().numel());
     }

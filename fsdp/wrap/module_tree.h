@@ -66,6 +66,8 @@ class ModuleTree {
   int add_root(std::string type_name);
   int add_child(int parent, std::string name, std::string type_name);
   void add_param(int node, std::string name, const void* key, int64_t numel);
+  // Records the C++ module a hand-built node describes (for ModuleType::of<T> matching).
+  void set_cpp_module(int node, const torch::nn::Module* module);
 
   int size() const { return static_cast<int>(nodes_.size()); }
   // Number of distinct parameters (slots); shared parameters count once.

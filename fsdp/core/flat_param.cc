@@ -83,12 +83,19 @@ std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {
   return shard_param_infos(infos_, start, start + shard_numel_ - 1);
 }
 
-void FlatParamHandle::unshard() {
-  if (unsharded_) return;
+void FlatParamHandle::prefetch() {
+  if (unsharded_ || pending_) return;
   // See Note [Freeing the unsharded flat parameter].
   at::native::resize_bytes_cpu(unsharded_flat_.storage().unsafeGetStorageImpl(),
                                padded_numel_ * unsharded_flat_.element_size());
-  comm_->all_gather_into_tensor(unsharded_flat_, sharded_.detach());
+  pending_ = comm_->all_gather_into_tensor_async(unsharded_flat_, sharded_.detach());
+}
+
+void FlatParamHandle::unshard() {
+  if (unsharded_) return;
+  prefetch();
+  WorkHandle work = std::move(pending_);
+  work->wait();
   unsharded_ = true;
 }
 
@@ -99,6 +106,7 @@ void FlatParamHandle::unshard() {
 // all-gathers into it, so the views read the new values. The all-gather writes through
 // a raw pointer, which leaves the views' version counters alone.
 void FlatParamHandle::reshard() {
+  if (pending_) unshard();  // never free memory an all-gather is writing
   if (!unsharded_ || strategy_ == ShardingStrategy::kNoShard) return;
   at::native::resize_bytes_cpu(unsharded_flat_.storage().unsafeGetStorageImpl(), 0);
   unsharded_ = false;

@@ -99,7 +99,12 @@ class FlatParamHandle {
   // All-gathers the shards into the unsharded flat buffer (allocating its memory), so the
   // original parameters hold the current full values. No-op if already unsharded.
   void unshard();
-  // Frees the unsharded flat buffer's memory. No-op for NO_SHARD or if already resharded.
+  // Starts unshard()'s all-gather without waiting for it (prefetch); the next unshard()
+  // waits. No-op if unsharded or already prefetching.
+  void prefetch();
+  bool is_prefetching() const { return pending_ != nullptr; }
+  // Frees the unsharded flat buffer's memory (after a pending prefetch completes). No-op
+  // for NO_SHARD or if already resharded.
   void reshard();
   bool is_unsharded() const { return unsharded_; }
 
@@ -133,6 +138,7 @@ class FlatParamHandle {
 
   at::Tensor sharded_;         // the optimizer's leaf
   at::Tensor unsharded_grad_;  // no_sync accumulator, padded_numel elements, or undefined
+  WorkHandle pending_;         // a prefetch's all-gather
   bool unsharded_ = true;
 };
 

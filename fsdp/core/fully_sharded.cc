@@ -207,8 +207,9 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
   }
 
-  auto root_state = std::make_shared<core_internal::RootState>(options.communicator(),
-                                                               options.sharding_strategy());
+  auto root_state = std::make_shared<core_internal::RootState>(
+      options.communicator(), options.sharding_strategy(), options.backward_prefetch(),
+      options.forward_prefetch());
   for (size_t k = 0; k < units.size(); ++k) {
     std::unique_ptr<FlatParamHandle> handle;
     if (!params_of[k].empty()) {
@@ -217,7 +218,6 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
     auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0,
                                                             root_state.get(), std::move(handle));
-    state->install_gradient_sink();
     units[k].unit->bind(state);
     root_state->add_unit(std::move(state));
   }

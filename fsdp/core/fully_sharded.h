@@ -54,6 +54,11 @@ struct FullyShardedDataParallelOptions {
   // The ranks to shard over.
   TORCH_ARG(std::shared_ptr<Communicator>, communicator);
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  // When to start gathering the next unit in backward (PyTorch's default: BACKWARD_PRE).
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
+  // Start gathering the next unit (in the previous iteration's order) as a unit starts
+  // its forward. See Note [Prefetching] in internal/runtime.cc.
+  TORCH_ARG(bool, forward_prefetch) = false;
   // Modules (with everything below them) FSDP leaves alone: not flattened, not sharded.
   TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);
   // Which modules become units (see Note [Auto-wrapping] in fully_sharded.cc). Unset:

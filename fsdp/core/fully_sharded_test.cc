@@ -3,6 +3,8 @@
 #include "fsdp/core/fully_sharded.h"
 
 #include <map>
+
+#include "absl/strings/str_join.h"
 #include <mutex>
 
 #include <gmock/gmock.h>
@@ -112,12 +114,16 @@ std::pair<std::vector<float>, std::map<std::string, at::Tensor>> reference(int w
 // step and its parameters at the end. Tolerance: 2e-6 absolute, the fp32 rounding of
 // averaging W partial gradients in a different order.
 template <typename Net>
-void expect_parity(int world_size, ShardingStrategy strategy, bool adam) {
+void expect_parity(int world_size, ShardingStrategy strategy, bool adam,
+                   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre,
+                   bool forward_prefetch = false) {
   const auto [want_losses, want_params] = reference<Net>(world_size, adam);
   FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    FullyShardedDataParallel<Net> model(
-        make<Net>(), FullyShardedDataParallelOptions(self).sharding_strategy(strategy));
+    FullyShardedDataParallel<Net> model(make<Net>(), FullyShardedDataParallelOptions(self)
+                                                         .sharding_strategy(strategy)
+                                                         .backward_prefetch(backward_prefetch)
+                                                         .forward_prefetch(forward_prefetch));
     auto optimizer = make_optimizer<Net>(model->parameters(), adam);
     for (int step = 0; step < kSteps; ++step) {
       model->module()->step = step;
@@ -242,6 +248,85 @@ INSTANTIATE_TEST_SUITE_P(
                                          ShardingStrategy::kShardGradOp,
                                          ShardingStrategy::kNoShard),
                        ::testing::Bool()));
+
+class PrefetchParityTest
+    : public ::testing::TestWithParam<std::tuple<int, BackwardPrefetch, bool>> {};
+
+TEST_P(PrefetchParityTest, NestedLinears) {
+  const auto [w, backward, forward] = GetParam();
+  expect_parity<NestedImpl>(w, ShardingStrategy::kFullShard, false, backward, forward);
+}
+TEST_P(PrefetchParityTest, UnitSkippedOnSomeIterations) {
+  const auto [w, backward, forward] = GetParam();
+  expect_parity<SkipImpl>(w, ShardingStrategy::kFullShard, false, backward, forward);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizesAndPrefetching, PrefetchParityTest,
+    ::testing::Combine(::testing::Values(2, 3),
+                       ::testing::Values(BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPre,
+                                         BackwardPrefetch::kBackwardPost),
+                       ::testing::Bool()));
+
+// Records the order of collectives; forwards them to a real communicator.
+class RecordingCommunicator : public Communicator {
+ public:
+  explicit RecordingCommunicator(std::shared_ptr<Communicator> inner)
+      : Communicator(inner->rank(), inner->world_size(), inner->timeout()),
+        inner_(std::move(inner)) {}
+  std::string backend_name() const override { return "recording"; }
+  std::vector<std::string> log;
+
+ protected:
+  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
+  WorkHandle do_all_gather(const CommBuffer& out, const CommBuffer& in, int64_t) override {
+    log.push_back("AG");
+    return inner_->all_gather_into_tensor_async(out, in);
+  }
+  WorkHandle do_reduce_scatter(const CommBuffer& out, const CommBuffer& in, ReduceOp op,
+                               int64_t) override {
+    log.push_back("RS");
+    return inner_->reduce_scatter_tensor_async(out, in, op);
+  }
+  WorkHandle do_all_reduce(const CommBuffer& t, ReduceOp op, int64_t) override {
+    log.push_back("AR");
+    return inner_->all_reduce_async(t, op);
+  }
+  WorkHandle do_broadcast(const CommBuffer& t, int root, int64_t) override {
+    return inner_->broadcast_async(t, root);
+  }
+  WorkHandle do_barrier(int64_t) override { return inner_->barrier_async(); }
+  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
+                                                const std::string&) override {
+    return inner_->new_subgroup(ranks);
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+};
+
+std::string backward_log(BackwardPrefetch prefetch) {
+  auto world = FakeWorld::create(1);
+  auto recording = std::make_shared<RecordingCommunicator>(world->communicator(0));
+  FullyShardedDataParallel<NetImpl> model(
+      make_net(), FullyShardedDataParallelOptions(recording).backward_prefetch(prefetch));
+  at::Tensor loss = model->forward(inputs(0, 2)).sum();
+  recording->log.clear();
+  loss.backward();
+  return absl::StrJoin(recording->log, " ");
+}
+
+TEST(PrefetchTest, BackwardPreGathersTheNextUnitBeforeReducing) {
+  // Forward ran root, l1, l2; the root stays gathered. Backward: l2 gathers, reduces;
+  // l1 gathers, reduces; the root's sink (made first, see Note [Gradient sinks]) last.
+  EXPECT_EQ(backward_log(BackwardPrefetch::kNone), "AG RS AG RS RS");
+  // The root's backward starts first and prefetches l2; l2's start prefetches l1, both
+  // before any reduction.
+  EXPECT_EQ(backward_log(BackwardPrefetch::kBackwardPre), "AG AG RS RS RS");
+  // l1's all-gather follows l2's reduce-scatter, issued by l2's sink rather than by l1's
+  // hook: the same order as without prefetching, earlier in time.
+  EXPECT_EQ(backward_log(BackwardPrefetch::kBackwardPost), "AG RS AG RS RS");
+}
 
 // With SGD only: the bias before BatchNorm has a true gradient of 0, and Adam's division
 // by sqrt(v) turns its fp32 rounding noise (~1e-9) into full-size steps in any two

@@ -1,5 +1,6 @@
 #include "fsdp/core/internal/runtime.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -79,6 +80,14 @@ UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
                      std::unique_ptr<FlatParamHandle> handle)
     : fqn_(std::move(fqn)), is_root_(is_root), root_(root), handle_(std::move(handle)) {}
 
+// Note [Gradient sinks]
+// The autograd engine runs ready nodes in decreasing sequence number (creation order).
+// A sink made at construction would have the lowest number of all and run after every
+// other node, so every unit would stay unsharded until the end of backward. Each
+// iteration's first forward of a unit therefore makes a new sink (numbered after the
+// ops of the units that ran before it), so it runs as soon as the unit's own backward
+// ops are done, before the backward of earlier units: each unit is reduced and resharded
+// in turn.
 void UnitState::install_gradient_sink() {
   if (!handle_) return;
   auto sink = std::make_shared<GradientSink>(weak_from_this());
@@ -99,8 +108,14 @@ void UnitState::pre_forward() {
                           "forward");
   if (is_root_) root_->begin_forward();
   if (!handle_) return;
+  root_->record_forward(this);
+  if (!sink_installed_ && at::GradMode::is_enabled()) {
+    install_gradient_sink();
+    sink_installed_ = true;
+  }
   handle_->unshard();
   handle_state_ = HandleTrainingState::kForward;
+  root_->prefetch_for_forward_after(this);
 }
 
 bool UnitState::hook_output(const at::Tensor& output) {
@@ -131,6 +146,7 @@ void UnitState::pre_backward() {
   pre_backward_done_ = true;
   handle_->unshard();
   handle_state_ = HandleTrainingState::kBackwardPre;
+  root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPre);
 }
 
 void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
@@ -141,6 +157,7 @@ void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
   } else {
     handle_->accumulate_grad(grads);  // no_sync: no communication
   }
+  root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPost);
   reshard_if_sharded_strategy();
 }
 
@@ -152,6 +169,7 @@ void UnitState::finish_iteration() {
   reshard_if_sharded_strategy();
   handle_state_ = HandleTrainingState::kIdle;
   pre_backward_done_ = false;
+  sink_installed_ = false;
 }
 
 void RootState::assert_in_states(std::initializer_list<TrainingState> states,
@@ -192,10 +210,46 @@ void RootState::end_summon() {
   training_state_ = TrainingState::kIdle;
 }
 
+// Note [Prefetching]
+// Units run backward in the reverse of the order they ran forward in this iteration
+// (recorded by record_forward). With kBackwardPre, a unit starting its backward begins
+// the all-gather of the unit that runs backward next; with kBackwardPost it does so
+// after issuing its gradient reduction. With forward_prefetch, a unit starting its
+// forward begins the all-gather of the unit that came after it in the previous
+// iteration. Prefetching is one unit ahead, so at most one all-gather is in flight
+// besides the one being waited for; the all-gathers per iteration are the same ones,
+// issued earlier (REFERENCE §4 counts hold).
+void RootState::record_forward(UnitState* unit) {
+  if (std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) {
+    forward_order_.push_back(unit);
+  }
+}
+
+void RootState::prefetch_for_forward_after(const UnitState* unit) {
+  if (!forward_prefetch_) return;
+  auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), unit);
+  if (it != last_forward_order_.end() && ++it != last_forward_order_.end()) {
+    (*it)->handle()->prefetch();
+  }
+}
+
+void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when) {
+  if (backward_prefetch_ != when) return;
+  // The latest unit in forward order, other than `unit`, whose backward has not started.
+  for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
+    if (*it != unit && !(*it)->pre_backward_done()) {
+      (*it)->handle()->prefetch();
+      return;
+    }
+  }
+}
+
 void RootState::begin_forward() { training_state_ = TrainingState::kForwardBackward; }
 
 void RootState::end_forward_without_grad() {
   for (const auto& unit : units_) unit->finish_iteration();
+  last_forward_order_ = std::move(forward_order_);
+  forward_order_.clear();
   training_state_ = TrainingState::kIdle;
 }
 
@@ -207,6 +261,8 @@ void RootState::ensure_end_of_backward_callback() {
 
 void RootState::finish_backward() {
   for (const auto& unit : units_) unit->finish_iteration();
+  last_forward_order_ = std::move(forward_order_);
+  forward_order_.clear();
   training_state_ = TrainingState::kIdle;
   callback_queued_ = false;
 }

@@ -26,6 +26,13 @@ enum class HandleTrainingState { kIdle, kForward, kBackwardPre, kBackwardPost, k
 const char* training_state_name(TrainingState state);          // "TrainingState.IDLE", ...
 const char* handle_training_state_name(HandleTrainingState state);
 
+// PyTorch: torch.distributed.fsdp.BackwardPrefetch (kNone is None).
+enum class BackwardPrefetch {
+  kNone,
+  kBackwardPre,   // gather the next unit's parameters when this unit's backward starts
+  kBackwardPost,  // ... when this unit's gradient reduction was issued
+};
+
 namespace core_internal {
 
 class RootState;
@@ -41,8 +48,7 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   FlatParamHandle* handle() const { return handle_.get(); }
   HandleTrainingState handle_state() const { return handle_state_; }
 
-  // Connects the original parameters to this unit's gradient sink. Called once, after
-  // construction (needs shared_from_this).
+  // Connects the original parameters to a new gradient sink (see Note [Gradient sinks]).
   void install_gradient_sink();
 
   void pre_forward();
@@ -67,12 +73,20 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   std::unique_ptr<FlatParamHandle> handle_;
   HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
   bool pre_backward_done_ = false;
+  bool sink_installed_ = false;  // this iteration's sink exists
+
+ public:
+  bool pre_backward_done() const { return pre_backward_done_; }
 };
 
 class RootState {
  public:
-  RootState(std::shared_ptr<Communicator> comm, ShardingStrategy strategy)
-      : comm_(std::move(comm)), strategy_(strategy) {}
+  RootState(std::shared_ptr<Communicator> comm, ShardingStrategy strategy,
+            BackwardPrefetch backward_prefetch, bool forward_prefetch)
+      : comm_(std::move(comm)),
+        strategy_(strategy),
+        backward_prefetch_(backward_prefetch),
+        forward_prefetch_(forward_prefetch) {}
 
   Communicator& comm() { return *comm_; }
   ShardingStrategy strategy() const { return strategy_; }
@@ -92,6 +106,11 @@ class RootState {
   void begin_summon(bool writeback, bool rank0_only);
   void end_summon();
 
+  // Prefetching (see Note [Prefetching] in runtime.cc).
+  void record_forward(UnitState* unit);
+  void prefetch_for_forward_after(const UnitState* unit);
+  void prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when);
+
   void begin_forward();                 // root pre-forward
   void end_forward_without_grad();      // no backward will come: reshard, back to idle
   void ensure_end_of_backward_callback();  // from any pre-backward hook
@@ -101,6 +120,10 @@ class RootState {
 
   std::shared_ptr<Communicator> comm_;
   ShardingStrategy strategy_;
+  BackwardPrefetch backward_prefetch_;
+  bool forward_prefetch_;
+  std::vector<UnitState*> forward_order_;       // units with parameters, this iteration
+  std::vector<UnitState*> last_forward_order_;  // ... the previous iteration
   TrainingState training_state_ = TrainingState::kIdle;
   bool callback_queued_ = false;
   bool sync_gradients_ = true;

@@ -433,15 +433,8 @@ struct TwiceImpl : torch::nn::Module {
 TEST(FullyShardedTest, UnitUsedTwiceAndSeveralForwardsBeforeOneBackward) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    torch::manual_seed(1);
-    auto plain = std::make_shared<TwiceImpl>();
-    auto copy = std::make_shared<TwiceImpl>();
-    {
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < plain->parameters().size(); ++i) {
-        copy->parameters()[i].copy_(plain->parameters()[i]);
-      }
-    }
+    auto plain = make<TwiceImpl>();
+    auto copy = make<TwiceImpl>();  // the same weights (see make())
     FullyShardedDataParallel<TwiceImpl> model(copy, FullyShardedDataParallelOptions(self));
     at::Tensor x = at::ones({2, 3});
     (model->forward(x).sum() + model->forward(2 * x).sum()).backward();

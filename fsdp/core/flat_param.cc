@@ -150,7 +150,7 @@ void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
   }
   at::Tensor shard_grad;
   if (strategy_ == ShardingStrategy::kNoShard) {
-    comm_->all_reduce(flat_grad, ReduceOp::kAvg);
+    if (comm_->world_size() > 1) comm_->all_reduce(flat_grad, ReduceOp::kAvg);
     shard_grad = flat_grad;
   } else {
     shard_grad = at::empty({shard_numel_}, flat_grad.options());

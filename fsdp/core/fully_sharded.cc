@@ -121,11 +121,12 @@ std::vector<FoundUnit> find_units(UnitBase& root,
     for (const std::string& skip : ignored_prefixes) {
       if (absl::StartsWith(prefix, skip)) return;
     }
-    if (ignored.contains(&module)) {
+    auto* unit = dynamic_cast<const UnitBase*>(&module);
+    if (ignored.contains(&module) || (unit && ignored.contains(unit->wrapped_module().get()))) {
       ignored_prefixes.push_back(prefix);
       return;
     }
-    if (auto* unit = dynamic_cast<const UnitBase*>(&module)) {
+    if (unit != nullptr) {
       std::string fqn = clean_tensor_name(prefix);
       if (!fqn.empty()) fqn.pop_back();  // the trailing "."
       units.push_back({const_cast<UnitBase*>(unit), fqn});
@@ -207,14 +208,19 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
   }
 
+  // One rank has nothing to shard: every strategy runs as NO_SHARD, without
+  // collectives, as in PyTorch.
+  const ShardingStrategy strategy = options.communicator()->world_size() == 1
+                                        ? ShardingStrategy::kNoShard
+                                        : options.sharding_strategy();
   auto root_state = std::make_shared<core_internal::RootState>(
-      options.communicator(), options.sharding_strategy(), options.backward_prefetch(),
+      options.communicator(), strategy, options.backward_prefetch(),
       options.forward_prefetch());
   for (size_t k = 0; k < units.size(); ++k) {
     std::unique_ptr<FlatParamHandle> handle;
     if (!params_of[k].empty()) {
       handle = std::make_unique<FlatParamHandle>(params_of[k], options.communicator(),
-                                                 options.sharding_strategy());
+                                                 strategy);
     }
     auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0,
                                                             root_state.get(), std::move(handle));

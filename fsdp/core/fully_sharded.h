@@ -53,6 +53,7 @@ struct FullyShardedDataParallelOptions {
       : communicator_(std::move(communicator)) {}
   // The ranks to shard over.
   TORCH_ARG(std::shared_ptr<Communicator>, communicator);
+  // At world size 1 every strategy runs as kNoShard (nothing to shard, no collectives).
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
   // When to start gathering the next unit in backward (PyTorch's default: BACKWARD_PRE).
   TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
@@ -138,6 +139,7 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
     return root_->units();
   }
   TrainingState training_state() const { return root_->training_state(); }
+  ShardingStrategy sharding_strategy() const { return root_->strategy(); }  // effective
   Communicator& communicator() const { return root_->comm(); }
 
  private:

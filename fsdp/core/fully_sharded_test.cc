@@ -23,207 +23,33 @@
 #include <torch/optim/sgd.h>
 
 #include "fsdp/comm/fake.h"
+#include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/state/fqn.h"
 
 namespace fsdp {
 namespace {
 
+using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 
-// Nested linears: two units (l1, l2) and the root's own head; 3 units with parameters.
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    l1 = register_module("l1", make_unit(torch::nn::Linear(4, 8)));
-    l2 = register_module("l2", make_unit(torch::nn::Linear(8, 7)));
-    head = register_module("head", torch::nn::Linear(7, 3));
-  }
-  at::Tensor forward(at::Tensor x) {
-    namespace F = torch::nn::functional;
-    return head(F::relu(l2(F::relu(l1(x)))));
-  }
-  Unit<torch::nn::LinearImpl> l1{nullptr}, l2{nullptr};
-  torch::nn::Linear head{nullptr};
-};
-
-// Identical initial weights on every rank and in the reference.
-template <typename Net>
-std::shared_ptr<Net> make() {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(0);
-  return std::make_shared<Net>();
-}
-std::shared_ptr<NetImpl> make_net() { return make<NetImpl>(); }
-
-constexpr int kBatchPerRank = 2;
-constexpr int kSteps = 4;
-
-at::Tensor inputs(int step, int64_t rows) {
-  return at::sin(at::arange(rows * 4, at::kFloat).view({rows, 4}) * 0.37 + step);
-}
-at::Tensor targets(int step, int64_t rows) {
-  return at::cos(at::arange(rows * 3, at::kFloat).view({rows, 3}) * 0.21 - step);
-}
-
-// Each model: Net::batch(step, rows) -> {input, target}; Net::loss(output, target), a mean
-// over the rows; Net::step for models whose forward depends on the iteration.
-struct Batch {
-  at::Tensor input, target;
-};
-
-template <typename Net>
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<at::Tensor> params,
-                                                        bool adam) {
-  if (adam) return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(1e-2).momentum(0.9));
-}
-
-// The reference: one process, the same initial weights; each step's loss is the mean of
-// the W ranks' losses on their shares of the global batch (what FSDP's averaged
-// gradients train: for models without batch statistics, the loss on the global batch).
-template <typename Net>
-std::pair<std::vector<float>, std::map<std::string, at::Tensor>> reference(int world_size,
-                                                                            bool adam) {
-  auto net = make<Net>();
-  auto optimizer = make_optimizer<Net>(net->parameters(), adam);
-  std::vector<float> losses;
-  for (int step = 0; step < kSteps; ++step) {
-    net->step = step;
-    optimizer->zero_grad();
-    const Batch batch = Net::batch(step, kBatchPerRank * world_size);
-    at::Tensor loss = at::zeros({});
-    for (int r = 0; r < world_size; ++r) {
-      loss = loss + Net::loss(net->forward(batch.input.narrow(0, r * kBatchPerRank, kBatchPerRank)),
-                              batch.target.narrow(0, r * kBatchPerRank, kBatchPerRank));
-    }
-    loss = loss / world_size;
-    loss.backward();
-    optimizer->step();
-    losses.push_back(loss.item<float>());
-  }
-  std::map<std::string, at::Tensor> params;
-  for (const auto& item : net->named_parameters()) {
-    params[clean_tensor_name(item.key())] = item.value().detach().clone();
-  }
-  return {losses, params};
-}
-
-// Trains Net with FSDP on W ranks (threads) and EXPECTs the reference's losses every
-// step and its parameters at the end. Tolerance: 2e-6 absolute, the fp32 rounding of
-// averaging W partial gradients in a different order.
+// Trains Net with FSDP on W ranks (threads) against the single-process reference.
 template <typename Net>
 void expect_parity(int world_size, ShardingStrategy strategy, bool adam,
                    BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre,
                    bool forward_prefetch = false) {
-  const auto [want_losses, want_params] = reference<Net>(world_size, adam);
+  const Reference want = reference<Net>(world_size, adam);
   FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    FullyShardedDataParallel<Net> model(make<Net>(), FullyShardedDataParallelOptions(self)
-                                                         .sharding_strategy(strategy)
-                                                         .backward_prefetch(backward_prefetch)
-                                                         .forward_prefetch(forward_prefetch));
-    auto optimizer = make_optimizer<Net>(model->parameters(), adam);
-    for (int step = 0; step < kSteps; ++step) {
-      model->module()->step = step;
-      const Batch batch = Net::batch(step, kBatchPerRank * world_size);
-      optimizer->zero_grad();
-      at::Tensor loss = Net::loss(
-          model->forward(batch.input.narrow(0, comm.rank() * kBatchPerRank, kBatchPerRank)),
-          batch.target.narrow(0, comm.rank() * kBatchPerRank, kBatchPerRank));
-      loss.backward();
-      optimizer->step();
-      at::Tensor global = loss.detach().clone();
-      comm.all_reduce(global, ReduceOp::kAvg);
-      EXPECT_NEAR(global.item<float>(), want_losses[step], 2e-6) << "step " << step;
-      EXPECT_EQ(model->training_state(), TrainingState::kIdle);
-    }
-    auto summon = model->summon_full_params(/*writeback=*/false);
-    for (const auto& item : model->named_parameters()) {
-      const std::string fqn = clean_tensor_name(item.key());
-      EXPECT_TRUE(at::allclose(item.value(), want_params.at(fqn), /*rtol=*/0, /*atol=*/2e-6))
-          << fqn << " on rank " << comm.rank();
-    }
+    expect_parity_on<Net>(self, want,
+                          FullyShardedDataParallelOptions(self)
+                              .sharding_strategy(strategy)
+                              .backward_prefetch(backward_prefetch)
+                              .forward_prefetch(forward_prefetch),
+                          adam);
   });
 }
-
-// Nested linears with two units (NetImpl above).
-struct NestedImpl : NetImpl {
-  static Batch batch(int step, int64_t rows) { return {inputs(step, rows), targets(step, rows)}; }
-  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
-    return torch::nn::functional::mse_loss(out, y);
-  }
-  int step = 0;
-};
-
-// A tiny language model: tied embedding / output head in the root, vocabulary 11 (not a
-// multiple of 2 or 3), two MLP blocks as units.
-struct BlockImpl : torch::nn::Module {
-  BlockImpl() {
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
-    up = register_module("up", torch::nn::Linear(8, 16));
-    down = register_module("down", torch::nn::Linear(16, 8));
-  }
-  at::Tensor forward(at::Tensor x) {
-    return x + down(torch::nn::functional::gelu(up(norm(x))));
-  }
-  torch::nn::LayerNorm norm{nullptr};
-  torch::nn::Linear up{nullptr}, down{nullptr};
-};
-
-struct TinyLmImpl : torch::nn::Module {
-  static constexpr int64_t kVocab = 11;
-  TinyLmImpl() {
-    embedding = register_module("embedding", torch::nn::Embedding(kVocab, 8));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < 2; ++i) blocks->push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
-  }
-  at::Tensor forward(at::Tensor tokens) {
-    at::Tensor x = embedding(tokens);
-    for (const auto& block : *blocks) x = block->as<UnitImpl<BlockImpl>>()->forward(x);
-    return at::matmul(x, embedding->weight.t());  // tied output head
-  }
-  static Batch batch(int step, int64_t rows) {
-    at::Tensor tokens = (at::arange(rows * 6, at::kLong).view({rows, 6}) * 7 + step) % kVocab;
-    return {tokens.narrow(1, 0, 5), tokens.narrow(1, 1, 5)};
-  }
-  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), next.reshape({-1}));
-  }
-  torch::nn::Embedding embedding{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
-  int step = 0;
-};
-
-// A unit that runs on odd steps only.
-struct SkipImpl : NestedImpl {
-  at::Tensor forward(at::Tensor x) {
-    namespace F = torch::nn::functional;
-    at::Tensor h = F::relu(l1(x));
-    if (step % 2 == 1) h = F::relu(l2(h));
-    else h = h.narrow(1, 0, 7);
-    return head(h);
-  }
-};
-
-// BatchNorm (buffers, batch statistics) inside a unit.
-struct NormedImpl : torch::nn::Module {
-  NormedImpl() {
-    first = register_module("first", make_unit(torch::nn::Linear(4, 6)));
-    norm = register_module("norm", make_unit(torch::nn::BatchNorm1d(6)));
-    head = register_module("head", torch::nn::Linear(6, 3));
-  }
-  at::Tensor forward(at::Tensor x) { return head(norm(first(x))); }
-  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
-  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
-    return NestedImpl::loss(out, y);
-  }
-  Unit<torch::nn::LinearImpl> first{nullptr};
-  Unit<torch::nn::BatchNorm1dImpl> norm{nullptr};
-  torch::nn::Linear head{nullptr};
-  int step = 0;
-};
 
 class ParityTest : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy, bool>> {};
 
@@ -305,15 +131,20 @@ class RecordingCommunicator : public Communicator {
   std::shared_ptr<Communicator> inner_;
 };
 
+// Rank 0's collectives during one backward pass on 2 ranks.
 std::string backward_log(BackwardPrefetch prefetch) {
-  auto world = FakeWorld::create(1);
-  auto recording = std::make_shared<RecordingCommunicator>(world->communicator(0));
-  FullyShardedDataParallel<NetImpl> model(
-      make_net(), FullyShardedDataParallelOptions(recording).backward_prefetch(prefetch));
-  at::Tensor loss = model->forward(inputs(0, 2)).sum();
-  recording->log.clear();
-  loss.backward();
-  return absl::StrJoin(recording->log, " ");
+  std::string log;
+  FakeWorld::run(FakeWorld::create(2), [&](Communicator& comm) {
+    auto recording = std::make_shared<RecordingCommunicator>(
+        std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+    FullyShardedDataParallel<NetImpl> model(
+        make_net(), FullyShardedDataParallelOptions(recording).backward_prefetch(prefetch));
+    at::Tensor loss = model->forward(inputs(0, 2)).sum();
+    recording->log.clear();
+    loss.backward();
+    if (comm.rank() == 0) log = absl::StrJoin(recording->log, " ");
+  });
+  return log;
 }
 
 TEST(PrefetchTest, BackwardPreGathersTheNextUnitBeforeReducing) {
@@ -382,27 +213,39 @@ TEST(CollectiveCountsTest, PerIterationAsInReference) {
 }
 
 TEST(FullyShardedTest, UnitsFlattenTheirParametersAndFreeThemAfterward) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    FullyShardedDataParallel<NetImpl> model(make_net(), FullyShardedDataParallelOptions(self));
+    std::vector<std::string> fqns;
+    std::vector<int64_t> numels;
+    for (const auto& unit : model->units()) {
+      fqns.push_back(unit->fqn());
+      numels.push_back(unit->handle()->numel());
+    }
+    EXPECT_THAT(fqns, ElementsAre("", "l1", "l2"));
+    EXPECT_THAT(numels, ElementsAre(7 * 3 + 3, 4 * 8 + 8, 8 * 7 + 7));
+    EXPECT_EQ(model->units()[1]->handle()->param_infos()[0].fqn, "l1.weight");
+    // Names of the original parameters equal the unwrapped model's once cleaned.
+    std::vector<std::string> names;
+    for (const auto& item : model->named_parameters()) {
+      names.push_back(clean_tensor_name(item.key()));
+    }
+    EXPECT_THAT(names, ElementsAre("l1.weight", "l1.bias", "l2.weight", "l2.bias",
+                                   "head.weight", "head.bias"));
+    model->forward(inputs(0, 2)).sum().backward();
+    for (const auto& unit : model->units()) {
+      EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
+    }
+  });
+}
+
+TEST(FullyShardedTest, OneRankRunsAsNoShardWithoutCollectives) {
   auto world = FakeWorld::create(1);
-  FullyShardedDataParallel<NetImpl> model(make_net(),
-                                          FullyShardedDataParallelOptions(world->communicator(0)));
-  std::vector<std::string> fqns;
-  std::vector<int64_t> numels;
-  for (const auto& unit : model->units()) {
-    fqns.push_back(unit->fqn());
-    numels.push_back(unit->handle()->numel());
-  }
-  EXPECT_THAT(fqns, ElementsAre("", "l1", "l2"));
-  EXPECT_THAT(numels, ElementsAre(7 * 3 + 3, 4 * 8 + 8, 8 * 7 + 7));
-  EXPECT_THAT(model->units()[1]->handle()->param_infos()[0].fqn, "l1.weight");
-  // Names of the original parameters equal the unwrapped model's once cleaned.
-  std::vector<std::string> names;
-  for (const auto& item : model->named_parameters()) names.push_back(clean_tensor_name(item.key()));
-  EXPECT_THAT(names, ElementsAre("l1.weight", "l1.bias", "l2.weight", "l2.bias", "head.weight",
-                                 "head.bias"));
+  std::shared_ptr<Communicator> comm = world->communicator(0);
+  FullyShardedDataParallel<NetImpl> model(make_net(), FullyShardedDataParallelOptions(comm));
+  EXPECT_EQ(model->sharding_strategy(), ShardingStrategy::kNoShard);
   model->forward(inputs(0, 2)).sum().backward();
-  for (const auto& unit : model->units()) {
-    EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
-  }
+  EXPECT_EQ(comm->counters().total().calls, 0);
 }
 
 TEST(FullyShardedTest, UnitWithoutRootIsAPassThrough) {
@@ -413,15 +256,16 @@ TEST(FullyShardedTest, UnitWithoutRootIsAPassThrough) {
 }
 
 TEST(FullyShardedTest, NoGradForwardReshardsAndReturnsToIdle) {
-  auto world = FakeWorld::create(1);
-  FullyShardedDataParallel<NetImpl> model(make_net(),
-                                          FullyShardedDataParallelOptions(world->communicator(0)));
-  {
-    torch::NoGradGuard no_grad;
-    model->forward(inputs(0, 2));
-  }
-  EXPECT_EQ(model->training_state(), TrainingState::kIdle);
-  for (const auto& unit : model->units()) EXPECT_FALSE(unit->handle()->is_unsharded());
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    FullyShardedDataParallel<NetImpl> model(make_net(), FullyShardedDataParallelOptions(self));
+    {
+      torch::NoGradGuard no_grad;
+      model->forward(inputs(0, 2));
+    }
+    EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+    for (const auto& unit : model->units()) EXPECT_FALSE(unit->handle()->is_unsharded());
+  });
 }
 
 struct TwiceImpl : torch::nn::Module {
@@ -610,6 +454,41 @@ TEST(FullyShardedTest, UnitsInsideSequentialAndAForwardWithoutArguments) {
     out.sum().backward();
     EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 3);
   });
+}
+
+struct FrozenHeadImpl : torch::nn::Module {
+  FrozenHeadImpl() {
+    body = register_module("body", make_unit(torch::nn::Linear(4, 4)));
+    inner = register_module("inner", Unit<NetImpl>(std::make_shared<NetImpl>()));
+  }
+  at::Tensor forward(at::Tensor x) { return inner(body(x)); }
+  Unit<torch::nn::LinearImpl> body{nullptr};
+  Unit<NetImpl> inner{nullptr};
+};
+
+TEST(IgnoredModulesTest, NeitherTheRootNorANestedUnitFlattensThem) {
+  // REFERENCE §8: ignored parameters flattened by a nested unit anyway.
+  auto world = FakeWorld::create(1);
+  auto net = make<FrozenHeadImpl>();
+  const torch::nn::Module* ignored_linear = net->inner->module()->l2->module().get();
+  FullyShardedDataParallel<FrozenHeadImpl> model(
+      net, FullyShardedDataParallelOptions(world->communicator(0))
+               .ignored_modules({ignored_linear, net->body.get()}));
+  std::vector<std::string> units;
+  std::vector<std::string> flattened;
+  for (const auto& unit : model->units()) {
+    units.push_back(unit->fqn());
+    if (unit->handle() == nullptr) continue;
+    for (const FlatParamInfo& info : unit->handle()->param_infos()) flattened.push_back(info.fqn);
+  }
+  // "body" is ignored with everything below it; "inner.l2" is left out of "inner".
+  EXPECT_THAT(units, ElementsAre("", "inner", "inner.l1"));
+  EXPECT_THAT(flattened, ElementsAre("inner.head.weight", "inner.head.bias", "inner.l1.weight",
+                                     "inner.l1.bias"));
+  at::Tensor out = model->forward(inputs(0, 2));
+  out.sum().backward();
+  // The ignored module trains like a plain module: its own .grad, no communication.
+  EXPECT_TRUE(net->inner->module()->l2->module()->weight.grad().defined());
 }
 
 struct StackImpl : torch::nn::Module {

@@ -59,7 +59,9 @@ struct alignas(64) Counters {
     allocated_bytes.fetch_add(nbytes, std::memory_order_relaxed);
   }
   void subtract(int64_t nbytes) { current.fetch_sub(nbytes, std::memory_order_relaxed); }
-  void reset_peak() { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+  void reset_peak() {
+    peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
 };
 
 std::array<Counters, kNumSlots>& counters() {
@@ -152,9 +154,8 @@ bool MemoryTracker::is_installed() {
 }
 
 MemoryTagGuard::MemoryTagGuard(int tag) : previous_(current_tag) {
-  TORCH_CHECK(tag == kUntagged || (tag >= 0 && tag < kNumMemoryTags), "MemoryTagGuard: tag ",
-              tag, " is out of range: expected 0 <= tag < ", kNumMemoryTags,
-              " or kUntagged (-1)");
+  TORCH_CHECK(tag == kUntagged || (tag >= 0 && tag < kNumMemoryTags), "MemoryTagGuard: tag ", tag,
+              " is out of range: expected 0 <= tag < ", kNumMemoryTags, " or kUntagged (-1)");
   current_tag = tag;
 }
 

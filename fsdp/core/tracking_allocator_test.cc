@@ -141,8 +141,7 @@ TEST(TrackingAllocatorTest, TagsCountPerThreadAndFreesReturnToTheAllocatingTag) 
   for (int t = 0; t < kThreads; ++t) {
     EXPECT_EQ(memory_allocated(t), before[t] + 40 * (t + 1)) << "tag " << t;
     // The peak: the kept 40 (t + 1) bytes after the 4000 (t + 1) ones freed, or during.
-    EXPECT_EQ(max_memory_allocated(t), before[t] + 4000 * (t + 1) + 40 * (t + 1))
-        << "tag " << t;
+    EXPECT_EQ(max_memory_allocated(t), before[t] + 4000 * (t + 1) + 40 * (t + 1)) << "tag " << t;
     kept_bytes += 40 * (t + 1);
   }
   EXPECT_EQ(memory_allocated(), process_before + kept_bytes);

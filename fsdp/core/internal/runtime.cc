@@ -152,13 +152,14 @@ void UnitState::pre_backward() {
 void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
   TORCH_INTERNAL_ASSERT(handle_ != nullptr);
   handle_state_ = HandleTrainingState::kBackwardPost;
+  // The parameters are not needed any more: free them before the reduction allocates.
+  reshard_if_sharded_strategy();
   if (root_->sync_gradients()) {
     handle_->reduce_grad(grads);
   } else {
     handle_->accumulate_grad(grads);  // no_sync: no communication
   }
   root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPost);
-  reshard_if_sharded_strategy();
 }
 
 void UnitState::reshard_if_sharded_strategy() {

@@ -1,0 +1,222 @@
+// Models and a single-process reference for FSDP parity tests (REFERENCE §7), shared by
+// the fake-communicator tests and the real-process tests (testonly).
+#ifndef FSDP_CORE_INTERNAL_PARITY_TESTING_H_
+#define FSDP_CORE_INTERNAL_PARITY_TESTING_H_
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <ATen/Functions.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/state/fqn.h"
+
+namespace fsdp::core_testing {
+
+// Nested linears: two units (l1, l2) and the root's own head; 3 units with parameters.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    l1 = register_module("l1", make_unit(torch::nn::Linear(4, 8)));
+    l2 = register_module("l2", make_unit(torch::nn::Linear(8, 7)));
+    head = register_module("head", torch::nn::Linear(7, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    namespace F = torch::nn::functional;
+    return head(F::relu(l2(F::relu(l1(x)))));
+  }
+  Unit<torch::nn::LinearImpl> l1{nullptr}, l2{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+// Identical initial weights on every rank and in the reference.
+template <typename Net>
+std::shared_ptr<Net> make() {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(0);
+  return std::make_shared<Net>();
+}
+inline std::shared_ptr<NetImpl> make_net() { return make<NetImpl>(); }
+
+constexpr int kBatchPerRank = 2;
+constexpr int kSteps = 4;
+
+inline at::Tensor inputs(int step, int64_t rows) {
+  return at::sin(at::arange(rows * 4, at::kFloat).view({rows, 4}) * 0.37 + step);
+}
+inline at::Tensor targets(int step, int64_t rows) {
+  return at::cos(at::arange(rows * 3, at::kFloat).view({rows, 3}) * 0.21 - step);
+}
+
+// Each model: Net::batch(step, rows) -> {input, target}; Net::loss(output, target), a mean
+// over the rows; Net::step for models whose forward depends on the iteration.
+struct Batch {
+  at::Tensor input, target;
+};
+
+inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<at::Tensor> params,
+                                                               bool adam) {
+  if (adam) return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(1e-2).momentum(0.9));
+}
+
+// The reference: one process, the same initial weights; each step's loss is the mean of
+// the W ranks' losses on their shares of the global batch (what FSDP's averaged
+// gradients train: for models without batch statistics, the loss on the global batch).
+struct Reference {
+  std::vector<float> losses;                  // per step
+  std::map<std::string, at::Tensor> params;   // cleaned FQN -> final value
+};
+
+template <typename Net>
+Reference reference(int world_size, bool adam) {
+  auto net = make<Net>();
+  auto optimizer = make_optimizer(net->parameters(), adam);
+  std::vector<float> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    net->step = step;
+    optimizer->zero_grad();
+    const Batch batch = Net::batch(step, kBatchPerRank * world_size);
+    at::Tensor loss = at::zeros({});
+    for (int r = 0; r < world_size; ++r) {
+      loss = loss + Net::loss(net->forward(batch.input.narrow(0, r * kBatchPerRank, kBatchPerRank)),
+                              batch.target.narrow(0, r * kBatchPerRank, kBatchPerRank));
+    }
+    loss = loss / world_size;
+    loss.backward();
+    optimizer->step();
+    losses.push_back(loss.item<float>());
+  }
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : net->named_parameters()) {
+    params[clean_tensor_name(item.key())] = item.value().detach().clone();
+  }
+  return {losses, params};
+}
+
+// Trains Net with FSDP on this rank of `comm` (every rank calls it) and EXPECTs the
+// reference's losses every step and its parameters at the end. Tolerance: 2e-6
+// absolute, the fp32 rounding of averaging W partial gradients in a different order.
+template <typename Net>
+void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference& want,
+                      const FullyShardedDataParallelOptions& options, bool adam) {
+  const int world_size = comm->world_size();
+  FullyShardedDataParallel<Net> model(make<Net>(), options);
+  auto optimizer = make_optimizer(model->parameters(), adam);
+  for (int step = 0; step < kSteps; ++step) {
+    model->module()->step = step;
+    const Batch batch = Net::batch(step, kBatchPerRank * world_size);
+    optimizer->zero_grad();
+    at::Tensor loss = Net::loss(
+        model->forward(batch.input.narrow(0, comm->rank() * kBatchPerRank, kBatchPerRank)),
+        batch.target.narrow(0, comm->rank() * kBatchPerRank, kBatchPerRank));
+    loss.backward();
+    optimizer->step();
+    at::Tensor global = loss.detach().clone();
+    comm->all_reduce(global, ReduceOp::kAvg);
+    EXPECT_NEAR(global.item<float>(), want.losses[step], 2e-6) << "step " << step;
+    EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+  }
+  auto summon = model->summon_full_params(/*writeback=*/false);
+  for (const auto& item : model->named_parameters()) {
+    const std::string fqn = clean_tensor_name(item.key());
+    EXPECT_TRUE(at::allclose(item.value(), want.params.at(fqn), /*rtol=*/0, /*atol=*/2e-6))
+        << fqn << " on rank " << comm->rank();
+  }
+}
+
+
+// Nested linears with two units (NetImpl above).
+struct NestedImpl : NetImpl {
+  static Batch batch(int step, int64_t rows) { return {inputs(step, rows), targets(step, rows)}; }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return torch::nn::functional::mse_loss(out, y);
+  }
+  int step = 0;
+};
+
+// A tiny language model: tied embedding / output head in the root, vocabulary 11 (not a
+// multiple of 2 or 3), two MLP blocks as units.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+    up = register_module("up", torch::nn::Linear(8, 16));
+    down = register_module("down", torch::nn::Linear(16, 8));
+  }
+  at::Tensor forward(at::Tensor x) {
+    return x + down(torch::nn::functional::gelu(up(norm(x))));
+  }
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+};
+
+struct TinyLmImpl : torch::nn::Module {
+  static constexpr int64_t kVocab = 11;
+  TinyLmImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(kVocab, 8));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) blocks->push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    at::Tensor x = embedding(tokens);
+    for (const auto& block : *blocks) x = block->as<UnitImpl<BlockImpl>>()->forward(x);
+    return at::matmul(x, embedding->weight.t());  // tied output head
+  }
+  static Batch batch(int step, int64_t rows) {
+    at::Tensor tokens = (at::arange(rows * 6, at::kLong).view({rows, 6}) * 7 + step) % kVocab;
+    return {tokens.narrow(1, 0, 5), tokens.narrow(1, 1, 5)};
+  }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), next.reshape({-1}));
+  }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  int step = 0;
+};
+
+// A unit that runs on odd steps only.
+struct SkipImpl : NestedImpl {
+  at::Tensor forward(at::Tensor x) {
+    namespace F = torch::nn::functional;
+    at::Tensor h = F::relu(l1(x));
+    if (step % 2 == 1) h = F::relu(l2(h));
+    else h = h.narrow(1, 0, 7);
+    return head(h);
+  }
+};
+
+// BatchNorm (buffers, batch statistics) inside a unit.
+struct NormedImpl : torch::nn::Module {
+  NormedImpl() {
+    first = register_module("first", make_unit(torch::nn::Linear(4, 6)));
+    norm = register_module("norm", make_unit(torch::nn::BatchNorm1d(6)));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(at::Tensor x) { return head(norm(first(x))); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<torch::nn::LinearImpl> first{nullptr};
+  Unit<torch::nn::BatchNorm1dImpl> norm{nullptr};
+  torch::nn::Linear head{nullptr};
+  int step = 0;
+};
+
+}  // namespace fsdp::core_testing
+
+#endif  // FSDP_CORE_INTERNAL_PARITY_TESTING_H_

@@ -14,10 +14,8 @@
 // The c10d baselines: allgather (the same as ours), allreduce (what reduce-scatter costs
 // without reduce_scatter in Gloo 1.13), allreduce (ring) for all-reduce.
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,8 +23,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "fsdp/comm/communicator.h"
+#include "fsdp/comm/internal/benchmark_ranks.h"
+#include "fsdp/comm/internal/loopback.h"
 #include "fsdp/comm/gloo.h"
-#include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
 #include <ATen/Functions.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -60,21 +59,6 @@ Ranks& ranks() {
   return *instance;
 }
 
-// Bytes transmitted on the loopback interface so far (all processes of this machine).
-int64_t loopback_tx_bytes() {
-  std::ifstream dev("/proc/net/dev");
-  std::string line;
-  while (std::getline(dev, line)) {
-    std::istringstream fields(line);
-    std::string name;
-    fields >> name;
-    if (name != "lo:") continue;
-    int64_t value = 0;
-    for (int i = 0; i < 9; ++i) fields >> value;  // rx: 8 fields, then tx bytes
-    return value;
-  }
-  return -1;
-}
 
 int64_t iterations_for(int64_t bytes) {
   return std::max<int64_t>(5, std::min<int64_t>(500, (int64_t{256} << 20) / bytes));
@@ -104,7 +88,7 @@ Shape shape_of(Op op, int64_t bytes) {
 void report(benchmark::State& state, Op op, int64_t bytes, int64_t lo_before) {
   const Shape s = shape_of(op, bytes);
   const int64_t lo_per_rank_call =
-      (loopback_tx_bytes() - lo_before) / kWorldSize / static_cast<int64_t>(state.iterations());
+      (comm_internal::loopback_tx_bytes() - lo_before) / kWorldSize / static_cast<int64_t>(state.iterations());
   state.counters["algbw"] = benchmark::Counter(static_cast<double>(s.algbw_bytes),
                                                benchmark::Counter::kIsIterationInvariantRate);
   state.counters["busbw"] = benchmark::Counter(s.algbw_bytes * s.bus_factor,
@@ -120,7 +104,7 @@ void run_ours(benchmark::State& state, Op op) {
   at::Tensor shard = at::ones({n});
   at::Tensor full = at::ones({n * kWorldSize});
   comm.barrier();
-  const int64_t lo_before = loopback_tx_bytes();
+  const int64_t lo_before = comm_internal::loopback_tx_bytes();
   for (auto _ : state) {
     switch (op) {
       case Op::kAllGather:
@@ -147,7 +131,7 @@ void run_c10d(benchmark::State& state, Op op) {
   for (int r = 0; r < kWorldSize; ++r) gathered[0].push_back(full.narrow(0, r * n, n));
   std::vector<at::Tensor> shards = {shard}, fulls = {full};
   group.barrier()->wait();
-  const int64_t lo_before = loopback_tx_bytes();
+  const int64_t lo_before = comm_internal::loopback_tx_bytes();
   for (auto _ : state) {
     switch (op) {
       case Op::kAllGather:
@@ -192,23 +176,12 @@ void register_all() {
   }
 }
 
-// Discards the reports of ranks other than 0.
-class NullReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
 }  // namespace
 }  // namespace fsdp
 
 int main(int argc, char** argv) {
-  if (std::getenv("RANK") == nullptr) {
-    // Not a rank: start kWorldSize copies of this binary with the same arguments.
-    fsdp::LaunchOptions options;
-    options.nproc_per_node(fsdp::kWorldSize).command({"/proc/self/exe"});
-    for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
-    return fsdp::launch(options, std::cout, std::cerr);
+  if (auto status = fsdp::comm_internal::launch_self_as_ranks(fsdp::kWorldSize, argc, argv)) {
+    return *status;
   }
   benchmark::Initialize(&argc, argv);
   fsdp::register_all();
@@ -216,7 +189,7 @@ int main(int argc, char** argv) {
   if (fsdp::ranks().comm->rank() == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {
-    fsdp::NullReporter quiet;
+    fsdp::comm_internal::NullReporter quiet;
     benchmark::RunSpecifiedBenchmarks(&quiet);
   }
   benchmark::Shutdown();

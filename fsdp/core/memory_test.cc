@@ -27,8 +27,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <torch/nn/functional/activation.h>
-#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
@@ -36,6 +34,7 @@
 #include "fsdp/comm/internal/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/internal/mlp_model.h"
 #include "fsdp/core/tracking_allocator.h"
 
 namespace fsdp {
@@ -51,31 +50,7 @@ constexpr int kSteps = 3;            // step 0 creates Adam's state; steps 1.. a
 constexpr double kTolerance = 0.10;  // peak <= prediction x (1 + kTolerance)
 constexpr int kTrainingThreadTag = 0;
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(kDim, 4 * kDim))),
-        fc2(register_module("fc2", torch::nn::Linear(4 * kDim, kDim))) {}
-  at::Tensor forward(at::Tensor x) { return x + fc2(torch::nn::functional::relu(fc1(x))); }
-  torch::nn::Linear fc1, fc2;
-};
-
-struct ModelImpl : torch::nn::Module {
-  ModelImpl() {
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < kBlocks; ++i) {
-      units.push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
-      blocks->push_back(units.back());
-    }
-    head = register_module("head", torch::nn::Linear(kDim, 10));
-  }
-  at::Tensor forward(at::Tensor x) {
-    for (auto& unit : units) x = unit(x);
-    return head(x);
-  }
-  torch::nn::ModuleList blocks{nullptr};
-  std::vector<Unit<BlockImpl>> units;
-  torch::nn::Linear head{nullptr};
-};
+using ModelImpl = core_internal::MlpModelImpl;
 
 struct Prediction {
   int64_t sharded_state_bytes = 0;  // 16 x sum of shard numels
@@ -110,7 +85,7 @@ void train_and_measure(BackwardPrefetch prefetch) {
   const int64_t baseline = memory_allocated(kTrainingThreadTag);
 
   torch::manual_seed(0);  // the same initial model on every rank
-  FullyShardedDataParallel<ModelImpl> model(std::make_shared<ModelImpl>(),
+  FullyShardedDataParallel<ModelImpl> model(std::make_shared<ModelImpl>(kDim, kBlocks, 10),
                                             FullyShardedDataParallelOptions(comm)
                                                 .sharding_strategy(ShardingStrategy::kFullShard)
                                                 .backward_prefetch(prefetch));

@@ -35,29 +35,27 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <benchmark/benchmark.h>
-#include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
 #include "absl/strings/str_format.h"
 #include "fsdp/comm/communicator.h"
+#include "fsdp/comm/internal/benchmark_ranks.h"
+#include "fsdp/comm/internal/loopback.h"
 #include "fsdp/comm/gloo.h"
-#include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/internal/mlp_model.h"
 #include "fsdp/core/tracking_allocator.h"
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -74,36 +72,11 @@ constexpr int kWarmupSteps = 2;  // the first creates Adam's state
 constexpr int kTimedSteps = 20;
 constexpr int kTrainingThreadTag = 0;
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(kDim, 4 * kDim))),
-        fc2(register_module("fc2", torch::nn::Linear(4 * kDim, kDim))) {}
-  at::Tensor forward(at::Tensor x) { return x + fc2(torch::nn::functional::relu(fc1(x))); }
-  torch::nn::Linear fc1, fc2;
-};
-
-// Runs as plain LibTorch (units unbound are pass-throughs) or under FSDP.
-struct ModelImpl : torch::nn::Module {
-  ModelImpl() {
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < kBlocks; ++i) {
-      units.push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
-      blocks->push_back(units.back());
-    }
-    head = register_module("head", torch::nn::Linear(kDim, kOut));
-  }
-  at::Tensor forward(at::Tensor x) {
-    for (auto& unit : units) x = unit(x);
-    return head(x);
-  }
-  torch::nn::ModuleList blocks{nullptr};
-  std::vector<Unit<BlockImpl>> units;
-  torch::nn::Linear head{nullptr};
-};
+using ModelImpl = core_internal::MlpModelImpl;
 
 std::shared_ptr<ModelImpl> make_model() {
   torch::manual_seed(0);
-  return std::make_shared<ModelImpl>();
+  return std::make_shared<ModelImpl>(kDim, kBlocks, kOut);
 }
 
 struct Ranks {
@@ -126,21 +99,6 @@ Ranks& ranks() {
   return *instance;
 }
 
-// Bytes transmitted on the loopback interface so far (all processes of this machine).
-int64_t loopback_tx_bytes() {
-  std::ifstream dev("/proc/net/dev");
-  std::string line;
-  while (std::getline(dev, line)) {
-    std::istringstream fields(line);
-    std::string name;
-    fields >> name;
-    if (name != "lo:") continue;
-    int64_t value = 0;
-    for (int i = 0; i < 9; ++i) fields >> value;  // rx: 8 fields, then tx bytes
-    return value;
-  }
-  return -1;
-}
 
 // REFERENCE §4-5 for one rank, in bytes per step.
 struct Formula {
@@ -237,12 +195,12 @@ Training prepare(Make&& make) {
 // One timed step; returns its seconds.
 double timed_step(Training& t) {
   const int64_t sent_before = t.comm ? t.comm->counters().total().bytes_sent : 0;
-  const int64_t lo_before = loopback_tx_bytes();
+  const int64_t lo_before = comm_internal::loopback_tx_bytes();
   const auto start = std::chrono::steady_clock::now();
   t.step();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  t.lo_bytes += loopback_tx_bytes() - lo_before;
+  t.lo_bytes += comm_internal::loopback_tx_bytes() - lo_before;
   if (t.comm) t.wire_bytes += t.comm->counters().total().bytes_sent - sent_before;
   t.seconds += seconds;
   return seconds;
@@ -351,23 +309,12 @@ class SummaryReporter : public benchmark::ConsoleReporter {
   std::vector<std::pair<std::string, benchmark::UserCounters>> runs_;
 };
 
-// Discards the reports of ranks other than 0.
-class NullReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
 }  // namespace
 }  // namespace fsdp
 
 int main(int argc, char** argv) {
-  if (std::getenv("RANK") == nullptr) {
-    // Not a rank: start kWorldSize copies of this binary with the same arguments.
-    fsdp::LaunchOptions options;
-    options.nproc_per_node(fsdp::kWorldSize).command({"/proc/self/exe"});
-    for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
-    return fsdp::launch(options, std::cout, std::cerr);
+  if (auto status = fsdp::comm_internal::launch_self_as_ranks(fsdp::kWorldSize, argc, argv)) {
+    return *status;
   }
   at::set_num_threads(1);
   fsdp::MemoryTracker tracker;  // before any model exists: see tracking_allocator.h
@@ -380,7 +327,7 @@ int main(int argc, char** argv) {
     benchmark::RunSpecifiedBenchmarks(&reporter);
     reporter.print_summary(std::cout);
   } else {
-    fsdp::NullReporter quiet;
+    fsdp::comm_internal::NullReporter quiet;
     benchmark::RunSpecifiedBenchmarks(&quiet);
   }
   benchmark::Shutdown();

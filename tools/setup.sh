@@ -17,6 +17,9 @@ readonly REQUIRED=(
   zlib1g-dev=1.2.13.dfsg
   python3-torch=1.13.1
   python3-torchvision=0.14.1
+  fortunes=1.99.1
+  dataset-fashion-mnist=0.0~git20200523.55506a9
+  gnuplot-nox=5.4.4
 )
 
 installed_version() {

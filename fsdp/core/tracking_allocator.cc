@@ -81,6 +81,7 @@ int slot_of_query(int tag) {
 }
 
 void delete_tracked(void* data) {
+  if (data == nullptr) return;  // raw_deleter()(nullptr), e.g. after raw_allocate(0)
   auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeaderBytes);
   TORCH_INTERNAL_ASSERT(header->magic == kMagic, "tracking allocator: corrupt header");
   counters()[header->slot].subtract(header->nbytes);

@@ -1,0 +1,255 @@
+// Trains a character-level GPT on Debian's fortunes with FSDP.
+//
+//   bazel run -c opt //examples/gpt:train                  # 2 ranks, FULL_SHARD
+//   bazel run -c opt //examples/gpt:train -- --world_size=1 --steps=100
+//   fsdp_run --nproc_per_node=4 -- bazel-bin/examples/gpt/train --sharding_strategy=shard_grad_op
+//
+// Without RANK in its environment the program starts --world_size ranks of itself (like
+// fsdp_run); under fsdp_run, torchrun, mpirun or srun it is one rank. Rank 0 prints a
+// progress line per --log_interval steps, the validation loss every --eval_interval
+// steps, per-rank peak memory and traffic at the end, and a text sample; it writes
+// metrics.csv and loss.png (gnuplot) into --out_dir. Ctrl-C stops every rank.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include "examples/gpt/corpus.h"
+#include "examples/gpt/model.h"
+#include "fsdp/comm/launcher.h"
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/tracking_allocator.h"
+#include "fsdp/wrap/policy.h"
+
+ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
+ABSL_FLAG(std::string, sharding_strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
+ABSL_FLAG(std::string, policy, "transformer",
+          "units: transformer (each block) or root (one unit for the whole model)");
+ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
+ABSL_FLAG(int64_t, width, 128, "embedding width");
+ABSL_FLAG(int64_t, heads, 4, "attention heads");
+ABSL_FLAG(int64_t, context, 64, "context length (characters)");
+ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
+ABSL_FLAG(int64_t, steps, 400, "training steps");
+ABSL_FLAG(double, lr, 3e-3, "peak learning rate (AdamW)");
+ABSL_FLAG(int64_t, warmup_steps, 40, "linear warm-up steps, then cosine decay to lr / 10");
+ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the data order");
+ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
+ABSL_FLAG(int64_t, eval_interval, 100, "steps between validation losses");
+ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
+ABSL_FLAG(int64_t, sample_length, 300, "characters to sample at the end (0: none)");
+ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv and loss.png go");
+ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
+
+namespace fsdp::examples {
+namespace {
+
+using Model = FullyShardedDataParallel<GptImpl>;
+
+ShardingStrategy parse_strategy(const std::string& name) {
+  if (name == "full_shard") return ShardingStrategy::kFullShard;
+  if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
+  if (name == "no_shard") return ShardingStrategy::kNoShard;
+  TORCH_CHECK(false, "--sharding_strategy must be full_shard, shard_grad_op or no_shard, got '",
+              name, "'");
+}
+
+AutoWrapPolicy parse_policy(const std::string& name) {
+  if (name == "transformer") return transformer_auto_wrap_policy({ModuleType::of<BlockImpl>()});
+  if (name == "root") return lambda_auto_wrap_policy([](const ModuleNode&) { return false; });
+  TORCH_CHECK(false, "--policy must be transformer or root, got '", name, "'");
+}
+
+double learning_rate(int64_t step) {
+  const double peak = absl::GetFlag(FLAGS_lr);
+  const int64_t warmup = absl::GetFlag(FLAGS_warmup_steps);
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  if (step < warmup) return peak * (step + 1) / warmup;
+  const double progress = double(step - warmup) / std::max<int64_t>(1, steps - warmup);
+  return peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+// This rank's share of global batch `index` (the same windows whatever the world size).
+std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
+                                        Communicator& comm) {
+  const int64_t global = absl::GetFlag(FLAGS_batch_size);
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  TORCH_CHECK(global % comm.world_size() == 0, "--batch_size ", global,
+              " must be a multiple of the world size ", comm.world_size());
+  at::manual_seed(absl::GetFlag(FLAGS_seed) * 1000003 + index);
+  const at::Tensor starts = at::randint(tokens.numel() - context - 1, {global}, at::kLong);
+  const int64_t local = global / comm.world_size();
+  return windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+}
+
+// Mean loss over ranks of `loss` (this rank's mean over an equal share).
+double global_mean(const at::Tensor& loss, Communicator& comm) {
+  at::Tensor value = loss.detach().reshape({1}).clone();
+  comm.all_reduce(value, ReduceOp::kAvg);
+  return value.item<double>();
+}
+
+double validation_loss(Model& model, const Corpus& corpus, Communicator& comm) {
+  torch::NoGradGuard no_grad;
+  double sum = 0;
+  const int64_t batches = absl::GetFlag(FLAGS_eval_batches);
+  for (int64_t i = 0; i < batches; ++i) {
+    auto [x, y] = batch(corpus.validation, -1 - i, comm);  // fixed batches
+    at::Tensor logits = model->forward(x);
+    sum += global_mean(torch::nn::functional::cross_entropy(
+                           logits.reshape({-1, logits.size(-1)}), y.reshape({-1})),
+                       comm);
+  }
+  return sum / batches;
+}
+
+std::string sample(Model& model, const Corpus& corpus) {
+  torch::NoGradGuard no_grad;
+  at::manual_seed(absl::GetFlag(FLAGS_seed));  // identical on every rank
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  at::Tensor ids = corpus.train.narrow(0, 0, 1).view({1, 1});
+  for (int64_t i = 0; i < absl::GetFlag(FLAGS_sample_length); ++i) {
+    const int64_t t = std::min<int64_t>(ids.size(1), context);
+    at::Tensor logits = model->forward(ids.narrow(1, ids.size(1) - t, t));
+    at::Tensor probs = at::softmax(logits.select(1, t - 1) / 0.8, -1);
+    ids = at::cat({ids, at::multinomial(probs, 1)}, 1);
+  }
+  return corpus.decode(ids);
+}
+
+void plot(const std::string& dir) {
+  const std::string script = dir + "/loss.gnuplot";
+  std::ofstream(script) << "set terminal png size 900,500\nset output '" << dir
+                        << "/loss.png'\nset datafile separator ','\nset key top right\n"
+                        << "set xlabel 'step'\nset ylabel 'cross-entropy (nats/char)'\n"
+                        << "plot '" << dir << "/metrics.csv' using 1:2 skip 1 with lines "
+                        << "title 'train', '' using 1:3 skip 1 with linespoints title "
+                        << "'validation'\n";
+  if (std::system(("gnuplot " + script + " 2>/dev/null").c_str()) != 0) {
+    std::cout << "gnuplot not found: no loss.png (tools/setup.sh installs it)\n";
+  }
+}
+
+int train() {
+  at::set_num_threads(1);
+  MemoryTracker memory;
+  std::shared_ptr<Communicator> comm = init_from_environment();
+  const bool lead = comm->rank() == 0;
+  const Corpus corpus = load_fortunes(absl::GetFlag(FLAGS_data_dir));
+
+  at::manual_seed(absl::GetFlag(FLAGS_seed));
+  auto gpt = std::make_shared<GptImpl>(GptOptions()
+                                           .vocab_size(corpus.vocab_size())
+                                           .context(absl::GetFlag(FLAGS_context))
+                                           .width(absl::GetFlag(FLAGS_width))
+                                           .heads(absl::GetFlag(FLAGS_heads))
+                                           .layers(absl::GetFlag(FLAGS_layers)));
+  int64_t numel = 0;
+  for (const auto& p : gpt->parameters()) numel += p.numel();
+  Model model(gpt, FullyShardedDataParallelOptions(comm)
+                       .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
+                       .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy))));
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  if (lead) {
+    std::cout << absl::StrFormat(
+        "corpus: %d fortunes, %d train / %d validation characters, vocabulary %d\n"
+        "model: %d parameters in %d units over %d ranks (%s)\n",
+        corpus.entries, corpus.train.numel(), corpus.validation.numel(), corpus.vocab_size(),
+        numel, model->units().size(), comm->world_size(),
+        sharding_strategy_name(model->sharding_strategy()));
+  }
+  const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  std::ofstream csv;
+  if (lead) {
+    std::filesystem::create_directories(dir);
+    csv.open(dir + "/metrics.csv");
+    TORCH_CHECK(csv.good(), "cannot write ", dir, "/metrics.csv; pass a writable --out_dir");
+    csv << "step,train_loss,validation_loss,lr,tokens_per_s\n";
+    std::cout << "step 0: validation loss " << validation_loss(model, corpus, *comm) << "\n";
+  } else {
+    validation_loss(model, corpus, *comm);
+  }
+
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
+  const auto start = std::chrono::steady_clock::now();
+  comm->counters().reset();
+  for (int64_t step = 0; step < steps; ++step) {
+    const double lr = learning_rate(step);
+    for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
+    auto [x, y] = batch(corpus.train, step, *comm);
+    adamw.zero_grad();
+    at::Tensor logits = model->forward(x);
+    at::Tensor loss = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    loss.backward();
+    adamw.step();
+    const double train_loss = global_mean(loss, *comm);
+    const bool log = (step + 1) % absl::GetFlag(FLAGS_log_interval) == 0 || step + 1 == steps;
+    const bool eval = (step + 1) % absl::GetFlag(FLAGS_eval_interval) == 0 || step + 1 == steps;
+    const double val = eval ? validation_loss(model, corpus, *comm) : NAN;
+    if (!lead) continue;
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double tokens_per_s = tokens_per_step * (step + 1) / seconds;
+    csv << absl::StrFormat("%d,%.5f,%s,%.6f,%.0f\n", step + 1, train_loss,
+                           eval ? absl::StrFormat("%.5f", val) : "", lr, tokens_per_s);
+    if (log) {
+      std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | ETA %.0f s\n",
+                                   step + 1, steps, train_loss, lr, tokens_per_s,
+                                   seconds / (step + 1) * (steps - step - 1));
+    }
+    if (eval) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, val);
+  }
+  // Per-rank figures, gathered to rank 0.
+  const double per_step = double(comm->counters().total().bytes_sent) / steps;
+  at::Tensor mine = at::tensor({double(max_memory_allocated()), per_step}, at::kDouble);
+  at::Tensor all = at::empty({2 * comm->world_size()}, at::kDouble);
+  comm->all_gather_into_tensor(all, mine);
+  const std::string text = absl::GetFlag(FLAGS_sample_length) > 0 ? sample(model, corpus) : "";
+  if (!lead) return 0;
+  for (int r = 0; r < comm->world_size(); ++r) {
+    std::cout << absl::StrFormat("rank %d: peak memory %.1f MB, sent %.2f MB per step\n", r,
+                                 all[2 * r].item<double>() / 1e6,
+                                 all[2 * r + 1].item<double>() / 1e6);
+  }
+  csv.close();
+  plot(dir);
+  std::cout << "metrics: " << dir << "/metrics.csv, plot: " << dir << "/loss.png\n";
+  if (!text.empty()) std::cout << "sample:\n" << text << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace fsdp::examples
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
+    fsdp::LaunchOptions options;
+    options.nproc_per_node(absl::GetFlag(FLAGS_world_size)).command({"/proc/self/exe"});
+    for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
+    return fsdp::launch(options, std::cout, std::cerr);
+  }
+  try {
+    return fsdp::examples::train();
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    std::cerr << "train: " << what.substr(0, what.find('\n')) << "\n";
+    return 1;
+  }
+}

@@ -40,16 +40,16 @@ ABSL_FLAG(std::string, sharding_strategy, "full_shard", "full_shard, shard_grad_
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
-ABSL_FLAG(int64_t, width, 128, "embedding width");
+ABSL_FLAG(int64_t, width, 96, "embedding width");
 ABSL_FLAG(int64_t, heads, 4, "attention heads");
 ABSL_FLAG(int64_t, context, 64, "context length (characters)");
 ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
-ABSL_FLAG(int64_t, steps, 400, "training steps");
+ABSL_FLAG(int64_t, steps, 300, "training steps");
 ABSL_FLAG(double, lr, 3e-3, "peak learning rate (AdamW)");
-ABSL_FLAG(int64_t, warmup_steps, 40, "linear warm-up steps, then cosine decay to lr / 10");
+ABSL_FLAG(int64_t, warmup_steps, 30, "linear warm-up steps, then cosine decay to lr / 10");
 ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the data order");
 ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
-ABSL_FLAG(int64_t, eval_interval, 100, "steps between validation losses");
+ABSL_FLAG(int64_t, eval_interval, 50, "steps between validation losses");
 ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
 ABSL_FLAG(int64_t, sample_length, 300, "characters to sample at the end (0: none)");
 ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv and loss.png go");
@@ -145,6 +145,7 @@ void plot(const std::string& dir) {
 }
 
 int train() {
+  std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
   at::set_num_threads(1);
   MemoryTracker memory;
   std::shared_ptr<Communicator> comm = init_from_environment();

@@ -102,7 +102,6 @@ class FlatParamHandle {
   // Starts unshard()'s all-gather without waiting for it (prefetch); the next unshard()
   // waits. No-op if unsharded or already prefetching.
   void prefetch();
-  bool is_prefetching() const { return pending_ != nullptr; }
   // Frees the unsharded flat buffer's memory (after a pending prefetch completes). No-op
   // for NO_SHARD or if already resharded.
   void reshard();

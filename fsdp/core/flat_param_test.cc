@@ -64,6 +64,17 @@ TEST_P(FlatParamHandleTest, ShardsUnshardsReshardsAndReducesGradients) {
     EXPECT_EQ(handle.shard_numel(), shard);
     EXPECT_EQ(handle.padding(), shard * w - 13);
     EXPECT_EQ(handle.sharded_flat_param().numel(), shard);
+    // This rank's shard metadata covers flat elements [rank x shard, (rank + 1) x shard).
+    const std::vector<FlatParamInfo> infos = {{"p0", {3, 3}, 9, 0}, {"p1", {4}, 4, 9}};
+    const std::vector<ShardParamInfo> local = handle.local_shard_param_infos();
+    const std::vector<ShardParamInfo> want = shard_param_infos(
+        infos, comm.rank() * shard, (comm.rank() + 1) * shard - 1);
+    ASSERT_EQ(local.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(local[i].fqn, want[i].fqn);
+      EXPECT_EQ(local[i].start, want[i].start);
+      EXPECT_EQ(local[i].end, want[i].end);
+    }
     EXPECT_TRUE(handle.sharded_flat_param().requires_grad());
     EXPECT_TRUE(handle.sharded_flat_param().is_leaf());
     // Sharded from the start; unsharded, the original parameters are views with their

@@ -409,6 +409,10 @@ TEST(TrainingStateTest, WrongStateGivesTheSeedsMessage) {
   FullyShardedDataParallel<NetImpl> model(make_net(),
                                           FullyShardedDataParallelOptions(world->communicator(0)));
   auto full = model->summon_full_params();
+  for (const auto& unit : model->units()) {
+    EXPECT_STREQ(handle_training_state_name(unit->handle_state()),
+                 "HandleTrainingState.SUMMON_FULL_PARAMS");
+  }
   EXPECT_THAT([&] { model->summon_full_params(); },
               ThrowsMessage<c10::Error>(HasSubstr(
                   "summon_full_params: expected to be in states [TrainingState.IDLE] but "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README): installs what is missing, then builds and runs every test,
-# and the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without
-# a GPU). Prints "N passed, M failed" last; exits non-zero on any failure.
+# the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without a
+# GPU), and the consumer workspace (examples/consumer: fsdp used from another
+# workspace). Prints "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -12,6 +13,8 @@ status=0
 # Test results are not taken from the cache: every run really runs the tests.
 bazel test //... --nocache_test_results "$@" 2>&1 | tee -a "$log" || status=$?
 bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 |
+  tee -a "$log" || status=$?
+(cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
 passed=$(grep -cE '^//[^ ]+ +PASSED' "$log" || true)
 failed=$(grep -cE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)

@@ -1,0 +1,45 @@
+"""The external repositories fsdp builds with, for this workspace and for consumers.
+
+A consumer's WORKSPACE:
+
+    local_repository(name = "fsdp", path = "/path/to/fsdp")
+    load("@fsdp//bazel:repositories.bzl", "fsdp_dependencies")
+    fsdp_dependencies(fsdp_path = "/path/to/fsdp/")
+
+Everything is local (Debian packages and this tree): nothing is downloaded. Repositories
+the consumer already declared are left alone.
+"""
+
+def _add(rule, name, **kwargs):
+    if name not in native.existing_rules():
+        rule(name = name, **kwargs)
+
+def _system_library(name, build_file, path = "/usr"):
+    _add(native.new_local_repository, name, build_file = build_file, path = path)
+
+def fsdp_dependencies(fsdp_path = ""):
+    """Declares fsdp's repositories. `fsdp_path`: fsdp's root ("" inside fsdp itself)."""
+
+    # Bazel's rule sets as Debian ships them; rules_cc forwards to the native rules
+    # (Debian's bazel-rules-cc is too new for Bazel 4.2.3).
+    _add(native.local_repository, "platforms", path = "/usr/share/bazel/platforms")
+    _add(native.local_repository, "rules_java", path = "/usr/share/bazel/rules/java")
+    _add(native.local_repository, "rules_cc", path = fsdp_path + "third_party/rules_cc")
+
+    # `bazel test` asks for these even without --collect_code_coverage.
+    _add(
+        native.local_repository,
+        "remote_coverage_tools",
+        path = fsdp_path + "third_party/remote_coverage_tools",
+    )
+
+    # System libraries from Debian packages (versions checked by tools/setup.sh).
+    _system_library("libtorch", str(Label("//third_party:libtorch.BUILD")))
+    _system_library("com_google_absl", str(Label("//third_party:absl.BUILD")))
+    _system_library("com_google_googletest", str(Label("//third_party:googletest.BUILD")))
+    _system_library("com_github_google_benchmark", str(Label("//third_party:benchmark.BUILD")))
+    _system_library("gloo", str(Label("//third_party:gloo.BUILD")))
+    _system_library("zlib", str(Label("//third_party:zlib.BUILD")))
+
+    # CUDA toolkit with NCCL; only targets built under --config=nccl use it.
+    _system_library("cuda", str(Label("//third_party:cuda.BUILD")), path = "/usr/local/cuda")

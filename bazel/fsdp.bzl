@@ -8,6 +8,16 @@ FSDP_COPTS = [
     "-Werror",
 ]
 
+# Who may depend on a package's public targets: the other fsdp packages, tests, tools,
+# benchmarks and examples (other workspaces go through //fsdp:fsdp).
+FSDP_USERS = [
+    "//benchmarks:__pkg__",
+    "//examples:__subpackages__",
+    "//fsdp:__subpackages__",
+    "//tests:__pkg__",
+    "//tools:__pkg__",
+]
+
 # Targets that need CUDA/NCCL: built only under --config=nccl.
 NCCL_ONLY = select({
     "//bazel:nccl_enabled": [],

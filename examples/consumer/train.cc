@@ -2,7 +2,6 @@
 // the loss falls: what a program in another monorepo writes against @fsdp//fsdp.
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
 
 #include <ATen/Functions.h>
 #include <torch/nn/functional/activation.h>
@@ -23,11 +22,9 @@ struct NetImpl : torch::nn::Module {
   fsdp::Unit<torch::nn::LinearImpl> hidden{nullptr}, out{nullptr};
 };
 
-int main() {
+int main(int argc, char** argv) {
   if (std::getenv("RANK") == nullptr) {  // start 2 ranks of this program
-    fsdp::LaunchOptions options;
-    options.nproc_per_node(2).command({"/proc/self/exe"});
-    return fsdp::launch(options, std::cout, std::cerr);
+    return fsdp::launch_self(2, argc, argv);
   }
   at::set_num_threads(1);
   auto comm = fsdp::init_from_environment();

@@ -449,14 +449,6 @@ fsdp::LaunchEnvironment launch_environment() {
   }
 }
 
-// Starts `world_size` ranks of this binary with the same arguments; returns their status.
-int launch_ranks(int world_size, int argc, char** argv) {
-  fsdp::LaunchOptions options;
-  options.nproc_per_node(world_size).command({"/proc/self/exe"});
-  for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
-  return fsdp::launch(options, std::cout, std::cerr);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -472,7 +464,7 @@ int main(int argc, char** argv) {
   if (env.launcher == "none" && config.world_size > 1) {
     const std::string split_error = batch_split_error(config.batch_size, config.world_size);
     require(split_error.empty(), split_error);  // before starting ranks that would all fail
-    return launch_ranks(config.world_size, argc, argv);
+    return fsdp::launch_self(config.world_size, argc, argv);
   }
   return run_rank(config, env);
 }

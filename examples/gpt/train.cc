@@ -241,10 +241,7 @@ int train() {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
-    fsdp::LaunchOptions options;
-    options.nproc_per_node(absl::GetFlag(FLAGS_world_size)).command({"/proc/self/exe"});
-    for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
-    return fsdp::launch(options, std::cout, std::cerr);
+    return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }
   try {
     return fsdp::examples::train();

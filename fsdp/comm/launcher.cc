@@ -17,6 +17,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <iostream>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -766,6 +767,13 @@ int launch(const LaunchOptions& options, std::ostream& out, std::ostream& err) {
     return 1;
   }
   return Job(resolved, out, err, **signals).run();
+}
+
+int launch_self(int nproc_per_node, int argc, char** argv) {
+  LaunchOptions options;
+  options.nproc_per_node(nproc_per_node).command({"/proc/self/exe"});
+  for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
+  return launch(options, std::cout, std::cerr);
 }
 
 }  // namespace fsdp

@@ -125,6 +125,12 @@ absl::StatusOr<int> pick_free_port(const std::string& address);
 // the calling thread only, and flushed after each batch of lines.
 int launch(const LaunchOptions& options, std::ostream& out, std::ostream& err);
 
+// launch() of `nproc_per_node` copies of the running program (/proc/self/exe) with its
+// own arguments argv[1..argc), output to std::cout / std::cerr: how a program that is
+// not already a rank starts its own ranks (the examples, the benchmarks). Returns the
+// job's exit status as launch() does.
+int launch_self(int nproc_per_node, int argc, char** argv);
+
 }  // namespace fsdp
 
 #endif  // FSDP_COMM_LAUNCHER_H_

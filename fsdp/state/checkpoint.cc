@@ -10,7 +10,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -77,10 +76,14 @@ void write_file_durably(const std::string& path, const std::vector<char>& bytes)
 }
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   TORCH_CHECK(in.good() && !fs::is_directory(path), "cannot open '", path,
               "': no such readable file");
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  std::string bytes(static_cast<size_t>(in.tellg()), '\0');
+  in.seekg(0);
+  TORCH_CHECK(in.read(bytes.data(), static_cast<std::streamsize>(bytes.size())), "cannot read '",
+              path, "'");
+  return bytes;
 }
 
 uint64_t crc32_of(const char* data, size_t size) {

@@ -24,6 +24,12 @@ NCCL_ONLY = select({
     "//conditions:default": ["//bazel:unsupported"],
 })
 
+# libFuzzer targets: built only under --config=fuzz (clang).
+FUZZ_ONLY = select({
+    "//bazel:fuzz_enabled": [],
+    "//conditions:default": ["//bazel:unsupported"],
+})
+
 def fsdp_cc_library(name, copts = [], **kwargs):
     cc_library(name = name, copts = FSDP_COPTS + copts, **kwargs)
 
@@ -55,5 +61,15 @@ def fsdp_cc_benchmark(name, copts = [], deps = [], custom_main = False, **kwargs
         name = name,
         copts = FSDP_COPTS + copts,
         deps = deps + [main_dep],
+        **kwargs
+    )
+
+def fsdp_cc_fuzzer(name, copts = [], linkopts = [], **kwargs):
+    """A libFuzzer binary (LLVMFuzzerTestOneInput), built only under --config=fuzz."""
+    cc_binary(
+        name = name,
+        copts = FSDP_COPTS + copts,
+        linkopts = linkopts + ["-fsanitize=fuzzer"],
+        target_compatible_with = FUZZ_ONLY,
         **kwargs
     )

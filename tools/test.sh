@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README): installs what is missing, then builds and runs every test,
 # the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without a
-# GPU), and the consumer workspace (examples/consumer: fsdp used from another
-# workspace). Prints "N passed, M failed" last; exits non-zero on any failure.
+# GPU), the consumer workspace (examples/consumer: fsdp used from another workspace),
+# and 60 s of fuzzing the checkpoint reader (tools/fuzz.sh). Prints "N passed, M
+# failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -16,6 +17,15 @@ bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 
   tee -a "$log" || status=$?
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
+fuzz_log=$(mktemp)
+if bash tools/fuzz.sh 60 >"$fuzz_log" 2>&1; then
+  echo "//fsdp/state:torch_file_fuzzer PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"
+else
+  tail -40 "$fuzz_log"
+  echo "//fsdp/state:torch_file_fuzzer FAILED"
+  status=1
+fi 2>&1 | tee -a "$log"
+rm -f "$fuzz_log"
 passed=$(grep -cE '^//[^ ]+ +PASSED' "$log" || true)
 failed=$(grep -cE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)
 if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # e.g. a build error

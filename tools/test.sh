@@ -19,12 +19,13 @@ bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 
   tee -a "$log" || status=$?
 fuzz_log=$(mktemp)
 if bash tools/fuzz.sh 60 >"$fuzz_log" 2>&1; then
-  echo "//fsdp/state:torch_file_fuzzer PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"
+  fuzz_result="PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"
 else
   tail -40 "$fuzz_log"
-  echo "//fsdp/state:torch_file_fuzzer FAILED"
+  fuzz_result=FAILED
   status=1
-fi 2>&1 | tee -a "$log"
+fi
+echo "//fsdp/state:torch_file_fuzzer $fuzz_result" | tee -a "$log"
 rm -f "$fuzz_log"
 passed=$(grep -cE '^//[^ ]+ +PASSED' "$log" || true)
 failed=$(grep -cE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)

@@ -29,7 +29,8 @@ using examples::GptOptions;
 GptOptions small() { return GptOptions().vocab_size(23).context(8).width(16).heads(2).layers(2); }
 at::Tensor tokens() { return (at::arange(2 * 8, at::kLong).view({2, 8}) * 5 + 3) % 23; }
 
-void on_two_ranks(const std::function<void(FullyShardedDataParallel<GptImpl>&, Communicator&)>& fn) {
+void on_two_ranks(
+    const std::function<void(FullyShardedDataParallel<GptImpl>&, Communicator&)>& fn) {
   FakeWorld::run(FakeWorld::create(2), [&](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
     at::manual_seed(0);  // the same weights on both ranks

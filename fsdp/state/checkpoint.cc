@@ -95,7 +95,8 @@ uint64_t crc32_of(const char* data, size_t size) {
 const PyValuePtr& expect(const PyValuePtr& value, PyValue::Kind kind, const std::string& what,
                          const std::string& file) {
   TORCH_CHECK(value->kind == kind, "'", file, "': ", what, " must be a ",
-              state_internal::kind_name(kind), ", found a ", state_internal::kind_name(value->kind));
+              state_internal::kind_name(kind), ", found a ",
+              state_internal::kind_name(value->kind));
   return value;
 }
 
@@ -131,8 +132,8 @@ StateDict tensor_dict(const PyValuePtr& dict, const std::string& what, const std
 
 std::vector<int64_t> int_list(const PyValuePtr& list, const std::string& what,
                               const std::string& file) {
-  TORCH_CHECK(list->kind == PyValue::Kind::kList || list->kind == PyValue::Kind::kTuple, "'",
-              file, "': ", what, " must be a list of ints");
+  TORCH_CHECK(list->kind == PyValue::Kind::kList || list->kind == PyValue::Kind::kTuple, "'", file,
+              "': ", what, " must be a list of ints");
   std::vector<int64_t> ints;
   for (const PyValuePtr& item : list->items) {
     ints.push_back(expect(item, PyValue::Kind::kInt, what, file)->integer);
@@ -197,8 +198,8 @@ c10::IValue metadata_value(int world_size, const std::vector<Item>& items,
                            const std::vector<int64_t>& gathered, size_t stride) {
   c10::impl::GenericDict files(c10::StringType::get(), c10::AnyType::get());
   for (int r = 0; r < world_size; ++r) {
-    files.insert(rank_file(r), c10::List<int64_t>({gathered[r * stride + 1],
-                                                   gathered[r * stride + 2]}));
+    files.insert(rank_file(r),
+                 c10::List<int64_t>({gathered[r * stride + 1], gathered[r * stride + 2]}));
   }
   c10::impl::GenericDict tensors(c10::StringType::get(), c10::AnyType::get());
   for (size_t i = 0; i < items.size(); ++i) {
@@ -231,8 +232,8 @@ c10::IValue metadata_value(int world_size, const std::vector<Item>& items,
 // Moves the complete `partial` directory to `dir`, swapping out an existing one.
 void publish(const fs::path& partial, const fs::path& dir) {
   if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_NOREPLACE) != 0) {
-    TORCH_CHECK(errno == EEXIST || errno == ENOTEMPTY, "cannot publish checkpoint '",
-                dir.string(), "': ", errno_text());
+    TORCH_CHECK(errno == EEXIST || errno == ENOTEMPTY, "cannot publish checkpoint '", dir.string(),
+                "': ", errno_text());
     TORCH_CHECK(::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0,
                 "cannot replace checkpoint '", dir.string(), "': ", errno_text());
     fs::remove_all(partial);  // now the previous checkpoint
@@ -256,31 +257,32 @@ class CheckpointReader {
     const PyValuePtr format = dict_get(root, "format", path);
     TORCH_CHECK(format->kind == PyValue::Kind::kString && format->string == kFormat, "'", path,
                 "' is not the metadata of an fsdp sharded checkpoint");
-    const int64_t version = expect(dict_get(root, "version", path), PyValue::Kind::kInt,
-                                   "version", path)->integer;
+    const int64_t version =
+        expect(dict_get(root, "version", path), PyValue::Kind::kInt, "version", path)->integer;
     TORCH_CHECK(version == kVersion, "'", dir_, "' was written in checkpoint format version ",
                 version, "; this build of fsdp reads version ", kVersion,
                 " (use the fsdp that wrote it, or a newer one)");
-    world_size_ = expect(dict_get(root, "world_size", path), PyValue::Kind::kInt, "world_size",
-                         path)->integer;
+    world_size_ =
+        expect(dict_get(root, "world_size", path), PyValue::Kind::kInt, "world_size", path)
+            ->integer;
     for (const auto& [name, value] : dict_items(dict_get(root, "files", path), "files", path)) {
       const std::vector<int64_t> size_crc = int_list(value, "a file's size and crc32", path);
       TORCH_CHECK(size_crc.size() == 2, "'", path, "': bad entry for file ", name);
       files_[name] = {size_crc[0], static_cast<uint64_t>(size_crc[1])};
     }
-    for (const auto& [key, value] :
-         dict_items(dict_get(root, "tensors", path), "tensors", path)) {
+    for (const auto& [key, value] : dict_items(dict_get(root, "tensors", path), "tensors", path)) {
       TensorMeta meta;
-      meta.dtype = expect(dict_get(value, "dtype", path), PyValue::Kind::kString, "dtype",
-                          path)->string;
+      meta.dtype =
+          expect(dict_get(value, "dtype", path), PyValue::Kind::kString, "dtype", path)->string;
       meta.shape = int_list(dict_get(value, "shape", path), "shape", path);
-      meta.replicated = expect(dict_get(value, "replicated", path), PyValue::Kind::kBool,
-                               "replicated", path)->integer != 0;
+      meta.replicated =
+          expect(dict_get(value, "replicated", path), PyValue::Kind::kBool, "replicated", path)
+              ->integer != 0;
       const std::vector<int64_t> pieces = int_list(dict_get(value, "pieces", path), "pieces", path);
       TORCH_CHECK(pieces.size() % 3 == 0, "'", path, "': bad pieces for '", key, "'");
       for (size_t i = 0; i < pieces.size(); i += 3) {
-        TORCH_CHECK(pieces[i] >= 0 && pieces[i] < world_size_, "'", path, "': bad rank for '",
-                    key, "'");
+        TORCH_CHECK(pieces[i] >= 0 && pieces[i] < world_size_, "'", path, "': bad rank for '", key,
+                    "'");
         meta.pieces.push_back({static_cast<int>(pieces[i]), pieces[i + 1], pieces[i + 2]});
       }
       keys_.push_back(key);
@@ -301,8 +303,8 @@ class CheckpointReader {
       const int64_t hi = std::min(end, piece.offset + piece.numel);
       if (lo >= hi) continue;
       const at::Tensor* local = rank_tensors(piece.rank).find(key);
-      TORCH_CHECK(local != nullptr && local->dim() == 1 && local->numel() == piece.numel, "'",
-                  dir_, "/", rank_file(piece.rank), "' lacks the piece of '", key,
+      TORCH_CHECK(local != nullptr && local->dim() == 1 && local->numel() == piece.numel, "'", dir_,
+                  "/", rank_file(piece.rank), "' lacks the piece of '", key,
                   "' its metadata lists");
       out.narrow(0, lo - begin, hi - lo).copy_(local->narrow(0, lo - piece.offset, hi - lo));
       covered += hi - lo;
@@ -326,8 +328,8 @@ class CheckpointReader {
     TORCH_CHECK(crc32_of(bytes.data(), bytes.size()) == meta->second.crc32, "checkpoint file '",
                 path, "' fails its CRC-32 check: it is damaged; use another checkpoint");
     return loaded_
-        .emplace(rank, tensor_dict(state_internal::read_torch_file(bytes, path), "the pieces",
-                                   path))
+        .emplace(rank,
+                 tensor_dict(state_internal::read_torch_file(bytes, path), "the pieces", path))
         .first->second;
   }
 
@@ -432,8 +434,8 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
   for (int r = 0; r < comm.world_size(); ++r) {
     if (a[r * stride] == 0) absl::StrAppend(&failed, failed.empty() ? "" : ", ", r);
   }
-  TORCH_CHECK(m[0] == 1, "save_sharded_checkpoint: rank ", rank, " cannot write its shard: ",
-              error);
+  TORCH_CHECK(m[0] == 1, "save_sharded_checkpoint: rank ", rank,
+              " cannot write its shard: ", error);
   TORCH_CHECK(failed.empty(), "save_sharded_checkpoint: rank(s) ", failed,
               " could not write their shards; see their errors. '", dir, "' is unchanged");
 
@@ -442,9 +444,8 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
     try {
       write_file_durably(
           (partial / kMetadata).string(),
-          torch::jit::pickle_save(metadata_value(comm.world_size(), items,
-                                                 std::vector<int64_t>(a, a + all.numel()),
-                                                 stride)));
+          torch::jit::pickle_save(metadata_value(
+              comm.world_size(), items, std::vector<int64_t>(a, a + all.numel()), stride)));
       publish(partial, target);
     } catch (const std::exception& e) {
       ok = false;
@@ -492,8 +493,8 @@ void load_sharded_checkpoint(UnitBase& model, torch::optim::Optimizer* optimizer
       int64_t numel = 1;
       for (int64_t d : meta.shape) numel *= d;
       piece.offset = meta.replicated ? 0 : param->offset;
-      piece.local = at::empty({meta.replicated ? numel : param->local.numel()},
-                              dtype_named(meta.dtype, dir));
+      piece.local =
+          at::empty({meta.replicated ? numel : param->local.numel()}, dtype_named(meta.dtype, dir));
       reader.read(key, piece.offset, piece.local);
       if (!optim_state.contains(fqn)) optim_state.insert(fqn, ShardedParamOptimState());
       optim_state[fqn].insert(key.substr(slash + 1), std::move(piece));

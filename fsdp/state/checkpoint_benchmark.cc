@@ -43,8 +43,8 @@ constexpr int kUnits = 8;
 struct NetImpl : torch::nn::Module {
   NetImpl() {
     for (int i = 0; i < kUnits; ++i) {
-      layers.push_back(register_module(absl::StrFormat("layer%d", i),
-                                       make_unit(torch::nn::Linear(4096, 3072))));
+      layers.push_back(
+          register_module(absl::StrFormat("layer%d", i), make_unit(torch::nn::Linear(4096, 3072))));
     }
   }
   at::Tensor forward(at::Tensor x) { return x; }  // only the state is measured
@@ -92,7 +92,8 @@ void measure(benchmark::State& state, const std::string& name, int64_t bytes, Bo
     const auto start = std::chrono::steady_clock::now();
     body();
     s.comm->barrier();
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     state.SetIterationTime(t);
     seconds += t;
   }
@@ -117,16 +118,14 @@ void BM_RawWrite(benchmark::State& state) {
 
 void BM_SaveSharded(benchmark::State& state) {
   Setup& s = setup();
-  measure(state, "SaveSharded", s.model_bytes, [&] {
-    save_sharded_checkpoint(*s.model, nullptr, (s.dir / "sharded").string());
-  });
+  measure(state, "SaveSharded", s.model_bytes,
+          [&] { save_sharded_checkpoint(*s.model, nullptr, (s.dir / "sharded").string()); });
 }
 
 void BM_LoadSharded(benchmark::State& state) {
   Setup& s = setup();
-  measure(state, "LoadSharded", s.model_bytes, [&] {
-    load_sharded_checkpoint(*s.model, nullptr, (s.dir / "sharded").string());
-  });
+  measure(state, "LoadSharded", s.model_bytes,
+          [&] { load_sharded_checkpoint(*s.model, nullptr, (s.dir / "sharded").string()); });
 }
 
 void BM_SaveFull(benchmark::State& state) {
@@ -139,9 +138,8 @@ void BM_SaveFull(benchmark::State& state) {
 
 void BM_LoadFull(benchmark::State& state) {
   Setup& s = setup();
-  measure(state, "LoadFull", s.model_bytes, [&] {
-    load_full_state_dict(*s.model, load_state_dict((s.dir / "model.pt").string()));
-  });
+  measure(state, "LoadFull", s.model_bytes,
+          [&] { load_full_state_dict(*s.model, load_state_dict((s.dir / "model.pt").string())); });
 }
 
 // Fixed iteration counts keep the ranks' collectives matched.

@@ -58,8 +58,8 @@ Trained train_tiny_lm(std::shared_ptr<Communicator> comm, int steps) {
   Trained t{FullyShardedDataParallel<TinyLmImpl>(make<TinyLmImpl>(),
                                                  FullyShardedDataParallelOptions(comm)),
             nullptr};
-  t.adam = std::make_unique<torch::optim::Adam>(t.model->parameters(),
-                                                torch::optim::AdamOptions(1e-2));
+  t.adam =
+      std::make_unique<torch::optim::Adam>(t.model->parameters(), torch::optim::AdamOptions(1e-2));
   for (int step = 0; step < steps; ++step) {
     const Batch batch = TinyLmImpl::batch(step, 2 * comm->world_size());
     t.adam->zero_grad();
@@ -151,7 +151,7 @@ TEST(ShardedCheckpoint, ReplacesAnExistingCheckpointAndFindsTheLatest) {
     save_sharded_checkpoint(*t.model, nullptr, (root / "step_00000200").string());  // replace
   });
   fs::create_directories(root / ".step_00000300.partial");  // a save that crashed
-  fs::create_directories(root / "step_00000400");            // not a checkpoint
+  fs::create_directories(root / "step_00000400");           // not a checkpoint
   EXPECT_EQ(latest_checkpoint(root.string()), (root / "step_00000200").string());
   on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
     Trained t = train_tiny_lm(comm, 0);
@@ -167,10 +167,10 @@ TEST(ShardedCheckpoint, AFailedSaveRaisesOnEveryRankAndChangesNothing) {
     // Rank 0 (which creates the directory) says why; the others that it failed.
     EXPECT_THAT(
         [&] { save_sharded_checkpoint(*t.model, nullptr, (root / "no/such/dir").string()); },
-        ThrowsMessage<c10::Error>(HasSubstr(
-            comm->rank() == 0 ? "failed on rank 0: the parent directory '" + (root / "no/such").string() +
-                                    "' does not exist"
-                              : "failed on 1 other rank(s); see their errors")));
+        ThrowsMessage<c10::Error>(
+            HasSubstr(comm->rank() == 0 ? "failed on rank 0: the parent directory '" +
+                                              (root / "no/such").string() + "' does not exist"
+                                        : "failed on 1 other rank(s); see their errors")));
   });
   EXPECT_EQ(entries(root), 0u);
 }
@@ -178,8 +178,8 @@ TEST(ShardedCheckpoint, AFailedSaveRaisesOnEveryRankAndChangesNothing) {
 class BadCheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = scratch("bad_" + std::string(
-                                 ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    root_ = scratch("bad_" +
+                    std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     dir_ = root_ / "step_1";
     on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
       Trained t = train_tiny_lm(comm, 1);
@@ -228,14 +228,15 @@ TEST_F(BadCheckpointTest, NewerVersion) {
   metadata.insert("version", int64_t{2});
   const std::vector<char> bytes = torch::jit::pickle_save(metadata);
   write_bytes(dir_ / "metadata.pt", std::string(bytes.begin(), bytes.end()));
-  expect_load_error("was written in checkpoint format version 2; this build of fsdp reads "
-                    "version 1");
+  expect_load_error(
+      "was written in checkpoint format version 2; this build of fsdp reads "
+      "version 1");
 }
 
 TEST_F(BadCheckpointTest, AnotherModel) {
   on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
-                                              FullyShardedDataParallelOptions(comm));
+                                               FullyShardedDataParallelOptions(comm));
     EXPECT_THAT([&] { load_sharded_checkpoint(*model, nullptr, dir_.string()); },
                 ThrowsMessage<c10::Error>(HasSubstr(
                     "holds another model): the keys do not match the model's; missing keys (6): "

@@ -62,7 +62,8 @@ struct State {
 template <typename AdamState>
 State adam_state(const AdamState& s) {
   State state{{{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}}, s.step()};
-  if (s.max_exp_avg_sq().defined()) state.tensors.emplace_back("max_exp_avg_sq", s.max_exp_avg_sq());
+  if (s.max_exp_avg_sq().defined())
+    state.tensors.emplace_back("max_exp_avg_sq", s.max_exp_avg_sq());
   return state;
 }
 
@@ -74,7 +75,8 @@ std::optional<State> read_state(const torch::optim::Optimizer& optimizer, const 
     return State{{{"momentum_buffer", sgd->momentum_buffer()}}, std::nullopt};
   }
   if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(s)) return adam_state(*adam);
-  if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(s)) return adam_state(*adamw);
+  if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(s))
+    return adam_state(*adamw);
   TORCH_CHECK(false, "optimizer state of type ", c10::demangle(typeid(*s).name()),
               " is not supported; fsdp translates the state of torch::optim::SGD, Adam and AdamW");
 }
@@ -85,8 +87,8 @@ std::optional<State> read_state(const torch::optim::Optimizer& optimizer, const 
 struct Source {
   std::function<std::vector<std::string>(const std::string& fqn)> names;
   std::function<at::Tensor(const Param& param, const std::string& name,
-                           const std::vector<int64_t>& shape, at::ScalarType dtype,
-                           int64_t begin, int64_t numel)>
+                           const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
+                           int64_t numel)>
       elements;
   std::function<int64_t(const std::string& fqn)> step;
 };
@@ -129,8 +131,8 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
   optimizer.state()[c10::guts::to_string(param.unsafeGetTensorImpl())] = std::move(state);
 }
 
-void load(UnitBase& model, torch::optim::Optimizer& optimizer,
-          const std::vector<std::string>& keys, const Source& source, const char* what) {
+void load(UnitBase& model, torch::optim::Optimizer& optimizer, const std::vector<std::string>& keys,
+          const Source& source, const char* what) {
   const ModelLayout layout = state_internal::model_layout(model, what);
   const std::vector<Param> params = params_of(layout);
   absl::flat_hash_set<std::string> known;
@@ -169,7 +171,8 @@ void load(UnitBase& model, torch::optim::Optimizer& optimizer,
       at::Tensor flat_state = at::zeros({flat.handle->shard_numel()}, shard.options());
       for (const Param* member : members) {
         const FlatParamInfo& info = flat.handle->param_infos()[member->info];
-        const ParamSlice slice = state_internal::param_slice(*flat.handle, member->info, layout.rank);
+        const ParamSlice slice =
+            state_internal::param_slice(*flat.handle, member->info, layout.rank);
         if (slice.numel == 0) continue;
         flat_state.narrow(0, slice.shard_begin, slice.numel)
             .copy_(source.elements(*member, name, info.shape, shard.scalar_type(),
@@ -186,8 +189,9 @@ void load(UnitBase& model, torch::optim::Optimizer& optimizer,
     absl::flat_hash_map<std::string, at::Tensor> tensors;
     for (const std::string& name : names) {
       if (name == kStep) continue;
-      tensors[name] = source.elements(param, name, param.tensor.sizes().vec(),
-                                      param.tensor.scalar_type(), 0, param.tensor.numel())
+      tensors[name] = source
+                          .elements(param, name, param.tensor.sizes().vec(),
+                                    param.tensor.scalar_type(), 0, param.tensor.numel())
                           .view(param.tensor.sizes())
                           .clone();
     }
@@ -285,7 +289,8 @@ ShardedOptimStateDict sharded_optim_state_dict(UnitBase& model,
   return collect<ShardedTensor>(
       layout, optimizer, [](const FlatParamHandle&, const at::Tensor& shard) { return shard; },
       [&](const Param& param, const at::Tensor& shard) {
-        const ParamSlice slice = state_internal::param_slice(*param.handle, param.info, layout.rank);
+        const ParamSlice slice =
+            state_internal::param_slice(*param.handle, param.info, layout.rank);
         return ShardedTensor{param.handle->param_infos()[param.info].shape, slice.param_begin,
                              shard.detach().narrow(0, slice.shard_begin, slice.numel).clone(),
                              /*replicated=*/false};
@@ -310,11 +315,11 @@ void load_sharded_optim_state_dict(UnitBase& model, torch::optim::Optimizer& opt
                         int64_t numel) {
     const ShardedTensor& value = state_dict[param.fqn][name];
     const std::string label = param.fqn + " (" + name + ")";
-    TORCH_CHECK(value.global_shape == shape && value.local.defined() &&
-                    value.local.scalar_type() == dtype,
-                kWhat, ": '", label, "' must have shape ", state_internal::shape_string(shape),
-                " and dtype ", c10::toString(dtype), ", got ",
-                state_internal::shape_string(value.global_shape));
+    TORCH_CHECK(
+        value.global_shape == shape && value.local.defined() && value.local.scalar_type() == dtype,
+        kWhat, ": '", label, "' must have shape ", state_internal::shape_string(shape),
+        " and dtype ", c10::toString(dtype), ", got ",
+        state_internal::shape_string(value.global_shape));
     const int64_t skip = begin - value.offset;
     TORCH_CHECK(skip >= 0 && skip + numel <= value.local.numel(), kWhat, ": '", label,
                 "' holds elements [", value.offset, ", ", value.offset + value.local.numel(),

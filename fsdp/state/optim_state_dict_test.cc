@@ -46,15 +46,16 @@ TEST(FullOptimStateDict, EqualsTheSingleProcessAdamState) {
     adam.zero_grad();
     at::Tensor loss = at::zeros({});
     for (int r = 0; r < kWorld; ++r) {
-      loss = loss + TinyLmImpl::loss(net->forward(batch.input.narrow(0, r * kBatchPerRank, kBatchPerRank)),
-                                     batch.target.narrow(0, r * kBatchPerRank, kBatchPerRank));
+      loss = loss +
+             TinyLmImpl::loss(net->forward(batch.input.narrow(0, r * kBatchPerRank, kBatchPerRank)),
+                              batch.target.narrow(0, r * kBatchPerRank, kBatchPerRank));
     }
     (loss / kWorld).backward();
     adam.step();
   }
   on_ranks(kWorld, [&](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
-                                              FullyShardedDataParallelOptions(comm));
+                                               FullyShardedDataParallelOptions(comm));
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
     for (int step = 0; step < 2; ++step) train_step(model, optimizer, step, comm->rank(), kWorld);
     const OptimStateDict got = full_optim_state_dict(*model, optimizer);
@@ -114,14 +115,13 @@ TEST_P(RoundTripTest, SaveClearLoadEveryStepKeepsParity) {
 INSTANTIATE_TEST_SUITE_P(
     KindsStrategies, RoundTripTest,
     ::testing::Combine(::testing::Values(Kind::kFull, Kind::kSharded), ::testing::Values(2, 3),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kNoShard),
+                       ::testing::Values(ShardingStrategy::kFullShard, ShardingStrategy::kNoShard),
                        ::testing::Bool()));
 
 TEST(FullOptimStateDict, NoStateBeforeTheFirstStep) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
-                                              FullyShardedDataParallelOptions(comm));
+                                               FullyShardedDataParallelOptions(comm));
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
     EXPECT_THAT(full_optim_state_dict(*model, optimizer).keys(), IsEmpty());
     load_full_optim_state_dict(*model, optimizer, OptimStateDict());
@@ -132,7 +132,7 @@ TEST(FullOptimStateDict, NoStateBeforeTheFirstStep) {
 TEST(Errors, UnexpectedKeysWrongOptimizerAndUnsupportedOptimizer) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
-                                              FullyShardedDataParallelOptions(comm));
+                                               FullyShardedDataParallelOptions(comm));
     torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     train_step(model, sgd, 0, comm->rank(), 2);
     OptimStateDict saved = full_optim_state_dict(*model, sgd);
@@ -146,8 +146,8 @@ TEST(Errors, UnexpectedKeysWrongOptimizerAndUnsupportedOptimizer) {
     OptimStateDict extra = saved;
     extra.insert("l9.weight", ParamOptimState());
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, sgd, extra); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "load_full_optim_state_dict: unexpected keys (1): 'l9.weight'")));
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("load_full_optim_state_dict: unexpected keys (1): 'l9.weight'")));
     OptimStateDict partial = saved;
     partial.erase("l1.bias");
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, sgd, partial); },

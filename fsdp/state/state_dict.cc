@@ -16,9 +16,7 @@ using state_internal::Entry;
 using state_internal::ModelLayout;
 using state_internal::ParamSlice;
 
-const FlatParamInfo& info_of(const Entry& entry) {
-  return entry.handle->param_infos()[entry.info];
-}
+const FlatParamInfo& info_of(const Entry& entry) { return entry.handle->param_infos()[entry.info]; }
 
 std::vector<std::string> keys_of(const std::vector<Entry>& entries) {
   std::vector<std::string> keys;
@@ -139,7 +137,8 @@ void load_sharded_state_dict(UnitBase& model, const ShardedStateDict& state_dict
     TORCH_CHECK(skip >= 0 && skip + slice.numel <= value.local.numel(), kWhat, ": '", entry.fqn,
                 "' holds elements [", value.offset, ", ", value.offset + value.local.numel(),
                 ") but rank ", layout.rank, " needs [", slice.param_begin, ", ",
-                slice.param_begin + slice.numel, "): the state dict was made at another world "
+                slice.param_begin + slice.numel,
+                "): the state dict was made at another world "
                 "size or rank; reshard it through a sharded checkpoint "
                 "(fsdp::load_sharded_checkpoint)");
     shard_part(entry, slice).copy_(value.local.narrow(0, skip, slice.numel));
@@ -211,8 +210,8 @@ void load_module_state_dict(torch::nn::Module& module, const StateDict& state_di
   torch::NoGradGuard no_grad;
   for (const Entry& entry : entries) {
     const at::Tensor& value = state_dict[entry.fqn];
-    state_internal::check_tensor(kWhat, entry.fqn, entry.tensor.sizes(),
-                                 entry.tensor.scalar_type(), value, "the state dict");
+    state_internal::check_tensor(kWhat, entry.fqn, entry.tensor.sizes(), entry.tensor.scalar_type(),
+                                 value, "the state dict");
     entry.tensor.copy_(value);
   }
 }

@@ -27,9 +27,8 @@ void on_ranks(int world_size, const std::function<void(std::shared_ptr<Communica
 template <typename Net>
 FullyShardedDataParallel<Net> wrap(std::shared_ptr<Communicator> comm,
                                    ShardingStrategy strategy = ShardingStrategy::kFullShard) {
-  return FullyShardedDataParallel<Net>(make<Net>(),
-                                       FullyShardedDataParallelOptions(comm).sharding_strategy(
-                                           strategy));
+  return FullyShardedDataParallel<Net>(
+      make<Net>(), FullyShardedDataParallelOptions(comm).sharding_strategy(strategy));
 }
 
 // Every shard and buffer set to zero (what a fresh, wrongly initialised model holds).
@@ -43,8 +42,8 @@ void zero_model(FullyShardedDataParallelImpl<Net>& model) {
 TEST(FullStateDict, KeysAreTheUnwrappedModelsInStateDictOrder) {
   const std::vector<std::string> want = module_state_dict(*make<NormedImpl>()).keys();
   EXPECT_THAT(want, ElementsAre("first.weight", "first.bias", "norm.weight", "norm.bias",
-                                "norm.running_mean", "norm.running_var",
-                                "norm.num_batches_tracked", "head.weight", "head.bias"));
+                                "norm.running_mean", "norm.running_var", "norm.num_batches_tracked",
+                                "head.weight", "head.bias"));
   on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
     auto model = wrap<NormedImpl>(comm);
     EXPECT_EQ(full_state_dict(*model).keys(), want);
@@ -124,30 +123,30 @@ void expect_round_trips_keep_parity(Kind kind, int world_size, ShardingStrategy 
                                     bool adam) {
   const Reference want = reference<Net>(world_size, adam);
   on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
-    expect_parity_on<Net>(
-        comm, want, FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam,
-        [&](FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer&) {
-          switch (kind) {
-            case Kind::kFull: {
-              const StateDict saved = full_state_dict(model);
-              zero_model(model);
-              load_full_state_dict(model, saved);
-              break;
-            }
-            case Kind::kSharded: {
-              const ShardedStateDict saved = sharded_state_dict(model);
-              zero_model(model);
-              load_sharded_state_dict(model, saved);
-              break;
-            }
-            case Kind::kLocal: {
-              const LocalStateDict saved = local_state_dict(model);
-              zero_model(model);
-              load_local_state_dict(model, saved);
-              break;
-            }
-          }
-        });
+    expect_parity_on<Net>(comm, want,
+                          FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam,
+                          [&](FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer&) {
+                            switch (kind) {
+                              case Kind::kFull: {
+                                const StateDict saved = full_state_dict(model);
+                                zero_model(model);
+                                load_full_state_dict(model, saved);
+                                break;
+                              }
+                              case Kind::kSharded: {
+                                const ShardedStateDict saved = sharded_state_dict(model);
+                                zero_model(model);
+                                load_sharded_state_dict(model, saved);
+                                break;
+                              }
+                              case Kind::kLocal: {
+                                const LocalStateDict saved = local_state_dict(model);
+                                zero_model(model);
+                                load_local_state_dict(model, saved);
+                                break;
+                              }
+                            }
+                          });
   });
 }
 
@@ -163,14 +162,14 @@ TEST_P(RoundTripTest, SaveZeroLoadEveryStepKeepsParity) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    KindsStrategies, RoundTripTest,
-    ::testing::Combine(::testing::Values(Kind::kFull, Kind::kSharded, Kind::kLocal),
-                       ::testing::Values(2, 3),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard),
-                       ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(KindsStrategies, RoundTripTest,
+                         ::testing::Combine(::testing::Values(Kind::kFull, Kind::kSharded,
+                                                              Kind::kLocal),
+                                            ::testing::Values(2, 3),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Bool()));
 
 TEST(ShardedStateDict, PiecesAreTheRanksShardOfEachParameter) {
   // NestedImpl at W = 2: unit l1 holds l1.weight (32) + l1.bias (8) = 40 -> 20 per rank.
@@ -233,8 +232,8 @@ TEST(Errors, MissingUnexpectedAndPrefixedKeysAreNamed) {
                       item.value());
     }
     EXPECT_THAT([&] { load_full_state_dict(*model, prefixed); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "remove them with fsdp::clean_tensor_name")));
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("remove them with fsdp::clean_tensor_name")));
   });
 }
 
@@ -265,9 +264,9 @@ TEST(Errors, LocalStateDictFromAnotherWorldSize) {
   on_ranks(3, [&](std::shared_ptr<Communicator> comm) {
     auto model = wrap<NestedImpl>(comm);
     EXPECT_THAT([&] { load_local_state_dict(*model, saved); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "made by rank 0 of 2, this is rank " + std::to_string(comm->rank()) +
-                    " of 3; a LOCAL state dict loads only at the world size")));
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("made by rank 0 of 2, this is rank " + std::to_string(comm->rank()) +
+                              " of 3; a LOCAL state dict loads only at the world size")));
   });
 }
 
@@ -281,8 +280,8 @@ TEST(Errors, ShardedStateDictFromAnotherWorldSize) {
     auto model = wrap<NestedImpl>(comm);
     if (comm->rank() != 0) return;
     EXPECT_THAT([&] { load_sharded_state_dict(*model, saved); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "'l1.weight' holds elements [20, 32) but rank 0 needs [0, 14)")));
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("'l1.weight' holds elements [20, 32) but rank 0 needs [0, 14)")));
   });
 }
 
@@ -290,8 +289,8 @@ TEST(Errors, OnlyTheIdleRootHasAStateDict) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     auto model = wrap<NestedImpl>(comm);
     EXPECT_THAT([&] { full_state_dict(*model->module()->l1); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "full_state_dict expects the root FullyShardedDataParallel module")));
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("full_state_dict expects the root FullyShardedDataParallel module")));
     auto summon = model->summon_full_params(/*writeback=*/false);
     EXPECT_THAT([&] { sharded_state_dict(*model); },
                 ::testing::ThrowsMessage<c10::Error>(HasSubstr("sharded_state_dict")));

@@ -14,17 +14,17 @@ namespace fsdp::state_internal {
 
 std::vector<Entry> module_entries(const torch::nn::Module& module) {
   std::vector<Entry> entries;
-  apply_to_modules(module, [&](const torch::nn::Module& m, const std::string& prefix,
-                               int /*depth*/) {
-    for (const auto& item : m.named_parameters(/*recurse=*/false)) {
-      entries.push_back({clean_tensor_name(prefix + item.key()), nullptr, 0, item.value(),
-                         /*is_param=*/true});
-    }
-    for (const auto& item : m.named_buffers(/*recurse=*/false)) {
-      entries.push_back({clean_tensor_name(prefix + item.key()), nullptr, 0, item.value(),
-                         /*is_param=*/false});
-    }
-  });
+  apply_to_modules(
+      module, [&](const torch::nn::Module& m, const std::string& prefix, int /*depth*/) {
+        for (const auto& item : m.named_parameters(/*recurse=*/false)) {
+          entries.push_back({clean_tensor_name(prefix + item.key()), nullptr, 0, item.value(),
+                             /*is_param=*/true});
+        }
+        for (const auto& item : m.named_buffers(/*recurse=*/false)) {
+          entries.push_back({clean_tensor_name(prefix + item.key()), nullptr, 0, item.value(),
+                             /*is_param=*/false});
+        }
+      });
   return entries;
 }
 
@@ -107,11 +107,11 @@ void check_same_keys(const std::vector<std::string>& expected,
     absl::StrAppend(&message, "; unexpected keys (", unexpected.size(),
                     "): ", quoted_list(unexpected));
   }
-  absl::StrAppend(&message,
-                  prefixed ? ". Some keys carry wrapper prefixes ('_fsdp_wrapped_module.', "
-                             "'_checkpoint_wrapped_module.'): remove them with "
-                             "fsdp::clean_tensor_name"
-                           : ". Load a state dict saved from the same model architecture");
+  absl::StrAppend(&message, prefixed
+                                ? ". Some keys carry wrapper prefixes ('_fsdp_wrapped_module.', "
+                                  "'_checkpoint_wrapped_module.'): remove them with "
+                                  "fsdp::clean_tensor_name"
+                                : ". Load a state dict saved from the same model architecture");
   TORCH_CHECK(false, message);
 }
 
@@ -119,15 +119,12 @@ void check_tensor(const std::string& what, const std::string& fqn, at::IntArrayR
                   at::ScalarType dtype, const at::Tensor& value, const std::string& source) {
   TORCH_CHECK(value.defined(), what, ": '", fqn, "' in ", source, " is not a tensor");
   TORCH_CHECK(value.sizes() == shape, what, ": size mismatch for '", fqn, "': ", source,
-              " has shape ", shape_string(value.sizes()), ", the model has ",
-              shape_string(shape));
-  TORCH_CHECK(value.scalar_type() == dtype, what, ": dtype mismatch for '", fqn, "': ",
-              source, " has ", c10::toString(value.scalar_type()), ", the model has ",
-              c10::toString(dtype), "; convert it with .to() before loading");
+              " has shape ", shape_string(value.sizes()), ", the model has ", shape_string(shape));
+  TORCH_CHECK(value.scalar_type() == dtype, what, ": dtype mismatch for '", fqn, "': ", source,
+              " has ", c10::toString(value.scalar_type()), ", the model has ", c10::toString(dtype),
+              "; convert it with .to() before loading");
 }
 
-std::string shape_string(at::IntArrayRef shape) {
-  return "[" + absl::StrJoin(shape, ", ") + "]";
-}
+std::string shape_string(at::IntArrayRef shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }
 
 }  // namespace fsdp::state_internal

@@ -41,7 +41,7 @@ struct ModelLayout {
   core_internal::RootState* root = nullptr;
   int rank = 0;
   int world_size = 1;
-  std::vector<Entry> entries;        // module_entries, parameters resolved to handles
+  std::vector<Entry> entries;          // module_entries, parameters resolved to handles
   std::vector<FlatParam> flat_params;  // units with parameters, pre-order
 };
 

@@ -26,11 +26,11 @@ PyValuePtr make(PyValue::Kind kind) {
 
 at::ScalarType storage_dtype(const std::string& global) {
   static const auto* kTypes = new absl::flat_hash_map<std::string, at::ScalarType>{
-      {"torch.FloatStorage", at::kFloat},   {"torch.DoubleStorage", at::kDouble},
-      {"torch.HalfStorage", at::kHalf},     {"torch.BFloat16Storage", at::kBFloat16},
-      {"torch.LongStorage", at::kLong},     {"torch.IntStorage", at::kInt},
-      {"torch.ShortStorage", at::kShort},   {"torch.CharStorage", at::kChar},
-      {"torch.ByteStorage", at::kByte},     {"torch.BoolStorage", at::kBool},
+      {"torch.FloatStorage", at::kFloat}, {"torch.DoubleStorage", at::kDouble},
+      {"torch.HalfStorage", at::kHalf},   {"torch.BFloat16Storage", at::kBFloat16},
+      {"torch.LongStorage", at::kLong},   {"torch.IntStorage", at::kInt},
+      {"torch.ShortStorage", at::kShort}, {"torch.CharStorage", at::kChar},
+      {"torch.ByteStorage", at::kByte},   {"torch.BoolStorage", at::kBool},
   };
   auto it = kTypes->find(global);
   TORCH_CHECK(it != kTypes->end(), "unsupported storage type ", global);
@@ -56,42 +56,110 @@ class Unpickler {
  private:
   void step(uint8_t op) {
     switch (op) {
-      case 0x80: byte(); return;                 // PROTO
-      case 0x95: bytes(8); return;               // FRAME
-      case '(': marks_.push_back(stack_.size()); return;  // MARK
-      case '}': push(make(PyValue::Kind::kDict)); return;
-      case ']': push(make(PyValue::Kind::kList)); return;
-      case ')': push(make(PyValue::Kind::kTuple)); return;
-      case 't': push(tuple(pop_mark())); return;
-      case 0x85: push(tuple(pop_n(1))); return;  // TUPLE1
-      case 0x86: push(tuple(pop_n(2))); return;  // TUPLE2
-      case 0x87: push(tuple(pop_n(3))); return;  // TUPLE3
-      case 'N': push(make(PyValue::Kind::kNone)); return;
-      case 0x88: push(boolean(true)); return;    // NEWTRUE
-      case 0x89: push(boolean(false)); return;   // NEWFALSE
-      case 'K': push(integer(byte())); return;   // BININT1
-      case 'M': push(integer(little_endian(2, false))); return;  // BININT2
-      case 'J': push(integer(little_endian(4, true))); return;   // BININT
-      case 0x8a: push(integer(little_endian(byte(), true))); return;  // LONG1
-      case 'G': push(real()); return;                                 // BINFLOAT
-      case 'X': case 'T': push(string(little_endian(4, false))); return;  // BINUNICODE
-      case 0x8c: case 'U': push(string(byte())); return;  // SHORT_BINUNICODE / _BINSTRING
-      case 'c': push_global(); return;
-      case 'q': memo_[byte()] = top(); return;                     // BINPUT
-      case 'r': memo_[little_endian(4, false)] = top(); return;    // LONG_BINPUT
-      case 0x94: memo_[memo_.size()] = top(); return;              // MEMOIZE
-      case 'h': push(memo(byte())); return;                        // BINGET
-      case 'j': push(memo(little_endian(4, false))); return;       // LONG_BINGET
-      case 'R': reduce(); return;
-      case 'b': build(); return;
-      case 'Q': persistent_load(); return;                         // BINPERSID
-      case 's': set_items(pop_n(2)); return;                       // SETITEM
-      case 'u': set_items(pop_mark()); return;                     // SETITEMS
-      case 'a': append(pop_n(1)); return;                          // APPEND
-      case 'e': append(pop_mark()); return;                        // APPENDS
+      case 0x80:
+        byte();
+        return;  // PROTO
+      case 0x95:
+        bytes(8);
+        return;  // FRAME
+      case '(':
+        marks_.push_back(stack_.size());
+        return;  // MARK
+      case '}':
+        push(make(PyValue::Kind::kDict));
+        return;
+      case ']':
+        push(make(PyValue::Kind::kList));
+        return;
+      case ')':
+        push(make(PyValue::Kind::kTuple));
+        return;
+      case 't':
+        push(tuple(pop_mark()));
+        return;
+      case 0x85:
+        push(tuple(pop_n(1)));
+        return;  // TUPLE1
+      case 0x86:
+        push(tuple(pop_n(2)));
+        return;  // TUPLE2
+      case 0x87:
+        push(tuple(pop_n(3)));
+        return;  // TUPLE3
+      case 'N':
+        push(make(PyValue::Kind::kNone));
+        return;
+      case 0x88:
+        push(boolean(true));
+        return;  // NEWTRUE
+      case 0x89:
+        push(boolean(false));
+        return;  // NEWFALSE
+      case 'K':
+        push(integer(byte()));
+        return;  // BININT1
+      case 'M':
+        push(integer(little_endian(2, false)));
+        return;  // BININT2
+      case 'J':
+        push(integer(little_endian(4, true)));
+        return;  // BININT
+      case 0x8a:
+        push(integer(little_endian(byte(), true)));
+        return;  // LONG1
+      case 'G':
+        push(real());
+        return;  // BINFLOAT
+      case 'X':
+      case 'T':
+        push(string(little_endian(4, false)));
+        return;  // BINUNICODE
+      case 0x8c:
+      case 'U':
+        push(string(byte()));
+        return;  // SHORT_BINUNICODE / _BINSTRING
+      case 'c':
+        push_global();
+        return;
+      case 'q':
+        memo_[byte()] = top();
+        return;  // BINPUT
+      case 'r':
+        memo_[little_endian(4, false)] = top();
+        return;  // LONG_BINPUT
+      case 0x94:
+        memo_[memo_.size()] = top();
+        return;  // MEMOIZE
+      case 'h':
+        push(memo(byte()));
+        return;  // BINGET
+      case 'j':
+        push(memo(little_endian(4, false)));
+        return;  // LONG_BINGET
+      case 'R':
+        reduce();
+        return;
+      case 'b':
+        build();
+        return;
+      case 'Q':
+        persistent_load();
+        return;  // BINPERSID
+      case 's':
+        set_items(pop_n(2));
+        return;  // SETITEM
+      case 'u':
+        set_items(pop_mark());
+        return;  // SETITEMS
+      case 'a':
+        append(pop_n(1));
+        return;  // APPEND
+      case 'e':
+        append(pop_mark());
+        return;  // APPENDS
       default:
-        TORCH_CHECK(false, "unsupported pickle opcode ", absl::StrCat("0x", absl::Hex(op)), " at byte ", pos_ - 1,
-                    " (only state dicts of tensors are read)");
+        TORCH_CHECK(false, "unsupported pickle opcode ", absl::StrCat("0x", absl::Hex(op)),
+                    " at byte ", pos_ - 1, " (only state dicts of tensors are read)");
     }
   }
 
@@ -188,8 +256,8 @@ class Unpickler {
 
   static const PyValuePtr& arg(const std::vector<PyValuePtr>& args, size_t i, PyValue::Kind kind,
                                const char* what) {
-    TORCH_CHECK(i < args.size() && args[i]->kind == kind, what, ": argument ", i,
-                " must be a ", kind_name(kind));
+    TORCH_CHECK(i < args.size() && args[i]->kind == kind, what, ": argument ", i, " must be a ",
+                kind_name(kind));
     return args[i];
   }
   static std::vector<int64_t> int_tuple(const PyValuePtr& value, const char* what) {
@@ -222,7 +290,8 @@ class Unpickler {
     } else if (name == "torch._utils._rebuild_parameter") {
       push(arg(args->items, 0, PyValue::Kind::kTensor, "_rebuild_parameter"));
     } else {
-      TORCH_CHECK(false, "the file holds a ", name, " object; only dicts, lists, scalars and "
+      TORCH_CHECK(false, "the file holds a ", name,
+                  " object; only dicts, lists, scalars and "
                   "tensors are read (save a state dict: torch.save(model.state_dict(), path))");
     }
   }
@@ -248,8 +317,8 @@ class Unpickler {
     TORCH_CHECK(empty || last < storage.numel(), kWhat, ": the tensor reaches element ", last,
                 " of a storage of ", storage.numel());
     PyValuePtr value = make(PyValue::Kind::kTensor);
-    value->tensor = empty ? at::empty(sizes, storage.options())
-                          : storage.as_strided(sizes, strides, offset);
+    value->tensor =
+        empty ? at::empty(sizes, storage.options()) : storage.as_strided(sizes, strides, offset);
     return value;
   }
 
@@ -312,15 +381,24 @@ class Unpickler {
 
 const char* kind_name(PyValue::Kind kind) {
   switch (kind) {
-    case PyValue::Kind::kNone: return "None";
-    case PyValue::Kind::kBool: return "bool";
-    case PyValue::Kind::kInt: return "int";
-    case PyValue::Kind::kFloat: return "float";
-    case PyValue::Kind::kString: return "str";
-    case PyValue::Kind::kTuple: return "tuple";
-    case PyValue::Kind::kList: return "list";
-    case PyValue::Kind::kDict: return "dict";
-    case PyValue::Kind::kTensor: return "Tensor";
+    case PyValue::Kind::kNone:
+      return "None";
+    case PyValue::Kind::kBool:
+      return "bool";
+    case PyValue::Kind::kInt:
+      return "int";
+    case PyValue::Kind::kFloat:
+      return "float";
+    case PyValue::Kind::kString:
+      return "str";
+    case PyValue::Kind::kTuple:
+      return "tuple";
+    case PyValue::Kind::kList:
+      return "list";
+    case PyValue::Kind::kDict:
+      return "dict";
+    case PyValue::Kind::kTensor:
+      return "Tensor";
   }
   return kind == kGlobal ? "global" : "storage";
 }

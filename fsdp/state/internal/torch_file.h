@@ -24,9 +24,9 @@ namespace fsdp::state_internal {
 struct PyValue {
   enum class Kind { kNone, kBool, kInt, kFloat, kString, kTuple, kList, kDict, kTensor };
   Kind kind = Kind::kNone;
-  int64_t integer = 0;  // kBool, kInt
-  double real = 0;      // kFloat
-  std::string string;   // kString
+  int64_t integer = 0;                          // kBool, kInt
+  double real = 0;                              // kFloat
+  std::string string;                           // kString
   std::vector<std::shared_ptr<PyValue>> items;  // kTuple, kList; kDict: key, value, ...
   at::Tensor tensor;                            // kTensor
 };

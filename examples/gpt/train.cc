@@ -61,6 +61,9 @@ ABSL_FLAG(int64_t, sample_length, 300, "characters to sample at the end (0: none
 ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv, loss.png, model.pt go");
 ABSL_FLAG(std::string, checkpoint_dir, "", "sharded checkpoints (default: OUT_DIR/checkpoints)");
 ABSL_FLAG(int64_t, checkpoint_interval, 100, "steps between checkpoints (0: none)");
+ABSL_FLAG(int64_t, timeout_s, 300,
+          "seconds to wait for every rank at start-up and in each collective; a rank that "
+          "died is usually noticed at once (its connections close)");
 ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 
@@ -192,7 +195,8 @@ int train() {
   std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
   at::set_num_threads(1);
   MemoryTracker memory;
-  std::shared_ptr<Communicator> comm = init_from_environment();
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s))));
   const bool lead = comm->rank() == 0;
   const Corpus corpus = load_fortunes(absl::GetFlag(FLAGS_data_dir));
 

@@ -11,7 +11,9 @@
 // metrics.csv, loss.png (gnuplot) and model.pt (the full state dict, which torch.load
 // reads) into --out_dir. Every --checkpoint_interval steps the ranks write a sharded
 // checkpoint (model and optimizer) to --checkpoint_dir/step_NNNNNNNN; --resume continues
-// from the newest complete one, on the same loss curve. Ctrl-C stops every rank.
+// from the newest complete one, on the same loss curve. Each rank logs its resident
+// memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
+// Ctrl-C stops every rank.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +22,8 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+
+#include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -156,6 +160,14 @@ void plot(const std::string& dir) {
   }
 }
 
+// This process's resident set size in bytes (Linux), or -1.
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = -1;
+  if (!(statm >> pages >> resident)) return -1;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
 std::string checkpoint_dir() {
   const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
   return dir.empty() ? absl::GetFlag(FLAGS_out_dir) + "/checkpoints" : dir;
@@ -223,10 +235,14 @@ int train() {
   }
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
+  std::filesystem::create_directories(dir);
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   const int64_t first = maybe_resume(model, adamw, lead);
   std::ofstream csv;
   if (lead) csv = open_metrics(dir + "/metrics.csv", first);
+  std::ofstream memory_csv(absl::StrFormat("%s/memory_rank%d.csv", dir, comm->rank()),
+                           first > 0 ? std::ios::app : std::ios::trunc);
+  if (first == 0) memory_csv << "step,rss_mb,tracked_mb,peak_tracked_mb\n";
   const double initial = validation_loss(model, corpus, *comm);
   if (lead) std::cout << "step " << first << ": validation loss " << initial << "\n";
 
@@ -257,6 +273,11 @@ int train() {
             "checkpoint: %s (%.2f s)\n", path,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
       }
+    }
+    if (log) {
+      memory_csv << absl::StrFormat("%d,%.2f,%.2f,%.2f\n", step + 1, resident_bytes() / 1e6,
+                                    memory_allocated() / 1e6, max_memory_allocated() / 1e6)
+                 << std::flush;
     }
     if (!lead) continue;
     const double seconds =

@@ -1,15 +1,19 @@
 #include "fsdp/core/fully_sharded.h"
 
 #include <algorithm>
+#include <map>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "fsdp/state/fqn.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include <c10/util/Type.h>
+#include <ATen/Functions.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <c10/util/Exception.h>
 
@@ -98,7 +102,18 @@ absl::flat_hash_set<const UnitBase*> apply_policy(
       plan_options.ignored_modules().push_back(static_cast<int>(i));
     }
   }
-  const WrapPlan plan = plan_fsdp_units(tree, options.auto_wrap_policy(), plan_options);
+  AutoWrapPolicy policy = options.auto_wrap_policy();
+  if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
+    // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
+    // _wrap_module_cls_individually over _module_classes_to_ignore.
+    policy = or_policy(
+        {policy, lambda_auto_wrap_policy(
+                     [full = options.mixed_precision()->full_precision_modules()](
+                         const ModuleNode& node) {
+                       return node.cpp_module != nullptr && full(*node.cpp_module);
+                     })});
+  }
+  const WrapPlan plan = plan_fsdp_units(tree, policy, plan_options);
   absl::flat_hash_set<const UnitBase*> active = {&root};
   for (const PlannedUnit& unit : plan.units) {
     if (unit.node != 0) active.insert(make_picked_unit(sites[unit.node], unit.fqn));
@@ -135,11 +150,55 @@ std::vector<FoundUnit> find_units(UnitBase& root,
   return units;
 }
 
+// Every rank's `tensors` := rank 0's: one broadcast per dtype of their concatenation.
+void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
+  std::map<c10::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const at::Tensor& t : tensors) by_dtype[t.scalar_type()].push_back(t.detach());
+  for (auto& [dtype, group] : by_dtype) {
+    TORCH_CHECK(is_supported_dtype(dtype), "FullyShardedDataParallel: sync_module_states "
+                "cannot broadcast tensors of dtype ", dtype, "; convert them or leave their "
+                "module out with ignored_modules");
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& t : group) flat.push_back(t.reshape({-1}));
+    at::Tensor buffer = at::cat(flat);
+    comm.broadcast(buffer, /*root=*/0);
+    int64_t offset = 0;
+    for (at::Tensor& t : group) {
+      t.copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+// The buffers of `root`'s tree except those of `ignored` and `excluded` modules (and
+// everything below them).
+std::vector<at::Tensor> buffers_outside(const torch::nn::Module& root,
+                                        const std::vector<const torch::nn::Module*>& ignored,
+                                        const std::vector<const torch::nn::Module*>& excluded) {
+  absl::flat_hash_set<const c10::TensorImpl*> skip;
+  for (const auto* list : {&ignored, &excluded}) {
+    for (const torch::nn::Module* module : *list) {
+      for (const at::Tensor& b : module->buffers()) skip.insert(b.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<at::Tensor> buffers;
+  for (const at::Tensor& b : root.buffers()) {
+    if (!skip.contains(b.unsafeGetTensorImpl())) buffers.push_back(b);
+  }
+  return buffers;
+}
+
 bool inside(const std::string& fqn, const std::string& unit_fqn) {
   return unit_fqn.empty() || fqn == unit_fqn || absl::StartsWith(fqn, unit_fqn + ".");
 }
 
 }  // namespace
+
+bool is_batch_norm(const torch::nn::Module& module) {
+  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
+}
 
 NoSyncScope::NoSyncScope(core_internal::RootState& root)
     : root_(root), previous_(root.sync_gradients()) {
@@ -208,25 +267,81 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
   }
 
+  Communicator& comm = *options.communicator();
+  if (options.sync_module_states() && comm.world_size() > 1) {
+    for (const std::vector<NamedParam>& params : params_of) {
+      std::vector<at::Tensor> tensors;
+      for (const NamedParam& p : params) tensors.push_back(p.param);
+      broadcast_from_rank0(comm, tensors);
+    }
+    broadcast_from_rank0(comm, buffers_outside(root, options.ignored_modules(), {}));
+  }
+
   // One rank has nothing to shard: every strategy runs as NO_SHARD, without
   // collectives, as in PyTorch.
-  const ShardingStrategy strategy = options.communicator()->world_size() == 1
-                                        ? ShardingStrategy::kNoShard
-                                        : options.sharding_strategy();
+  const ShardingStrategy strategy =
+      comm.world_size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy();
+  std::shared_ptr<Communicator> shard_group = options.communicator();
+  FlatParamOptions flat_options;
+  if (is_hybrid(strategy)) {
+    const int f = options.hybrid_shard_group_size();
+    TORCH_CHECK(f >= 1 && comm.world_size() % f == 0, "FullyShardedDataParallel: ",
+                sharding_strategy_name(strategy), " needs hybrid_shard_group_size F >= 1 "
+                "dividing the world size ", comm.world_size(), ", got ", f,
+                "; set it to the ranks of one host (e.g. LOCAL_WORLD_SIZE)");
+    HybridGroups groups = comm.split_hybrid(f);
+    shard_group = groups.shard_group;
+    flat_options.replicate_communicator(groups.replicate_group);
+  }
   auto root_state = std::make_shared<core_internal::RootState>(
       options.communicator(), strategy, options.backward_prefetch(),
       options.forward_prefetch());
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  std::vector<const torch::nn::Module*> full_precision_modules;
   for (size_t k = 0; k < units.size(); ++k) {
+    const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
+    const bool full_precision =
+        mp && mp->full_precision_modules() && mp->full_precision_modules()(wrapped);
+    FlatParamOptions unit_options = flat_options;
+    if (mp && !full_precision) {
+      unit_options.param_dtype(mp->param_dtype())
+          .reduce_dtype(mp->reduce_dtype())
+          .keep_low_precision_grads(mp->keep_low_precision_grads());
+    }
     std::unique_ptr<FlatParamHandle> handle;
     if (!params_of[k].empty()) {
-      handle = std::make_unique<FlatParamHandle>(params_of[k], options.communicator(),
-                                                 strategy);
+      handle = std::make_unique<FlatParamHandle>(params_of[k], shard_group, strategy,
+                                                 unit_options);
     }
     auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0,
                                                             root_state.get(), std::move(handle));
+    if (full_precision) {
+      full_precision_modules.push_back(&wrapped);
+      if (state->handle() != nullptr) {
+        state->set_input_casting(state->handle()->param_dtype(), /*restore_output_dtype=*/true);
+      }
+    } else if (mp && (k == 0 ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs())) {
+      state->set_input_casting(mp->param_dtype(), /*restore_output_dtype=*/false);
+    }
     units[k].unit->bind(state);
     root_state->add_unit(std::move(state));
   }
+  if (mp && mp->buffer_dtype()) {
+    std::vector<at::Tensor> buffers;
+    for (const at::Tensor& b : buffers_outside(root, options.ignored_modules(),
+                                               full_precision_modules)) {
+      if (at::isFloatingType(b.scalar_type())) buffers.push_back(b);
+    }
+    root_state->set_buffer_casts(std::move(buffers), *mp->buffer_dtype());
+  }
+  std::vector<at::Tensor> ignored_trained;
+  for (const torch::nn::Module* module : options.ignored_modules()) {
+    for (const at::Tensor& p : module->parameters()) {
+      if (p.requires_grad()) ignored_trained.push_back(p);
+    }
+  }
+  root_state->set_ignored_params(std::move(ignored_trained));
+  root_state->set_validate_execution_order(options.validate_execution_order());
   return root_state;
 }
 

@@ -20,7 +20,9 @@
 // (FULL_SHARD) and hooks the tensor outputs for backward (see Note [Units intercept
 // forward and backward] in internal/runtime.cc). Outputs hooked: at::Tensor,
 // std::tuple/std::vector of tensors; a unit with other outputs keeps its parameters
-// gathered until its backward. PyTorch: a nested FullyShardedDataParallel instance.
+// gathered until its backward. With mixed precision, floating at::Tensor arguments are
+// cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
+// FullyShardedDataParallel instance.
 //
 // Threading: a unit runs on its rank's thread.
 #ifndef FSDP_CORE_UNIT_H_
@@ -57,8 +59,22 @@ class UnitBase : public torch::nn::Module {
     if (!state_) return forward();
     state_->pre_forward();
     auto output = forward();
+    if constexpr (std::is_same_v<std::decay_t<decltype(output)>, at::Tensor>) {
+      output = state_->cast_output(output);
+    }
     state_->post_forward(hook_outputs(output));
     return output;
+  }
+
+  // An argument of the wrapped module's forward, cast if it is a floating tensor and the
+  // unit casts inputs; any other argument passes through unchanged.
+  template <typename T>
+  decltype(auto) cast_input(T&& arg) {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return at::Tensor(state_ ? state_->cast_input(arg) : arg);
+    } else {
+      return std::forward<T>(arg);
+    }
   }
 
  private:
@@ -119,7 +135,9 @@ class UnitImpl : public UnitBase,
 
   template <typename... Args>
   decltype(auto) call(Args&&... args) {
-    return run([&]() -> decltype(auto) { return module_->forward(std::forward<Args>(args)...); });
+    return run([&]() -> decltype(auto) {
+      return module_->forward(this->cast_input(std::forward<Args>(args))...);
+    });
   }
 
  private:
@@ -146,7 +164,7 @@ class AnyUnitImpl : public UnitBase {
         wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {}
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }
   at::Tensor forward(at::Tensor input) {
-    return run([&] { return module_.forward(std::move(input)); });
+    return run([&] { return module_.forward(cast_input(std::move(input))); });
   }
 
  private:

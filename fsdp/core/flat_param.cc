@@ -199,8 +199,10 @@ void FlatParamHandle::unshard_full_precision() {
 void FlatParamHandle::reshard() {
   if (pending_) unshard();  // never free memory an all-gather is writing
   if (full_precision_) {
-    use_views_of(unsharded_flat_);
     full_precision_flat_ = at::Tensor();
+    allocate(unsharded_flat_);  // views are bounds-checked against the storage
+    use_views_of(unsharded_flat_);
+    free_storage(unsharded_flat_);
     full_precision_ = false;
     return;
   }

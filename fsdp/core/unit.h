@@ -39,6 +39,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
+#include "fsdp/core/internal/forward_as.h"
 #include "fsdp/core/internal/runtime.h"
 
 namespace fsdp {
@@ -105,22 +106,6 @@ class UnitBase : public torch::nn::Module {
   std::shared_ptr<core_internal::UnitState> state_;
 };
 
-namespace core_internal {
-
-// Gives Derived a non-template forward() with exactly the signature of Contained's, so
-// AnyModule (Sequential) can take its address. Derived provides call(args...).
-template <typename Derived, typename Signature>
-class ForwardAs;
-
-template <typename Derived, typename Contained, typename Result, typename... Args>
-class ForwardAs<Derived, Result (Contained::*)(Args...)> {
- public:
-  Result forward(Args... args) {
-    return static_cast<Derived*>(this)->call(std::forward<Args>(args)...);
-  }
-};
-
-}  // namespace core_internal
 
 template <typename Contained>
 class UnitImpl : public UnitBase,

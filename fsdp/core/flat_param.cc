@@ -277,6 +277,10 @@ void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
   }
 }
 
+void FlatParamHandle::add_fqn_prefix(const std::string& prefix) {
+  for (FlatParamInfo& info : infos_) info.fqn = prefix + info.fqn;
+}
+
 at::Tensor FlatParamHandle::full_flat_param() {
   at::Tensor full = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
   if (strategy_ == ShardingStrategy::kNoShard) {

@@ -181,6 +181,10 @@ class FlatParamHandle {
   // precision).
   void write_back_shard();
 
+  // Prepends `prefix` to every parameter's FQN: for a handle made before its unit's
+  // place in the model was known (ShardOnConstruction in fully_sharded.h).
+  void add_fqn_prefix(const std::string& prefix);
+
   // A copy of the full flat parameter (numel elements, no padding), e.g. for tests.
   at::Tensor full_flat_param();
 

@@ -188,6 +188,57 @@ std::vector<at::Tensor> buffers_outside(const torch::nn::Module& root,
   return buffers;
 }
 
+// One rank has nothing to shard: every strategy runs as NO_SHARD, without collectives,
+// as in PyTorch.
+ShardingStrategy effective_strategy(const FullyShardedDataParallelOptions& options) {
+  return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard
+                                                   : options.sharding_strategy();
+}
+
+bool is_full_precision(const FullyShardedDataParallelOptions& options,
+                       const torch::nn::Module& wrapped) {
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  return mp && mp->full_precision_modules() && mp->full_precision_modules()(wrapped);
+}
+
+// The mixed-precision part of a unit's FlatParamOptions.
+FlatParamOptions flat_param_options(const FullyShardedDataParallelOptions& options,
+                                    const torch::nn::Module& wrapped) {
+  FlatParamOptions flat;
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  if (mp && !is_full_precision(options, wrapped)) {
+    flat.param_dtype(mp->param_dtype())
+        .reduce_dtype(mp->reduce_dtype())
+        .keep_low_precision_grads(mp->keep_low_precision_grads());
+  }
+  return flat;
+}
+
+// The ShardOnConstruction scope active on this thread.
+struct ConstructionScope {
+  FullyShardedDataParallelOptions options;
+  absl::flat_hash_set<const c10::TensorImpl*> sharded;  // parameters of units built so far
+};
+thread_local ConstructionScope* active_construction = nullptr;
+
+// A root taking over a unit's constructed flat parameter: it must be what the root
+// itself would have made.
+void check_constructed_handle(const FlatParamHandle& handle, const std::string& unit_fqn,
+                              ShardingStrategy strategy, const FlatParamOptions& want,
+                              const Communicator& comm) {
+  const c10::ScalarType param_dtype =
+      want.param_dtype().value_or(handle.sharded_flat_param().scalar_type());
+  TORCH_CHECK(handle.strategy() == strategy && handle.param_dtype() == param_dtype &&
+                  handle.reduce_dtype() == want.reduce_dtype().value_or(param_dtype) &&
+                  handle.communicator().world_size() == comm.world_size(),
+              "FullyShardedDataParallel: unit '", unit_fqn, "' was sharded at construction ",
+              "(ShardOnConstruction) as ", sharding_strategy_name(handle.strategy()),
+              " with param dtype ", handle.param_dtype(), " over ",
+              handle.communicator().world_size(), " ranks, but this root uses ",
+              sharding_strategy_name(strategy), " with param dtype ", param_dtype, " over ",
+              comm.world_size(), " ranks; pass the root the scope's options");
+}
+
 bool inside(const std::string& fqn, const std::string& unit_fqn) {
   return unit_fqn.empty() || fqn == unit_fqn || absl::StartsWith(fqn, unit_fqn + ".");
 }
@@ -199,6 +250,57 @@ bool is_batch_norm(const torch::nn::Module& module) {
          dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
 }
+
+ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(options.communicator() != nullptr, "ShardOnConstruction: options.communicator "
+              "is null");
+  TORCH_CHECK(active_construction == nullptr, "ShardOnConstruction: a scope is already "
+              "active on this thread; scopes do not nest");
+  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && options.auto_wrap_policy() == nullptr,
+              "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
+              "when sharding at construction; annotate units with fsdp::Unit and use "
+              "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+  active_construction = new ConstructionScope{options, {}};
+}
+
+ShardOnConstruction::~ShardOnConstruction() {
+  delete active_construction;
+  active_construction = nullptr;
+}
+
+namespace core_internal {
+
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped) {
+  ConstructionScope* scope = active_construction;
+  if (scope == nullptr) return nullptr;
+  // Units built inside this one took their parameters already.
+  absl::flat_hash_set<const c10::TensorImpl*> nested;
+  for (const auto& module : wrapped.modules()) {
+    const auto* unit = dynamic_cast<const UnitBase*>(module.get());
+    if (unit == nullptr || unit->constructed_handle() == nullptr) continue;
+    for (const at::Tensor& p : unit->constructed_handle()->original_params()) {
+      nested.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<NamedParam> params;
+  absl::flat_hash_set<const c10::TensorImpl*> seen;
+  for (const auto& item : wrapped.named_parameters()) {
+    const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
+    if (nested.contains(key) || !seen.insert(key).second) continue;
+    TORCH_CHECK(!scope->sharded.contains(key), "ShardOnConstruction: parameter '",
+                clean_tensor_name(item.key()), "' of a unit being built was already sharded "
+                "by another unit built before it and not inside it; a shared parameter must "
+                "live in one unit: build both users inside one unit");
+    params.push_back({clean_tensor_name(item.key()), item.value()});
+  }
+  if (params.empty()) return nullptr;
+  for (const NamedParam& p : params) scope->sharded.insert(p.param.unsafeGetTensorImpl());
+  return std::make_unique<FlatParamHandle>(std::move(params), scope->options.communicator(),
+                                           effective_strategy(scope->options),
+                                           flat_param_options(scope->options, wrapped));
+}
+
+}  // namespace core_internal
 
 NoSyncScope::NoSyncScope(core_internal::RootState& root)
     : root_(root), previous_(root.sync_gradients()) {
@@ -233,6 +335,17 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     TORCH_CHECK(found.unit->state() == nullptr, "FullyShardedDataParallel: unit '", found.fqn,
                 "' is already bound to a FullyShardedDataParallel root; wrap the model once");
   }
+  // A unit sharded at construction that this root will not bind (under an ignored
+  // module) would run on freed parameters.
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
+    const bool found = std::any_of(units.begin(), units.end(),
+                                   [&](const FoundUnit& f) { return f.unit == unit; });
+    TORCH_CHECK(unit == nullptr || unit->constructed_handle() == nullptr || found,
+                "FullyShardedDataParallel: unit '", clean_tensor_name(item.key()),
+                "' was sharded at construction (ShardOnConstruction) but is inside an ignored "
+                "module; build ignored modules outside that scope");
+  }
   // Parameters of ignored modules are left out everywhere.
   absl::flat_hash_set<const c10::TensorImpl*> ignored_params;
   for (const torch::nn::Module* module : options.ignored_modules()) {
@@ -247,9 +360,23 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   };
   absl::flat_hash_map<const c10::TensorImpl*, Claim> claimed;
   std::vector<std::vector<NamedParam>> params_of(units.size());
+  std::vector<std::unique_ptr<FlatParamHandle>> constructed(units.size());
   for (size_t k = units.size(); k-- > 0;) {
     const FoundUnit& unit = units[k];
     const std::string prefix = unit.fqn.empty() ? "" : unit.fqn + ".";
+    constructed[k] = unit.unit->take_constructed_handle();
+    if (constructed[k] != nullptr) {  // see ShardOnConstruction
+      constructed[k]->add_fqn_prefix(prefix);
+      const std::vector<at::Tensor>& originals = constructed[k]->original_params();
+      for (size_t i = 0; i < originals.size(); ++i) {
+        const std::string& fqn = constructed[k]->param_infos()[i].fqn;
+        TORCH_CHECK(!ignored_params.contains(originals[i].unsafeGetTensorImpl()),
+                    "FullyShardedDataParallel: '", fqn, "' is in ignored_modules, but unit '",
+                    unit.fqn, "' sharded it at construction (ShardOnConstruction); build "
+                    "ignored modules outside units made under that scope");
+        claimed.try_emplace(originals[i].unsafeGetTensorImpl(), Claim{fqn, unit.fqn});
+      }
+    }
     for (const auto& item : unit.unit->wrapped_module()->named_parameters()) {
       const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
       if (ignored_params.contains(key)) continue;
@@ -277,12 +404,9 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     broadcast_from_rank0(comm, buffers_outside(root, options.ignored_modules(), {}));
   }
 
-  // One rank has nothing to shard: every strategy runs as NO_SHARD, without
-  // collectives, as in PyTorch.
-  const ShardingStrategy strategy =
-      comm.world_size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy();
+  const ShardingStrategy strategy = effective_strategy(options);
   std::shared_ptr<Communicator> shard_group = options.communicator();
-  FlatParamOptions flat_options;
+  std::shared_ptr<Communicator> replicate_group;
   if (is_hybrid(strategy)) {
     const int f = options.hybrid_shard_group_size();
     TORCH_CHECK(f >= 1 && comm.world_size() % f == 0, "FullyShardedDataParallel: ",
@@ -291,7 +415,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
                 "; set it to the ranks of one host (e.g. LOCAL_WORLD_SIZE)");
     HybridGroups groups = comm.split_hybrid(f);
     shard_group = groups.shard_group;
-    flat_options.replicate_communicator(groups.replicate_group);
+    replicate_group = groups.replicate_group;
   }
   auto root_state = std::make_shared<core_internal::RootState>(
       options.communicator(), strategy, options.backward_prefetch(),
@@ -300,16 +424,13 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   std::vector<const torch::nn::Module*> full_precision_modules;
   for (size_t k = 0; k < units.size(); ++k) {
     const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
-    const bool full_precision =
-        mp && mp->full_precision_modules() && mp->full_precision_modules()(wrapped);
-    FlatParamOptions unit_options = flat_options;
-    if (mp && !full_precision) {
-      unit_options.param_dtype(mp->param_dtype())
-          .reduce_dtype(mp->reduce_dtype())
-          .keep_low_precision_grads(mp->keep_low_precision_grads());
-    }
-    std::unique_ptr<FlatParamHandle> handle;
-    if (!params_of[k].empty()) {
+    const bool full_precision = is_full_precision(options, wrapped);
+    FlatParamOptions unit_options = flat_param_options(options, wrapped);
+    unit_options.replicate_communicator(replicate_group);
+    std::unique_ptr<FlatParamHandle> handle = std::move(constructed[k]);
+    if (handle != nullptr) {
+      check_constructed_handle(*handle, units[k].fqn, strategy, unit_options, *shard_group);
+    } else if (!params_of[k].empty()) {
       handle = std::make_unique<FlatParamHandle>(params_of[k], shard_group, strategy,
                                                  unit_options);
     }

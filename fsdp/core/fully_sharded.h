@@ -129,6 +129,38 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(bool, validate_execution_order) = false;
 };
 
+// Deferred initialisation: while a ShardOnConstruction lives on a thread, every Unit<T>
+// built on that thread flattens and shards its module's parameters (those no unit built
+// inside it took) as soon as it is constructed, so building a model holds its units'
+// shards plus one unit's full parameters at a time, never the whole model; the root
+// made later with the same options takes those flat parameters over. Parameters outside
+// units (the root's own) stay whole until the root is made. PyTorch: constructing each
+// layer and wrapping it in FSDP at once (enable_wrap / wrap), the C++ counterpart of
+// deferring initialisation to the meta device.
+//
+//   FullyShardedDataParallelOptions options(comm);
+//   std::shared_ptr<NetImpl> net;
+//   {
+//     fsdp::ShardOnConstruction scope(options);
+//     net = std::make_shared<NetImpl>();  // each unit sharded as it is built
+//   }
+//   fsdp::FullyShardedDataParallel<NetImpl> model(net, options);
+//
+// Every rank must build the same model (same units, same order). The root's options must
+// match the scope's (strategy, mixed precision); units made under it cannot contain
+// ignored modules (they do not exist yet when the unit shards), and sync_module_states
+// leaves their parameters alone (each rank keeps its own chunk's initial values: build
+// them from the same seed). HYBRID strategies and auto_wrap_policy are not supported with
+// it. A parameter shared by two units built under it must be inside the later one's
+// module. Errors: c10::Error. Not nestable; one per thread (ranks may be threads).
+class ShardOnConstruction {
+ public:
+  explicit ShardOnConstruction(const FullyShardedDataParallelOptions& options);
+  ~ShardOnConstruction();
+  ShardOnConstruction(const ShardOnConstruction&) = delete;
+  ShardOnConstruction& operator=(const ShardOnConstruction&) = delete;
+};
+
 // Binds `root` and every Unit inside it; returns the root's runtime state. Used by
 // FullyShardedDataParallelImpl; throws c10::Error on bad models (see the file comment).
 std::shared_ptr<core_internal::RootState> bind_fully_sharded(

@@ -45,6 +45,12 @@
 namespace fsdp {
 
 // What the runtime finds in a module tree: any Unit<T>.
+namespace core_internal {
+// The wrapped module's parameters flattened and sharded, if a ShardOnConstruction scope
+// (fully_sharded.h) is active on this thread; else null.
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped);
+}  // namespace core_internal
+
 class UnitBase : public torch::nn::Module {
  public:
   // The wrapped module.
@@ -52,8 +58,19 @@ class UnitBase : public torch::nn::Module {
   // Null until a FullyShardedDataParallel root binds this unit.
   core_internal::UnitState* state() const { return state_.get(); }
   void bind(std::shared_ptr<core_internal::UnitState> state) { state_ = std::move(state); }
+  // The flat parameter made when this unit was built inside a ShardOnConstruction scope
+  // (FQNs relative to the wrapped module), until the binding root takes it.
+  const FlatParamHandle* constructed_handle() const { return constructed_handle_.get(); }
+  std::unique_ptr<FlatParamHandle> take_constructed_handle() {
+    return std::move(constructed_handle_);
+  }
 
  protected:
+  // Called at the end of a unit's constructor. See ShardOnConstruction.
+  void shard_if_constructing() {
+    constructed_handle_ = core_internal::shard_on_construction(*wrapped_module());
+  }
+
   // Runs `forward` (the wrapped module's) with the FSDP steps around it.
   template <typename Forward>
   auto run(Forward&& forward) -> decltype(forward()) {
@@ -104,6 +121,7 @@ class UnitBase : public torch::nn::Module {
   }
 
   std::shared_ptr<core_internal::UnitState> state_;
+  std::unique_ptr<FlatParamHandle> constructed_handle_;
 };
 
 
@@ -113,7 +131,9 @@ class UnitImpl : public UnitBase,
                                                  decltype(&Contained::forward)> {
  public:
   explicit UnitImpl(std::shared_ptr<Contained> module)
-      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {}
+      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {
+    shard_if_constructing();
+  }
 
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return module_; }
   const std::shared_ptr<Contained>& module() const { return module_; }
@@ -146,7 +166,9 @@ class AnyUnitImpl : public UnitBase {
  public:
   explicit AnyUnitImpl(torch::nn::AnyModule module)
       : module_(std::move(module)),
-        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {}
+        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {
+    shard_if_constructing();
+  }
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }
   at::Tensor forward(at::Tensor input) {
     return run([&] { return module_.forward(cast_input(std::move(input))); });

@@ -159,8 +159,7 @@ Measured measure(const std::function<std::shared_ptr<Block>()>& make_block) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
     std::shared_ptr<DeepImpl<Block>> net;
     {
-      static std::mutex mutex;
-      std::lock_guard<std::mutex> lock(mutex);
+      std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
       torch::manual_seed(0);
       net = std::make_shared<DeepImpl<Block>>(make_block);
     }

@@ -217,8 +217,9 @@ TEST_P(DivideFactorTest, PredivideBeforeTheReductionPostdivideAfter) {
     EXPECT_EQ(spy->ops[0], ReduceOp::kSum);
     EXPECT_EQ(spy->inputs[0], 12.0 * (comm.rank() + 1) / gradient_predivide_factor(w));
     const at::Tensor grad = handle.sharded_flat_param().grad();
-    const int64_t real = std::max<int64_t>(0, std::min<int64_t>(
-        grad.numel(), 6 - (strategy == ShardingStrategy::kNoShard ? 0 : comm.rank() * grad.numel())));
+    // The shard's elements that are not padding.
+    const int64_t first = strategy == ShardingStrategy::kNoShard ? 0 : comm.rank() * grad.numel();
+    const int64_t real = std::max<int64_t>(0, std::min<int64_t>(grad.numel(), 6 - first));
     EXPECT_TRUE(at::equal(grad.narrow(0, 0, real), at::full({real}, 6.0 * (w + 1))))
         << grad;
   });
@@ -281,12 +282,14 @@ TEST(FlatParamMixedPrecisionTest, ReduceDtypeAndKeepLowPrecisionGrads) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
     std::vector<NamedParam> a = eighths(), b = eighths();
-    FlatParamHandle fp32_reduce(a, self, ShardingStrategy::kFullShard,
-                                FlatParamOptions().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+    FlatParamHandle fp32_reduce(
+        a, self, ShardingStrategy::kFullShard,
+        FlatParamOptions().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
     fp32_reduce.reduce_grad({at::ones({2, 3}, at::kBFloat16), at::ones({3}, at::kBFloat16)});
     EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).bytes_sent, 4 * 5);
-    FlatParamHandle keep(b, self, ShardingStrategy::kFullShard,
-                         FlatParamOptions().param_dtype(at::kBFloat16).keep_low_precision_grads(true));
+    FlatParamHandle keep(
+        b, self, ShardingStrategy::kFullShard,
+        FlatParamOptions().param_dtype(at::kBFloat16).keep_low_precision_grads(true));
     keep.reduce_grad({at::ones({2, 3}, at::kBFloat16), at::ones({3}, at::kBFloat16)});
     EXPECT_EQ(keep.sharded_flat_param().grad().scalar_type(), at::kBFloat16);
   });

@@ -219,7 +219,7 @@ struct ConstructionScope {
   FullyShardedDataParallelOptions options;
   absl::flat_hash_set<const c10::TensorImpl*> sharded;  // parameters of units built so far
 };
-thread_local ConstructionScope* active_construction = nullptr;
+thread_local std::unique_ptr<ConstructionScope> active_construction;
 
 // A root taking over a unit's constructed flat parameter: it must be what the root
 // itself would have made.
@@ -230,13 +230,15 @@ void check_constructed_handle(const FlatParamHandle& handle, const std::string& 
       want.param_dtype().value_or(handle.sharded_flat_param().scalar_type());
   TORCH_CHECK(handle.strategy() == strategy && handle.param_dtype() == param_dtype &&
                   handle.reduce_dtype() == want.reduce_dtype().value_or(param_dtype) &&
-                  handle.communicator().world_size() == comm.world_size(),
+                  &handle.communicator() == &comm,
               "FullyShardedDataParallel: unit '", unit_fqn, "' was sharded at construction ",
               "(ShardOnConstruction) as ", sharding_strategy_name(handle.strategy()),
-              " with param dtype ", handle.param_dtype(), " over ",
-              handle.communicator().world_size(), " ranks, but this root uses ",
-              sharding_strategy_name(strategy), " with param dtype ", param_dtype, " over ",
-              comm.world_size(), " ranks; pass the root the scope's options");
+              " with param dtype ", handle.param_dtype(), " (reduce dtype ",
+              handle.reduce_dtype(), "), but this root uses ", sharding_strategy_name(strategy),
+              " with param dtype ", param_dtype, " (reduce dtype ",
+              want.reduce_dtype().value_or(param_dtype), ")",
+              &handle.communicator() == &comm ? "" : " and another communicator",
+              "; pass the root the scope's options");
 }
 
 bool inside(const std::string& fqn, const std::string& unit_fqn) {
@@ -260,18 +262,15 @@ ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& 
               "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
               "when sharding at construction; annotate units with fsdp::Unit and use "
               "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
-  active_construction = new ConstructionScope{options, {}};
+  active_construction = std::make_unique<ConstructionScope>(ConstructionScope{options, {}});
 }
 
-ShardOnConstruction::~ShardOnConstruction() {
-  delete active_construction;
-  active_construction = nullptr;
-}
+ShardOnConstruction::~ShardOnConstruction() { active_construction.reset(); }
 
 namespace core_internal {
 
 std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped) {
-  ConstructionScope* scope = active_construction;
+  ConstructionScope* scope = active_construction.get();
   if (scope == nullptr) return nullptr;
   // Units built inside this one took their parameters already.
   absl::flat_hash_set<const c10::TensorImpl*> nested;

@@ -140,10 +140,9 @@ TEST(ClipGradNormTest, NeedsTheModelIdle) {
 TEST(SyncModuleStatesTest, RanksSeededDifferentlyEndWithRankZerosParametersAndBuffers) {
   for (const bool sync : {true, false}) {
     FakeWorld::run(FakeWorld::create(3), [sync](Communicator& comm) {
-      static std::mutex mutex;
       std::shared_ptr<NormedImpl> net, rank0;
       {
-        std::lock_guard<std::mutex> lock(mutex);  // the seed is global
+        std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
         torch::manual_seed(comm.rank());
         net = std::make_shared<NormedImpl>();
         torch::manual_seed(0);

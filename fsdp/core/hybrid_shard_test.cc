@@ -30,15 +30,21 @@ FullyShardedDataParallelOptions hybrid(std::shared_ptr<Communicator> comm,
       .hybrid_shard_group_size(shard_group_size);
 }
 
-// Every strategy against the reference on this rank of a W = 4 world.
-void expect_parity_of_every_strategy(const std::shared_ptr<Communicator>& comm, bool adam) {
-  const Reference nested = reference<NestedImpl>(kWorldSize, adam);
-  const Reference lm = reference<TinyLmImpl>(kWorldSize, adam);
+struct References {
+  explicit References(bool adam)
+      : nested(reference<NestedImpl>(kWorldSize, adam)),
+        lm(reference<TinyLmImpl>(kWorldSize, adam)) {}
+  Reference nested, lm;
+};
+
+// Every strategy against the references on this rank of a W = 4 world.
+void expect_parity_of_every_strategy(const std::shared_ptr<Communicator>& comm,
+                                     const References& want, bool adam) {
   for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kHybridShard,
                                     ShardingStrategy::kHybridShardZero2}) {
     SCOPED_TRACE(sharding_strategy_name(strategy));
-    expect_parity_on<NestedImpl>(comm, nested, hybrid(comm, strategy, 2), adam);
-    expect_parity_on<TinyLmImpl>(comm, lm, hybrid(comm, strategy, 2), adam);
+    expect_parity_on<NestedImpl>(comm, want.nested, hybrid(comm, strategy, 2), adam);
+    expect_parity_on<TinyLmImpl>(comm, want.lm, hybrid(comm, strategy, 2), adam);
   }
 }
 
@@ -46,9 +52,10 @@ class HybridParityTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(HybridParityTest, MatchesTheReferenceLikeFullShardOnThreads) {
   const bool adam = GetParam();
-  FakeWorld::run(FakeWorld::create(kWorldSize), [adam](Communicator& comm) {
+  const References want(adam);  // before the rank threads start
+  FakeWorld::run(FakeWorld::create(kWorldSize), [&](Communicator& comm) {
     expect_parity_of_every_strategy(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
-                                    adam);
+                                    want, adam);
   });
 }
 
@@ -75,11 +82,31 @@ TEST(HybridShardTest, CollectivesPerGroup) {
   }
 }
 
+// Shards are summed over the shard group only: across groups they are replicas.
+TEST(HybridShardTest, ClipGradNormCountsEachReplicatedShardOnce) {
+  FakeWorld::run(FakeWorld::create(kWorldSize), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    std::vector<float> norms;
+    for (ShardingStrategy strategy :
+         {ShardingStrategy::kFullShard, ShardingStrategy::kHybridShard}) {
+      FullyShardedDataParallel<NetImpl> model(make_net(), hybrid(self, strategy, 2));
+      const Batch batch = NestedImpl::batch(0, 2 * kWorldSize);
+      (model->forward(batch.input.narrow(0, 2 * comm.rank(), 2)) -
+       batch.target.narrow(0, 2 * comm.rank(), 2))
+          .pow(2)
+          .mean()
+          .backward();
+      norms.push_back(model->clip_grad_norm_(1e9).item<float>());
+    }
+    EXPECT_NEAR(norms[1], norms[0], 1e-6 * norms[0]);
+  });
+}
+
 TEST(HybridShardTest, ShardGroupSizeMustDivideTheWorld) {
   FakeWorld::run(FakeWorld::create(kWorldSize), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    EXPECT_THAT([&] { FullyShardedDataParallel<NetImpl>(make_net(),
-                                                        hybrid(self, ShardingStrategy::kHybridShard, 3)); },
+    EXPECT_THAT([&] { FullyShardedDataParallel<NetImpl>(
+                          make_net(), hybrid(self, ShardingStrategy::kHybridShard, 3)); },
                 ThrowsMessage<c10::Error>(HasSubstr("HYBRID_SHARD needs hybrid_shard_group_size "
                                                     "F >= 1 dividing the world size 4, got 3")));
   });
@@ -91,7 +118,7 @@ TEST(DISABLED_HybridWorker, EveryStrategyMatchesTheReference) {
   std::shared_ptr<Communicator> comm =
       init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
   ASSERT_EQ(comm->world_size(), kWorldSize);
-  expect_parity_of_every_strategy(comm, /*adam=*/false);
+  expect_parity_of_every_strategy(comm, References(/*adam=*/false), /*adam=*/false);
 }
 
 TEST(HybridShardTest, ParityWithFullShardOnFourProcesses) {

@@ -131,7 +131,8 @@ TEST(MixedPrecisionTest, IntegerInputsAreNotCast) {
     FullyShardedDataParallel<TinyLmImpl> model(
         make<TinyLmImpl>(),
         FullyShardedDataParallelOptions(borrow(comm))
-            .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).cast_forward_inputs(true)));
+            .mixed_precision(
+                MixedPrecision().param_dtype(at::kBFloat16).cast_forward_inputs(true)));
     const Batch batch = TinyLmImpl::batch(0, 2);
     at::Tensor logits = model->forward(batch.input);  // int64 token ids reach the embedding
     EXPECT_EQ(logits.scalar_type(), at::kBFloat16);
@@ -173,8 +174,7 @@ std::vector<float> train_losses(const c10::optional<MixedPrecision>& mp) {
   FakeWorld::run(FakeWorld::create(2), [&](Communicator& comm) {
     std::shared_ptr<core_internal::MlpModelImpl> net;
     {
-      static std::mutex mutex;
-      std::lock_guard<std::mutex> lock(mutex);
+      std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
       torch::manual_seed(0);
       net = std::make_shared<core_internal::MlpModelImpl>(16, 3, 4);
     }

@@ -46,8 +46,7 @@ Trained train(Communicator& comm, bool shard_on_construction) {
   const FullyShardedDataParallelOptions options(borrow(comm));
   std::shared_ptr<NestedImpl> net;
   {
-    static std::mutex mutex;  // the seed is global
-    std::lock_guard<std::mutex> lock(mutex);
+    std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
     torch::manual_seed(0);
     if (shard_on_construction) {
       ShardOnConstruction scope(options);
@@ -163,8 +162,8 @@ TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {
         },
         ThrowsMessage<c10::Error>(HasSubstr("unit 'l1' was sharded at construction "
                                             "(ShardOnConstruction) as FULL_SHARD with param "
-                                            "dtype Float over 2 ranks, but this root uses "
-                                            "FULL_SHARD with param dtype BFloat16")));
+                                            "dtype Float (reduce dtype Float), but this root "
+                                            "uses FULL_SHARD with param dtype BFloat16")));
   });
 }
 

@@ -241,6 +241,30 @@ void check_constructed_handle(const FlatParamHandle& handle, const std::string& 
               "; pass the root the scope's options");
 }
 
+// sync_module_states: rank 0's unit parameters (those not sharded at construction) and
+// buffers outside ignored modules, one unit at a time.
+void sync_module_states(Communicator& comm, const torch::nn::Module& root,
+                        const FullyShardedDataParallelOptions& options,
+                        const std::vector<std::vector<NamedParam>>& params_of) {
+  for (const std::vector<NamedParam>& params : params_of) {
+    std::vector<at::Tensor> tensors;
+    for (const NamedParam& p : params) tensors.push_back(p.param);
+    broadcast_from_rank0(comm, tensors);
+  }
+  broadcast_from_rank0(comm, buffers_outside(root, options.ignored_modules(), {}));
+}
+
+// Parameters outside FSDP that train (ignored modules'), for clip_grad_norm_.
+std::vector<at::Tensor> ignored_trained_params(const FullyShardedDataParallelOptions& options) {
+  std::vector<at::Tensor> params;
+  for (const torch::nn::Module* module : options.ignored_modules()) {
+    for (const at::Tensor& p : module->parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+  }
+  return params;
+}
+
 bool inside(const std::string& fqn, const std::string& unit_fqn) {
   return unit_fqn.empty() || fqn == unit_fqn || absl::StartsWith(fqn, unit_fqn + ".");
 }
@@ -395,12 +419,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
 
   Communicator& comm = *options.communicator();
   if (options.sync_module_states() && comm.world_size() > 1) {
-    for (const std::vector<NamedParam>& params : params_of) {
-      std::vector<at::Tensor> tensors;
-      for (const NamedParam& p : params) tensors.push_back(p.param);
-      broadcast_from_rank0(comm, tensors);
-    }
-    broadcast_from_rank0(comm, buffers_outside(root, options.ignored_modules(), {}));
+    sync_module_states(comm, root, options, params_of);
   }
 
   const ShardingStrategy strategy = effective_strategy(options);
@@ -454,13 +473,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
     root_state->set_buffer_casts(std::move(buffers), *mp->buffer_dtype());
   }
-  std::vector<at::Tensor> ignored_trained;
-  for (const torch::nn::Module* module : options.ignored_modules()) {
-    for (const at::Tensor& p : module->parameters()) {
-      if (p.requires_grad()) ignored_trained.push_back(p);
-    }
-  }
-  root_state->set_ignored_params(std::move(ignored_trained));
+  root_state->set_ignored_params(ignored_trained_params(options));
   root_state->set_validate_execution_order(options.validate_execution_order());
   return root_state;
 }

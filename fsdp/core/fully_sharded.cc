@@ -195,6 +195,23 @@ ShardingStrategy effective_strategy(const FullyShardedDataParallelOptions& optio
                                                    : options.sharding_strategy();
 }
 
+// The strategy of the unit around `wrapped` (see unit_sharding_strategies); `fqn` names
+// it in errors.
+ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options,
+                               const UnitBase& unit, const std::string& fqn) {
+  const ShardingStrategy root = effective_strategy(options);
+  for (const auto& [module, strategy] : options.unit_sharding_strategies()) {
+    if (module != &unit && module != unit.wrapped_module().get()) continue;
+    TORCH_CHECK(!is_hybrid(strategy) && !is_hybrid(root) && !fqn.empty(),
+                "FullyShardedDataParallel: unit_sharding_strategies gives unit '", fqn,
+                "' ", sharding_strategy_name(strategy), " under a ",
+                sharding_strategy_name(root), " root; only non-root units, and only FULL_SHARD, "
+                "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");
+    return root == ShardingStrategy::kNoShard ? root : strategy;  // one rank: NO_SHARD
+  }
+  return root;
+}
+
 bool is_full_precision(const FullyShardedDataParallelOptions& options,
                        const torch::nn::Module& wrapped) {
   const c10::optional<MixedPrecision>& mp = options.mixed_precision();
@@ -445,12 +462,12 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     const bool full_precision = is_full_precision(options, wrapped);
     FlatParamOptions unit_options = flat_param_options(options, wrapped);
     unit_options.replicate_communicator(replicate_group);
+    const ShardingStrategy own = unit_strategy(options, *units[k].unit, units[k].fqn);
     std::unique_ptr<FlatParamHandle> handle = std::move(constructed[k]);
     if (handle != nullptr) {
-      check_constructed_handle(*handle, units[k].fqn, strategy, unit_options, *shard_group);
+      check_constructed_handle(*handle, units[k].fqn, own, unit_options, *shard_group);
     } else if (!params_of[k].empty()) {
-      handle = std::make_unique<FlatParamHandle>(params_of[k], shard_group, strategy,
-                                                 unit_options);
+      handle = std::make_unique<FlatParamHandle>(params_of[k], shard_group, own, unit_options);
     }
     auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0,
                                                             root_state.get(), std::move(handle));

@@ -31,9 +31,10 @@
 // FullyShardedDataParallel (use_orig_params=False).
 //
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision
-// below), sync_module_states, HYBRID strategies with hybrid_shard_group_size,
-// validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), and
-// clip_grad_norm_ on the root.
+// below), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
+// strategies (unit_sharding_strategies), validate_execution_order (PyTorch's
+// FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on the root, and deferred
+// initialisation (ShardOnConstruction below).
 //
 // Frozen parameters: a unit whose parameters all have requires_grad=false gets a frozen
 // flat parameter (no gradient, no reduction); a unit mixing requires_grad true and
@@ -92,6 +93,9 @@ struct MixedPrecision {
       is_batch_norm;
 };
 
+// (the unit's wrapped module or the Unit<T> itself, its strategy) pairs.
+using UnitShardingStrategies = std::vector<std::pair<const torch::nn::Module*, ShardingStrategy>>;
+
 struct FullyShardedDataParallelOptions {
   explicit FullyShardedDataParallelOptions(std::shared_ptr<Communicator> communicator)
       : communicator_(std::move(communicator)) {}
@@ -120,6 +124,11 @@ struct FullyShardedDataParallelOptions {
   // before sharding, so ranks that initialised the model differently start identical.
   // One broadcast per unit and dtype, and one per dtype for the buffers.
   TORCH_ARG(bool, sync_module_states) = false;
+  // Units that run with another strategy than sharding_strategy: FULL_SHARD,
+  // SHARD_GRAD_OP or NO_SHARD (e.g. a small unit replicated), under a non-HYBRID root;
+  // not the root itself. PyTorch: a nested FullyShardedDataParallel
+  // with its own sharding_strategy.
+  TORCH_ARG(UnitShardingStrategies, unit_sharding_strategies);
   // HYBRID strategies: F, the ranks of one shard group (e.g. LOCAL_WORLD_SIZE, one
   // host); world_size must be a multiple of it (Communicator::split_hybrid).
   TORCH_ARG(int, hybrid_shard_group_size) = 0;

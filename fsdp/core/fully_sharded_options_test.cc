@@ -71,25 +71,30 @@ double reference_norm(WithExtraImpl& net, double norm_type) {
   return std::isinf(norm_type) ? total : std::pow(total, 1.0 / norm_type);
 }
 
+// (world size, the root's strategy, norm type, whether unit l1 is NO_SHARD).
 class ClipGradNormTest
-    : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy, double>> {};
+    : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy, double, bool>> {};
 
 // Every rank trains on the same batch, so the ignored module's local gradients equal the
 // others' (its replicas agree) and the averaged gradients equal the unwrapped model's.
+// Sharded units, a replicated (NO_SHARD) unit and the ignored module mix.
 TEST_P(ClipGradNormTest, EqualsTheUnwrappedModelsNormCountingEachGradientOnce) {
-  const auto [w, strategy, norm_type] = GetParam();
+  const auto [w, strategy, norm_type, replicate_l1] = GetParam();
   auto plain = integer_model();
   plain->forward(integer_batch()).sum().backward();
   const double want = reference_norm(*plain, norm_type);
   const double max_norm = want / 4;  // clips: every gradient scaled by about 1/4
-  FakeWorld::run(FakeWorld::create(w), [&, strategy = strategy,
-                                        norm_type = norm_type](Communicator& comm) {
+  FakeWorld::run(FakeWorld::create(w), [&, strategy = strategy, norm_type = norm_type,
+                                        replicate_l1 = replicate_l1](Communicator& comm) {
     auto net = integer_model();
     const torch::nn::Module* extra = net->extra.get();
-    FullyShardedDataParallel<WithExtraImpl> model(
-        net, FullyShardedDataParallelOptions(borrow(comm))
-                 .sharding_strategy(strategy)
-                 .ignored_modules({extra}));
+    auto options = FullyShardedDataParallelOptions(borrow(comm))
+                       .sharding_strategy(strategy)
+                       .ignored_modules({extra});
+    if (replicate_l1) {
+      options.unit_sharding_strategies({{net->l1->module().get(), ShardingStrategy::kNoShard}});
+    }
+    FullyShardedDataParallel<WithExtraImpl> model(net, options);
     model->forward(integer_batch()).sum().backward();
     const at::Tensor total = model->clip_grad_norm_(max_norm, norm_type);
     EXPECT_EQ(total.scalar_type(), at::kFloat);
@@ -123,7 +128,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(ShardingStrategy::kFullShard,
                                          ShardingStrategy::kShardGradOp,
                                          ShardingStrategy::kNoShard),
-                       ::testing::Values(2.0, 1.0, INFINITY)));
+                       ::testing::Values(2.0, 1.0, INFINITY), ::testing::Bool()));
 
 TEST(ClipGradNormTest, NeedsTheModelIdle) {
   auto world = FakeWorld::create(1);
@@ -133,6 +138,39 @@ TEST(ClipGradNormTest, NeedsTheModelIdle) {
   EXPECT_THAT([&] { model->clip_grad_norm_(1.0); },
               ThrowsMessage<c10::Error>(HasSubstr("clip_grad_norm_: expected to be in states "
                                                   "[TrainingState.IDLE]")));
+}
+
+// ---- unit_sharding_strategies ----
+
+TEST(UnitShardingStrategiesTest, AReplicatedUnitUnderAFullShardRoot) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    auto net = make_net();
+    FullyShardedDataParallel<NetImpl> model(
+        net, FullyShardedDataParallelOptions(borrow(comm))
+                 .unit_sharding_strategies({{net->l1.ptr().get(), ShardingStrategy::kNoShard}}));
+    EXPECT_EQ(model->units()[1]->handle()->strategy(), ShardingStrategy::kNoShard);
+    EXPECT_EQ(model->units()[1]->handle()->shard_numel(), 4 * 8 + 8);
+    EXPECT_EQ(model->units()[2]->handle()->strategy(), ShardingStrategy::kFullShard);
+    comm.counters().reset();
+    model->forward(inputs(0, 2)).sum().backward();
+    // l2: forward and backward all-gathers; the root: forward only; l1: none.
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).calls, 2 + 1);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 2);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllReduce).calls, 1);
+  });
+  auto world = FakeWorld::create(2);
+  FakeWorld::run(world, [](Communicator& comm) {
+    auto net = make_net();
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<NetImpl>(
+              net, FullyShardedDataParallelOptions(borrow(comm))
+                       .unit_sharding_strategies(
+                           {{net->l2->module().get(), ShardingStrategy::kHybridShard}}));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("gives unit 'l2' HYBRID_SHARD under a FULL_SHARD "
+                                            "root")));
+  });
 }
 
 // ---- sync_module_states ----

@@ -159,7 +159,7 @@ void UnitState::post_forward(bool hooked) {
     handle_state_ = HandleTrainingState::kIdle;
     // The root keeps its parameters for backward (saves an all-gather); a unit whose
     // outputs carry no hook keeps them too, since nothing would gather them again.
-    if (!is_root_ && hooked && root_->reshards_after_forward()) {
+    if (!is_root_ && hooked && reshards_after_forward(handle_->strategy())) {
       handle_->reshard();
     }
   }

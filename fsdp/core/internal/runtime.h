@@ -103,9 +103,7 @@ class RootState {
         forward_prefetch_(forward_prefetch) {}
 
   Communicator& comm() { return *comm_; }
-  ShardingStrategy strategy() const { return strategy_; }
-  // Whether units free their parameters after forward (FULL_SHARD, HYBRID_SHARD).
-  bool reshards_after_forward() const { return fsdp::reshards_after_forward(strategy_); }
+  ShardingStrategy strategy() const { return strategy_; }  // the root's; units may differ
   TrainingState training_state() const { return training_state_; }
   const std::vector<std::shared_ptr<UnitState>>& units() const { return units_; }
   void add_unit(std::shared_ptr<UnitState> unit) { units_.push_back(std::move(unit)); }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
@@ -17,8 +18,33 @@ const char* sharding_strategy_name(ShardingStrategy strategy) {
       return "SHARD_GRAD_OP";
     case ShardingStrategy::kNoShard:
       return "NO_SHARD";
+    case ShardingStrategy::kHybridShard:
+      return "HYBRID_SHARD";
+    case ShardingStrategy::kHybridShardZero2:
+      return "_HYBRID_SHARD_ZERO2";
   }
   return "unknown";
+}
+
+bool is_hybrid(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kHybridShard ||
+         strategy == ShardingStrategy::kHybridShardZero2;
+}
+
+bool reshards_after_forward(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
+}
+
+double gradient_predivide_factor(int64_t world_size) {
+  TORCH_CHECK(world_size >= 1, "gradient_predivide_factor: expected world_size >= 1, got ",
+              world_size);
+  int64_t factor = 1;
+  while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
+  return static_cast<double>(factor);
+}
+
+double gradient_postdivide_factor(int64_t world_size) {
+  return static_cast<double>(world_size) / gradient_predivide_factor(world_size);
 }
 
 std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& infos,
@@ -33,13 +59,21 @@ std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& 
 }
 
 FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
-                                 std::shared_ptr<Communicator> comm, ShardingStrategy strategy)
-    : comm_(std::move(comm)), strategy_(strategy) {
+                                 std::shared_ptr<Communicator> comm, ShardingStrategy strategy,
+                                 const FlatParamOptions& options)
+    : comm_(std::move(comm)),
+      strategy_(strategy),
+      replicate_comm_(options.replicate_communicator()),
+      keep_low_precision_grads_(options.keep_low_precision_grads()) {
   TORCH_CHECK(comm_ != nullptr, "FlatParamHandle: communicator is null");
   TORCH_CHECK(!params.empty(), "FlatParamHandle: expected at least one parameter to flatten, "
               "got none; a unit without parameters needs no flat parameter");
+  TORCH_CHECK(!is_hybrid(strategy_) || replicate_comm_ != nullptr, "FlatParamHandle: ",
+              sharding_strategy_name(strategy_), " needs options.replicate_communicator (the "
+              "replicate group of Communicator::split_hybrid)");
   absl::flat_hash_map<const c10::TensorImpl*, std::string> seen;
   const at::Tensor& first = params.front().param;
+  std::vector<std::string> trained, frozen;
   for (const NamedParam& p : params) {
     TORCH_CHECK(p.param.defined(), "FlatParamHandle: parameter '", p.fqn, "' is undefined");
     auto [it, inserted] = seen.try_emplace(p.param.unsafeGetTensorImpl(), p.fqn);
@@ -54,27 +88,46 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
                 p.fqn, "' has dtype ", p.param.scalar_type(), "; expected a floating dtype");
     infos_.push_back({p.fqn, p.param.sizes().vec(), p.param.numel(), numel_});
     numel_ += p.param.numel();
+    (p.param.requires_grad() ? trained : frozen).push_back(p.fqn);
   }
+  TORCH_CHECK(trained.empty() || frozen.empty(), "FlatParamHandle: a unit's parameters must "
+              "agree on requires_grad (one flat parameter has one), but [",
+              absl::StrJoin(trained, ", "), "] require grad and [", absl::StrJoin(frozen, ", "),
+              "] do not; make the frozen modules a unit of their own (fsdp::Unit) or pass "
+              "them in ignored_modules");
+  // PyTorch infers the reduce dtype from param_dtype when only the latter is given.
+  param_dtype_ = options.param_dtype().value_or(first.scalar_type());
+  reduce_dtype_ = options.reduce_dtype().value_or(param_dtype_);
+  TORCH_CHECK(c10::isFloatingType(param_dtype_) && c10::isFloatingType(reduce_dtype_),
+              "FlatParamHandle: mixed precision needs floating dtypes, got param_dtype ",
+              param_dtype_, " and reduce_dtype ", reduce_dtype_);
   const int64_t w = comm_->world_size();
   const bool no_shard = strategy_ == ShardingStrategy::kNoShard;
   shard_numel_ = no_shard ? numel_ : (numel_ + w - 1) / w;
   padded_numel_ = no_shard ? numel_ : shard_numel_ * w;
 
-  const auto options = first.options().requires_grad(false);
-  unsharded_flat_ = at::zeros({padded_numel_}, options);
+  const auto options_of_params = first.options().requires_grad(false);
+  at::Tensor flat = at::zeros({padded_numel_}, options_of_params);
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor view = unsharded_flat_.narrow(0, infos_[i].offset, infos_[i].numel);
-    view.copy_(params[i].param.detach().reshape({-1}));
-    params[i].param.set_data(view.view(infos_[i].shape));
+    flat.narrow(0, infos_[i].offset, infos_[i].numel)
+        .copy_(params[i].param.detach().reshape({-1}));
     originals_.push_back(params[i].param);
   }
-  if (no_shard) {
-    sharded_ = unsharded_flat_;  // the optimizer updates the flat buffer the views use
-  } else {
-    sharded_ = unsharded_flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_).clone();
-  }
-  sharded_.set_requires_grad(true);
+  // NO_SHARD: the optimizer updates the flat buffer itself.
+  sharded_ = no_shard ? flat : flat.narrow(0, comm_->rank() * shard_numel_, shard_numel_).clone();
+  sharded_.set_requires_grad(frozen.empty());
+  unsharded_flat_ = uses_mixed_precision() ? at::empty({padded_numel_},
+                                                       options_of_params.dtype(param_dtype_))
+                    : no_shard            ? sharded_.detach()
+                                          : flat;
+  use_views_of(unsharded_flat_);
   reshard();  // sharded from the start: only the shard's memory stays allocated
+}
+
+void FlatParamHandle::use_views_of(const at::Tensor& flat) {
+  for (size_t i = 0; i < originals_.size(); ++i) {
+    originals_[i].set_data(flat.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape));
+  }
 }
 
 std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {
@@ -83,20 +136,56 @@ std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {
   return shard_param_infos(infos_, start, start + shard_numel_ - 1);
 }
 
+namespace {
+
+// See Note [Freeing the unsharded flat parameter].
+void allocate(const at::Tensor& flat) {
+  at::native::resize_bytes_cpu(flat.storage().unsafeGetStorageImpl(),
+                               flat.numel() * flat.element_size());
+}
+void free_storage(const at::Tensor& flat) {
+  at::native::resize_bytes_cpu(flat.storage().unsafeGetStorageImpl(), 0);
+}
+
+}  // namespace
+
 void FlatParamHandle::prefetch() {
   if (unsharded_ || pending_) return;
-  // See Note [Freeing the unsharded flat parameter].
-  at::native::resize_bytes_cpu(unsharded_flat_.storage().unsafeGetStorageImpl(),
-                               padded_numel_ * unsharded_flat_.element_size());
-  pending_ = comm_->all_gather_into_tensor_async(unsharded_flat_, sharded_.detach());
+  TORCH_CHECK(!full_precision_, "FlatParamHandle: unshard() while unsharded in full precision "
+              "(summon_full_params); reshard() first");
+  allocate(unsharded_flat_);
+  if (strategy_ == ShardingStrategy::kNoShard) {  // mixed precision: a low-precision copy
+    unsharded_flat_.copy_(sharded_.detach());
+    unsharded_ = true;
+    return;
+  }
+  gather_input_ = sharded_.detach().to(param_dtype_);
+  pending_ = comm_->all_gather_into_tensor_async(unsharded_flat_, gather_input_);
 }
 
 void FlatParamHandle::unshard() {
   if (unsharded_) return;
   prefetch();
-  WorkHandle work = std::move(pending_);
-  work->wait();
+  if (pending_) {
+    WorkHandle work = std::move(pending_);
+    work->wait();
+    gather_input_ = at::Tensor();
+  }
   unsharded_ = true;
+}
+
+void FlatParamHandle::unshard_full_precision() {
+  if (!uses_mixed_precision()) return unshard();
+  if (full_precision_) return;
+  reshard();  // drop a low-precision copy: the views move to the full-precision values
+  if (strategy_ == ShardingStrategy::kNoShard) {
+    full_precision_flat_ = sharded_.detach();  // edits go straight to the shard
+  } else {
+    full_precision_flat_ = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+    comm_->all_gather_into_tensor(full_precision_flat_, sharded_.detach());
+  }
+  use_views_of(full_precision_flat_);
+  full_precision_ = true;
 }
 
 // Note [Freeing the unsharded flat parameter]
@@ -104,18 +193,31 @@ void FlatParamHandle::unshard() {
 // unsharded_flat_'s storage. Resizing that storage to 0 bytes frees the memory while
 // every view keeps pointing at the same StorageImpl; unshard() resizes it back and
 // all-gathers into it, so the views read the new values. The all-gather writes through
-// a raw pointer, which leaves the views' version counters alone.
+// a raw pointer, which leaves the views' version counters alone. Only
+// unshard_full_precision() points the views elsewhere (set_data, outside forward and
+// backward), and reshard() points them back.
 void FlatParamHandle::reshard() {
   if (pending_) unshard();  // never free memory an all-gather is writing
-  if (!unsharded_ || strategy_ == ShardingStrategy::kNoShard) return;
-  at::native::resize_bytes_cpu(unsharded_flat_.storage().unsafeGetStorageImpl(), 0);
+  if (full_precision_) {
+    full_precision_flat_ = at::Tensor();
+    allocate(unsharded_flat_);  // views are bounds-checked against the storage
+    use_views_of(unsharded_flat_);
+    free_storage(unsharded_flat_);
+    full_precision_ = false;
+    return;
+  }
+  if (!unsharded_ || (strategy_ == ShardingStrategy::kNoShard && !uses_mixed_precision())) {
+    return;
+  }
+  free_storage(unsharded_flat_);
   unsharded_ = false;
 }
 
 at::Tensor FlatParamHandle::flatten_grads(const std::vector<at::Tensor>& grads) const {
   TORCH_CHECK(grads.size() == infos_.size(), "FlatParamHandle: expected ", infos_.size(),
               " gradients (one per original parameter), got ", grads.size());
-  at::Tensor flat_grad = at::zeros({padded_numel_}, sharded_.options().requires_grad(false));
+  at::Tensor flat_grad =
+      at::zeros({padded_numel_}, sharded_.options().dtype(reduce_dtype_).requires_grad(false));
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;
     TORCH_CHECK(grads[i].numel() == infos_[i].numel, "FlatParamHandle: gradient of '",
@@ -136,10 +238,12 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
 }
 
 void FlatParamHandle::write_back_shard() {
-  TORCH_CHECK(unsharded_, "write_back_shard: the flat parameter is not unsharded");
+  TORCH_CHECK(full_precision_ || (unsharded_ && !uses_mixed_precision()),
+              "write_back_shard: the flat parameter is not unsharded in full precision; "
+              "call unshard_full_precision() first");
   if (strategy_ == ShardingStrategy::kNoShard) return;  // one buffer: nothing to copy
-  sharded_.detach().copy_(
-      unsharded_flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_));
+  const at::Tensor& full = full_precision_ ? full_precision_flat_ : unsharded_flat_;
+  sharded_.detach().copy_(full.narrow(0, comm_->rank() * shard_numel_, shard_numel_));
 }
 
 void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
@@ -148,20 +252,33 @@ void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
     flat_grad.add_(unsharded_grad_);
     unsharded_grad_ = at::Tensor();
   }
+  // See Note [Gradient divide factors].
+  const int64_t replicas = replicate_comm_ != nullptr ? replicate_comm_->world_size() : 1;
+  const int64_t world_size = comm_->world_size() * replicas;
+  const double predivide = gradient_predivide_factor(world_size);
+  const double postdivide = gradient_postdivide_factor(world_size);
+  if (predivide > 1) flat_grad.div_(predivide);
   at::Tensor shard_grad;
   if (strategy_ == ShardingStrategy::kNoShard) {
-    if (comm_->world_size() > 1) comm_->all_reduce(flat_grad, ReduceOp::kAvg);
+    if (comm_->world_size() > 1) comm_->all_reduce(flat_grad, ReduceOp::kSum);
     shard_grad = flat_grad;
   } else {
     shard_grad = at::empty({shard_numel_}, flat_grad.options());
-    comm_->reduce_scatter_tensor(shard_grad, flat_grad, ReduceOp::kAvg);
+    comm_->reduce_scatter_tensor(shard_grad, flat_grad, ReduceOp::kSum);
+    if (replicas > 1) replicate_comm_->all_reduce(shard_grad, ReduceOp::kSum);
   }
+  if (postdivide > 1) shard_grad.div_(postdivide);
+  if (!keep_low_precision_grads_) shard_grad = shard_grad.to(sharded_.scalar_type());
   at::Tensor& grad = sharded_.mutable_grad();
   if (grad.defined()) {
     grad.add_(shard_grad);
   } else {
     grad = shard_grad;
   }
+}
+
+void FlatParamHandle::add_fqn_prefix(const std::string& prefix) {
+  for (FlatParamInfo& info : infos_) info.fqn = prefix + info.fqn;
 }
 
 at::Tensor FlatParamHandle::full_flat_param() {

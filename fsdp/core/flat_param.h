@@ -9,6 +9,12 @@
 //   handle.reshard();             // frees the unsharded buffer's memory (views stay valid)
 //   handle.reduce_grad({g0, g2});  // average over ranks into sharded_flat_param().grad()
 //
+// Mixed precision (FlatParamOptions::param_dtype): the shard stays in the parameters'
+// dtype (the optimizer's full-precision master copy); unshard() all-gathers a copy cast
+// to param_dtype, so the original parameters hold low-precision values only while
+// unsharded (forward and backward); unshard_full_precision() gathers the master values
+// instead (summon_full_params). Gradients are reduced in reduce_dtype.
+//
 // Layout (REFERENCE §3). The flat parameter is the concatenation of the parameters'
 // elements in the given order (shared parameters must be passed once), padded with zeros
 // to shard_numel x world_size elements; rank r owns elements [r x shard_numel,
@@ -17,8 +23,10 @@
 // starts resharded (that buffer's memory freed), so read them after unshard().
 //
 // NO_SHARD keeps the whole (unpadded) flat parameter on every rank: the sharded flat
-// parameter is the flat buffer itself, unshard/reshard do nothing, and gradients are
-// all-reduced.
+// parameter is the flat buffer itself, unshard/reshard do nothing (with mixed precision:
+// they make and free the low-precision copy), and gradients are all-reduced. The HYBRID
+// strategies shard over the handle's communicator (a shard group) and all-reduce the
+// reduced gradient shard over FlatParamOptions::replicate_communicator.
 //
 // Threading: a handle is used by one thread (its rank's); collectives go through its
 // communicator in call order. Errors: c10::Error naming cleaned FQNs for bad input.
@@ -32,6 +40,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
 
 #include "fsdp/comm/communicator.h"
 
@@ -42,9 +52,26 @@ enum class ShardingStrategy {
   kFullShard,    // parameters, gradients, optimizer state sharded; reshard after forward
   kShardGradOp,  // parameters kept unsharded from forward to backward
   kNoShard,      // replicated, gradients all-reduced (DDP)
+  // FULL_SHARD inside each shard group, replicated across groups: gradients are
+  // reduce-scattered inside the group, then all-reduced across groups.
+  kHybridShard,
+  kHybridShardZero2,  // the same with SHARD_GRAD_OP inside the group (_HYBRID_SHARD_ZERO2)
 };
 
-const char* sharding_strategy_name(ShardingStrategy strategy);  // "FULL_SHARD", ...
+// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2".
+const char* sharding_strategy_name(ShardingStrategy strategy);
+bool is_hybrid(ShardingStrategy strategy);
+// Whether a unit frees its parameters after forward (FULL_SHARD, HYBRID_SHARD).
+bool reshards_after_forward(ShardingStrategy strategy);
+
+// Note [Gradient divide factors]
+// Averaging over W ranks divides twice: by f(W) before the reduction and by W / f(W)
+// after, so that neither the summands nor the sum over- or underflow in low precision
+// (PyTorch: DefaultState._get_gradient_predivide_factor). f(W) = the first power of two
+// k with W % k != 0 or k >= W / k. REFERENCE §6: W = 4 -> 2 and 2; W = 6 -> 4 and 1.5.
+// W is the number of ranks the gradient is averaged over (every rank, for HYBRID too).
+double gradient_predivide_factor(int64_t world_size);
+double gradient_postdivide_factor(int64_t world_size);  // world_size / predivide
 
 struct NamedParam {
   std::string fqn;
@@ -74,42 +101,73 @@ struct ShardParamInfo {
 std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& infos,
                                               int64_t start, int64_t end);
 
+struct FlatParamOptions {
+  // HYBRID strategies: the ranks holding the same shard in the other shard groups
+  // (Communicator::split_hybrid's replicate_group). Required for them, unused otherwise.
+  TORCH_ARG(std::shared_ptr<Communicator>, replicate_communicator);
+  // dtype of the unsharded parameters in forward and backward (none: the parameters').
+  TORCH_ARG(c10::optional<c10::ScalarType>, param_dtype);
+  // dtype gradients are reduced in (none: param_dtype if set, else the parameters').
+  TORCH_ARG(c10::optional<c10::ScalarType>, reduce_dtype);
+  // Keep the reduced gradient shard in reduce_dtype instead of casting it to the
+  // parameters' dtype for the optimizer.
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
+};
+
 class FlatParamHandle {
  public:
   // `params`: distinct parameters (the same tensor twice is an error naming both FQNs),
-  // at least one, all of one floating dtype and device, contiguous or not. Their values
-  // become the flat parameter; rank r keeps its shard. Throws c10::Error on bad input.
+  // at least one, all of one floating dtype and device, all trained or all frozen
+  // (requires_grad; a frozen flat parameter does not require grad), contiguous or not.
+  // Their values
+  // become the flat parameter; rank r of `comm` keeps its shard. Throws c10::Error on bad
+  // input (and for a HYBRID strategy without options.replicate_communicator).
   FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr<Communicator> comm,
-                  ShardingStrategy strategy);
+                  ShardingStrategy strategy, const FlatParamOptions& options = {});
 
   int64_t numel() const { return numel_; }                // sum of the parameters' numels
   int64_t shard_numel() const { return shard_numel_; }    // ceil(numel / W); NO_SHARD: numel
   int64_t padded_numel() const { return padded_numel_; }  // shard_numel x W; NO_SHARD: numel
   int64_t padding() const { return padded_numel_ - numel_; }
   ShardingStrategy strategy() const { return strategy_; }
+  // The ranks the flat parameter is sharded over (HYBRID: the shard group).
+  Communicator& communicator() const { return *comm_; }
   const std::vector<FlatParamInfo>& param_infos() const { return infos_; }
   // This rank's shard as ShardParamInfos.
   std::vector<ShardParamInfo> local_shard_param_infos() const;
 
-  // The leaf the optimizer updates: 1-D, shard_numel elements, requires_grad.
+  // The leaf the optimizer updates: 1-D, shard_numel elements, in the parameters'
+  // original dtype; requires_grad unless the parameters are frozen.
   const at::Tensor& sharded_flat_param() const { return sharded_; }
   // The original parameters (views into the unsharded flat buffer), in flattening order.
   const std::vector<at::Tensor>& original_params() const { return originals_; }
+  // dtype of the original parameters while unsharded for forward/backward, and of
+  // gradient reduction.
+  c10::ScalarType param_dtype() const { return param_dtype_; }
+  c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
-  // All-gathers the shards into the unsharded flat buffer (allocating its memory), so the
-  // original parameters hold the current full values. No-op if already unsharded.
+  // All-gathers the shards (cast to param_dtype) into the unsharded flat buffer
+  // (allocating its memory), so the original parameters hold the current full values.
+  // No-op if already unsharded.
   void unshard();
   // Starts unshard()'s all-gather without waiting for it (prefetch); the next unshard()
   // waits. No-op if unsharded or already prefetching.
   void prefetch();
+  // Like unshard(), but the original parameters hold the full-precision values (the
+  // shards' dtype) until reshard(): for summon_full_params. Frees a low-precision copy
+  // first. Without mixed precision the same as unshard().
+  void unshard_full_precision();
   // Frees the unsharded flat buffer's memory (after a pending prefetch completes). No-op
-  // for NO_SHARD or if already resharded.
+  // for NO_SHARD without mixed precision, or if already resharded.
   void reshard();
-  bool is_unsharded() const { return unsharded_; }
+  bool is_unsharded() const { return unsharded_ || full_precision_; }
 
   // Flattens the original parameters' gradients (`grads[i]` for original_params()[i];
-  // an undefined tensor counts as zeros), averages them over ranks (reduce-scatter, or
-  // all-reduce for NO_SHARD), and adds the result to sharded_flat_param().grad().
+  // an undefined tensor counts as zeros) in reduce_dtype, averages them over ranks
+  // (reduce-scatter, or all-reduce for NO_SHARD; HYBRID: reduce-scatter in the shard
+  // group, then all-reduce across groups; see Note [Gradient divide factors]), and adds
+  // the result (cast to the shard's dtype unless keep_low_precision_grads) to
+  // sharded_flat_param().grad().
   void reduce_grad(const std::vector<at::Tensor>& grads);
 
   // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded
@@ -118,8 +176,14 @@ class FlatParamHandle {
   bool has_accumulated_grad() const { return unsharded_grad_.defined(); }
 
   // Copies this rank's chunk of the unsharded flat buffer (edited through the original
-  // parameters, e.g. in summon_full_params) back into the shard. Needs is_unsharded().
+  // parameters, e.g. in summon_full_params) back into the shard. Needs the handle
+  // unsharded in full precision (unshard_full_precision(), or unshard() without mixed
+  // precision).
   void write_back_shard();
+
+  // Prepends `prefix` to every parameter's FQN: for a handle made before its unit's
+  // place in the model was known (ShardOnConstruction in fully_sharded.h).
+  void add_fqn_prefix(const std::string& prefix);
 
   // A copy of the full flat parameter (numel elements, no padding), e.g. for tests.
   at::Tensor full_flat_param();
@@ -132,13 +196,25 @@ class FlatParamHandle {
   int64_t numel_ = 0;
   int64_t shard_numel_ = 0;
   int64_t padded_numel_ = 0;
-  at::Tensor unsharded_flat_;  // padded_numel elements; its storage is freed by reshard()
+  std::shared_ptr<Communicator> replicate_comm_;  // HYBRID only
+  c10::ScalarType param_dtype_;
+  c10::ScalarType reduce_dtype_;
+  bool keep_low_precision_grads_;
+
+  bool uses_mixed_precision() const { return param_dtype_ != sharded_.scalar_type(); }
+  void use_views_of(const at::Tensor& flat);
   at::Tensor flatten_grads(const std::vector<at::Tensor>& grads) const;
 
-  at::Tensor sharded_;         // the optimizer's leaf
+  at::Tensor sharded_;          // the optimizer's leaf
+  // padded_numel elements of param_dtype, the views' storage in forward and backward;
+  // its storage is freed by reshard(). NO_SHARD without mixed precision: sharded_.
+  at::Tensor unsharded_flat_;
+  at::Tensor full_precision_flat_;  // unshard_full_precision()'s buffer, or undefined
+  at::Tensor gather_input_;         // a prefetch's low-precision shard copy
   at::Tensor unsharded_grad_;  // no_sync accumulator, padded_numel elements, or undefined
   WorkHandle pending_;         // a prefetch's all-gather
   bool unsharded_ = true;
+  bool full_precision_ = false;  // the views point at full_precision_flat_
 };
 
 }  // namespace fsdp

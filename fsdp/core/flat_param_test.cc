@@ -148,5 +148,203 @@ TEST(FlatParamHandleErrorsTest, BadInputIsNamed) {
               ThrowsMessage<c10::Error>(HasSubstr("gradient of 'a' has 3 elements, expected 2")));
 }
 
+TEST(GradientDivideFactorsTest, ReferenceTable) {
+  // REFERENCE §6.
+  const std::vector<int64_t> world_sizes = {1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 512};
+  const std::vector<double> pre = {1, 2, 2, 2, 4, 4, 4, 8, 8, 16, 32};
+  const std::vector<double> post = {1, 1, 1.5, 2, 1.5, 2, 4, 4, 8, 8, 16};
+  for (size_t i = 0; i < world_sizes.size(); ++i) {
+    EXPECT_EQ(gradient_predivide_factor(world_sizes[i]), pre[i]) << "W = " << world_sizes[i];
+    EXPECT_EQ(gradient_postdivide_factor(world_sizes[i]), post[i]) << "W = " << world_sizes[i];
+  }
+}
+
+// Forwards to a real communicator; records what reduce-scatters and all-reduces get.
+class SpyCommunicator : public Communicator {
+ public:
+  explicit SpyCommunicator(std::shared_ptr<Communicator> inner)
+      : Communicator(inner->rank(), inner->world_size(), inner->timeout()),
+        inner_(std::move(inner)) {}
+  std::string backend_name() const override { return "spy"; }
+  std::vector<float> inputs;  // first input element of each reduction
+  std::vector<ReduceOp> ops;
+
+ protected:
+  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
+  WorkHandle do_all_gather(const CommBuffer& out, const CommBuffer& in, int64_t) override {
+    return inner_->all_gather_into_tensor_async(out, in);
+  }
+  WorkHandle do_reduce_scatter(const CommBuffer& out, const CommBuffer& in, ReduceOp op,
+                               int64_t) override {
+    record(in, op);
+    return inner_->reduce_scatter_tensor_async(out, in, op);
+  }
+  WorkHandle do_all_reduce(const CommBuffer& t, ReduceOp op, int64_t) override {
+    record(t, op);
+    return inner_->all_reduce_async(t, op);
+  }
+  WorkHandle do_broadcast(const CommBuffer& t, int root, int64_t) override {
+    return inner_->broadcast_async(t, root);
+  }
+  WorkHandle do_barrier(int64_t) override { return inner_->barrier_async(); }
+  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
+                                                const std::string&) override {
+    return inner_->new_subgroup(ranks);
+  }
+
+ private:
+  void record(const CommBuffer& buffer, ReduceOp op) {
+    inputs.push_back(*static_cast<const float*>(buffer.data));
+    ops.push_back(op);
+  }
+  std::shared_ptr<Communicator> inner_;
+};
+
+class DivideFactorTest
+    : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
+
+// Rank r's gradient is 12 (r + 1) everywhere: predivided by f(W) before a sum-reduction,
+// postdivided by W / f(W) after, the result is the mean 6 (W + 1).
+TEST_P(DivideFactorTest, PredivideBeforeTheReductionPostdivideAfter) {
+  const auto [w, strategy] = GetParam();
+  FakeWorld::run(FakeWorld::create(w), [w = w, strategy = strategy](Communicator& comm) {
+    auto spy = std::make_shared<SpyCommunicator>(
+        std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+    std::vector<NamedParam> params = make_params({{2, 3}});
+    FlatParamHandle handle(params, spy, strategy);
+    handle.reduce_grad({at::full({2, 3}, 12.0 * (comm.rank() + 1))});
+    ASSERT_EQ(spy->inputs.size(), 1u);
+    EXPECT_EQ(spy->ops[0], ReduceOp::kSum);
+    EXPECT_EQ(spy->inputs[0], 12.0 * (comm.rank() + 1) / gradient_predivide_factor(w));
+    const at::Tensor grad = handle.sharded_flat_param().grad();
+    // The shard's elements that are not padding.
+    const int64_t first = strategy == ShardingStrategy::kNoShard ? 0 : comm.rank() * grad.numel();
+    const int64_t real = std::max<int64_t>(0, std::min<int64_t>(grad.numel(), 6 - first));
+    EXPECT_TRUE(at::equal(grad.narrow(0, 0, real), at::full({real}, 6.0 * (w + 1))))
+        << grad;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizesStrategies, DivideFactorTest,
+    ::testing::Combine(::testing::Values(2, 3, 4, 6),
+                       ::testing::Values(ShardingStrategy::kFullShard,
+                                         ShardingStrategy::kNoShard)));
+
+// Parameters of 6 + 3 elements with values k / 8 (exact in bfloat16).
+std::vector<NamedParam> eighths() {
+  std::vector<NamedParam> params = {
+      {"a.weight", (at::arange(6, at::kFloat) / 8).view({2, 3})},
+      {"a.bias", at::arange(3, at::kFloat) / 8 + 1}};
+  for (NamedParam& p : params) p.param.set_requires_grad(true);
+  return params;
+}
+
+TEST(FlatParamMixedPrecisionTest, LowPrecisionCopiesOnlyWhileUnsharded) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    std::vector<NamedParam> params = eighths();
+    FlatParamHandle handle(params, self, ShardingStrategy::kFullShard,
+                           FlatParamOptions().param_dtype(at::kBFloat16));
+    EXPECT_EQ(handle.param_dtype(), at::kBFloat16);
+    EXPECT_EQ(handle.reduce_dtype(), at::kBFloat16);  // inferred, as PyTorch
+    EXPECT_EQ(handle.sharded_flat_param().scalar_type(), at::kFloat);  // the master shard
+    EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
+    handle.unshard();
+    EXPECT_EQ(params[0].param.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(params[0].param.to(at::kFloat),
+                          (at::arange(6, at::kFloat) / 8).view({2, 3})));
+    // The all-gather moves bfloat16: 2 bytes x shard numel 5 to the one peer.
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).bytes_sent, 2 * 5);
+    handle.reshard();
+    EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
+
+    // summon_full_params: the master values, in float32; edits written back.
+    handle.sharded_flat_param().detach().add_(1.0 / 1024);  // below bfloat16's resolution
+    handle.unshard_full_precision();
+    EXPECT_EQ(params[1].param.scalar_type(), at::kFloat);
+    EXPECT_FLOAT_EQ(params[1].param[0].item<float>(), 1.0f + 1.0f / 1024);
+    params[1].param.detach().add_(1.0);
+    handle.write_back_shard();
+    handle.reshard();
+    EXPECT_EQ(params[1].param.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(params[1].param.storage().nbytes(), 0u);
+    EXPECT_FLOAT_EQ(handle.full_flat_param()[6].item<float>(), 2.0f + 1.0f / 1024);
+
+    // Reduction in bfloat16 (2 bytes x 5 to the peer), gradient cast to float32.
+    handle.reduce_grad({at::full({2, 3}, 1.0, at::kBFloat16), at::full({3}, 3.0, at::kBFloat16)});
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).bytes_sent, 2 * 5);
+    EXPECT_EQ(handle.sharded_flat_param().grad().scalar_type(), at::kFloat);
+  });
+}
+
+TEST(FlatParamMixedPrecisionTest, ReduceDtypeAndKeepLowPrecisionGrads) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    std::vector<NamedParam> a = eighths(), b = eighths();
+    FlatParamHandle fp32_reduce(
+        a, self, ShardingStrategy::kFullShard,
+        FlatParamOptions().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+    fp32_reduce.reduce_grad({at::ones({2, 3}, at::kBFloat16), at::ones({3}, at::kBFloat16)});
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).bytes_sent, 4 * 5);
+    FlatParamHandle keep(
+        b, self, ShardingStrategy::kFullShard,
+        FlatParamOptions().param_dtype(at::kBFloat16).keep_low_precision_grads(true));
+    keep.reduce_grad({at::ones({2, 3}, at::kBFloat16), at::ones({3}, at::kBFloat16)});
+    EXPECT_EQ(keep.sharded_flat_param().grad().scalar_type(), at::kBFloat16);
+  });
+}
+
+TEST(FlatParamMixedPrecisionTest, NoShardMakesAndFreesTheLowPrecisionCopy) {
+  auto world = FakeWorld::create(1);
+  std::vector<NamedParam> params = eighths();
+  FlatParamHandle handle(params, world->communicator(0), ShardingStrategy::kNoShard,
+                         FlatParamOptions().param_dtype(at::kHalf));
+  EXPECT_FALSE(handle.is_unsharded());
+  handle.unshard();
+  EXPECT_EQ(params[0].param.scalar_type(), at::kHalf);
+  EXPECT_FLOAT_EQ(params[1].param[2].item<float>(), 1.25f);
+  handle.reshard();
+  EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
+  EXPECT_EQ(handle.sharded_flat_param().numel(), 9);
+}
+
+TEST(FlatParamHybridTest, ReduceScatterInTheShardGroupThenAllReduceAcross) {
+  FakeWorld::run(FakeWorld::create(4), [](Communicator& comm) {
+    HybridGroups groups = comm.split_hybrid(2);
+    std::vector<NamedParam> params = make_params({{3, 3}});
+    FlatParamHandle handle(params, groups.shard_group, ShardingStrategy::kHybridShard,
+                           FlatParamOptions().replicate_communicator(groups.replicate_group));
+    EXPECT_EQ(handle.shard_numel(), 5);  // sharded over F = 2, not W = 4
+    handle.unshard();
+    EXPECT_TRUE(at::equal(params[0].param.view({-1}), at::arange(9, at::kFloat)));
+    // Rank r contributes 4 (r + 1): the mean over all 4 ranks is 10.
+    handle.reduce_grad({at::full({3, 3}, 4.0 * (comm.rank() + 1))});
+    const at::Tensor grad = handle.sharded_flat_param().grad();
+    const int64_t real = groups.shard_group->rank() == 0 ? 5 : 4;
+    EXPECT_TRUE(at::equal(grad.narrow(0, 0, real), at::full({real}, 10.0))) << grad;
+    EXPECT_EQ(groups.shard_group->counters().get(CollectiveKind::kReduceScatter).calls, 1);
+    EXPECT_EQ(groups.replicate_group->counters().get(CollectiveKind::kAllReduce).calls, 1);
+    EXPECT_EQ(comm.counters().total().calls, 0);
+  });
+  auto world = FakeWorld::create(1);
+  EXPECT_THAT([&] { FlatParamHandle(make_params({{2}}), world->communicator(0),
+                                    ShardingStrategy::kHybridShard); },
+              ThrowsMessage<c10::Error>(HasSubstr("needs options.replicate_communicator")));
+}
+
+TEST(FlatParamFrozenTest, AllFrozenIsAFrozenFlatParameterMixedIsAnError) {
+  auto world = FakeWorld::create(1);
+  std::vector<NamedParam> frozen = make_params({{2}, {3}});
+  for (NamedParam& p : frozen) p.param.set_requires_grad(false);
+  FlatParamHandle handle(frozen, world->communicator(0), ShardingStrategy::kFullShard);
+  EXPECT_FALSE(handle.sharded_flat_param().requires_grad());
+  std::vector<NamedParam> mixed = make_params({{2}, {3}, {4}});
+  mixed[1].param.set_requires_grad(false);
+  EXPECT_THAT([&] { FlatParamHandle(mixed, world->communicator(0),
+                                    ShardingStrategy::kFullShard); },
+              ThrowsMessage<c10::Error>(HasSubstr("[p0, p2] require grad and [p1] do not")));
+}
+
 }  // namespace
 }  // namespace fsdp

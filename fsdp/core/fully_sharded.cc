@@ -1,15 +1,19 @@
 #include "fsdp/core/fully_sharded.h"
 
 #include <algorithm>
+#include <map>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "fsdp/state/fqn.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include <c10/util/Type.h>
+#include <ATen/Functions.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <c10/util/Exception.h>
 
@@ -98,7 +102,18 @@ absl::flat_hash_set<const UnitBase*> apply_policy(
       plan_options.ignored_modules().push_back(static_cast<int>(i));
     }
   }
-  const WrapPlan plan = plan_fsdp_units(tree, options.auto_wrap_policy(), plan_options);
+  AutoWrapPolicy policy = options.auto_wrap_policy();
+  if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
+    // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
+    // _wrap_module_cls_individually over _module_classes_to_ignore.
+    policy = or_policy(
+        {policy, lambda_auto_wrap_policy(
+                     [full = options.mixed_precision()->full_precision_modules()](
+                         const ModuleNode& node) {
+                       return node.cpp_module != nullptr && full(*node.cpp_module);
+                     })});
+  }
+  const WrapPlan plan = plan_fsdp_units(tree, policy, plan_options);
   absl::flat_hash_set<const UnitBase*> active = {&root};
   for (const PlannedUnit& unit : plan.units) {
     if (unit.node != 0) active.insert(make_picked_unit(sites[unit.node], unit.fqn));
@@ -135,11 +150,197 @@ std::vector<FoundUnit> find_units(UnitBase& root,
   return units;
 }
 
+// Every rank's `tensors` := rank 0's: one broadcast per dtype of their concatenation.
+void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
+  std::map<c10::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const at::Tensor& t : tensors) by_dtype[t.scalar_type()].push_back(t.detach());
+  for (auto& [dtype, group] : by_dtype) {
+    TORCH_CHECK(is_supported_dtype(dtype), "FullyShardedDataParallel: sync_module_states "
+                "cannot broadcast tensors of dtype ", dtype, "; convert them or leave their "
+                "module out with ignored_modules");
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& t : group) flat.push_back(t.reshape({-1}));
+    at::Tensor buffer = at::cat(flat);
+    comm.broadcast(buffer, /*root=*/0);
+    int64_t offset = 0;
+    for (at::Tensor& t : group) {
+      t.copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+// The buffers of `root`'s tree except those of `ignored` and `excluded` modules (and
+// everything below them).
+std::vector<at::Tensor> buffers_outside(const torch::nn::Module& root,
+                                        const std::vector<const torch::nn::Module*>& ignored,
+                                        const std::vector<const torch::nn::Module*>& excluded) {
+  absl::flat_hash_set<const c10::TensorImpl*> skip;
+  for (const auto* list : {&ignored, &excluded}) {
+    for (const torch::nn::Module* module : *list) {
+      for (const at::Tensor& b : module->buffers()) skip.insert(b.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<at::Tensor> buffers;
+  for (const at::Tensor& b : root.buffers()) {
+    if (!skip.contains(b.unsafeGetTensorImpl())) buffers.push_back(b);
+  }
+  return buffers;
+}
+
+// One rank has nothing to shard: every strategy runs as NO_SHARD, without collectives,
+// as in PyTorch.
+ShardingStrategy effective_strategy(const FullyShardedDataParallelOptions& options) {
+  return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard
+                                                   : options.sharding_strategy();
+}
+
+// The strategy of the unit around `wrapped` (see unit_sharding_strategies); `fqn` names
+// it in errors.
+ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options,
+                               const UnitBase& unit, const std::string& fqn) {
+  const ShardingStrategy root = effective_strategy(options);
+  for (const auto& [module, strategy] : options.unit_sharding_strategies()) {
+    if (module != &unit && module != unit.wrapped_module().get()) continue;
+    TORCH_CHECK(!is_hybrid(strategy) && !is_hybrid(root) && !fqn.empty(),
+                "FullyShardedDataParallel: unit_sharding_strategies gives unit '", fqn,
+                "' ", sharding_strategy_name(strategy), " under a ",
+                sharding_strategy_name(root), " root; only non-root units, and only FULL_SHARD, "
+                "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");
+    return root == ShardingStrategy::kNoShard ? root : strategy;  // one rank: NO_SHARD
+  }
+  return root;
+}
+
+bool is_full_precision(const FullyShardedDataParallelOptions& options,
+                       const torch::nn::Module& wrapped) {
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  return mp && mp->full_precision_modules() && mp->full_precision_modules()(wrapped);
+}
+
+// The mixed-precision part of a unit's FlatParamOptions.
+FlatParamOptions flat_param_options(const FullyShardedDataParallelOptions& options,
+                                    const torch::nn::Module& wrapped) {
+  FlatParamOptions flat;
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  if (mp && !is_full_precision(options, wrapped)) {
+    flat.param_dtype(mp->param_dtype())
+        .reduce_dtype(mp->reduce_dtype())
+        .keep_low_precision_grads(mp->keep_low_precision_grads());
+  }
+  return flat;
+}
+
+// The ShardOnConstruction scope active on this thread.
+struct ConstructionScope {
+  FullyShardedDataParallelOptions options;
+  absl::flat_hash_set<const c10::TensorImpl*> sharded;  // parameters of units built so far
+};
+thread_local std::unique_ptr<ConstructionScope> active_construction;
+
+// A root taking over a unit's constructed flat parameter: it must be what the root
+// itself would have made.
+void check_constructed_handle(const FlatParamHandle& handle, const std::string& unit_fqn,
+                              ShardingStrategy strategy, const FlatParamOptions& want,
+                              const Communicator& comm) {
+  const c10::ScalarType param_dtype =
+      want.param_dtype().value_or(handle.sharded_flat_param().scalar_type());
+  TORCH_CHECK(handle.strategy() == strategy && handle.param_dtype() == param_dtype &&
+                  handle.reduce_dtype() == want.reduce_dtype().value_or(param_dtype) &&
+                  &handle.communicator() == &comm,
+              "FullyShardedDataParallel: unit '", unit_fqn, "' was sharded at construction ",
+              "(ShardOnConstruction) as ", sharding_strategy_name(handle.strategy()),
+              " with param dtype ", handle.param_dtype(), " (reduce dtype ",
+              handle.reduce_dtype(), "), but this root uses ", sharding_strategy_name(strategy),
+              " with param dtype ", param_dtype, " (reduce dtype ",
+              want.reduce_dtype().value_or(param_dtype), ")",
+              &handle.communicator() == &comm ? "" : " and another communicator",
+              "; pass the root the scope's options");
+}
+
+// sync_module_states: rank 0's unit parameters (those not sharded at construction) and
+// buffers outside ignored modules, one unit at a time.
+void sync_module_states(Communicator& comm, const torch::nn::Module& root,
+                        const FullyShardedDataParallelOptions& options,
+                        const std::vector<std::vector<NamedParam>>& params_of) {
+  for (const std::vector<NamedParam>& params : params_of) {
+    std::vector<at::Tensor> tensors;
+    for (const NamedParam& p : params) tensors.push_back(p.param);
+    broadcast_from_rank0(comm, tensors);
+  }
+  broadcast_from_rank0(comm, buffers_outside(root, options.ignored_modules(), {}));
+}
+
+// Parameters outside FSDP that train (ignored modules'), for clip_grad_norm_.
+std::vector<at::Tensor> ignored_trained_params(const FullyShardedDataParallelOptions& options) {
+  std::vector<at::Tensor> params;
+  for (const torch::nn::Module* module : options.ignored_modules()) {
+    for (const at::Tensor& p : module->parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+  }
+  return params;
+}
+
 bool inside(const std::string& fqn, const std::string& unit_fqn) {
   return unit_fqn.empty() || fqn == unit_fqn || absl::StartsWith(fqn, unit_fqn + ".");
 }
 
 }  // namespace
+
+bool is_batch_norm(const torch::nn::Module& module) {
+  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
+}
+
+ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(options.communicator() != nullptr, "ShardOnConstruction: options.communicator "
+              "is null");
+  TORCH_CHECK(active_construction == nullptr, "ShardOnConstruction: a scope is already "
+              "active on this thread; scopes do not nest");
+  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && options.auto_wrap_policy() == nullptr,
+              "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
+              "when sharding at construction; annotate units with fsdp::Unit and use "
+              "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+  active_construction = std::make_unique<ConstructionScope>(ConstructionScope{options, {}});
+}
+
+ShardOnConstruction::~ShardOnConstruction() { active_construction.reset(); }
+
+namespace core_internal {
+
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped) {
+  ConstructionScope* scope = active_construction.get();
+  if (scope == nullptr) return nullptr;
+  // Units built inside this one took their parameters already.
+  absl::flat_hash_set<const c10::TensorImpl*> nested;
+  for (const auto& module : wrapped.modules()) {
+    const auto* unit = dynamic_cast<const UnitBase*>(module.get());
+    if (unit == nullptr || unit->constructed_handle() == nullptr) continue;
+    for (const at::Tensor& p : unit->constructed_handle()->original_params()) {
+      nested.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<NamedParam> params;
+  absl::flat_hash_set<const c10::TensorImpl*> seen;
+  for (const auto& item : wrapped.named_parameters()) {
+    const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
+    if (nested.contains(key) || !seen.insert(key).second) continue;
+    TORCH_CHECK(!scope->sharded.contains(key), "ShardOnConstruction: parameter '",
+                clean_tensor_name(item.key()), "' of a unit being built was already sharded "
+                "by another unit built before it and not inside it; a shared parameter must "
+                "live in one unit: build both users inside one unit");
+    params.push_back({clean_tensor_name(item.key()), item.value()});
+  }
+  if (params.empty()) return nullptr;
+  for (const NamedParam& p : params) scope->sharded.insert(p.param.unsafeGetTensorImpl());
+  return std::make_unique<FlatParamHandle>(std::move(params), scope->options.communicator(),
+                                           effective_strategy(scope->options),
+                                           flat_param_options(scope->options, wrapped));
+}
+
+}  // namespace core_internal
 
 NoSyncScope::NoSyncScope(core_internal::RootState& root)
     : root_(root), previous_(root.sync_gradients()) {
@@ -174,6 +375,17 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     TORCH_CHECK(found.unit->state() == nullptr, "FullyShardedDataParallel: unit '", found.fqn,
                 "' is already bound to a FullyShardedDataParallel root; wrap the model once");
   }
+  // A unit sharded at construction that this root will not bind (under an ignored
+  // module) would run on freed parameters.
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
+    const bool found = std::any_of(units.begin(), units.end(),
+                                   [&](const FoundUnit& f) { return f.unit == unit; });
+    TORCH_CHECK(unit == nullptr || unit->constructed_handle() == nullptr || found,
+                "FullyShardedDataParallel: unit '", clean_tensor_name(item.key()),
+                "' was sharded at construction (ShardOnConstruction) but is inside an ignored "
+                "module; build ignored modules outside that scope");
+  }
   // Parameters of ignored modules are left out everywhere.
   absl::flat_hash_set<const c10::TensorImpl*> ignored_params;
   for (const torch::nn::Module* module : options.ignored_modules()) {
@@ -188,9 +400,23 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   };
   absl::flat_hash_map<const c10::TensorImpl*, Claim> claimed;
   std::vector<std::vector<NamedParam>> params_of(units.size());
+  std::vector<std::unique_ptr<FlatParamHandle>> constructed(units.size());
   for (size_t k = units.size(); k-- > 0;) {
     const FoundUnit& unit = units[k];
     const std::string prefix = unit.fqn.empty() ? "" : unit.fqn + ".";
+    constructed[k] = unit.unit->take_constructed_handle();
+    if (constructed[k] != nullptr) {  // see ShardOnConstruction
+      constructed[k]->add_fqn_prefix(prefix);
+      const std::vector<at::Tensor>& originals = constructed[k]->original_params();
+      for (size_t i = 0; i < originals.size(); ++i) {
+        const std::string& fqn = constructed[k]->param_infos()[i].fqn;
+        TORCH_CHECK(!ignored_params.contains(originals[i].unsafeGetTensorImpl()),
+                    "FullyShardedDataParallel: '", fqn, "' is in ignored_modules, but unit '",
+                    unit.fqn, "' sharded it at construction (ShardOnConstruction); build "
+                    "ignored modules outside units made under that scope");
+        claimed.try_emplace(originals[i].unsafeGetTensorImpl(), Claim{fqn, unit.fqn});
+      }
+    }
     for (const auto& item : unit.unit->wrapped_module()->named_parameters()) {
       const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
       if (ignored_params.contains(key)) continue;
@@ -208,25 +434,64 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
   }
 
-  // One rank has nothing to shard: every strategy runs as NO_SHARD, without
-  // collectives, as in PyTorch.
-  const ShardingStrategy strategy = options.communicator()->world_size() == 1
-                                        ? ShardingStrategy::kNoShard
-                                        : options.sharding_strategy();
+  Communicator& comm = *options.communicator();
+  if (options.sync_module_states() && comm.world_size() > 1) {
+    sync_module_states(comm, root, options, params_of);
+  }
+
+  const ShardingStrategy strategy = effective_strategy(options);
+  std::shared_ptr<Communicator> shard_group = options.communicator();
+  std::shared_ptr<Communicator> replicate_group;
+  if (is_hybrid(strategy)) {
+    const int f = options.hybrid_shard_group_size();
+    TORCH_CHECK(f >= 1 && comm.world_size() % f == 0, "FullyShardedDataParallel: ",
+                sharding_strategy_name(strategy), " needs hybrid_shard_group_size F >= 1 "
+                "dividing the world size ", comm.world_size(), ", got ", f,
+                "; set it to the ranks of one host (e.g. LOCAL_WORLD_SIZE)");
+    HybridGroups groups = comm.split_hybrid(f);
+    shard_group = groups.shard_group;
+    replicate_group = groups.replicate_group;
+  }
   auto root_state = std::make_shared<core_internal::RootState>(
       options.communicator(), strategy, options.backward_prefetch(),
       options.forward_prefetch());
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  std::vector<const torch::nn::Module*> full_precision_modules;
   for (size_t k = 0; k < units.size(); ++k) {
-    std::unique_ptr<FlatParamHandle> handle;
-    if (!params_of[k].empty()) {
-      handle = std::make_unique<FlatParamHandle>(params_of[k], options.communicator(),
-                                                 strategy);
+    const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
+    const bool full_precision = is_full_precision(options, wrapped);
+    FlatParamOptions unit_options = flat_param_options(options, wrapped);
+    unit_options.replicate_communicator(replicate_group);
+    const ShardingStrategy own = unit_strategy(options, *units[k].unit, units[k].fqn);
+    std::unique_ptr<FlatParamHandle> handle = std::move(constructed[k]);
+    if (handle != nullptr) {
+      check_constructed_handle(*handle, units[k].fqn, own, unit_options, *shard_group);
+    } else if (!params_of[k].empty()) {
+      handle = std::make_unique<FlatParamHandle>(params_of[k], shard_group, own, unit_options);
     }
     auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0,
                                                             root_state.get(), std::move(handle));
+    if (full_precision) {
+      full_precision_modules.push_back(&wrapped);
+      if (state->handle() != nullptr) {
+        state->set_input_casting(state->handle()->param_dtype(), /*restore_output_dtype=*/true);
+      }
+    } else if (mp && (k == 0 ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs())) {
+      state->set_input_casting(mp->param_dtype(), /*restore_output_dtype=*/false);
+    }
     units[k].unit->bind(state);
     root_state->add_unit(std::move(state));
   }
+  if (mp && mp->buffer_dtype()) {
+    std::vector<at::Tensor> buffers;
+    for (const at::Tensor& b : buffers_outside(root, options.ignored_modules(),
+                                               full_precision_modules)) {
+      if (at::isFloatingType(b.scalar_type())) buffers.push_back(b);
+    }
+    root_state->set_buffer_casts(std::move(buffers), *mp->buffer_dtype());
+  }
+  root_state->set_ignored_params(ignored_trained_params(options));
+  root_state->set_validate_execution_order(options.validate_execution_order());
   return root_state;
 }
 

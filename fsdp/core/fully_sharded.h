@@ -30,15 +30,28 @@
 // keys equal the unwrapped model's). PyTorch: torch.distributed.fsdp.
 // FullyShardedDataParallel (use_orig_params=False).
 //
+// Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision
+// below), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
+// strategies (unit_sharding_strategies), validate_execution_order (PyTorch's
+// FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on the root, and deferred
+// initialisation (ShardOnConstruction below).
+//
+// Frozen parameters: a unit whose parameters all have requires_grad=false gets a frozen
+// flat parameter (no gradient, no reduction); a unit mixing requires_grad true and
+// false is an error at construction naming both kinds of FQNs, as PyTorch's
+// use_orig_params=False: make the frozen ones a unit of their own, or ignore them.
+//
 // Threading: one root per rank, used by that rank's thread. Errors: c10::Error.
 #ifndef FSDP_CORE_FULLY_SHARDED_H_
 #define FSDP_CORE_FULLY_SHARDED_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 
 #include "fsdp/comm/communicator.h"
@@ -47,6 +60,41 @@
 #include "fsdp/wrap/policy.h"
 
 namespace fsdp {
+
+// Whether `module` is a BatchNorm (1d, 2d, 3d): MixedPrecision's default
+// full_precision_modules.
+bool is_batch_norm(const torch::nn::Module& module);
+
+// Mixed-precision training (see Note [Mixed precision] in internal/runtime.cc).
+// PyTorch: torch.distributed.fsdp.MixedPrecision, with _module_classes_to_ignore as
+// full_precision_modules. The optimizer always sees full-precision flat shards.
+//   options.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+struct MixedPrecision {
+  // dtype of the unsharded parameters in forward and backward, and of the all-gathers
+  // (none: the parameters' own).
+  TORCH_ARG(c10::optional<c10::ScalarType>, param_dtype);
+  // dtype of gradient reduction (reduce-scatter / all-reduce); none: param_dtype if set,
+  // else the parameters' own.
+  TORCH_ARG(c10::optional<c10::ScalarType>, reduce_dtype);
+  // dtype of the floating buffers while the model runs forward and backward; they are
+  // cast back to their own dtype when each iteration ends (none: no cast).
+  TORCH_ARG(c10::optional<c10::ScalarType>, buffer_dtype);
+  // Keep the reduced gradient shards in reduce_dtype for the optimizer instead of
+  // casting them to the parameters' dtype.
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
+  // Non-root units cast floating tensor arguments of their forward to param_dtype.
+  TORCH_ARG(bool, cast_forward_inputs) = false;
+  // The root casts floating tensor arguments of its forward to param_dtype.
+  TORCH_ARG(bool, cast_root_forward_inputs) = true;
+  // Units whose wrapped module this picks stay in full precision (parameters, buffers,
+  // gradients), casting floating inputs up and their tensor output back. With an
+  // auto_wrap_policy every module it picks is made a unit, as in PyTorch.
+  TORCH_ARG(std::function<bool(const torch::nn::Module&)>, full_precision_modules) =
+      is_batch_norm;
+};
+
+// (the unit's wrapped module or the Unit<T> itself, its strategy) pairs.
+using UnitShardingStrategies = std::vector<std::pair<const torch::nn::Module*, ShardingStrategy>>;
 
 struct FullyShardedDataParallelOptions {
   explicit FullyShardedDataParallelOptions(std::shared_ptr<Communicator> communicator)
@@ -69,6 +117,57 @@ struct FullyShardedDataParallelOptions {
   // Tensor -> Tensor forward), which is rebuilt around a unit; anything else is an error
   // naming its FQN. Annotated units the policy does not pick stay pass-throughs.
   TORCH_ARG(AutoWrapPolicy, auto_wrap_policy) = nullptr;
+  // Low-precision forward/backward and gradient reduction (none: everything in the
+  // parameters' dtypes).
+  TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision);
+  // Broadcast rank 0's parameters and buffers (outside ignored modules) to every rank
+  // before sharding, so ranks that initialised the model differently start identical.
+  // One broadcast per unit and dtype, and one per dtype for the buffers.
+  TORCH_ARG(bool, sync_module_states) = false;
+  // Units that run with another strategy than sharding_strategy: FULL_SHARD,
+  // SHARD_GRAD_OP or NO_SHARD (e.g. a small unit replicated), under a non-HYBRID root;
+  // not the root itself. PyTorch: a nested FullyShardedDataParallel
+  // with its own sharding_strategy.
+  TORCH_ARG(UnitShardingStrategies, unit_sharding_strategies);
+  // HYBRID strategies: F, the ranks of one shard group (e.g. LOCAL_WORLD_SIZE, one
+  // host); world_size must be a multiple of it (Communicator::split_hybrid).
+  TORCH_ARG(int, hybrid_shard_group_size) = 0;
+  // Check on the first iteration that every rank runs the units in the same order (n
+  // small all-gathers more, once); see Note [Execution order validation] in
+  // internal/runtime.cc.
+  TORCH_ARG(bool, validate_execution_order) = false;
+};
+
+// Deferred initialisation: while a ShardOnConstruction lives on a thread, every Unit<T>
+// built on that thread flattens and shards its module's parameters (those no unit built
+// inside it took) as soon as it is constructed, so building a model holds its units'
+// shards plus one unit's full parameters at a time, never the whole model; the root
+// made later with the same options takes those flat parameters over. Parameters outside
+// units (the root's own) stay whole until the root is made. PyTorch: constructing each
+// layer and wrapping it in FSDP at once (enable_wrap / wrap), the C++ counterpart of
+// deferring initialisation to the meta device.
+//
+//   FullyShardedDataParallelOptions options(comm);
+//   std::shared_ptr<NetImpl> net;
+//   {
+//     fsdp::ShardOnConstruction scope(options);
+//     net = std::make_shared<NetImpl>();  // each unit sharded as it is built
+//   }
+//   fsdp::FullyShardedDataParallel<NetImpl> model(net, options);
+//
+// Every rank must build the same model (same units, same order). The root's options must
+// match the scope's (strategy, mixed precision); units made under it cannot contain
+// ignored modules (they do not exist yet when the unit shards), and sync_module_states
+// leaves their parameters alone (each rank keeps its own chunk's initial values: build
+// them from the same seed). HYBRID strategies and auto_wrap_policy are not supported with
+// it. A parameter shared by two units built under it must be inside the later one's
+// module. Errors: c10::Error. Not nestable; one per thread (ranks may be threads).
+class ShardOnConstruction {
+ public:
+  explicit ShardOnConstruction(const FullyShardedDataParallelOptions& options);
+  ~ShardOnConstruction();
+  ShardOnConstruction(const ShardOnConstruction&) = delete;
+  ShardOnConstruction& operator=(const ShardOnConstruction&) = delete;
 };
 
 // Binds `root` and every Unit inside it; returns the root's runtime state. Used by
@@ -132,6 +231,18 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
   std::unique_ptr<SummonFullParamsScope> summon_full_params(bool writeback = true,
                                                             bool rank0_only = false) {
     return std::make_unique<SummonFullParamsScope>(*root_, writeback, rank0_only);
+  }
+
+  // Scales every gradient (the flat shards' and the ignored modules' parameters') by
+  // min(1, max_norm / (total_norm + 1e-6)), where total_norm is the norm of all of them
+  // together as if unsharded (see Note [Gradient norm over shards] in
+  // internal/runtime.cc); returns total_norm, a 0-dim float32 tensor equal on every rank.
+  // norm_type: p > 0, or INFINITY. Every rank calls it (one collective), after backward
+  // and before the optimizer step; the model must be idle. Only the root has this
+  // method: units below it cannot clip alone (PyTorch raises for a non-root instance).
+  // PyTorch: FullyShardedDataParallel.clip_grad_norm_.
+  at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0) {
+    return root_->clip_grad_norm(max_norm, norm_type);
   }
 
   // Units in pre-order (the root first), for inspection.

@@ -20,7 +20,9 @@
 // (FULL_SHARD) and hooks the tensor outputs for backward (see Note [Units intercept
 // forward and backward] in internal/runtime.cc). Outputs hooked: at::Tensor,
 // std::tuple/std::vector of tensors; a unit with other outputs keeps its parameters
-// gathered until its backward. PyTorch: a nested FullyShardedDataParallel instance.
+// gathered until its backward. With mixed precision, floating at::Tensor arguments are
+// cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
+// FullyShardedDataParallel instance.
 //
 // Threading: a unit runs on its rank's thread.
 #ifndef FSDP_CORE_UNIT_H_
@@ -37,11 +39,18 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
+#include "fsdp/core/internal/forward_as.h"
 #include "fsdp/core/internal/runtime.h"
 
 namespace fsdp {
 
 // What the runtime finds in a module tree: any Unit<T>.
+namespace core_internal {
+// The wrapped module's parameters flattened and sharded, if a ShardOnConstruction scope
+// (fully_sharded.h) is active on this thread; else null.
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped);
+}  // namespace core_internal
+
 class UnitBase : public torch::nn::Module {
  public:
   // The wrapped module.
@@ -49,16 +58,41 @@ class UnitBase : public torch::nn::Module {
   // Null until a FullyShardedDataParallel root binds this unit.
   core_internal::UnitState* state() const { return state_.get(); }
   void bind(std::shared_ptr<core_internal::UnitState> state) { state_ = std::move(state); }
+  // The flat parameter made when this unit was built inside a ShardOnConstruction scope
+  // (FQNs relative to the wrapped module), until the binding root takes it.
+  const FlatParamHandle* constructed_handle() const { return constructed_handle_.get(); }
+  std::unique_ptr<FlatParamHandle> take_constructed_handle() {
+    return std::move(constructed_handle_);
+  }
 
  protected:
+  // Called at the end of a unit's constructor. See ShardOnConstruction.
+  void shard_if_constructing() {
+    constructed_handle_ = core_internal::shard_on_construction(*wrapped_module());
+  }
+
   // Runs `forward` (the wrapped module's) with the FSDP steps around it.
   template <typename Forward>
   auto run(Forward&& forward) -> decltype(forward()) {
     if (!state_) return forward();
     state_->pre_forward();
     auto output = forward();
+    if constexpr (std::is_same_v<std::decay_t<decltype(output)>, at::Tensor>) {
+      output = state_->cast_output(output);
+    }
     state_->post_forward(hook_outputs(output));
     return output;
+  }
+
+  // An argument of the wrapped module's forward, cast if it is a floating tensor and the
+  // unit casts inputs; any other argument passes through unchanged.
+  template <typename T>
+  decltype(auto) cast_input(T&& arg) {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return at::Tensor(state_ ? state_->cast_input(arg) : arg);
+    } else {
+      return std::forward<T>(arg);
+    }
   }
 
  private:
@@ -87,24 +121,9 @@ class UnitBase : public torch::nn::Module {
   }
 
   std::shared_ptr<core_internal::UnitState> state_;
+  std::unique_ptr<FlatParamHandle> constructed_handle_;
 };
 
-namespace core_internal {
-
-// Gives Derived a non-template forward() with exactly the signature of Contained's, so
-// AnyModule (Sequential) can take its address. Derived provides call(args...).
-template <typename Derived, typename Signature>
-class ForwardAs;
-
-template <typename Derived, typename Contained, typename Result, typename... Args>
-class ForwardAs<Derived, Result (Contained::*)(Args...)> {
- public:
-  Result forward(Args... args) {
-    return static_cast<Derived*>(this)->call(std::forward<Args>(args)...);
-  }
-};
-
-}  // namespace core_internal
 
 template <typename Contained>
 class UnitImpl : public UnitBase,
@@ -112,14 +131,18 @@ class UnitImpl : public UnitBase,
                                                  decltype(&Contained::forward)> {
  public:
   explicit UnitImpl(std::shared_ptr<Contained> module)
-      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {}
+      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {
+    shard_if_constructing();
+  }
 
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return module_; }
   const std::shared_ptr<Contained>& module() const { return module_; }
 
   template <typename... Args>
   decltype(auto) call(Args&&... args) {
-    return run([&]() -> decltype(auto) { return module_->forward(std::forward<Args>(args)...); });
+    return run([&]() -> decltype(auto) {
+      return module_->forward(this->cast_input(std::forward<Args>(args))...);
+    });
   }
 
  private:
@@ -143,10 +166,12 @@ class AnyUnitImpl : public UnitBase {
  public:
   explicit AnyUnitImpl(torch::nn::AnyModule module)
       : module_(std::move(module)),
-        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {}
+        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {
+    shard_if_constructing();
+  }
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }
   at::Tensor forward(at::Tensor input) {
-    return run([&] { return module_.forward(std::move(input)); });
+    return run([&] { return module_.forward(cast_input(std::move(input))); });
   }
 
  private:

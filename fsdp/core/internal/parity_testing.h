@@ -43,11 +43,17 @@ struct NetImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 
+// Held while seeding the process-wide generator and drawing initial weights, so ranks
+// that are threads do not interleave their draws (one mutex for every model type).
+inline std::mutex& seed_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
 // Identical initial weights on every rank and in the reference.
 template <typename Net>
 std::shared_ptr<Net> make() {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(seed_mutex());
   torch::manual_seed(0);
   return std::make_shared<Net>();
 }

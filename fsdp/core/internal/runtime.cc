@@ -1,10 +1,12 @@
 #include "fsdp/core/internal/runtime.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -89,14 +91,10 @@ UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
 // ops are done, before the backward of earlier units: each unit is reduced and resharded
 // in turn.
 void UnitState::install_gradient_sink() {
-  if (!handle_) return;
+  if (!handle_ || !handle_->sharded_flat_param().requires_grad()) return;  // frozen
   auto sink = std::make_shared<GradientSink>(weak_from_this());
   const std::vector<at::Tensor>& params = handle_->original_params();
   for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].requires_grad(), "FullyShardedDataParallel: parameter '",
-                handle_->param_infos()[i].fqn,
-                "' does not require grad; frozen parameters are not supported yet: leave the "
-                "module out with ignored_modules");
     sink->add_input_metadata(params[i]);
     torch::autograd::impl::set_gradient_edge(params[i],
                                              {sink, static_cast<uint32_t>(i)});
@@ -128,15 +126,44 @@ bool UnitState::hook_output(const at::Tensor& output) {
   return true;
 }
 
+// Note [Mixed precision]
+// PyTorch's MixedPrecision, without module hooks. Parameters: each unit's handle keeps
+// the full-precision shard for the optimizer and gathers a param_dtype copy for forward
+// and backward (flat_param.h). Inputs: a unit's forward casts its floating at::Tensor
+// arguments to param_dtype (the root if cast_root_forward_inputs, other units if
+// cast_forward_inputs); integer tensors (token ids) and other arguments are left alone.
+// Units whose wrapped module MixedPrecision::full_precision_modules picks (BatchNorm by
+// default) keep their parameters in full precision, cast floating inputs up to it and
+// their tensor output back to the inputs' dtype, as PyTorch does for
+// _module_classes_to_ignore. Buffers: cast to buffer_dtype when the root's forward
+// starts and back to their own dtype when the iteration ends, so outside forward and
+// backward (state dicts, checkpoints) they have their original dtypes.
+at::Tensor UnitState::cast_input(const at::Tensor& input) {
+  if (!cast_inputs_to_ || !input.defined() || !at::isFloatingType(input.scalar_type())) {
+    return input;
+  }
+  if (!input_dtype_) input_dtype_ = input.scalar_type();
+  return input.to(*cast_inputs_to_);
+}
+
+at::Tensor UnitState::cast_output(const at::Tensor& output) {
+  if (!restore_output_dtype_ || !input_dtype_ || !output.defined() ||
+      !at::isFloatingType(output.scalar_type())) {
+    return output;
+  }
+  return output.to(*std::exchange(input_dtype_, c10::nullopt));
+}
+
 void UnitState::post_forward(bool hooked) {
   if (handle_) {
     handle_state_ = HandleTrainingState::kIdle;
     // The root keeps its parameters for backward (saves an all-gather); a unit whose
     // outputs carry no hook keeps them too, since nothing would gather them again.
-    if (!is_root_ && hooked && root_->strategy() == ShardingStrategy::kFullShard) {
+    if (!is_root_ && hooked && reshards_after_forward(handle_->strategy())) {
       handle_->reshard();
     }
   }
+  input_dtype_ = c10::nullopt;
   if (is_root_ && !at::GradMode::is_enabled()) root_->end_forward_without_grad();
 }
 
@@ -153,7 +180,7 @@ void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
   TORCH_INTERNAL_ASSERT(handle_ != nullptr);
   handle_state_ = HandleTrainingState::kBackwardPost;
   // The parameters are not needed any more: free them before the reduction allocates.
-  reshard_if_sharded_strategy();
+  reshard();
   if (root_->sync_gradients()) {
     handle_->reduce_grad(grads);
   } else {
@@ -162,12 +189,12 @@ void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
   root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPost);
 }
 
-void UnitState::reshard_if_sharded_strategy() {
-  if (handle_ && root_->strategy() != ShardingStrategy::kNoShard) handle_->reshard();
+void UnitState::reshard() {
+  if (handle_) handle_->reshard();  // NO_SHARD: frees only a mixed-precision copy
 }
 
 void UnitState::finish_iteration() {
-  reshard_if_sharded_strategy();
+  reshard();
   handle_state_ = HandleTrainingState::kIdle;
   pre_backward_done_ = false;
   sink_installed_ = false;
@@ -195,7 +222,7 @@ void RootState::begin_summon(bool writeback, bool rank0_only) {
   for (const auto& unit : units_) {
     FlatParamHandle* handle = unit->handle();
     if (handle == nullptr) continue;
-    handle->unshard();  // every rank takes part in the all-gather
+    handle->unshard_full_precision();  // every rank takes part in the all-gather
     unit->set_handle_state(HandleTrainingState::kSummonFullParams);
     if (rank0_only && comm_->rank() != 0) handle->reshard();
   }
@@ -221,9 +248,59 @@ void RootState::end_summon() {
 // besides the one being waited for; the all-gathers per iteration are the same ones,
 // issued earlier (REFERENCE §4 counts hold).
 void RootState::record_forward(UnitState* unit) {
-  if (std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) {
-    forward_order_.push_back(unit);
+  if (std::find(forward_order_.begin(), forward_order_.end(), unit) != forward_order_.end()) {
+    return;  // run again in this iteration
   }
+  if (validate_execution_order_) validate_position(unit, forward_order_.size());
+  forward_order_.push_back(unit);
+}
+
+// Note [Execution order validation]
+// Units of equal flat size run in different orders on two ranks all-gather each other's
+// shards without any error: silently wrong parameters. With validate_execution_order,
+// each unit's first forward of the first iteration all-gathers its index (pre-order
+// position) from every rank before it unshards, and every rank raises the same error if
+// they differ (so none is left waiting in a collective). Later iterations compare the
+// order with the first one's locally and warn once if it changed (the prefetching
+// order then follows the new one). PyTorch: _ExecOrderData (FSDP debug level DETAIL).
+// A rank that runs fewer units than the others still hangs in the check's all-gather
+// until the communicator's timeout.
+void RootState::validate_position(const UnitState* unit, size_t position) {
+  const auto index_of = [this](const UnitState* u) {
+    for (size_t i = 0; i < units_.size(); ++i) {
+      if (units_[i].get() == u) return static_cast<int64_t>(i);
+    }
+    TORCH_INTERNAL_ASSERT(false, "unit '", u->fqn(), "' is not one of this root's units");
+  };
+  if (!first_iteration_) {
+    const bool same = position < first_forward_order_.size() &&
+                      first_forward_order_[position] == unit;
+    if (!same && !warned_order_change_) {
+      warned_order_change_ = true;
+      TORCH_WARN("FullyShardedDataParallel: the forward order of units changed after the "
+                 "first iteration: unit '", unit->fqn(), "' ran at position ", position,
+                 " where the first iteration ran ",
+                 position < first_forward_order_.size()
+                     ? "'" + first_forward_order_[position]->fqn() + "'"
+                     : std::string("no unit"),
+                 "; prefetching follows the previous iteration's order. Warned once.");
+    }
+    return;
+  }
+  at::Tensor mine = at::full({1}, index_of(unit), at::kLong);
+  at::Tensor all = at::empty({comm_->world_size()}, at::kLong);
+  comm_->all_gather_into_tensor(all, mine);
+  const auto* indices = all.data_ptr<int64_t>();
+  std::vector<std::string> ranks;
+  bool differs = false;
+  for (int r = 0; r < comm_->world_size(); ++r) {
+    differs = differs || indices[r] != indices[0];
+    ranks.push_back(absl::StrCat("rank ", r, " runs '", units_[indices[r]]->fqn(), "'"));
+  }
+  TORCH_CHECK(!differs, "FullyShardedDataParallel: forward order differs across ranks at "
+              "unit position ", position, " of the first iteration: ", absl::StrJoin(ranks, ", "),
+              ". Every rank must run the units in the same order (the same control flow), "
+              "or units would all-gather each other's parameters");
 }
 
 void RootState::prefetch_for_forward_after(const UnitState* unit) {
@@ -245,13 +322,37 @@ void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefe
   }
 }
 
-void RootState::begin_forward() { training_state_ = TrainingState::kForwardBackward; }
+void RootState::begin_forward() {
+  training_state_ = TrainingState::kForwardBackward;
+  cast_buffers(/*to_original=*/false);
+}
 
-void RootState::end_forward_without_grad() {
+void RootState::end_forward_without_grad() { end_iteration(); }
+
+void RootState::end_iteration() {
   for (const auto& unit : units_) unit->finish_iteration();
+  if (first_iteration_) first_forward_order_ = forward_order_;
+  first_iteration_ = false;
   last_forward_order_ = std::move(forward_order_);
   forward_order_.clear();
+  cast_buffers(/*to_original=*/true);
   training_state_ = TrainingState::kIdle;
+}
+
+void RootState::set_buffer_casts(std::vector<at::Tensor> buffers, c10::ScalarType dtype) {
+  cast_buffers_ = std::move(buffers);
+  buffer_dtypes_.clear();
+  for (const at::Tensor& buffer : cast_buffers_) buffer_dtypes_.push_back(buffer.scalar_type());
+  buffer_dtype_ = dtype;
+}
+
+// See Note [Mixed precision].
+void RootState::cast_buffers(bool to_original) {
+  for (size_t i = 0; i < cast_buffers_.size(); ++i) {
+    const c10::ScalarType dtype = to_original ? buffer_dtypes_[i] : *buffer_dtype_;
+    at::Tensor& buffer = cast_buffers_[i];
+    if (buffer.scalar_type() != dtype) buffer.set_data(buffer.detach().to(dtype));
+  }
 }
 
 void RootState::ensure_end_of_backward_callback() {
@@ -261,11 +362,61 @@ void RootState::ensure_end_of_backward_callback() {
 }
 
 void RootState::finish_backward() {
-  for (const auto& unit : units_) unit->finish_iteration();
-  last_forward_order_ = std::move(forward_order_);
-  forward_order_.clear();
-  training_state_ = TrainingState::kIdle;
+  end_iteration();
   callback_queued_ = false;
+}
+
+// Note [Gradient norm over shards]
+// The total norm is that of every gradient once: the sharded flat gradients (each rank
+// holds a disjoint shard, padding is zero) summed over the shard group, plus gradients
+// every rank holds whole (NO_SHARD units, ignored modules' parameters), counted once and
+// not reduced (all-reducing them would count them world-size times). For norm p:
+// (sum_shards sum |g|^p + sum_replicated |g|^p)^(1/p); for inf: the max over both, the
+// shards' max taken over ranks with an all-gather (the communicator has no max
+// reduction). In float32 whatever the gradients' dtype. PyTorch:
+// FullyShardedDataParallel.clip_grad_norm_.
+at::Tensor RootState::clip_grad_norm(double max_norm, double norm_type) {
+  assert_in_states({TrainingState::kIdle}, "clip_grad_norm_");
+  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (or inf), got ",
+              norm_type);
+  const bool inf = std::isinf(norm_type);
+  std::vector<at::Tensor> grads;
+  Communicator* shard_group = nullptr;
+  at::Tensor sharded = at::zeros({1}, at::kFloat);
+  at::Tensor replicated = at::zeros({}, at::kFloat);
+  const auto add = [&](at::Tensor& total, const at::Tensor& grad) {
+    if (!grad.defined()) return;
+    grads.push_back(grad);
+    const at::Tensor g = grad.detach().to(at::kFloat).abs();
+    if (g.numel() == 0) return;
+    total = inf ? at::maximum(total, g.max()) : total + g.pow(norm_type).sum();
+  };
+  for (const auto& unit : units_) {
+    FlatParamHandle* handle = unit->handle();
+    if (handle == nullptr) continue;
+    const at::Tensor& grad = handle->sharded_flat_param().grad();
+    if (handle->strategy() == ShardingStrategy::kNoShard) {
+      add(replicated, grad);
+    } else {
+      add(sharded, grad);
+      shard_group = &handle->communicator();
+    }
+  }
+  for (const at::Tensor& param : ignored_params_) add(replicated, param.grad());
+  if (shard_group != nullptr && shard_group->world_size() > 1) {
+    if (inf) {
+      at::Tensor all = at::empty({shard_group->world_size()}, at::kFloat);
+      shard_group->all_gather_into_tensor(all, sharded);
+      sharded = all.max();
+    } else {
+      shard_group->all_reduce(sharded, ReduceOp::kSum);
+    }
+  }
+  at::Tensor total = inf ? at::maximum(sharded.reshape({}), replicated)
+                         : (sharded.reshape({}) + replicated).pow(1.0 / norm_type);
+  const at::Tensor coefficient = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+  for (at::Tensor& grad : grads) grad.detach().mul_(coefficient.to(grad.scalar_type()));
+  return total;
 }
 
 }  // namespace core_internal

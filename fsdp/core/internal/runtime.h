@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 #include <torch/nn/module.h>
 
 #include "fsdp/comm/communicator.h"
@@ -52,6 +53,16 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   // Connects the original parameters to a new gradient sink (see Note [Gradient sinks]).
   void install_gradient_sink();
 
+  // Forward input casting (see Note [Mixed precision] in runtime.cc): floating tensor
+  // inputs are cast to `dtype` (none: left alone); with `restore_output_dtype`, a tensor
+  // output is cast back to the inputs' dtype.
+  void set_input_casting(c10::optional<c10::ScalarType> dtype, bool restore_output_dtype) {
+    cast_inputs_to_ = dtype;
+    restore_output_dtype_ = restore_output_dtype;
+  }
+  at::Tensor cast_input(const at::Tensor& input);
+  at::Tensor cast_output(const at::Tensor& output);
+
   void pre_forward();
   // Puts the pre-backward hook on an output of the unit's forward that requires grad;
   // returns whether it did.
@@ -64,7 +75,7 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   void post_backward(const std::vector<at::Tensor>& grads);
   // End of a backward pass: reshard whatever is still unsharded, reset per-iteration flags.
   void finish_iteration();
-  void reshard_if_sharded_strategy();
+  void reshard();
   void set_handle_state(HandleTrainingState state) { handle_state_ = state; }
 
  private:
@@ -73,6 +84,9 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   RootState* root_;
   std::unique_ptr<FlatParamHandle> handle_;
   HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
+  c10::optional<c10::ScalarType> cast_inputs_to_;
+  bool restore_output_dtype_ = false;
+  c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
   bool pre_backward_done_ = false;
   bool sink_installed_ = false;  // this iteration's sink exists
 
@@ -90,7 +104,7 @@ class RootState {
         forward_prefetch_(forward_prefetch) {}
 
   Communicator& comm() { return *comm_; }
-  ShardingStrategy strategy() const { return strategy_; }
+  ShardingStrategy strategy() const { return strategy_; }  // the root's; units may differ
   TrainingState training_state() const { return training_state_; }
   const std::vector<std::shared_ptr<UnitState>>& units() const { return units_; }
   void add_unit(std::shared_ptr<UnitState> unit) { units_.push_back(std::move(unit)); }
@@ -107,6 +121,17 @@ class RootState {
   void begin_summon(bool writeback, bool rank0_only);
   void end_summon();
 
+  // Buffers cast to another dtype while the model runs forward and backward, and back to
+  // their own dtype at the end of each iteration (mixed precision's buffer_dtype).
+  void set_buffer_casts(std::vector<at::Tensor> buffers, c10::ScalarType dtype);
+  // Parameters outside every unit (ignored modules'), for clip_grad_norm.
+  void set_ignored_params(std::vector<at::Tensor> params) { ignored_params_ = std::move(params); }
+  // See Note [Execution order validation] in runtime.cc.
+  void set_validate_execution_order(bool validate) { validate_execution_order_ = validate; }
+
+  // FullyShardedDataParallelImpl::clip_grad_norm_ (see fully_sharded.h).
+  at::Tensor clip_grad_norm(double max_norm, double norm_type);
+
   // Prefetching (see Note [Prefetching] in runtime.cc).
   void record_forward(UnitState* unit);
   void prefetch_for_forward_after(const UnitState* unit);
@@ -118,6 +143,9 @@ class RootState {
 
  private:
   void finish_backward();
+  void end_iteration();
+  void cast_buffers(bool to_original);
+  void validate_position(const UnitState* unit, size_t position);
 
   std::shared_ptr<Communicator> comm_;
   ShardingStrategy strategy_;
@@ -125,6 +153,14 @@ class RootState {
   bool forward_prefetch_;
   std::vector<UnitState*> forward_order_;       // units with parameters, this iteration
   std::vector<UnitState*> last_forward_order_;  // ... the previous iteration
+  std::vector<UnitState*> first_forward_order_;  // ... the first iteration
+  bool validate_execution_order_ = false;
+  bool first_iteration_ = true;
+  bool warned_order_change_ = false;
+  std::vector<at::Tensor> cast_buffers_;
+  std::vector<c10::ScalarType> buffer_dtypes_;  // cast_buffers_' own dtypes
+  c10::optional<c10::ScalarType> buffer_dtype_;
+  std::vector<at::Tensor> ignored_params_;
   TrainingState training_state_ = TrainingState::kIdle;
   bool callback_queued_ = false;
   bool sync_gradients_ = true;

@@ -1,0 +1,306 @@
+// FullyShardedDataParallel's options beyond sharding, with exact values on ranks as
+// threads (the fake communicator): clip_grad_norm_, sync_module_states, execution-order
+// validation and frozen parameters.
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/linear.h>
+
+#include "fsdp/comm/fake.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/state/fqn.h"
+
+namespace fsdp {
+namespace {
+
+using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+std::shared_ptr<Communicator> borrow(Communicator& comm) {
+  return std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
+}
+
+// Cleaned FQN -> parameter of an unwrapped model.
+std::map<std::string, at::Tensor> by_fqn(const torch::nn::Module& module) {
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : module.named_parameters()) {
+    params[clean_tensor_name(item.key())] = item.value();
+  }
+  return params;
+}
+
+// ---- clip_grad_norm_ ----
+
+// NetImpl (units l1, l2, root head) followed by `extra`, which the tests ignore: its
+// parameters are outside FSDP and replicated.
+struct WithExtraImpl : NetImpl {
+  WithExtraImpl() { extra = register_module("extra", torch::nn::Linear(3, 2)); }
+  at::Tensor forward(at::Tensor x) { return extra(NetImpl::forward(x)); }
+  torch::nn::Linear extra{nullptr};
+};
+
+// Weights in {-1, 0, 1} and inputs in {0, 1}: every gradient is a small integer, so the
+// sums of squares are exact in float32 and the norms can be compared exactly.
+std::shared_ptr<WithExtraImpl> integer_model() {
+  auto net = make<WithExtraImpl>();
+  torch::NoGradGuard no_grad;
+  int64_t i = 0;
+  for (at::Tensor& p : net->parameters()) {
+    p.copy_(((at::arange(p.numel(), at::kFloat) + i++).remainder(3) - 1).view(p.sizes()));
+  }
+  return net;
+}
+at::Tensor integer_batch() { return at::arange(12, at::kFloat).view({3, 4}).remainder(2); }
+
+// The reference norm of all gradients of the unwrapped model, in double.
+double reference_norm(WithExtraImpl& net, double norm_type) {
+  double total = 0;
+  for (const at::Tensor& p : net.parameters()) {
+    at::Tensor g = p.grad().to(at::kDouble).abs();
+    total = std::isinf(norm_type) ? std::max(total, g.max().item<double>())
+                                  : total + g.pow(norm_type).sum().item<double>();
+  }
+  return std::isinf(norm_type) ? total : std::pow(total, 1.0 / norm_type);
+}
+
+// (world size, the root's strategy, norm type, whether unit l1 is NO_SHARD).
+class ClipGradNormTest
+    : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy, double, bool>> {};
+
+// Every rank trains on the same batch, so the ignored module's local gradients equal the
+// others' (its replicas agree) and the averaged gradients equal the unwrapped model's.
+// Sharded units, a replicated (NO_SHARD) unit and the ignored module mix.
+TEST_P(ClipGradNormTest, EqualsTheUnwrappedModelsNormCountingEachGradientOnce) {
+  const auto [w, strategy, norm_type, replicate_l1] = GetParam();
+  auto plain = integer_model();
+  plain->forward(integer_batch()).sum().backward();
+  const double want = reference_norm(*plain, norm_type);
+  const double max_norm = want / 4;  // clips: every gradient scaled by about 1/4
+  FakeWorld::run(FakeWorld::create(w), [&, strategy = strategy, norm_type = norm_type,
+                                        replicate_l1 = replicate_l1](Communicator& comm) {
+    auto net = integer_model();
+    const torch::nn::Module* extra = net->extra.get();
+    auto options = FullyShardedDataParallelOptions(borrow(comm))
+                       .sharding_strategy(strategy)
+                       .ignored_modules({extra});
+    if (replicate_l1) {
+      options.unit_sharding_strategies({{net->l1->module().get(), ShardingStrategy::kNoShard}});
+    }
+    FullyShardedDataParallel<WithExtraImpl> model(net, options);
+    model->forward(integer_batch()).sum().backward();
+    const at::Tensor total = model->clip_grad_norm_(max_norm, norm_type);
+    EXPECT_EQ(total.scalar_type(), at::kFloat);
+    EXPECT_FLOAT_EQ(total.item<float>(), static_cast<float>(want));
+    // Clipped gradients: the reference's times max_norm / (total + 1e-6).
+    const double coefficient = max_norm / (total.item<float>() + 1e-6);
+    EXPECT_TRUE(at::allclose(net->extra->weight.grad(),
+                             plain->extra->weight.grad() * coefficient, 1e-6, 1e-6));
+    const std::map<std::string, at::Tensor> plain_params = by_fqn(*plain);
+    for (const auto& unit : model->units()) {
+      FlatParamHandle* handle = unit->handle();
+      at::Tensor full = at::empty({handle->padded_numel()});
+      if (handle->strategy() == ShardingStrategy::kNoShard) {
+        full.copy_(handle->sharded_flat_param().grad());
+      } else {
+        comm.all_gather_into_tensor(full, handle->sharded_flat_param().grad());
+      }
+      for (const FlatParamInfo& info : handle->param_infos()) {
+        at::Tensor want_grad = plain_params.at(info.fqn).grad() * coefficient;
+        EXPECT_TRUE(at::allclose(full.narrow(0, info.offset, info.numel),
+                                 want_grad.view({-1}), 1e-6, 1e-6))
+            << info.fqn;
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizesStrategiesNorms, ClipGradNormTest,
+    ::testing::Combine(::testing::Values(1, 2, 3),
+                       ::testing::Values(ShardingStrategy::kFullShard,
+                                         ShardingStrategy::kShardGradOp,
+                                         ShardingStrategy::kNoShard),
+                       ::testing::Values(2.0, 1.0, INFINITY), ::testing::Bool()));
+
+TEST(ClipGradNormTest, NeedsTheModelIdle) {
+  auto world = FakeWorld::create(1);
+  FullyShardedDataParallel<NetImpl> model(make_net(),
+                                          FullyShardedDataParallelOptions(world->communicator(0)));
+  auto summon = model->summon_full_params();
+  EXPECT_THAT([&] { model->clip_grad_norm_(1.0); },
+              ThrowsMessage<c10::Error>(HasSubstr("clip_grad_norm_: expected to be in states "
+                                                  "[TrainingState.IDLE]")));
+}
+
+// ---- unit_sharding_strategies ----
+
+TEST(UnitShardingStrategiesTest, AReplicatedUnitUnderAFullShardRoot) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    auto net = make_net();
+    FullyShardedDataParallel<NetImpl> model(
+        net, FullyShardedDataParallelOptions(borrow(comm))
+                 .unit_sharding_strategies({{net->l1.ptr().get(), ShardingStrategy::kNoShard}}));
+    EXPECT_EQ(model->units()[1]->handle()->strategy(), ShardingStrategy::kNoShard);
+    EXPECT_EQ(model->units()[1]->handle()->shard_numel(), 4 * 8 + 8);
+    EXPECT_EQ(model->units()[2]->handle()->strategy(), ShardingStrategy::kFullShard);
+    comm.counters().reset();
+    model->forward(inputs(0, 2)).sum().backward();
+    // l2: forward and backward all-gathers; the root: forward only; l1: none.
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).calls, 2 + 1);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 2);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllReduce).calls, 1);
+  });
+  auto world = FakeWorld::create(2);
+  FakeWorld::run(world, [](Communicator& comm) {
+    auto net = make_net();
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<NetImpl>(
+              net, FullyShardedDataParallelOptions(borrow(comm))
+                       .unit_sharding_strategies(
+                           {{net->l2->module().get(), ShardingStrategy::kHybridShard}}));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("gives unit 'l2' HYBRID_SHARD under a FULL_SHARD "
+                                            "root")));
+  });
+}
+
+// ---- sync_module_states ----
+
+TEST(SyncModuleStatesTest, RanksSeededDifferentlyEndWithRankZerosParametersAndBuffers) {
+  for (const bool sync : {true, false}) {
+    FakeWorld::run(FakeWorld::create(3), [sync](Communicator& comm) {
+      std::shared_ptr<NormedImpl> net, rank0;
+      {
+        std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
+        torch::manual_seed(comm.rank());
+        net = std::make_shared<NormedImpl>();
+        torch::manual_seed(0);
+        rank0 = std::make_shared<NormedImpl>();
+      }
+      torch::NoGradGuard no_grad;
+      net->norm->module()->running_mean.fill_(comm.rank());
+      rank0->norm->module()->running_mean.fill_(0);
+      FullyShardedDataParallel<NormedImpl> model(
+          net, FullyShardedDataParallelOptions(borrow(comm)).sync_module_states(sync));
+      if (sync) {
+        // One broadcast per unit with parameters (first, norm, root head) and per buffer
+        // dtype (running_mean and running_var float, num_batches_tracked int64).
+        EXPECT_EQ(comm.counters().get(CollectiveKind::kBroadcast).calls, 3 + 2);
+      }
+      const bool same_buffer = at::equal(net->norm->module()->running_mean,
+                                         rank0->norm->module()->running_mean);
+      EXPECT_EQ(same_buffer, sync || comm.rank() == 0);
+      auto summon = model->summon_full_params(/*writeback=*/false);
+      const std::map<std::string, at::Tensor> want = by_fqn(*rank0);
+      // Without sync the gathered parameters mix every rank's own initialisation (rank 0
+      // included); BatchNorm's weight and bias start as ones and zeros everywhere.
+      for (const auto& item : model->named_parameters()) {
+        const std::string fqn = clean_tensor_name(item.key());
+        if (fqn.rfind("norm.", 0) == 0) continue;
+        EXPECT_EQ(at::equal(item.value(), want.at(fqn)), sync) << fqn << " on rank " << comm.rank();
+      }
+    });
+  }
+}
+
+// ---- Execution-order validation ----
+
+// Two units of identical flat size (12 elements); `swap` runs b before a.
+struct OrderImpl : torch::nn::Module {
+  OrderImpl() {
+    a = register_module("a", make_unit(torch::nn::Linear(3, 3)));
+    b = register_module("b", make_unit(torch::nn::Linear(3, 3)));
+  }
+  at::Tensor forward(at::Tensor x) { return swap ? a(b(x)) : b(a(x)); }
+  Unit<torch::nn::LinearImpl> a{nullptr}, b{nullptr};
+  bool swap = false;
+};
+
+TEST(ExecutionOrderTest, DifferentOrdersAcrossRanksRaiseNamingTheUnits) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    auto net = make<OrderImpl>();
+    net->swap = comm.rank() == 1;
+    FullyShardedDataParallel<OrderImpl> model(
+        net, FullyShardedDataParallelOptions(borrow(comm)).validate_execution_order(true));
+    EXPECT_THAT([&] { model->forward(at::ones({1, 3})); },
+                ThrowsMessage<c10::Error>(HasSubstr(
+                    "forward order differs across ranks at unit position 0 of the first "
+                    "iteration: rank 0 runs 'a', rank 1 runs 'b'")));
+  });
+}
+
+TEST(ExecutionOrderTest, WithoutValidationTheMixUpIsSilent) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    auto net = make<OrderImpl>();
+    net->swap = comm.rank() == 1;
+    FullyShardedDataParallel<OrderImpl> model(net, FullyShardedDataParallelOptions(borrow(comm)));
+    model->forward(at::ones({1, 3})).sum().backward();  // wrong results, no error
+  });
+}
+
+class CountingWarningHandler : public c10::WarningHandler {
+ public:
+  void process(const c10::SourceLocation&, const std::string& msg, bool) override {
+    messages.push_back(msg);
+  }
+  std::vector<std::string> messages;
+};
+
+TEST(ExecutionOrderTest, ALaterChangeWarnsOnce) {
+  auto world = FakeWorld::create(1);
+  auto net = make<OrderImpl>();
+  FullyShardedDataParallel<OrderImpl> model(
+      net,
+      FullyShardedDataParallelOptions(world->communicator(0)).validate_execution_order(true));
+  CountingWarningHandler handler;
+  c10::Warning::WarningHandlerGuard guard(&handler);
+  model->forward(at::ones({1, 3})).sum().backward();
+  EXPECT_TRUE(handler.messages.empty());
+  net->swap = true;
+  model->forward(at::ones({1, 3})).sum().backward();
+  model->forward(at::ones({1, 3})).sum().backward();
+  ASSERT_EQ(handler.messages.size(), 1u);
+  EXPECT_THAT(handler.messages[0], HasSubstr("the forward order of units changed after the "
+                                             "first iteration: unit 'b' ran at position 0 "
+                                             "where the first iteration ran 'a'"));
+}
+
+// ---- Frozen parameters ----
+
+TEST(FrozenParametersTest, AFrozenUnitTrainsNothingAndIsNotReduced) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    auto net = make_net();
+    for (at::Tensor& p : net->l1->parameters()) p.set_requires_grad(false);
+    FullyShardedDataParallel<NetImpl> model(net, FullyShardedDataParallelOptions(borrow(comm)));
+    model->forward(inputs(0, 2)).sum().backward();
+    EXPECT_FALSE(model->units()[1]->handle()->sharded_flat_param().requires_grad());
+    EXPECT_FALSE(model->units()[1]->handle()->sharded_flat_param().grad().defined());
+    EXPECT_TRUE(model->units()[2]->handle()->sharded_flat_param().grad().defined());
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 2);  // root, l2
+    EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+  });
+}
+
+TEST(FrozenParametersTest, AUnitMixingFrozenAndTrainedParametersIsNamed) {
+  auto world = FakeWorld::create(1);
+  auto net = make_net();
+  net->l2->module()->bias.set_requires_grad(false);
+  EXPECT_THAT(
+      [&] {
+        FullyShardedDataParallel<NetImpl> model(
+            net, FullyShardedDataParallelOptions(world->communicator(0)));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("[l2.weight] require grad and [l2.bias] do not")));
+}
+
+}  // namespace
+}  // namespace fsdp

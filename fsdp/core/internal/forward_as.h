@@ -1,0 +1,27 @@
+// ForwardAs: gives a wrapper module (Unit<T>, CheckpointWrapper<T>) a non-template
+// forward() with exactly the signature of the wrapped module's. Not a public API.
+#ifndef FSDP_CORE_INTERNAL_FORWARD_AS_H_
+#define FSDP_CORE_INTERNAL_FORWARD_AS_H_
+
+#include <utility>
+
+namespace fsdp {
+namespace core_internal {
+
+// Gives Derived a non-template forward() with exactly the signature of Contained's, so
+// AnyModule (Sequential) can take its address. Derived provides call(args...).
+template <typename Derived, typename Signature>
+class ForwardAs;
+
+template <typename Derived, typename Contained, typename Result, typename... Args>
+class ForwardAs<Derived, Result (Contained::*)(Args...)> {
+ public:
+  Result forward(Args... args) {
+    return static_cast<Derived*>(this)->call(std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace core_internal
+}  // namespace fsdp
+
+#endif  // FSDP_CORE_INTERNAL_FORWARD_AS_H_

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -149,18 +150,39 @@ c10::Dict<std::string, at::Tensor> tensor_dict_value(const StateDict& state_dict
 
 // ---- Sharded checkpoints.
 
-// One tensor of a sharded checkpoint as this rank holds it.
+// One tensor of a sharded checkpoint as this rank holds it, and whether this rank's
+// file holds its piece.
 struct Item {
   std::string key;
   const ShardedTensor* tensor;
+  bool written;
 };
 
-std::vector<Item> items_of(const ShardedStateDict& model, const ShardedOptimStateDict& optim) {
+// Replicated tensors are written by rank 0 only, and under HYBRID strategies a flat
+// parameter's pieces by its first shard group only (see writes_pieces).
+std::vector<Item> items_of(UnitBase& model, const ShardedStateDict& model_state,
+                           const ShardedOptimStateDict& optim_state) {
+  const state_internal::ModelLayout layout =
+      state_internal::model_layout(model, "save_sharded_checkpoint");
+  absl::flat_hash_set<std::string> copies;  // FQNs whose pieces another rank writes
+  for (const state_internal::Entry& entry : layout.entries) {
+    if (entry.handle != nullptr && !state_internal::writes_pieces(*entry.handle, layout)) {
+      copies.insert(entry.fqn);
+    }
+  }
+  auto item = [&](std::string key, const std::string& fqn, const ShardedTensor& tensor) {
+    const bool written = tensor.local.numel() > 0 && !copies.contains(fqn) &&
+                         (!tensor.replicated || layout.rank == 0);
+    return Item{std::move(key), &tensor, written};
+  };
   std::vector<Item> items;
-  for (const auto& entry : model) items.push_back({kModelPrefix + entry.key(), &entry.value()});
-  for (const auto& param : optim) {
+  for (const auto& entry : model_state) {
+    items.push_back(item(kModelPrefix + entry.key(), entry.key(), entry.value()));
+  }
+  for (const auto& param : optim_state) {
     for (const auto& state : param.value()) {
-      items.push_back({absl::StrCat(kOptimPrefix, param.key(), "/", state.key()), &state.value()});
+      items.push_back(item(absl::StrCat(kOptimPrefix, param.key(), "/", state.key()), param.key(),
+                           state.value()));
     }
   }
   return items;
@@ -208,7 +230,7 @@ c10::IValue metadata_value(int world_size, const std::vector<Item>& items,
     for (int r = 0; r < world_size; ++r) {
       const int64_t offset = gathered[r * stride + 3 + 2 * i];
       const int64_t numel = gathered[r * stride + 4 + 2 * i];
-      if (numel == 0 || (t.replicated && r != 0)) continue;
+      if (numel == 0) continue;  // not in this rank's file
       pieces.push_back(r);
       pieces.push_back(offset);
       pieces.push_back(numel);
@@ -376,7 +398,7 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
       optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
   Communicator& comm = model.state()->root().comm();
   const int rank = comm.rank();
-  const std::vector<Item> items = items_of(model_state, optim_state);
+  const std::vector<Item> items = items_of(model, model_state, optim_state);
   const fs::path target = fs::absolute(dir).lexically_normal();
   const fs::path partial =
       target.parent_path() / absl::StrCat(".", target.filename().string(), ".partial");
@@ -413,11 +435,10 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
     c10::Dict<std::string, at::Tensor> pieces;
     for (size_t i = 0; i < items.size(); ++i) {
       const ShardedTensor& t = *items[i].tensor;
+      if (!items[i].written) continue;
       m[3 + 2 * i] = t.offset;
       m[4 + 2 * i] = t.local.numel();
-      if (t.local.numel() > 0 && (!t.replicated || rank == 0)) {
-        pieces.insert(items[i].key, t.local.contiguous());
-      }
+      pieces.insert(items[i].key, t.local.contiguous());
     }
     const std::vector<char> bytes = torch::jit::pickle_save(pieces);
     write_file_durably((partial / rank_file(rank)).string(), bytes);

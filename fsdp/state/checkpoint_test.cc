@@ -141,6 +141,44 @@ TEST(ShardedCheckpoint, ReshardsToOtherWorldSizes) {
   }
 }
 
+// HYBRID_SHARD at W = 4 (F = 2) with bf16 mixed precision: the full state dict holds the
+// fp32 master values, and the checkpoint (each piece written once, by the first shard
+// group) loads at W = 2 FULL_SHARD into the same parameters and optimizer state.
+TEST(ShardedCheckpoint, HybridMixedPrecisionToFullShard) {
+  const std::string dir = (scratch("hybrid") / "step_1").string();
+  StateDict want_model;
+  OptimStateDict want_optim;
+  on_ranks(4, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<TinyLmImpl> model(
+        make<TinyLmImpl>(), FullyShardedDataParallelOptions(comm)
+                                .sharding_strategy(ShardingStrategy::kHybridShard)
+                                .hybrid_shard_group_size(2)
+                                .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+    const Batch batch = TinyLmImpl::batch(0, 8);
+    TinyLmImpl::loss(model->forward(batch.input.narrow(0, 2 * comm->rank(), 2)),
+                     batch.target.narrow(0, 2 * comm->rank(), 2))
+        .backward();
+    adam.step();
+    save_sharded_checkpoint(*model, &adam, dir);
+    const StateDict full = full_state_dict(*model);
+    for (const auto& item : full) EXPECT_EQ(item.value().scalar_type(), at::kFloat) << item.key();
+    const OptimStateDict optim = full_optim_state_dict(*model, adam);
+    if (comm->rank() == 0) {
+      want_model = full;
+      want_optim = optim;
+    }
+  });
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 0);
+    load_sharded_checkpoint(*t.model, t.adam.get(), dir);
+    expect_equal(full_state_dict(*t.model), want_model);
+    const OptimStateDict optim = full_optim_state_dict(*t.model, *t.adam);
+    ASSERT_EQ(optim.keys(), want_optim.keys());
+    for (const auto& item : want_optim) expect_equal(optim[item.key()], item.value());
+  });
+}
+
 TEST(ShardedCheckpoint, ReplacesAnExistingCheckpointAndFindsTheLatest) {
   const fs::path root = scratch("latest");
   EXPECT_EQ(latest_checkpoint(root.string()), std::nullopt);

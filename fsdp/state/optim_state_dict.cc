@@ -172,7 +172,7 @@ void load(UnitBase& model, torch::optim::Optimizer& optimizer, const std::vector
       for (const Param* member : members) {
         const FlatParamInfo& info = flat.handle->param_infos()[member->info];
         const ParamSlice slice =
-            state_internal::param_slice(*flat.handle, member->info, layout.rank);
+            state_internal::param_slice(*flat.handle, member->info);
         if (slice.numel == 0) continue;
         flat_state.narrow(0, slice.shard_begin, slice.numel)
             .copy_(source.elements(*member, name, info.shape, shard.scalar_type(),
@@ -239,11 +239,11 @@ torch::OrderedDict<std::string, torch::OrderedDict<std::string, Value>> collect(
 OptimStateDict full_optim_state_dict(UnitBase& model, const torch::optim::Optimizer& optimizer,
                                      const FullStateDictOptions& options) {
   const ModelLayout layout = state_internal::model_layout(model, "full_optim_state_dict");
-  Communicator& comm = layout.root->comm();
   auto gather = [&](const FlatParamHandle& handle, const at::Tensor& shard) {
     if (handle.strategy() == ShardingStrategy::kNoShard) return shard.detach();
     at::Tensor full = at::empty({handle.padded_numel()}, shard.options());
-    comm.all_gather_into_tensor(full, shard.detach().contiguous());
+    // Over the handle's communicator: for HYBRID strategies, the shard group.
+    handle.communicator().all_gather_into_tensor(full, shard.detach().contiguous());
     return full;
   };
   auto copy = [&](const at::Tensor& tensor) {
@@ -290,7 +290,7 @@ ShardedOptimStateDict sharded_optim_state_dict(UnitBase& model,
       layout, optimizer, [](const FlatParamHandle&, const at::Tensor& shard) { return shard; },
       [&](const Param& param, const at::Tensor& shard) {
         const ParamSlice slice =
-            state_internal::param_slice(*param.handle, param.info, layout.rank);
+            state_internal::param_slice(*param.handle, param.info);
         return ShardedTensor{param.handle->param_infos()[param.info].shape, slice.param_begin,
                              shard.detach().narrow(0, slice.shard_begin, slice.numel).clone(),
                              /*replicated=*/false};

@@ -45,9 +45,10 @@ StateDict full_state_dict(UnitBase& model, const FullStateDictOptions& options) 
     if (layout.entries[i].handle != nullptr) entries_of[layout.entries[i].handle].push_back(i);
   }
   std::vector<at::Tensor> values(layout.entries.size());
-  // One unit unsharded at a time (every rank takes part in each all-gather).
+  // One unit unsharded at a time (every rank takes part in each all-gather), in full
+  // precision under mixed precision.
   for (const state_internal::FlatParam& flat : layout.flat_params) {
-    flat.handle->unshard();
+    flat.handle->unshard_full_precision();
     if (keep) {
       for (size_t i : entries_of[flat.handle]) {
         values[i] = copy(flat.handle->original_params()[layout.entries[i].info]);
@@ -80,7 +81,7 @@ void load_full_state_dict(UnitBase& model, const StateDict& state_dict) {
     state_internal::check_tensor(kWhat, entry.fqn, info_of(entry).shape,
                                  entry.handle->sharded_flat_param().scalar_type(), value,
                                  "the state dict");
-    const ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info, layout.rank);
+    const ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info);
     if (slice.numel == 0) continue;
     shard_part(entry, slice).copy_(value.reshape({-1}).narrow(0, slice.param_begin, slice.numel));
   }
@@ -96,7 +97,7 @@ ShardedStateDict sharded_state_dict(UnitBase& model) {
       sharded.local = entry.tensor.detach().reshape({-1}).clone();
       sharded.replicated = true;
     } else {
-      const ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info, layout.rank);
+      const ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info);
       sharded.global_shape = info_of(entry).shape;
       sharded.offset = slice.param_begin;
       sharded.local = shard_part(entry, slice).clone();
@@ -131,7 +132,7 @@ void load_sharded_state_dict(UnitBase& model, const ShardedStateDict& state_dict
       entry.tensor.copy_(value.local.view(entry.tensor.sizes()));
       continue;
     }
-    const ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info, layout.rank);
+    const ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info);
     if (slice.numel == 0) continue;
     const int64_t skip = slice.param_begin - value.offset;
     TORCH_CHECK(skip >= 0 && skip + slice.numel <= value.local.numel(), kWhat, ": '", entry.fqn,

@@ -61,8 +61,9 @@ ModelLayout model_layout(UnitBase& model, const char* what) {
   return layout;
 }
 
-ParamSlice param_slice(const FlatParamHandle& handle, size_t info, int rank) {
+ParamSlice param_slice(const FlatParamHandle& handle, size_t info) {
   const FlatParamInfo& param = handle.param_infos()[info];
+  const int rank = handle.communicator().rank();
   const int64_t shard_start =
       handle.strategy() == ShardingStrategy::kNoShard ? 0 : rank * handle.shard_numel();
   const int64_t begin = std::max(param.offset, shard_start);
@@ -123,6 +124,10 @@ void check_tensor(const std::string& what, const std::string& fqn, at::IntArrayR
   TORCH_CHECK(value.scalar_type() == dtype, what, ": dtype mismatch for '", fqn, "': ", source,
               " has ", c10::toString(value.scalar_type()), ", the model has ", c10::toString(dtype),
               "; convert it with .to() before loading");
+}
+
+bool writes_pieces(const FlatParamHandle& handle, const ModelLayout& layout) {
+  return handle.communicator().rank() == layout.rank;
 }
 
 std::string shape_string(at::IntArrayRef shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }

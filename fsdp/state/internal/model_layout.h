@@ -57,8 +57,14 @@ struct ParamSlice {
   int64_t numel = 0;        // 0: the parameter has no element in this shard
 };
 
-// Rank `rank`'s slice of param_infos()[info] (NO_SHARD: every rank holds everything).
-ParamSlice param_slice(const FlatParamHandle& handle, size_t info, int rank);
+// This rank's slice of param_infos()[info]: the rank in the handle's communicator (for
+// the HYBRID strategies, its shard group) picks the shard; NO_SHARD holds everything.
+ParamSlice param_slice(const FlatParamHandle& handle, size_t info);
+
+// Whether this rank writes `handle`'s pieces to a checkpoint: under HYBRID strategies
+// only the first shard group (global rank = rank in the shard group) does, since the
+// other groups hold copies; always true otherwise.
+bool writes_pieces(const FlatParamHandle& handle, const ModelLayout& layout);
 
 // Throws c10::Error if `found` is not the key set of `expected` (order aside): names up
 // to 10 missing and 10 unexpected keys and the counts, and says what to do when the

@@ -46,7 +46,11 @@
 #include "fsdp/wrap/policy.h"
 
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
-ABSL_FLAG(std::string, sharding_strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
+ABSL_FLAG(std::string, sharding_strategy, "full_shard",
+          "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2");
+ABSL_FLAG(int, hybrid_shard_group_size, 0,
+          "ranks per shard group for the hybrid strategies (0: the ranks on this host, "
+          "LOCAL_WORLD_SIZE)");
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
@@ -80,7 +84,10 @@ ShardingStrategy parse_strategy(const std::string& name) {
   if (name == "full_shard") return ShardingStrategy::kFullShard;
   if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
   if (name == "no_shard") return ShardingStrategy::kNoShard;
-  TORCH_CHECK(false, "--sharding_strategy must be full_shard, shard_grad_op or no_shard, got '",
+  if (name == "hybrid_shard") return ShardingStrategy::kHybridShard;
+  if (name == "hybrid_shard_zero2") return ShardingStrategy::kHybridShardZero2;
+  TORCH_CHECK(false, "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
+              "hybrid_shard or hybrid_shard_zero2, got '",
               name, "'");
 }
 
@@ -88,6 +95,13 @@ AutoWrapPolicy parse_policy(const std::string& name) {
   if (name == "transformer") return transformer_auto_wrap_policy({ModuleType::of<BlockImpl>()});
   if (name == "root") return lambda_auto_wrap_policy([](const ModuleNode&) { return false; });
   TORCH_CHECK(false, "--policy must be transformer or root, got '", name, "'");
+}
+
+// Ranks per shard group for the hybrid strategies: the flag, else the ranks on this host.
+int hybrid_group_size() {
+  if (absl::GetFlag(FLAGS_sharding_strategy).rfind("hybrid", 0) != 0) return 0;
+  const int flag = absl::GetFlag(FLAGS_hybrid_shard_group_size);
+  return flag > 0 ? flag : read_launch_environment().local_world_size;
 }
 
 double learning_rate(int64_t step) {
@@ -223,6 +237,7 @@ int train() {
   for (const auto& p : gpt->parameters()) numel += p.numel();
   Model model(gpt, FullyShardedDataParallelOptions(comm)
                        .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
+                       .hybrid_shard_group_size(hybrid_group_size())
                        .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy))));
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   if (lead) {

@@ -21,21 +21,6 @@ const char* sharding_strategy_name(ShardingStrategy strategy) {
   return "unknown";
 }
 
-namespace {
-
-// One gradient per original parameter, each undefined or of the parameter's numel.
-void check_grads(const std::vector<FlatParamInfo>& infos, const std::vector<at::Tensor>& grads) {
-  TORCH_CHECK(grads.size() == infos.size(), "FlatParamHandle: expected ", infos.size(),
-              " gradients (one per original parameter), got ", grads.size());
-  for (size_t i = 0; i < grads.size(); ++i) {
-    TORCH_CHECK(!grads[i].defined() || grads[i].numel() == infos[i].numel,
-                "FlatParamHandle: gradient of '", infos[i].fqn, "' has ", grads[i].numel(),
-                " elements, expected ", infos[i].numel);
-  }
-}
-
-}  // namespace
-
 std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& infos,
                                               int64_t start, int64_t end) {
   std::vector<ShardParamInfo> result;
@@ -127,19 +112,17 @@ void FlatParamHandle::reshard() {
   unsharded_ = false;
 }
 
-// Every element is written once: a gradient, zeros for an undefined one, or padding.
 at::Tensor FlatParamHandle::flatten_grads(const std::vector<at::Tensor>& grads) const {
-  check_grads(infos_, grads);
-  at::Tensor flat_grad = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+  TORCH_CHECK(grads.size() == infos_.size(), "FlatParamHandle: expected ", infos_.size(),
+              " gradients (one per original parameter), got ", grads.size());
+  at::Tensor flat_grad = at::zeros({padded_numel_}, sharded_.options().requires_grad(false));
   for (size_t i = 0; i < grads.size(); ++i) {
-    at::Tensor slot = flat_grad.narrow(0, infos_[i].offset, infos_[i].numel);
-    if (grads[i].defined()) {
-      slot.copy_(grads[i].reshape({-1}));
-    } else {
-      slot.zero_();
-    }
+    if (!grads[i].defined()) continue;
+    TORCH_CHECK(grads[i].numel() == infos_[i].numel, "FlatParamHandle: gradient of '",
+                infos_[i].fqn, "' has ", grads[i].numel(), " elements, expected ",
+                infos_[i].numel);
+    flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grads[i].reshape({-1}));
   }
-  flat_grad.narrow(0, numel_, padding()).zero_();
   return flat_grad;
 }
 
@@ -160,17 +143,6 @@ void FlatParamHandle::write_back_shard() {
 }
 
 void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
-  at::Tensor& grad = sharded_.mutable_grad();
-  if (strategy_ == ShardingStrategy::kNoShard && comm_->world_size() == 1 && grad.defined() &&
-      !unsharded_grad_.defined()) {
-    // Nothing to reduce: add each gradient into its part of .grad, without a flat copy.
-    check_grads(infos_, grads);
-    for (size_t i = 0; i < grads.size(); ++i) {
-      if (!grads[i].defined()) continue;
-      grad.narrow(0, infos_[i].offset, infos_[i].numel).add_(grads[i].reshape({-1}));
-    }
-    return;
-  }
   at::Tensor flat_grad = flatten_grads(grads);
   if (unsharded_grad_.defined()) {
     flat_grad.add_(unsharded_grad_);
@@ -184,6 +156,7 @@ void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
     shard_grad = at::empty({shard_numel_}, flat_grad.options());
     comm_->reduce_scatter_tensor(shard_grad, flat_grad, ReduceOp::kAvg);
   }
+  at::Tensor& grad = sharded_.mutable_grad();
   if (grad.defined()) {
     grad.add_(shard_grad);
   } else {

@@ -130,30 +130,6 @@ TEST(FlatParamHandleNoShardTest, KeepsEverythingAndAllReduces) {
   });
 }
 
-// One rank (what FSDP runs every strategy as at W = 1): gradients are added into .grad
-// in place, an undefined one counts as zeros, no_sync sums are included, and nothing is
-// communicated.
-TEST(FlatParamHandleNoShardTest, OneRankAddsGradientsInPlace) {
-  auto world = FakeWorld::create(1);
-  std::shared_ptr<Communicator> comm = world->communicator(0);
-  std::vector<NamedParam> params = make_params({{2, 2}, {3}});
-  FlatParamHandle handle(params, comm, ShardingStrategy::kNoShard);
-  handle.reduce_grad({at::full({2, 2}, 1.0), at::full({3}, 2.0)});
-  const at::Tensor grad = handle.sharded_flat_param().grad();
-  handle.reduce_grad({at::full({2, 2}, 10.0), at::Tensor()});
-  EXPECT_TRUE(at::equal(handle.sharded_flat_param().grad(),
-                        at::tensor({11.0f, 11.0f, 11.0f, 11.0f, 2.0f, 2.0f, 2.0f})));
-  EXPECT_TRUE(handle.sharded_flat_param().grad().is_same(grad));  // the same buffer
-  handle.accumulate_grad({at::Tensor(), at::full({3}, 100.0)});   // no_sync
-  handle.reduce_grad({at::full({2, 2}, 1.0), at::full({3}, 1.0)});
-  EXPECT_TRUE(at::equal(handle.sharded_flat_param().grad(),
-                        at::tensor({12.0f, 12.0f, 12.0f, 12.0f, 103.0f, 103.0f, 103.0f})));
-  EXPECT_FALSE(handle.has_accumulated_grad());
-  EXPECT_EQ(comm->counters().total().calls, 0);
-  EXPECT_THAT([&] { handle.reduce_grad({at::ones({3}), at::ones({3})}); },
-              ThrowsMessage<c10::Error>(HasSubstr("gradient of 'p0' has 3 elements, expected 4")));
-}
-
 TEST(FlatParamHandleErrorsTest, BadInputIsNamed) {
   auto world = FakeWorld::create(1);
   std::shared_ptr<Communicator> comm = world->communicator(0);

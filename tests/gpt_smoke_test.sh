@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
-# A short run of the GPT example on 2 ranks: it must finish, write its metrics, print a
-# sample, and end with a validation loss below the starting one.
+# A short run of the GPT example on 2 ranks: it must finish, write its metrics, a
+# checkpoint every 20 steps and model.pt (which torch.load reads), print a sample, and
+# end with a validation loss below the starting one. Then the processes restart from
+# the step-20 checkpoint: steps 21-40 must repeat the uninterrupted run's losses exactly.
 #   gpt_smoke_test.sh PATH/TO/examples/gpt/train
 set -uo pipefail
 train=${1:?usage: gpt_smoke_test.sh TRAIN}
 out=${TEST_TMPDIR:-$(mktemp -d)}/gpt
-log=$("$train" --world_size=2 --steps=40 --warmup_steps=5 --layers=2 --width=48 --heads=2 \
-  --context=32 --batch_size=16 --log_interval=20 --eval_interval=40 --eval_batches=4 \
-  --sample_length=20 --out_dir="$out" 2>&1)
+run() {
+  "$train" --world_size=2 --steps=40 --warmup_steps=5 --layers=2 --width=48 --heads=2 \
+    --context=32 --batch_size=16 --log_interval=20 --eval_interval=40 --eval_batches=4 \
+    --sample_length=20 --checkpoint_interval=20 --out_dir="$out" "$@" 2>&1
+}
+log=$(run)
 status=$?
 echo "$log"
 first=$(grep -oE "step 0: validation loss [0-9.]+" <<<"$log" | awk '{print $5}')
 last=$(grep -oE "step 40: validation loss [0-9.]+" <<<"$log" | awk '{print $5}')
+cp "$out/metrics.csv" "$out/uninterrupted.csv"
+rm -rf "$out/checkpoints/step_00000040"  # as if the run had died after step 20
+resumed_log=$(run --resume)
+resumed_status=$?
+echo "$resumed_log"
+
 failed=0
+checks=0
 check() {  # check NAME CONDITION
+  checks=$((checks + 1))
   if eval "$2"; then echo "ok $1"; else echo "FAIL $1"; failed=$((failed + 1)); fi
 }
 check exit_status "[[ $status -eq 0 ]]"
 check validation_loss_falls "[[ -n '$first' && -n '$last' ]] && awk 'BEGIN { exit !($last < $first - 0.5) }'"
-check metrics_written "[[ \$(wc -l < '$out/metrics.csv') -eq 41 ]]"
+check metrics_written "[[ \$(wc -l < '$out/uninterrupted.csv') -eq 41 ]]"
 check sample_printed "grep -q '^\\[rank 0\\] sample:' <<<\"\$log\""
 check every_rank_reports "[[ \$(grep -c 'peak memory' <<<\"\$log\") -eq 2 ]]"
-echo "$((5 - failed)) passed, $failed failed"
+check checkpoints_written "[[ -f '$out/checkpoints/step_00000020/metadata.pt' ]]"
+check model_loads_in_pytorch "/usr/bin/python3 -c \"import torch, sys; sd = torch.load('$out/model.pt'); sys.exit(len(sd) != 28)\""
+check resumed_exit_status "[[ $resumed_status -eq 0 ]]"
+check resumed_from_step_20 "grep -q 'resumed from .*step_00000020 at step 20' <<<\"\$resumed_log\""
+check resumed_losses_equal "diff <(cut -d, -f1-3 '$out/uninterrupted.csv') <(cut -d, -f1-3 '$out/metrics.csv')"
+echo "$((checks - failed)) passed, $failed failed"
 [[ $failed -eq 0 ]]

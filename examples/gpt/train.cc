@@ -8,7 +8,10 @@
 // fsdp_run); under fsdp_run, torchrun, mpirun or srun it is one rank. Rank 0 prints a
 // progress line per --log_interval steps, the validation loss every --eval_interval
 // steps, per-rank peak memory and traffic at the end, and a text sample; it writes
-// metrics.csv and loss.png (gnuplot) into --out_dir. Ctrl-C stops every rank.
+// metrics.csv, loss.png (gnuplot) and model.pt (the full state dict, which torch.load
+// reads) into --out_dir. Every --checkpoint_interval steps the ranks write a sharded
+// checkpoint (model and optimizer) to --checkpoint_dir/step_NNNNNNNN; --resume continues
+// from the newest complete one, on the same loss curve. Ctrl-C stops every rank.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -20,7 +23,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
@@ -33,6 +38,7 @@
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
+#include "fsdp/state/checkpoint.h"
 #include "fsdp/wrap/policy.h"
 
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
@@ -52,7 +58,10 @@ ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
 ABSL_FLAG(int64_t, eval_interval, 50, "steps between validation losses");
 ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
 ABSL_FLAG(int64_t, sample_length, 300, "characters to sample at the end (0: none)");
-ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv and loss.png go");
+ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv, loss.png, model.pt go");
+ABSL_FLAG(std::string, checkpoint_dir, "", "sharded checkpoints (default: OUT_DIR/checkpoints)");
+ABSL_FLAG(int64_t, checkpoint_interval, 100, "steps between checkpoints (0: none)");
+ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 
 namespace fsdp::examples {
@@ -144,6 +153,41 @@ void plot(const std::string& dir) {
   }
 }
 
+std::string checkpoint_dir() {
+  const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  return dir.empty() ? absl::GetFlag(FLAGS_out_dir) + "/checkpoints" : dir;
+}
+
+// Loads the newest checkpoint if --resume; returns the step to start from.
+int64_t maybe_resume(Model& model, torch::optim::Optimizer& optimizer, bool lead) {
+  if (!absl::GetFlag(FLAGS_resume)) return 0;
+  const std::optional<std::string> latest = latest_checkpoint(checkpoint_dir());
+  int64_t step = 0;
+  if (!latest || !absl::SimpleAtoi(std::filesystem::path(*latest).filename().string().substr(5),
+                                   &step)) {
+    if (lead) std::cout << "no checkpoint in " << checkpoint_dir() << ": starting at step 0\n";
+    return 0;
+  }
+  load_sharded_checkpoint(*model, &optimizer, *latest);
+  if (lead) std::cout << "resumed from " << *latest << " at step " << step << "\n";
+  return step;
+}
+
+// metrics.csv with its header and the rows up to `step` (those a resumed run keeps).
+std::ofstream open_metrics(const std::string& path, int64_t step) {
+  std::vector<std::string> kept = {"step,train_loss,validation_loss,lr,tokens_per_s"};
+  std::ifstream old(path);
+  for (std::string line; step > 0 && std::getline(old, line);) {
+    int64_t row = 0;
+    const std::vector<std::string> fields = absl::StrSplit(line, ',');
+    if (absl::SimpleAtoi(fields[0], &row) && row <= step) kept.push_back(line);
+  }
+  std::ofstream csv(path, std::ios::trunc);
+  TORCH_CHECK(csv.good(), "cannot write ", path, "; pass a writable --out_dir");
+  for (const std::string& line : kept) csv << line << "\n";
+  return csv;
+}
+
 int train() {
   std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
   at::set_num_threads(1);
@@ -174,22 +218,19 @@ int train() {
         sharding_strategy_name(model->sharding_strategy()));
   }
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
+  if (lead) std::filesystem::create_directories(checkpoint_dir());
+  const int64_t first = maybe_resume(model, adamw, lead);
   std::ofstream csv;
-  if (lead) {
-    std::filesystem::create_directories(dir);
-    csv.open(dir + "/metrics.csv");
-    TORCH_CHECK(csv.good(), "cannot write ", dir, "/metrics.csv; pass a writable --out_dir");
-    csv << "step,train_loss,validation_loss,lr,tokens_per_s\n";
-    std::cout << "step 0: validation loss " << validation_loss(model, corpus, *comm) << "\n";
-  } else {
-    validation_loss(model, corpus, *comm);
-  }
+  if (lead) csv = open_metrics(dir + "/metrics.csv", first);
+  const double initial = validation_loss(model, corpus, *comm);
+  if (lead) std::cout << "step " << first << ": validation loss " << initial << "\n";
 
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
   const auto start = std::chrono::steady_clock::now();
   comm->counters().reset();
-  for (int64_t step = 0; step < steps; ++step) {
+  for (int64_t step = first; step < steps; ++step) {
     const double lr = learning_rate(step);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
     auto [x, y] = batch(corpus.train, step, *comm);
@@ -203,24 +244,37 @@ int train() {
     const bool log = (step + 1) % absl::GetFlag(FLAGS_log_interval) == 0 || step + 1 == steps;
     const bool eval = (step + 1) % absl::GetFlag(FLAGS_eval_interval) == 0 || step + 1 == steps;
     const double val = eval ? validation_loss(model, corpus, *comm) : NAN;
+    if (interval > 0 && (step + 1) % interval == 0) {
+      const auto begin = std::chrono::steady_clock::now();
+      const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
+      save_sharded_checkpoint(*model, &adamw, path);
+      if (lead) {
+        std::cout << absl::StrFormat(
+            "checkpoint: %s (%.2f s)\n", path,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+      }
+    }
     if (!lead) continue;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double tokens_per_s = tokens_per_step * (step + 1) / seconds;
-    csv << absl::StrFormat("%d,%.5f,%s,%.6f,%.0f\n", step + 1, train_loss,
-                           eval ? absl::StrFormat("%.5f", val) : "", lr, tokens_per_s);
+    const double tokens_per_s = tokens_per_step * (step + 1 - first) / seconds;
+    csv << absl::StrFormat("%d,%.7f,%s,%.6f,%.0f\n", step + 1, train_loss,
+                           eval ? absl::StrFormat("%.7f", val) : "", lr, tokens_per_s);
     if (log) {
       std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | ETA %.0f s\n",
                                    step + 1, steps, train_loss, lr, tokens_per_s,
-                                   seconds / (step + 1) * (steps - step - 1));
+                                   seconds / (step + 1 - first) * (steps - step - 1));
     }
     if (eval) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, val);
   }
   // Per-rank figures, gathered to rank 0.
-  const double per_step = double(comm->counters().total().bytes_sent) / steps;
+  const double per_step =
+      double(comm->counters().total().bytes_sent) / std::max<int64_t>(1, steps - first);
   at::Tensor mine = at::tensor({double(max_memory_allocated()), per_step}, at::kDouble);
   at::Tensor all = at::empty({2 * comm->world_size()}, at::kDouble);
   comm->all_gather_into_tensor(all, mine);
+  const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+  if (lead) save_state_dict(full, dir + "/model.pt");
   const std::string text = absl::GetFlag(FLAGS_sample_length) > 0 ? sample(model, corpus) : "";
   if (!lead) return 0;
   for (int r = 0; r < comm->world_size(); ++r) {
@@ -230,7 +284,8 @@ int train() {
   }
   csv.close();
   plot(dir);
-  std::cout << "metrics: " << dir << "/metrics.csv, plot: " << dir << "/loss.png\n";
+  std::cout << "metrics: " << dir << "/metrics.csv, plot: " << dir << "/loss.png, model: " << dir
+            << "/model.pt\n";
   if (!text.empty()) std::cout << "sample:\n" << text << "\n";
   return 0;
 }

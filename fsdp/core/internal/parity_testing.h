@@ -3,6 +3,7 @@
 #ifndef FSDP_CORE_INTERNAL_PARITY_TESTING_H_
 #define FSDP_CORE_INTERNAL_PARITY_TESTING_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -108,12 +109,18 @@ Reference reference(int world_size, bool adam) {
   return {losses, params};
 }
 
+// Called after each optimizer step (e.g. to save, zero and reload the state).
+template <typename Net>
+using AfterStep =
+    std::function<void(FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer& opt)>;
+
 // Trains Net with FSDP on this rank of `comm` (every rank calls it) and EXPECTs the
 // reference's losses every step and its parameters at the end. Tolerance: 2e-6
 // absolute, the fp32 rounding of averaging W partial gradients in a different order.
 template <typename Net>
 void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference& want,
-                      const FullyShardedDataParallelOptions& options, bool adam) {
+                      const FullyShardedDataParallelOptions& options, bool adam,
+                      const AfterStep<Net>& after_step = nullptr) {
   const int world_size = comm->world_size();
   FullyShardedDataParallel<Net> model(make<Net>(), options);
   auto optimizer = make_optimizer(model->parameters(), adam);
@@ -126,6 +133,7 @@ void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference
         batch.target.narrow(0, comm->rank() * kBatchPerRank, kBatchPerRank));
     loss.backward();
     optimizer->step();
+    if (after_step) after_step(*model, *optimizer);
     at::Tensor global = loss.detach().clone();
     comm->all_reduce(global, ReduceOp::kAvg);
     EXPECT_NEAR(global.item<float>(), want.losses[step], 2e-6) << "step " << step;

@@ -45,6 +45,7 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
 
   const std::string& fqn() const { return fqn_; }
   bool is_root() const { return is_root_; }
+  RootState& root() const { return *root_; }
   FlatParamHandle* handle() const { return handle_.get(); }
   HandleTrainingState handle_state() const { return handle_state_; }
 

@@ -1,0 +1,515 @@
+#include "fsdp/state/checkpoint.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/torch_file.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using state_internal::PyValue;
+using state_internal::PyValuePtr;
+
+constexpr char kFormat[] = "fsdp.sharded_checkpoint";
+constexpr int64_t kVersion = 1;
+constexpr char kMetadata[] = "metadata.pt";
+constexpr char kModelPrefix[] = "model/";
+constexpr char kOptimPrefix[] = "optim/";
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Writes `bytes` to `path` crash-safely: a temporary file in the same directory,
+// fsync'ed, renamed over `path`, and the directory fsync'ed.
+void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
+  const std::string temporary = absl::StrCat(path, ".tmp-", getpid());
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot create '", temporary, "': ", errno_text());
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string error = errno_text();
+      ::close(fd);
+      ::unlink(temporary.c_str());
+      TORCH_CHECK(false, "cannot write '", temporary, "': ", error);
+    }
+    written += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  const std::string sync_error = errno_text();
+  ::close(fd);
+  if (!synced || ::rename(temporary.c_str(), path.c_str()) != 0) {
+    const std::string error = synced ? errno_text() : sync_error;
+    ::unlink(temporary.c_str());
+    TORCH_CHECK(false, "cannot write '", path, "': ", error);
+  }
+  const std::string dir = fs::path(path).parent_path().string();
+  const int dir_fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good() && !fs::is_directory(path), "cannot open '", path,
+              "': no such readable file");
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+uint64_t crc32_of(const char* data, size_t size) {
+  return ::crc32_z(::crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(data), size);
+}
+
+// ---- Reading values of a parsed file, with messages naming the file.
+
+const PyValuePtr& expect(const PyValuePtr& value, PyValue::Kind kind, const std::string& what,
+                         const std::string& file) {
+  TORCH_CHECK(value->kind == kind, "'", file, "': ", what, " must be a ",
+              state_internal::kind_name(kind), ", found a ", state_internal::kind_name(value->kind));
+  return value;
+}
+
+// The dict's items as (str key, value) pairs.
+std::vector<std::pair<std::string, PyValuePtr>> dict_items(const PyValuePtr& dict,
+                                                           const std::string& what,
+                                                           const std::string& file) {
+  expect(dict, PyValue::Kind::kDict, what, file);
+  std::vector<std::pair<std::string, PyValuePtr>> items;
+  for (size_t i = 0; i + 1 < dict->items.size(); i += 2) {
+    expect(dict->items[i], PyValue::Kind::kString, what + " keys", file);
+    items.emplace_back(dict->items[i]->string, dict->items[i + 1]);
+  }
+  return items;
+}
+
+PyValuePtr dict_get(const PyValuePtr& dict, const std::string& key, const std::string& file) {
+  for (const auto& [name, value] : dict_items(dict, "the metadata", file)) {
+    if (name == key) return value;
+  }
+  TORCH_CHECK(false, "'", file, "' has no '", key, "' entry; it is not an fsdp checkpoint");
+}
+
+StateDict tensor_dict(const PyValuePtr& dict, const std::string& what, const std::string& file) {
+  StateDict state_dict;
+  for (const auto& [key, value] : dict_items(dict, what, file)) {
+    expect(value, PyValue::Kind::kTensor, what + " value '" + key + "'", file);
+    TORCH_CHECK(!state_dict.contains(key), "'", file, "' holds the key '", key, "' twice");
+    state_dict.insert(key, value->tensor);
+  }
+  return state_dict;
+}
+
+std::vector<int64_t> int_list(const PyValuePtr& list, const std::string& what,
+                              const std::string& file) {
+  TORCH_CHECK(list->kind == PyValue::Kind::kList || list->kind == PyValue::Kind::kTuple, "'",
+              file, "': ", what, " must be a list of ints");
+  std::vector<int64_t> ints;
+  for (const PyValuePtr& item : list->items) {
+    ints.push_back(expect(item, PyValue::Kind::kInt, what, file)->integer);
+  }
+  return ints;
+}
+
+c10::Dict<std::string, at::Tensor> tensor_dict_value(const StateDict& state_dict) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& item : state_dict) dict.insert(item.key(), item.value().contiguous());
+  return dict;
+}
+
+// ---- Sharded checkpoints.
+
+// One tensor of a sharded checkpoint as this rank holds it.
+struct Item {
+  std::string key;
+  const ShardedTensor* tensor;
+};
+
+std::vector<Item> items_of(const ShardedStateDict& model, const ShardedOptimStateDict& optim) {
+  std::vector<Item> items;
+  for (const auto& entry : model) items.push_back({kModelPrefix + entry.key(), &entry.value()});
+  for (const auto& param : optim) {
+    for (const auto& state : param.value()) {
+      items.push_back({absl::StrCat(kOptimPrefix, param.key(), "/", state.key()), &state.value()});
+    }
+  }
+  return items;
+}
+
+// The dtype c10::toString names `name` ("Float", "Long", ...).
+at::ScalarType dtype_named(const std::string& name, const std::string& where) {
+  for (at::ScalarType t : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
+                           at::kShort, at::kChar, at::kByte, at::kBool}) {
+    if (name == c10::toString(t)) return t;
+  }
+  TORCH_CHECK(false, "'", where, "': unknown dtype '", name, "'");
+}
+
+std::string rank_file(int rank) { return absl::StrFormat("rank_%05d.pt", rank); }
+
+// A checkpoint's metadata: where each tensor's pieces are.
+struct Piece {
+  int rank;
+  int64_t offset;
+  int64_t numel;
+};
+struct TensorMeta {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  bool replicated = false;
+  std::vector<Piece> pieces;
+};
+struct FileMeta {
+  int64_t bytes;
+  uint64_t crc32;
+};
+
+c10::IValue metadata_value(int world_size, const std::vector<Item>& items,
+                           const std::vector<int64_t>& gathered, size_t stride) {
+  c10::impl::GenericDict files(c10::StringType::get(), c10::AnyType::get());
+  for (int r = 0; r < world_size; ++r) {
+    files.insert(rank_file(r), c10::List<int64_t>({gathered[r * stride + 1],
+                                                   gathered[r * stride + 2]}));
+  }
+  c10::impl::GenericDict tensors(c10::StringType::get(), c10::AnyType::get());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ShardedTensor& t = *items[i].tensor;
+    c10::List<int64_t> pieces;
+    for (int r = 0; r < world_size; ++r) {
+      const int64_t offset = gathered[r * stride + 3 + 2 * i];
+      const int64_t numel = gathered[r * stride + 4 + 2 * i];
+      if (numel == 0 || (t.replicated && r != 0)) continue;
+      pieces.push_back(r);
+      pieces.push_back(offset);
+      pieces.push_back(numel);
+    }
+    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    entry.insert("dtype", std::string(c10::toString(t.local.scalar_type())));
+    entry.insert("shape", c10::List<int64_t>(t.global_shape));
+    entry.insert("replicated", t.replicated);
+    entry.insert("pieces", pieces);
+    tensors.insert(items[i].key, entry);
+  }
+  c10::impl::GenericDict metadata(c10::StringType::get(), c10::AnyType::get());
+  metadata.insert("format", std::string(kFormat));
+  metadata.insert("version", kVersion);
+  metadata.insert("world_size", int64_t{world_size});
+  metadata.insert("files", files);
+  metadata.insert("tensors", tensors);
+  return metadata;
+}
+
+// Moves the complete `partial` directory to `dir`, swapping out an existing one.
+void publish(const fs::path& partial, const fs::path& dir) {
+  if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_NOREPLACE) != 0) {
+    TORCH_CHECK(errno == EEXIST || errno == ENOTEMPTY, "cannot publish checkpoint '",
+                dir.string(), "': ", errno_text());
+    TORCH_CHECK(::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0,
+                "cannot replace checkpoint '", dir.string(), "': ", errno_text());
+    fs::remove_all(partial);  // now the previous checkpoint
+  }
+  const int fd = ::open(dir.parent_path().empty() ? "." : dir.parent_path().c_str(),
+                        O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+    TORCH_CHECK(fs::is_directory(dir_), "no checkpoint directory '", dir_, "'");
+    const std::string path = (fs::path(dir_) / kMetadata).string();
+    TORCH_CHECK(fs::exists(path), "'", dir_, "' is not a complete checkpoint: it has no ",
+                kMetadata);
+    const PyValuePtr root = state_internal::read_torch_file(read_file(path), path);
+    const PyValuePtr format = dict_get(root, "format", path);
+    TORCH_CHECK(format->kind == PyValue::Kind::kString && format->string == kFormat, "'", path,
+                "' is not the metadata of an fsdp sharded checkpoint");
+    const int64_t version = expect(dict_get(root, "version", path), PyValue::Kind::kInt,
+                                   "version", path)->integer;
+    TORCH_CHECK(version == kVersion, "'", dir_, "' was written in checkpoint format version ",
+                version, "; this build of fsdp reads version ", kVersion,
+                " (use the fsdp that wrote it, or a newer one)");
+    world_size_ = expect(dict_get(root, "world_size", path), PyValue::Kind::kInt, "world_size",
+                         path)->integer;
+    for (const auto& [name, value] : dict_items(dict_get(root, "files", path), "files", path)) {
+      const std::vector<int64_t> size_crc = int_list(value, "a file's size and crc32", path);
+      TORCH_CHECK(size_crc.size() == 2, "'", path, "': bad entry for file ", name);
+      files_[name] = {size_crc[0], static_cast<uint64_t>(size_crc[1])};
+    }
+    for (const auto& [key, value] :
+         dict_items(dict_get(root, "tensors", path), "tensors", path)) {
+      TensorMeta meta;
+      meta.dtype = expect(dict_get(value, "dtype", path), PyValue::Kind::kString, "dtype",
+                          path)->string;
+      meta.shape = int_list(dict_get(value, "shape", path), "shape", path);
+      meta.replicated = expect(dict_get(value, "replicated", path), PyValue::Kind::kBool,
+                               "replicated", path)->integer != 0;
+      const std::vector<int64_t> pieces = int_list(dict_get(value, "pieces", path), "pieces", path);
+      TORCH_CHECK(pieces.size() % 3 == 0, "'", path, "': bad pieces for '", key, "'");
+      for (size_t i = 0; i < pieces.size(); i += 3) {
+        TORCH_CHECK(pieces[i] >= 0 && pieces[i] < world_size_, "'", path, "': bad rank for '",
+                    key, "'");
+        meta.pieces.push_back({static_cast<int>(pieces[i]), pieces[i + 1], pieces[i + 2]});
+      }
+      keys_.push_back(key);
+      tensors_[key] = std::move(meta);
+    }
+  }
+
+  const std::vector<std::string>& keys() const { return keys_; }
+  const TensorMeta& meta(const std::string& key) const { return tensors_.at(key); }
+  bool has(const std::string& key) const { return tensors_.contains(key); }
+
+  // Copies elements [begin, begin + out.numel()) of tensor `key` (flattened) into `out`.
+  void read(const std::string& key, int64_t begin, at::Tensor out) {
+    const int64_t end = begin + out.numel();
+    int64_t covered = 0;
+    for (const Piece& piece : tensors_.at(key).pieces) {
+      const int64_t lo = std::max(begin, piece.offset);
+      const int64_t hi = std::min(end, piece.offset + piece.numel);
+      if (lo >= hi) continue;
+      const at::Tensor* local = rank_tensors(piece.rank).find(key);
+      TORCH_CHECK(local != nullptr && local->dim() == 1 && local->numel() == piece.numel, "'",
+                  dir_, "/", rank_file(piece.rank), "' lacks the piece of '", key,
+                  "' its metadata lists");
+      out.narrow(0, lo - begin, hi - lo).copy_(local->narrow(0, lo - piece.offset, hi - lo));
+      covered += hi - lo;
+    }
+    TORCH_CHECK(covered == out.numel(), "checkpoint '", dir_, "' holds ", covered, " of the ",
+                out.numel(), " elements of '", key, "' this rank needs; it is incomplete");
+  }
+
+ private:
+  const StateDict& rank_tensors(int rank) {
+    auto it = loaded_.find(rank);
+    if (it != loaded_.end()) return it->second;
+    const std::string name = rank_file(rank);
+    const std::string path = (fs::path(dir_) / name).string();
+    auto meta = files_.find(name);
+    TORCH_CHECK(meta != files_.end(), "'", dir_, "' metadata lists no file ", name);
+    const std::string bytes = read_file(path);
+    TORCH_CHECK(int64_t(bytes.size()) == meta->second.bytes, "checkpoint file '", path, "' has ",
+                bytes.size(), " bytes, the metadata says ", meta->second.bytes,
+                ": it is truncated or damaged; use another checkpoint");
+    TORCH_CHECK(crc32_of(bytes.data(), bytes.size()) == meta->second.crc32, "checkpoint file '",
+                path, "' fails its CRC-32 check: it is damaged; use another checkpoint");
+    return loaded_
+        .emplace(rank, tensor_dict(state_internal::read_torch_file(bytes, path), "the pieces",
+                                   path))
+        .first->second;
+  }
+
+  std::string dir_;
+  int64_t world_size_ = 0;
+  absl::flat_hash_map<std::string, FileMeta> files_;
+  std::vector<std::string> keys_;
+  absl::flat_hash_map<std::string, TensorMeta> tensors_;
+  absl::flat_hash_map<int, StateDict> loaded_;
+};
+
+}  // namespace
+
+void save_state_dict(const StateDict& state_dict, const std::string& path) {
+  write_file_durably(path, torch::jit::pickle_save(tensor_dict_value(state_dict)));
+}
+
+StateDict load_state_dict(const std::string& path) {
+  return tensor_dict(state_internal::read_torch_file(read_file(path), path), "the state dict",
+                     path);
+}
+
+void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& path) {
+  c10::Dict<std::string, c10::Dict<std::string, at::Tensor>> dict;
+  for (const auto& param : state_dict) {
+    dict.insert(param.key(), tensor_dict_value(param.value()));
+  }
+  write_file_durably(path, torch::jit::pickle_save(dict));
+}
+
+OptimStateDict load_optim_state_dict(const std::string& path) {
+  OptimStateDict state_dict;
+  const PyValuePtr root = state_internal::read_torch_file(read_file(path), path);
+  for (const auto& [fqn, value] : dict_items(root, "the optimizer state dict", path)) {
+    state_dict.insert(fqn, tensor_dict(value, "the state of '" + fqn + "'", path));
+  }
+  return state_dict;
+}
+
+void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* optimizer,
+                             const std::string& dir) {
+  const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
+  const ShardedOptimStateDict optim_state =
+      optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
+  Communicator& comm = model.state()->root().comm();
+  const int rank = comm.rank();
+  const std::vector<Item> items = items_of(model_state, optim_state);
+  const fs::path target = fs::absolute(dir).lexically_normal();
+  const fs::path partial =
+      target.parent_path() / absl::StrCat(".", target.filename().string(), ".partial");
+
+  // Every rank learns whether every other rank succeeded, so none waits for a dead one.
+  auto all_ok = [&](bool ok, const std::string& step, const std::string& error) {
+    at::Tensor flag = at::scalar_tensor(ok ? 1 : 0, at::kLong).reshape({1});
+    comm.all_reduce(flag, ReduceOp::kSum);
+    TORCH_CHECK(ok, "save_sharded_checkpoint: ", step, " failed on rank ", rank, ": ", error);
+    TORCH_CHECK(flag.item<int64_t>() == comm.world_size(), "save_sharded_checkpoint: ", step,
+                " failed on ", comm.world_size() - flag.item<int64_t>(),
+                " other rank(s); see their errors");
+  };
+  std::string error;
+  bool ok = true;
+  if (rank == 0) {
+    try {
+      TORCH_CHECK(fs::is_directory(target.parent_path()), "the parent directory '",
+                  target.parent_path().string(), "' does not exist");
+      fs::remove_all(partial);
+      fs::create_directory(partial);
+    } catch (const std::exception& e) {
+      ok = false;
+      error = e.what();
+    }
+  }
+  all_ok(ok, "creating '" + partial.string() + "'", error);
+
+  // This rank's file, and what rank 0 needs for the metadata.
+  const size_t stride = 3 + 2 * items.size();
+  at::Tensor mine = at::zeros({static_cast<int64_t>(stride)}, at::kLong);
+  auto* m = mine.data_ptr<int64_t>();
+  try {
+    c10::Dict<std::string, at::Tensor> pieces;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const ShardedTensor& t = *items[i].tensor;
+      m[3 + 2 * i] = t.offset;
+      m[4 + 2 * i] = t.local.numel();
+      if (t.local.numel() > 0 && (!t.replicated || rank == 0)) {
+        pieces.insert(items[i].key, t.local.contiguous());
+      }
+    }
+    const std::vector<char> bytes = torch::jit::pickle_save(pieces);
+    write_file_durably((partial / rank_file(rank)).string(), bytes);
+    m[0] = 1;
+    m[1] = static_cast<int64_t>(bytes.size());
+    m[2] = static_cast<int64_t>(crc32_of(bytes.data(), bytes.size()));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  at::Tensor all = at::empty({static_cast<int64_t>(stride) * comm.world_size()}, at::kLong);
+  comm.all_gather_into_tensor(all, mine);
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::string failed;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (a[r * stride] == 0) absl::StrAppend(&failed, failed.empty() ? "" : ", ", r);
+  }
+  TORCH_CHECK(m[0] == 1, "save_sharded_checkpoint: rank ", rank, " cannot write its shard: ",
+              error);
+  TORCH_CHECK(failed.empty(), "save_sharded_checkpoint: rank(s) ", failed,
+              " could not write their shards; see their errors. '", dir, "' is unchanged");
+
+  ok = true;
+  if (rank == 0) {
+    try {
+      write_file_durably(
+          (partial / kMetadata).string(),
+          torch::jit::pickle_save(metadata_value(comm.world_size(), items,
+                                                 std::vector<int64_t>(a, a + all.numel()),
+                                                 stride)));
+      publish(partial, target);
+    } catch (const std::exception& e) {
+      ok = false;
+      error = e.what();
+    }
+  }
+  all_ok(ok, "publishing '" + target.string() + "'", error);
+}
+
+void load_sharded_checkpoint(UnitBase& model, torch::optim::Optimizer* optimizer,
+                             const std::string& dir) {
+  static const std::string kWhat = "load_sharded_checkpoint";
+  ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
+  CheckpointReader reader(dir);
+  std::vector<std::string> model_keys;
+  for (const std::string& key : reader.keys()) {
+    if (absl::StartsWith(key, kModelPrefix)) model_keys.push_back(key.substr(strlen(kModelPrefix)));
+  }
+  state_internal::check_same_keys(model_state.keys(), model_keys,
+                                  kWhat + " ('" + dir + "' holds another model)");
+  for (auto& entry : model_state) {
+    ShardedTensor& piece = entry.value();
+    const TensorMeta& meta = reader.meta(kModelPrefix + entry.key());
+    TORCH_CHECK(meta.shape == piece.global_shape, kWhat, ": size mismatch for '", entry.key(),
+                "': the checkpoint has shape ", state_internal::shape_string(meta.shape),
+                ", the model has ", state_internal::shape_string(piece.global_shape));
+    TORCH_CHECK(meta.dtype == c10::toString(piece.local.scalar_type()), kWhat,
+                ": dtype mismatch for '", entry.key(), "': the checkpoint has ", meta.dtype,
+                ", the model has ", c10::toString(piece.local.scalar_type()));
+    reader.read(kModelPrefix + entry.key(), piece.offset, piece.local);
+  }
+  if (optimizer != nullptr) {
+    ShardedOptimStateDict optim_state;
+    for (const std::string& key : reader.keys()) {
+      if (!absl::StartsWith(key, kOptimPrefix)) continue;
+      const size_t slash = key.rfind('/');
+      const std::string fqn = key.substr(strlen(kOptimPrefix), slash - strlen(kOptimPrefix));
+      const TensorMeta& meta = reader.meta(key);
+      const ShardedTensor* param = model_state.find(fqn);
+      TORCH_CHECK(param != nullptr, kWhat, ": '", dir, "' has optimizer state for '", fqn,
+                  "', which the model does not have");
+      ShardedTensor piece;
+      piece.global_shape = meta.shape;
+      piece.replicated = meta.replicated;
+      int64_t numel = 1;
+      for (int64_t d : meta.shape) numel *= d;
+      piece.offset = meta.replicated ? 0 : param->offset;
+      piece.local = at::empty({meta.replicated ? numel : param->local.numel()},
+                              dtype_named(meta.dtype, dir));
+      reader.read(key, piece.offset, piece.local);
+      if (!optim_state.contains(fqn)) optim_state.insert(fqn, ShardedParamOptimState());
+      optim_state[fqn].insert(key.substr(slash + 1), std::move(piece));
+    }
+    load_sharded_optim_state_dict(model, *optimizer, optim_state);
+  }
+  load_sharded_state_dict(model, model_state);
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root) {
+  std::optional<std::string> latest;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name[0] == '.' || !entry.is_directory()) continue;
+    if (!fs::exists(entry.path() / kMetadata)) continue;
+    if (!latest || name > fs::path(*latest).filename().string()) latest = entry.path().string();
+  }
+  return latest;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,80 @@
+// Checkpoint files: full state dicts in PyTorch's format, and sharded checkpoint
+// directories that load at any world size.
+//
+//   // Full: rank 0 writes one file that torch.load reads in Python.
+//   fsdp::StateDict full = fsdp::full_state_dict(*model, fsdp::FullStateDictOptions()
+//                                                             .rank0_only(true));
+//   if (rank == 0) fsdp::save_state_dict(full, "/ckpt/model.pt");
+//   fsdp::load_full_state_dict(*model, fsdp::load_state_dict("/ckpt/model.pt"));
+//
+//   // Sharded: every rank writes its pieces of the model and optimizer (collective).
+//   fsdp::save_sharded_checkpoint(*model, &optimizer, "/ckpt/step_00000200");
+//   fsdp::load_sharded_checkpoint(*model, &optimizer, *fsdp::latest_checkpoint("/ckpt"));
+//
+// Full files: a zip archive as torch.save writes it (torch::jit::pickle_save) holding a
+// dict str -> Tensor; load_state_dict also reads files saved by PyTorch's
+// torch.save(model.state_dict()) (an OrderedDict), e.g. to fine-tune a PyTorch model.
+//
+// Sharded directory: rank_00000.pt ... (each rank's pieces: dict key -> 1-D tensor; keys
+// "model/<FQN>" and "optim/<FQN>/<state name>"; replicated tensors written by rank 0
+// only) and metadata.pt (format, version, world size, every tensor's dtype, shape and
+// pieces, every file's size and CRC-32). Loading at another world size reads, on each
+// rank, only the files its new shard overlaps. The directory must be on a file system
+// every rank sees (for several hosts, a shared one).
+//
+// Crash safety: a file is written to a temporary name, flushed to disk (fsync) and
+// renamed; a sharded checkpoint is assembled in a hidden sibling directory
+// (".<name>.partial") and published with one rename (an existing checkpoint of the same
+// name is swapped out atomically), so a checkpoint directory is complete or absent.
+// Reads verify sizes and checksums before parsing.
+//
+// PyTorch: torch.save / torch.load of state dicts; torch.distributed.checkpoint
+// (save_state_dict / load_state_dict with resharding) for sharded checkpoints.
+//
+// Errors: c10::Error naming the file and what is wrong (missing, truncated, damaged,
+// another format or a newer version, tensors of another model: missing or unexpected
+// FQNs, shape or dtype mismatches). Collective functions raise on every rank when one
+// rank fails to write. Threading: as state_dict.h.
+#ifndef FSDP_STATE_CHECKPOINT_H_
+#define FSDP_STATE_CHECKPOINT_H_
+
+#include <optional>
+#include <string>
+
+#include <torch/optim/optimizer.h>
+
+#include "fsdp/core/unit.h"
+#include "fsdp/state/optim_state_dict.h"
+#include "fsdp/state/state_dict.h"
+
+namespace fsdp {
+
+// Writes `state_dict` to `path` atomically (torch.load in Python returns a dict).
+void save_state_dict(const StateDict& state_dict, const std::string& path);
+// Reads a file written by save_state_dict or by torch.save(module.state_dict()); tensors
+// land on the CPU.
+StateDict load_state_dict(const std::string& path);
+
+// The same for a full optimizer state dict (a dict FQN -> dict state name -> Tensor).
+void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& path);
+OptimStateDict load_optim_state_dict(const std::string& path);
+
+// Writes the model's (and, if not null, the optimizer's) sharded state to directory
+// `dir` (its parent must exist; an existing `dir` is replaced). Collective.
+void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* optimizer,
+                             const std::string& dir);
+
+// Loads a sharded checkpoint saved at any world size into `model` (and `optimizer`, if
+// not null: its state becomes the checkpoint's). Strict: the checkpoint's model keys,
+// shapes and dtypes must be the model's. Reads files only; no communication.
+void load_sharded_checkpoint(UnitBase& model, torch::optim::Optimizer* optimizer,
+                             const std::string& dir);
+
+// The complete sharded checkpoint under `root` whose directory name sorts last (name
+// them so that they sort by step, e.g. step_00000200), or nullopt if there is none.
+// Partial directories (a save that crashed) are skipped.
+std::optional<std::string> latest_checkpoint(const std::string& root);
+
+}  // namespace fsdp
+
+#endif  // FSDP_STATE_CHECKPOINT_H_

@@ -1,0 +1,264 @@
+// Checkpoint files on ranks as threads: full files, sharded directories resharded to
+// other world sizes, crash safety, and every reading error.
+#include "fsdp/state/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/optim/adam.h>
+
+#include "fsdp/comm/fake.h"
+#include "fsdp/core/internal/parity_testing.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+void on_ranks(int world_size, const std::function<void(std::shared_ptr<Communicator>)>& fn) {
+  FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
+    fn(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+  });
+}
+
+fs::path scratch(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  fs::path dir = fs::path(tmp != nullptr ? tmp : "/tmp") / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+size_t entries(const fs::path& dir) {
+  return std::distance(fs::directory_iterator(dir), fs::directory_iterator());
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// TinyLm trained two Adam steps on `comm`'s ranks.
+struct Trained {
+  FullyShardedDataParallel<TinyLmImpl> model{nullptr};
+  std::unique_ptr<torch::optim::Adam> adam;
+};
+Trained train_tiny_lm(std::shared_ptr<Communicator> comm, int steps) {
+  Trained t{FullyShardedDataParallel<TinyLmImpl>(make<TinyLmImpl>(),
+                                                 FullyShardedDataParallelOptions(comm)),
+            nullptr};
+  t.adam = std::make_unique<torch::optim::Adam>(t.model->parameters(),
+                                                torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < steps; ++step) {
+    const Batch batch = TinyLmImpl::batch(step, 2 * comm->world_size());
+    t.adam->zero_grad();
+    TinyLmImpl::loss(t.model->forward(batch.input.narrow(0, 2 * comm->rank(), 2)),
+                     batch.target.narrow(0, 2 * comm->rank(), 2))
+        .backward();
+    t.adam->step();
+  }
+  return t;
+}
+
+void expect_equal(const StateDict& got, const StateDict& want) {
+  ASSERT_EQ(got.keys(), want.keys());
+  for (const auto& item : want) EXPECT_TRUE(at::equal(got[item.key()], item.value())) << item.key();
+}
+
+TEST(StateDictFile, RoundTripsEveryDtypeAndOneItemDicts) {
+  const fs::path dir = scratch("full_file");
+  StateDict saved;
+  saved.insert("a.weight", at::randn({3, 4}));
+  saved.insert("a.count", at::arange(5, at::kLong));
+  saved.insert("b.half", at::randn({2}).to(at::kHalf));
+  saved.insert("b.strided", at::randn({4, 4}).t());
+  save_state_dict(saved, (dir / "model.pt").string());
+  expect_equal(load_state_dict((dir / "model.pt").string()), saved);
+  StateDict one;
+  one.insert("only", at::ones({1}));
+  save_state_dict(one, (dir / "one.pt").string());
+  expect_equal(load_state_dict((dir / "one.pt").string()), one);
+  EXPECT_EQ(entries(dir), 2u) << "no temporary files left";
+}
+
+TEST(OptimStateDictFile, RoundTrips) {
+  const fs::path dir = scratch("optim_file");
+  OptimStateDict saved;
+  ParamOptimState state;
+  state.insert("exp_avg", at::randn({3}));
+  state.insert("step", at::scalar_tensor(7, at::kLong));
+  saved.insert("l1.weight", state);
+  save_optim_state_dict(saved, (dir / "optim.pt").string());
+  const OptimStateDict got = load_optim_state_dict((dir / "optim.pt").string());
+  ASSERT_THAT(got.keys(), ElementsAre("l1.weight"));
+  expect_equal(got["l1.weight"], state);
+}
+
+// Saved at W = 2, loaded at W = 3 and W = 1: identical full parameters and optimizer state.
+TEST(ShardedCheckpoint, ReshardsToOtherWorldSizes) {
+  const fs::path root = scratch("resharding");
+  const std::string dir = (root / "step_00000002").string();
+  StateDict want_model;
+  OptimStateDict want_optim;
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 2);
+    save_sharded_checkpoint(*t.model, t.adam.get(), dir);
+    StateDict model = full_state_dict(*t.model);
+    OptimStateDict optim = full_optim_state_dict(*t.model, *t.adam);
+    if (comm->rank() == 0) {
+      want_model = model;
+      want_optim = optim;
+    }
+  });
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(root / "step_00000002")) {
+    files.push_back(entry.path().filename().string());
+  }
+  std::sort(files.begin(), files.end());
+  EXPECT_THAT(files, ElementsAre("metadata.pt", "rank_00000.pt", "rank_00001.pt"));
+  EXPECT_EQ(entries(root), 1u) << "no partial directory left";
+  for (int w : {3, 1, 2}) {
+    on_ranks(w, [&](std::shared_ptr<Communicator> comm) {
+      Trained t = train_tiny_lm(comm, 0);
+      load_sharded_checkpoint(*t.model, t.adam.get(), dir);
+      const StateDict model = full_state_dict(*t.model);
+      const OptimStateDict optim = full_optim_state_dict(*t.model, *t.adam);
+      expect_equal(model, want_model);
+      ASSERT_EQ(optim.keys(), want_optim.keys()) << "W=" << w;
+      for (const auto& item : want_optim) expect_equal(optim[item.key()], item.value());
+    });
+  }
+}
+
+TEST(ShardedCheckpoint, ReplacesAnExistingCheckpointAndFindsTheLatest) {
+  const fs::path root = scratch("latest");
+  EXPECT_EQ(latest_checkpoint(root.string()), std::nullopt);
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 1);
+    save_sharded_checkpoint(*t.model, t.adam.get(), (root / "step_00000100").string());
+    save_sharded_checkpoint(*t.model, t.adam.get(), (root / "step_00000200").string());
+    save_sharded_checkpoint(*t.model, nullptr, (root / "step_00000200").string());  // replace
+  });
+  fs::create_directories(root / ".step_00000300.partial");  // a save that crashed
+  fs::create_directories(root / "step_00000400");            // not a checkpoint
+  EXPECT_EQ(latest_checkpoint(root.string()), (root / "step_00000200").string());
+  on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 0);
+    load_sharded_checkpoint(*t.model, t.adam.get(), (root / "step_00000200").string());
+    EXPECT_TRUE(t.adam->state().empty()) << "the replacement holds no optimizer state";
+  });
+}
+
+TEST(ShardedCheckpoint, AFailedSaveRaisesOnEveryRankAndChangesNothing) {
+  const fs::path root = scratch("failed_save");
+  on_ranks(3, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 0);
+    // Rank 0 (which creates the directory) says why; the others that it failed.
+    EXPECT_THAT(
+        [&] { save_sharded_checkpoint(*t.model, nullptr, (root / "no/such/dir").string()); },
+        ThrowsMessage<c10::Error>(HasSubstr(
+            comm->rank() == 0 ? "failed on rank 0: the parent directory '" + (root / "no/such").string() +
+                                    "' does not exist"
+                              : "failed on 1 other rank(s); see their errors")));
+  });
+  EXPECT_EQ(entries(root), 0u);
+}
+
+class BadCheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = scratch("bad_" + std::string(
+                                 ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    dir_ = root_ / "step_1";
+    on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+      Trained t = train_tiny_lm(comm, 1);
+      save_sharded_checkpoint(*t.model, t.adam.get(), dir_.string());
+    });
+  }
+  // The error loading dir_ into TinyLm at W = 1.
+  void expect_load_error(const std::string& message) {
+    on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+      Trained t = train_tiny_lm(comm, 0);
+      EXPECT_THAT([&] { load_sharded_checkpoint(*t.model, t.adam.get(), dir_.string()); },
+                  ThrowsMessage<c10::Error>(HasSubstr(message)));
+    });
+  }
+  fs::path root_, dir_;
+};
+
+TEST_F(BadCheckpointTest, TruncatedShard) {
+  const std::string bytes = read_bytes(dir_ / "rank_00001.pt");
+  write_bytes(dir_ / "rank_00001.pt", bytes.substr(0, bytes.size() / 2));
+  expect_load_error("rank_00001.pt' has " + std::to_string(bytes.size() / 2) +
+                    " bytes, the metadata says " + std::to_string(bytes.size()) +
+                    ": it is truncated or damaged");
+}
+
+TEST_F(BadCheckpointTest, CorruptShard) {
+  std::string bytes = read_bytes(dir_ / "rank_00000.pt");
+  bytes[bytes.size() / 2] ^= 0x5a;
+  write_bytes(dir_ / "rank_00000.pt", bytes);
+  expect_load_error("rank_00000.pt' fails its CRC-32 check");
+}
+
+TEST_F(BadCheckpointTest, MissingMetadata) {
+  fs::remove(dir_ / "metadata.pt");
+  expect_load_error("is not a complete checkpoint: it has no metadata.pt");
+}
+
+TEST_F(BadCheckpointTest, NotAZipFile) {
+  write_bytes(dir_ / "metadata.pt", "not a checkpoint");
+  expect_load_error("metadata.pt': ");
+}
+
+TEST_F(BadCheckpointTest, NewerVersion) {
+  c10::impl::GenericDict metadata(c10::StringType::get(), c10::AnyType::get());
+  metadata.insert("format", std::string("fsdp.sharded_checkpoint"));
+  metadata.insert("version", int64_t{2});
+  const std::vector<char> bytes = torch::jit::pickle_save(metadata);
+  write_bytes(dir_ / "metadata.pt", std::string(bytes.begin(), bytes.end()));
+  expect_load_error("was written in checkpoint format version 2; this build of fsdp reads "
+                    "version 1");
+}
+
+TEST_F(BadCheckpointTest, AnotherModel) {
+  on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                              FullyShardedDataParallelOptions(comm));
+    EXPECT_THAT([&] { load_sharded_checkpoint(*model, nullptr, dir_.string()); },
+                ThrowsMessage<c10::Error>(HasSubstr(
+                    "holds another model): the keys do not match the model's; missing keys (6): "
+                    "'l1.weight'")));
+  });
+}
+
+TEST(StateDictFile, ErrorsNameTheFile) {
+  const fs::path dir = scratch("bad_full");
+  EXPECT_THAT([&] { load_state_dict((dir / "absent.pt").string()); },
+              ThrowsMessage<c10::Error>(HasSubstr("absent.pt': no such readable file")));
+  write_bytes(dir / "text.pt", "hello");
+  EXPECT_THAT([&] { load_state_dict((dir / "text.pt").string()); },
+              ThrowsMessage<c10::Error>(HasSubstr("cannot read '" + (dir / "text.pt").string())));
+  c10::Dict<std::string, int64_t> not_tensors;
+  not_tensors.insert("a", 1);
+  not_tensors.insert("b", 2);
+  const std::vector<char> bytes = torch::jit::pickle_save(not_tensors);
+  write_bytes(dir / "ints.pt", std::string(bytes.begin(), bytes.end()));
+  EXPECT_THAT([&] { load_state_dict((dir / "ints.pt").string()); },
+              ThrowsMessage<c10::Error>(HasSubstr("the state dict value 'a' must be a Tensor, "
+                                                  "found a int")));
+}
+
+}  // namespace
+}  // namespace fsdp

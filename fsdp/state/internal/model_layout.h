@@ -1,0 +1,79 @@
+// Where each state-dict entry of an FSDP model lives: in a unit's flat parameter (and
+// which elements of it this or another rank holds) or in an ordinary module tensor.
+// Shared by state_dict, optim_state_dict and checkpoint. Not a public API.
+#ifndef FSDP_STATE_INTERNAL_MODEL_LAYOUT_H_
+#define FSDP_STATE_INTERNAL_MODEL_LAYOUT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "fsdp/core/flat_param.h"
+#include "fsdp/core/unit.h"
+
+namespace fsdp::state_internal {
+
+// One key of the model's state dict (the unwrapped model's name).
+struct Entry {
+  std::string fqn;
+  // A parameter flattened into `handle` (param_infos()[info]); null for a buffer or a
+  // parameter FSDP leaves alone (ignored modules), held in `tensor`.
+  FlatParamHandle* handle = nullptr;
+  size_t info = 0;
+  at::Tensor tensor;
+  bool is_param = false;
+};
+
+// A unit's flat parameter.
+struct FlatParam {
+  std::string unit_fqn;  // cleaned; "" for the root
+  FlatParamHandle* handle = nullptr;
+};
+
+// The entries of any module (all with `tensor` set), in the order of PyTorch's
+// Module.state_dict(): modules in pre-order, each module's parameters then its buffers;
+// a tied parameter appears under each of its names. Names are cleaned.
+std::vector<Entry> module_entries(const torch::nn::Module& module);
+
+struct ModelLayout {
+  core_internal::RootState* root = nullptr;
+  int rank = 0;
+  int world_size = 1;
+  std::vector<Entry> entries;        // module_entries, parameters resolved to handles
+  std::vector<FlatParam> flat_params;  // units with parameters, pre-order
+};
+
+// The layout of `model`, which must be the root FullyShardedDataParallel; `what` names
+// the calling function in errors. Throws c10::Error if `model` is not a bound root or
+// is inside forward/backward.
+ModelLayout model_layout(UnitBase& model, const char* what);
+
+// The elements of one original parameter inside a rank's shard of its flat parameter.
+struct ParamSlice {
+  int64_t param_begin = 0;  // first element of the parameter (flattened) in the shard
+  int64_t shard_begin = 0;  // where it sits in the shard (0 = the shard's first element)
+  int64_t numel = 0;        // 0: the parameter has no element in this shard
+};
+
+// Rank `rank`'s slice of param_infos()[info] (NO_SHARD: every rank holds everything).
+ParamSlice param_slice(const FlatParamHandle& handle, size_t info, int rank);
+
+// Throws c10::Error if `found` is not the key set of `expected` (order aside): names up
+// to 10 missing and 10 unexpected keys and the counts, and says what to do when the
+// keys still carry wrapper prefixes. `what`: the caller, e.g. "load_full_state_dict".
+void check_same_keys(const std::vector<std::string>& expected,
+                     const std::vector<std::string>& found, const std::string& what);
+
+// Throws c10::Error unless `value` has `shape` and `dtype`; `source` says where `value`
+// comes from ("the state dict", "the checkpoint").
+void check_tensor(const std::string& what, const std::string& fqn, at::IntArrayRef shape,
+                  at::ScalarType dtype, const at::Tensor& value, const std::string& source);
+
+// "[2, 3]".
+std::string shape_string(at::IntArrayRef shape);
+
+}  // namespace fsdp::state_internal
+
+#endif  // FSDP_STATE_INTERNAL_MODEL_LAYOUT_H_

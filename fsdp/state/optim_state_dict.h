@@ -1,0 +1,65 @@
+// Optimizer state of an FSDP model keyed by parameter FQN: full (gathered, shaped like
+// the original parameters) and sharded (this rank's pieces). The optimizer was built
+// over the model's flat shards (model->parameters()), so its state is per flat
+// parameter; these functions translate it to and from per-parameter state.
+//
+//   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3));
+//   ... train ...
+//   fsdp::OptimStateDict full = fsdp::full_optim_state_dict(*model, adamw);
+//   fsdp::load_full_optim_state_dict(*model, adamw, full);   // every rank, same dict
+//
+// State names, as PyTorch's optimizers name them: SGD "momentum_buffer"; Adam and AdamW
+// "step" (0-dim int64 tensor), "exp_avg", "exp_avg_sq" and, with amsgrad,
+// "max_exp_avg_sq". Other optimizers are an error. A parameter the optimizer has not
+// stepped yet has no entry. A tied parameter is keyed by its first FQN in pre-order.
+// Parameters outside FSDP (ignored modules) given to the same optimizer are included,
+// replicated. Hyper-parameters (param_groups) are not part of the state: build the
+// optimizer with the same options before loading.
+//
+// PyTorch: FullyShardedDataParallel.full_optim_state_dict / optim_state_dict_to_load /
+// sharded_optim_state_dict.
+//
+// Collective where noted; threading and errors as in state_dict.h.
+#ifndef FSDP_STATE_OPTIM_STATE_DICT_H_
+#define FSDP_STATE_OPTIM_STATE_DICT_H_
+
+#include <string>
+
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+
+#include "fsdp/state/state_dict.h"
+
+namespace fsdp {
+
+// State name -> tensor, for one parameter.
+using ParamOptimState = torch::OrderedDict<std::string, at::Tensor>;
+// Cleaned FQN -> the parameter's state, in the model's parameter order.
+using OptimStateDict = torch::OrderedDict<std::string, ParamOptimState>;
+
+using ShardedParamOptimState = torch::OrderedDict<std::string, ShardedTensor>;
+using ShardedOptimStateDict = torch::OrderedDict<std::string, ShardedParamOptimState>;
+
+// Gathers the state (one all-gather per state tensor of each flat parameter). With
+// options.rank0_only(), ranks other than 0 get an empty dict. Collective.
+OptimStateDict full_optim_state_dict(UnitBase& model, const torch::optim::Optimizer& optimizer,
+                                     const FullStateDictOptions& options = {});
+
+// Replaces `optimizer`'s state with `state_dict` (every rank passes the same full dict).
+// Every parameter of a unit has state or none has (a flat parameter has one state);
+// shapes must equal the parameters' and dtypes their dtype. No communication.
+void load_full_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimizer,
+                                const OptimStateDict& state_dict);
+
+// This rank's pieces (copies); "step" is replicated. No communication.
+ShardedOptimStateDict sharded_optim_state_dict(UnitBase& model,
+                                               const torch::optim::Optimizer& optimizer);
+
+// Loads pieces covering this rank's shards (as sharded_optim_state_dict gave them at the
+// same world size, or as load_sharded_checkpoint assembles them at another).
+void load_sharded_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimizer,
+                                   const ShardedOptimStateDict& state_dict);
+
+}  // namespace fsdp
+
+#endif  // FSDP_STATE_OPTIM_STATE_DICT_H_

@@ -68,25 +68,32 @@ def table(header, rows):
 STRATEGIES = ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
 
 
+def write_dat(dat, name, columns, lines):
+    """One file per curve for plots.gp: NAME_CURVE.dat."""
+    for curve, rows in lines.items():
+        with open(dat(f"{name}_{curve}"), "w") as f:
+            f.write(f"# {columns}\n" + "\n".join(rows) + "\n")
+
+
 def memory_section(gpt, dat):
     rows = []
-    with open(dat("memory"), "w") as f:
-        f.write("# W strategy_index peak(median min max) formula ratio(median min max)\n")
-        for w in (1, 2, 4):
-            if w == 1 and f"BM_Strategy/FULL_SHARD/W:1" in gpt:
-                reps = gpt["BM_Strategy/FULL_SHARD/W:1"]
-                rows.append([1, "plain LibTorch", stat(reps, "ref_peak_MB").fmt(),
-                             stat(reps, "ref_mem_formula_MB").fmt(),
-                             stat(reps, "ref_mem_ratio").fmt(3)])
-            for i, s in enumerate(STRATEGIES):
-                reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
-                if not reps:
-                    continue
-                peak, formula = stat(reps, "peak_MB"), stat(reps, "mem_formula_MB")
-                ratio = stat(reps, "mem_ratio")
-                rows.append([w, s + (" (runs as NO_SHARD)" if w == 1 and i else ""),
-                             peak.fmt(), formula.fmt(), ratio.fmt(3)])
-                f.write(f"{w} {i} {peak.dat()} {formula.median:.6g} {ratio.dat()}\n")
+    lines = collections.defaultdict(list)  # strategy -> plot rows
+    for w in (1, 2, 4):
+        if w == 1 and "BM_Strategy/FULL_SHARD/W:1" in gpt:
+            reps = gpt["BM_Strategy/FULL_SHARD/W:1"]
+            rows.append([1, "plain LibTorch", stat(reps, "ref_peak_MB").fmt(),
+                         stat(reps, "ref_mem_formula_MB").fmt(),
+                         stat(reps, "ref_mem_ratio").fmt(3)])
+        for i, s in enumerate(STRATEGIES):
+            reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
+            if not reps:
+                continue
+            peak, formula = stat(reps, "peak_MB"), stat(reps, "mem_formula_MB")
+            ratio = stat(reps, "mem_ratio")
+            rows.append([w, s + (" (runs as NO_SHARD)" if w == 1 and i else ""),
+                         peak.fmt(), formula.fmt(), ratio.fmt(3)])
+            lines[s].append(f"{w} {peak.dat()} {formula.median:.6g} {ratio.dat()}")
+    write_dat(dat, "memory", "W peak(median min max) formula ratio(median min max)", lines)
     return ("## 1. Memory: per-rank peak of model state\n\n"
             "Rank 0's peak bytes during one training step (tracking allocator, training thread "
             "only), against REFERENCE §5 (see the formulas in gpt_step_benchmark.cc). "
@@ -97,18 +104,18 @@ def memory_section(gpt, dat):
 
 def traffic_section(gpt, dat):
     rows = []
-    with open(dat("traffic"), "w") as f:
-        f.write("# W strategy_index counters_MB(m,min,max) lo_MB(m,min,max) formula_MB\n")
-        for w in (2, 4):
-            for i, s in enumerate(STRATEGIES):
-                reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
-                if not reps:
-                    continue
-                wire, formula = stat(reps, "wire_MB"), stat(reps, "wire_formula_MB")
-                lo = Stat([r["lo_ratio"] * r["wire_formula_MB"] for r in reps])
-                rows.append([w, s, wire.fmt(3), lo.fmt(3), formula.fmt(3),
-                             stat(reps, "wire_ratio").fmt(4), stat(reps, "lo_ratio").fmt(4)])
-                f.write(f"{w} {i} {wire.dat()} {lo.dat()} {formula.median:.6g}\n")
+    lines = collections.defaultdict(list)
+    for w in (2, 4):
+        for s in STRATEGIES:
+            reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
+            if not reps:
+                continue
+            wire, formula = stat(reps, "wire_MB"), stat(reps, "wire_formula_MB")
+            lo = Stat([r["lo_ratio"] * r["wire_formula_MB"] for r in reps])
+            rows.append([w, s, wire.fmt(3), lo.fmt(3), formula.fmt(3),
+                         stat(reps, "wire_ratio").fmt(4), stat(reps, "lo_ratio").fmt(4)])
+            lines[s].append(f"{w} {wire.dat()} {lo.dat()} {formula.median:.6g}")
+    write_dat(dat, "traffic", "W counters_MB(m,min,max) lo_MB(m,min,max) formula_MB", lines)
     return ("## 2. Traffic: bytes sent per rank per step\n\n"
             "From the communicator's counters and from the `lo` tx counter of /proc/net/dev "
             "(all ranks' loopback bytes / W, so TCP/IP headers and any other loopback "
@@ -158,22 +165,23 @@ def step_section(gpt):
 
 def scaling_section(gpt, dat):
     rows = []
-    with open(dat("scaling"), "w") as f:
-        f.write("# psi_M full_ms(m,min,max) noshard_ms(m,min,max) full_MB(m,min,max) "
-                "noshard_MB(m,min,max) full_formula_MB noshard_formula_MB\n")
-        for name, reps in gpt.items():
-            m = re.match(r"BM_ModelSize/width:(\d+)/W:2", name)
-            if not m:
-                continue
-            psi = stat(reps, "psi_M")
-            full_ms, no_ms = stat(reps, "ms"), stat(reps, "ref_ms")
-            full_mb, no_mb = stat(reps, "peak_MB"), stat(reps, "ref_peak_MB")
-            full_f, no_f = stat(reps, "mem_formula_MB"), stat(reps, "ref_mem_formula_MB")
-            rows.append([m.group(1), f"{psi.median:.2f}", full_ms.fmt(1), no_ms.fmt(1),
-                         stat(reps, "time_ratio").fmt(3), full_mb.fmt(1),
-                         f"{full_f.median:.1f}", no_mb.fmt(1), f"{no_f.median:.1f}"])
-            f.write(f"{psi.median:.6g} {full_ms.dat()} {no_ms.dat()} {full_mb.dat()} "
-                    f"{no_mb.dat()} {full_f.median:.6g} {no_f.median:.6g}\n")
+    lines = collections.defaultdict(list)
+    for name, reps in gpt.items():
+        m = re.match(r"BM_ModelSize/width:(\d+)/W:2", name)
+        if not m:
+            continue
+        psi = stat(reps, "psi_M")
+        full_ms, no_ms = stat(reps, "ms"), stat(reps, "ref_ms")
+        full_mb, no_mb = stat(reps, "peak_MB"), stat(reps, "ref_peak_MB")
+        full_f, no_f = stat(reps, "mem_formula_MB"), stat(reps, "ref_mem_formula_MB")
+        rows.append([m.group(1), f"{psi.median:.2f}", full_ms.fmt(1), no_ms.fmt(1),
+                     stat(reps, "time_ratio").fmt(3), full_mb.fmt(1),
+                     f"{full_f.median:.1f}", no_mb.fmt(1), f"{no_f.median:.1f}"])
+        lines["W2"].append(f"{psi.median:.6g} {full_ms.dat()} {no_ms.dat()} {full_mb.dat()} "
+                           f"{no_mb.dat()} {full_f.median:.6g} {no_f.median:.6g}")
+    write_dat(dat, "scaling", "psi_M full_ms(m,min,max) noshard_ms(m,min,max) "
+              "full_MB(m,min,max) noshard_MB(m,min,max) full_formula_MB noshard_formula_MB",
+              lines)
     return ("## 4. Scaling with model size (W = 2)\n\n"
             "GPT with 4 layers at four widths; FULL_SHARD against NO_SHARD stepped "
             "alternately.\n\n"
@@ -184,16 +192,16 @@ def scaling_section(gpt, dat):
 
 def planner_section(plan, seed_text, dat):
     rows = []
-    with open(dat("planner"), "w") as f:
-        f.write("# modules ns_per_module(m,min,max) shape_index\n")
-        for name, reps in plan.items():
-            m = re.match(r"BM_Plan(Wide|Deep)/(\d+)", name)
-            if not m:
-                continue
-            ns = stat(reps, "time_per_module", 1e9)
-            rows.append([m.group(1).lower(), m.group(2), ns.fmt(1),
-                         stat(reps, "real_time").fmt(0) + " " + reps[0]["time_unit"]])
-            f.write(f"{m.group(2)} {ns.dat()} {0 if m.group(1) == 'Wide' else 1}\n")
+    lines = collections.defaultdict(list)
+    for name, reps in plan.items():
+        m = re.match(r"BM_Plan(Wide|Deep)/(\d+)", name)
+        if not m:
+            continue
+        ns = stat(reps, "time_per_module", 1e9)
+        rows.append([m.group(1).lower(), m.group(2), ns.fmt(1),
+                     stat(reps, "real_time").fmt(0) + " " + reps[0]["time_unit"]])
+        lines[m.group(1).lower()].append(f"{m.group(2)} {ns.dat()}")
+    write_dat(dat, "planner", "modules ns_per_module(m,min,max)", lines)
     seed_rows = []
     for line in seed_text.splitlines():
         parts = line.split()
@@ -211,7 +219,7 @@ def planner_section(plan, seed_text, dat):
 
 def collectives_section(coll, dat):
     rows = []
-    files = {op: open(dat(op), "w") for op in ("AllGather", "ReduceScatter")}
+    lines = collections.defaultdict(list)
     for name, reps in coll.items():
         m = re.match(r"BM_(AllGather|ReduceScatter)/(\d+)$", name)
         if not m:
@@ -221,9 +229,8 @@ def collectives_section(coll, dat):
         rows.append([m.group(1), f"{size / 1024:.0f} KiB" if size < 1 << 20
                      else f"{size >> 20} MiB", busbw.fmt(3), algbw.fmt(3),
                      stat(reps, "wire_ratio").fmt(3)])
-        files[m.group(1)].write(f"{size} {busbw.dat()}\n")
-    for f in files.values():
-        f.close()
+        lines[m.group(1)].append(f"{size} {busbw.dat()}")
+    write_dat(dat, "busbw", "bytes_per_rank busbw_GBps(m,min,max)", lines)
     return ("## 6. Collectives (W = 2, loopback, Gloo)\n\n"
             "Bytes per rank (the shard for all-gather and reduce-scatter); nccl-tests "
             "formulas: algbw = bytes x W / t, busbw = algbw (W-1)/W, decimal GB/s. "

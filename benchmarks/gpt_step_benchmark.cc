@@ -13,16 +13,16 @@
 // per rank.
 //
 // Benchmarks (the Time column is the first training's step time):
-//   BM_Strategy/<S>/W:<w>       strategy S against NO_SHARD at the same W (against plain
-//                               LibTorch training at W = 1, where every strategy runs as
-//                               NO_SHARD); NO_SHARD itself has no baseline
+//   BM_Strategy/<S>/W:<w>       strategy S against NO_SHARD at the same W (W = 2, 4;
+//                               NO_SHARD itself has no baseline); at W = 1, where every
+//                               strategy runs as NO_SHARD, FULL_SHARD against plain LibTorch
 //   BM_Prefetch/<P>/W:2         FULL_SHARD with prefetch P (BACKWARD_PRE, BACKWARD_POST,
 //                               FORWARD = forward prefetch and BACKWARD_PRE) against
 //                               FULL_SHARD without any prefetch
-//   BM_ModelSize/width:<d>/W:2  FULL_SHARD against NO_SHARD for widths 64 ... 256
+//   BM_ModelSize/width:<d>/W:2  FULL_SHARD against NO_SHARD for widths 32 ... 192
 // Model: GptOptions with vocab 128, context 64, 4 heads, 4 layers (each block a unit;
 // embeddings, final norm and the tied head in the root), width 128 unless the name says
-// otherwise (Psi = 0.82 M parameters at width 128, 3.21 M at 256). Each rank trains on
+// otherwise (Psi = 0.82 M parameters at width 128, 1.82 M at 192). Each rank trains on
 // kBatch sequences of kContext tokens. Sizes are small so that the whole run takes
 // minutes on 2 cores with Debian's reference BLAS.
 //
@@ -307,14 +307,16 @@ void register_all(int rank, int world_size) {
   const ShardingStrategy strategies[] = {ShardingStrategy::kNoShard,
                                          ShardingStrategy::kShardGradOp,
                                          ShardingStrategy::kFullShard};
-  for (int w : {1, 2, 4}) {
+  // At W = 1 every strategy runs as NO_SHARD: FULL_SHARD (the default) stands for them.
+  if (rank == 0) {
+    register_one("BM_Strategy/FULL_SHARD", 1, strategy_variant(ShardingStrategy::kFullShard),
+                 plain_variant());
+  }
+  for (int w : {2, 4}) {
     if (w > world_size || rank >= w) continue;
     for (ShardingStrategy s : strategies) {
       std::optional<Variant> baseline;
-      if (w == 1) baseline = plain_variant();
-      if (w > 1 && s != ShardingStrategy::kNoShard) {
-        baseline = strategy_variant(ShardingStrategy::kNoShard);
-      }
+      if (s != ShardingStrategy::kNoShard) baseline = strategy_variant(ShardingStrategy::kNoShard);
       register_one(absl::StrCat("BM_Strategy/", sharding_strategy_name(s)), w,
                    strategy_variant(s), baseline);
     }
@@ -333,7 +335,7 @@ void register_all(int rank, int world_size) {
     for (const Variant& v : {pre, post, forward}) {
       register_one(absl::StrCat("BM_Prefetch/", v.name), w, v, none);
     }
-    for (int64_t width : {64, 128, 192, 256}) {
+    for (int64_t width : {32, 64, 128, 192}) {
       Variant full = strategy_variant(ShardingStrategy::kFullShard);
       Variant replicated = strategy_variant(ShardingStrategy::kNoShard);
       full.width = replicated.width = width;

@@ -117,9 +117,10 @@ def traffic_section(gpt, dat):
             lines[s].append(f"{w} {wire.dat()} {lo.dat()} {formula.median:.6g}")
     write_dat(dat, "traffic", "W counters_MB(m,min,max) lo_MB(m,min,max) formula_MB", lines)
     return ("## 2. Traffic: bytes sent per rank per step\n\n"
-            "From the communicator's counters and from the `lo` tx counter of /proc/net/dev "
-            "(all ranks' loopback bytes / W, so TCP/IP headers and any other loopback "
-            "traffic on the machine count too), against REFERENCE §4 (FULL_SHARD "
+            "From the communicator's counters (mean per step) and from the `lo` tx counter "
+            "of /proc/net/dev (all ranks' loopback bytes / W in the timed step that sent "
+            "least: TCP/IP headers count, and so does other processes' loopback traffic, "
+            "which only adds), against REFERENCE §4 (FULL_SHARD "
             "3 Psi s (W-1)/W, the others 2 Psi s (W-1)/W). Target: within 5%.\n\n"
             + table(["W", "strategy", "counters MB", "lo MB", "formula MB",
                      "counters / formula", "lo / formula"], rows)

@@ -261,6 +261,10 @@ def main():
     seed_text = open(seed_path).read() if os.path.exists(seed_path) else ""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    if dirty:
+        commit += " with uncommitted changes"
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     header = (

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <gloo/allgather.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -22,8 +23,11 @@ namespace {
 // Note [Gloo collectives]
 // LibTorch 1.13's Gloo has no _allgather_base and no reduce_scatter, and knows only some
 // dtypes. Everything moves as bytes (kByte views), which any dtype can be:
-// - all-gather: `allgather` into W narrow() views of the flat output (ring: each rank
-//   sends and receives (W - 1) x input bytes).
+// - all-gather: Gloo's own ring allgather straight into the flat output (each rank
+//   sends and receives (W - 1) x input bytes), on the context and tag c10d would use for
+//   its next collective (GlooGroup). c10d's `allgather` would gather into a fresh
+//   W x input buffer on its worker thread and then copy it into the W outputs: one more
+//   allocation and copy of the whole output per call.
 // - reduce-scatter: `alltoall_base` of the flat input in W equal chunks, so rank r
 //   receives every rank's chunk r ((W - 1)/W of the input each way, as a ring
 //   reduce-scatter), then sums them locally in rank order, in the buffer's dtype.
@@ -38,6 +42,23 @@ namespace {
 at::Tensor bytes_of(const CommBuffer& buffer) {
   return at::from_blob(buffer.data, {buffer.nbytes()}, at::TensorOptions().dtype(at::kByte));
 }
+
+// c10d's Gloo process group, giving the Gloo context of its next collective to the
+// collectives we run on Gloo directly (see Note [Gloo collectives]). Every rank calls
+// next_collective() in the same order as its c10d collectives, so tags match.
+class GlooGroup : public c10d::ProcessGroupGloo {
+ public:
+  using c10d::ProcessGroupGloo::ProcessGroupGloo;
+
+  struct Collective {
+    std::shared_ptr<::gloo::Context> context;
+    uint32_t tag;
+  };
+  Collective next_collective() {
+    const uint32_t tag = nextTag();
+    return {getContext(tag), tag};
+  }
+};
 
 // Issue-ordered tasks on one thread.
 class Worker {
@@ -113,7 +134,7 @@ class GlooCommunicator : public Communicator,
     pg_options->devices.push_back(make_device(options));
     pg_options->threads = 1;
     try {
-      group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, world_size, pg_options);
+      group_ = c10::make_intrusive<GlooGroup>(store_, rank, world_size, pg_options);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "Gloo: rank ", rank, " of ", world_size,
                   " could not connect to its peers within ", options.timeout().count(),
@@ -218,12 +239,15 @@ class GlooCommunicator : public Communicator,
     return c10d::ProcessGroupGloo::createDefaultDevice();
   }
 
+  // output: W x n bytes; input: n bytes. See Note [Gloo collectives].
   void all_gather_bytes(const at::Tensor& output, const at::Tensor& input) {
-    const int64_t n = input.numel();
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int r = 0; r < world_size(); ++r) outputs[0].push_back(output.narrow(0, r * n, n));
-    std::vector<at::Tensor> inputs = {input};
-    group_->allgather(outputs, inputs)->wait();
+    const GlooGroup::Collective collective = group_->next_collective();
+    ::gloo::AllgatherOptions options(collective.context);
+    options.setTag(collective.tag);
+    options.setTimeout(timeout());
+    options.setInput(input.data_ptr<uint8_t>(), input.numel());
+    options.setOutput(output.data_ptr<uint8_t>(), output.numel());
+    ::gloo::allgather(options);
   }
 
   // Dtypes Gloo's own ring all-reduce sums in LibTorch 1.13.
@@ -259,7 +283,7 @@ class GlooCommunicator : public Communicator,
 
   c10::intrusive_ptr<c10d::Store> store_;
   GlooOptions options_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  c10::intrusive_ptr<GlooGroup> group_;
   at::Tensor scratch_[kNumSlots];
   Worker worker_;  // last: joined first on destruction, while the group still exists
 };

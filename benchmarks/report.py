@@ -1,0 +1,295 @@
+#!/usr/bin/python3
+"""Writes RESULTS.md and the gnuplot inputs from the outputs of benchmarks/run_all.
+
+  report.py --raw DIR --out DIR --command "benchmarks/run_all ..."
+
+DIR (--raw) holds gpt.json, collectives.json, plan.json (Google Benchmark JSON, every
+repetition) and plan_seed.txt (plan_benchmark's comparison with the seed's Python).
+Every figure is the median over repetitions with [min, max]; ratios are per repetition
+(both sides measured in the same run) and then summarised the same way. Writes
+OUT/RESULTS.md and OUT/plot_data/*.dat for plots.gp.
+"""
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+
+
+def load_runs(path):
+    """run name (without /iterations:, /manual_time, ...) -> list of per-repetition dicts."""
+    runs = collections.OrderedDict()
+    if not os.path.exists(path):
+        return runs
+    with open(path) as f:
+        data = json.load(f)
+    for b in data["benchmarks"]:
+        if b.get("run_type") != "iteration":
+            continue
+        name = re.sub(r"/(iterations|repeats):\d+|/(manual|real)_time", "", b["run_name"])
+        runs.setdefault(name, []).append(b)
+    return runs
+
+
+class Stat:
+    """Median, min and max of one counter over repetitions."""
+
+    def __init__(self, values):
+        self.values = values
+        self.median = statistics.median(values) if values else float("nan")
+        self.min = min(values) if values else float("nan")
+        self.max = max(values) if values else float("nan")
+
+    def fmt(self, digits=2):
+        if not self.values:
+            return "-"
+        if len(self.values) == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}, {self.max:.{digits}f}]"
+
+    def dat(self):
+        return f"{self.median:.6g} {self.min:.6g} {self.max:.6g}"
+
+
+def stat(reps, key, scale=1.0):
+    return Stat([r[key] * scale for r in reps if key in r])
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+STRATEGIES = ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
+
+
+def write_dat(dat, name, columns, lines):
+    """One file per curve for plots.gp: NAME_CURVE.dat."""
+    for curve, rows in lines.items():
+        with open(dat(f"{name}_{curve}"), "w") as f:
+            f.write(f"# {columns}\n" + "\n".join(rows) + "\n")
+
+
+def memory_section(gpt, dat):
+    rows = []
+    lines = collections.defaultdict(list)  # strategy -> plot rows
+    for w in (1, 2, 4):
+        if w == 1 and "BM_Strategy/FULL_SHARD/W:1" in gpt:
+            reps = gpt["BM_Strategy/FULL_SHARD/W:1"]
+            rows.append([1, "plain LibTorch", stat(reps, "ref_peak_MB").fmt(),
+                         stat(reps, "ref_mem_formula_MB").fmt(),
+                         stat(reps, "ref_mem_ratio").fmt(3)])
+        for s in STRATEGIES:
+            reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
+            if not reps:
+                continue
+            peak, formula = stat(reps, "peak_MB"), stat(reps, "mem_formula_MB")
+            ratio = stat(reps, "mem_ratio")
+            rows.append([w, "every strategy (runs as NO_SHARD)" if w == 1 else s,
+                         peak.fmt(), formula.fmt(), ratio.fmt(3)])
+            lines[s].append(f"{w} {peak.dat()} {formula.median:.6g} {ratio.dat()}")
+    write_dat(dat, "memory", "W peak(median min max) formula ratio(median min max)", lines)
+    return ("## 1. Memory: per-rank peak of model state\n\n"
+            "Rank 0's peak bytes during one training step (tracking allocator, training thread "
+            "only), against REFERENCE §5 (see the formulas in gpt_step_benchmark.cc). "
+            "Target: ratio within 1 ± 0.10.\n\n"
+            + table(["W", "strategy", "peak MB", "formula MB", "ratio"], rows)
+            + "\n![memory](memory.png)\n")
+
+
+def traffic_section(gpt, dat):
+    rows = []
+    lines = collections.defaultdict(list)
+    for w in (2, 4):
+        for s in STRATEGIES:
+            reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
+            if not reps:
+                continue
+            wire, formula = stat(reps, "wire_MB"), stat(reps, "wire_formula_MB")
+            lo = Stat([r["lo_ratio"] * r["wire_formula_MB"] for r in reps])
+            rows.append([w, s, wire.fmt(3), lo.fmt(3), formula.fmt(3),
+                         stat(reps, "wire_ratio").fmt(4), stat(reps, "lo_ratio").fmt(4)])
+            lines[s].append(f"{w} {wire.dat()} {lo.dat()} {formula.median:.6g}")
+    write_dat(dat, "traffic", "W counters_MB(m,min,max) lo_MB(m,min,max) formula_MB", lines)
+    return ("## 2. Traffic: bytes sent per rank per step\n\n"
+            "From the communicator's counters (mean per step) and from the `lo` tx counter "
+            "of /proc/net/dev (all ranks' loopback bytes / W in the timed step that sent "
+            "least: TCP/IP headers count, and so does other processes' loopback traffic, "
+            "which only adds), against REFERENCE §4 (FULL_SHARD "
+            "3 Psi s (W-1)/W, the others 2 Psi s (W-1)/W). Target: within 5%.\n\n"
+            + table(["W", "strategy", "counters MB", "lo MB", "formula MB",
+                     "counters / formula", "lo / formula"], rows)
+            + "\n![traffic](traffic.png)\n")
+
+
+def step_section(gpt):
+    rows = []
+    for w in (1, 2, 4):
+        for s in STRATEGIES:
+            reps = gpt.get(f"BM_Strategy/{s}/W:{w}")
+            if not reps:
+                continue
+            base = "plain LibTorch" if w == 1 else "NO_SHARD"
+            has_ref = "time_ratio" in reps[0]
+            rows.append([w, s + (" (runs as NO_SHARD)" if w == 1 else ""),
+                         stat(reps, "ms").fmt(1),
+                         base if has_ref else "-",
+                         stat(reps, "ref_ms").fmt(1) if has_ref else "-",
+                         stat(reps, "time_ratio").fmt(3) if has_ref else "-"])
+    prefetch = []
+    for p in ("BACKWARD_PRE", "BACKWARD_POST", "FORWARD"):
+        reps = gpt.get(f"BM_Prefetch/{p}/W:2")
+        if not reps:
+            continue
+        prefetch.append([p if p != "FORWARD" else "forward + BACKWARD_PRE",
+                         stat(reps, "ms").fmt(1), stat(reps, "ref_ms").fmt(1),
+                         stat(reps, "time_ratio").fmt(3), stat(reps, "peak_MB").fmt(2),
+                         stat(reps, "ref_peak_MB").fmt(2)])
+    return ("## 3. Step time\n\n"
+            "One step (zero_grad, forward, backward, Adam) per rank, stepped alternately "
+            "with its baseline in the same run; the ratio is ours / baseline. Targets: "
+            "FSDP at W = 1 within 1.05 of plain LibTorch.\n\n"
+            + table(["W", "strategy", "ms", "baseline", "baseline ms", "ratio"], rows)
+            + "\n### Prefetch (FULL_SHARD, W = 2, against no prefetch)\n\n"
+            + table(["prefetch", "ms", "no-prefetch ms", "ratio", "peak MB",
+                     "no-prefetch peak MB"], prefetch)
+            + "\nAll-gather limit: fsdp has no `limit_all_gathers` option; prefetching is "
+            "one unit ahead by construction (Note [Prefetching] in "
+            "fsdp/core/internal/runtime.cc), so at most one all-gather is in flight "
+            "besides the one being waited for, which is what the limit enforces in "
+            "PyTorch.\n")
+
+
+def scaling_section(gpt, dat):
+    rows = []
+    lines = collections.defaultdict(list)
+    for name, reps in gpt.items():
+        m = re.match(r"BM_ModelSize/width:(\d+)/W:2", name)
+        if not m:
+            continue
+        psi = stat(reps, "psi_M")
+        full_ms, no_ms = stat(reps, "ms"), stat(reps, "ref_ms")
+        full_mb, no_mb = stat(reps, "peak_MB"), stat(reps, "ref_peak_MB")
+        full_f, no_f = stat(reps, "mem_formula_MB"), stat(reps, "ref_mem_formula_MB")
+        rows.append([m.group(1), f"{psi.median:.2f}", full_ms.fmt(1), no_ms.fmt(1),
+                     stat(reps, "time_ratio").fmt(3), full_mb.fmt(1),
+                     f"{full_f.median:.1f}", no_mb.fmt(1), f"{no_f.median:.1f}"])
+        lines["W2"].append(f"{psi.median:.6g} {full_ms.dat()} {no_ms.dat()} {full_mb.dat()} "
+                           f"{no_mb.dat()} {full_f.median:.6g} {no_f.median:.6g}")
+    write_dat(dat, "scaling", "psi_M full_ms(m,min,max) noshard_ms(m,min,max) "
+              "full_MB(m,min,max) noshard_MB(m,min,max) full_formula_MB noshard_formula_MB",
+              lines)
+    return ("## 4. Scaling with model size (W = 2)\n\n"
+            "GPT with 4 layers at four widths; FULL_SHARD against NO_SHARD stepped "
+            "alternately.\n\n"
+            + table(["width", "Psi (M)", "FULL_SHARD ms", "NO_SHARD ms", "ratio",
+                     "FULL_SHARD peak MB", "formula", "NO_SHARD peak MB", "formula"], rows)
+            + "\n![scaling time](scaling_time.png) ![scaling memory](scaling_memory.png)\n")
+
+
+def planner_section(plan, seed_text, dat):
+    rows = []
+    lines = collections.defaultdict(list)
+    for name, reps in plan.items():
+        m = re.match(r"BM_Plan(Wide|Deep)/(\d+)", name)
+        if not m:
+            continue
+        ns = stat(reps, "time_per_module", 1e9)
+        rows.append([m.group(1).lower(), m.group(2), ns.fmt(1),
+                     stat(reps, "real_time").fmt(0) + " " + reps[0]["time_unit"]])
+        lines[m.group(1).lower()].append(f"{m.group(2)} {ns.dat()}")
+    write_dat(dat, "planner", "modules ns_per_module(m,min,max)", lines)
+    seed_rows = []
+    for line in seed_text.splitlines():
+        parts = line.split()
+        if len(parts) == 6 and parts[0] in ("wide", "deep"):
+            seed_rows.append([parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]])
+    return ("## 5. Planner\n\n`plan_fsdp_units` on synthetic trees (size policy, "
+            "min_num_params 50; see fsdp/wrap/plan_benchmark.cc): time per module.\n\n"
+            + table(["shape", "modules", "ns / module", "time per plan"], rows)
+            + "\nAgainst the seed's Python `_recursive_wrap` on the same trees "
+            "(seed_plan_timing.py; medians of 5 plans, 1 for the seed above 1k modules):\n\n"
+            + table(["shape", "modules", "seed s", "ours s", "seed / ours", "ours ns/module"],
+                    seed_rows)
+            + "\n![planner](planner.png)\n")
+
+
+def collectives_section(coll, dat):
+    rows = []
+    lines = collections.defaultdict(list)
+    for name, reps in coll.items():
+        m = re.match(r"BM_(AllGather|ReduceScatter)/(\d+)$", name)
+        if not m:
+            continue
+        size = int(m.group(2))
+        busbw, algbw = stat(reps, "busbw", 1e-9), stat(reps, "algbw", 1e-9)
+        rows.append([m.group(1), f"{size / 1024:.0f} KiB" if size < 1 << 20
+                     else f"{size >> 20} MiB", busbw.fmt(3), algbw.fmt(3),
+                     stat(reps, "wire_ratio").fmt(3)])
+        lines[m.group(1)].append(f"{size} {busbw.dat()}")
+    write_dat(dat, "busbw", "bytes_per_rank busbw_GBps(m,min,max)", lines)
+    return ("## 6. Collectives (W = 2, loopback, Gloo)\n\n"
+            "Bytes per rank (the shard for all-gather and reduce-scatter); nccl-tests "
+            "formulas: algbw = bytes x W / t, busbw = algbw (W-1)/W, decimal GB/s. "
+            "`lo / formula`: loopback bytes per rank per call over the ring formula.\n\n"
+            + table(["collective", "bytes per rank", "busbw GB/s", "algbw GB/s",
+                     "lo / formula"], rows)
+            + "\n![busbw](busbw.png)\n")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--raw", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--command", required=True)
+    parser.add_argument("--repetitions", required=True)
+    args = parser.parse_args()
+    os.makedirs(os.path.join(args.out, "plot_data"), exist_ok=True)
+
+    def dat(name):
+        return os.path.join(args.out, "plot_data", name + ".dat")
+
+    gpt = load_runs(os.path.join(args.raw, "gpt.json"))
+    coll = load_runs(os.path.join(args.raw, "collectives.json"))
+    plan = load_runs(os.path.join(args.raw, "plan.json"))
+    seed_path = os.path.join(args.raw, "plan_seed.txt")
+    seed_text = open(seed_path).read() if os.path.exists(seed_path) else ""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    if dirty:
+        commit += " with uncommitted changes"
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    header = (
+        "# fsdp benchmark results\n\n"
+        f"Written by `{args.command}` on {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC "
+        f"at commit {commit}; {os.cpu_count()} CPU cores, load average {load} at the end "
+        "(the machine is shared, so absolute times are noisy; ratios compare runs "
+        "interleaved in the same process). Each figure: median over "
+        f"{args.repetitions} repetitions, [min, max] when there are several. CPU, Gloo "
+        "over loopback, fp32, Adam, one intra-op thread per rank.\n\n"
+        "Model (sections 1-3): the GPT of examples/gpt, 4 layers, width 128 "
+        "(model and batch: the file comment of benchmarks/gpt_step_benchmark.cc). "
+        "Sources: benchmarks/gpt_step_benchmark.cc, fsdp/comm/collectives_benchmark.cc, "
+        "fsdp/wrap/plan_benchmark.cc.\n\n")
+    sections = [header]
+    if gpt:
+        sections += [memory_section(gpt, dat), traffic_section(gpt, dat), step_section(gpt),
+                     scaling_section(gpt, dat)]
+    if plan:
+        sections.append(planner_section(plan, seed_text, dat))
+    if coll:
+        sections.append(collectives_section(coll, dat))
+    with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+        f.write("\n".join(sections))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,9 @@
 #include "fsdp/core/fully_sharded.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -286,6 +288,57 @@ bool inside(const std::string& fqn, const std::string& unit_fqn) {
   return unit_fqn.empty() || fqn == unit_fqn || absl::StartsWith(fqn, unit_fqn + ".");
 }
 
+// Note [Construction fingerprint]
+// Ranks that build different models or options (another sharding strategy, another wrap
+// plan, a different mixed precision) would issue collectives of different sizes or in a
+// different order: a hang or silent corruption far from the cause. So every root
+// all-gathers a fingerprint of what it built (one hash of the description below, plus
+// its strategy, unit count and parameter count) and compares before anything else
+// communicates. PyTorch leaves this to FSDP_DEBUG_LEVEL=DETAIL's checks.
+void check_same_construction(Communicator& comm, const FullyShardedDataParallelOptions& options,
+                             const std::vector<std::string>& unit_fqns,
+                             const std::vector<int64_t>& unit_numels) {
+  if (comm.world_size() == 1) return;
+  std::string description = absl::StrCat(sharding_strategy_name(options.sharding_strategy()),
+                                          "/F=", options.hybrid_shard_group_size());
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  if (mp) {
+    absl::StrAppend(&description, "/mp=", mp->param_dtype() ? int(*mp->param_dtype()) : -1, ",",
+                    mp->reduce_dtype() ? int(*mp->reduce_dtype()) : -1, ",",
+                    mp->buffer_dtype() ? int(*mp->buffer_dtype()) : -1);
+  }
+  int64_t total = 0;
+  for (size_t k = 0; k < unit_fqns.size(); ++k) {
+    absl::StrAppend(&description, "|", unit_fqns[k], "=", unit_numels[k]);
+    total += unit_numels[k];
+  }
+  const int64_t mine[4] = {static_cast<int64_t>(std::hash<std::string>()(description)),
+                           static_cast<int64_t>(options.sharding_strategy()),
+                           static_cast<int64_t>(unit_fqns.size()), total};
+  at::Tensor all = at::empty({4 * comm.world_size()}, at::kLong);
+  comm.all_gather_into_tensor(all, at::tensor(std::vector<int64_t>(mine, mine + 4), at::kLong));
+  const int64_t* a = all.data_ptr<int64_t>();
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (a[4 * r] == a[0]) continue;
+    const int64_t* theirs = a + 4 * r;
+    std::string what;
+    if (theirs[1] != a[1]) {
+      what = absl::StrCat("sharding strategy ",
+                          sharding_strategy_name(static_cast<ShardingStrategy>(theirs[1])),
+                          " vs rank 0's ",
+                          sharding_strategy_name(static_cast<ShardingStrategy>(a[1])));
+    } else if (theirs[2] != a[2] || theirs[3] != a[3]) {
+      what = absl::StrCat("a wrap plan of ", theirs[2], " units and ", theirs[3],
+                          " parameters vs rank 0's ", a[2], " units and ", a[3]);
+    } else {
+      what = "different options (hybrid group size, mixed precision) or unit names";
+    }
+    TORCH_CHECK(false, "FullyShardedDataParallel: rank ", r, " built a different model than "
+                "rank 0: ", what, ". Every rank must construct the same model with the same "
+                "options (see Note [Construction fingerprint])");
+  }
+}
+
 }  // namespace
 
 bool is_batch_norm(const torch::nn::Module& module) {
@@ -435,6 +488,15 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   }
 
   Communicator& comm = *options.communicator();
+  std::vector<std::string> unit_fqns;
+  std::vector<int64_t> unit_numels;
+  for (size_t k = 0; k < units.size(); ++k) {
+    unit_fqns.push_back(units[k].fqn);
+    int64_t numel = constructed[k] != nullptr ? constructed[k]->numel() : 0;
+    for (const NamedParam& p : params_of[k]) numel += p.param.numel();
+    unit_numels.push_back(numel);
+  }
+  check_same_construction(comm, options, unit_fqns, unit_numels);  // before any traffic
   if (options.sync_module_states() && comm.world_size() > 1) {
     sync_module_states(comm, root, options, params_of);
   }

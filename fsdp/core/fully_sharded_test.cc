@@ -565,5 +565,35 @@ TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {
                                          "directly")));
 }
 
+
+// Note [Construction fingerprint]: ranks that built different models stop at once, on
+// every rank, naming the difference.
+TEST(ConstructionFingerprintTest, AnotherStrategyOrWrapPlanOnOneRankIsAnError) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<NestedImpl> model(
+              make<NestedImpl>(), FullyShardedDataParallelOptions(self).sharding_strategy(
+                                      comm.rank() == 0 ? ShardingStrategy::kFullShard
+                                                       : ShardingStrategy::kShardGradOp));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr(
+            "rank 1 built a different model than rank 0: sharding strategy SHARD_GRAD_OP vs "
+            "rank 0's FULL_SHARD")));
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallelOptions options(self);
+          if (comm.rank() == 1) {
+            options.auto_wrap_policy(lambda_auto_wrap_policy([](const ModuleNode&) { return false; }));
+          }
+          FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(), options);
+        },
+        ThrowsMessage<c10::Error>(HasSubstr(
+            "rank 1 built a different model than rank 0: a wrap plan of 1 units and 127 "
+            "parameters vs rank 0's 3 units and 127")));
+  });
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -113,10 +113,15 @@ class Worker {
 
 // Note [Naming the lost peer]
 // Gloo reports a lost connection by socket address, not by rank. After a failure, each
-// survivor marks itself alive in the store for that collective and waits up to
-// kProbeTime for the others; the lowest rank that never shows up is named as the peer.
+// survivor marks itself alive in the store and waits up to kProbeTime for the others; the
+// lowest rank that never shows up is named as the peer. The mark is not per collective:
+// a survivor may fail one collective behind another (its own reduce-scatter still in
+// flight), and a communicator fails only once.
 // If the store cannot be reached, its host (rank 0) is the one gone. A failure where
-// every rank is alive (e.g. mismatched collectives) names no peer.
+// every rank is alive (e.g. mismatched collectives) names no peer. A survivor may only
+// notice the failure when another survivor gives up and closes its connections; so that
+// the store is still there when it probes, rank 0 (the store's host) closes its
+// connections first and keeps the store up for another probe time before it goes.
 constexpr auto kProbeTime = std::chrono::milliseconds(1500);
 
 // First line of an exception message (c10::Error appends a C++ stack trace).
@@ -142,15 +147,26 @@ class GlooCommunicator : public Communicator,
     }
   }
 
+  // See Note [Naming the lost peer]: after a failure, rank 0 closes its connections and
+  // keeps the store up for the other survivors' probes.
+  ~GlooCommunicator() override {
+    if (!failed_ || rank() != 0) return;
+    group_.reset();  // the worker is idle: a broken communicator accepts no work
+    std::this_thread::sleep_for(kProbeTime + std::chrono::milliseconds(500));
+  }
+
   std::string backend_name() const override { return "gloo"; }
 
   // For GlooWork, which sees failures when they are waited on.
-  void mark_broken_from_work(const CommError& error) { mark_broken(error); }
+  void mark_broken_from_work(const CommError& error) {
+    failed_ = true;
+    mark_broken(error);
+  }
 
-  // Which rank is gone, after collective `sequence` failed? See Note [Naming the lost
-  // peer]. Returns -1 if every rank answered.
-  int find_lost_peer(int64_t sequence) {
-    const std::string prefix = absl::StrCat("alive/", sequence, "/");
+  // Which rank is gone, after a collective failed? See Note [Naming the lost peer].
+  // Returns -1 if every rank answered.
+  int find_lost_peer() {
+    const std::string prefix = "alive/";
     try {
       store_->set(absl::StrCat(prefix, rank()), std::vector<uint8_t>{1});
       const auto deadline = std::chrono::steady_clock::now() + kProbeTime;
@@ -285,6 +301,7 @@ class GlooCommunicator : public Communicator,
   GlooOptions options_;
   c10::intrusive_ptr<GlooGroup> group_;
   at::Tensor scratch_[kNumSlots];
+  std::atomic<bool> failed_{false};
   Worker worker_;  // last: joined first on destruction, while the group still exists
 };
 
@@ -319,7 +336,7 @@ class GlooWork : public Work {
  private:
   [[noreturn]] void fail(const std::string& detail) {
     std::shared_ptr<GlooCommunicator> comm = comm_.lock();
-    const int peer = comm ? comm->find_lost_peer(sequence_) : -1;
+    const int peer = comm ? comm->find_lost_peer() : -1;
     CommError error(collective_name(kind_), sequence_, rank_, peer, detail);
     if (comm) comm->mark_broken_from_work(error);
     throw error;

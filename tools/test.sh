@@ -2,7 +2,8 @@
 # The test command (README): installs what is missing, then builds and runs every test,
 # the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without a
 # GPU), the consumer workspace (examples/consumer: fsdp used from another workspace),
-# and 60 s of fuzzing the checkpoint reader (tools/fuzz.sh). Prints "N passed, M
+# the unit tests and a 2-rank training run under ASan + UBSan (--config=asan), and 60 s
+# of fuzzing the checkpoint reader (tools/fuzz.sh). Prints "N passed, M
 # failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,9 @@ bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 
   tee -a "$log" || status=$?
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
+bazel test --config=asan //fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_test \
+  --nocache_test_results "$@" 2>&1 | sed -E 's#^(//[^ ]+) #\1 (asan) #' | tee -a "$log" ||
+  status=$?
 fuzz_log=$(mktemp)
 if bash tools/fuzz.sh 60 >"$fuzz_log" 2>&1; then
   fuzz_result="PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"
@@ -27,8 +31,8 @@ else
 fi
 echo "//fsdp/state:torch_file_fuzzer $fuzz_result" | tee -a "$log"
 rm -f "$fuzz_log"
-passed=$(grep -cE '^//[^ ]+ +PASSED' "$log" || true)
-failed=$(grep -cE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)
+passed=$(grep -cE '^//[^ ]+( \(asan\))? +PASSED' "$log" || true)
+failed=$(grep -cE '^//[^ ]+( \(asan\))? +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)
 if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # e.g. a build error
 echo "$passed passed, $failed failed"
 exit "$status"

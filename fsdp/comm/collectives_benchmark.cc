@@ -185,13 +185,7 @@ int main(int argc, char** argv) {
   }
   benchmark::Initialize(&argc, argv);
   fsdp::register_all();
-  fsdp::ranks();  // rendezvous before timing anything
-  if (fsdp::ranks().comm->rank() == 0) {
-    benchmark::RunSpecifiedBenchmarks();
-  } else {
-    fsdp::comm_internal::NullReporter quiet;
-    benchmark::RunSpecifiedBenchmarks(&quiet);
-  }
-  benchmark::Shutdown();
+  // ranks() connects before anything is timed.
+  fsdp::comm_internal::run_benchmarks_on_rank(fsdp::ranks().comm->rank());
   return 0;
 }

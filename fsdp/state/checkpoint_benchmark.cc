@@ -158,13 +158,7 @@ int main(int argc, char** argv) {
   }
   benchmark::Initialize(&argc, argv);
   fsdp::Setup& s = fsdp::setup();
-  if (s.comm->rank() == 0) {
-    benchmark::RunSpecifiedBenchmarks();
-  } else {
-    fsdp::comm_internal::NullReporter quiet;
-    benchmark::RunSpecifiedBenchmarks(&quiet);
-  }
-  benchmark::Shutdown();
+  fsdp::comm_internal::run_benchmarks_on_rank(s.comm->rank());
   s.comm->barrier();
   if (s.comm->rank() == 0) {
     const auto& r = fsdp::rates();

@@ -11,7 +11,6 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/optim/adam.h>
 
-#include "fsdp/comm/fake.h"
 #include "fsdp/core/internal/parity_testing.h"
 
 namespace fsdp {
@@ -22,12 +21,6 @@ using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
-
-void on_ranks(int world_size, const std::function<void(std::shared_ptr<Communicator>)>& fn) {
-  FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
-    fn(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
-  });
-}
 
 fs::path scratch(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");

@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 #include <torch/optim/rmsprop.h>
 
-#include "fsdp/comm/fake.h"
 #include "fsdp/core/internal/parity_testing.h"
 
 namespace fsdp {
@@ -16,12 +15,6 @@ using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
-
-void on_ranks(int world_size, const std::function<void(std::shared_ptr<Communicator>)>& fn) {
-  FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
-    fn(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
-  });
-}
 
 // One training step of `model` on this rank's share of the global batch.
 template <typename Model>

@@ -1,6 +1,9 @@
 #include "fsdp/comm/internal/benchmark_ranks.h"
 
 #include <cstdlib>
+#include <vector>
+
+#include <benchmark/benchmark.h>
 
 #include "fsdp/comm/launcher.h"
 
@@ -9,6 +12,27 @@ namespace fsdp::comm_internal {
 std::optional<int> launch_self_as_ranks(int world_size, int argc, char** argv) {
   if (std::getenv("RANK") != nullptr) return std::nullopt;
   return launch_self(world_size, argc, argv);
+}
+
+namespace {
+
+// Discards the reports of ranks other than 0.
+class NullReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+void run_benchmarks_on_rank(int rank) {
+  if (rank == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    NullReporter quiet;
+    benchmark::RunSpecifiedBenchmarks(&quiet);
+  }
+  benchmark::Shutdown();
 }
 
 }  // namespace fsdp::comm_internal

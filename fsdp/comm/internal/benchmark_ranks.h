@@ -4,9 +4,6 @@
 #define FSDP_COMM_INTERNAL_BENCHMARK_RANKS_H_
 
 #include <optional>
-#include <vector>
-
-#include <benchmark/benchmark.h>
 
 namespace fsdp::comm_internal {
 
@@ -15,12 +12,9 @@ namespace fsdp::comm_internal {
 // In a rank: nullopt.
 std::optional<int> launch_self_as_ranks(int world_size, int argc, char** argv);
 
-// Discards the reports of ranks other than 0.
-class NullReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
+// Runs the registered benchmarks on this rank (every rank runs them, so collectives
+// match); only rank 0 reports. Then benchmark::Shutdown().
+void run_benchmarks_on_rank(int rank);
 
 }  // namespace fsdp::comm_internal
 

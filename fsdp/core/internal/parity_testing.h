@@ -23,10 +23,20 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/fqn.h"
 
 namespace fsdp::core_testing {
+
+// Runs fn on every rank of a fake world of `world_size` ranks (threads), each with its
+// rank's communicator.
+inline void on_ranks(int world_size,
+                     const std::function<void(std::shared_ptr<Communicator>)>& fn) {
+  FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
+    fn(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+  });
+}
 
 // Nested linears: two units (l1, l2) and the root's own head; 3 units with parameters.
 struct NetImpl : torch::nn::Module {

@@ -213,7 +213,7 @@ void FlatParamHandle::reshard() {
   unsharded_ = false;
 }
 
-at::Tensor FlatParamHandle::flatten_grads(const std::vector<at::Tensor>& grads) const {
+at::Tensor FlatParamHandle::flatten_grads(std::vector<at::Tensor>& grads) const {
   TORCH_CHECK(grads.size() == infos_.size(), "FlatParamHandle: expected ", infos_.size(),
               " gradients (one per original parameter), got ", grads.size());
   at::Tensor flat_grad =
@@ -224,11 +224,12 @@ at::Tensor FlatParamHandle::flatten_grads(const std::vector<at::Tensor>& grads) 
                 infos_[i].fqn, "' has ", grads[i].numel(), " elements, expected ",
                 infos_[i].numel);
     flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grads[i].reshape({-1}));
+    grads[i] = at::Tensor();  // its memory can go before the next one is copied
   }
   return flat_grad;
 }
 
-void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
+void FlatParamHandle::accumulate_grad(std::vector<at::Tensor> grads) {
   at::Tensor flat_grad = flatten_grads(grads);
   if (unsharded_grad_.defined()) {
     unsharded_grad_.add_(flat_grad);
@@ -246,7 +247,7 @@ void FlatParamHandle::write_back_shard() {
   sharded_.detach().copy_(full.narrow(0, comm_->rank() * shard_numel_, shard_numel_));
 }
 
-void FlatParamHandle::reduce_grad(const std::vector<at::Tensor>& grads) {
+void FlatParamHandle::reduce_grad(std::vector<at::Tensor> grads) {
   at::Tensor flat_grad = flatten_grads(grads);
   if (unsharded_grad_.defined()) {
     flat_grad.add_(unsharded_grad_);

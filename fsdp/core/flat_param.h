@@ -168,11 +168,13 @@ class FlatParamHandle {
   // group, then all-reduce across groups; see Note [Gradient divide factors]), and adds
   // the result (cast to the shard's dtype unless keep_low_precision_grads) to
   // sharded_flat_param().grad().
-  void reduce_grad(const std::vector<at::Tensor>& grads);
+  // Each gradient is released as soon as it is copied (pass them with std::move to free
+  // their memory while the flat gradient fills).
+  void reduce_grad(std::vector<at::Tensor> grads);
 
   // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded
   // accumulator, without communication; the next reduce_grad reduces their sum.
-  void accumulate_grad(const std::vector<at::Tensor>& grads);
+  void accumulate_grad(std::vector<at::Tensor> grads);
   bool has_accumulated_grad() const { return unsharded_grad_.defined(); }
 
   // Copies this rank's chunk of the unsharded flat buffer (edited through the original
@@ -203,7 +205,7 @@ class FlatParamHandle {
 
   bool uses_mixed_precision() const { return param_dtype_ != sharded_.scalar_type(); }
   void use_views_of(const at::Tensor& flat);
-  at::Tensor flatten_grads(const std::vector<at::Tensor>& grads) const;
+  at::Tensor flatten_grads(std::vector<at::Tensor>& grads) const;  // releases each grad
 
   at::Tensor sharded_;          // the optimizer's leaf
   // padded_numel elements of param_dtype, the views' storage in forward and backward;

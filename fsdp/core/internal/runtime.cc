@@ -66,7 +66,7 @@ class GradientSink : public torch::autograd::Node {
   explicit GradientSink(std::weak_ptr<UnitState> unit) : unit_(std::move(unit)) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    if (auto unit = unit_.lock()) unit->post_backward(grads);
+    if (auto unit = unit_.lock()) unit->post_backward(std::move(grads));
     return {};
   }
 
@@ -176,15 +176,15 @@ void UnitState::pre_backward() {
   root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPre);
 }
 
-void UnitState::post_backward(const std::vector<at::Tensor>& grads) {
+void UnitState::post_backward(std::vector<at::Tensor> grads) {
   TORCH_INTERNAL_ASSERT(handle_ != nullptr);
   handle_state_ = HandleTrainingState::kBackwardPost;
   // The parameters are not needed any more: free them before the reduction allocates.
   reshard();
   if (root_->sync_gradients()) {
-    handle_->reduce_grad(grads);
+    handle_->reduce_grad(std::move(grads));
   } else {
-    handle_->accumulate_grad(grads);  // no_sync: no communication
+    handle_->accumulate_grad(std::move(grads));  // no_sync: no communication
   }
   root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPost);
 }

@@ -72,7 +72,7 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   void post_forward(bool hooked);
 
   void pre_backward();
-  void post_backward(const std::vector<at::Tensor>& grads);
+  void post_backward(std::vector<at::Tensor> grads);  // the engine's: released as copied
   // End of a backward pass: reshard whatever is still unsharded, reset per-iteration flags.
   void finish_iteration();
   void reshard();

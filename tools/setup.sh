@@ -20,6 +20,9 @@ readonly REQUIRED=(
   fortunes=1.99.1
   dataset-fashion-mnist=0.0~git20200523.55506a9
   gnuplot-nox=5.4.4
+  clang=14.0
+  libclang-rt-14-dev=14.0.6
+  iproute2=6.1.0
 )
 
 installed_version() {

@@ -192,11 +192,11 @@ int64_t maybe_resume(Model& model, torch::optim::Optimizer& optimizer, bool lead
   if (!absl::GetFlag(FLAGS_resume)) return 0;
   const std::optional<std::string> latest = latest_checkpoint(checkpoint_dir());
   int64_t step = 0;
-  if (!latest || !absl::SimpleAtoi(std::filesystem::path(*latest).filename().string().substr(5),
-                                   &step)) {
-    if (lead) std::cout << "no checkpoint in " << checkpoint_dir() << ": starting at step 0\n";
-    return 0;
-  }
+  TORCH_CHECK(latest && absl::SimpleAtoi(
+                            std::filesystem::path(*latest).filename().string().substr(5), &step),
+              "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '",
+              checkpoint_dir(), "'; pass the --checkpoint_dir of the run to continue, or start "
+              "a new run without --resume");
   load_sharded_checkpoint(*model, &optimizer, *latest);
   if (lead) std::cout << "resumed from " << *latest << " at step " << step << "\n";
   return step;
@@ -250,9 +250,9 @@ int train() {
   }
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
+  const int64_t first = maybe_resume(model, adamw, lead);  // before anything is written
   std::filesystem::create_directories(dir);
   if (lead) std::filesystem::create_directories(checkpoint_dir());
-  const int64_t first = maybe_resume(model, adamw, lead);
   std::ofstream csv;
   if (lead) csv = open_metrics(dir + "/metrics.csv", first);
   std::ofstream memory_csv(absl::StrFormat("%s/memory_rank%d.csv", dir, comm->rank()),

@@ -8,6 +8,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/optim/adam.h>
 
@@ -290,6 +291,30 @@ TEST(StateDictFile, ErrorsNameTheFile) {
   EXPECT_THAT([&] { load_state_dict((dir / "ints.pt").string()); },
               ThrowsMessage<c10::Error>(HasSubstr("the state dict value 'a' must be a Tensor, "
                                                   "found a int")));
+}
+
+// Found by tools/fuzz.sh (a leak under ASan): a pickle whose dict is set as an item of
+// itself through the memo. The reader must refuse it and free everything.
+TEST(StateDictFile, SelfContainingDictFromTheFuzzer) {
+  static const char kPickle[] =
+      "\x80\x02" "ccollections\nOrderedDict\nq\x00)Rq\x01(X\x01\x00\x00\x00wq\x02"
+      "ctorch._utils\n_rebuild_tensor_v2\x10tq\x08QK\x00K\x03M\x03\x86q\tK\x03K\x01S"
+      "\x86q\n\x89h\x00)Rqhhhhhhhhhhhhhsssb.";
+  const std::string pickle(kPickle, sizeof(kPickle) - 1);  // it holds NUL bytes
+  const fs::path path = scratch("fuzz_regression") / "leak.pt";
+  {
+    std::ofstream out(path, std::ios::binary);
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
+      out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+      return n;
+    });
+    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+    const std::string storage(64, '\0');
+    writer.writeRecord("data/0", storage.data(), storage.size());
+    writer.writeEndOfFile();
+  }
+  EXPECT_THAT([&] { load_state_dict(path.string()); },
+              ThrowsMessage<c10::Error>(HasSubstr("cannot read '" + path.string())));
 }
 
 }  // namespace

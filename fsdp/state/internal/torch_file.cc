@@ -42,6 +42,13 @@ class Unpickler {
   Unpickler(const char* data, size_t size, caffe2::serialize::PyTorchStreamReader& archive)
       : data_(data), size_(size), archive_(archive) {}
 
+  // A malicious pickle can put a container inside itself (through the memo); those
+  // shared_ptr cycles would leak, so whatever is left unfinished is taken apart.
+  ~Unpickler() {
+    if (finished_) return;
+    for (const PyValuePtr& container : containers_) container->items.clear();
+  }
+
   PyValuePtr run() {
     while (true) {
       const uint8_t op = byte();
@@ -50,6 +57,8 @@ class Unpickler {
     }
     TORCH_CHECK(stack_.size() == 1 && stack_[0]->kind != kGlobal && stack_[0]->kind != kStorage,
                 "the pickle does not end with one value");
+    TORCH_CHECK(!has_cycle(stack_[0]), "the pickle holds a container that contains itself");
+    finished_ = true;
     return stack_[0];
   }
 
@@ -182,7 +191,37 @@ class Unpickler {
     return static_cast<int64_t>(value);
   }
 
-  void push(PyValuePtr value) { stack_.push_back(std::move(value)); }
+  void push(PyValuePtr value) {
+    if (value->kind == PyValue::Kind::kDict || value->kind == PyValue::Kind::kList ||
+        value->kind == PyValue::Kind::kTuple) {
+      containers_.push_back(value);
+    }
+    stack_.push_back(std::move(value));
+  }
+
+  // Depth-first, without recursion (nesting may be deep).
+  static bool has_cycle(const PyValuePtr& root) {
+    absl::flat_hash_map<const PyValue*, bool> on_path;  // false: finished
+    std::vector<std::pair<const PyValue*, size_t>> path = {{root.get(), 0}};
+    on_path[root.get()] = true;
+    while (!path.empty()) {
+      const PyValue* node = path.back().first;
+      const size_t next = path.back().second++;
+      if (next == node->items.size()) {
+        on_path[node] = false;
+        path.pop_back();
+        continue;
+      }
+      const PyValue* child = node->items[next].get();
+      auto [it, first] = on_path.try_emplace(child, true);
+      if (first) {
+        path.emplace_back(child, 0);
+      } else if (it->second) {
+        return true;
+      }
+    }
+    return false;
+  }
   const PyValuePtr& top() {
     TORCH_CHECK(!stack_.empty(), "the pickle reads an empty stack");
     return stack_.back();
@@ -375,6 +414,8 @@ class Unpickler {
   std::vector<size_t> marks_;
   absl::flat_hash_map<int64_t, PyValuePtr> memo_;
   absl::flat_hash_map<std::string, at::Tensor> storages_;
+  std::vector<PyValuePtr> containers_;  // every dict, list and tuple made
+  bool finished_ = false;
 };
 
 }  // namespace

@@ -42,6 +42,15 @@ constexpr char kOptimPrefix[] = "optim/";
 
 std::string errno_text() { return std::strerror(errno); }
 
+// Makes a rename in `dir` durable ("" is the current directory); best effort.
+void fsync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
 // Writes `bytes` to `path` crash-safely: a temporary file in the same directory,
 // fsync'ed, renamed over `path`, and the directory fsync'ed.
 void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
@@ -68,12 +77,7 @@ void write_file_durably(const std::string& path, const std::vector<char>& bytes)
     ::unlink(temporary.c_str());
     TORCH_CHECK(false, "cannot write '", path, "': ", error);
   }
-  const std::string dir = fs::path(path).parent_path().string();
-  const int dir_fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
+  fsync_directory(fs::path(path).parent_path());
 }
 
 std::string read_file(const std::string& path) {
@@ -260,12 +264,7 @@ void publish(const fs::path& partial, const fs::path& dir) {
                 "cannot replace checkpoint '", dir.string(), "': ", errno_text());
     fs::remove_all(partial);  // now the previous checkpoint
   }
-  const int fd = ::open(dir.parent_path().empty() ? "." : dir.parent_path().c_str(),
-                        O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
+  fsync_directory(dir.parent_path());
 }
 
 class CheckpointReader {

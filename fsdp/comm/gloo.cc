@@ -118,10 +118,15 @@ class Worker {
 // a survivor may fail one collective behind another (its own reduce-scatter still in
 // flight), and a communicator fails only once.
 // If the store cannot be reached, its host (rank 0) is the one gone. A failure where
-// every rank is alive (e.g. mismatched collectives) names no peer. A survivor may only
-// notice the failure when another survivor gives up and closes its connections; so that
-// the store is still there when it probes, rank 0 (the store's host) closes its
-// connections first and keeps the store up for another probe time before it goes.
+// every rank is alive (e.g. mismatched collectives) names no peer.
+// A survivor may be blocked on another survivor rather than on the lost rank (rank 0 in
+// a ring all-reduce waiting for rank 1, which is stuck in the collective before); it
+// would only notice when that survivor exits, too late to answer its probe, and be named
+// in place of the lost rank. So the worker closes the communicator's connections as soon
+// as a collective fails (as PyTorch aborts a failed NCCL communicator): every survivor
+// blocked on it fails within milliseconds and probes at the same time. Rank 0 (the
+// store's host) keeps the store up for another probe time before it goes, so that the
+// others can finish their probes.
 constexpr auto kProbeTime = std::chrono::milliseconds(1500);
 
 // First line of an exception message (c10::Error appends a C++ stack trace).
@@ -147,11 +152,12 @@ class GlooCommunicator : public Communicator,
     }
   }
 
-  // See Note [Naming the lost peer]: after a failure, rank 0 closes its connections and
-  // keeps the store up for the other survivors' probes.
+  // See Note [Naming the lost peer]: after a failure, rank 0 keeps the store up for the
+  // other survivors' probes.
   ~GlooCommunicator() override {
     if (!failed_ || rank() != 0) return;
-    group_.reset();  // the worker is idle: a broken communicator accepts no work
+    // Waits out a collective that timed out on this thread but not yet in Gloo.
+    worker_.submit([this] { group_.reset(); }).wait();
     std::this_thread::sleep_for(kProbeTime + std::chrono::milliseconds(500));
   }
 
@@ -351,8 +357,19 @@ class GlooWork : public Work {
 
 WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence,
                                     std::function<void()> task) {
+  // Runs on the worker thread, the only one that touches group_ while the communicator
+  // lives. See Note [Naming the lost peer] for why a failure closes the connections.
+  auto run = [this, task = std::move(task)] {
+    TORCH_CHECK(group_, "the connections were closed after an earlier collective failed");
+    try {
+      task();
+    } catch (...) {
+      group_.reset();
+      throw;
+    }
+  };
   return std::make_shared<GlooWork>(weak_from_this(), kind, sequence, rank(),
-                                    worker_.submit(std::move(task)), timeout());
+                                    worker_.submit(std::move(run)), timeout());
 }
 
 }  // namespace

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # A rank SIGKILLed at a random point of training (forward, backward, optimizer step or
-# checkpoint save: the run saves a checkpoint every 2 steps) with W = 3: every other rank
-# must exit non-zero within the collective timeout (10 s) plus 5 s, naming the lost rank
-# and the collective; the newest complete checkpoint must still load (resumed at W = 1).
-#   rank_failure_test.sh PATH/TO/examples/gpt/train [TRIALS]
+# checkpoint save: the run saves a checkpoint every 2 steps) with W ranks (3 by default):
+# every other rank must exit non-zero within the collective timeout (10 s) plus 5 s,
+# naming the lost rank (its global rank, also when the failing collective is a
+# subgroup's) and the collective; the newest complete checkpoint must still load
+# (resumed at W = 1). Trial t kills rank t mod W.
+#   rank_failure_test.sh PATH/TO/examples/gpt/train [TRIALS [W [TRAINER FLAGS...]]]
 set -uo pipefail
-train=${1:?usage: rank_failure_test.sh TRAIN [TRIALS]}
+train=${1:?usage: rank_failure_test.sh TRAIN [TRIALS [W [TRAINER FLAGS...]]]}
 trials=${2:-6}
+world_size=${3:-3}
+shift $(($# < 3 ? $# : 3))
 root=${TEST_TMPDIR:-$(mktemp -d)}/rank_failure
 timeout_s=10
 flags=(--layers=2 --width=48 --heads=2 --context=32 --batch_size=12 --steps=100000
   --warmup_steps=5 --log_interval=1 --eval_interval=100000 --eval_batches=1 --sample_length=0
-  --checkpoint_interval=2 --timeout_s=$timeout_s)
+  --checkpoint_interval=2 --timeout_s=$timeout_s "$@")
+ranks=$(seq 0 $((world_size - 1)))
 free_port() {
   /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
@@ -20,11 +25,12 @@ clean=0
 for trial in $(seq 1 "$trials"); do
   dir=$root/$trial
   mkdir -p "$dir"
-  victim=$((trial % 3))
+  victim=$((trial % world_size))
   port=$(free_port)
   pids=()
-  for rank in 0 1 2; do
-    RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 \
+  for rank in $ranks; do
+    RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world_size LOCAL_WORLD_SIZE=$world_size \
+      MASTER_ADDR=127.0.0.1 \
       MASTER_PORT=$port "$train" "${flags[@]}" --out_dir="$dir" >"$dir/rank$rank.log" 2>&1 &
     pids+=($!)
   done
@@ -37,7 +43,7 @@ for trial in $(seq 1 "$trials"); do
   kill -KILL "${pids[$victim]}"
   killed_at=$(date +%s.%N)
   ok=1
-  for rank in 0 1 2; do
+  for rank in $ranks; do
     [[ $rank -eq $victim ]] && continue
     deadline=$((timeout_s + 5))
     status=124
@@ -51,12 +57,15 @@ for trial in $(seq 1 "$trials"); do
     done
     elapsed=$(awk -v a="$killed_at" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
     message=$(grep -m1 "^train:" "$dir/rank$rank.log")
+    group="( in group \[[0-9, ]+\])?"
+    expected="^train: [a-z_]+ #[0-9]+$group failed on rank $rank \(peer rank $victim\)"
     if [[ $status -eq 124 ]]; then
       kill -KILL "${pids[$rank]}" 2>/dev/null
       echo "trial $trial: rank $rank still running ${deadline} s after rank $victim died"
       ok=0
-    elif [[ $status -eq 0 ]] || ! grep -qE "(all_gather|reduce_scatter|all_reduce|broadcast|barrier|alltoall).*rank $victim|rank $victim.*(all_gather|reduce_scatter|all_reduce|broadcast|barrier)" <<<"$message"; then
-      echo "trial $trial: rank $rank exited $status after ${elapsed} s: $message"
+    elif [[ $status -eq 0 ]] || ! grep -qE "$expected" <<<"$message"; then
+      echo "trial $trial: rank $rank exited $status after ${elapsed} s, not naming rank $victim" \
+        "as in \"$expected\": $message"
       ok=0
     else
       echo "trial $trial: rank $rank exited $status after ${elapsed} s: $message"

@@ -57,14 +57,18 @@ void TrafficCounters::reset() {
 }
 
 CommError::CommError(std::string collective, int64_t sequence, int rank, int peer,
-                     const std::string& detail)
+                     const std::string& detail, std::vector<int> group)
     : std::runtime_error(absl::StrCat(
-          collective, " #", sequence, " failed on rank ", rank,
+          collective, " #", sequence,
+          group.empty() ? std::string()
+                        : absl::StrCat(" in group [", absl::StrJoin(group, ", "), "]"),
+          " failed on rank ", rank,
           peer >= 0 ? absl::StrCat(" (peer rank ", peer, ")") : std::string(), ": ", detail)),
       collective_(std::move(collective)),
       sequence_(sequence),
       rank_(rank),
-      peer_(peer) {}
+      peer_(peer),
+      group_(std::move(group)) {}
 
 CommBuffer CommBuffer::of(const at::Tensor& tensor, const char* what) {
   TORCH_CHECK(tensor.defined(), what, ": expected a tensor, got an undefined one");
@@ -94,12 +98,32 @@ bool is_supported_dtype(c10::ScalarType dtype) {
   }
 }
 
-Communicator::Communicator(int rank, int world_size, std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), timeout_(timeout) {
+Communicator::Communicator(int rank, int world_size, std::chrono::milliseconds timeout,
+                           std::vector<int> global_ranks)
+    : rank_(rank),
+      world_size_(world_size),
+      timeout_(timeout),
+      global_ranks_(std::move(global_ranks)),
+      is_subgroup_(!global_ranks_.empty()) {
   TORCH_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ",
               rank);
   TORCH_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");
+  if (!is_subgroup_) {
+    for (int r = 0; r < world_size; ++r) global_ranks_.push_back(r);
+  }
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_size,
+              "a subgroup of world_size ", world_size, " needs as many global ranks, got [",
+              absl::StrJoin(global_ranks_, ", "), "]");
+}
+
+CommError Communicator::comm_error(CollectiveKind kind, int64_t sequence, int peer,
+                                   const std::string& detail) const {
+  return CommError(collective_name(kind), sequence, global_rank(), peer, detail, error_group());
+}
+
+std::vector<int> Communicator::error_group() const {
+  return is_subgroup_ ? global_ranks_ : std::vector<int>();
 }
 
 void Communicator::mark_broken(const CommError& error) {
@@ -112,9 +136,9 @@ int64_t Communicator::begin_collective(CollectiveKind kind, int64_t bytes_sent,
   {
     std::lock_guard<std::mutex> lock(broken_mutex_);
     if (broken_) {
-      throw CommError(collective_name(kind), sequence_, rank_, broken_->peer(),
-                      absl::StrCat("the communicator is broken by an earlier failure: ",
-                                   broken_->what()));
+      throw comm_error(kind, sequence_, broken_->peer(),
+                       absl::StrCat("the communicator is broken by an earlier failure: ",
+                                    broken_->what()));
     }
   }
   counters_.record(kind, bytes_sent, bytes_received);
@@ -246,7 +270,12 @@ std::shared_ptr<Communicator> Communicator::new_subgroup(const std::vector<int>&
   }
   if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) return nullptr;
   const int count = subgroups_made_[ranks]++;
-  return do_new_subgroup(ranks, absl::StrCat("group[", absl::StrJoin(ranks, ","), "]#", count));
+  SubgroupSpec spec;
+  spec.ranks = ranks;
+  spec.rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+  spec.tag = absl::StrCat("group[", absl::StrJoin(ranks, ","), "]#", count);
+  for (int r : ranks) spec.global_ranks.push_back(global_ranks_[r]);
+  return do_new_subgroup(spec);
 }
 
 HybridGroups Communicator::split_hybrid(int shard_group_size) {

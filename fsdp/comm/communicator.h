@@ -88,23 +88,31 @@ class TrafficCounters {
 // Whatever the backend (a Gloo exception, an NCCL result code, a timeout, a fake
 // backend's injected failure), a failed collective surfaces as one CommError thrown from
 // Work::wait or the blocking call, and it says which collective (name and sequence
-// number on this communicator), which rank saw it, which peer is to blame when the
-// backend knows (-1 otherwise), and what the backend reported. After a CommError the
+// number on this communicator, and the group's members if it is a subgroup), which rank
+// saw it, which peer is to blame when the backend knows (-1 otherwise), and what the
+// backend reported, e.g.
+//   all_reduce #59 in group [0, 2] failed on rank 0 (peer rank 3): <backend's words>
+// Ranks are global (ranks of the root communicator, as in the RANK variable), also for
+// a subgroup, and the peer need not be a member of the failing group: the lost rank is
+// named even when this rank only waited on a survivor. After a CommError the
 // communicator is broken: every later call throws a CommError that repeats the first.
 class CommError : public std::runtime_error {
  public:
+  // `group`: the subgroup's global ranks, or empty for a root communicator.
   CommError(std::string collective, int64_t sequence, int rank, int peer,
-            const std::string& detail);
+            const std::string& detail, std::vector<int> group = {});
   const std::string& collective() const { return collective_; }
   int64_t sequence() const { return sequence_; }
   int rank() const { return rank_; }
   int peer() const { return peer_; }  // -1: unknown
+  const std::vector<int>& group() const { return group_; }
 
  private:
   std::string collective_;
   int64_t sequence_;
   int rank_;
   int peer_;
+  std::vector<int> group_;
 };
 
 // A non-owning view of contiguous memory holding `numel` elements of `dtype`.
@@ -155,6 +163,12 @@ class Communicator {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  // This rank in the root communicator (the one new_subgroup was first called on).
+  // PyTorch: dist.get_rank().
+  int global_rank() const { return global_ranks_[rank_]; }
+  // The members as root communicator ranks: global_ranks()[r] is rank r's global rank
+  // (0 .. world_size - 1 for a root communicator). PyTorch: dist.get_process_group_ranks.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
   // Default deadline of blocking calls and Work::wait().
   std::chrono::milliseconds timeout() const { return timeout_; }
   virtual std::string backend_name() const = 0;
@@ -204,7 +218,17 @@ class Communicator {
   const TrafficCounters& counters() const { return counters_; }
 
  protected:
-  Communicator(int rank, int world_size, std::chrono::milliseconds timeout);
+  // What a backend needs to build a subgroup's communicator (see new_subgroup).
+  struct SubgroupSpec {
+    std::vector<int> ranks;         // the members, as ranks of this communicator
+    int rank;                       // this rank's index in `ranks`
+    std::string tag;                // equal on all members, distinct per subgroup
+    std::vector<int> global_ranks;  // the members as root communicator ranks
+  };
+
+  // A root communicator has no `global_ranks`; a subgroup passes its spec's.
+  Communicator(int rank, int world_size, std::chrono::milliseconds timeout,
+               std::vector<int> global_ranks = {});
 
   // Backends implement these; arguments are already validated. `sequence` numbers this
   // communicator's collectives from 0, for error messages.
@@ -216,12 +240,17 @@ class Communicator {
                                    int64_t sequence) = 0;
   virtual WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) = 0;
   virtual WorkHandle do_barrier(int64_t sequence) = 0;
-  // `ranks` is validated and contains this rank; `tag` is equal on all members and
-  // distinct for every subgroup made from this communicator with this rank list.
-  virtual std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
-                                                        const std::string& tag) = 0;
+  // `spec.ranks` is validated and contains this rank.
+  virtual std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) = 0;
   // Devices this backend moves (checked for every buffer).
   virtual bool supports_device(const c10::Device& device) const = 0;
+
+  // The CommError of this communicator's collective `sequence`: this rank's global rank,
+  // `peer` (a global rank, or -1), and the group if this is a subgroup.
+  CommError comm_error(CollectiveKind kind, int64_t sequence, int peer,
+                       const std::string& detail) const;
+  // CommError's `group`: global_ranks() for a subgroup, empty for a root communicator.
+  std::vector<int> error_group() const;
 
   // Records the first failure; from then on every new collective throws it again. Safe
   // to call from any thread (a Work may fail while being waited on elsewhere).
@@ -234,6 +263,8 @@ class Communicator {
   int rank_;
   int world_size_;
   std::chrono::milliseconds timeout_;
+  std::vector<int> global_ranks_;
+  bool is_subgroup_;
   int64_t sequence_ = 0;
   std::map<std::vector<int>, int> subgroups_made_;  // rank list -> subgroups made
   TrafficCounters counters_;

@@ -29,14 +29,16 @@ struct Arrival {
 // second (nobody reads any more) each writes its result, so in-place ops are safe.
 class FakeGroup {
  public:
-  FakeGroup(int world_size, std::chrono::milliseconds timeout)
-      : world_size_(world_size), timeout_(timeout) {}
+  // `global_ranks`: a subgroup's members as world ranks; empty for the world.
+  FakeGroup(int world_size, std::chrono::milliseconds timeout, std::vector<int> global_ranks = {})
+      : world_size_(world_size), timeout_(timeout), global_ranks_(std::move(global_ranks)) {}
 
   int world_size() const { return world_size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   // Blocks until every rank arrived at `sequence` (phase 0) or finished reading (phase
-  // 1). Returns all arrivals. Throws CommError naming a missing or mismatched rank.
+  // 1). Returns all arrivals. Throws CommError naming a missing or mismatched rank (see
+  // Note [Communication errors]: in global ranks).
   std::vector<Arrival> meet(int rank, int64_t sequence, int phase, const Arrival& mine) {
     std::unique_lock<std::mutex> lock(mutex_);
     Meeting& meeting = meetings_[{sequence, phase}];
@@ -51,31 +53,37 @@ class FakeGroup {
           static_cast<int>(meeting.present.size()) < world_size_) {
         std::vector<int> missing;
         for (int r = 0; r < world_size_; ++r) {
-          if (meeting.present.count(r) == 0) missing.push_back(r);
+          if (meeting.present.count(r) == 0) missing.push_back(global(r));
         }
-        throw CommError(name, sequence, rank, missing.front(),
+        throw CommError(name, sequence, global(rank), missing.front(),
                         absl::StrCat("rank(s) ", absl::StrJoin(missing, ", "),
-                                     " did not reach it within ", timeout_.count(), " ms"));
+                                     " did not reach it within ", timeout_.count(), " ms"),
+                        global_ranks_);
       }
     }
     std::vector<Arrival> all = meeting.arrivals;
     if (++meeting.departed == world_size_) meetings_.erase({sequence, phase});
     for (int r = 0; r < world_size_; ++r) {
       if (all[r].kind != mine.kind || all[r].numel != mine.numel || all[r].root != mine.root) {
-        throw CommError(name, sequence, rank, r,
-                        absl::StrCat("rank ", r, " issued ", collective_name(all[r].kind),
+        throw CommError(name, sequence, global(rank), global(r),
+                        absl::StrCat("rank ", global(r), " issued ", collective_name(all[r].kind),
                                      " of ", all[r].numel, " elements (root ", all[r].root,
                                      ") at the same point; every rank must issue the same "
-                                     "collectives in the same order"));
+                                     "collectives in the same order"),
+                        global_ranks_);
       }
     }
     return all;
   }
 
-  std::shared_ptr<FakeGroup> subgroup(const std::string& tag, int size) {
+  std::shared_ptr<FakeGroup> subgroup(const std::string& tag,
+                                      const std::vector<int>& global_ranks) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& group = subgroups_[tag];
-    if (!group) group = std::make_shared<FakeGroup>(size, timeout_);
+    if (!group) {
+      group = std::make_shared<FakeGroup>(static_cast<int>(global_ranks.size()), timeout_,
+                                          global_ranks);
+    }
     return group;
   }
 
@@ -89,6 +97,8 @@ class FakeGroup {
   }
 
  private:
+  int global(int rank) const { return global_ranks_.empty() ? rank : global_ranks_[rank]; }
+
   struct Meeting {
     std::vector<Arrival> arrivals;
     std::set<int> present;
@@ -96,6 +106,7 @@ class FakeGroup {
   };
   const int world_size_;
   const std::chrono::milliseconds timeout_;
+  const std::vector<int> global_ranks_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<std::pair<int64_t, int>, Meeting> meetings_;
@@ -125,8 +136,10 @@ class DoneWork : public Work {
 
 class FakeCommunicator : public Communicator {
  public:
-  FakeCommunicator(std::shared_ptr<FakeGroup> group, int rank)
-      : Communicator(rank, group->world_size(), group->timeout()), group_(std::move(group)) {}
+  FakeCommunicator(std::shared_ptr<FakeGroup> group, int rank,
+                   std::vector<int> global_ranks = {})
+      : Communicator(rank, group->world_size(), group->timeout(), std::move(global_ranks)),
+        group_(std::move(group)) {}
 
   std::string backend_name() const override { return "fake"; }
 
@@ -174,12 +187,9 @@ class FakeCommunicator : public Communicator {
                [](const std::vector<Arrival>&) { return at::Tensor(); }, CommBuffer{});
   }
 
-  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
-                                                const std::string& tag) override {
-    const int index = static_cast<int>(
-        std::lower_bound(ranks.begin(), ranks.end(), rank()) - ranks.begin());
-    return std::make_shared<FakeCommunicator>(
-        group_->subgroup(tag, static_cast<int>(ranks.size())), index);
+  std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
+    return std::make_shared<FakeCommunicator>(group_->subgroup(spec.tag, spec.global_ranks),
+                                              spec.rank, spec.global_ranks);
   }
 
  private:
@@ -199,8 +209,7 @@ class FakeCommunicator : public Communicator {
                  const CommBuffer& output) {
     try {
       if (group_->should_fail(rank(), sequence)) {
-        throw CommError(collective_name(mine.kind), sequence, rank(), -1,
-                        "injected failure (FakeWorld::inject_failure)");
+        throw comm_error(mine.kind, sequence, -1, "injected failure (FakeWorld::inject_failure)");
       }
       at::Tensor result = compute(group_->meet(rank(), sequence, 0, mine));
       group_->meet(rank(), sequence, 1, mine);  // everyone has read the inputs

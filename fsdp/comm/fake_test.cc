@@ -137,5 +137,46 @@ TEST(FakeCommunicatorTest, SubgroupsAndHybridSplit) {
   });
 }
 
+TEST(FakeCommunicatorTest, SubgroupsKnowTheirGlobalRanks) {
+  FakeWorld::run(FakeWorld::create(4), [](Communicator& comm) {
+    EXPECT_EQ(comm.global_rank(), comm.rank());
+    EXPECT_EQ(comm.global_ranks(), (std::vector<int>{0, 1, 2, 3}));
+    std::shared_ptr<Communicator> upper = comm.new_subgroup({1, 2, 3});
+    if (upper == nullptr) return;
+    EXPECT_EQ(upper->global_ranks(), (std::vector<int>{1, 2, 3}));
+    EXPECT_EQ(upper->global_rank(), comm.rank());
+    // Ranks 0 and 2 of {1, 2, 3}: global ranks 1 and 3.
+    std::shared_ptr<Communicator> ends = upper->new_subgroup({0, 2});
+    EXPECT_EQ(ends == nullptr, comm.rank() == 2);
+    if (ends == nullptr) return;
+    EXPECT_EQ(ends->rank(), comm.rank() == 1 ? 0 : 1);
+    EXPECT_EQ(ends->global_rank(), comm.rank());
+    EXPECT_EQ(ends->global_ranks(), (std::vector<int>{1, 3}));
+  });
+}
+
+// A subgroup's errors name global ranks and the group (Note [Communication errors]).
+TEST(FakeCommunicatorTest, SubgroupErrorsNameGlobalRanksAndTheGroup) {
+  auto world = FakeWorld::create(4, std::chrono::milliseconds(200));
+  std::atomic<int> failures{0};
+  FakeWorld::run(world, [&](Communicator& comm) {
+    const HybridGroups groups = comm.split_hybrid(2);
+    if (comm.rank() == 3) return;  // never reaches the replicate group's all-reduce
+    try {
+      groups.replicate_group->all_reduce(at::ones({4}));
+      EXPECT_NE(comm.rank(), 1) << "rank 1 did not fail";
+    } catch (const CommError& e) {
+      ++failures;
+      EXPECT_EQ(comm.rank(), 1);
+      EXPECT_EQ(e.rank(), 1);
+      EXPECT_EQ(e.peer(), 3);
+      EXPECT_EQ(e.group(), (std::vector<int>{1, 3}));
+      EXPECT_THAT(e.what(), HasSubstr("all_reduce #0 in group [1, 3] failed on rank 1 (peer "
+                                      "rank 3): rank(s) 3 did not reach it within 200 ms"));
+    }
+  });
+  EXPECT_EQ(failures, 1);
+}
+
 }  // namespace
 }  // namespace fsdp

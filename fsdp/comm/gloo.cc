@@ -113,31 +113,93 @@ class Worker {
 
 // Note [Naming the lost peer]
 // Gloo reports a lost connection by socket address, not by rank. After a failure, each
-// survivor marks itself alive in the store and waits up to kProbeTime for the others; the
-// lowest rank that never shows up is named as the peer. The mark is not per collective:
-// a survivor may fail one collective behind another (its own reduce-scatter still in
-// flight), and a communicator fails only once.
+// survivor marks itself alive in the root communicator's store and waits up to
+// kProbeTime for the others; the lowest global rank that never shows up is named as the
+// peer, whichever communicator (root or subgroup) failed: under hybrid sharding a rank
+// may fail in its replicate group because a member of another shard group is gone. The
+// mark is per process, not per collective: a survivor may fail one collective behind
+// another (its own reduce-scatter still in flight), and it fails only once.
 // If the store cannot be reached, its host (rank 0) is the one gone. A failure where
 // every rank is alive (e.g. mismatched collectives) names no peer.
 // A survivor may be blocked on another survivor rather than on the lost rank (rank 0 in
-// a ring all-reduce waiting for rank 1, which is stuck in the collective before); it
-// would only notice when that survivor exits, too late to answer its probe, and be named
-// in place of the lost rank. So the worker closes the communicator's connections as soon
-// as a collective fails (as PyTorch aborts a failed NCCL communicator): every survivor
-// blocked on it fails within milliseconds and probes at the same time. Rank 0 (the
-// store's host) keeps the store up for another probe time before it goes, so that the
-// others can finish their probes.
+// a ring all-reduce waiting for rank 1, which is stuck in the collective before, or in
+// another group); it would only notice when that survivor exits, too late to answer its
+// probe, and be named in place of the lost rank. So as soon as a collective fails, the
+// process closes the connections of all its communicators (as PyTorch aborts a failed
+// NCCL communicator): every survivor blocked on it fails within milliseconds and probes
+// at the same time. Rank 0 (the store's host) keeps the store up for another probe time
+// before it goes, so that the others can finish their probes.
 constexpr auto kProbeTime = std::chrono::milliseconds(1500);
 
 // First line of an exception message (c10::Error appends a C++ stack trace).
 std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
 
+class GlooCommunicator;
+
+// What a root communicator and the subgroups made from it share in one process: the
+// root's store, this process's global rank, and the failure. See Note [Naming the lost
+// peer]. Thread-safe.
+class GlooFamily {
+ public:
+  GlooFamily(c10::intrusive_ptr<c10d::Store> store, int global_rank, int world_size)
+      : store_(std::move(store)), global_rank_(global_rank), world_size_(world_size) {}
+  ~GlooFamily() {
+    if (failed_ && global_rank_ == 0) {
+      std::this_thread::sleep_for(kProbeTime + std::chrono::milliseconds(500));
+    }
+  }
+
+  void add(GlooCommunicator* member) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    members_.push_back(member);
+  }
+  void remove(GlooCommunicator* member) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    members_.erase(std::find(members_.begin(), members_.end(), member));
+  }
+
+  // A collective of `source` failed: closes the connections of every other member
+  // (`source` closes its own on its worker thread).
+  void on_failure(GlooCommunicator* source);
+
+  // Which global rank is gone? Returns -1 if every rank answered.
+  int find_lost_peer() {
+    const std::string prefix = "alive/";
+    try {
+      store_->set(absl::StrCat(prefix, global_rank_), std::vector<uint8_t>{1});
+      const auto deadline = std::chrono::steady_clock::now() + kProbeTime;
+      while (true) {
+        int missing = -1;
+        for (int r = world_size_ - 1; r >= 0; --r) {
+          if (!store_->check({absl::StrCat(prefix, r)})) missing = r;
+        }
+        if (missing < 0 || std::chrono::steady_clock::now() > deadline) return missing;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const std::exception&) {
+      return 0;  // the store itself is gone, and rank 0 hosts it
+    }
+  }
+
+ private:
+  const c10::intrusive_ptr<c10d::Store> store_;
+  const int global_rank_;
+  const int world_size_;
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
+  std::vector<GlooCommunicator*> members_;
+};
+
 class GlooCommunicator : public Communicator,
                          public std::enable_shared_from_this<GlooCommunicator> {
  public:
-  GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                   const GlooOptions& options)
-      : Communicator(rank, world_size, options.timeout()),
+  // `global_ranks`: empty for the root communicator, whose rank and world size the
+  // family was made with; a subgroup's members otherwise.
+  GlooCommunicator(std::shared_ptr<GlooFamily> family, c10::intrusive_ptr<c10d::Store> store,
+                   int rank, int world_size, const GlooOptions& options,
+                   std::vector<int> global_ranks = {})
+      : Communicator(rank, world_size, options.timeout(), std::move(global_ranks)),
+        family_(std::move(family)),
         store_(std::move(store)),
         options_(options) {
     auto pg_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
@@ -150,43 +212,25 @@ class GlooCommunicator : public Communicator,
                   " could not connect to its peers within ", options.timeout().count(),
                   " ms: ", first_line(e.what()));
     }
+    family_->add(this);
   }
 
-  // See Note [Naming the lost peer]: after a failure, rank 0 keeps the store up for the
-  // other survivors' probes.
-  ~GlooCommunicator() override {
-    if (!failed_ || rank() != 0) return;
-    // Waits out a collective that timed out on this thread but not yet in Gloo.
-    worker_.submit([this] { group_.reset(); }).wait();
-    std::this_thread::sleep_for(kProbeTime + std::chrono::milliseconds(500));
-  }
+  ~GlooCommunicator() override { family_->remove(this); }
 
   std::string backend_name() const override { return "gloo"; }
 
-  // For GlooWork, which sees failures when they are waited on.
-  void mark_broken_from_work(const CommError& error) {
-    failed_ = true;
+  // For GlooWork, which sees failures when they are waited on: closes the connections,
+  // names the lost rank and breaks the communicator. See Note [Naming the lost peer].
+  CommError fail(CollectiveKind kind, int64_t sequence, const std::string& detail) {
+    family_->on_failure(this);
+    const CommError error = comm_error(kind, sequence, family_->find_lost_peer(), detail);
     mark_broken(error);
+    return error;
   }
 
-  // Which rank is gone, after a collective failed? See Note [Naming the lost peer].
-  // Returns -1 if every rank answered.
-  int find_lost_peer() {
-    const std::string prefix = "alive/";
-    try {
-      store_->set(absl::StrCat(prefix, rank()), std::vector<uint8_t>{1});
-      const auto deadline = std::chrono::steady_clock::now() + kProbeTime;
-      while (true) {
-        int missing = -1;
-        for (int r = world_size() - 1; r >= 0; --r) {
-          if (!store_->check({absl::StrCat(prefix, r)})) missing = r;
-        }
-        if (missing < 0 || std::chrono::steady_clock::now() > deadline) return missing;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    } catch (const std::exception&) {
-      return 0;  // the store itself is gone, and rank 0 hosts it
-    }
+  // Queued behind the collectives already issued (which fail fast once peers close).
+  void close_connections() {
+    worker_.submit([this] { group_.reset(); });
   }
 
  protected:
@@ -241,13 +285,10 @@ class GlooCommunicator : public Communicator,
     return submit(CollectiveKind::kBarrier, sequence, [this] { group_->barrier()->wait(); });
   }
 
-  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
-                                                const std::string& tag) override {
-    const int index = static_cast<int>(
-        std::lower_bound(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+  std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
     return std::make_shared<GlooCommunicator>(
-        c10::make_intrusive<c10d::PrefixStore>(tag, store_), index,
-        static_cast<int>(ranks.size()), options_);
+        family_, c10::make_intrusive<c10d::PrefixStore>(spec.tag, store_), spec.rank,
+        static_cast<int>(spec.ranks.size()), options_, spec.global_ranks);
   }
 
  private:
@@ -303,23 +344,31 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle submit(CollectiveKind kind, int64_t sequence, std::function<void()> task);
 
+  std::shared_ptr<GlooFamily> family_;  // first: outlives the group (rank 0's store)
   c10::intrusive_ptr<c10d::Store> store_;
   GlooOptions options_;
-  c10::intrusive_ptr<GlooGroup> group_;
+  c10::intrusive_ptr<GlooGroup> group_;  // null once the connections are closed
   at::Tensor scratch_[kNumSlots];
-  std::atomic<bool> failed_{false};
   Worker worker_;  // last: joined first on destruction, while the group still exists
 };
+
+void GlooFamily::on_failure(GlooCommunicator* source) {
+  failed_ = true;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (GlooCommunicator* member : members_) {
+    if (member != source) member->close_connections();
+  }
+}
 
 class GlooWork : public Work {
  public:
   GlooWork(std::weak_ptr<GlooCommunicator> comm, CollectiveKind kind, int64_t sequence,
-           int rank, std::shared_future<void> done, std::chrono::milliseconds timeout)
+           int global_rank, std::shared_future<void> done, std::chrono::milliseconds timeout)
       : Work(timeout),
         comm_(std::move(comm)),
         kind_(kind),
         sequence_(sequence),
-        rank_(rank),
+        global_rank_(global_rank),
         done_(std::move(done)) {}
 
   void wait(std::chrono::milliseconds timeout) override {
@@ -342,16 +391,14 @@ class GlooWork : public Work {
  private:
   [[noreturn]] void fail(const std::string& detail) {
     std::shared_ptr<GlooCommunicator> comm = comm_.lock();
-    const int peer = comm ? comm->find_lost_peer() : -1;
-    CommError error(collective_name(kind_), sequence_, rank_, peer, detail);
-    if (comm) comm->mark_broken_from_work(error);
-    throw error;
+    if (!comm) throw CommError(collective_name(kind_), sequence_, global_rank_, -1, detail);
+    throw comm->fail(kind_, sequence_, detail);
   }
 
   std::weak_ptr<GlooCommunicator> comm_;
   CollectiveKind kind_;
   int64_t sequence_;
-  int rank_;
+  int global_rank_;  // for a failure seen after the communicator is gone
   std::shared_future<void> done_;
 };
 
@@ -360,15 +407,17 @@ WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence,
   // Runs on the worker thread, the only one that touches group_ while the communicator
   // lives. See Note [Naming the lost peer] for why a failure closes the connections.
   auto run = [this, task = std::move(task)] {
-    TORCH_CHECK(group_, "the connections were closed after an earlier collective failed");
+    TORCH_CHECK(group_,
+                "the connections were closed after an earlier collective of this process failed");
     try {
       task();
     } catch (...) {
       group_.reset();
+      family_->on_failure(this);
       throw;
     }
   };
-  return std::make_shared<GlooWork>(weak_from_this(), kind, sequence, rank(),
+  return std::make_shared<GlooWork>(weak_from_this(), kind, sequence, global_rank(),
                                     worker_.submit(std::move(run)), timeout());
 }
 
@@ -381,7 +430,9 @@ std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::St
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
               "make_gloo_communicator: expected 0 <= rank < world_size, got rank ", rank,
               " and world_size ", world_size);
-  return std::make_shared<GlooCommunicator>(std::move(store), rank, world_size, options);
+  auto family = std::make_shared<GlooFamily>(store, rank, world_size);
+  return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank,
+                                            world_size, options);
 }
 
 }  // namespace fsdp

@@ -3,7 +3,10 @@
 #include "fsdp/comm/gloo.h"
 
 #include <csignal>
+#include <chrono>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -63,7 +66,48 @@ TEST(DISABLED_GlooWorker, PeerKilledDuringAllReduce) {
   }
 }
 
+// Hybrid groups of 2 (shard {0, 1}, {2, 3}; replicate {0, 2}, {1, 3}); rank 3 dies after
+// setting them up. Rank 2 fails in its shard group; ranks 0 and 1 fail in the shard or
+// replicate group, rank 0 only because rank 2 closed its connections (rank 2 stays
+// alive). Every survivor names global rank 3 well within the 20 s timeout.
+TEST(DISABLED_GlooWorker, PeerKilledUnderHybridGroups) {
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(20)));
+  const HybridGroups groups = comm->split_hybrid(2);
+  comm->barrier();
+  if (comm->rank() == 3) std::raise(SIGKILL);
+  at::Tensor t = at::ones({1 << 16});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    groups.shard_group->all_reduce(t);
+    groups.replicate_group->all_reduce(t);
+    ADD_FAILURE() << "the collectives succeeded without rank 3";
+  } catch (const CommError& e) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cout << "survivor error: " << e.what() << std::endl;
+    EXPECT_EQ(e.collective(), "all_reduce");
+    EXPECT_EQ(e.sequence(), 0);
+    EXPECT_EQ(e.rank(), comm->rank());
+    EXPECT_EQ(e.peer(), 3);
+    if (comm->rank() == 2) {
+      EXPECT_EQ(e.group(), (std::vector<int>{2, 3}));
+    }
+    EXPECT_LT(seconds, 10.0);
+  }
+  if (comm->rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(8));
+}
+
 // ---- Tests. ----
+
+// For the test log: how long the survivor ran, and its error.
+void print_survivor_error(const std::vector<RankOutcome>& ranks, int rank) {
+  const std::string& out = ranks[rank].output;
+  const size_t at = out.find("survivor error");
+  if (at == std::string::npos) return;
+  std::cout << "rank " << rank << " after " << ranks[rank].seconds
+            << " s: " << out.substr(at, out.find('\n', at) - at) << "\n";
+}
 
 void expect_all_passed(const std::vector<RankOutcome>& ranks) {
   for (const RankOutcome& rank : ranks) {
@@ -96,13 +140,25 @@ TEST(GlooTest, PeerKilledMidCollectiveMakesSurvivorsRaiseInTime) {
         << describe(ranks);
     // Within the 5 s timeout plus start-up and a margin.
     EXPECT_LT(ranks[rank].seconds, 20.0) << describe(ranks);
-    const std::string& out = ranks[rank].output;
-    const size_t at = out.find("survivor error");
-    if (at != std::string::npos) {
-      std::cout << "rank " << rank << " after " << ranks[rank].seconds << " s: "
-                << out.substr(at, out.find('\n', at) - at) << "\n";
-    }
+    print_survivor_error(ranks, rank);
   }
+}
+
+TEST(GlooTest, PeerKilledUnderHybridGroupsIsNamedByItsGlobalRank) {
+  const std::vector<RankOutcome> ranks =
+      run_test_as_ranks(4, "DISABLED_GlooWorker.PeerKilledUnderHybridGroups", kDeadline);
+  EXPECT_EQ(ranks[3].term_signal, SIGKILL) << describe(ranks);
+  for (int rank : {0, 1, 2}) {
+    EXPECT_EQ(ranks[rank].exit_code, 0) << describe(ranks);
+    EXPECT_THAT(ranks[rank].output, HasSubstr("failed on rank " + std::to_string(rank) +
+                                              " (peer rank 3)"))
+        << describe(ranks);
+    print_survivor_error(ranks, rank);
+  }
+  EXPECT_THAT(ranks[2].output,
+              HasSubstr("survivor error: all_reduce #0 in group [2, 3] failed on rank 2 (peer "
+                        "rank 3)"))
+      << describe(ranks);
 }
 
 }  // namespace

@@ -101,8 +101,15 @@ enum StreamIndex { kAllGatherStream = 0, kReduceScatterStream, kOtherStream, kNu
 // (which may outlive it). Everything is guarded by `mutex_`.
 class NcclResources {
  public:
-  NcclResources(int rank, int device, cudaStream_t compute)
-      : rank_(rank), device_(device), compute_(compute) {}
+  // `rank`: in the NCCL communicator; `global_rank` and `error_group` label CommErrors
+  // (Communicator::comm_error).
+  NcclResources(int rank, int device, cudaStream_t compute, int global_rank,
+                std::vector<int> error_group)
+      : rank_(rank),
+        device_(device),
+        compute_(compute),
+        global_rank_(global_rank),
+        error_group_(std::move(error_group)) {}
   ~NcclResources() { close(); }
   NcclResources(const NcclResources&) = delete;
   NcclResources& operator=(const NcclResources&) = delete;
@@ -141,8 +148,7 @@ class NcclResources {
     auto record = std::make_shared<WorkRecord>(kind, sequence);
     std::lock_guard<std::mutex> lock(mutex_);
     if (comm_ == nullptr) {
-      record->error.emplace(collective_name(kind), sequence, rank_, -1,
-                            "the NCCL communicator was aborted or destroyed");
+      set_error(*record, "the NCCL communicator was aborted or destroyed");
       return record;
     }
     forget_finished_locked();
@@ -246,9 +252,8 @@ class NcclResources {
   // `record` failed: abort, fail every other pending work, break the communicator.
   void fail_locked(WorkRecord& record, const std::string& detail) {
     const bool was_alive = comm_ != nullptr;
-    record.error.emplace(
-        collective_name(record.kind), record.sequence, rank_, -1,
-        was_alive ? absl::StrCat(detail, "; the NCCL communicator was aborted") : detail);
+    set_error(record,
+              was_alive ? absl::StrCat(detail, "; the NCCL communicator was aborted") : detail);
     const CommError error = *record.error;
     abort_locked(absl::StrCat("aborted after an earlier failure: ", error.what()));
     if (on_failure_) on_failure_(error);
@@ -260,7 +265,7 @@ class NcclResources {
     forget_finished_locked();
     for (const std::shared_ptr<WorkRecord>& record : pending_) {
       if (!record->error) {
-        record->error.emplace(collective_name(record->kind), record->sequence, rank_, -1, reason);
+        set_error(*record, reason);
       }
     }
     pending_.clear();
@@ -302,9 +307,16 @@ class NcclResources {
     }
   }
 
+  void set_error(WorkRecord& record, const std::string& detail) const {
+    record.error.emplace(collective_name(record.kind), record.sequence, global_rank_, -1, detail,
+                         error_group_);
+  }
+
   const int rank_;
   const int device_;
   const cudaStream_t compute_;
+  const int global_rank_;
+  const std::vector<int> error_group_;
   std::mutex mutex_;
   ncclComm_t comm_ = nullptr;  // null once aborted or destroyed
   std::array<cudaStream_t, kNumStreams> streams_{};
@@ -348,12 +360,14 @@ void check_options(const c10::intrusive_ptr<c10d::Store>& store, const NcclOptio
 class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                   NcclOptions options)
-      : Communicator(rank, world_size, std::chrono::milliseconds(options.timeout_ms())),
+                   NcclOptions options, std::vector<int> global_ranks = {})
+      : Communicator(rank, world_size, std::chrono::milliseconds(options.timeout_ms()),
+                     std::move(global_ranks)),
         store_(std::move(store)),
         options_(std::move(options)),
         resources_(std::make_shared<NcclResources>(
-            rank, options_.device_index(), static_cast<cudaStream_t>(options_.compute_stream()))) {
+            rank, options_.device_index(), static_cast<cudaStream_t>(options_.compute_stream()),
+            global_rank(), error_group())) {
     try {
       const ncclUniqueId id =
           exchange_unique_id(*store_, unique_id_key(options_.store_prefix()), rank, new_unique_id);
@@ -428,14 +442,12 @@ class NcclCommunicator : public Communicator {
                   });
   }
 
-  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
-                                                const std::string& tag) override {
-    const int index =
-        static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+  std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
     NcclOptions options = options_;
-    options.store_prefix(absl::StrCat(options_.store_prefix(), "/", tag));
-    return std::make_shared<NcclCommunicator>(store_, index, static_cast<int>(ranks.size()),
-                                              std::move(options));
+    options.store_prefix(absl::StrCat(options_.store_prefix(), "/", spec.tag));
+    return std::make_shared<NcclCommunicator>(store_, spec.rank,
+                                              static_cast<int>(spec.ranks.size()),
+                                              std::move(options), spec.global_ranks);
   }
 
  private:

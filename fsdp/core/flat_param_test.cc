@@ -187,9 +187,8 @@ class SpyCommunicator : public Communicator {
     return inner_->broadcast_async(t, root);
   }
   WorkHandle do_barrier(int64_t) override { return inner_->barrier_async(); }
-  std::shared_ptr<Communicator> do_new_subgroup(const std::vector<int>& ranks,
-                                                const std::string&) override {
-    return inner_->new_subgroup(ranks);
+  std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
+    return inner_->new_subgroup(spec.ranks);
   }
 
  private:

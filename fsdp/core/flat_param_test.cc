@@ -6,6 +6,7 @@
 #include <ATen/TensorOperators.h>
 
 #include "fsdp/comm/fake.h"
+#include "fsdp/comm/internal/forwarding.h"
 
 namespace fsdp {
 namespace {
@@ -159,44 +160,19 @@ TEST(GradientDivideFactorsTest, ReferenceTable) {
   }
 }
 
-// Forwards to a real communicator; records what reduce-scatters and all-reduces get.
-class SpyCommunicator : public Communicator {
+// Records what reduce-scatters and all-reduces get.
+class SpyCommunicator : public comm_internal::ForwardingCommunicator {
  public:
-  explicit SpyCommunicator(std::shared_ptr<Communicator> inner)
-      : Communicator(inner->rank(), inner->world_size(), inner->timeout()),
-        inner_(std::move(inner)) {}
-  std::string backend_name() const override { return "spy"; }
+  using ForwardingCommunicator::ForwardingCommunicator;
   std::vector<float> inputs;  // first input element of each reduction
   std::vector<ReduceOp> ops;
 
  protected:
-  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
-  WorkHandle do_all_gather(const CommBuffer& out, const CommBuffer& in, int64_t) override {
-    return inner_->all_gather_into_tensor_async(out, in);
-  }
-  WorkHandle do_reduce_scatter(const CommBuffer& out, const CommBuffer& in, ReduceOp op,
-                               int64_t) override {
-    record(in, op);
-    return inner_->reduce_scatter_tensor_async(out, in, op);
-  }
-  WorkHandle do_all_reduce(const CommBuffer& t, ReduceOp op, int64_t) override {
-    record(t, op);
-    return inner_->all_reduce_async(t, op);
-  }
-  WorkHandle do_broadcast(const CommBuffer& t, int root, int64_t) override {
-    return inner_->broadcast_async(t, root);
-  }
-  WorkHandle do_barrier(int64_t) override { return inner_->barrier_async(); }
-  std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
-    return inner_->new_subgroup(spec.ranks);
-  }
-
- private:
-  void record(const CommBuffer& buffer, ReduceOp op) {
+  void issued(CollectiveKind kind, const CommBuffer& buffer, ReduceOp op) override {
+    if (kind != CollectiveKind::kReduceScatter && kind != CollectiveKind::kAllReduce) return;
     inputs.push_back(*static_cast<const float*>(buffer.data));
     ops.push_back(op);
   }
-  std::shared_ptr<Communicator> inner_;
 };
 
 class DivideFactorTest

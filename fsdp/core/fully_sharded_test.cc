@@ -23,6 +23,7 @@
 #include <torch/optim/sgd.h>
 
 #include "fsdp/comm/fake.h"
+#include "fsdp/comm/internal/forwarding.h"
 #include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/state/fqn.h"
 
@@ -94,40 +95,18 @@ INSTANTIATE_TEST_SUITE_P(
                                          BackwardPrefetch::kBackwardPost),
                        ::testing::Bool()));
 
-// Records the order of collectives; forwards them to a real communicator.
-class RecordingCommunicator : public Communicator {
+// Records the order of all-gathers, reduce-scatters and all-reduces.
+class RecordingCommunicator : public comm_internal::ForwardingCommunicator {
  public:
-  explicit RecordingCommunicator(std::shared_ptr<Communicator> inner)
-      : Communicator(inner->rank(), inner->world_size(), inner->timeout()),
-        inner_(std::move(inner)) {}
-  std::string backend_name() const override { return "recording"; }
+  using ForwardingCommunicator::ForwardingCommunicator;
   std::vector<std::string> log;
 
  protected:
-  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
-  WorkHandle do_all_gather(const CommBuffer& out, const CommBuffer& in, int64_t) override {
-    log.push_back("AG");
-    return inner_->all_gather_into_tensor_async(out, in);
+  void issued(CollectiveKind kind, const CommBuffer&, ReduceOp) override {
+    if (kind == CollectiveKind::kAllGather) log.push_back("AG");
+    if (kind == CollectiveKind::kReduceScatter) log.push_back("RS");
+    if (kind == CollectiveKind::kAllReduce) log.push_back("AR");
   }
-  WorkHandle do_reduce_scatter(const CommBuffer& out, const CommBuffer& in, ReduceOp op,
-                               int64_t) override {
-    log.push_back("RS");
-    return inner_->reduce_scatter_tensor_async(out, in, op);
-  }
-  WorkHandle do_all_reduce(const CommBuffer& t, ReduceOp op, int64_t) override {
-    log.push_back("AR");
-    return inner_->all_reduce_async(t, op);
-  }
-  WorkHandle do_broadcast(const CommBuffer& t, int root, int64_t) override {
-    return inner_->broadcast_async(t, root);
-  }
-  WorkHandle do_barrier(int64_t) override { return inner_->barrier_async(); }
-  std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
-    return inner_->new_subgroup(spec.ranks);
-  }
-
- private:
-  std::shared_ptr<Communicator> inner_;
 };
 
 // Rank 0's collectives during one backward pass on 2 ranks.

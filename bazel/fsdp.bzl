@@ -1,4 +1,4 @@
-"""Macros that set compiler flags once for every fsdp target (STYLE.md)."""
+"""Macros that set compiler flags once for every fsdp target."""
 
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library", "cc_test")
 

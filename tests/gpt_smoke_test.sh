@@ -3,9 +3,10 @@
 # checkpoint every 20 steps and model.pt (which torch.load reads), print a sample, and
 # end with a validation loss below the starting one. Then the processes restart from
 # the step-20 checkpoint: steps 21-40 must repeat the uninterrupted run's losses exactly.
-#   gpt_smoke_test.sh PATH/TO/examples/gpt/train
+#   gpt_smoke_test.sh PATH/TO/examples/gpt/train PATH/TO/python3 (with torch 2.11)
 set -uo pipefail
-train=${1:?usage: gpt_smoke_test.sh TRAIN}
+train=${1:?usage: gpt_smoke_test.sh TRAIN PYTHON}
+python=${2:?usage: gpt_smoke_test.sh TRAIN PYTHON}
 out=${TEST_TMPDIR:-$(mktemp -d)}/gpt
 run() {
   "$train" --world_size=2 --steps=40 --warmup_steps=5 --layers=2 --width=48 --heads=2 \
@@ -35,7 +36,7 @@ check metrics_written "[[ \$(wc -l < '$out/uninterrupted.csv') -eq 41 ]]"
 check sample_printed "grep -q '^\\[rank 0\\] sample:' <<<\"\$log\""
 check every_rank_reports "[[ \$(grep -c 'peak memory' <<<\"\$log\") -eq 2 ]]"
 check checkpoints_written "[[ -f '$out/checkpoints/step_00000020/metadata.pt' ]]"
-check model_loads_in_pytorch "/usr/bin/python3 -c \"import torch, sys; sd = torch.load('$out/model.pt'); sys.exit(len(sd) != 28)\""
+check model_loads_in_pytorch "'$python' -c \"import torch, sys; sd = torch.load('$out/model.pt'); sys.exit(len(sd) != 28)\""
 check resumed_exit_status "[[ $resumed_status -eq 0 ]]"
 check resumed_from_step_20 "grep -q 'resumed from .*step_00000020 at step 20' <<<\"\$resumed_log\""
 check resumed_losses_equal "diff <(cut -d, -f1-3 '$out/uninterrupted.csv') <(cut -d, -f1-3 '$out/metrics.csv')"

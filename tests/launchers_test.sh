@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The same distributed program under fsdp_run and under Debian's torchrun, with 2 and 3
-# ranks: every rank must rendezvous from the launcher's variables and print "ok"; and a
+# The same distributed program under fsdp_run and under torch 2.11's torchrun, with 2 and
+# 3 ranks: every rank must rendezvous from the launcher's variables and print "ok"; and a
 # failing rank must stop the job with its exit status.
-#   launchers_test.sh PATH/TO/fsdp_run PATH/TO/comm_smoke
+#   launchers_test.sh PATH/TO/fsdp_run PATH/TO/comm_smoke PATH/TO/torchrun
 set -uo pipefail
-run=${1:?usage: launchers_test.sh FSDP_RUN COMM_SMOKE}
-smoke=${2:?usage: launchers_test.sh FSDP_RUN COMM_SMOKE}
+run=${1:?usage: launchers_test.sh FSDP_RUN COMM_SMOKE TORCHRUN}
+smoke=${2:?usage: launchers_test.sh FSDP_RUN COMM_SMOKE TORCHRUN}
+torchrun=${3:?usage: launchers_test.sh FSDP_RUN COMM_SMOKE TORCHRUN}
 passed=0
 failed=0
 
@@ -28,13 +29,8 @@ check() {  # check NAME EXPECTED_OK_LINES COMMAND...
 
 check fsdp_run_2 2 "$run" --nproc_per_node=2 -- "$smoke"
 check fsdp_run_3 3 "$run" --nproc_per_node=3 -- "$smoke"
-if command -v torchrun >/dev/null; then
-  check torchrun_2 2 torchrun --standalone --nproc_per_node=2 -r 1 -t 1 --no_python "$smoke"
-  check torchrun_3 3 torchrun --standalone --nproc_per_node=3 -r 1 -t 1 --no_python "$smoke"
-else
-  echo "FAIL torchrun: not installed (tools/setup.sh installs python3-torch)"
-  failed=$((failed + 1))
-fi
+check torchrun_2 2 "$torchrun" --standalone --nproc_per_node=2 -r 1 -t 1 --no_python "$smoke"
+check torchrun_3 3 "$torchrun" --standalone --nproc_per_node=3 -r 1 -t 1 --no_python "$smoke"
 
 # A rank that fails: the launcher stops the others and returns that rank's status.
 out=$(timeout 60 "$run" --nproc_per_node=3 --grace_period_ms=1000 -- /bin/sh -c \

@@ -1,18 +1,20 @@
 #!/usr/bin/python3
 """Reference oracle for the C++ wrap planner (`fsdp_plan`).
 
-Runs PyTorch's own `_recursive_wrap` (from the seed copy of
-torch/distributed/fsdp/wrap.py) on real Python models and prints the FSDP
-units it would create, so the C++ planner can be compared against it.
+Runs PyTorch's own `_recursive_wrap` and auto-wrap policies (the installed
+torch's torch/distributed/fsdp/wrap.py, the semantics fsdp follows) on real
+Python models and prints the FSDP units it would create, so the C++ planner
+can be compared against it.
 
 Subcommands:
   make-models OUT_DIR   script + save every model as OUT_DIR/NAME.pt
   oracle --model NAME --policy size|always|transformer
          [--min_num_params N] [--layer_cls PY.CLASS.PATH ...] [--world_size W]
                         print {"total_numel": N, "units": [...]} as JSON
-  selfcheck             check the seed's wrap logic on a tiny model
+  selfcheck             check the wrap emulation on a tiny model
 
-Uses only the stdlib, torch and torchvision (run with /usr/bin/python3).
+Uses only the stdlib, torch and torchvision (the pinned environment's python3,
+tools/setup.sh).
 """
 
 import argparse
@@ -20,12 +22,11 @@ import functools
 import importlib
 import json
 import os
-import re
 import sys
-import types
 import warnings
 
 import torch
+import torch.distributed.fsdp.wrap as torch_wrap
 import torch.nn as nn
 
 # --------------------------------------------------------------------------
@@ -58,14 +59,26 @@ def _resnet18() -> nn.Module:
     return torchvision.models.resnet18()  # no weights
 
 
+def _mobilenet_v3_small() -> nn.Module:
+    import torchvision
+    return torchvision.models.mobilenet_v3_small()
+
+
 def _transformer_encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128)
     return nn.TransformerEncoder(layer, num_layers=3)
 
 
+def _transformer() -> nn.Module:
+    return nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2,
+                          num_decoder_layers=2, dim_feedforward=128)
+
+
 MODELS = {
     "resnet18": _resnet18,
+    "mobilenet_v3_small": _mobilenet_v3_small,
     "transformer_encoder": _transformer_encoder,
+    "transformer": _transformer,
     "tied_lm": TiedLM,
 }
 
@@ -98,53 +111,6 @@ def cmd_make_models(out_dir: str) -> None:
     with open(os.path.join(out_dir, "models.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.write("\n")
-
-
-# --------------------------------------------------------------------------
-# The seed wrap.py, exec'd as a module.
-# --------------------------------------------------------------------------
-
-
-def seed_wrap_path() -> str:
-    env = os.environ.get("FSDP_SEED_WRAP_PY")
-    if env:
-        return env
-    # <repo root>/../shared/seeds/..., repo root = parent of tests/. Under
-    # Bazel this script is a runfiles symlink, so also try its real location.
-    rel = os.path.join("..", "shared", "seeds", "001_355b10becd97f4d2.txt")
-    candidates = []
-    for here in (os.path.abspath(__file__), os.path.realpath(__file__)):
-        repo_root = os.path.dirname(os.path.dirname(here))
-        candidates.append(os.path.normpath(os.path.join(repo_root, rel)))
-    for c in candidates:
-        if os.path.isfile(c):
-            return c
-    sys.exit(f"plan_oracle: seed wrap.py not found (tried {candidates}); "
-             "set FSDP_SEED_WRAP_PY")
-
-
-BARE_PATH = re.compile(r"^\s*[\w.-]+(/[\w.-]+)+\s*$")
-
-
-def load_seed_wrap() -> types.ModuleType:
-    path = seed_wrap_path()
-    with open(path) as f:
-        lines = f.read().splitlines(keepends=True)
-    # The seed file starts with a bare path line ("torch/distributed/fsdp/
-    # wrap.py") that is not meant as Python (it even parses, as divisions),
-    # so drop leading bare-path and blank lines before compiling.
-    dropped = 0
-    while dropped < len(lines) and (not lines[dropped].strip()
-                                    or BARE_PATH.match(lines[dropped])):
-        dropped += 1
-    # Keep blank lines in their place so tracebacks show the file's numbering.
-    code = compile("\n" * dropped + "".join(lines[dropped:]), path, "exec")
-    module = types.ModuleType("seed_fsdp_wrap")
-    module.__file__ = path
-    # dataclasses looks the defining module up in sys.modules.
-    sys.modules[module.__name__] = module
-    exec(code, module.__dict__)
-    return module
 
 
 # --------------------------------------------------------------------------
@@ -189,29 +155,29 @@ def resolve_class(path: str) -> type:
     sys.exit(f"plan_oracle: cannot resolve class {path!r}")
 
 
-def make_policy(seed, args):
+def make_policy(args):
     if args.policy == "always":
-        return seed.always_wrap_policy
+        return torch_wrap.always_wrap_policy
     if args.policy == "size":
-        return functools.partial(seed.size_based_auto_wrap_policy,
+        return functools.partial(torch_wrap.size_based_auto_wrap_policy,
                                  min_num_params=args.min_num_params)
     if args.policy == "transformer":
         if not args.layer_cls:
             sys.exit("plan_oracle: --policy=transformer needs --layer_cls")
         classes = {resolve_class(c) for c in args.layer_cls}
-        return functools.partial(seed.transformer_auto_wrap_policy,
+        return functools.partial(torch_wrap.transformer_auto_wrap_policy,
                                  transformer_layer_cls=classes)
     sys.exit(f"plan_oracle: unknown policy {args.policy!r}")
 
 
-def plan(seed, model: nn.Module, policy, world_size: int) -> dict:
+def plan(model: nn.Module, policy, world_size: int) -> dict:
     """Wrap `model` like FSDP does and describe the resulting units."""
     orig_names = {id(m): n for n, m in model.named_modules()}
     total = total_numel(model)
 
     # FSDP.__init__: wrap the children per the policy, then the root, always.
     Wrapper.created = []
-    seed._recursive_wrap(model, policy, wrapper_cls=Wrapper,
+    torch_wrap._recursive_wrap(model, policy, wrapper_cls=Wrapper,
                          ignored_modules=set(), ignored_params=set(),
                          only_wrap_children=True)
     root = Wrapper(model)
@@ -249,30 +215,28 @@ def plan(seed, model: nn.Module, policy, world_size: int) -> dict:
 def cmd_oracle(args) -> None:
     if args.world_size < 1:
         sys.exit("plan_oracle: --world_size must be >= 1")
-    seed = load_seed_wrap()
-    policy = make_policy(seed, args)
+    policy = make_policy(args)
     model = build_model(args.model)
-    json.dump(plan(seed, model, policy, args.world_size), sys.stdout)
+    json.dump(plan(model, policy, args.world_size), sys.stdout)
     sys.stdout.write("\n")
 
 
 def cmd_selfcheck() -> None:
-    """Check the exec'd seed + FSDP emulation on a hand-computed example."""
-    seed = load_seed_wrap()
+    """Check torch's wrap + the FSDP emulation on a hand-computed example."""
 
     def tiny():
         return nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5),
                              nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)))
 
     def check(policy, expected):
-        got = [(u["fqn"], u["numel"]) for u in plan(seed, tiny(), policy, 1)["units"]]
+        got = [(u["fqn"], u["numel"]) for u in plan(tiny(), policy, 1)["units"]]
         if got != expected:
             sys.exit(f"plan_oracle selfcheck FAILED: got {got}, want {expected}")
 
     # Each Linear(5, 5) has 30 params. With min 40, only "2" (60) is wrapped.
-    check(functools.partial(seed.size_based_auto_wrap_policy, min_num_params=40),
+    check(functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=40),
           [("", 60), ("2", 60)])
-    check(seed.always_wrap_policy,
+    check(torch_wrap.always_wrap_policy,
           [("", 0), ("0", 30), ("1", 30), ("2", 0), ("2.0", 30), ("2.1", 30)])
     print("selfcheck ok")
 
@@ -282,7 +246,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-models", help="script and save the models")
     mk.add_argument("out_dir")
-    orc = sub.add_parser("oracle", help="print the seed's wrap plan as JSON")
+    orc = sub.add_parser("oracle", help="print torch's wrap plan as JSON")
     orc.add_argument("--model", required=True, choices=sorted(MODELS))
     orc.add_argument("--policy", required=True,
                      choices=["size", "always", "transformer"])

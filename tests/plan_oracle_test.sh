@@ -2,19 +2,20 @@
 # Compares the C++ wrap planner (fsdp_plan) against PyTorch's own
 # _recursive_wrap (tests/plan_oracle.py) on real architectures.
 #
-# Usage: plan_oracle_test.sh PATH/TO/fsdp_plan
+# Usage: plan_oracle_test.sh PATH/TO/fsdp_plan PATH/TO/python3 (with torch 2.11)
 # Runs as a Bazel sh_test (uses $TEST_TMPDIR) or by hand.
 set -euo pipefail
 
-PY=/usr/bin/python3  # Debian's python with torch; the pyenv one has none
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ORACLE="$HERE/plan_oracle.py"
 LAYER=torch.nn.modules.transformer.TransformerEncoderLayer
+DECODER_LAYER=torch.nn.modules.transformer.TransformerDecoderLayer
 
 die() { echo "ERROR: $*" >&2; exit 1; }
 
-[[ $# -eq 1 ]] || die "usage: $0 PATH/TO/fsdp_plan"
+[[ $# -eq 2 ]] || die "usage: $0 PATH/TO/fsdp_plan PATH/TO/python3"
 PLAN="$1"
+PY="$2"
 [[ -x "$PY" ]] || die "$PY not found"
 [[ -f "$ORACLE" ]] || die "$ORACLE not found"
 [[ -f "$PLAN" && -x "$PLAN" ]] || die "fsdp_plan binary '$PLAN' is not executable"
@@ -39,10 +40,15 @@ CASES=(
   "resnet18_size_0_w1              resnet18            1 --policy=size --min_num_params=0"
   "resnet18_size_1e8_w3            resnet18            3 --policy=size --min_num_params=100000000"
   "resnet18_always_w2              resnet18            2 --policy=always"
+  "mobilenet_size_1e5_w4           mobilenet_v3_small  4 --policy=size --min_num_params=100000"
+  "mobilenet_always_w3             mobilenet_v3_small  3 --policy=always"
   "encoder_size_1e4_w2             transformer_encoder 2 --policy=size --min_num_params=10000"
   "encoder_size_1e5_w3             transformer_encoder 3 --policy=size --min_num_params=100000"
   "encoder_transformer_w8          transformer_encoder 8 --policy=transformer --layer_cls=$LAYER"
   "encoder_always_w3               transformer_encoder 3 --policy=always"
+  "transformer_size_1e4_w2         transformer         2 --policy=size --min_num_params=10000"
+  "transformer_decoder_layer_w4    transformer         4 --policy=transformer --layer_cls=$DECODER_LAYER"
+  "transformer_always_w3           transformer         3 --policy=always"
   "tied_lm_transformer_w2          tied_lm             2 --policy=transformer --layer_cls=$LAYER"
   "tied_lm_size_1e3_w3             tied_lm             3 --policy=size --min_num_params=1000"
   "tied_lm_always_w8               tied_lm             8 --policy=always"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # fsdp_plan's command line: a good run prints the plan; each kind of bad input prints
 # exactly one line on stderr ("fsdp_plan: ...") and exits with status 2.
-#   fsdp_plan_cli_test.sh PATH/TO/fsdp_plan
+#   fsdp_plan_cli_test.sh PATH/TO/fsdp_plan PATH/TO/python3 (with torch 2.11)
 set -uo pipefail
 
-plan=${1:?usage: fsdp_plan_cli_test.sh PATH/TO/fsdp_plan}
+plan=${1:?usage: fsdp_plan_cli_test.sh PATH/TO/fsdp_plan PATH/TO/python3}
+python=${2:?usage: fsdp_plan_cli_test.sh PATH/TO/fsdp_plan PATH/TO/python3}
 tmp=${TEST_TMPDIR:-$(mktemp -d)}
 passed=0
 failed=0
@@ -19,7 +20,7 @@ def double(x: torch.Tensor) -> torch.Tensor:
     return 2 * x
 torch.jit.save(torch.jit.script(double), sys.argv[1].replace("model.pt", "function.pt"))
 PY
-/usr/bin/python3 "$tmp/make_models.py" "$tmp/model.pt" || { echo "cannot create the test models"; exit 1; }
+"$python" "$tmp/make_models.py" "$tmp/model.pt" || { echo "cannot create the test models"; exit 1; }
 echo "not a zip" > "$tmp/corrupt.pt"
 head -c 300 "$tmp/model.pt" > "$tmp/truncated.pt"
 

@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 corpus=$(mktemp -d)
 trap 'rm -rf "$corpus"' EXIT
-/usr/bin/python3 tools/fuzz_seeds.py "$corpus"
+"${FSDP_TORCH_PREFIX:-$HOME/.cache/fsdp/torch-2.11.0}/bin/python3" tools/fuzz_seeds.py "$corpus"
 bazel run --config=fuzz //fsdp/state:torch_file_fuzzer -- -max_total_time="$seconds" \
   -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 "$corpus"

@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# Installs the Debian bookworm packages fsdp builds and tests against, then checks that
-# their versions are the ones the build was made for. Idempotent; silent when everything
-# is already present. Needs root (or sudo) only when something must be installed.
+# Installs what fsdp builds and tests against, then checks the versions:
+# - Debian bookworm packages (Bazel 4.2.3, Abseil, GoogleTest, Google Benchmark, Gloo's
+#   headers, zlib, the data sets, gnuplot, clang with libFuzzer, iproute2);
+# - LibTorch 2.11.0: the PyPI wheel torch==2.11.0 (its CUDA 13.0 build) and
+#   torchvision==0.26.0 with every dependency, exactly as tools/requirements.lock pins
+#   them (--require-hashes), into a Python environment outside the work tree:
+#   $FSDP_TORCH_PREFIX, by default ~/.cache/fsdp/torch-2.11.0 (about 4.7 GB). Bazel's
+#   @libtorch repository (bazel/libtorch.bzl) finds it there.
+# Idempotent and quiet when everything is present. Needs root (or sudo) only when a Debian
+# package must be installed.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+
+readonly TORCH_VERSION=2.11.0
+readonly TORCHVISION_VERSION=0.26.0
+readonly PREFIX=${FSDP_TORCH_PREFIX:-$HOME/.cache/fsdp/torch-$TORCH_VERSION}
 
 # package=upstream version the build was made for (Debian revisions may differ).
 readonly REQUIRED=(
   bazel-bootstrap=4.2.3
   bazel-rules-java=4.0.0
-  libtorch-dev=1.13.1
   libabsl-dev=20220623.1
   libgtest-dev=1.12.1
   libgmock-dev=1.12.1
   libbenchmark-dev=1.7.1
   libgloo-dev=0.0~git20220518.5b14351
   zlib1g-dev=1.2.13.dfsg
-  python3-torch=1.13.1
-  python3-torchvision=0.14.1
+  python3-venv=3.11
   fortunes=1.99.1
   dataset-fashion-mnist=0.0~git20200523.55506a9
   gnuplot-nox=5.4.4
@@ -59,4 +69,32 @@ for entry in "${REQUIRED[@]}"; do
     status=1
   fi
 done
+
+# The torch wheel. A venv cannot move, so it is built in place; the marker (the lock's
+# checksum) is written last, so an interrupted install is redone.
+lock_sum=$(sha256sum tools/requirements.lock | cut -d' ' -f1)
+if [[ "$(cat "$PREFIX/.fsdp-lock" 2>/dev/null)" != "$lock_sum" ]]; then
+  python=$(command -v python3.11 || command -v python3 || true)
+  if [[ -z "$python" ]] ||
+     [[ "$("$python" -c 'import sys; print(sys.version_info[:2] == (3, 11))')" != True ]]; then
+    echo "setup: tools/requirements.lock (torch==$TORCH_VERSION) is for CPython 3.11, found" \
+         "${python:-no python3}; install Debian bookworm's python3 (3.11)" >&2
+    exit 1
+  fi
+  echo "setup: installing torch==$TORCH_VERSION and torchvision==$TORCHVISION_VERSION" \
+       "into $PREFIX" >&2
+  rm -rf "$PREFIX"
+  mkdir -p "$(dirname "$PREFIX")"
+  "$python" -m venv "$PREFIX"
+  "$PREFIX/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
+    --require-hashes --only-binary=:all: -r tools/requirements.lock
+  echo "$lock_sum" >"$PREFIX/.fsdp-lock"
+fi
+have=$("$PREFIX/bin/python3" -c \
+  'import importlib.metadata as m; print(m.version("torch"), m.version("torchvision"))')
+if [[ "$have" != "$TORCH_VERSION $TORCHVISION_VERSION" ]]; then
+  echo "setup: $PREFIX holds torch and torchvision '$have', but fsdp is built for" \
+       "$TORCH_VERSION and $TORCHVISION_VERSION; remove $PREFIX and run tools/setup.sh" >&2
+  status=1
+fi
 exit "$status"

@@ -13,7 +13,6 @@
 #include "absl/strings/str_cat.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
-#include <gloo/allgather.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -21,20 +20,18 @@ namespace fsdp {
 namespace {
 
 // Note [Gloo collectives]
-// LibTorch 1.13's Gloo has no _allgather_base and no reduce_scatter, and knows only some
-// dtypes. Everything moves as bytes (kByte views), which any dtype can be:
-// - all-gather: Gloo's own ring allgather straight into the flat output (each rank
-//   sends and receives (W - 1) x input bytes), on the context and tag c10d would use for
-//   its next collective (GlooGroup). c10d's `allgather` would gather into a fresh
-//   W x input buffer on its worker thread and then copy it into the W outputs: one more
-//   allocation and copy of the whole output per call.
-// - reduce-scatter: `alltoall_base` of the flat input in W equal chunks, so rank r
-//   receives every rank's chunk r ((W - 1)/W of the input each way, as a ring
-//   reduce-scatter), then sums them locally in rank order, in the buffer's dtype.
-//   An all-reduce-based emulation would send twice as much.
-// - all-reduce: Gloo's ring allreduce for the dtypes it sums (float32/64, float16, int);
-//   for the others (bfloat16), reduce-scatter then all-gather over the tensor padded to
-//   W x ceil(n / W). Both send 2 (W - 1)/W of the buffer.
+// Every collective goes through c10d's ProcessGroupGloo (LibTorch 2.11): fsdp never calls
+// Gloo's algorithms itself, because the Gloo compiled into libtorch_cpu is newer than any
+// Gloo headers we could compile against, and its option structs may differ.
+// - all-gather: c10d's `_allgather_base` on kByte views (any dtype), the ring all-gather:
+//   each rank sends and receives (W - 1) x input bytes.
+// - reduce-scatter: c10d's `_reduce_scatter_base` for Gloo all-reduces the whole input
+//   (2 (W - 1)/W of it each way, twice the ring reduce-scatter) and ignores the reduce op.
+//   So we run `alltoall_base` of the flat input in W equal chunks (rank r receives every
+//   rank's chunk r: (W - 1)/W each way, as a ring reduce-scatter) and sum them locally in
+//   rank order, in the buffer's dtype. benchmarks/RESULTS.md has both measured.
+// - all-reduce: Gloo's ring all-reduce (every floating dtype, bfloat16 included), sum;
+//   average divides afterwards.
 // - broadcast and barrier: Gloo's own.
 // Each collective is one task on the communicator's worker thread, which calls c10d
 // synchronously; Gloo's timeout (the communicator's) bounds every wait.
@@ -42,23 +39,6 @@ namespace {
 at::Tensor bytes_of(const CommBuffer& buffer) {
   return at::from_blob(buffer.data, {buffer.nbytes()}, at::TensorOptions().dtype(at::kByte));
 }
-
-// c10d's Gloo process group, giving the Gloo context of its next collective to the
-// collectives we run on Gloo directly (see Note [Gloo collectives]). Every rank calls
-// next_collective() in the same order as its c10d collectives, so tags match.
-class GlooGroup : public c10d::ProcessGroupGloo {
- public:
-  using c10d::ProcessGroupGloo::ProcessGroupGloo;
-
-  struct Collective {
-    std::shared_ptr<::gloo::Context> context;
-    uint32_t tag;
-  };
-  Collective next_collective() {
-    const uint32_t tag = nextTag();
-    return {getContext(tag), tag};
-  }
-};
 
 // Issue-ordered tasks on one thread.
 class Worker {
@@ -206,7 +186,7 @@ class GlooCommunicator : public Communicator,
     pg_options->devices.push_back(make_device(options));
     pg_options->threads = 1;
     try {
-      group_ = c10::make_intrusive<GlooGroup>(store_, rank, world_size, pg_options);
+      group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, world_size, pg_options);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "Gloo: rank ", rank, " of ", world_size,
                   " could not connect to its peers within ", options.timeout().count(),
@@ -239,7 +219,9 @@ class GlooCommunicator : public Communicator,
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
     return submit(CollectiveKind::kAllGather, sequence, [this, output, input] {
-      all_gather_bytes(bytes_of(output), bytes_of(input));
+      at::Tensor output_bytes = bytes_of(output);
+      at::Tensor input_bytes = bytes_of(input);
+      group_->_allgather_base(output_bytes, input_bytes)->wait();
     });
   }
 
@@ -253,22 +235,10 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
     return submit(CollectiveKind::kAllReduce, sequence, [this, tensor, op] {
-      at::Tensor data = at::from_blob(tensor.data, {tensor.numel}, tensor.dtype);
-      if (gloo_reduces(tensor.dtype)) {
-        std::vector<at::Tensor> tensors = {data};
-        group_->allreduce(tensors)->wait();
-        if (op == ReduceOp::kAvg) data.div_(static_cast<double>(world_size()));
-        return;
-      }
-      const int64_t w = world_size();
-      const int64_t chunk = (tensor.numel + w - 1) / w;
-      at::Tensor padded = scratch(kPaddedSlot, chunk * w, tensor.dtype);
-      padded.narrow(0, 0, tensor.numel).copy_(data);
-      padded.narrow(0, tensor.numel, chunk * w - tensor.numel).zero_();
-      at::Tensor mine = scratch(kChunkSlot, chunk, tensor.dtype);
-      reduce_scatter(mine, padded, op);
-      all_gather_bytes(padded.view(at::kByte), mine.view(at::kByte));
-      data.copy_(padded.narrow(0, 0, tensor.numel));
+      std::vector<at::Tensor> tensors = {
+          at::from_blob(tensor.data, {tensor.numel}, tensor.dtype)};
+      group_->allreduce(tensors)->wait();
+      if (op == ReduceOp::kAvg) tensors[0].div_(static_cast<double>(world_size()));
     });
   }
 
@@ -302,43 +272,26 @@ class GlooCommunicator : public Communicator,
     return c10d::ProcessGroupGloo::createDefaultDevice();
   }
 
-  // output: W x n bytes; input: n bytes. See Note [Gloo collectives].
-  void all_gather_bytes(const at::Tensor& output, const at::Tensor& input) {
-    const GlooGroup::Collective collective = group_->next_collective();
-    ::gloo::AllgatherOptions options(collective.context);
-    options.setTag(collective.tag);
-    options.setTimeout(timeout());
-    options.setInput(input.data_ptr<uint8_t>(), input.numel());
-    options.setOutput(output.data_ptr<uint8_t>(), output.numel());
-    ::gloo::allgather(options);
-  }
-
-  // Dtypes Gloo's own ring all-reduce sums in LibTorch 1.13.
-  static bool gloo_reduces(c10::ScalarType dtype) {
-    return dtype == c10::kFloat || dtype == c10::kDouble || dtype == c10::kHalf ||
-           dtype == c10::kLong || dtype == c10::kInt || dtype == c10::kByte;
-  }
-
   // A reusable buffer of `numel` elements (worker thread only): a fresh allocation per
   // call costs a page fault per 4 KiB, more than the copy itself.
-  enum ScratchSlot { kReceivedSlot, kPaddedSlot, kChunkSlot, kNumSlots };
-  at::Tensor scratch(ScratchSlot slot, int64_t numel, c10::ScalarType dtype) {
+  at::Tensor received(int64_t numel, c10::ScalarType dtype) {
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    at::Tensor& buffer = scratch_[slot];
-    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
-    return buffer.narrow(0, 0, bytes).view(dtype);
+    if (!received_.defined() || received_.numel() < bytes) {
+      received_ = at::empty({bytes}, at::kByte);
+    }
+    return received_.narrow(0, 0, bytes).view(dtype);
   }
 
   // output: n elements; input: W x n elements of the same dtype. See Note [Gloo collectives].
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
     const int64_t n = output.numel();
-    at::Tensor received = scratch(kReceivedSlot, input.numel(), input.scalar_type());
-    at::Tensor received_bytes = received.view(at::kByte);
+    at::Tensor chunks = received(input.numel(), input.scalar_type());
+    at::Tensor received_bytes = chunks.view(at::kByte);
     at::Tensor input_bytes = input.view(at::kByte);
     std::vector<int64_t> equal_splits;  // empty = W equal chunks
     group_->alltoall_base(received_bytes, input_bytes, equal_splits, equal_splits)->wait();
-    output.copy_(received.narrow(0, 0, n));
-    for (int r = 1; r < world_size(); ++r) output.add_(received.narrow(0, r * n, n));
+    output.copy_(chunks.narrow(0, 0, n));
+    for (int r = 1; r < world_size(); ++r) output.add_(chunks.narrow(0, r * n, n));
     if (op == ReduceOp::kAvg) output.div_(static_cast<double>(world_size()));
   }
 
@@ -347,8 +300,8 @@ class GlooCommunicator : public Communicator,
   std::shared_ptr<GlooFamily> family_;  // first: outlives the group (rank 0's store)
   c10::intrusive_ptr<c10d::Store> store_;
   GlooOptions options_;
-  c10::intrusive_ptr<GlooGroup> group_;  // null once the connections are closed
-  at::Tensor scratch_[kNumSlots];
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;  // null once the connections are closed
+  at::Tensor received_;  // alltoall target of reduce_scatter, reused (worker thread only)
   Worker worker_;  // last: joined first on destruction, while the group still exists
 };
 

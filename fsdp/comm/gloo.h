@@ -1,5 +1,5 @@
-// The Gloo backend: CPU collectives over c10d's ProcessGroupGloo (LibTorch 1.13), the
-// embedded default that needs no GPU. See ../shared/design/ARCHITECTURE.md §4.
+// The Gloo backend: CPU collectives over c10d's ProcessGroupGloo (LibTorch 2.11), the
+// embedded default that needs no GPU. See Note [Gloo collectives] in gloo.cc.
 //
 //   c10::intrusive_ptr<c10d::Store> store = fsdp::connect_store(env, options);  // rendezvous.h
 //   std::shared_ptr<fsdp::Communicator> comm = fsdp::make_gloo_communicator(

@@ -4,8 +4,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_join.h"
+#include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
-#include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -140,11 +140,11 @@ namespace {
 
 // See Note [Freeing the unsharded flat parameter].
 void allocate(const at::Tensor& flat) {
-  at::native::resize_bytes_cpu(flat.storage().unsafeGetStorageImpl(),
+  compat::resize_cpu_storage_bytes(flat.storage().unsafeGetStorageImpl(),
                                flat.numel() * flat.element_size());
 }
 void free_storage(const at::Tensor& flat) {
-  at::native::resize_bytes_cpu(flat.storage().unsafeGetStorageImpl(), 0);
+  compat::resize_cpu_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
 }
 
 }  // namespace

@@ -249,9 +249,7 @@ TEST(ExecutionOrderTest, WithoutValidationTheMixUpIsSilent) {
 
 class CountingWarningHandler : public c10::WarningHandler {
  public:
-  void process(const c10::SourceLocation&, const std::string& msg, bool) override {
-    messages.push_back(msg);
-  }
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
   std::vector<std::string> messages;
 };
 
@@ -262,7 +260,7 @@ TEST(ExecutionOrderTest, ALaterChangeWarnsOnce) {
       net,
       FullyShardedDataParallelOptions(world->communicator(0)).validate_execution_order(true));
   CountingWarningHandler handler;
-  c10::Warning::WarningHandlerGuard guard(&handler);
+  c10::WarningUtils::WarningHandlerGuard guard(&handler);
   model->forward(at::ones({1, 3})).sum().backward();
   EXPECT_TRUE(handler.messages.empty());
   net->swap = true;

@@ -97,7 +97,7 @@ class TrackingAllocator final : public c10::Allocator {
   void set_wrapped(c10::Allocator* wrapped) { wrapped_.store(wrapped); }
   c10::Allocator* wrapped() const { return wrapped_.load(); }
 
-  c10::DataPtr allocate(size_t nbytes) const override {
+  c10::DataPtr allocate(size_t nbytes) override {
     c10::Allocator* wrapped = wrapped_.load(std::memory_order_acquire);
     if (nbytes == 0) return {nullptr, nullptr, &delete_tracked, c10::Device(c10::kCPU)};
     TORCH_CHECK(nbytes <= std::numeric_limits<size_t>::max() - kHeaderBytes,
@@ -115,6 +115,10 @@ class TrackingAllocator final : public c10::Allocator {
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_tracked; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 
  private:
   std::atomic<c10::Allocator*> wrapped_{nullptr};

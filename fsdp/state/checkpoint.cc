@@ -19,13 +19,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/internal/torch_file.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 namespace fsdp {
 namespace {
@@ -365,7 +365,7 @@ class CheckpointReader {
 }  // namespace
 
 void save_state_dict(const StateDict& state_dict, const std::string& path) {
-  write_file_durably(path, torch::jit::pickle_save(tensor_dict_value(state_dict)));
+  write_file_durably(path, compat::save_torch_archive(tensor_dict_value(state_dict)));
 }
 
 StateDict load_state_dict(const std::string& path) {
@@ -378,7 +378,7 @@ void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& 
   for (const auto& param : state_dict) {
     dict.insert(param.key(), tensor_dict_value(param.value()));
   }
-  write_file_durably(path, torch::jit::pickle_save(dict));
+  write_file_durably(path, compat::save_torch_archive(dict));
 }
 
 OptimStateDict load_optim_state_dict(const std::string& path) {
@@ -439,7 +439,7 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
       m[4 + 2 * i] = t.local.numel();
       pieces.insert(items[i].key, t.local.contiguous());
     }
-    const std::vector<char> bytes = torch::jit::pickle_save(pieces);
+    const std::vector<char> bytes = compat::save_torch_archive(pieces);
     write_file_durably((partial / rank_file(rank)).string(), bytes);
     m[0] = 1;
     m[1] = static_cast<int64_t>(bytes.size());
@@ -464,7 +464,7 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
     try {
       write_file_durably(
           (partial / kMetadata).string(),
-          torch::jit::pickle_save(metadata_value(
+          compat::save_torch_archive(metadata_value(
               comm.world_size(), items, std::vector<int64_t>(a, a + all.numel()), stride)));
       publish(partial, target);
     } catch (const std::exception& e) {

@@ -11,7 +11,7 @@
 //   fsdp::save_sharded_checkpoint(*model, &optimizer, "/ckpt/step_00000200");
 //   fsdp::load_sharded_checkpoint(*model, &optimizer, *fsdp::latest_checkpoint("/ckpt"));
 //
-// Full files: a zip archive as torch.save writes it (torch::jit::pickle_save) holding a
+// Full files: a zip archive as torch.save writes it (no TorchScript type tags) holding a
 // dict str -> Tensor; load_state_dict also reads files saved by PyTorch's
 // torch.save(model.state_dict()) (an OrderedDict), e.g. to fine-tune a PyTorch model.
 //

@@ -10,13 +10,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_join.h"
+#include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
-#include <c10/util/string_utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -68,7 +68,7 @@ State adam_state(const AdamState& s) {
 }
 
 std::optional<State> read_state(const torch::optim::Optimizer& optimizer, const at::Tensor& param) {
-  auto it = optimizer.state().find(c10::guts::to_string(param.unsafeGetTensorImpl()));
+  auto it = optimizer.state().find(compat::optimizer_state_key(param));
   if (it == optimizer.state().end()) return std::nullopt;
   const torch::optim::OptimizerParamState* s = it->second.get();
   if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
@@ -128,7 +128,7 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
   } else {
     state = make_adam_state<torch::optim::AdamWParamState>(tensors, source.step(fqn));
   }
-  optimizer.state()[c10::guts::to_string(param.unsafeGetTensorImpl())] = std::move(state);
+  optimizer.state()[compat::optimizer_state_key(param)] = std::move(state);
 }
 
 void load(UnitBase& model, torch::optim::Optimizer& optimizer, const std::vector<std::string>& keys,
@@ -162,7 +162,7 @@ void load(UnitBase& model, torch::optim::Optimizer& optimizer, const std::vector
                   "has the same state, or none");
     }
     if (names.empty()) {
-      optimizer.state().erase(c10::guts::to_string(shard.unsafeGetTensorImpl()));
+      optimizer.state().erase(compat::optimizer_state_key(shard));
       continue;
     }
     absl::flat_hash_map<std::string, at::Tensor> tensors;

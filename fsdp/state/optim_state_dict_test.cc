@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/optim/rmsprop.h>
 
+#include "fsdp/base/torch_compat.h"
 #include "fsdp/core/internal/parity_testing.h"
 
 namespace fsdp {
@@ -55,7 +56,7 @@ TEST(FullOptimStateDict, EqualsTheSingleProcessAdamState) {
     EXPECT_EQ(got.size(), net->parameters().size());
     for (const auto& item : net->named_parameters()) {
       const auto& want = static_cast<const torch::optim::AdamParamState&>(
-          *adam.state().at(c10::guts::to_string(item.value().unsafeGetTensorImpl())));
+          *adam.state().at(compat::optimizer_state_key(item.value())));
       const ParamOptimState& state = got[clean_tensor_name(item.key())];
       EXPECT_THAT(state.keys(), ElementsAre("exp_avg", "exp_avg_sq", "step"));
       EXPECT_EQ(state["step"].item<int64_t>(), 2);

@@ -1,11 +1,12 @@
 // Wrap planning time on synthetic trees of 1k, 10k and 100k modules, wide and deep:
 // time per module must stay flat as the tree grows. After the Google Benchmark runs, the
-// same trees are planned by the seed's Python `_recursive_wrap` (seed_plan_timing.py)
+// same trees are planned by PyTorch's own `_recursive_wrap` (the pinned torch 2.11's
+// torch.distributed.fsdp.wrap, the seed's semantics; torch_plan_timing.py)
 // and the ratio is printed.
 //
 //   bazel run -c opt //fsdp/wrap:plan_benchmark
 //
-// Shapes (identical in seed_plan_timing.py): wide = root -> N/10 blocks -> 9 leaves;
+// Shapes (identical in torch_plan_timing.py): wide = root -> N/10 blocks -> 9 leaves;
 // deep = root -> N/200 chains of 100 nested nodes, each node with one leaf. Every leaf
 // holds a 4- and a 2-element parameter. Policy: size-based, min_num_params = 50.
 #include <algorithm>
@@ -97,10 +98,13 @@ double median_plan_seconds(const ModuleTree& tree, int repeats) {
   return seconds[seconds.size() / 2];
 }
 
-// Runs seed_plan_timing.py; returns its median seconds, or -1 with a message.
+// The pinned environment's Python, in the runfiles of `bazel run` (bazel/libtorch.bzl).
+constexpr char kPython[] = "../libtorch/bin/python3";
+
+// Runs torch_plan_timing.py; returns its median seconds, or -1 with a message.
 double seed_seconds(const std::string& script, bool deep, int64_t modules, int repeats) {
   const std::string command = absl::StrFormat(
-      "/usr/bin/python3 %s --shape %s --modules %d --min_num_params %d --repeats %d", script,
+      "%s %s --shape %s --modules %d --min_num_params %d --repeats %d", kPython, script,
       deep ? "deep" : "wide", modules, kMinNumParams, repeats);
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
   double seconds = -1;
@@ -139,7 +143,7 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   // Under `bazel run` the runfiles tree holds the script; FSDP_SKIP_SEED=1 skips this.
   if (std::getenv("FSDP_SKIP_SEED") == nullptr) {
-    fsdp::compare_with_seed("fsdp/wrap/seed_plan_timing.py");
+    fsdp::compare_with_seed("fsdp/wrap/torch_plan_timing.py");
   }
   return 0;
 }

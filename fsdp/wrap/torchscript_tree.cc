@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include <c10/util/Exception.h>
 #include <torch/csrc/jit/serialization/import.h>
@@ -53,10 +54,12 @@ ModuleTree load_torchscript_tree(const std::string& path) {
   try {
     module = torch::jit::load(path, c10::Device(c10::kCPU));
   } catch (const std::exception& e) {
-    // Keep only the first line: the loader appends a C++ stack trace.
-    std::string what = e.what();
+    // Keep only the first non-empty line: the loader may start its message with a
+    // newline and appends a C++ stack trace.
+    absl::string_view what = absl::StripLeadingAsciiWhitespace(e.what());
     what = what.substr(0, what.find('\n'));
-    TORCH_CHECK(false, "'", path, "' is not a readable TorchScript archive (", what,
+    TORCH_CHECK(false, "'", path, "' is not a readable TorchScript archive (",
+                what.empty() ? "the loader gave no reason" : std::string(what),
                 "); expected a file written by torch.jit.script(model).save(path)");
   }
   ModuleTree tree = module_tree_from_torchscript(module);

@@ -6,10 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -358,7 +358,7 @@ void RootState::cast_buffers(bool to_original) {
 void RootState::ensure_end_of_backward_callback() {
   if (callback_queued_) return;
   callback_queued_ = true;
-  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  compat::queue_end_of_backward_callback([this] { finish_backward(); });
 }
 
 void RootState::finish_backward() {

@@ -1,7 +1,6 @@
-#!/usr/bin/python3
-"""Times the seed's Python `_recursive_wrap` on the synthetic trees of plan_benchmark.cc.
+"""Times PyTorch's own `_recursive_wrap` on the synthetic trees of plan_benchmark.cc.
 
-  seed_plan_timing.py --shape wide|deep --modules N --min_num_params P --repeats R
+  torch_plan_timing.py --shape wide|deep --modules N --min_num_params P --repeats R
 
 Prints one line: "<median seconds> <modules> <units>". The trees are built exactly as
 plan_benchmark.cc builds its ModuleTrees (see synthetic_tree there); only the
@@ -11,17 +10,13 @@ plan_benchmark.cc builds its ModuleTrees (see synthetic_tree there); only the
 import argparse
 import copy
 import functools
-import os
 import statistics
-import sys
 import time
 
 import torch.nn as nn
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                                "tests"))
-import plan_oracle  # noqa: E402  (the seed loader)
+import torch.distributed.fsdp.wrap as torch_wrap
 
 
 def leaf() -> nn.Module:
@@ -66,8 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    seed = plan_oracle.load_seed_wrap()
-    policy = functools.partial(seed.size_based_auto_wrap_policy,
+    policy = functools.partial(torch_wrap.size_based_auto_wrap_policy,
                                min_num_params=args.min_num_params)
     model = (wide if args.shape == "wide" else deep)(args.modules)
     units = []
@@ -81,7 +75,7 @@ def main() -> None:
         tree = copy.deepcopy(model)
         units.clear()
         start = time.perf_counter()
-        seed._recursive_wrap(tree, policy, wrapper_cls, ignored_modules=set(),
+        torch_wrap._recursive_wrap(tree, policy, wrapper_cls, ignored_modules=set(),
                              ignored_params=set(), only_wrap_children=True)
         times.append(time.perf_counter() - start)
     print(statistics.median(times), sum(1 for _ in model.modules()), len(units))

@@ -80,7 +80,7 @@ if (has("busbw")) {
   set ylabel "busbw (GB/s)"
   set logscale x 2
   set yrange [0:*]
-  plot for [op in "AllGather ReduceScatter"] curve("busbw_" . op) using 1:2:3:4 \
-         with yerrorlines lw 2 title op
+  plot for [op in "AllGather ReduceScatter C10dAllGather C10dReduceScatter"] \
+         curve("busbw_" . op) using 1:2:3:4 with yerrorlines lw 2 title op
   unset logscale x
 }

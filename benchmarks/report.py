@@ -4,7 +4,7 @@
   report.py --raw DIR --out DIR --command "benchmarks/run_all ..."
 
 DIR (--raw) holds gpt.json, collectives.json, plan.json (Google Benchmark JSON, every
-repetition) and plan_seed.txt (plan_benchmark's comparison with the seed's Python).
+repetition) and plan_seed.txt (plan_benchmark's comparison with PyTorch's Python).
 Every figure is the median over repetitions with [min, max]; ratios are per repetition
 (both sides measured in the same run) and then summarised the same way. Writes
 OUT/RESULTS.md and OUT/plot_data/*.dat for plots.gp.
@@ -212,9 +212,10 @@ def planner_section(plan, seed_text, dat):
     return ("## 5. Planner\n\n`plan_fsdp_units` on synthetic trees (size policy, "
             "min_num_params 50; see fsdp/wrap/plan_benchmark.cc): time per module.\n\n"
             + table(["shape", "modules", "ns / module", "time per plan"], rows)
-            + "\nAgainst the seed's Python `_recursive_wrap` on the same trees "
-            "(seed_plan_timing.py; medians of 5 plans, 1 for the seed above 1k modules):\n\n"
-            + table(["shape", "modules", "seed s", "ours s", "seed / ours", "ours ns/module"],
+            + "\nAgainst PyTorch 2.11's own Python `_recursive_wrap` on the same trees "
+            "(torch_plan_timing.py; medians of 5 plans, 1 for PyTorch above 1k modules):\n\n"
+            + table(["shape", "modules", "PyTorch s", "ours s", "PyTorch / ours",
+                     "ours ns/module"],
                     seed_rows)
             + "\n![planner](planner.png)\n")
 
@@ -222,23 +223,28 @@ def planner_section(plan, seed_text, dat):
 def collectives_section(coll, dat):
     rows = []
     lines = collections.defaultdict(list)
-    for name, reps in coll.items():
-        m = re.match(r"BM_(AllGather|ReduceScatter)/(\d+)$", name)
+    for name, reps in sorted(coll.items(), key=lambda kv: kv[0].startswith("BM_C10d")):
+        m = re.match(r"BM_(C10d)?(AllGather|ReduceScatter)/(\d+)$", name)
         if not m:
             continue
-        size = int(m.group(2))
+        size = int(m.group(3))
         busbw, algbw = stat(reps, "busbw", 1e-9), stat(reps, "algbw", 1e-9)
-        rows.append([m.group(1), f"{size / 1024:.0f} KiB" if size < 1 << 20
-                     else f"{size >> 20} MiB", busbw.fmt(3), algbw.fmt(3),
+        rows.append([m.group(2), "c10d native" if m.group(1) else "fsdp",
+                     f"{size / 1024:.0f} KiB" if size < 1 << 20 else f"{size >> 20} MiB",
+                     stat(reps, "real_time", 1e-3).fmt(2), busbw.fmt(3), algbw.fmt(3),
                      stat(reps, "wire_ratio").fmt(3)])
-        lines[m.group(1)].append(f"{size} {busbw.dat()}")
+        lines[(m.group(1) or "") + m.group(2)].append(f"{size} {busbw.dat()}")
     write_dat(dat, "busbw", "bytes_per_rank busbw_GBps(m,min,max)", lines)
     return ("## 6. Collectives (W = 2, loopback, Gloo)\n\n"
             "Bytes per rank (the shard for all-gather and reduce-scatter); nccl-tests "
             "formulas: algbw = bytes x W / t, busbw = algbw (W-1)/W, decimal GB/s. "
-            "`lo / formula`: loopback bytes per rank per call over the ring formula.\n\n"
-            + table(["collective", "bytes per rank", "busbw GB/s", "algbw GB/s",
-                     "lo / formula"], rows)
+            "`lo / formula`: loopback bytes per rank per call over the ring formula. "
+            "`fsdp` is fsdp's Gloo communicator; `c10d native` calls LibTorch 2.11's "
+            "ProcessGroupGloo `_allgather_base` / `_reduce_scatter_base` directly in the "
+            "same run (c10d's reduce-scatter all-reduces the whole input: see Note [Gloo "
+            "collectives] in fsdp/comm/gloo.cc).\n\n"
+            + table(["collective", "implementation", "bytes per rank", "time ms",
+                     "busbw GB/s", "algbw GB/s", "lo / formula"], rows)
             + "\n![busbw](busbw.png)\n")
 
 

@@ -32,7 +32,10 @@ accuracy=$(sed -nE 's/^\[rank 0\] final test accuracy: ([0-9.]+)% \(1000 test im
 [[ -n $accuracy ]] || fail "no final accuracy line for 1000 test images"
 grep -qE '^\[rank 0\] epoch 1/1: train loss [0-9.]+, test accuracy [0-9.]+% \([0-9.]+ s\)$' \
   <<<"$out" || fail "no 'epoch 1/1: train loss X, test accuracy Y% (Z s)' line"
-! grep -q '^\[rank 1\]' <<<"$out" || fail "rank 1 printed something"
+# c10d warns once per process when it cannot resolve a peer's name, as in Bazel's
+# network-less sandbox; that line is LibTorch's, not the example's.
+! grep -v '\[c10d\] The hostname of the client socket cannot be retrieved' <<<"$out" |
+  grep -q '^\[rank 1\]' || fail "rank 1 printed something"
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }' ||
   fail "the loss did not fall: step 1: $first, step 30: $last"
 awk -v acc="$accuracy" 'BEGIN { exit !(acc > 50) }' ||

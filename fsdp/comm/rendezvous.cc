@@ -85,12 +85,10 @@ void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
                       const RendezvousOptions& options, const std::string& where) {
   try {
     wait_for_all_ranks(store, env, options, where);
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
+  } catch (const c10::DistNetworkError& e) {
     // The TCPStore lives in rank 0: losing it mostly means rank 0 failed.
     TORCH_CHECK(false, "rendezvous at ", where, ": rank ", env.rank,
-                " lost the store hosted by rank 0 (", e.what(),
+                " lost the store hosted by rank 0 (", e.what_without_backtrace(),
                 "); rank 0 has probably failed: see its output");
   }
 }

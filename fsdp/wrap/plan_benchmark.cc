@@ -116,7 +116,7 @@ double seed_seconds(const std::string& script, bool deep, int64_t modules, int r
 }
 
 void compare_with_seed(const std::string& script) {
-  std::printf("\nSeed _recursive_wrap (Python) vs plan_fsdp_units (C++), same trees:\n");
+  std::printf("\nPyTorch's _recursive_wrap (Python) vs plan_fsdp_units (C++), same trees:\n");
   std::printf("%-6s %8s %14s %14s %10s %16s\n", "shape", "modules", "seed_s", "ours_s",
               "ratio", "ours_ns_per_mod");
   for (bool deep : {false, true}) {

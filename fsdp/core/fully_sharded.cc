@@ -209,7 +209,8 @@ ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options,
                 "' ", sharding_strategy_name(strategy), " under a ",
                 sharding_strategy_name(root), " root; only non-root units, and only FULL_SHARD, "
                 "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");
-    return root == ShardingStrategy::kNoShard ? root : strategy;  // one rank: NO_SHARD
+    // One rank shards nothing, whatever was asked (as effective_strategy).
+    return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard : strategy;
   }
   return root;
 }

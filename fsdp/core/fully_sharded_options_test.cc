@@ -175,6 +175,35 @@ TEST(UnitShardingStrategiesTest, AReplicatedUnitUnderAFullShardRoot) {
 
 // ---- sync_module_states ----
 
+// Issue 14: under a NO_SHARD root at W = 2 the FULL_SHARD unit ran NO_SHARD, silently.
+TEST(UnitShardingStrategiesTest, AShardedUnitUnderANoShardRoot) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    auto net = make_net();
+    auto plain = make_net();  // the same initial weights, unwrapped
+    FullyShardedDataParallel<NetImpl> model(
+        net, FullyShardedDataParallelOptions(borrow(comm))
+                 .sharding_strategy(ShardingStrategy::kNoShard)
+                 .unit_sharding_strategies({{net->l2->module().get(),
+                                             ShardingStrategy::kFullShard}}));
+    EXPECT_EQ(model->units()[0]->handle()->strategy(), ShardingStrategy::kNoShard);
+    EXPECT_EQ(model->units()[1]->handle()->strategy(), ShardingStrategy::kNoShard);
+    EXPECT_EQ(model->units()[2]->handle()->strategy(), ShardingStrategy::kFullShard);
+    const int64_t l2_numel = plain->l2->module()->weight.numel() +
+                             plain->l2->module()->bias.numel();
+    EXPECT_EQ(model->units()[2]->handle()->shard_numel(), (l2_numel + 1) / 2);
+    comm.counters().reset();
+    at::Tensor x = inputs(0, 2);
+    at::Tensor loss = model->forward(x).sum();
+    EXPECT_TRUE(at::allclose(loss, plain->forward(x).sum(), 0, 1e-6));
+    loss.backward();
+    // l2: forward and backward all-gathers and one reduce-scatter; l1 and the root: one
+    // all-reduce each.
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).calls, 2);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 1);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllReduce).calls, 2);
+  });
+}
+
 TEST(SyncModuleStatesTest, RanksSeededDifferentlyEndWithRankZerosParametersAndBuffers) {
   for (const bool sync : {true, false}) {
     FakeWorld::run(FakeWorld::create(3), [sync](Communicator& comm) {

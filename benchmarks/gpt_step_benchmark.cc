@@ -20,6 +20,10 @@
 //                               FORWARD = forward prefetch and BACKWARD_PRE) against
 //                               FULL_SHARD without any prefetch
 //   BM_ModelSize/width:<d>/W:2  FULL_SHARD against NO_SHARD for widths 32 ... 192
+//   BM_FirstStep/validate/W:2   the first step of a freshly built FULL_SHARD model with
+//                               validate_execution_order against one without (both with
+//                               the first iteration's size checks); each iteration builds
+//                               both, so every timed step is a first step
 // Model: GptOptions with vocab 128, context 64, 4 heads, 4 layers (each block a unit;
 // embeddings, final norm and the tied head in the root), width 128 unless the name says
 // otherwise (Psi = 0.82 M parameters at width 128, 1.82 M at 192). Each rank trains on
@@ -96,6 +100,7 @@ struct Variant {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
+  bool validate_execution_order = false;
   int64_t width = kWidth;
 };
 
@@ -197,7 +202,8 @@ Training make_training(const Variant& variant, const std::shared_ptr<Communicato
   FullyShardedDataParallelOptions options(comm);
   options.sharding_strategy(variant.strategy)
       .backward_prefetch(variant.backward_prefetch)
-      .forward_prefetch(variant.forward_prefetch);
+      .forward_prefetch(variant.forward_prefetch)
+      .validate_execution_order(variant.validate_execution_order);
   FullyShardedDataParallel<GptImpl> model(make_model(variant.width), options);
   for (const auto& unit : model->units()) {
     if (unit->handle() != nullptr) t.psi += unit->handle()->numel();
@@ -299,6 +305,27 @@ void run(benchmark::State& state, int world_size, const Variant& ours,
   state.counters["time_ratio"] = training.seconds / reference->seconds;
 }
 
+// The first step of fresh trainings of `ours` and `baseline`, alternately, every iteration.
+void run_first_steps(benchmark::State& state, int world_size, const Variant& ours,
+                     const Variant& baseline) {
+  const std::shared_ptr<Communicator>& comm = groups().of_size[world_size];
+  const Batch batch = make_batch(comm->rank(), kBatch, kContext);
+  double ours_seconds = 0, baseline_seconds = 0;
+  for (auto _ : state) {
+    Training reference = make_training(baseline, comm);
+    Training training = make_training(ours, comm);
+    comm->barrier();
+    baseline_seconds += timed_step(reference, batch);
+    const double seconds = timed_step(training, batch);
+    ours_seconds += seconds;
+    state.SetIterationTime(seconds);
+  }
+  const double steps = static_cast<double>(state.iterations());
+  state.counters["ms"] = ours_seconds / steps * 1e3;
+  state.counters["ref_ms"] = baseline_seconds / steps * 1e3;
+  state.counters["time_ratio"] = ours_seconds / baseline_seconds;
+}
+
 void register_one(const std::string& name, int world_size, Variant ours,
                   std::optional<Variant> baseline) {
   benchmark::RegisterBenchmark(absl::StrCat(name, "/W:", world_size).c_str(),
@@ -343,6 +370,16 @@ void register_all(int rank, int world_size) {
     for (const Variant& v : {pre, post, forward}) {
       register_one(absl::StrCat("BM_Prefetch/", v.name), w, v, none);
     }
+    Variant validated = strategy_variant(ShardingStrategy::kFullShard);
+    validated.validate_execution_order = true;
+    const Variant unvalidated = strategy_variant(ShardingStrategy::kFullShard);
+    benchmark::RegisterBenchmark("BM_FirstStep/validate/W:2",
+                                 [=](benchmark::State& state) {
+                                   run_first_steps(state, 2, validated, unvalidated);
+                                 })
+        ->Iterations(kTimedSteps)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
     for (int64_t width : {32, 64, 128, 192}) {
       Variant full = strategy_variant(ShardingStrategy::kFullShard);
       Variant replicated = strategy_variant(ShardingStrategy::kNoShard);

@@ -48,5 +48,53 @@ void expect_all_ranks_pass(int world_size) {
 TEST(FsdpGlooTest, ParityOnTwoRanks) { expect_all_ranks_pass(2); }
 TEST(FsdpGlooTest, ParityOnThreeRanks) { expect_all_ranks_pass(3); }
 
+// Issue 14 (pytorch#64629): rank 0 skips unit l2 in its first iteration, rank 1 runs it
+// (SkipImpl runs l2 on odd steps; each rank starts at its own step). Gloo used to
+// terminate rank 0 (an exception on its transport thread) or time out naming nothing;
+// the first iteration's size checks make both ranks raise the same error.
+TEST(DISABLED_FsdpWorker, RanksRunningDifferentUnits) {
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(30)));
+  const bool validate = std::getenv("FSDP_TEST_VALIDATE") != nullptr;
+  FullyShardedDataParallel<SkipImpl> model(
+      make<SkipImpl>(), FullyShardedDataParallelOptions(comm).validate_execution_order(validate));
+  model->module()->step = comm->rank();
+  try {
+    model->forward(inputs(0, 2)).sum().backward();
+    ADD_FAILURE() << "ranks running different units trained without an error";
+  } catch (const c10::Error& e) {
+    std::cout << "error: " << e.what_without_backtrace() << std::endl;
+  } catch (const CommError& e) {
+    std::cout << "error: " << e.what() << std::endl;
+  }
+}
+
+void expect_both_ranks_name_the_difference(bool validate) {
+  const auto ranks = comm_internal::run_test_as_ranks(
+      2, "DISABLED_FsdpWorker.RanksRunningDifferentUnits", std::chrono::seconds(120),
+      [validate](int /*rank*/, Environment& env) {
+        if (validate) env["FSDP_TEST_VALIDATE"] = "1";
+      });
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(ranks[rank].exit_code, 0) << comm_internal::describe(ranks);
+    EXPECT_THAT(ranks[rank].output, ::testing::ContainsRegex(
+                                        "error: .* failed on rank " + std::to_string(rank) +
+                                        ": rank 0 runs [a-z_]+ of [0-9]+ elements, rank 1 runs "
+                                        "[a-z_]+ of [0-9]+ elements: the ranks are not running "
+                                        "the same units in the same order"))
+        << comm_internal::describe(ranks);
+    std::cout << "rank " << rank << ": "
+              << ranks[rank].output.substr(ranks[rank].output.find("error: ")).substr(0, 300)
+              << std::endl;
+  }
+}
+
+TEST(FsdpGlooTest, RanksRunningDifferentUnitsStopWithTheSameError) {
+  expect_both_ranks_name_the_difference(/*validate=*/false);
+}
+TEST(FsdpGlooTest, RanksRunningDifferentUnitsStopWithTheSameErrorUnderValidation) {
+  expect_both_ranks_name_the_difference(/*validate=*/true);
+}
+
 }  // namespace
 }  // namespace fsdp

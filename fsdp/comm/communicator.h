@@ -214,6 +214,17 @@ class Communicator {
   // ShardingStrategy.HYBRID_SHARD (_init_intra_and_inter_node_groups).
   HybridGroups split_hybrid(int shard_group_size);
 
+  // Size checks for this communicator and every communicator of its family (the root it
+  // was made from and their subgroups). While enabled, each collective is preceded by a
+  // small all-gather of its kind and element count; ranks that disagree raise CommError
+  // on every rank naming each rank's collective and size, where they would otherwise
+  // corrupt data, hang, or abort inside the backend (Gloo terminates the process when a
+  // peer sends more bytes than expected). Costs one extra latency-bound collective per
+  // collective, not counted in counters(). Every rank must switch at the same point of
+  // its collective sequence. Backends that always check (the fake one) ignore it.
+  // PyTorch: the collective fingerprints of TORCH_DISTRIBUTED_DEBUG=DETAIL.
+  virtual void set_size_checks(bool /*enabled*/) {}
+
   TrafficCounters& counters() { return counters_; }
   const TrafficCounters& counters() const { return counters_; }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -111,6 +112,13 @@ class Worker {
 // before it goes, so that the others can finish their probes.
 constexpr auto kProbeTime = std::chrono::milliseconds(1500);
 
+// Thrown on the worker thread when a size check finds ranks running different collectives
+// (see Communicator::set_size_checks); its message names every rank's.
+class MismatchedCollectives : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // First line of an exception message (c10::Error appends a C++ stack trace).
 std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
 
@@ -142,6 +150,10 @@ class GlooFamily {
   // (`source` closes its own on its worker thread).
   void on_failure(GlooCommunicator* source);
 
+  // See Communicator::set_size_checks: read when a collective is issued.
+  void set_size_checks(bool enabled) { size_checks_ = enabled; }
+  bool size_checks() const { return size_checks_; }
+
   // Which global rank is gone? Returns -1 if every rank answered.
   int find_lost_peer() {
     const std::string prefix = "alive/";
@@ -166,6 +178,7 @@ class GlooFamily {
   const int global_rank_;
   const int world_size_;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> size_checks_{false};
   std::mutex mutex_;
   std::vector<GlooCommunicator*> members_;
 };
@@ -199,6 +212,8 @@ class GlooCommunicator : public Communicator,
 
   std::string backend_name() const override { return "gloo"; }
 
+  void set_size_checks(bool enabled) override { family_->set_size_checks(enabled); }
+
   // For GlooWork, which sees failures when they are waited on: closes the connections,
   // names the lost rank and breaks the communicator. See Note [Naming the lost peer].
   CommError fail(CollectiveKind kind, int64_t sequence, const std::string& detail) {
@@ -218,7 +233,7 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
-    return submit(CollectiveKind::kAllGather, sequence, [this, output, input] {
+    return submit(CollectiveKind::kAllGather, sequence, input.numel, [this, output, input] {
       at::Tensor output_bytes = bytes_of(output);
       at::Tensor input_bytes = bytes_of(input);
       group_->_allgather_base(output_bytes, input_bytes)->wait();
@@ -227,14 +242,15 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
                                int64_t sequence) override {
-    return submit(CollectiveKind::kReduceScatter, sequence, [this, output, input, op] {
+    return submit(CollectiveKind::kReduceScatter, sequence, input.numel,
+                  [this, output, input, op] {
       reduce_scatter(at::from_blob(output.data, {output.numel}, output.dtype),
                      at::from_blob(input.data, {input.numel}, input.dtype), op);
     });
   }
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
-    return submit(CollectiveKind::kAllReduce, sequence, [this, tensor, op] {
+    return submit(CollectiveKind::kAllReduce, sequence, tensor.numel, [this, tensor, op] {
       std::vector<at::Tensor> tensors = {
           at::from_blob(tensor.data, {tensor.numel}, tensor.dtype)};
       group_->allreduce(tensors)->wait();
@@ -243,7 +259,7 @@ class GlooCommunicator : public Communicator,
   }
 
   WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
-    return submit(CollectiveKind::kBroadcast, sequence, [this, tensor, root] {
+    return submit(CollectiveKind::kBroadcast, sequence, tensor.numel, [this, tensor, root] {
       std::vector<at::Tensor> tensors = {bytes_of(tensor)};
       c10d::BroadcastOptions options;
       options.rootRank = root;
@@ -252,7 +268,7 @@ class GlooCommunicator : public Communicator,
   }
 
   WorkHandle do_barrier(int64_t sequence) override {
-    return submit(CollectiveKind::kBarrier, sequence, [this] { group_->barrier()->wait(); });
+    return submit(CollectiveKind::kBarrier, sequence, 0, [this] { group_->barrier()->wait(); });
   }
 
   std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
@@ -295,7 +311,43 @@ class GlooCommunicator : public Communicator,
     if (op == ReduceOp::kAvg) output.div_(static_cast<double>(world_size()));
   }
 
-  WorkHandle submit(CollectiveKind kind, int64_t sequence, std::function<void()> task);
+  // Note [Mismatched sizes]
+  // Ranks that pass different sizes to one collective (ranks running different units,
+  // or in another order) make Gloo corrupt data silently (alltoall) or terminate the
+  // receiving process from its transport thread (a message longer than expected), naming
+  // no cause. With size checks on (Communicator::set_size_checks; FSDP turns them on for
+  // its first iteration), every collective first all-gathers each rank's (kind, numel),
+  // and all ranks raise the same error naming them.
+  // See Note [Mismatched sizes]. Worker thread only.
+  void check_same_collective(CollectiveKind kind, int64_t numel) {
+    at::Tensor mine = at::empty({2}, at::kLong);
+    mine.data_ptr<int64_t>()[0] = static_cast<int64_t>(kind);
+    mine.data_ptr<int64_t>()[1] = numel;
+    at::Tensor all = at::empty({2 * world_size()}, at::kLong);
+    group_->_allgather_base(all, mine)->wait();
+    const int64_t* records = all.data_ptr<int64_t>();
+    bool same = true;
+    for (int r = 0; r < world_size(); ++r) {
+      same = same && records[2 * r] == records[0] && records[2 * r + 1] == records[1];
+    }
+    if (same) return;
+    std::vector<std::string> parts;
+    for (int r = 0; r < world_size(); ++r) {
+      const int64_t theirs = records[2 * r];
+      const bool known = theirs >= 0 && theirs <= static_cast<int64_t>(CollectiveKind::kBarrier);
+      parts.push_back(absl::StrCat(
+          "rank ", global_ranks()[r], " runs ",
+          known ? collective_name(static_cast<CollectiveKind>(theirs))
+                : absl::StrCat("collective kind ", theirs),
+          " of ", records[2 * r + 1], " elements"));
+    }
+    throw MismatchedCollectives(absl::StrCat(
+        absl::StrJoin(parts, ", "),
+        ": the ranks are not running the same units in the same order"));
+  }
+
+  WorkHandle submit(CollectiveKind kind, int64_t sequence, int64_t numel,
+                    std::function<void()> task);
 
   std::shared_ptr<GlooFamily> family_;  // first: outlives the group (rank 0's store)
   c10::intrusive_ptr<c10d::Store> store_;
@@ -332,6 +384,8 @@ class GlooWork : public Work {
       done_.get();
     } catch (const CommError&) {
       throw;
+    } catch (const MismatchedCollectives& e) {
+      fail(e.what());
     } catch (const std::exception& e) {
       fail(first_line(e.what()));
     }
@@ -355,14 +409,15 @@ class GlooWork : public Work {
   std::shared_future<void> done_;
 };
 
-WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence,
+WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence, int64_t numel,
                                     std::function<void()> task) {
   // Runs on the worker thread, the only one that touches group_ while the communicator
   // lives. See Note [Naming the lost peer] for why a failure closes the connections.
-  auto run = [this, task = std::move(task)] {
+  auto run = [this, kind, numel, check = family_->size_checks(), task = std::move(task)] {
     TORCH_CHECK(group_,
                 "the connections were closed after an earlier collective of this process failed");
     try {
+      if (check) check_same_collective(kind, numel);
       task();
     } catch (...) {
       group_.reset();

@@ -92,17 +92,56 @@ UnitBase* make_picked_unit(const TreeSite& site, const std::string& fqn) {
 }
 
 // The units an auto_wrap_policy makes, besides the root.
+// What FSDP leaves alone: ignored_modules or ignored_states, resolved.
+struct Ignored {
+  std::vector<const torch::nn::Module*> modules;
+  absl::flat_hash_set<const torch::nn::Module*> module_set;
+  absl::flat_hash_set<const c10::TensorImpl*> params;  // the modules' and the single ones
+  std::vector<at::Tensor> trained;                      // those that require grad, once each
+};
+
+Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(options.ignored_modules().empty() || options.ignored_states().empty(),
+              "FullyShardedDataParallel: give ignored_modules or ignored_states, not both "
+              "(ignored_states takes modules too)");
+  Ignored ignored;
+  ignored.modules = options.ignored_modules();
+  std::vector<at::Tensor> params;
+  for (const IgnoredState& state : options.ignored_states()) {
+    if (state.module() != nullptr) {
+      ignored.modules.push_back(state.module());
+    } else {
+      TORCH_CHECK(state.parameter().defined(), "FullyShardedDataParallel: ignored_states "
+                  "holds an undefined tensor; pass the model's parameters or modules");
+      params.push_back(state.parameter());
+    }
+  }
+  for (const torch::nn::Module* module : ignored.modules) {
+    TORCH_CHECK(module != nullptr, "FullyShardedDataParallel: a null module is ignored");
+    ignored.module_set.insert(module);
+    for (const at::Tensor& p : module->parameters()) params.push_back(p);
+  }
+  for (const at::Tensor& p : params) {
+    if (ignored.params.insert(p.unsafeGetTensorImpl()).second && p.requires_grad()) {
+      ignored.trained.push_back(p);
+    }
+  }
+  return ignored;
+}
+
 absl::flat_hash_set<const UnitBase*> apply_policy(
-    UnitBase& root, const FullyShardedDataParallelOptions& options) {
+    UnitBase& root, const FullyShardedDataParallelOptions& options, const Ignored& ignored) {
   std::vector<TreeSite> sites;
   const ModuleTree tree = transparent_tree(root, &sites);
   WrapPlanOptions plan_options;
-  const absl::flat_hash_set<const torch::nn::Module*> ignored(options.ignored_modules().begin(),
-                                                              options.ignored_modules().end());
   for (size_t i = 0; i < sites.size(); ++i) {
-    if (ignored.contains(sites[i].module) || ignored.contains(sites[i].annotation)) {
+    if (ignored.module_set.contains(sites[i].module) ||
+        ignored.module_set.contains(sites[i].annotation)) {
       plan_options.ignored_modules().push_back(static_cast<int>(i));
     }
+  }
+  for (const c10::TensorImpl* param : ignored.params) {
+    plan_options.ignored_params().push_back(param);
   }
   AutoWrapPolicy policy = options.auto_wrap_policy();
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
@@ -264,29 +303,47 @@ void check_constructed_handle(const FlatParamHandle& handle, const std::string& 
 // sync_module_states: rank 0's unit parameters (those not sharded at construction) and
 // buffers outside ignored modules, one unit at a time.
 void sync_module_states(Communicator& comm, const torch::nn::Module& root,
-                        const FullyShardedDataParallelOptions& options,
+                        const Ignored& ignored,
                         const std::vector<std::vector<NamedParam>>& params_of) {
   for (const std::vector<NamedParam>& params : params_of) {
     std::vector<at::Tensor> tensors;
     for (const NamedParam& p : params) tensors.push_back(p.param);
     broadcast_from_rank0(comm, tensors);
   }
-  broadcast_from_rank0(comm, buffers_outside(root, options.ignored_modules(), {}));
+  broadcast_from_rank0(comm, buffers_outside(root, ignored.modules, {}));
 }
 
-// Parameters outside FSDP that train (ignored modules'), for clip_grad_norm_.
-std::vector<at::Tensor> ignored_trained_params(const FullyShardedDataParallelOptions& options) {
-  std::vector<at::Tensor> params;
-  for (const torch::nn::Module* module : options.ignored_modules()) {
-    for (const at::Tensor& p : module->parameters()) {
-      if (p.requires_grad()) params.push_back(p);
+// Note [Shared parameters]
+// A parameter registered by several modules (tied weights) belongs to the lowest unit that
+// contains every module registering it. PyTorch FSDP lets the first unit built (the
+// innermost) take it, which breaks when an enclosing module uses it after that unit has
+// resharded (pytorch#83052); its guidance is that shared parameters live in one unit. The
+// owner's forward encloses every user's, so the parameter is unsharded whenever it is
+// read. Units containing all registrations form a chain from the root down; in pre-order
+// the deepest of them comes last.
+struct ParamOwners {
+  absl::flat_hash_map<const c10::TensorImpl*, size_t> unit;  // index into the units
+  absl::flat_hash_map<const c10::TensorImpl*, std::vector<std::string>> fqns;  // every name
+};
+
+ParamOwners assign_param_owners(UnitBase& root, const std::vector<FoundUnit>& units,
+                                const absl::flat_hash_set<const c10::TensorImpl*>& ignored) {
+  ParamOwners owners;
+  for (const auto& item : root.named_parameters()) {
+    const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
+    if (!ignored.contains(key)) owners.fqns[key].push_back(clean_tensor_name(item.key()));
+  }
+  for (size_t k = 0; k < units.size(); ++k) {
+    absl::flat_hash_map<const c10::TensorImpl*, size_t> registrations;
+    for (const auto& item : units[k].unit->wrapped_module()->named_parameters()) {
+      ++registrations[item.value().unsafeGetTensorImpl()];
+    }
+    for (const auto& [key, count] : registrations) {
+      auto it = owners.fqns.find(key);
+      if (it != owners.fqns.end() && count == it->second.size()) owners.unit[key] = k;
     }
   }
-  return params;
-}
-
-bool inside(const std::string& fqn, const std::string& unit_fqn) {
-  return unit_fqn.empty() || fqn == unit_fqn || absl::StartsWith(fqn, unit_fqn + ".");
+  return owners;
 }
 
 // Note [Construction fingerprint]
@@ -413,17 +470,16 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options) {
   TORCH_CHECK(options.communicator() != nullptr,
               "FullyShardedDataParallel: options.communicator is null");
-  const absl::flat_hash_set<const torch::nn::Module*> ignored(options.ignored_modules().begin(),
-                                                              options.ignored_modules().end());
+  const Ignored ignored = resolve_ignored(options);
   std::vector<FoundUnit> units;
   if (options.auto_wrap_policy() != nullptr) {
-    const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options);
-    units = find_units(root, ignored);
+    const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options, ignored);
+    units = find_units(root, ignored.module_set);
     units.erase(std::remove_if(units.begin(), units.end(),
                                [&](const FoundUnit& f) { return !active.contains(f.unit); }),
                 units.end());
   } else {
-    units = find_units(root, ignored);
+    units = find_units(root, ignored.module_set);
   }
   for (const FoundUnit& found : units) {
     TORCH_CHECK(found.unit->state() == nullptr, "FullyShardedDataParallel: unit '", found.fqn,
@@ -440,22 +496,14 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
                 "' was sharded at construction (ShardOnConstruction) but is inside an ignored "
                 "module; build ignored modules outside that scope");
   }
-  // Parameters of ignored modules are left out everywhere.
-  absl::flat_hash_set<const c10::TensorImpl*> ignored_params;
-  for (const torch::nn::Module* module : options.ignored_modules()) {
-    for (const at::Tensor& p : module->parameters()) ignored_params.insert(p.unsafeGetTensorImpl());
-  }
-
-  // Children before parents (reverse pre-order): each unit flattens the parameters of
-  // its subtree that no unit inside it took (PyTorch flattens bottom-up the same way).
-  struct Claim {
-    std::string fqn;
-    std::string unit_fqn;
-  };
-  absl::flat_hash_map<const c10::TensorImpl*, Claim> claimed;
+  // Each unit flattens the parameters it owns (see Note [Shared parameters]), named by
+  // their first FQN in pre-order; units sharded at construction keep what they took.
+  // Ignored parameters are left out everywhere.
+  const ParamOwners owners = assign_param_owners(root, units, ignored.params);
+  absl::flat_hash_set<const c10::TensorImpl*> taken;
   std::vector<std::vector<NamedParam>> params_of(units.size());
   std::vector<std::unique_ptr<FlatParamHandle>> constructed(units.size());
-  for (size_t k = units.size(); k-- > 0;) {
+  for (size_t k = 0; k < units.size(); ++k) {
     const FoundUnit& unit = units[k];
     const std::string prefix = unit.fqn.empty() ? "" : unit.fqn + ".";
     constructed[k] = unit.unit->take_constructed_handle();
@@ -463,28 +511,27 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
       constructed[k]->add_fqn_prefix(prefix);
       const std::vector<at::Tensor>& originals = constructed[k]->original_params();
       for (size_t i = 0; i < originals.size(); ++i) {
+        const c10::TensorImpl* key = originals[i].unsafeGetTensorImpl();
         const std::string& fqn = constructed[k]->param_infos()[i].fqn;
-        TORCH_CHECK(!ignored_params.contains(originals[i].unsafeGetTensorImpl()),
-                    "FullyShardedDataParallel: '", fqn, "' is in ignored_modules, but unit '",
-                    unit.fqn, "' sharded it at construction (ShardOnConstruction); build "
-                    "ignored modules outside units made under that scope");
-        claimed.try_emplace(originals[i].unsafeGetTensorImpl(), Claim{fqn, unit.fqn});
+        TORCH_CHECK(!ignored.params.contains(key), "FullyShardedDataParallel: '", fqn,
+                    "' is ignored, but unit '", unit.fqn, "' sharded it at construction "
+                    "(ShardOnConstruction); build ignored modules outside units made under "
+                    "that scope");
+        TORCH_CHECK(owners.unit.at(key) == k, "FullyShardedDataParallel: unit '", unit.fqn,
+                    "' sharded '", fqn, "' at construction (ShardOnConstruction), but the same "
+                    "parameter is also registered outside that unit (as ",
+                    absl::StrJoin(owners.fqns.at(key), ", "), "); a shared parameter must "
+                    "live in one unit: build every module that uses it inside one unit");
+        taken.insert(key);
       }
     }
     for (const auto& item : unit.unit->wrapped_module()->named_parameters()) {
       const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
-      if (ignored_params.contains(key)) continue;
-      const std::string fqn = prefix + clean_tensor_name(item.key());
-      auto [it, first] = claimed.try_emplace(key, Claim{fqn, unit.fqn});
-      if (!first) {
-        TORCH_CHECK(inside(it->second.unit_fqn, unit.fqn), "FullyShardedDataParallel: '",
-                    it->second.fqn, "' (unit '", it->second.unit_fqn, "') and '", fqn,
-                    "' (unit '", unit.fqn, "') are the same parameter in two units; a "
-                    "shared parameter must live in one unit: make one unit contain both "
-                    "users, or untie the parameter");
-        continue;  // taken by a unit inside this one, or seen twice in this unit
+      auto owner = owners.unit.find(key);
+      if (owner == owners.unit.end() || owner->second != k || !taken.insert(key).second) {
+        continue;  // ignored, owned by another unit, or met before
       }
-      params_of[k].push_back({fqn, item.value()});
+      params_of[k].push_back({prefix + clean_tensor_name(item.key()), item.value()});
     }
   }
 
@@ -499,7 +546,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   }
   check_same_construction(comm, options, unit_fqns, unit_numels);  // before any traffic
   if (options.sync_module_states() && comm.world_size() > 1) {
-    sync_module_states(comm, root, options, params_of);
+    sync_module_states(comm, root, ignored, params_of);
   }
 
   const ShardingStrategy strategy = effective_strategy(options);
@@ -547,13 +594,13 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   }
   if (mp && mp->buffer_dtype()) {
     std::vector<at::Tensor> buffers;
-    for (const at::Tensor& b : buffers_outside(root, options.ignored_modules(),
+    for (const at::Tensor& b : buffers_outside(root, ignored.modules,
                                                full_precision_modules)) {
       if (at::isFloatingType(b.scalar_type())) buffers.push_back(b);
     }
     root_state->set_buffer_casts(std::move(buffers), *mp->buffer_dtype());
   }
-  root_state->set_ignored_params(ignored_trained_params(options));
+  root_state->set_ignored_params(ignored.trained);
   root_state->set_validate_execution_order(options.validate_execution_order());
   return root_state;
 }

@@ -14,9 +14,11 @@
 //
 // Units: the Unit<T> modules of the model (annotate with fsdp::Unit / fsdp::wrap) plus
 // the root, which owns every parameter no unit inside it owns. Each unit flattens its
-// parameters (shared ones once) into a FlatParamHandle. A parameter shared by two units
-// neither of which contains the other is an error at construction naming both FQNs:
-// place both users inside one unit.
+// parameters (shared ones once) into a FlatParamHandle. A parameter registered by several
+// modules (tied weights) belongs to the lowest unit containing all of them, e.g. the root
+// for an embedding unit tied to an output head in the root (PyTorch's guidance: shared
+// parameters in one FSDP instance). Under ShardOnConstruction a unit that took a shared
+// parameter while another user is outside it is an error naming every FQN.
 //
 // Collectives per iteration (n = units with parameters; REFERENCE §4): FULL_SHARD:
 // forward all-gathers n, backward all-gathers n - 1 (the root is not resharded after
@@ -24,11 +26,12 @@
 // NO_SHARD: all-reduces n. Gradients are averaged over ranks, so training matches one
 // process on the global batch when each rank's loss is a mean over its equal share.
 //
-// Parameters: parameters() of the root gives the sharded flat parameters for the
-// optimizer (call it on the FullyShardedDataParallelImpl, not through a Module&, which
-// still lists the original parameters: those stay registered so names and state-dict
-// keys equal the unwrapped model's). PyTorch: torch.distributed.fsdp.
-// FullyShardedDataParallel (use_orig_params=False).
+// Parameters: parameters() of the root gives the optimizer the sharded flat parameters,
+// then the ignored parameters that require grad, as PyTorch's does. Call it on the
+// FullyShardedDataParallelImpl, not through a Module&, which still lists the original
+// parameters: those stay registered so names and state-dict keys equal the unwrapped
+// model's. PyTorch: torch.distributed.fsdp.FullyShardedDataParallel
+// (use_orig_params=False).
 //
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision
 // below), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
@@ -96,6 +99,20 @@ struct MixedPrecision {
 // (the unit's wrapped module or the Unit<T> itself, its strategy) pairs.
 using UnitShardingStrategies = std::vector<std::pair<const torch::nn::Module*, ShardingStrategy>>;
 
+// One entry of FullyShardedDataParallelOptions::ignored_states: a module (with everything
+// below it) or a single parameter. PyTorch: an element of FSDP's `ignored_states`.
+class IgnoredState {
+ public:
+  IgnoredState(const torch::nn::Module* module) : module_(module) {}  // NOLINT: implicit
+  IgnoredState(at::Tensor parameter) : parameter_(std::move(parameter)) {}  // NOLINT
+  const torch::nn::Module* module() const { return module_; }  // null for a parameter
+  const at::Tensor& parameter() const { return parameter_; }   // undefined for a module
+
+ private:
+  const torch::nn::Module* module_ = nullptr;
+  at::Tensor parameter_;
+};
+
 struct FullyShardedDataParallelOptions {
   explicit FullyShardedDataParallelOptions(std::shared_ptr<Communicator> communicator)
       : communicator_(std::move(communicator)) {}
@@ -110,6 +127,13 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(bool, forward_prefetch) = false;
   // Modules (with everything below them) FSDP leaves alone: not flattened, not sharded.
   TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);
+  // Modules and single parameters FSDP leaves alone (PyTorch's ignored_states; give it or
+  // ignored_modules, not both): no unit flattens them, also inside auto-wrapped or
+  // annotated units; they stay ordinary replicated tensors under their own names in
+  // parameters() and in state dicts. If they require grad they train like any tensor
+  // outside FSDP: their gradients are each rank's own, not averaged across ranks (as in
+  // PyTorch), and clip_grad_norm_ counts them once.
+  TORCH_ARG(std::vector<IgnoredState>, ignored_states);
   // Which modules become units (see Note [Auto-wrapping] in fully_sharded.cc). Unset:
   // every Unit<T> annotated in the model. Set: the modules the policy picks (PyTorch's
   // _recursive_wrap over the model seen without annotations); a picked module must be
@@ -134,7 +158,11 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(int, hybrid_shard_group_size) = 0;
   // Check on the first iteration that every rank runs the units in the same order (n
   // small all-gathers more, once); see Note [Execution order validation] in
-  // internal/runtime.cc.
+  // internal/runtime.cc. Off by default, as in PyTorch: on the GPT of examples/gpt at
+  // W = 2 over Gloo it adds 2.6-4.9 ms to the first step (8-17% of one 27-31 ms step;
+  // BM_FirstStep in benchmarks/gpt_step_benchmark.cc). Without it, ranks whose first
+  // iterations run units of different sizes still stop with an error naming the sizes
+  // (Note [First-iteration size checks]); it also catches swapped units of equal size.
   TORCH_ARG(bool, validate_execution_order) = false;
 };
 
@@ -209,11 +237,13 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
 
   // The sharded flat parameters of every unit, in pre-order: what the optimizer updates.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const {
-    std::vector<at::Tensor> flat;
+    std::vector<at::Tensor> params;
     for (const auto& unit : root_->units()) {
-      if (unit->handle() != nullptr) flat.push_back(unit->handle()->sharded_flat_param());
+      if (unit->handle() != nullptr) params.push_back(unit->handle()->sharded_flat_param());
     }
-    return flat;
+    const std::vector<at::Tensor>& ignored = root_->ignored_params();
+    params.insert(params.end(), ignored.begin(), ignored.end());
+    return params;
   }
 
   // While the returned scope lives, backward passes accumulate gradients unsharded on

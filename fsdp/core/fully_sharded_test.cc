@@ -52,6 +52,82 @@ void expect_parity(int world_size, ShardingStrategy strategy, bool adam,
   });
 }
 
+// Issue 14's shared-parameter cases (pytorch#83052's pattern): a parent unit and a unit
+// inside it register one bias, and the parent uses it after calling the child.
+struct BiasChildImpl : torch::nn::Module {
+  explicit BiasChildImpl(const at::Tensor& shared) {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    bias = register_parameter("bias", shared);
+  }
+  at::Tensor forward(const at::Tensor& x) { return lin(x) + bias; }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor bias;
+};
+struct BiasParentImpl : torch::nn::Module {
+  BiasParentImpl() {
+    bias = register_parameter("bias", at::randn({4}) * 0.1);
+    child = register_module("child", Unit<BiasChildImpl>(std::make_shared<BiasChildImpl>(bias)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(child(x)) * bias; }
+  at::Tensor bias;
+  Unit<BiasChildImpl> child{nullptr};
+};
+struct SharedBiasImpl : torch::nn::Module {
+  SharedBiasImpl() {
+    parent = register_module("parent", Unit<BiasParentImpl>(std::make_shared<BiasParentImpl>()));
+    head = register_module("head", torch::nn::Linear(4, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(parent(x)); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<BiasParentImpl> parent{nullptr};
+  torch::nn::Linear head{nullptr};
+  int step = 0;
+};
+
+// Two sibling units tied: b uses a's weight (transposed).
+struct TiedLinearImpl : torch::nn::Module {
+  explicit TiedLinearImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight.t()); }
+  at::Tensor weight;
+};
+struct TiedUnitsImpl : torch::nn::Module {
+  TiedUnitsImpl() {
+    a = register_module("a", make_unit(torch::nn::Linear(4, 4)));
+    b = register_module(
+        "b", Unit<TiedLinearImpl>(std::make_shared<TiedLinearImpl>(a->module()->weight)));
+  }
+  at::Tensor forward(at::Tensor x) { return b(torch::tanh(a(x))).narrow(1, 0, 3); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<torch::nn::LinearImpl> a{nullptr};
+  Unit<TiedLinearImpl> b{nullptr};
+  int step = 0;
+};
+
+// The token embedding a unit of its own, the output head in the root tied to it.
+struct EmbeddingUnitLmImpl : torch::nn::Module {
+  EmbeddingUnitLmImpl() {
+    embedding = register_module(
+        "embedding", make_unit(torch::nn::Embedding(TinyLmImpl::kVocab, 8)));
+    block = register_module("block", Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+    head = register_module("head", std::make_shared<TiedLinearImpl>(embedding->module()->weight));
+  }
+  at::Tensor forward(at::Tensor tokens) { return head->forward(block(embedding(tokens))); }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  Unit<torch::nn::EmbeddingImpl> embedding{nullptr};
+  Unit<BlockImpl> block{nullptr};
+  std::shared_ptr<TiedLinearImpl> head;
+  int step = 0;
+};
+
 class ParityTest : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy, bool>> {};
 
 TEST_P(ParityTest, NestedLinears) {
@@ -65,6 +141,18 @@ TEST_P(ParityTest, TiedEmbeddingLanguageModel) {
 TEST_P(ParityTest, UnitSkippedOnSomeIterations) {
   const auto [w, strategy, adam] = GetParam();
   expect_parity<SkipImpl>(w, strategy, adam);
+}
+TEST_P(ParityTest, BiasSharedByAUnitAndTheUnitInsideIt) {
+  const auto [w, strategy, adam] = GetParam();
+  expect_parity<SharedBiasImpl>(w, strategy, adam);
+}
+TEST_P(ParityTest, WeightSharedBySiblingUnits) {
+  const auto [w, strategy, adam] = GetParam();
+  expect_parity<TiedUnitsImpl>(w, strategy, adam);
+}
+TEST_P(ParityTest, EmbeddingUnitTiedToTheRootsHead) {
+  const auto [w, strategy, adam] = GetParam();
+  expect_parity<EmbeddingUnitLmImpl>(w, strategy, adam);
 }
 
 
@@ -271,31 +359,37 @@ TEST(FullyShardedTest, UnitUsedTwiceAndSeveralForwardsBeforeOneBackward) {
   });
 }
 
-// y = x W^T with a given W (to tie it to another module's).
-struct TiedLinearImpl : torch::nn::Module {
-  explicit TiedLinearImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
-  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight.t()); }
-  at::Tensor weight;
-};
-
-struct TiedImpl : torch::nn::Module {
-  TiedImpl() {
-    a = register_module("a", make_unit(torch::nn::Linear(3, 3)));
-    b = register_module(
-        "b", Unit<TiedLinearImpl>(std::make_shared<TiedLinearImpl>(a->module()->weight)));
+// FQNs of each unit's flat parameter, in unit order.
+template <typename Net>
+std::vector<std::vector<std::string>> unit_fqns(FullyShardedDataParallelImpl<Net>& model) {
+  std::vector<std::vector<std::string>> fqns;
+  for (const auto& unit : model.units()) {
+    fqns.emplace_back();
+    if (unit->handle() == nullptr) continue;
+    for (const auto& info : unit->handle()->param_infos()) fqns.back().push_back(info.fqn);
   }
-  at::Tensor forward(at::Tensor x) { return b(a(x)); }
-  Unit<torch::nn::LinearImpl> a{nullptr};
-  Unit<TiedLinearImpl> b{nullptr};
-};
+  return fqns;
+}
 
-TEST(FullyShardedTest, ParameterSharedAcrossUnitsIsNamed) {
-  auto world = FakeWorld::create(1);
-  EXPECT_THAT([&] {
-    FullyShardedDataParallel<TiedImpl> model(std::make_shared<TiedImpl>(),
-                                             FullyShardedDataParallelOptions(world->communicator(0)));
-  }, ThrowsMessage<c10::Error>(HasSubstr("'b.weight' (unit 'b') and 'a.weight' (unit 'a') are "
-                                         "the same parameter in two units")));
+// Note [Shared parameters]: the lowest unit containing every user owns a tied parameter.
+TEST(SharedParametersTest, TheLowestUnitContainingEveryUserOwnsThem) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<SharedBiasImpl> nested(make<SharedBiasImpl>(),
+                                                    FullyShardedDataParallelOptions(comm));
+    EXPECT_THAT(unit_fqns(*nested),
+                ElementsAre(ElementsAre("head.weight", "head.bias"),
+                            ElementsAre("parent.bias"),
+                            ElementsAre("parent.child.lin.weight", "parent.child.lin.bias")));
+    FullyShardedDataParallel<TiedUnitsImpl> siblings(make<TiedUnitsImpl>(),
+                                                     FullyShardedDataParallelOptions(comm));
+    EXPECT_THAT(unit_fqns(*siblings), ElementsAre(ElementsAre("a.weight"),
+                                                  ElementsAre("a.bias"), ElementsAre()));
+    FullyShardedDataParallel<EmbeddingUnitLmImpl> lm(make<EmbeddingUnitLmImpl>(),
+                                                     FullyShardedDataParallelOptions(comm));
+    EXPECT_THAT(unit_fqns(*lm)[0], ElementsAre("embedding.weight"));
+    EXPECT_EQ(lm->units()[1]->fqn(), "embedding");
+    EXPECT_EQ(lm->units()[1]->handle(), nullptr);
+  });
 }
 
 // Gradients of every unit's shard, gathered to full length (for comparisons).
@@ -471,6 +565,60 @@ TEST(IgnoredModulesTest, NeitherTheRootNorANestedUnitFlattensThem) {
   out.sum().backward();
   // The ignored module trains like a plain module: its own .grad, no communication.
   EXPECT_TRUE(net->inner->module()->l2->module()->weight.grad().defined());
+}
+
+// Issue 14 (pytorch#104258): single parameters left alone, inside an annotated unit and in
+// the root, with a module among them; each rank trains on the whole batch, so the ignored
+// parameters' local gradients equal the average and training equals one process.
+TEST(IgnoredStatesTest, SingleParametersAndModulesAreLeftAloneAndTrainLocally) {
+  const int kWorld = 2;
+  auto reference = make<NetImpl>();
+  torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    reference_sgd.zero_grad();
+    reference->forward(inputs(step, 4)).pow(2).mean().backward();
+    reference_sgd.step();
+  }
+  on_ranks(kWorld, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make<NetImpl>();
+    FullyShardedDataParallel<NetImpl> model(
+        net, FullyShardedDataParallelOptions(comm).ignored_states(
+                 {net->l2->module()->bias, net->head->weight, net->l1.ptr().get()}));
+    EXPECT_THAT(unit_fqns(*model), ElementsAre(ElementsAre("head.bias"),
+                                               ElementsAre("l2.weight")));
+    comm->counters().reset();
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      sgd.zero_grad();
+      model->forward(inputs(step, 4)).pow(2).mean().backward();
+      sgd.step();
+    }
+    // Two units, 3 iterations: all-gathers 3 x (2 + 1), reduce-scatters 3 x 2.
+    EXPECT_EQ(comm->counters().get(CollectiveKind::kAllGather).calls, 9);
+    EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 6);
+    auto summon = model->summon_full_params(/*writeback=*/false);
+    std::map<std::string, at::Tensor> want;
+    for (const auto& item : reference->named_parameters()) {
+      want[clean_tensor_name(item.key())] = item.value();
+    }
+    int checked = 0;
+    for (const auto& item : model->module()->named_parameters()) {
+      const std::string fqn = clean_tensor_name(item.key());
+      EXPECT_TRUE(at::allclose(item.value(), want.at(fqn), 0, 1e-6)) << fqn;
+      ++checked;
+    }
+    EXPECT_EQ(checked, 6);
+  });
+  auto world = FakeWorld::create(1);
+  auto net = make<NetImpl>();
+  EXPECT_THAT(
+      [&] {
+        FullyShardedDataParallel<NetImpl>(
+            net, FullyShardedDataParallelOptions(world->communicator(0))
+                     .ignored_modules({net->head.get()})
+                     .ignored_states({net->l1->module()->weight}));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("give ignored_modules or ignored_states, not both")));
 }
 
 struct StackImpl : torch::nn::Module {

@@ -142,8 +142,8 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
         FullyShardedDataParallel<TinyLmImpl>(
             lm, FullyShardedDataParallelOptions(options).ignored_modules({up}));
       },
-      ThrowsMessage<c10::Error>(HasSubstr("'blocks.0.up.weight' is in ignored_modules, but "
-                                          "unit 'blocks.0' sharded it at construction")));
+      ThrowsMessage<c10::Error>(HasSubstr("'blocks.0.up.weight' is ignored, but unit "
+                                          "'blocks.0' sharded it at construction")));
 }
 
 TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {

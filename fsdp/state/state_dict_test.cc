@@ -43,6 +43,28 @@ TEST(FullStateDict, KeysAreTheUnwrappedModelsInStateDictOrder) {
   });
 }
 
+// ignored_states: single parameters left out of the units keep their names and values in
+// full and sharded state dicts, and load back.
+TEST(FullStateDict, IgnoredParametersKeepTheirNames) {
+  const StateDict want = module_state_dict(*make<NormedImpl>());
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make<NormedImpl>();
+    FullyShardedDataParallel<NormedImpl> model(
+        net, FullyShardedDataParallelOptions(comm).ignored_states(
+                 {net->first->module()->bias, net->head->weight}));
+    const StateDict got = full_state_dict(*model);
+    ASSERT_EQ(got.keys(), want.keys());
+    for (const auto& item : want) EXPECT_TRUE(at::equal(got[item.key()], item.value()));
+    EXPECT_EQ(sharded_state_dict(*model).keys(), want.keys());
+    {
+      torch::NoGradGuard no_grad;
+      net->head->weight.zero_();
+    }
+    load_full_state_dict(*model, got);
+    EXPECT_TRUE(at::equal(net->head->weight, want["head.weight"]));
+  });
+}
+
 TEST(FullStateDict, ValuesEqualTheUnwrappedModelAtEveryWorldSize) {
   const StateDict want = module_state_dict(*make<TinyLmImpl>());
   for (int w : {1, 2, 3}) {

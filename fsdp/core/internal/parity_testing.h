@@ -3,6 +3,7 @@
 #ifndef FSDP_CORE_INTERNAL_PARITY_TESTING_H_
 #define FSDP_CORE_INTERNAL_PARITY_TESTING_H_
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
@@ -99,10 +100,23 @@ struct Reference {
   std::map<std::string, at::Tensor> params;   // cleaned FQN -> final value
 };
 
+// A module's parameters, each once: LibTorch's parameters() lists a parameter registered
+// by two modules twice (PyTorch's dedups), and an optimizer would then step it twice.
+inline std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> params;
+  for (const at::Tensor& p : module.parameters()) {
+    const bool seen = std::any_of(params.begin(), params.end(), [&](const at::Tensor& q) {
+      return q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+    });
+    if (!seen) params.push_back(p);
+  }
+  return params;
+}
+
 template <typename Net>
 Reference reference(int world_size, bool adam) {
   auto net = make<Net>();
-  auto optimizer = make_optimizer(net->parameters(), adam);
+  auto optimizer = make_optimizer(unique_parameters(*net), adam);
   std::vector<float> losses;
   for (int step = 0; step < kSteps; ++step) {
     net->step = step;

@@ -325,12 +325,23 @@ void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefe
 void RootState::begin_forward() {
   training_state_ = TrainingState::kForwardBackward;
   cast_buffers(/*to_original=*/false);
+  // See Note [First-iteration size checks].
+  if (first_iteration_) comm_->set_size_checks(true);
 }
 
 void RootState::end_forward_without_grad() { end_iteration(); }
 
+// Note [First-iteration size checks]
+// Ranks that run different units, or the same units in another order, issue collectives
+// of different sizes; a communication backend may then corrupt data, hang, or (Gloo)
+// terminate the process. During the first iteration every collective of the root's
+// communicator family is size-checked (Communicator::set_size_checks), so such ranks
+// stop with a CommError naming each rank's collective and size. It costs one small
+// all-gather per collective of that iteration only; PyTorch checks every collective
+// only under TORCH_DISTRIBUTED_DEBUG=DETAIL.
 void RootState::end_iteration() {
   for (const auto& unit : units_) unit->finish_iteration();
+  if (first_iteration_) comm_->set_size_checks(false);
   if (first_iteration_) first_forward_order_ = forward_order_;
   first_iteration_ = false;
   last_forward_order_ = std::move(forward_order_);

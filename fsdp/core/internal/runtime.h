@@ -126,6 +126,8 @@ class RootState {
   void set_buffer_casts(std::vector<at::Tensor> buffers, c10::ScalarType dtype);
   // Parameters outside every unit (ignored modules'), for clip_grad_norm.
   void set_ignored_params(std::vector<at::Tensor> params) { ignored_params_ = std::move(params); }
+  // Ignored parameters that require grad (ignored_modules' and ignored_states').
+  const std::vector<at::Tensor>& ignored_params() const { return ignored_params_; }
   // See Note [Execution order validation] in runtime.cc.
   void set_validate_execution_order(bool validate) { validate_execution_order_ = validate; }
 

@@ -29,8 +29,9 @@ struct Corpus {
 };
 
 // Reads every fortune file in `dir` (files without an extension; the .dat indexes and
-// .u8 copies are skipped). Throws c10::Error if the folder has no fortunes (install
-// Debian's `fortunes` package).
+// .u8 copies are skipped). Throws c10::Error if the folder has no fortune files (install
+// Debian's `fortunes` package), if one cannot be read (naming it), or if they hold fewer
+// than 10 fortunes (no validation split).
 Corpus load_fortunes(const std::string& dir);
 
 // `batch` windows of `context + 1` consecutive tokens starting at the given offsets:

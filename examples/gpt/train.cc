@@ -14,8 +14,10 @@
 // from the newest complete one, on the same loss curve. Each rank logs its resident
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -23,10 +25,13 @@
 #include <iostream>
 #include <string>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -37,6 +42,7 @@
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/model.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
@@ -73,12 +79,39 @@ ABSL_FLAG(int64_t, timeout_s, 300,
           "seconds to wait for every rank at start-up and in each collective; a rank that "
           "died is usually noticed at once (its connections close)");
 ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
+ABSL_FLAG(bool, overwrite, false,
+          "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 
 namespace fsdp::examples {
 namespace {
 
 using Model = FullyShardedDataParallel<GptImpl>;
+
+TrainerFlags flags_from_command_line() {
+  TrainerFlags f;
+  const char* launched = std::getenv("RANK") != nullptr ? std::getenv("WORLD_SIZE") : nullptr;
+  if (launched == nullptr || !absl::SimpleAtoi(launched, &f.launched_world_size)) {
+    f.launched_world_size = 0;
+  }
+  f.world_size = absl::GetFlag(FLAGS_world_size);
+  f.hybrid_shard_group_size = absl::GetFlag(FLAGS_hybrid_shard_group_size);
+  f.layers = absl::GetFlag(FLAGS_layers);
+  f.width = absl::GetFlag(FLAGS_width);
+  f.heads = absl::GetFlag(FLAGS_heads);
+  f.context = absl::GetFlag(FLAGS_context);
+  f.batch_size = absl::GetFlag(FLAGS_batch_size);
+  f.steps = absl::GetFlag(FLAGS_steps);
+  f.lr = absl::GetFlag(FLAGS_lr);
+  f.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  f.log_interval = absl::GetFlag(FLAGS_log_interval);
+  f.eval_interval = absl::GetFlag(FLAGS_eval_interval);
+  f.eval_batches = absl::GetFlag(FLAGS_eval_batches);
+  f.sample_length = absl::GetFlag(FLAGS_sample_length);
+  f.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
+  f.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  return f;
+}
 
 ShardingStrategy parse_strategy(const std::string& name) {
   if (name == "full_shard") return ShardingStrategy::kFullShard;
@@ -169,8 +202,10 @@ void plot(const std::string& dir) {
                         << "plot '" << dir << "/metrics.csv' using 1:2 skip 1 with lines "
                         << "title 'train', '' using 1:3 skip 1 with linespoints title "
                         << "'validation'\n";
-  if (std::system(("gnuplot " + script + " 2>/dev/null").c_str()) != 0) {
+  if (std::system("command -v gnuplot >/dev/null") != 0) {
     std::cout << "gnuplot not found: no loss.png (tools/setup.sh installs it)\n";
+  } else if (std::system(("gnuplot " + script + " 2>/dev/null").c_str()) != 0) {
+    std::cout << "gnuplot could not plot " << dir << "/metrics.csv: no loss.png\n";
   }
 }
 
@@ -185,6 +220,95 @@ int64_t resident_bytes() {
 std::string checkpoint_dir() {
   const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
   return dir.empty() ? absl::GetFlag(FLAGS_out_dir) + "/checkpoints" : dir;
+}
+
+// Every rank must run with the flags rank 0 has: a rank with another --steps would leave
+// the others waiting in a collective. Raises on every rank naming the first difference.
+void check_same_flags(Communicator& comm) {
+  const TrainerFlags f = flags_from_command_line();
+  const std::vector<std::pair<const char*, double>> values = {
+      {"steps", double(f.steps)},
+      {"batch_size", double(f.batch_size)},
+      {"context", double(f.context)},
+      {"width", double(f.width)},
+      {"layers", double(f.layers)},
+      {"heads", double(f.heads)},
+      {"lr", f.lr},
+      {"warmup_steps", double(f.warmup_steps)},
+      {"log_interval", double(f.log_interval)},
+      {"eval_interval", double(f.eval_interval)},
+      {"eval_batches", double(f.eval_batches)},
+      {"sample_length", double(f.sample_length)},
+      {"checkpoint_interval", double(f.checkpoint_interval)},
+      {"seed", double(absl::GetFlag(FLAGS_seed))},
+      {"resume", double(absl::GetFlag(FLAGS_resume))},
+  };
+  const int64_t n = static_cast<int64_t>(values.size());
+  at::Tensor mine = at::empty({n}, at::kDouble);
+  for (int64_t i = 0; i < n; ++i) mine.data_ptr<double>()[i] = values[i].second;
+  at::Tensor all = at::empty({n * comm.world_size()}, at::kDouble);
+  comm.all_gather_into_tensor(all, mine);
+  const double* got = all.data_ptr<double>();
+  for (int r = 1; r < comm.world_size(); ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(got[r * n + i] == got[i], "rank ", r, " was started with --", values[i].first,
+                  "=", got[r * n + i], " but rank 0 with --", values[i].first, "=", got[i],
+                  "; start every rank with the same flags");
+    }
+  }
+}
+
+// One run per out_dir: rank 0 holds an flock on OUT_DIR/.lock (with its pid in it) for
+// the run's life; every rank learns whether it got it. Returns the lock's descriptor.
+int lock_out_dir(Communicator& comm, const std::string& dir) {
+  int fd = -1;
+  int64_t holder = 0;
+  if (comm.rank() == 0) {
+    std::filesystem::create_directories(dir);
+    const std::string path = dir + "/.lock";
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno),
+                "; pass a writable --out_dir");
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char pid[32] = {};
+      ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+      holder = n > 0 ? std::max<int64_t>(1, std::atoll(pid)) : 1;
+      ::close(fd);
+      fd = -1;
+    } else {
+      const std::string pid = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+        holder = -1;
+      }
+    }
+  }
+  at::Tensor status = at::full({1}, holder, at::kLong);
+  comm.broadcast(status, /*root=*/0);
+  holder = status.item<int64_t>();
+  TORCH_CHECK(holder == 0, "--out_dir=", dir, " is in use by another run (",
+              holder > 1 ? "pid " + std::to_string(holder) : std::string("see its .lock"),
+              "); wait for it to finish or pass another --out_dir");
+  return fd;
+}
+
+// A new run (no --resume) does not mix its checkpoints with another run's: it refuses, or
+// with --overwrite deletes them (rank 0, before any is written).
+void check_fresh_checkpoints(Communicator& comm) {
+  if (absl::GetFlag(FLAGS_resume)) return;
+  const std::optional<std::string> old = latest_checkpoint(checkpoint_dir());
+  TORCH_CHECK(!old || absl::GetFlag(FLAGS_overwrite), "'", checkpoint_dir(),
+              "' holds another run's checkpoints (newest ", old.value_or(""),
+              "); continue that run with --resume, or start over with --overwrite (deletes "
+              "them)");
+  if (old && comm.rank() == 0) {
+    for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir())) {
+      const std::string name = entry.path().filename().string();
+      if (absl::StartsWith(name, "step_") || absl::StartsWith(name, ".step_")) {
+        std::filesystem::remove_all(entry.path());
+      }
+    }
+  }
+  comm.barrier();  // no rank writes a checkpoint before the old ones are gone
 }
 
 // Loads the newest checkpoint if --resume; returns the step to start from.
@@ -224,7 +348,16 @@ int train() {
   std::shared_ptr<Communicator> comm = init_from_environment(
       RendezvousOptions().timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s))));
   const bool lead = comm->rank() == 0;
+  check_same_flags(*comm);
+  const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  const int lock = lock_out_dir(*comm, dir);
   const Corpus corpus = load_fortunes(absl::GetFlag(FLAGS_data_dir));
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  TORCH_CHECK(corpus.validation.numel() > context + 1, "--context=", context, ": the corpus in '",
+              absl::GetFlag(FLAGS_data_dir), "' has ", corpus.train.numel(), " training and ",
+              corpus.validation.numel(), " validation characters (every 10th fortune); a "
+              "window needs context + 2 = ", context + 2, " characters in each; lower "
+              "--context or add text");
 
   at::manual_seed(absl::GetFlag(FLAGS_seed));
   auto gpt = std::make_shared<GptImpl>(GptOptions()
@@ -248,10 +381,9 @@ int train() {
         numel, model->units().size(), comm->world_size(),
         sharding_strategy_name(model->sharding_strategy()));
   }
-  const std::string dir = absl::GetFlag(FLAGS_out_dir);
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
   const int64_t first = maybe_resume(model, adamw, lead);  // before anything is written
-  std::filesystem::create_directories(dir);
+  check_fresh_checkpoints(*comm);
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   std::ofstream csv;
   if (lead) csv = open_metrics(dir + "/metrics.csv", first);
@@ -299,7 +431,8 @@ int train() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double tokens_per_s = tokens_per_step * (step + 1 - first) / seconds;
     csv << absl::StrFormat("%d,%.7f,%s,%.6f,%.0f\n", step + 1, train_loss,
-                           eval ? absl::StrFormat("%.7f", val) : "", lr, tokens_per_s);
+                           eval ? absl::StrFormat("%.7f", val) : "", lr, tokens_per_s)
+        << std::flush;  // a killed run keeps every row up to its last progress line
     if (log) {
       std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | ETA %.0f s\n",
                                    step + 1, steps, train_loss, lr, tokens_per_s,
@@ -327,6 +460,7 @@ int train() {
   std::cout << "metrics: " << dir << "/metrics.csv, plot: " << dir << "/loss.png, model: " << dir
             << "/model.pt\n";
   if (!text.empty()) std::cout << "sample:\n" << text << "\n";
+  if (lock >= 0) ::close(lock);
   return 0;
 }
 
@@ -335,6 +469,14 @@ int train() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // Every flag is checked before a rank starts or a file is touched.
+  const std::string error =
+      fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(),
+                                 fsdp::examples::this_machine());
+  if (!error.empty()) {
+    std::cerr << "train: " << error << "\n";
+    return 2;
+  }
   if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
     return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }

@@ -36,8 +36,8 @@ std::vector<char> save_torch_archive(const c10::IValue& value) {
     archive.insert(archive.end(), begin, begin + n);
     return n;
   });
-  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(),
-                                     pickler.tensorData(), writer);
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                     writer);
   writer.writeEndOfFile();
   return archive;
 }

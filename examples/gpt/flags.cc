@@ -1,0 +1,102 @@
+#include "examples/gpt/flags.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace fsdp::examples {
+namespace {
+
+// "--name=value: expected what (why)".
+template <typename T>
+std::string bad(const char* name, T value, const std::string& expected) {
+  return absl::StrCat("--", name, "=", value, ": expected ", expected);
+}
+
+}  // namespace
+
+MachineLimits this_machine() {
+  MachineLimits machine;
+  machine.cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    int64_t kib = 0;
+    std::string unit;
+    if (!(meminfo >> kib >> unit)) break;
+    if (key == "MemAvailable:") machine.available_bytes = kib * 1024;
+  }
+  return machine;
+}
+
+double lower_bound_bytes_per_rank(const TrainerFlags& f) {
+  const int world = f.launched_world_size > 0 ? f.launched_world_size : f.world_size;
+  const double d = static_cast<double>(f.width);
+  const double params = 12 * f.layers * d * d + (f.vocab_size + f.context) * d;
+  const double per_rank_batch = std::ceil(double(f.batch_size) / std::max(1, world));
+  const double attention =
+      8.0 * f.layers * per_rank_batch * f.heads * double(f.context) * double(f.context);
+  return 16 * params + attention;
+}
+
+std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
+  const int max_ranks = machine.cores * kMaxRanksPerCore;
+  if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > max_ranks)) {
+    return bad("world_size", f.world_size,
+               absl::StrCat("1 to ", max_ranks, " ranks on this machine (", machine.cores,
+                            " cores x ", kMaxRanksPerCore, "; each rank is a process)"));
+  }
+  const int world = f.launched_world_size > 0 ? f.launched_world_size : f.world_size;
+  if (f.layers < 1) return bad("layers", f.layers, "at least 1 transformer block");
+  if (f.width < 1) return bad("width", f.width, "a positive embedding width");
+  if (f.heads < 1 || f.width % f.heads != 0) {
+    return bad("heads", f.heads,
+               absl::StrCat("a positive divisor of --width=", f.width,
+                            " (each head gets width / heads channels)"));
+  }
+  if (f.context < 1) return bad("context", f.context, "at least 1 character");
+  if (f.batch_size < 1 || f.batch_size % world != 0) {
+    return bad("batch_size", f.batch_size,
+               absl::StrCat("a positive multiple of the world size ", world,
+                            " (every rank trains on an equal share)"));
+  }
+  if (f.steps < 1) return bad("steps", f.steps, "at least 1 training step");
+  if (!std::isfinite(f.lr) || f.lr <= 0) {
+    return bad("lr", f.lr, "a finite learning rate > 0");
+  }
+  if (f.warmup_steps < 0) return bad("warmup_steps", f.warmup_steps, "0 or more steps");
+  if (f.log_interval < 1) return bad("log_interval", f.log_interval, "at least 1 step");
+  if (f.eval_interval < 1) return bad("eval_interval", f.eval_interval, "at least 1 step");
+  if (f.eval_batches < 1) return bad("eval_batches", f.eval_batches, "at least 1 batch");
+  if (f.sample_length < 0) return bad("sample_length", f.sample_length, "0 (none) or more");
+  if (f.checkpoint_interval < 0) {
+    return bad("checkpoint_interval", f.checkpoint_interval, "0 (none) or more steps");
+  }
+  if (f.timeout_s < 1) {
+    return bad("timeout_s", f.timeout_s, "at least 1 second to wait for the other ranks");
+  }
+  if (f.hybrid_shard_group_size < 0 ||
+      (f.hybrid_shard_group_size > 0 && world % f.hybrid_shard_group_size != 0)) {
+    return bad("hybrid_shard_group_size", f.hybrid_shard_group_size,
+               absl::StrCat("0 (the ranks of one host) or a divisor of the world size ", world));
+  }
+  const double need = lower_bound_bytes_per_rank(f);
+  const int ranks_here = f.launched_world_size > 0 ? 1 : world;
+  if (machine.available_bytes > 0 && need > double(machine.available_bytes) / ranks_here) {
+    return absl::StrFormat(
+        "--context=%d, --batch_size=%d, --width=%d, --layers=%d: one step needs at least "
+        "%.1f GB per rank (AdamW state and every layer's attention scores), more than the "
+        "%.1f GB available to each of %d ranks here; lower --context, --batch_size or the "
+        "model size",
+        f.context, f.batch_size, f.width, f.layers, need / 1e9,
+        machine.available_bytes / 1e9 / ranks_here, ranks_here);
+  }
+  return "";
+}
+
+}  // namespace fsdp::examples

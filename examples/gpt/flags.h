@@ -1,0 +1,49 @@
+// The GPT trainer's command line, checked before any rank starts or any file is touched.
+//
+//   fsdp::examples::TrainerFlags flags = ...;  // from absl flags (train.cc)
+//   std::string error = fsdp::examples::flag_error(flags, fsdp::examples::this_machine());
+//   if (!error.empty()) { std::cerr << "train: " << error << "\n"; return 2; }
+//
+// Each error is one line naming the flag, the value, what is allowed and why.
+#ifndef FSDP_EXAMPLES_GPT_FLAGS_H_
+#define FSDP_EXAMPLES_GPT_FLAGS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp::examples {
+
+struct TrainerFlags {
+  int world_size = 2;           // ranks this process starts (self-launch); 0: launched
+  int launched_world_size = 0;  // WORLD_SIZE of fsdp_run/torchrun/...; 0: self-launch
+  int hybrid_shard_group_size = 0;
+  int64_t layers = 4, width = 96, heads = 4, context = 64, batch_size = 32, steps = 300;
+  double lr = 3e-3;
+  int64_t warmup_steps = 30, log_interval = 10, eval_interval = 50, eval_batches = 8;
+  int64_t sample_length = 300, checkpoint_interval = 100, timeout_s = 300;
+  int64_t vocab_size = 256;  // an upper bound before the corpus is read (bytes)
+};
+
+// What the machine allows.
+struct MachineLimits {
+  int cores = 1;
+  int64_t available_bytes = 0;  // MemAvailable
+};
+
+// Ranks per core the trainer starts at most (each rank is a process with its own
+// LibTorch, ~200 MB resident, and one intra-op thread).
+inline constexpr int kMaxRanksPerCore = 4;
+
+MachineLimits this_machine();
+
+// "" if the flags are usable on `machine`, else one line saying why not.
+std::string flag_error(const TrainerFlags& flags, const MachineLimits& machine);
+
+// Bytes one rank needs at least: AdamW model state (16 bytes a parameter, unsharded as a
+// bound) and the attention scores and probabilities every layer keeps for backward
+// (layers x batch per rank x heads x context^2 x 8 bytes).
+double lower_bound_bytes_per_rank(const TrainerFlags& flags);
+
+}  // namespace fsdp::examples
+
+#endif  // FSDP_EXAMPLES_GPT_FLAGS_H_

@@ -1,0 +1,105 @@
+// The trainer's flag checks (issue 15): each bad value is one line naming the flag, the
+// value and what is allowed; before, these crashed (SIGFPE), ran nonsense (nan losses,
+// one rank for --world_size=0) or were OOM-killed.
+#include "examples/gpt/flags.h"
+
+#include <limits>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace fsdp::examples {
+namespace {
+
+const MachineLimits kMachine{/*cores=*/2, /*available_bytes=*/int64_t{20} << 30};
+
+std::string error_of(void (*change)(TrainerFlags&)) {
+  TrainerFlags flags;
+  change(flags);
+  return flag_error(flags, kMachine);
+}
+
+TEST(TrainerFlagsTest, TheDefaultsAreValid) { EXPECT_EQ(flag_error(TrainerFlags(), kMachine), ""); }
+
+TEST(TrainerFlagsTest, EveryBadValueIsNamed) {
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.heads = 0; }),
+            "--heads=0: expected a positive divisor of --width=96 (each head gets width / "
+            "heads channels)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.heads = 5; }),
+            "--heads=5: expected a positive divisor of --width=96 (each head gets width / "
+            "heads channels)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.eval_interval = 0; }),
+            "--eval_interval=0: expected at least 1 step");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.log_interval = 0; }),
+            "--log_interval=0: expected at least 1 step");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.world_size = 0; }),
+            "--world_size=0: expected 1 to 8 ranks on this machine (2 cores x 4; each rank "
+            "is a process)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.world_size = -1; }),
+            "--world_size=-1: expected 1 to 8 ranks on this machine (2 cores x 4; each rank "
+            "is a process)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.world_size = 1000; }),
+            "--world_size=1000: expected 1 to 8 ranks on this machine (2 cores x 4; each "
+            "rank is a process)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.lr = std::numeric_limits<double>::quiet_NaN(); }),
+            "--lr=nan: expected a finite learning rate > 0");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.lr = std::numeric_limits<double>::infinity(); }),
+            "--lr=inf: expected a finite learning rate > 0");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.lr = -1; }),
+            "--lr=-1: expected a finite learning rate > 0");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.batch_size = 0; }),
+            "--batch_size=0: expected a positive multiple of the world size 2 (every rank "
+            "trains on an equal share)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.batch_size = 33; }),
+            "--batch_size=33: expected a positive multiple of the world size 2 (every rank "
+            "trains on an equal share)");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.context = 0; }),
+            "--context=0: expected at least 1 character");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.width = -65; }),
+            "--width=-65: expected a positive embedding width");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.layers = 0; }),
+            "--layers=0: expected at least 1 transformer block");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.steps = -3; }),
+            "--steps=-3: expected at least 1 training step");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.timeout_s = 0; }),
+            "--timeout_s=0: expected at least 1 second to wait for the other ranks");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.checkpoint_interval = -1; }),
+            "--checkpoint_interval=-1: expected 0 (none) or more steps");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.hybrid_shard_group_size = 3; }),
+            "--hybrid_shard_group_size=3: expected 0 (the ranks of one host) or a divisor of "
+            "the world size 2");
+}
+
+TEST(TrainerFlagsTest, UnderALauncherTheWorldSizeIsItsAndNotCapped) {
+  TrainerFlags flags;
+  flags.launched_world_size = 16;  // e.g. torchrun over several hosts
+  flags.world_size = 0;            // ignored then
+  EXPECT_EQ(flag_error(flags, kMachine), "");
+  flags.batch_size = 24;
+  EXPECT_EQ(flag_error(flags, kMachine),
+            "--batch_size=24: expected a positive multiple of the world size 16 (every rank "
+            "trains on an equal share)");
+}
+
+TEST(TrainerFlagsTest, AModelThatCannotFitIsRefusedFromItsSize) {
+  TrainerFlags flags;
+  flags.context = 100000000;
+  // AdamW state of 12 x 4 x 96^2 + (256 + 1e8) x 96 parameters (the position embedding
+  // grows with the context), and 4 layers x 16 sequences per rank x 4 heads x 1e16 x 8
+  // bytes of attention: far beyond 20 GiB.
+  EXPECT_DOUBLE_EQ(lower_bound_bytes_per_rank(flags),
+                   16.0 * (12 * 4 * 96 * 96 + (256 + 1e8) * 96) + 8 * 4 * 16 * 4 * 1e16);
+  EXPECT_THAT(flag_error(flags, kMachine),
+              ::testing::StartsWith("--context=100000000, --batch_size=32, --width=96, "
+                                    "--layers=4: one step needs at least 20480000153.6 GB "
+                                    "per rank (AdamW state and every layer's attention "
+                                    "scores), more than the 10.7 GB available to each of 2 "
+                                    "ranks here"));
+  flags.context = 64;
+  // 12 x 4 x 96^2 + (256 + 64) x 96 = 473,088 parameters: 7.6 MB of AdamW state, plus
+  // 4 x 16 x 4 x 64^2 x 8 = 8.4 MB of attention.
+  EXPECT_DOUBLE_EQ(lower_bound_bytes_per_rank(flags), 16.0 * 473088 + 8388608);
+}
+
+}  // namespace
+}  // namespace fsdp::examples

@@ -2,8 +2,8 @@
 # The GPT trainer under bad input and interruption (issue 15): bad flags are refused
 # before anything starts or is written (exit 2, one line); records survive SIGTERM;
 # one run per out_dir; a new run does not splice into another run's checkpoints; ranks
-# started with different flags stop at once naming the flag; unreadable and too-small
-# corpora are named.
+# started with different flags stop at once naming the flag; HYBRID traffic is counted;
+# unreadable and too-small corpora are named.
 #   trainer_inputs_test.sh PATH/TO/examples/gpt/train
 set -uo pipefail
 train=${1:?usage: trainer_inputs_test.sh TRAIN}
@@ -76,7 +76,15 @@ wait
 check "ranks with different --steps name it" \
   "grep -q 'rank 1 was started with --steps=40 but rank 0 with --steps=20' $root/steps0.log"
 
-# 6. Corpora: an unreadable file and a corpus too small for the context.
+# 6. Traffic under HYBRID_SHARD counts the subgroups' bytes (shard groups of 1 rank: all
+#    of it is the replicate group's all-reduce); it used to print "sent 0.00 MB".
+hybrid=$("$train" "${small[@]}" --world_size=2 --steps=2 --sharding_strategy=hybrid_shard \
+  --hybrid_shard_group_size=1 --eval_interval=100 --checkpoint_interval=0 \
+  --out_dir="$root/hybrid" 2>&1)
+check "hybrid traffic is counted" \
+  "grep -qE 'rank 0: peak memory [0-9.]+ MB, sent [0-9.]+ MB per step' <<<\"\$hybrid\" && ! grep -q 'sent 0.00 MB' <<<\"\$hybrid\""
+
+# 7. Corpora: an unreadable file and a corpus too small for the context.
 data=$root/data
 mkdir -p "$data"
 for i in $(seq 1 20); do printf 'fortune number %d\n%%\n' "$i"; done >"$data/tiny"

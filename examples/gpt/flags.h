@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <string>
 
+#include "fsdp/comm/launcher.h"
+
 namespace fsdp::examples {
 
 struct TrainerFlags {
@@ -29,10 +31,6 @@ struct MachineLimits {
   int cores = 1;
   int64_t available_bytes = 0;  // MemAvailable
 };
-
-// Ranks per core the trainer starts at most (each rank is a process with its own
-// LibTorch, ~200 MB resident, and one intra-op thread).
-inline constexpr int kMaxRanksPerCore = 4;
 
 MachineLimits this_machine();
 

@@ -15,6 +15,7 @@
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -311,6 +312,20 @@ void check_fresh_checkpoints(Communicator& comm) {
   comm.barrier();  // no rank writes a checkpoint before the old ones are gone
 }
 
+// Every communicator the model's collectives use: the root's and, under the HYBRID
+// strategies, the shard and replicate groups (whose traffic the root's counters miss).
+std::vector<Communicator*> communicators_of(Model& model, Communicator& root) {
+  std::vector<Communicator*> all = {&root};
+  for (const auto& unit : model->units()) {
+    if (unit->handle() == nullptr) continue;
+    for (Communicator* c : {&unit->handle()->communicator(),
+                            unit->handle()->replicate_communicator()}) {
+      if (c != nullptr && std::find(all.begin(), all.end(), c) == all.end()) all.push_back(c);
+    }
+  }
+  return all;
+}
+
 // Loads the newest checkpoint if --resume; returns the step to start from.
 int64_t maybe_resume(Model& model, torch::optim::Optimizer& optimizer, bool lead) {
   if (!absl::GetFlag(FLAGS_resume)) return 0;
@@ -396,7 +411,8 @@ int train() {
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
   const auto start = std::chrono::steady_clock::now();
-  comm->counters().reset();
+  const std::vector<Communicator*> communicators = communicators_of(model, *comm);
+  for (Communicator* c : communicators) c->counters().reset();
   for (int64_t step = first; step < steps; ++step) {
     const double lr = learning_rate(step);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
@@ -441,8 +457,9 @@ int train() {
     if (eval) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, val);
   }
   // Per-rank figures, gathered to rank 0.
-  const double per_step =
-      double(comm->counters().total().bytes_sent) / std::max<int64_t>(1, steps - first);
+  int64_t sent = 0;
+  for (Communicator* c : communicators) sent += c->counters().total().bytes_sent;
+  const double per_step = double(sent) / std::max<int64_t>(1, steps - first);
   at::Tensor mine = at::tensor({double(max_memory_allocated()), per_step}, at::kDouble);
   at::Tensor all = at::empty({2 * comm->world_size()}, at::kDouble);
   comm->all_gather_into_tensor(all, mine);

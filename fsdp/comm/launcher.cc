@@ -9,6 +9,7 @@
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -505,6 +506,7 @@ class Job {
         break;
       }
       ranks_.push_back(std::make_unique<Rank>(rank, std::move(*started), out_, err_));
+      handle_signals();  // Ctrl-C while ranks start stops at once, with those started
     }
   }
 
@@ -628,11 +630,27 @@ class Job {
 
 }  // namespace
 
+int max_ranks_per_node() {
+  const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  int64_t most = cores * kMaxRanksPerCore;
+  rlimit files = {};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
+    most = std::min<int64_t>(most, (static_cast<int64_t>(files.rlim_cur) - 32) / 4);
+  }
+  return static_cast<int>(std::max<int64_t>(1, most));
+}
+
 absl::Status validate_launch_options(const LaunchOptions& options) {
   if (options.nproc_per_node() < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--nproc_per_node must be >= 1 (ranks to start on this node), got ",
                      options.nproc_per_node()));
+  }
+  if (options.nproc_per_node() > max_ranks_per_node()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--nproc_per_node must be at most ", max_ranks_per_node(), " on this node (",
+        sysconf(_SC_NPROCESSORS_ONLN), " cores x ", kMaxRanksPerCore,
+        " ranks per core, within the open-file limit), got ", options.nproc_per_node()));
   }
   if (options.nnodes() < 1) {
     return absl::InvalidArgumentError(

@@ -50,7 +50,7 @@ namespace fsdp {
 
 // What fsdp_run's flags say; field names are the flag names.
 class LaunchOptions {
-  // Ranks (processes) to start on this node, >= 1.
+  // Ranks (processes) to start on this node, 1 <= nproc_per_node <= max_ranks_per_node().
   FSDP_LAUNCH_ARG(int, nproc_per_node) = 1;
   // Nodes in the job, >= 1; every node runs its own launcher with the same options except
   // node_rank.
@@ -79,6 +79,14 @@ using Environment = std::map<std::string, std::string>;
 // OK, or InvalidArgument whose message (naming the fsdp_run flag) says what was expected
 // and what was found, for the first violated rule of the field comments above.
 absl::Status validate_launch_options(const LaunchOptions& options);
+
+// Ranks per core a launcher starts at most: each rank is a process with its own LibTorch
+// (about 200 MB resident), and ranks sharing a core run one intra-op thread each.
+inline constexpr int kMaxRanksPerCore = 4;
+
+// The most ranks one node may run: cores x kMaxRanksPerCore, and no more than the
+// open-file limit leaves room for (the launcher holds 4 descriptors per rank).
+int max_ranks_per_node();
 
 // The calling process's environment (`environ`).
 Environment current_environment();

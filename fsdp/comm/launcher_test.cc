@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace fsdp {
@@ -184,6 +185,12 @@ TEST(ValidateLaunchOptionsTest, SaysWhatWasExpectedAndFound) {
             "got -1");
   EXPECT_EQ(message(LaunchOptions()),
             "no command to run; expected fsdp_run [flags] -- BINARY [ARGS...]");
+  // Issue 15: --nproc_per_node=20000 started thousands of ranks (13 GB in 35 s).
+  EXPECT_THAT(message(shell_job(20000, "true")),
+              ::testing::MatchesRegex("--nproc_per_node must be at most [0-9]+ on this node "
+                                      "\\([0-9]+ cores x 4 ranks per core, within the "
+                                      "open-file limit\\), got 20000"));
+  EXPECT_GE(max_ranks_per_node(), 4);
 }
 
 TEST(LaunchTest, BadOptionsGiveOneLineAndStatusTwo) {

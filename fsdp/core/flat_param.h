@@ -132,6 +132,8 @@ class FlatParamHandle {
   ShardingStrategy strategy() const { return strategy_; }
   // The ranks the flat parameter is sharded over (HYBRID: the shard group).
   Communicator& communicator() const { return *comm_; }
+  // HYBRID: the replicas gradients are all-reduced over; null otherwise.
+  Communicator* replicate_communicator() const { return replicate_comm_.get(); }
   const std::vector<FlatParamInfo>& param_infos() const { return infos_; }
   // This rank's shard as ShardParamInfos.
   std::vector<ShardParamInfo> local_shard_param_infos() const;

@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -399,8 +400,16 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
   const int rank = comm.rank();
   const std::vector<Item> items = items_of(model, model_state, optim_state);
   const fs::path target = fs::absolute(dir).lexically_normal();
+  // A partial directory of this save's own (rank 0's pid and save count), so that saves
+  // running at once into one directory never mix their files: each publishes a complete
+  // checkpoint, the last one wins.
+  static std::atomic<int64_t> saves{0};
+  at::Tensor token = at::scalar_tensor(int64_t{getpid()} << 24 | (saves++ & 0xffffff),
+                                       at::kLong).reshape({1});
+  comm.broadcast(token, /*root=*/0);
   const fs::path partial =
-      target.parent_path() / absl::StrCat(".", target.filename().string(), ".partial");
+      target.parent_path() /
+      absl::StrCat(".", target.filename().string(), ".partial-", token.item<int64_t>());
 
   // Every rank learns whether every other rank succeeded, so none waits for a dead one.
   auto all_ok = [&](bool ok, const std::string& step, const std::string& error) {

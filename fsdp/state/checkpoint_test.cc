@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -170,6 +171,27 @@ TEST(ShardedCheckpoint, HybridMixedPrecisionToFullShard) {
     const OptimStateDict optim = full_optim_state_dict(*t.model, *t.adam);
     ASSERT_EQ(optim.keys(), want_optim.keys());
     for (const auto& item : want_optim) expect_equal(optim[item.key()], item.value());
+  });
+}
+
+// Issue 15: two jobs saving the same checkpoint at once published one that failed its CRC
+// (they shared one partial directory). Each save now has its own; the last one wins whole.
+TEST(ShardedCheckpoint, ConcurrentSavesOfOneNamePublishACompleteCheckpoint) {
+  const fs::path root = scratch("concurrent");
+  const std::string target = (root / "step_00000001").string();
+  auto job = [&](int steps) {
+    on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+      Trained t = train_tiny_lm(comm, steps);
+      for (int i = 0; i < 5; ++i) save_sharded_checkpoint(*t.model, t.adam.get(), target);
+    });
+  };
+  std::thread first(job, 1), second(job, 2);
+  first.join();
+  second.join();
+  EXPECT_EQ(entries(root), 1u) << "no partial directory left";
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 0);
+    EXPECT_NO_THROW(load_sharded_checkpoint(*t.model, t.adam.get(), target));
   });
 }
 

@@ -18,6 +18,8 @@ namespace fsdp::examples {
 struct TrainerFlags {
   int world_size = 2;           // ranks this process starts (self-launch); 0: launched
   int launched_world_size = 0;  // WORLD_SIZE of fsdp_run/torchrun/...; 0: self-launch
+  std::string sharding_strategy = "full_shard";
+  std::string policy = "transformer";
   int hybrid_shard_group_size = 0;
   int64_t layers = 4, width = 96, heads = 4, context = 64, batch_size = 32, steps = 300;
   double lr = 3e-3;

@@ -65,9 +65,24 @@ TEST(TrainerFlagsTest, EveryBadValueIsNamed) {
             "--timeout_s=0: expected at least 1 second to wait for the other ranks");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.checkpoint_interval = -1; }),
             "--checkpoint_interval=-1: expected 0 (none) or more steps");
-  EXPECT_EQ(error_of([](TrainerFlags& f) { f.hybrid_shard_group_size = 3; }),
+  EXPECT_EQ(error_of([](TrainerFlags& f) {
+              f.sharding_strategy = "hybrid_shard";
+              f.hybrid_shard_group_size = 3;
+            }),
             "--hybrid_shard_group_size=3: expected 0 (the ranks of one host) or a divisor of "
             "the world size 2");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.sharding_strategy = "zero3"; }),
+            "--sharding_strategy=zero3: expected full_shard, shard_grad_op, no_shard, "
+            "hybrid_shard or hybrid_shard_zero2");
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.policy = "size"; }),
+            "--policy=size: expected transformer (each block a unit) or root (one unit)");
+  // One rank runs HYBRID as NO_SHARD (resuming a hybrid run's checkpoint there).
+  EXPECT_EQ(error_of([](TrainerFlags& f) {
+              f.world_size = 1;
+              f.sharding_strategy = "hybrid_shard";
+              f.hybrid_shard_group_size = 2;
+            }),
+            "");
 }
 
 TEST(TrainerFlagsTest, UnderALauncherTheWorldSizeIsItsAndNotCapped) {

@@ -96,6 +96,8 @@ TrainerFlags flags_from_command_line() {
     f.launched_world_size = 0;
   }
   f.world_size = absl::GetFlag(FLAGS_world_size);
+  f.sharding_strategy = absl::GetFlag(FLAGS_sharding_strategy);
+  f.policy = absl::GetFlag(FLAGS_policy);
   f.hybrid_shard_group_size = absl::GetFlag(FLAGS_hybrid_shard_group_size);
   f.layers = absl::GetFlag(FLAGS_layers);
   f.width = absl::GetFlag(FLAGS_width);

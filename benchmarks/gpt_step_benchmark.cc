@@ -28,7 +28,7 @@
 // embeddings, final norm and the tied head in the root), width 128 unless the name says
 // otherwise (Psi = 0.82 M parameters at width 128, 1.82 M at 192). Each rank trains on
 // kBatch sequences of kContext tokens. Sizes are small so that the whole run takes
-// minutes on 2 cores with Debian's reference BLAS.
+// minutes on 2 cores.
 //
 // Counters (per rank 0, per step; `ref_` ones for the baseline):
 //   ms, time_ratio   step time; ours / baseline

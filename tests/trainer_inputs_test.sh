@@ -66,7 +66,7 @@ check "--overwrite starts over" \
   "[[ -d $dir/checkpoints/step_00000002 && ! -d $dir/checkpoints/step_00000004 ]]"
 
 # 5. Ranks started with different --steps stop at once, naming the flag.
-port=$(( (RANDOM % 20000) + 30000 ))
+port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 for rank in 0 1; do
   RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
     MASTER_PORT=$port timeout 60 "$train" "${small[@]}" --steps=$((20 + 20 * rank)) \

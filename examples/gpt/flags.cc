@@ -24,6 +24,7 @@ std::string bad(const char* name, T value, const std::string& expected) {
 MachineLimits this_machine() {
   MachineLimits machine;
   machine.cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  machine.max_ranks = max_ranks_per_node();
   std::ifstream meminfo("/proc/meminfo");
   for (std::string key; meminfo >> key;) {
     int64_t kib = 0;
@@ -45,10 +46,9 @@ double lower_bound_bytes_per_rank(const TrainerFlags& f) {
 }
 
 std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
-  const int max_ranks = machine.cores * kMaxRanksPerCore;
-  if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > max_ranks)) {
+  if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > machine.max_ranks)) {
     return bad("world_size", f.world_size,
-               absl::StrCat("1 to ", max_ranks, " ranks on this machine (", machine.cores,
+               absl::StrCat("1 to ", machine.max_ranks, " ranks on this machine (", machine.cores,
                             " cores x ", kMaxRanksPerCore, "; each rank is a process)"));
   }
   const int world = f.launched_world_size > 0 ? f.launched_world_size : f.world_size;

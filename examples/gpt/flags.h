@@ -31,7 +31,8 @@ struct TrainerFlags {
 // What the machine allows.
 struct MachineLimits {
   int cores = 1;
-  int64_t available_bytes = 0;  // MemAvailable
+  int max_ranks = kMaxRanksPerCore;  // fsdp::max_ranks_per_node()
+  int64_t available_bytes = 0;       // MemAvailable
 };
 
 MachineLimits this_machine();

@@ -11,7 +11,7 @@
 namespace fsdp::examples {
 namespace {
 
-const MachineLimits kMachine{/*cores=*/2, /*available_bytes=*/int64_t{20} << 30};
+const MachineLimits kMachine{/*cores=*/2, /*max_ranks=*/8, /*available_bytes=*/int64_t{20} << 30};
 
 std::string error_of(void (*change)(TrainerFlags&)) {
   TrainerFlags flags;

@@ -21,10 +21,11 @@ struct TrainerFlags {
   std::string sharding_strategy = "full_shard";
   std::string policy = "transformer";
   int hybrid_shard_group_size = 0;
-  int64_t layers = 4, width = 96, heads = 4, context = 64, batch_size = 32, steps = 300;
+  // The trainer's defaults (train.cc).
+  int64_t layers = 4, width = 128, heads = 4, context = 128, batch_size = 32, steps = 1200;
   double lr = 3e-3;
-  int64_t warmup_steps = 30, log_interval = 10, eval_interval = 50, eval_batches = 8;
-  int64_t sample_length = 300, checkpoint_interval = 100, timeout_s = 300;
+  int64_t warmup_steps = 50, log_interval = 10, eval_interval = 200, eval_batches = 8;
+  int64_t sample_length = 300, checkpoint_interval = 200, timeout_s = 300;
   int64_t vocab_size = 256;  // an upper bound before the corpus is read (bytes)
 };
 

@@ -23,10 +23,10 @@ TEST(TrainerFlagsTest, TheDefaultsAreValid) { EXPECT_EQ(flag_error(TrainerFlags(
 
 TEST(TrainerFlagsTest, EveryBadValueIsNamed) {
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.heads = 0; }),
-            "--heads=0: expected a positive divisor of --width=96 (each head gets width / "
+            "--heads=0: expected a positive divisor of --width=128 (each head gets width / "
             "heads channels)");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.heads = 5; }),
-            "--heads=5: expected a positive divisor of --width=96 (each head gets width / "
+            "--heads=5: expected a positive divisor of --width=128 (each head gets width / "
             "heads channels)");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.eval_interval = 0; }),
             "--eval_interval=0: expected at least 1 step");
@@ -98,6 +98,7 @@ TEST(TrainerFlagsTest, UnderALauncherTheWorldSizeIsItsAndNotCapped) {
 
 TEST(TrainerFlagsTest, AModelThatCannotFitIsRefusedFromItsSize) {
   TrainerFlags flags;
+  flags.width = 96;
   flags.context = 100000000;
   // AdamW state of 12 x 4 x 96^2 + (256 + 1e8) x 96 parameters (the position embedding
   // grows with the context), and 4 layers x 16 sequences per rank x 4 heads x 1e16 x 8

@@ -61,21 +61,21 @@ ABSL_FLAG(int, hybrid_shard_group_size, 0,
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
-ABSL_FLAG(int64_t, width, 96, "embedding width");
+ABSL_FLAG(int64_t, width, 128, "embedding width");
 ABSL_FLAG(int64_t, heads, 4, "attention heads");
-ABSL_FLAG(int64_t, context, 64, "context length (characters)");
+ABSL_FLAG(int64_t, context, 128, "context length (characters)");
 ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
-ABSL_FLAG(int64_t, steps, 300, "training steps");
+ABSL_FLAG(int64_t, steps, 1200, "training steps");
 ABSL_FLAG(double, lr, 3e-3, "peak learning rate (AdamW)");
-ABSL_FLAG(int64_t, warmup_steps, 30, "linear warm-up steps, then cosine decay to lr / 10");
+ABSL_FLAG(int64_t, warmup_steps, 50, "linear warm-up steps, then cosine decay to lr / 10");
 ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the data order");
 ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
-ABSL_FLAG(int64_t, eval_interval, 50, "steps between validation losses");
+ABSL_FLAG(int64_t, eval_interval, 200, "steps between validation losses");
 ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
 ABSL_FLAG(int64_t, sample_length, 300, "characters to sample at the end (0: none)");
 ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv, loss.png, model.pt go");
 ABSL_FLAG(std::string, checkpoint_dir, "", "sharded checkpoints (default: OUT_DIR/checkpoints)");
-ABSL_FLAG(int64_t, checkpoint_interval, 100, "steps between checkpoints (0: none)");
+ABSL_FLAG(int64_t, checkpoint_interval, 200, "steps between checkpoints (0: none)");
 ABSL_FLAG(int64_t, timeout_s, 300,
           "seconds to wait for every rank at start-up and in each collective; a rank that "
           "died is usually noticed at once (its connections close)");

@@ -1,5 +1,7 @@
 #include "fsdp/comm/gloo.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -36,6 +38,18 @@ namespace {
 // - broadcast and barrier: Gloo's own.
 // Each collective is one task on the communicator's worker thread, which calls c10d
 // synchronously; Gloo's timeout (the communicator's) bounds every wait.
+
+// Gloo writes to its TCP pairs with writev, which raises SIGPIPE when the peer has closed
+// the connection; the default action kills the process before Gloo can report the lost
+// peer (seen as "killed by signal 13" on a survivor). Python ignores SIGPIPE at start-up,
+// so PyTorch users never meet this; a C++ program that left it at its default gets the
+// same behaviour here. A handler the program installed itself is kept.
+void ignore_sigpipe_by_default() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
+  }
+}
 
 at::Tensor bytes_of(const CommBuffer& buffer) {
   return at::from_blob(buffer.data, {buffer.nbytes()}, at::TensorOptions().dtype(at::kByte));
@@ -438,6 +452,7 @@ std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::St
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
               "make_gloo_communicator: expected 0 <= rank < world_size, got rank ", rank,
               " and world_size ", world_size);
+  ignore_sigpipe_by_default();
   auto family = std::make_shared<GlooFamily>(store, rank, world_size);
   return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank,
                                             world_size, options);

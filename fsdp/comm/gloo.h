@@ -12,6 +12,10 @@
 // dtypes Gloo cannot sum, that reduce-scatter followed by the all-gather). Data that is
 // only moved moves as bytes, so every dtype of is_supported_dtype works.
 //
+// Signals: make_gloo_communicator sets SIGPIPE to ignored if it is at its default, as
+// Python does at start-up, so that a peer closing its connections surfaces as a CommError
+// naming that peer instead of killing this process; a handler the program set is kept.
+//
 // Threading: collectives run in issue order on one worker thread per communicator;
 // Work::wait may be called from any thread. PyTorch: ProcessGroupGloo.
 #ifndef FSDP_COMM_GLOO_H_

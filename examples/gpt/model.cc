@@ -1,7 +1,5 @@
 #include "examples/gpt/model.h"
 
-#include <cmath>
-
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
@@ -24,12 +22,13 @@ BlockImpl::BlockImpl(const GptOptions& options) : heads(options.heads()) {
 
 at::Tensor BlockImpl::forward(at::Tensor x) {
   const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
-  // Causal self-attention over `heads` heads of width d.
+  // Causal self-attention over `heads` heads of width d: PyTorch's fused kernel
+  // (flash attention where the device and dtype allow, else the math kernel), the same
+  // call as torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).
   auto parts = qkv(norm1(x)).view({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
-  at::Tensor scores = at::matmul(parts[0], parts[1].transpose(-2, -1)) / std::sqrt(double(d));
-  const at::Tensor future = at::ones({t, t}, at::kBool).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  at::Tensor attended = at::matmul(at::softmax(scores, -1), parts[2]);
+  const at::Tensor attended =
+      at::scaled_dot_product_attention(parts[0], parts[1], parts[2], /*attn_mask=*/{},
+                                       /*dropout_p=*/0.0, /*is_causal=*/true);
   x = x + proj(attended.transpose(1, 2).reshape({b, t, w}));
   return x + down(torch::nn::functional::gelu(up(norm2(x))));
 }

@@ -1,0 +1,208 @@
+// fsdp's side of the comparison with PyTorch FSDP2 (benchmarks/peer/fsdp2_gpt.py is the
+// other): trains the GPT of examples/gpt from prepared weights on prepared token batches
+// and writes the per-step losses, the step times and the memory of rank 0 as JSON.
+//
+//   gpt_fsdp --prepare=DIR --width=128 --steps=50    # one process: DIR/init.pt, batches.pt
+//   torchrun --nproc_per_node=2 --no-python gpt_fsdp --data=DIR --heads=4
+//       --strategy=full_shard --out=ours.json        # any launcher fsdp supports
+//
+// Prepare writes the weights of a freshly seeded GptImpl (save_state_dict: a torch.save
+// file that torch.load reads with weights_only=True) and {"tokens": int64 [steps,
+// batch_size, context + 1]}: windows of Debian's fortunes at seeded offsets. Training
+// reads both, so the two sides start from the same weights and see the same batches:
+// rank r of W takes rows [r B/W, (r + 1) B/W) of each step's batch, inputs the first
+// `context` tokens and targets the last. AdamW (lr --lr, PyTorch's other defaults:
+// betas 0.9, 0.999, eps 1e-8, weight decay 0.01), fp32, constant learning rate, one
+// intra-op thread per rank.
+//
+// JSON (rank 0): "losses" (the mean over ranks of each step's loss, before the update),
+// "step_ms" (each step's wall time on rank 0: zero_grad to optimizer step), "tokens_per_s"
+// (global tokens / time of the steps after --warmup_steps), "peak_rss_mb" (the most
+// resident set of the process during training: /proc/self/status VmHWM, reset to the
+// current RSS by /proc/self/clear_refs just before the first step), "start_rss_mb" (the
+// RSS at that reset), "peak_allocated_mb" (fsdp's tracking allocator: the most bytes of
+// CPU tensors held during training; PyTorch has no such counter on the CPU).
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "examples/gpt/corpus.h"
+#include "examples/gpt/model.h"
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/tracking_allocator.h"
+#include "fsdp/state/checkpoint.h"
+#include "fsdp/state/state_dict.h"
+
+ABSL_FLAG(std::string, prepare, "", "write init.pt and batches.pt into this folder and exit");
+ABSL_FLAG(std::string, data, "", "train from the init.pt and batches.pt in this folder");
+ABSL_FLAG(std::string, out, "", "where rank 0 writes the JSON of the run");
+ABSL_FLAG(std::string, strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
+ABSL_FLAG(int64_t, width, 128, "embedding width (prepare)");
+ABSL_FLAG(int64_t, layers, 4, "transformer blocks (prepare)");
+ABSL_FLAG(int64_t, heads, 4, "attention heads (prepare and train)");
+ABSL_FLAG(int64_t, context, 128, "tokens per sequence (prepare)");
+ABSL_FLAG(int64_t, batch_size, 16, "global batch, sequences (prepare)");
+ABSL_FLAG(int64_t, steps, 50, "training steps (prepare)");
+ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the batch offsets (prepare)");
+ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes (prepare)");
+ABSL_FLAG(double, lr, 1e-3, "AdamW learning rate (train)");
+ABSL_FLAG(int64_t, warmup_steps, 3, "steps left out of tokens_per_s (train)");
+
+namespace fsdp::examples {
+namespace {
+
+int prepare(const std::string& dir) {
+  const Corpus corpus = load_fortunes(absl::GetFlag(FLAGS_data_dir));
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  const int64_t batch = absl::GetFlag(FLAGS_batch_size);
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  TORCH_CHECK(context > 0 && batch > 0 && steps > 0,
+              "--context, --batch_size and --steps must be positive, got ", context, ", ", batch,
+              " and ", steps);
+  TORCH_CHECK(corpus.train.numel() > context + 1, "--context=", context, " needs at least ",
+              context + 2, " training characters; the corpus has ", corpus.train.numel());
+  at::manual_seed(absl::GetFlag(FLAGS_seed));
+  GptImpl gpt(GptOptions()
+                  .vocab_size(corpus.vocab_size())
+                  .context(context)
+                  .width(absl::GetFlag(FLAGS_width))
+                  .heads(absl::GetFlag(FLAGS_heads))
+                  .layers(absl::GetFlag(FLAGS_layers)));
+  const at::Tensor starts =
+      at::randint(corpus.train.numel() - context - 1, {steps * batch}, at::kLong);
+  auto [x, y] = windows(corpus.train, starts, context);
+  StateDict batches;
+  batches.insert("tokens", at::cat({x, y.narrow(1, context - 1, 1)}, 1)
+                               .reshape({steps, batch, context + 1})
+                               .contiguous());
+  save_state_dict(module_state_dict(gpt), dir + "/init.pt");
+  save_state_dict(batches, dir + "/batches.pt");
+  std::cout << "prepared " << dir << ": vocabulary " << corpus.vocab_size() << ", " << steps
+            << " batches of " << batch << " x " << context + 1 << " tokens\n";
+  return 0;
+}
+
+ShardingStrategy parse_strategy(const std::string& name) {
+  if (name == "full_shard") return ShardingStrategy::kFullShard;
+  if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
+  if (name == "no_shard") return ShardingStrategy::kNoShard;
+  TORCH_CHECK(false, "--strategy must be full_shard, shard_grad_op or no_shard, got '", name,
+              "'");
+}
+
+// A field of /proc/self/status in MB ("VmRSS", "VmHWM").
+double status_mb(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) != 0) continue;
+    std::istringstream value(line.substr(field.size() + 1));  // "   1234 kB"
+    int64_t kb = -1;
+    value >> kb;
+    return kb / 1024.0;
+  }
+  return -1;
+}
+
+int train(const std::string& dir) {
+  at::set_num_threads(1);
+  MemoryTracker memory;
+  std::shared_ptr<Communicator> comm = init_from_environment();
+  const StateDict init = load_state_dict(dir + "/init.pt");
+  const at::Tensor tokens = load_state_dict(dir + "/batches.pt")["tokens"];
+  const int64_t steps = tokens.size(0), batch = tokens.size(1), context = tokens.size(2) - 1;
+  const int world = comm->world_size(), rank = comm->rank();
+  TORCH_CHECK(batch % world == 0, "the prepared batch of ", batch,
+              " sequences does not split evenly over ", world, " ranks");
+  int64_t layers = 0;
+  while (init.contains(absl::StrCat("blocks.", layers, ".qkv.weight"))) ++layers;
+  auto gpt = std::make_shared<GptImpl>(GptOptions()
+                                           .vocab_size(init["token.weight"].size(0))
+                                           .context(init["position.weight"].size(0))
+                                           .width(init["token.weight"].size(1))
+                                           .heads(absl::GetFlag(FLAGS_heads))
+                                           .layers(layers));
+  load_module_state_dict(*gpt, init);
+  FullyShardedDataParallel<GptImpl> model(
+      gpt, FullyShardedDataParallelOptions(comm).sharding_strategy(
+               parse_strategy(absl::GetFlag(FLAGS_strategy))));
+  torch::optim::AdamW adamw(model->parameters(),
+                            torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr)).weight_decay(0.01));
+
+  std::vector<double> losses, step_ms;
+  const int64_t local = batch / world;
+  comm->barrier();
+  std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+  const double start_rss = status_mb("VmRSS");
+  reset_peak_memory_stats();
+  for (int64_t step = 0; step < steps; ++step) {
+    const at::Tensor rows = tokens[step].narrow(0, rank * local, local);
+    const auto begin = std::chrono::steady_clock::now();
+    adamw.zero_grad();
+    const at::Tensor logits = model->forward(rows.narrow(1, 0, context));
+    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                           rows.narrow(1, 1, context).reshape({-1}));
+    loss.backward();
+    adamw.step();
+    step_ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
+            .count());
+    at::Tensor mean = loss.detach().reshape({1}).clone();
+    comm->all_reduce(mean, ReduceOp::kAvg);
+    losses.push_back(mean.item<double>());
+  }
+  if (rank != 0) return 0;
+  const int64_t warmup = std::min(absl::GetFlag(FLAGS_warmup_steps), steps - 1);
+  double timed_ms = 0;
+  for (int64_t i = warmup; i < steps; ++i) timed_ms += step_ms[i];
+  const auto number = [](std::string* s, double v) { absl::StrAppend(s, absl::StrFormat("%.9g", v)); };
+  std::ofstream out(absl::GetFlag(FLAGS_out));
+  out << "{\"side\": \"fsdp\", \"strategy\": \"" << absl::GetFlag(FLAGS_strategy)
+      << "\", \"world_size\": " << world << ", \"width\": " << gpt->options.width()
+      << ",\n \"losses\": [" << absl::StrJoin(losses, ", ", number)
+      << "],\n \"step_ms\": ["
+      << absl::StrJoin(step_ms, ", ", number)
+      << "],\n \"tokens_per_s\": " << (steps - warmup) * batch * context / (timed_ms / 1e3)
+      << ", \"peak_rss_mb\": " << status_mb("VmHWM") << ", \"start_rss_mb\": " << start_rss
+      << ", \"peak_allocated_mb\": " << max_memory_allocated() / 1e6 << "}\n";
+  TORCH_CHECK(out.good(), "could not write --out='", absl::GetFlag(FLAGS_out), "'");
+  return 0;
+}
+
+}  // namespace
+}  // namespace fsdp::examples
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  try {
+    if (!absl::GetFlag(FLAGS_prepare).empty()) {
+      return fsdp::examples::prepare(absl::GetFlag(FLAGS_prepare));
+    }
+    TORCH_CHECK(!absl::GetFlag(FLAGS_data).empty() && !absl::GetFlag(FLAGS_out).empty(),
+                "pass --prepare=DIR, or --data=DIR and --out=FILE (see the top of "
+                "benchmarks/peer/gpt_fsdp.cc)");
+    return fsdp::examples::train(absl::GetFlag(FLAGS_data));
+  } catch (const c10::Error& e) {
+    std::cerr << "gpt_fsdp: " << e.what_without_backtrace() << "\n";
+    return 1;
+  }
+}

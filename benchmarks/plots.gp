@@ -84,3 +84,16 @@ if (has("busbw")) {
          curve("busbw_" . op) using 1:2:3:4 with yerrorlines lw 2 title op
   unset logscale x
 }
+
+if (has("peer")) {
+  set output dir . "/peer.png"
+  set title "Tokens/s, fsdp and PyTorch (FSDP2, or DDP for NO_SHARD), CPU over Gloo"
+  set xlabel ""
+  set ylabel "tokens/s"
+  set yrange [0:*]
+  set style data histograms
+  set style histogram clustered gap 1
+  set style fill solid 0.8 border -1
+  set xtics rotate by -40 font ",8"
+  plot data("peer_tokens") using 2:xtic(1) title "fsdp", '' using 3 title "PyTorch"
+}

@@ -4,7 +4,9 @@
   report.py --raw DIR --out DIR --command "benchmarks/run_all ..."
 
 DIR (--raw) holds gpt.json, collectives.json, plan.json (Google Benchmark JSON, every
-repetition) and plan_seed.txt (plan_benchmark's comparison with PyTorch's Python).
+repetition), plan_seed.txt (plan_benchmark's comparison with PyTorch's Python) and
+peer/WIDTH_W_STRATEGY_REP_{ours,peer}.json (benchmarks/peer: fsdp and PyTorch's FSDP2
+or DDP on the same GPT, batches and weights).
 Every figure is the median over repetitions with [min, max]; ratios are per repetition
 (both sides measured in the same run) and then summarised the same way. Writes
 OUT/RESULTS.md and OUT/plot_data/*.dat for plots.gp.
@@ -248,6 +250,83 @@ def collectives_section(coll, dat):
             + "\n![busbw](busbw.png)\n")
 
 
+PEER_NAMES = {"fsdp2": "FSDP2", "ddp": "DDP"}
+
+
+def load_peer_runs(folder):
+    """(width, W, strategy) -> list over repetitions of (ours, peer) result dicts."""
+    runs = collections.defaultdict(list)
+    if not os.path.isdir(folder):
+        return runs
+    for name in sorted(os.listdir(folder)):
+        m = re.fullmatch(r"(\d+)_(\d+)_(\w+?)_(\d+)_ours\.json", name)
+        if not m:
+            continue
+        with open(os.path.join(folder, name)) as f:
+            ours = json.load(f)
+        with open(os.path.join(folder, name.replace("_ours.json", "_peer.json"))) as f:
+            peer = json.load(f)
+        runs[(int(m.group(1)), int(m.group(2)), m.group(3))].append((ours, peer))
+    return dict(sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                     STRATEGIES.index(kv[0][2].upper()))))
+
+
+def growth(result):
+    """MB the resident set grew by during training (peak minus the RSS at its start)."""
+    return result["peak_rss_mb"] - result["start_rss_mb"]
+
+
+def peer_section(runs, dat):
+    rows, ddp_rows, bars = [], [], []
+    for (width, world, strategy), reps in runs.items():
+        def both(f):
+            return Stat([f(o) for o, _ in reps]), Stat([f(p) for _, p in reps])
+
+        def ratio(f):
+            return Stat([f(o) / f(p) for o, p in reps])
+
+        tokens = both(lambda r: r["tokens_per_s"])
+        step = both(lambda r: statistics.median(r["step_ms"]))
+        rss = both(growth)
+        peak = both(lambda r: r["peak_rss_mb"])
+        gap = max(abs(a - b) / abs(b) for o, p in reps for a, b in zip(o["losses"], p["losses"]))
+        peer = PEER_NAMES[reps[0][1]["side"]]
+        rows.append([width, world, strategy.upper(), peer, tokens[0].fmt(0), tokens[1].fmt(0),
+                     ratio(lambda r: r["tokens_per_s"]).fmt(2), step[0].fmt(1), step[1].fmt(1),
+                     rss[0].fmt(1), rss[1].fmt(1), ratio(growth).fmt(2), peak[0].fmt(0),
+                     peak[1].fmt(0), Stat([o["peak_allocated_mb"] for o, _ in reps]).fmt(1),
+                     f"{gap:.1e}"])
+        bars.append(f"w{width}/W{world}/{strategy.upper()}/{peer} {tokens[0].median:.6g} "
+                    f"{tokens[1].median:.6g}")
+        ddp = runs.get((width, world, "no_shard"))
+        if strategy == "full_shard" and ddp and len(ddp) == len(reps):
+            ddp_rows.append([width, world, Stat([o["tokens_per_s"] / d["tokens_per_s"]
+                                                 for (o, _), (_, d) in zip(reps, ddp)]).fmt(2)])
+    write_dat(dat, "peer", "configuration ours_tokens_per_s peer_tokens_per_s",
+              {"tokens": bars})
+    reps = len(next(iter(runs.values())))
+    return ("## 7. Side by side with PyTorch FSDP2 and DDP\n\n"
+            "The GPT of examples/gpt (4 layers, 4 heads, context 128, global batch 16, "
+            "fp32, AdamW) trained by fsdp (benchmarks/peer/gpt_fsdp.cc) and by PyTorch "
+            "2.11 (benchmarks/peer/fsdp2_gpt.py: `fully_shard` on every block and the root, "
+            "or DistributedDataParallel for NO_SHARD) under torchrun, from the same weights "
+            "on the same batches, 23 steps each, the two alternating "
+            f"({reps} repetition{'s' if reps > 1 else ''}; the first 3 steps are not timed). "
+            "Ratios are ours / PyTorch. RSS growth: the peak resident set during training "
+            "minus the resident set at its start (rank 0; both processes load the same "
+            "LibTorch, and PyTorch's Python interpreter is in its start figure, not in its "
+            "growth); peak RSS: the whole process; allocated: fsdp's tracking allocator "
+            "(PyTorch counts no CPU allocations). Loss gap: the largest relative difference "
+            "between the two sides' per-step losses.\n\n"
+            + table(["width", "W", "strategy", "peer", "ours tok/s", "peer tok/s",
+                     "tok/s ratio", "ours step ms", "peer step ms", "ours RSS growth MB",
+                     "peer RSS growth MB", "RSS growth ratio", "ours peak RSS MB",
+                     "peer peak RSS MB", "ours allocated MB", "loss gap"], rows)
+            + "\nOurs FULL_SHARD against PyTorch DDP (tokens/s ratio, same repetition):\n\n"
+            + table(["width", "W", "FULL_SHARD / DDP"], ddp_rows)
+            + "\n![tokens per second, ours and PyTorch's](peer.png)\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--raw", required=True)
@@ -293,6 +372,9 @@ def main():
         sections.append(planner_section(plan, seed_text, dat))
     if coll:
         sections.append(collectives_section(coll, dat))
+    peer = load_peer_runs(os.path.join(args.raw, "peer"))
+    if peer:
+        sections.append(peer_section(peer, dat))
     with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
         f.write("\n".join(sections))
 

@@ -141,6 +141,7 @@ def main():
         }
         with open(args.out, "w") as out:
             json.dump(result, out)
+    dist.barrier()  # no rank tears down its connections while another still uses them
     dist.destroy_process_group()
 
 

@@ -112,6 +112,10 @@ double seed_seconds(const std::string& script, bool deep, int64_t modules, int r
     std::fprintf(stderr, "seed timing failed: %s\n", command.c_str());
     return -1;
   }
+  // Read the rest of the line too: closing the pipe early would fail the script's
+  // print (BrokenPipeError) when its output is unbuffered (PYTHONUNBUFFERED).
+  while (std::fgetc(pipe.get()) != EOF) {
+  }
   return seconds;
 }
 

@@ -38,6 +38,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -47,6 +48,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/core/internal/forward_as.h"
 
 namespace fsdp {
@@ -69,7 +71,7 @@ class CheckpointWrapperImpl
  public:
   explicit CheckpointWrapperImpl(std::shared_ptr<Contained> module,
                                  bool preserve_rng_state = true)
-      : module_(register_module("_checkpoint_wrapped_module", std::move(module))),
+      : module_(register_module(std::string(kCheckpointWrappedModule), std::move(module))),
         preserve_rng_state_(preserve_rng_state) {}
 
   const std::shared_ptr<Contained>& module() const { return module_; }

@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_join.h"
+#include "fsdp/base/shard_geometry.h"
 #include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
@@ -101,10 +102,13 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
   TORCH_CHECK(c10::isFloatingType(param_dtype_) && c10::isFloatingType(reduce_dtype_),
               "FlatParamHandle: mixed precision needs floating dtypes, got param_dtype ",
               param_dtype_, " and reduce_dtype ", reduce_dtype_);
-  const int64_t w = comm_->world_size();
   const bool no_shard = strategy_ == ShardingStrategy::kNoShard;
-  shard_numel_ = no_shard ? numel_ : (numel_ + w - 1) / w;
-  padded_numel_ = no_shard ? numel_ : shard_numel_ * w;
+  // NO_SHARD: one shard, the whole flat parameter, on every rank.
+  const int64_t shards = no_shard ? 1 : comm_->world_size();
+  const ShardRange range = shard_range(numel_, shards, no_shard ? 0 : comm_->rank());
+  shard_offset_ = range.begin;
+  shard_numel_ = range.numel();
+  padded_numel_ = fsdp::padded_numel(numel_, shards);
 
   const auto options_of_params = first.options().requires_grad(false);
   at::Tensor flat = at::zeros({padded_numel_}, options_of_params);
@@ -114,7 +118,7 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
     originals_.push_back(params[i].param);
   }
   // NO_SHARD: the optimizer updates the flat buffer itself.
-  sharded_ = no_shard ? flat : flat.narrow(0, comm_->rank() * shard_numel_, shard_numel_).clone();
+  sharded_ = no_shard ? flat : flat.narrow(0, shard_offset_, shard_numel_).clone();
   sharded_.set_requires_grad(frozen.empty());
   unsharded_flat_ = uses_mixed_precision() ? at::empty({padded_numel_},
                                                        options_of_params.dtype(param_dtype_))
@@ -131,9 +135,7 @@ void FlatParamHandle::use_views_of(const at::Tensor& flat) {
 }
 
 std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {
-  const int64_t start = strategy_ == ShardingStrategy::kNoShard ? 0
-                                                                : comm_->rank() * shard_numel_;
-  return shard_param_infos(infos_, start, start + shard_numel_ - 1);
+  return shard_param_infos(infos_, shard_offset_, shard_offset_ + shard_numel_ - 1);
 }
 
 namespace {
@@ -244,7 +246,7 @@ void FlatParamHandle::write_back_shard() {
               "call unshard_full_precision() first");
   if (strategy_ == ShardingStrategy::kNoShard) return;  // one buffer: nothing to copy
   const at::Tensor& full = full_precision_ ? full_precision_flat_ : unsharded_flat_;
-  sharded_.detach().copy_(full.narrow(0, comm_->rank() * shard_numel_, shard_numel_));
+  sharded_.detach().copy_(full.narrow(0, shard_offset_, shard_numel_));
 }
 
 void FlatParamHandle::reduce_grad(std::vector<at::Tensor> grads) {

@@ -129,6 +129,9 @@ class FlatParamHandle {
   int64_t shard_numel() const { return shard_numel_; }    // ceil(numel / W); NO_SHARD: numel
   int64_t padded_numel() const { return padded_numel_; }  // shard_numel x W; NO_SHARD: numel
   int64_t padding() const { return padded_numel_ - numel_; }
+  // First element of this rank's shard in the padded flat parameter: rank x shard_numel
+  // (fsdp/base/shard_geometry.h); NO_SHARD: 0.
+  int64_t shard_offset() const { return shard_offset_; }
   ShardingStrategy strategy() const { return strategy_; }
   // The ranks the flat parameter is sharded over (HYBRID: the shard group).
   Communicator& communicator() const { return *comm_; }
@@ -198,6 +201,7 @@ class FlatParamHandle {
   std::vector<FlatParamInfo> infos_;
   std::vector<at::Tensor> originals_;
   int64_t numel_ = 0;
+  int64_t shard_offset_ = 0;
   int64_t shard_numel_ = 0;
   int64_t padded_numel_ = 0;
   std::shared_ptr<Communicator> replicate_comm_;  // HYBRID only

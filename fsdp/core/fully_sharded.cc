@@ -10,7 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include <c10/util/Type.h>

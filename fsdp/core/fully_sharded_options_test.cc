@@ -15,7 +15,7 @@
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 
 namespace fsdp {
 namespace {

@@ -25,7 +25,7 @@
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/internal/forwarding.h"
 #include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 
 namespace fsdp {
 namespace {

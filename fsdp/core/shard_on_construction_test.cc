@@ -19,7 +19,7 @@
 #include "fsdp/core/internal/mlp_model.h"
 #include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/core/tracking_allocator.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 
 namespace fsdp {
 namespace {

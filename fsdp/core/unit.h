@@ -39,6 +39,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/core/internal/forward_as.h"
 #include "fsdp/core/internal/runtime.h"
 
@@ -131,7 +132,7 @@ class UnitImpl : public UnitBase,
                                                  decltype(&Contained::forward)> {
  public:
   explicit UnitImpl(std::shared_ptr<Contained> module)
-      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {
+      : module_(register_module(std::string(kFsdpWrappedModule), std::move(module))) {
     shard_if_constructing();
   }
 
@@ -166,7 +167,7 @@ class AnyUnitImpl : public UnitBase {
  public:
   explicit AnyUnitImpl(torch::nn::AnyModule module)
       : module_(std::move(module)),
-        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {
+        wrapped_(register_module(std::string(kFsdpWrappedModule), module_.ptr())) {
     shard_if_constructing();
   }
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }

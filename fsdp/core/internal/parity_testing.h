@@ -26,7 +26,7 @@
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 
 namespace fsdp::core_testing {
 

@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 #include <c10/util/Exception.h>
 
 namespace fsdp::state_internal {
@@ -63,9 +63,7 @@ ModelLayout model_layout(UnitBase& model, const char* what) {
 
 ParamSlice param_slice(const FlatParamHandle& handle, size_t info) {
   const FlatParamInfo& param = handle.param_infos()[info];
-  const int rank = handle.communicator().rank();
-  const int64_t shard_start =
-      handle.strategy() == ShardingStrategy::kNoShard ? 0 : rank * handle.shard_numel();
+  const int64_t shard_start = handle.shard_offset();
   const int64_t begin = std::max(param.offset, shard_start);
   const int64_t end = std::min(param.offset + param.numel, shard_start + handle.shard_numel());
   if (begin >= end) return {};

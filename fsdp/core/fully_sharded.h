@@ -190,7 +190,7 @@ struct FullyShardedDataParallelOptions {
 // them from the same seed). HYBRID strategies and auto_wrap_policy are not supported with
 // it. A parameter shared by two units built under it must be inside the later one's
 // module. Errors: c10::Error. Not nestable; one per thread (ranks may be threads).
-class ShardOnConstruction {
+class [[nodiscard]] ShardOnConstruction {
  public:
   explicit ShardOnConstruction(const FullyShardedDataParallelOptions& options);
   ~ShardOnConstruction();
@@ -204,7 +204,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options);
 
 // RAII scopes returned by FullyShardedDataParallelImpl::no_sync / summon_full_params.
-class NoSyncScope {
+class [[nodiscard]] NoSyncScope {
  public:
   explicit NoSyncScope(core_internal::RootState& root);
   ~NoSyncScope();
@@ -216,7 +216,7 @@ class NoSyncScope {
   bool previous_;
 };
 
-class SummonFullParamsScope {
+class [[nodiscard]] SummonFullParamsScope {
  public:
   SummonFullParamsScope(core_internal::RootState& root, bool writeback, bool rank0_only);
   ~SummonFullParamsScope();
@@ -250,7 +250,9 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
   // each rank with no communication (no reduce-scatter, no all-reduce); the first
   // backward after it reduces the sum. Every rank must use it the same way. PyTorch:
   // FullyShardedDataParallel.no_sync().
-  std::unique_ptr<NoSyncScope> no_sync() { return std::make_unique<NoSyncScope>(*root_); }
+  [[nodiscard]] std::unique_ptr<NoSyncScope> no_sync() {
+    return std::make_unique<NoSyncScope>(*root_);
+  }
 
   // While the returned scope lives, every original parameter holds its full value (one
   // all-gather per unit, on every rank). With writeback, edits made to them are copied
@@ -258,8 +260,8 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
   // values: the other ranks' original parameters must not be read (their memory is
   // freed). Needs the model idle (not inside forward/backward); writeback with
   // rank0_only is an error. PyTorch: FullyShardedDataParallel.summon_full_params().
-  std::unique_ptr<SummonFullParamsScope> summon_full_params(bool writeback = true,
-                                                            bool rank0_only = false) {
+  [[nodiscard]] std::unique_ptr<SummonFullParamsScope> summon_full_params(
+      bool writeback = true, bool rank0_only = false) {
     return std::make_unique<SummonFullParamsScope>(*root_, writeback, rank0_only);
   }
 

@@ -12,10 +12,10 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/linear.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/base/names.h"
 
 namespace fsdp {
 namespace {

@@ -22,10 +22,10 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/internal/forwarding.h"
 #include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/base/names.h"
 
 namespace fsdp {
 namespace {
@@ -467,7 +467,7 @@ TEST(SummonFullParamsTest, RankZeroOnly) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
     FullyShardedDataParallel<NetImpl> model(make_net(), FullyShardedDataParallelOptions(self));
-    EXPECT_THAT([&] { model->summon_full_params(/*writeback=*/true, /*rank0_only=*/true); },
+    EXPECT_THAT([&] { (void)model->summon_full_params(/*writeback=*/true, /*rank0_only=*/true); },
                 ThrowsMessage<c10::Error>(HasSubstr("writeback=true with rank0_only=true")));
     auto full = model->summon_full_params(/*writeback=*/false, /*rank0_only=*/true);
     for (const auto& unit : model->units()) {
@@ -485,7 +485,7 @@ TEST(TrainingStateTest, WrongStateGivesTheSeedsMessage) {
     EXPECT_STREQ(handle_training_state_name(unit->handle_state()),
                  "HandleTrainingState.SUMMON_FULL_PARAMS");
   }
-  EXPECT_THAT([&] { model->summon_full_params(); },
+  EXPECT_THAT([&] { (void)model->summon_full_params(); },
               ThrowsMessage<c10::Error>(HasSubstr(
                   "summon_full_params: expected to be in states [TrainingState.IDLE] but "
                   "current state is TrainingState.SUMMON_FULL_PARAMS")));

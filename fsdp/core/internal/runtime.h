@@ -73,10 +73,16 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
 
   void pre_backward();
   void post_backward(std::vector<at::Tensor> grads);  // the engine's: released as copied
+  // Starts the all-gather of this unit's parameters ahead of its forward or backward
+  // (Note [Prefetching]); only while the unit is idle (not running, not summoned).
+  void prefetch();
   // End of a backward pass: reshard whatever is still unsharded, reset per-iteration flags.
   void finish_iteration();
   void reshard();
-  void set_handle_state(HandleTrainingState state) { handle_state_ = state; }
+  // summon_full_params: unshards in full precision (every rank takes part in the
+  // all-gather), then reshards again unless `keep`. Needs the unit idle.
+  void summon(bool keep);
+
 
  private:
   std::string fqn_;
@@ -89,6 +95,10 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
   c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
   bool pre_backward_done_ = false;
   bool sink_installed_ = false;  // this iteration's sink exists
+
+  // Throws the seed's _assert_in_training_states message for the handle's state.
+  void assert_handle_in(std::initializer_list<HandleTrainingState> states,
+                        const char* what) const;
 
  public:
   bool pre_backward_done() const { return pre_backward_done_; }

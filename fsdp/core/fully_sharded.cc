@@ -129,6 +129,19 @@ Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
   return ignored;
 }
 
+// auto_wrap_policy, or param_exec_order_wrap_policy's init_policy; null if neither.
+AutoWrapPolicy wrap_policy(const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(!(options.auto_wrap_policy() && options.param_exec_order_wrap_policy()),
+              "FullyShardedDataParallel: give auto_wrap_policy or "
+              "param_exec_order_wrap_policy (whose init_policy picks the units), not both");
+  if (options.param_exec_order_wrap_policy()) {
+    TORCH_CHECK(options.param_exec_order_wrap_policy()->init_policy() != nullptr,
+                "FullyShardedDataParallel: param_exec_order_wrap_policy has no init_policy");
+    return options.param_exec_order_wrap_policy()->init_policy();
+  }
+  return options.auto_wrap_policy();
+}
+
 absl::flat_hash_set<const UnitBase*> apply_policy(
     UnitBase& root, const FullyShardedDataParallelOptions& options, const Ignored& ignored) {
   std::vector<TreeSite> sites;
@@ -143,7 +156,7 @@ absl::flat_hash_set<const UnitBase*> apply_policy(
   for (const c10::TensorImpl* param : ignored.params) {
     plan_options.ignored_params().push_back(param);
   }
-  AutoWrapPolicy policy = options.auto_wrap_policy();
+  AutoWrapPolicy policy = wrap_policy(options);
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
     // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
     // _wrap_module_cls_individually over _module_classes_to_ignore.
@@ -403,7 +416,7 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
 std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParallelOptions& options,
                                     const Ignored& ignored) {
   std::vector<FoundUnit> units;
-  if (options.auto_wrap_policy() != nullptr) {
+  if (wrap_policy(options) != nullptr) {
     const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options, ignored);
     units = find_units(root, ignored.module_set);
     units.erase(std::remove_if(units.begin(), units.end(),
@@ -600,8 +613,9 @@ ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& 
               "is null");
   TORCH_CHECK(active_construction == nullptr, "ShardOnConstruction: a scope is already "
               "active on this thread; scopes do not nest");
-  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && options.auto_wrap_policy() == nullptr,
+  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr,
               "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
+              "(nor param_exec_order_wrap_policy) "
               "when sharding at construction; annotate units with fsdp::Unit and use "
               "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
   active_construction = std::make_unique<ConstructionScope>(ConstructionScope{options, {}});
@@ -671,6 +685,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   const ShardingStrategy strategy = effective_strategy(options);
   auto root_state = std::make_shared<core_internal::RootState>(
       options.communicator(), strategy, options.backward_prefetch(), options.forward_prefetch());
+  if (options.param_exec_order_wrap_policy()) root_state->prefetch_in_first_iteration_order();
   const std::vector<const torch::nn::Module*> full_precision_modules =
       bind_units(options, shard_groups(options, strategy), units, params, *root_state);
   configure_root(root, options, ignored, full_precision_modules, *root_state);

@@ -141,6 +141,10 @@ struct FullyShardedDataParallelOptions {
   // Tensor -> Tensor forward), which is rebuilt around a unit; anything else is an error
   // naming its FQN. Annotated units the policy does not pick stay pass-throughs.
   TORCH_ARG(AutoWrapPolicy, auto_wrap_policy) = nullptr;
+  // Units from its init_policy (as auto_wrap_policy; give one or the other), prefetching
+  // in both passes in the order the units ran in the first iteration (wrap/policy.h). It
+  // overrides backward_prefetch (BACKWARD_PRE) and forward_prefetch (on).
+  TORCH_ARG(c10::optional<ParamExecOrderWrapPolicy>, param_exec_order_wrap_policy);
   // Low-precision forward/backward and gradient reduction (none: everything in the
   // parameters' dtypes).
   TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision);

@@ -274,7 +274,9 @@ void RootState::end_summon() {
 // forward begins the all-gather of the unit that came after it in the previous
 // iteration. Prefetching is one unit ahead, so at most one all-gather is in flight
 // besides the one being waited for; the all-gathers per iteration are the same ones,
-// issued earlier (REFERENCE §4 counts hold).
+// issued earlier (REFERENCE §4 counts hold). Under ParamExecOrderWrapPolicy both passes
+// follow the first iteration's order instead, whatever order later iterations run in
+// (PyTorch 2.0's experimental policy).
 void RootState::record_forward(UnitState* unit) {
   if (std::find(forward_order_.begin(), forward_order_.end(), unit) != forward_order_.end()) {
     return;  // run again in this iteration
@@ -331,18 +333,26 @@ void RootState::validate_position(const UnitState* unit, size_t position) {
               "or units would all-gather each other's parameters");
 }
 
+void RootState::prefetch_in_first_iteration_order() {
+  first_iteration_order_ = true;
+  forward_prefetch_ = true;
+  backward_prefetch_ = BackwardPrefetch::kBackwardPre;
+}
+
 void RootState::prefetch_for_forward_after(const UnitState* unit) {
   if (!forward_prefetch_) return;
-  auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), unit);
-  if (it != last_forward_order_.end() && ++it != last_forward_order_.end()) {
-    (*it)->prefetch();
-  }
+  const std::vector<UnitState*>& order =
+      first_iteration_order_ ? first_forward_order_ : last_forward_order_;
+  auto it = std::find(order.begin(), order.end(), unit);
+  if (it != order.end() && ++it != order.end()) (*it)->prefetch();
 }
 
 void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when) {
   if (backward_prefetch_ != when) return;
+  const std::vector<UnitState*>& order =
+      first_iteration_order_ && !first_iteration_ ? first_forward_order_ : forward_order_;
   // The latest unit in forward order, other than `unit`, whose backward has not started.
-  for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
     if (*it != unit && !(*it)->pre_backward_done()) {
       (*it)->prefetch();
       return;

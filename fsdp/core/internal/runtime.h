@@ -145,6 +145,9 @@ class RootState {
   at::Tensor clip_grad_norm(double max_norm, double norm_type);
 
   // Prefetching (see Note [Prefetching] in runtime.cc).
+  // ParamExecOrderWrapPolicy: forward and BACKWARD_PRE prefetch, both in the first
+  // iteration's order from the second iteration on.
+  void prefetch_in_first_iteration_order();
   void record_forward(UnitState* unit);
   void prefetch_for_forward_after(const UnitState* unit);
   void prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when);
@@ -163,6 +166,7 @@ class RootState {
   ShardingStrategy strategy_;
   BackwardPrefetch backward_prefetch_;
   bool forward_prefetch_;
+  bool first_iteration_order_ = false;           // see prefetch_in_first_iteration_order
   std::vector<UnitState*> forward_order_;       // units with parameters, this iteration
   std::vector<UnitState*> last_forward_order_;  // ... the previous iteration
   std::vector<UnitState*> first_forward_order_;  // ... the first iteration

@@ -18,8 +18,9 @@
 //                                is not included here)
 //   choosing units               fsdp/wrap/module_tree.h, torchscript_tree.h, policy.h,
 //                                plan.h, recursive_wrap.h, wrap_context.h
-//   sharded training             fsdp/core/fully_sharded.h (with unit.h), flat_param.h,
-//                                checkpoint_wrapper.h, tracking_allocator.h
+//   sharded training             fsdp/core/fully_sharded.h (FullyShardedDataParallel,
+//                                FullyShardedRoot; with unit.h, training_state.h),
+//                                flat_param.h, checkpoint_wrapper.h, tracking_allocator.h
 //   state dicts and checkpoints  fsdp/state/state_dict.h, optim_state_dict.h, checkpoint.h
 //
 // Errors: c10::Error throughout (fsdp::CommError, a c10::Error, for communication
@@ -38,6 +39,7 @@
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
+#include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"

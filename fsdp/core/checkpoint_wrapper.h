@@ -49,7 +49,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "fsdp/base/names.h"
-#include "fsdp/core/internal/forward_as.h"
+#include "fsdp/core/forward_as.h"
 
 namespace fsdp {
 namespace core_internal {
@@ -66,8 +66,7 @@ at::Tensor checkpointed_forward(std::function<at::Tensor(const std::vector<at::T
 template <typename Contained>
 class CheckpointWrapperImpl
     : public torch::nn::Module,
-      public core_internal::ForwardAs<CheckpointWrapperImpl<Contained>,
-                                      decltype(&Contained::forward)> {
+      public detail::ForwardAs<CheckpointWrapperImpl<Contained>, decltype(&Contained::forward)> {
  public:
   explicit CheckpointWrapperImpl(std::shared_ptr<Contained> module,
                                  bool preserve_rng_state = true)

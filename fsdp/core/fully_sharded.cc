@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/base/names.h"
+#include "fsdp/core/internal/runtime.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include <c10/util/Type.h>
@@ -426,7 +427,7 @@ std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParall
     units = find_units(root, ignored.module_set);
   }
   for (const FoundUnit& found : units) {
-    TORCH_CHECK(found.unit->state() == nullptr, "FullyShardedDataParallel: unit '", found.fqn,
+    TORCH_CHECK(!found.unit->is_bound(), "FullyShardedDataParallel: unit '", found.fqn,
                 "' is already bound to a FullyShardedDataParallel root; wrap the model once");
   }
   // A unit sharded at construction that this root will not bind (under an ignored
@@ -600,6 +601,29 @@ void configure_root(const torch::nn::Module& root, const FullyShardedDataParalle
   root_state.set_validate_execution_order(options.validate_execution_order());
 }
 
+// Binds `root` and every Unit inside it; returns the root's runtime state.
+std::shared_ptr<core_internal::RootState> bind_fully_sharded(
+    UnitBase& root, const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(options.communicator() != nullptr,
+              "FullyShardedDataParallel: options.communicator is null");
+  const Ignored ignored = resolve_ignored(options);
+  std::vector<FoundUnit> units = select_units(root, options, ignored);
+  UnitParams params = collect_unit_params(root, units, ignored);
+  Communicator& comm = *options.communicator();
+  check_same_construction(comm, options, unit_fqns(units), unit_numels(params));  // first
+  if (options.sync_module_states() && comm.world_size() > 1) {
+    sync_module_states(comm, root, ignored, params.to_flatten);
+  }
+  const ShardingStrategy strategy = effective_strategy(options);
+  auto root_state = std::make_shared<core_internal::RootState>(
+      options.communicator(), strategy, options.backward_prefetch(), options.forward_prefetch());
+  if (options.param_exec_order_wrap_policy()) root_state->prefetch_in_first_iteration_order();
+  const std::vector<const torch::nn::Module*> full_precision_modules =
+      bind_units(options, shard_groups(options, strategy), units, params, *root_state);
+  configure_root(root, options, ignored, full_precision_modules, *root_state);
+  return root_state;
+}
+
 }  // namespace
 
 bool is_batch_norm(const torch::nn::Module& module) {
@@ -670,26 +694,50 @@ SummonFullParamsScope::SummonFullParamsScope(core_internal::RootState& root, boo
 }
 SummonFullParamsScope::~SummonFullParamsScope() { root_.end_summon(); }
 
-std::shared_ptr<core_internal::RootState> bind_fully_sharded(
-    UnitBase& root, const FullyShardedDataParallelOptions& options) {
-  TORCH_CHECK(options.communicator() != nullptr,
-              "FullyShardedDataParallel: options.communicator is null");
-  const Ignored ignored = resolve_ignored(options);
-  std::vector<FoundUnit> units = select_units(root, options, ignored);
-  UnitParams params = collect_unit_params(root, units, ignored);
-  Communicator& comm = *options.communicator();
-  check_same_construction(comm, options, unit_fqns(units), unit_numels(params));  // first
-  if (options.sync_module_states() && comm.world_size() > 1) {
-    sync_module_states(comm, root, ignored, params.to_flatten);
+
+FullyShardedRoot::FullyShardedRoot(UnitBase& root,
+                                   const FullyShardedDataParallelOptions& options)
+    : root_(&root), state_(bind_fully_sharded(root, options)) {}
+
+FullyShardedRoot::~FullyShardedRoot() = default;
+
+std::vector<at::Tensor> FullyShardedRoot::parameters(bool /*recurse*/) const {
+  std::vector<at::Tensor> params;
+  for (const auto& unit : state_->units()) {
+    if (unit->handle() != nullptr) params.push_back(unit->handle()->sharded_flat_param());
   }
-  const ShardingStrategy strategy = effective_strategy(options);
-  auto root_state = std::make_shared<core_internal::RootState>(
-      options.communicator(), strategy, options.backward_prefetch(), options.forward_prefetch());
-  if (options.param_exec_order_wrap_policy()) root_state->prefetch_in_first_iteration_order();
-  const std::vector<const torch::nn::Module*> full_precision_modules =
-      bind_units(options, shard_groups(options, strategy), units, params, *root_state);
-  configure_root(root, options, ignored, full_precision_modules, *root_state);
-  return root_state;
+  const std::vector<at::Tensor>& ignored = state_->ignored_params();
+  params.insert(params.end(), ignored.begin(), ignored.end());
+  return params;
+}
+
+std::unique_ptr<NoSyncScope> FullyShardedRoot::no_sync() {
+  return std::make_unique<NoSyncScope>(*state_);
+}
+
+std::unique_ptr<SummonFullParamsScope> FullyShardedRoot::summon_full_params(bool writeback,
+                                                                            bool rank0_only) {
+  return std::make_unique<SummonFullParamsScope>(*state_, writeback, rank0_only);
+}
+
+at::Tensor FullyShardedRoot::clip_grad_norm_(double max_norm, double norm_type) {
+  return state_->clip_grad_norm(max_norm, norm_type);
+}
+
+const std::vector<std::shared_ptr<FullyShardedUnit>>& FullyShardedRoot::units() const {
+  return state_->unit_views();
+}
+
+TrainingState FullyShardedRoot::training_state() const { return state_->training_state(); }
+
+ShardingStrategy FullyShardedRoot::sharding_strategy() const { return state_->strategy(); }
+
+Communicator& FullyShardedRoot::communicator() const { return state_->comm(); }
+
+torch::nn::Module& FullyShardedRoot::root_module() const { return *root_; }
+
+void FullyShardedRoot::check_idle(const char* what) const {
+  state_->assert_in_states({TrainingState::kIdle}, what);
 }
 
 }  // namespace fsdp

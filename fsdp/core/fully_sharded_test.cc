@@ -318,7 +318,7 @@ TEST(FullyShardedTest, UnitWithoutRootIsAPassThrough) {
   auto net = make_net();
   at::Tensor out = net->forward(inputs(0, 2));
   EXPECT_EQ(out.sizes(), c10::IntArrayRef({2, 3}));
-  EXPECT_EQ(net->l1->state(), nullptr);
+  EXPECT_FALSE(net->l1->is_bound());
 }
 
 TEST(FullyShardedTest, NoGradForwardReshardsAndReturnsToIdle) {
@@ -675,7 +675,7 @@ TEST(AutoWrapTest, AnnotatedUnitsAreActiveOnlyWhenPicked) {
                              .auto_wrap_policy(lambda_auto_wrap_policy(
                                  [](const ModuleNode& m) { return m.fqn == "layers.2"; })));
   EXPECT_THAT(unit_fqns(*model), ElementsAre("", "layers.2"));
-  EXPECT_EQ(model->module()->block->state(), nullptr);  // annotated, not picked
+  EXPECT_FALSE(model->module()->block->is_bound());  // annotated, not picked
 }
 
 TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {

@@ -15,34 +15,6 @@
 
 namespace fsdp {
 
-const char* training_state_name(TrainingState state) {
-  switch (state) {
-    case TrainingState::kIdle:
-      return "TrainingState.IDLE";
-    case TrainingState::kForwardBackward:
-      return "TrainingState.FORWARD_BACKWARD";
-    case TrainingState::kSummonFullParams:
-      return "TrainingState.SUMMON_FULL_PARAMS";
-  }
-  return "unknown";
-}
-
-const char* handle_training_state_name(HandleTrainingState state) {
-  switch (state) {
-    case HandleTrainingState::kIdle:
-      return "HandleTrainingState.IDLE";
-    case HandleTrainingState::kForward:
-      return "HandleTrainingState.FORWARD";
-    case HandleTrainingState::kBackwardPre:
-      return "HandleTrainingState.BACKWARD_PRE";
-    case HandleTrainingState::kBackwardPost:
-      return "HandleTrainingState.BACKWARD_POST";
-    case HandleTrainingState::kSummonFullParams:
-      return "HandleTrainingState.SUMMON_FULL_PARAMS";
-  }
-  return "unknown";
-}
-
 namespace core_internal {
 namespace {
 
@@ -80,7 +52,7 @@ class GradientSink : public torch::autograd::Node {
 
 UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
                      std::unique_ptr<FlatParamHandle> handle)
-    : fqn_(std::move(fqn)), is_root_(is_root), root_(root), handle_(std::move(handle)) {}
+    : FullyShardedUnit(std::move(fqn), is_root, std::move(handle)), root_(root) {}
 
 // Note [Gradient sinks]
 // The autograd engine runs ready nodes in decreasing sequence number (creation order).

@@ -8,15 +8,10 @@ FSDP_COPTS = [
     "-Werror",
 ]
 
-# Who may depend on a package's public targets: the other fsdp packages, tests, tools,
-# benchmarks and examples (other workspaces go through //fsdp:fsdp).
-FSDP_USERS = [
-    "//benchmarks:__pkg__",
-    "//examples:__subpackages__",
-    "//fsdp:__subpackages__",
-    "//tests:__pkg__",
-    "//tools:__pkg__",
-]
+# Who may depend on a package's public targets: each layer's BUILD.bazel declares a
+# package_group `dependents` that names the layers above it (ARCHITECTURE: base <- wrap
+# <- core <- state <- //fsdp, examples, tools, benchmarks, tests; comm <- core, state),
+# so an upward dependency is a visibility error. Other workspaces use //fsdp:fsdp.
 
 # Targets that need CUDA/NCCL: built only under --config=nccl.
 NCCL_ONLY = select({

@@ -11,6 +11,7 @@
 // SIGTERM are forwarded to the ranks; when a rank fails the others are stopped and fsdp_run
 // exits with the failing rank's status. Bad flags print one line on stderr, status 2. See
 // fsdp/comm/launcher.h for the whole contract.
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -63,7 +64,7 @@ int main(int argc, char** argv) {
       .node_rank(absl::GetFlag(FLAGS_node_rank))
       .master_addr(absl::GetFlag(FLAGS_master_addr))
       .master_port(absl::GetFlag(FLAGS_master_port))
-      .grace_period_ms(absl::GetFlag(FLAGS_grace_period_ms))
+      .grace_period(std::chrono::milliseconds(absl::GetFlag(FLAGS_grace_period_ms)))
       .command(separator < argc
                    ? std::vector<std::string>(argv + separator + 1, argv + argc)
                    : std::vector<std::string>());

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "fsdp/base/shard_geometry.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include <c10/util/Exception.h>
@@ -37,7 +38,7 @@ PlanReport make_report(WrapPlan plan, int64_t world_size) {
     if (unit.numel == 0) continue;
     const int64_t s = shard_numel(unit.numel, w);
     sum_shard += s;
-    sum_padded += s * w;
+    sum_padded += padded_numel(unit.numel, w);
     max_padded = std::max(max_padded, s * w);
     sum_numel += unit.numel;
     if (!unit.fqn.empty()) non_root_shard += s;

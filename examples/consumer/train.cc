@@ -9,9 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "fsdp/comm/launcher.h"
-#include "fsdp/comm/rendezvous.h"
-#include "fsdp/core/fully_sharded.h"
+#include "fsdp/fsdp.h"
 
 struct NetImpl : torch::nn::Module {
   NetImpl() {

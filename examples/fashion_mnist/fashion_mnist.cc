@@ -61,6 +61,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "examples/fashion_mnist/idx.h"
+#include "fsdp/base/shard_geometry.h"
 #include "fsdp/comm/communicator.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
@@ -246,13 +247,13 @@ fsdp::examples::IdxDataset load_split(const std::string& dir, const std::string&
 }
 
 // Rank `rank`'s contiguous share of `global` (1-D): the r-th of W chunks of
-// ceil(n / W) elements; the last ranks' shares are shorter or empty when W does not
-// divide n.
+// ceil(n / W) elements (fsdp::shard_range); the last ranks' shares are shorter or empty
+// when W does not divide n.
 at::Tensor rank_share(const at::Tensor& global, int rank, int world_size) {
   const int64_t n = global.size(0);
-  const int64_t share = (n + world_size - 1) / world_size;
-  const int64_t begin = std::min(n, rank * share);
-  return global.narrow(0, begin, std::min(share, n - begin));
+  const fsdp::ShardRange range = fsdp::shard_range(n, world_size, rank);
+  const int64_t begin = std::min(n, range.begin);
+  return global.narrow(0, begin, std::min(range.end, n) - begin);
 }
 
 // --- training ---

@@ -58,7 +58,7 @@ void TrafficCounters::reset() {
 
 CommError::CommError(std::string collective, int64_t sequence, int rank, int peer,
                      const std::string& detail, std::vector<int> group)
-    : std::runtime_error(absl::StrCat(
+    : c10::Error(absl::StrCat(
           collective, " #", sequence,
           group.empty() ? std::string()
                         : absl::StrCat(" in group [", absl::StrJoin(group, ", "), "]"),

@@ -35,13 +35,13 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 namespace fsdp {
 
@@ -96,7 +96,10 @@ class TrafficCounters {
 // a subgroup, and the peer need not be a member of the failing group: the lost rank is
 // named even when this rank only waited on a survivor. After a CommError the
 // communicator is broken: every later call throws a CommError that repeats the first.
-class CommError : public std::runtime_error {
+// CommError derives from c10::Error (as c10d's DistBackendError does), so a LibTorch
+// user's `catch (const c10::Error&)` sees it; what() and what_without_backtrace() are the
+// message above (no backtrace).
+class CommError : public c10::Error {
  public:
   // `group`: the subgroup's global ranks, or empty for a root communicator.
   CommError(std::string collective, int64_t sequence, int rank, int peer,

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <string>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -106,6 +107,21 @@ TEST(FakeCommunicatorTest, InjectedFailureReachesTheFailingRankAndTimesOutItsPee
                 ThrowsMessage<CommError>(HasSubstr("broken by an earlier failure")));
   });
   EXPECT_EQ(failures, 3);
+}
+
+TEST(CommErrorTest, IsAC10ErrorWithTheSameMessage) {
+  const std::string expected =
+      "all_reduce #59 in group [0, 2] failed on rank 0 (peer rank 3): reset by peer";
+  try {
+    throw CommError("all_reduce", 59, /*rank=*/0, /*peer=*/3, "reset by peer", {0, 2});
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what()), expected);
+    EXPECT_EQ(std::string(e.what_without_backtrace()), expected);
+    const auto* comm_error = dynamic_cast<const CommError*>(&e);
+    ASSERT_NE(comm_error, nullptr);
+    EXPECT_EQ(comm_error->peer(), 3);
+    EXPECT_EQ(comm_error->group(), std::vector<int>({0, 2}));
+  }
 }
 
 TEST(FakeCommunicatorTest, DifferentCollectivesAtOnePointAreNamed) {

@@ -583,7 +583,7 @@ class Job {
     stop_->exit_status = exit_status;
     stop_->reason = std::move(reason);
     stop_->launcher_signal = launcher_signal;
-    stop_->deadline = Clock::now() + std::chrono::milliseconds(options_.grace_period_ms());
+    stop_->deadline = Clock::now() + options_.grace_period();
     for (const auto& rank : ranks_) {
       if (!rank->running) continue;
       kill(-rank->pid, signo);  // See Note [Process groups].
@@ -614,7 +614,7 @@ class Job {
     }
     if (stop_->killed > 0) {
       absl::StrAppend(&line, " (", stop_->killed, " killed with SIGKILL after the ",
-                      options_.grace_period_ms(), " ms grace period)");
+                      options_.grace_period().count(), " ms grace period)");
     }
     err_ << line << "\n";
     err_.flush();
@@ -675,10 +675,11 @@ absl::Status validate_launch_options(const LaunchOptions& options) {
         "--master_port=0 (pick a free port) works only with --nnodes=1; with --nnodes=",
         options.nnodes(), " give every node the same port, e.g. --master_port=29500"));
   }
-  if (options.grace_period_ms() < 0 || options.grace_period_ms() > kMaxGracePeriodMs) {
+  const int64_t grace_period_ms = options.grace_period().count();
+  if (grace_period_ms < 0 || grace_period_ms > kMaxGracePeriodMs) {
     return absl::InvalidArgumentError(
         absl::StrCat("--grace_period_ms must be in [0, ", kMaxGracePeriodMs,
-                     "] (milliseconds, at most a day), got ", options.grace_period_ms()));
+                     "] (milliseconds, at most a day), got ", grace_period_ms));
   }
   if (options.command().empty() || options.command()[0].empty()) {
     return absl::InvalidArgumentError(

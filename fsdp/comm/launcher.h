@@ -21,6 +21,7 @@
 #ifndef FSDP_COMM_LAUNCHER_H_
 #define FSDP_COMM_LAUNCHER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <ostream>
@@ -48,7 +49,8 @@ namespace fsdp {
  private:                                            \
   T name##_
 
-// What fsdp_run's flags say; field names are the flag names.
+// What fsdp_run's flags say; field names are the flag names (grace_period:
+// --grace_period_ms).
 class LaunchOptions {
   // Ranks (processes) to start on this node, 1 <= nproc_per_node <= max_ranks_per_node().
   FSDP_LAUNCH_ARG(int, nproc_per_node) = 1;
@@ -64,8 +66,8 @@ class LaunchOptions {
   // nnodes == 1): launch() picks a free port with pick_free_port(master_addr).
   FSDP_LAUNCH_ARG(int, master_port) = 0;
   // How long ranks get to exit after SIGTERM (or a forwarded SIGINT/SIGTERM) before they
-  // are killed with SIGKILL, milliseconds, >= 0.
-  FSDP_LAUNCH_ARG(int64_t, grace_period_ms) = 5000;
+  // are killed with SIGKILL, in [0, 1 day].
+  FSDP_LAUNCH_ARG(std::chrono::milliseconds, grace_period) = std::chrono::seconds(5);
   // The program and its arguments, run with execvp semantics: a name without '/' is
   // looked up in PATH. Required.
   FSDP_LAUNCH_ARG(std::vector<std::string>, command);
@@ -120,7 +122,7 @@ absl::StatusOr<int> pick_free_port(const std::string& address);
 // foreground process group that read it would be stopped by SIGTTIN and hang the job).
 //
 // When a rank exits non-zero or is killed by a signal, the other running ranks' process
-// groups get SIGTERM; those still running after grace_period_ms get SIGKILL; a summary
+// groups get SIGTERM; those still running after grace_period get SIGKILL; a summary
 // line on `err` names the rank, its pid and its status. SIGINT/SIGTERM sent to this
 // process are forwarded the same way (the same signal, then SIGKILL after the grace
 // period); signals that arrive while the job is already stopping are not forwarded again.

@@ -180,7 +180,7 @@ TEST(ValidateLaunchOptionsTest, SaysWhatWasExpectedAndFound) {
   EXPECT_EQ(message(shell_job(1, "true").nnodes(2)),
             "--master_port=0 (pick a free port) works only with --nnodes=1; with "
             "--nnodes=2 give every node the same port, e.g. --master_port=29500");
-  EXPECT_EQ(message(shell_job(1, "true").grace_period_ms(-1)),
+  EXPECT_EQ(message(shell_job(1, "true").grace_period(std::chrono::milliseconds(-1))),
             "--grace_period_ms must be in [0, 86400000] (milliseconds, at most a day), "
             "got -1");
   EXPECT_EQ(message(LaunchOptions()),
@@ -311,7 +311,7 @@ TEST(LaunchTest, RanksThatIgnoreTermAreKilledAfterTheGracePeriod) {
                                           "trap '' TERM\n"
                                           "touch ready.0\n"
                                           "sleep 30\n");
-  const Result result = run(shell_job(2, script).grace_period_ms(200));
+  const Result result = run(shell_job(2, script).grace_period(std::chrono::milliseconds(200)));
   EXPECT_EQ(result.status, 5);
   EXPECT_GE(result.seconds, 0.2);
   EXPECT_LT(result.seconds, 5);

@@ -352,16 +352,16 @@ void check_options(const c10::intrusive_ptr<c10d::Store>& store, const NcclOptio
   TORCH_CHECK(options.device_index() >= 0,
               "make_nccl_communicator: NcclOptions::device_index must be >= 0, got ",
               options.device_index());
-  TORCH_CHECK(options.timeout_ms() > 0,
-              "make_nccl_communicator: NcclOptions::timeout_ms must be positive, got ",
-              options.timeout_ms());
+  TORCH_CHECK(options.timeout().count() > 0,
+              "make_nccl_communicator: NcclOptions::timeout must be positive, got ",
+              options.timeout().count(), " ms");
 }
 
 class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                    NcclOptions options, std::vector<int> global_ranks = {})
-      : Communicator(rank, world_size, std::chrono::milliseconds(options.timeout_ms()),
+      : Communicator(rank, world_size, options.timeout(),
                      std::move(global_ranks)),
         store_(std::move(store)),
         options_(std::move(options)),
@@ -372,6 +372,8 @@ class NcclCommunicator : public Communicator {
       const ncclUniqueId id =
           exchange_unique_id(*store_, unique_id_key(options_.store_prefix()), rank, new_unique_id);
       resources_->init(world_size, id);
+    } catch (const CommError&) {
+      throw;  // already names the collective and ranks
     } catch (const c10::Error& error) {
       TORCH_CHECK(false, "make_nccl_communicator (rank ", rank, " of ", world_size,
                   ", cuda:", options_.device_index(), ", store prefix \"", options_.store_prefix(),

@@ -57,6 +57,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <chrono>
 #include <string>
 
 #include <torch/arg.h>
@@ -72,9 +73,9 @@ using CudaStreamHandle = void*;
 struct NcclOptions {
   // The CUDA device of this rank (usually LOCAL_RANK), >= 0. Every buffer must be on it.
   TORCH_ARG(int, device_index) = 0;
-  // Default deadline of Work::wait() and of the blocking calls, milliseconds, > 0.
-  // ProcessGroupNCCL's default is 10 minutes as well.
-  TORCH_ARG(int64_t, timeout_ms) = 10 * 60 * 1000;
+  // Default deadline of Work::wait() and of the blocking calls, > 0 (as GlooOptions'
+  // timeout). ProcessGroupNCCL's default is 10 minutes as well.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
   // The caller's compute stream, a cudaStream_t of device_index; nullptr is the legacy
   // default stream. Collectives start after the work queued on it before
   // the call; a successful Work::wait() orders it after the collective. See Note [NCCL

@@ -176,13 +176,15 @@ TEST(NcclUniqueIdTest, WrongSizedValueIsRejected) {
 TEST(NcclOptionsTest, DefaultsAndChaining) {
   NcclOptions options;
   EXPECT_EQ(options.device_index(), 0);
-  EXPECT_EQ(options.timeout_ms(), 600000);
+  EXPECT_EQ(options.timeout(), std::chrono::minutes(10));
   EXPECT_EQ(options.compute_stream(), nullptr);
   EXPECT_EQ(options.store_prefix(), "fsdp/nccl");
   int stream_stand_in = 0;
-  options.device_index(3).timeout_ms(50).compute_stream(&stream_stand_in).store_prefix("x");
+  options.device_index(3)
+      .timeout(std::chrono::milliseconds(50))
+      .compute_stream(&stream_stand_in).store_prefix("x");
   EXPECT_EQ(options.device_index(), 3);
-  EXPECT_EQ(options.timeout_ms(), 50);
+  EXPECT_EQ(options.timeout(), std::chrono::milliseconds(50));
   EXPECT_EQ(options.compute_stream(), &stream_stand_in);
   EXPECT_EQ(options.store_prefix(), "x");
 }
@@ -193,8 +195,8 @@ TEST(NcclOptionsTest, BadArgumentsThrowBeforeAnyCudaCall) {
               ThrowsMessage<c10::Error>(HasSubstr("expected a c10d store")));
   EXPECT_THAT([&] { make_nccl_communicator(store, 0, 1, NcclOptions().device_index(-1)); },
               ThrowsMessage<c10::Error>(HasSubstr("device_index must be >= 0, got -1")));
-  EXPECT_THAT([&] { make_nccl_communicator(store, 0, 1, NcclOptions().timeout_ms(0)); },
-              ThrowsMessage<c10::Error>(HasSubstr("timeout_ms must be positive, got 0")));
+  EXPECT_THAT([&] { make_nccl_communicator(store, 0, 1, NcclOptions().timeout(std::chrono::milliseconds(0))); },
+              ThrowsMessage<c10::Error>(HasSubstr("timeout must be positive, got 0")));
   EXPECT_THAT([&] { make_nccl_communicator(store, 2, 2); },
               ThrowsMessage<c10::Error>(HasSubstr("rank must be in [0, 2), got 2")));
 }

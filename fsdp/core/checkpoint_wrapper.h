@@ -38,6 +38,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -47,7 +48,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include "fsdp/core/internal/forward_as.h"
+#include "fsdp/base/names.h"
+#include "fsdp/core/forward_as.h"
 
 namespace fsdp {
 namespace core_internal {
@@ -64,12 +66,11 @@ at::Tensor checkpointed_forward(std::function<at::Tensor(const std::vector<at::T
 template <typename Contained>
 class CheckpointWrapperImpl
     : public torch::nn::Module,
-      public core_internal::ForwardAs<CheckpointWrapperImpl<Contained>,
-                                      decltype(&Contained::forward)> {
+      public detail::ForwardAs<CheckpointWrapperImpl<Contained>, decltype(&Contained::forward)> {
  public:
   explicit CheckpointWrapperImpl(std::shared_ptr<Contained> module,
                                  bool preserve_rng_state = true)
-      : module_(register_module("_checkpoint_wrapped_module", std::move(module))),
+      : module_(register_module(std::string(kCheckpointWrappedModule), std::move(module))),
         preserve_rng_state_(preserve_rng_state) {}
 
   const std::shared_ptr<Contained>& module() const { return module_; }

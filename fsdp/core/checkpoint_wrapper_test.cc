@@ -17,12 +17,12 @@
 #include <torch/nn/modules/linear.h>
 
 #include "absl/strings/str_format.h"
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/internal/mlp_model.h"
 #include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/core/tracking_allocator.h"
-#include "fsdp/state/fqn.h"
 
 namespace fsdp {
 namespace {

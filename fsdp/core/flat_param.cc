@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_join.h"
+#include "fsdp/base/shard_geometry.h"
 #include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
@@ -101,10 +102,13 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
   TORCH_CHECK(c10::isFloatingType(param_dtype_) && c10::isFloatingType(reduce_dtype_),
               "FlatParamHandle: mixed precision needs floating dtypes, got param_dtype ",
               param_dtype_, " and reduce_dtype ", reduce_dtype_);
-  const int64_t w = comm_->world_size();
   const bool no_shard = strategy_ == ShardingStrategy::kNoShard;
-  shard_numel_ = no_shard ? numel_ : (numel_ + w - 1) / w;
-  padded_numel_ = no_shard ? numel_ : shard_numel_ * w;
+  // NO_SHARD: one shard, the whole flat parameter, on every rank.
+  const int64_t shards = no_shard ? 1 : comm_->world_size();
+  const ShardRange range = shard_range(numel_, shards, no_shard ? 0 : comm_->rank());
+  shard_offset_ = range.begin;
+  shard_numel_ = range.numel();
+  padded_numel_ = fsdp::padded_numel(numel_, shards);
 
   const auto options_of_params = first.options().requires_grad(false);
   at::Tensor flat = at::zeros({padded_numel_}, options_of_params);
@@ -114,7 +118,7 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
     originals_.push_back(params[i].param);
   }
   // NO_SHARD: the optimizer updates the flat buffer itself.
-  sharded_ = no_shard ? flat : flat.narrow(0, comm_->rank() * shard_numel_, shard_numel_).clone();
+  sharded_ = no_shard ? flat : flat.narrow(0, shard_offset_, shard_numel_).clone();
   sharded_.set_requires_grad(frozen.empty());
   unsharded_flat_ = uses_mixed_precision() ? at::empty({padded_numel_},
                                                        options_of_params.dtype(param_dtype_))
@@ -131,9 +135,7 @@ void FlatParamHandle::use_views_of(const at::Tensor& flat) {
 }
 
 std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {
-  const int64_t start = strategy_ == ShardingStrategy::kNoShard ? 0
-                                                                : comm_->rank() * shard_numel_;
-  return shard_param_infos(infos_, start, start + shard_numel_ - 1);
+  return shard_param_infos(infos_, shard_offset_, shard_offset_ + shard_numel_ - 1);
 }
 
 namespace {
@@ -149,34 +151,58 @@ void free_storage(const at::Tensor& flat) {
 
 }  // namespace
 
+const char* flat_param_state_name(FlatParamState state) {
+  switch (state) {
+    case FlatParamState::kSharded:
+      return "SHARDED";
+    case FlatParamState::kUnsharding:
+      return "UNSHARDING";
+    case FlatParamState::kUnsharded:
+      return "UNSHARDED";
+    case FlatParamState::kUnshardedFullPrecision:
+      return "UNSHARDED_FULL_PRECISION";
+  }
+  return "?";
+}
+
+void FlatParamHandle::check_not_in(FlatParamState state, const char* call) const {
+  TORCH_CHECK(state_ != state, "FlatParamHandle of '", infos_.front().fqn, "' (", infos_.size(),
+              " parameters): ", call, " in state ", flat_param_state_name(state_),
+              state == FlatParamState::kUnshardedFullPrecision
+                  ? " (inside summon_full_params); reshard() first"
+                  : "");
+}
+
 void FlatParamHandle::prefetch() {
-  if (unsharded_ || pending_) return;
-  TORCH_CHECK(!full_precision_, "FlatParamHandle: unshard() while unsharded in full precision "
-              "(summon_full_params); reshard() first");
+  check_not_in(FlatParamState::kUnshardedFullPrecision, "unshard()");
+  if (state_ != FlatParamState::kSharded) return;
   allocate(unsharded_flat_);
   if (strategy_ == ShardingStrategy::kNoShard) {  // mixed precision: a low-precision copy
     unsharded_flat_.copy_(sharded_.detach());
-    unsharded_ = true;
+    state_ = FlatParamState::kUnsharded;
     return;
   }
   gather_input_ = sharded_.detach().to(param_dtype_);
   pending_ = comm_->all_gather_into_tensor_async(unsharded_flat_, gather_input_);
+  state_ = FlatParamState::kUnsharding;
+}
+
+void FlatParamHandle::finish_all_gather() {
+  TORCH_INTERNAL_ASSERT(state_ == FlatParamState::kUnsharding && pending_);
+  pending_->wait();
+  pending_ = nullptr;
+  gather_input_ = at::Tensor();
+  state_ = FlatParamState::kUnsharded;
 }
 
 void FlatParamHandle::unshard() {
-  if (unsharded_) return;
   prefetch();
-  if (pending_) {
-    WorkHandle work = std::move(pending_);
-    work->wait();
-    gather_input_ = at::Tensor();
-  }
-  unsharded_ = true;
+  if (state_ == FlatParamState::kUnsharding) finish_all_gather();
 }
 
 void FlatParamHandle::unshard_full_precision() {
   if (!uses_mixed_precision()) return unshard();
-  if (full_precision_) return;
+  if (state_ == FlatParamState::kUnshardedFullPrecision) return;
   reshard();  // drop a low-precision copy: the views move to the full-precision values
   if (strategy_ == ShardingStrategy::kNoShard) {
     full_precision_flat_ = sharded_.detach();  // edits go straight to the shard
@@ -185,7 +211,7 @@ void FlatParamHandle::unshard_full_precision() {
     comm_->all_gather_into_tensor(full_precision_flat_, sharded_.detach());
   }
   use_views_of(full_precision_flat_);
-  full_precision_ = true;
+  state_ = FlatParamState::kUnshardedFullPrecision;
 }
 
 // Note [Freeing the unsharded flat parameter]
@@ -197,20 +223,23 @@ void FlatParamHandle::unshard_full_precision() {
 // unshard_full_precision() points the views elsewhere (set_data, outside forward and
 // backward), and reshard() points them back.
 void FlatParamHandle::reshard() {
-  if (pending_) unshard();  // never free memory an all-gather is writing
-  if (full_precision_) {
-    full_precision_flat_ = at::Tensor();
-    allocate(unsharded_flat_);  // views are bounds-checked against the storage
-    use_views_of(unsharded_flat_);
-    free_storage(unsharded_flat_);
-    full_precision_ = false;
-    return;
-  }
-  if (!unsharded_ || (strategy_ == ShardingStrategy::kNoShard && !uses_mixed_precision())) {
-    return;
+  switch (state_) {
+    case FlatParamState::kSharded:
+      return;
+    case FlatParamState::kUnshardedFullPrecision:
+      full_precision_flat_ = at::Tensor();
+      allocate(unsharded_flat_);  // views are bounds-checked against the storage
+      use_views_of(unsharded_flat_);
+      break;
+    case FlatParamState::kUnsharding:
+      finish_all_gather();  // never free memory an all-gather is writing
+      [[fallthrough]];
+    case FlatParamState::kUnsharded:
+      if (strategy_ == ShardingStrategy::kNoShard && !uses_mixed_precision()) return;
+      break;
   }
   free_storage(unsharded_flat_);
-  unsharded_ = false;
+  state_ = FlatParamState::kSharded;
 }
 
 at::Tensor FlatParamHandle::flatten_grads(std::vector<at::Tensor>& grads) const {
@@ -239,12 +268,15 @@ void FlatParamHandle::accumulate_grad(std::vector<at::Tensor> grads) {
 }
 
 void FlatParamHandle::write_back_shard() {
-  TORCH_CHECK(full_precision_ || (unsharded_ && !uses_mixed_precision()),
+  TORCH_CHECK(state_ == FlatParamState::kUnshardedFullPrecision ||
+                  (state_ == FlatParamState::kUnsharded && !uses_mixed_precision()),
               "write_back_shard: the flat parameter is not unsharded in full precision; "
               "call unshard_full_precision() first");
   if (strategy_ == ShardingStrategy::kNoShard) return;  // one buffer: nothing to copy
-  const at::Tensor& full = full_precision_ ? full_precision_flat_ : unsharded_flat_;
-  sharded_.detach().copy_(full.narrow(0, comm_->rank() * shard_numel_, shard_numel_));
+  const at::Tensor& full = state_ == FlatParamState::kUnshardedFullPrecision
+                               ? full_precision_flat_
+                               : unsharded_flat_;
+  sharded_.detach().copy_(full.narrow(0, shard_offset_, shard_numel_));
 }
 
 void FlatParamHandle::reduce_grad(std::vector<at::Tensor> grads) {

@@ -101,6 +101,23 @@ struct ShardParamInfo {
 std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& infos,
                                               int64_t start, int64_t end);
 
+// Where a flat parameter's values are (PyTorch keeps this in FlatParamHandle as
+// `is_sharded`, `_prefetched` and the unsharded tensors' sizes; here it is one checked
+// state). Transitions, each a FlatParamHandle call:
+//   kSharded   --prefetch()-->  kUnsharding  --unshard()-->  kUnsharded  --reshard()-->  kSharded
+//   kSharded   --unshard()-->   kUnsharded (prefetch and wait in one)
+//   kUnsharding --reshard()-->  kSharded (waits for the all-gather before freeing)
+//   any state  --unshard_full_precision()-->  kUnshardedFullPrecision  --reshard()-->  kSharded
+// NO_SHARD without mixed precision stays kUnsharded: the flat buffer is the shard.
+enum class FlatParamState {
+  kSharded,                 // only the shard's memory is held
+  kUnsharding,              // prefetch(): an all-gather is writing the unsharded buffer
+  kUnsharded,               // the original parameters hold the full values (param_dtype)
+  kUnshardedFullPrecision,  // ... the full values in the shards' dtype (summon_full_params)
+};
+// "SHARDED", "UNSHARDING", "UNSHARDED", "UNSHARDED_FULL_PRECISION".
+const char* flat_param_state_name(FlatParamState state);
+
 struct FlatParamOptions {
   // HYBRID strategies: the ranks holding the same shard in the other shard groups
   // (Communicator::split_hybrid's replicate_group). Required for them, unused otherwise.
@@ -129,6 +146,9 @@ class FlatParamHandle {
   int64_t shard_numel() const { return shard_numel_; }    // ceil(numel / W); NO_SHARD: numel
   int64_t padded_numel() const { return padded_numel_; }  // shard_numel x W; NO_SHARD: numel
   int64_t padding() const { return padded_numel_ - numel_; }
+  // First element of this rank's shard in the padded flat parameter: rank x shard_numel
+  // (fsdp/base/shard_geometry.h); NO_SHARD: 0.
+  int64_t shard_offset() const { return shard_offset_; }
   ShardingStrategy strategy() const { return strategy_; }
   // The ranks the flat parameter is sharded over (HYBRID: the shard group).
   Communicator& communicator() const { return *comm_; }
@@ -148,21 +168,27 @@ class FlatParamHandle {
   c10::ScalarType param_dtype() const { return param_dtype_; }
   c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
+  // See FlatParamState for the transitions each call makes.
+  FlatParamState state() const { return state_; }
+  bool is_unsharded() const {
+    return state_ == FlatParamState::kUnsharded ||
+           state_ == FlatParamState::kUnshardedFullPrecision;
+  }
   // All-gathers the shards (cast to param_dtype) into the unsharded flat buffer
-  // (allocating its memory), so the original parameters hold the current full values.
-  // No-op if already unsharded.
+  // (allocating its memory), so the original parameters hold the current full values;
+  // waits for a prefetch's all-gather. No-op if already unsharded. Throws c10::Error in
+  // kUnshardedFullPrecision (reshard() first).
   void unshard();
   // Starts unshard()'s all-gather without waiting for it (prefetch); the next unshard()
-  // waits. No-op if unsharded or already prefetching.
+  // or reshard() waits. No-op unless kSharded (throws in kUnshardedFullPrecision).
   void prefetch();
   // Like unshard(), but the original parameters hold the full-precision values (the
   // shards' dtype) until reshard(): for summon_full_params. Frees a low-precision copy
   // first. Without mixed precision the same as unshard().
   void unshard_full_precision();
-  // Frees the unsharded flat buffer's memory (after a pending prefetch completes). No-op
-  // for NO_SHARD without mixed precision, or if already resharded.
+  // Frees the unsharded flat buffer's memory (after a pending prefetch's all-gather
+  // completes): kSharded. No-op for NO_SHARD without mixed precision, or if sharded.
   void reshard();
-  bool is_unsharded() const { return unsharded_ || full_precision_; }
 
   // Flattens the original parameters' gradients (`grads[i]` for original_params()[i];
   // an undefined tensor counts as zeros) in reduce_dtype, averages them over ranks
@@ -198,6 +224,7 @@ class FlatParamHandle {
   std::vector<FlatParamInfo> infos_;
   std::vector<at::Tensor> originals_;
   int64_t numel_ = 0;
+  int64_t shard_offset_ = 0;
   int64_t shard_numel_ = 0;
   int64_t padded_numel_ = 0;
   std::shared_ptr<Communicator> replicate_comm_;  // HYBRID only
@@ -216,9 +243,13 @@ class FlatParamHandle {
   at::Tensor full_precision_flat_;  // unshard_full_precision()'s buffer, or undefined
   at::Tensor gather_input_;         // a prefetch's low-precision shard copy
   at::Tensor unsharded_grad_;  // no_sync accumulator, padded_numel elements, or undefined
-  WorkHandle pending_;         // a prefetch's all-gather
-  bool unsharded_ = true;
-  bool full_precision_ = false;  // the views point at full_precision_flat_
+  WorkHandle pending_;         // kUnsharding: the prefetch's all-gather
+  FlatParamState state_ = FlatParamState::kUnsharded;  // the constructor reshards
+
+  // kUnsharding -> kUnsharded: waits for the prefetch's all-gather.
+  void finish_all_gather();
+  // Throws c10::Error naming the handle's parameters if the state is `state`.
+  void check_not_in(FlatParamState state, const char* call) const;
 };
 
 }  // namespace fsdp

@@ -253,6 +253,53 @@ TEST(FlatParamMixedPrecisionTest, LowPrecisionCopiesOnlyWhileUnsharded) {
   });
 }
 
+// Every transition of FlatParamState, with the all-gathers each one issues.
+TEST(FlatParamStateTest, TransitionsAndTheirAllGathers) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    std::vector<NamedParam> params = make_params({{3, 3}, {4}});
+    FlatParamHandle handle(params, self, ShardingStrategy::kFullShard,
+                           FlatParamOptions().param_dtype(at::kBFloat16));
+    const auto gathers = [&] { return comm.counters().get(CollectiveKind::kAllGather).calls; };
+    EXPECT_EQ(handle.state(), FlatParamState::kSharded);
+    handle.prefetch();
+    EXPECT_EQ(handle.state(), FlatParamState::kUnsharding);
+    handle.prefetch();  // already in flight: nothing more
+    EXPECT_EQ(gathers(), 1);
+    handle.reshard();  // waits for the all-gather, then frees
+    EXPECT_EQ(handle.state(), FlatParamState::kSharded);
+    EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
+    handle.unshard();
+    EXPECT_EQ(handle.state(), FlatParamState::kUnsharded);
+    EXPECT_EQ(params[0].param.scalar_type(), at::kBFloat16);
+    handle.unshard();  // no-op
+    EXPECT_EQ(gathers(), 2);
+    handle.unshard_full_precision();
+    EXPECT_EQ(handle.state(), FlatParamState::kUnshardedFullPrecision);
+    EXPECT_EQ(params[0].param.scalar_type(), at::kFloat);
+    EXPECT_EQ(gathers(), 3);
+    EXPECT_THAT([&] { handle.unshard(); },
+                ThrowsMessage<c10::Error>(HasSubstr(
+                    "FlatParamHandle of 'p0' (2 parameters): unshard() in state "
+                    "UNSHARDED_FULL_PRECISION (inside summon_full_params); reshard() first")));
+    handle.reshard();
+    EXPECT_EQ(handle.state(), FlatParamState::kSharded);
+    EXPECT_EQ(params[0].param.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(gathers(), 3);
+  });
+}
+
+TEST(FlatParamStateTest, NoShardWithoutMixedPrecisionStaysUnsharded) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    FlatParamHandle handle(make_params({{5}}), self, ShardingStrategy::kNoShard);
+    EXPECT_EQ(handle.state(), FlatParamState::kUnsharded);
+    handle.reshard();
+    EXPECT_EQ(handle.state(), FlatParamState::kUnsharded);
+    EXPECT_STREQ(flat_param_state_name(handle.state()), "UNSHARDED");
+  });
+}
+
 TEST(FlatParamMixedPrecisionTest, ReduceDtypeAndKeepLowPrecisionGrads) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});

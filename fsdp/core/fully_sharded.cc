@@ -10,7 +10,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
+#include "fsdp/core/internal/runtime.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include <c10/util/Type.h>
@@ -129,6 +130,19 @@ Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
   return ignored;
 }
 
+// auto_wrap_policy, or param_exec_order_wrap_policy's init_policy; null if neither.
+AutoWrapPolicy wrap_policy(const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(!(options.auto_wrap_policy() && options.param_exec_order_wrap_policy()),
+              "FullyShardedDataParallel: give auto_wrap_policy or "
+              "param_exec_order_wrap_policy (whose init_policy picks the units), not both");
+  if (options.param_exec_order_wrap_policy()) {
+    TORCH_CHECK(options.param_exec_order_wrap_policy()->init_policy() != nullptr,
+                "FullyShardedDataParallel: param_exec_order_wrap_policy has no init_policy");
+    return options.param_exec_order_wrap_policy()->init_policy();
+  }
+  return options.auto_wrap_policy();
+}
+
 absl::flat_hash_set<const UnitBase*> apply_policy(
     UnitBase& root, const FullyShardedDataParallelOptions& options, const Ignored& ignored) {
   std::vector<TreeSite> sites;
@@ -143,7 +157,7 @@ absl::flat_hash_set<const UnitBase*> apply_policy(
   for (const c10::TensorImpl* param : ignored.params) {
     plan_options.ignored_params().push_back(param);
   }
-  AutoWrapPolicy policy = options.auto_wrap_policy();
+  AutoWrapPolicy policy = wrap_policy(options);
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
     // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
     // _wrap_module_cls_individually over _module_classes_to_ignore.
@@ -397,6 +411,219 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
   }
 }
 
+// The units this root binds, in pre-order (the root first): every annotated unit outside
+// ignored modules, or those the auto_wrap_policy picks. Throws if one is bound already or
+// if a unit sharded at construction lies under an ignored module.
+std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParallelOptions& options,
+                                    const Ignored& ignored) {
+  std::vector<FoundUnit> units;
+  if (wrap_policy(options) != nullptr) {
+    const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options, ignored);
+    units = find_units(root, ignored.module_set);
+    units.erase(std::remove_if(units.begin(), units.end(),
+                               [&](const FoundUnit& f) { return !active.contains(f.unit); }),
+                units.end());
+  } else {
+    units = find_units(root, ignored.module_set);
+  }
+  for (const FoundUnit& found : units) {
+    TORCH_CHECK(!found.unit->is_bound(), "FullyShardedDataParallel: unit '", found.fqn,
+                "' is already bound to a FullyShardedDataParallel root; wrap the model once");
+  }
+  // A unit sharded at construction that this root will not bind (under an ignored
+  // module) would run on freed parameters.
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
+    const bool found =
+        std::any_of(units.begin(), units.end(), [&](const FoundUnit& f) { return f.unit == unit; });
+    TORCH_CHECK(unit == nullptr || unit->constructed_handle() == nullptr || found,
+                "FullyShardedDataParallel: unit '", clean_tensor_name(item.key()),
+                "' was sharded at construction (ShardOnConstruction) but is inside an ignored "
+                "module; build ignored modules outside that scope");
+  }
+  return units;
+}
+
+// What each unit (index k of the selected units) flattens.
+struct UnitParams {
+  std::vector<std::vector<NamedParam>> to_flatten;            // still whole
+  std::vector<std::unique_ptr<FlatParamHandle>> constructed;  // see ShardOnConstruction
+};
+
+// Checks that a unit sharded at construction took only parameters it owns and none that
+// is ignored; marks them taken.
+void check_constructed_params(const FlatParamHandle& handle, const FoundUnit& unit, size_t k,
+                              const ParamOwners& owners, const Ignored& ignored,
+                              absl::flat_hash_set<const c10::TensorImpl*>& taken) {
+  const std::vector<at::Tensor>& originals = handle.original_params();
+  for (size_t i = 0; i < originals.size(); ++i) {
+    const c10::TensorImpl* key = originals[i].unsafeGetTensorImpl();
+    const std::string& fqn = handle.param_infos()[i].fqn;
+    TORCH_CHECK(!ignored.params.contains(key), "FullyShardedDataParallel: '", fqn,
+                "' is ignored, but unit '", unit.fqn,
+                "' sharded it at construction "
+                "(ShardOnConstruction); build ignored modules outside units made under "
+                "that scope");
+    TORCH_CHECK(owners.unit.at(key) == k, "FullyShardedDataParallel: unit '", unit.fqn,
+                "' sharded '", fqn,
+                "' at construction (ShardOnConstruction), but the same "
+                "parameter is also registered outside that unit (as ",
+                absl::StrJoin(owners.fqns.at(key), ", "),
+                "); a shared parameter must "
+                "live in one unit: build every module that uses it inside one unit");
+    taken.insert(key);
+  }
+}
+
+// Each unit flattens the parameters it owns (see Note [Shared parameters]), named by
+// their first FQN in pre-order; units sharded at construction keep what they took.
+// Ignored parameters are left out everywhere.
+UnitParams collect_unit_params(UnitBase& root, const std::vector<FoundUnit>& units,
+                               const Ignored& ignored) {
+  const ParamOwners owners = assign_param_owners(root, units, ignored.params);
+  absl::flat_hash_set<const c10::TensorImpl*> taken;
+  UnitParams result;
+  result.to_flatten.resize(units.size());
+  result.constructed.resize(units.size());
+  for (size_t k = 0; k < units.size(); ++k) {
+    const FoundUnit& unit = units[k];
+    const std::string prefix = unit.fqn.empty() ? "" : unit.fqn + ".";
+    std::unique_ptr<FlatParamHandle>& constructed = result.constructed[k];
+    constructed = unit.unit->take_constructed_handle();
+    if (constructed != nullptr) {
+      constructed->add_fqn_prefix(prefix);
+      check_constructed_params(*constructed, unit, k, owners, ignored, taken);
+    }
+    for (const auto& item : unit.unit->wrapped_module()->named_parameters()) {
+      const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
+      auto owner = owners.unit.find(key);
+      if (owner == owners.unit.end() || owner->second != k || !taken.insert(key).second) {
+        continue;  // ignored, owned by another unit, or met before
+      }
+      result.to_flatten[k].push_back({prefix + clean_tensor_name(item.key()), item.value()});
+    }
+  }
+  return result;
+}
+
+std::vector<std::string> unit_fqns(const std::vector<FoundUnit>& units) {
+  std::vector<std::string> fqns;
+  for (const FoundUnit& unit : units) fqns.push_back(unit.fqn);
+  return fqns;
+}
+
+std::vector<int64_t> unit_numels(const UnitParams& params) {
+  std::vector<int64_t> numels;
+  for (size_t k = 0; k < params.to_flatten.size(); ++k) {
+    int64_t numel = params.constructed[k] != nullptr ? params.constructed[k]->numel() : 0;
+    for (const NamedParam& p : params.to_flatten[k]) numel += p.param.numel();
+    numels.push_back(numel);
+  }
+  return numels;
+}
+
+// The ranks flat parameters are sharded over, and (HYBRID) the replicas gradients are
+// all-reduced over.
+struct ShardGroups {
+  std::shared_ptr<Communicator> shard;
+  std::shared_ptr<Communicator> replicate;  // HYBRID only
+};
+
+ShardGroups shard_groups(const FullyShardedDataParallelOptions& options,
+                         ShardingStrategy strategy) {
+  if (!is_hybrid(strategy)) return {options.communicator(), nullptr};
+  Communicator& comm = *options.communicator();
+  const int f = options.hybrid_shard_group_size();
+  TORCH_CHECK(f >= 1 && comm.world_size() % f == 0,
+              "FullyShardedDataParallel: ", sharding_strategy_name(strategy),
+              " needs hybrid_shard_group_size F >= 1 "
+              "dividing the world size ",
+              comm.world_size(), ", got ", f,
+              "; set it to the ranks of one host (e.g. LOCAL_WORLD_SIZE)");
+  HybridGroups groups = comm.split_hybrid(f);
+  return {groups.shard_group, groups.replicate_group};
+}
+
+// Makes each unit's flat parameter (or takes the one made at construction) and runtime
+// state, binds the unit and adds it to `root_state`. Returns the wrapped modules that
+// stay in full precision.
+std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelOptions& options,
+                                                 const ShardGroups& groups,
+                                                 const std::vector<FoundUnit>& units,
+                                                 UnitParams& params,
+                                                 core_internal::RootState& root_state) {
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  std::vector<const torch::nn::Module*> full_precision_modules;
+  for (size_t k = 0; k < units.size(); ++k) {
+    const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
+    const bool full_precision = is_full_precision(options, wrapped);
+    FlatParamOptions unit_options = flat_param_options(options, wrapped);
+    unit_options.replicate_communicator(groups.replicate);
+    const ShardingStrategy own = unit_strategy(options, *units[k].unit, units[k].fqn);
+    std::unique_ptr<FlatParamHandle> handle = std::move(params.constructed[k]);
+    if (handle != nullptr) {
+      check_constructed_handle(*handle, units[k].fqn, own, unit_options, *groups.shard);
+    } else if (!params.to_flatten[k].empty()) {
+      handle =
+          std::make_unique<FlatParamHandle>(params.to_flatten[k], groups.shard, own, unit_options);
+    }
+    auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0, &root_state,
+                                                            std::move(handle));
+    if (full_precision) {
+      full_precision_modules.push_back(&wrapped);
+      if (state->handle() != nullptr) {
+        state->set_input_casting(state->handle()->param_dtype(), /*restore_output_dtype=*/true);
+      }
+    } else if (mp && (k == 0 ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs())) {
+      state->set_input_casting(mp->param_dtype(), /*restore_output_dtype=*/false);
+    }
+    units[k].unit->bind(state);
+    root_state.add_unit(std::move(state));
+  }
+  return full_precision_modules;
+}
+
+// The root's state beyond its units: buffer casts (mixed precision's buffer_dtype), the
+// ignored parameters, execution-order validation.
+void configure_root(const torch::nn::Module& root, const FullyShardedDataParallelOptions& options,
+                    const Ignored& ignored,
+                    const std::vector<const torch::nn::Module*>& full_precision_modules,
+                    core_internal::RootState& root_state) {
+  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  if (mp && mp->buffer_dtype()) {
+    std::vector<at::Tensor> buffers;
+    for (const at::Tensor& b : buffers_outside(root, ignored.modules, full_precision_modules)) {
+      if (at::isFloatingType(b.scalar_type())) buffers.push_back(b);
+    }
+    root_state.set_buffer_casts(std::move(buffers), *mp->buffer_dtype());
+  }
+  root_state.set_ignored_params(ignored.trained);
+  root_state.set_validate_execution_order(options.validate_execution_order());
+}
+
+// Binds `root` and every Unit inside it; returns the root's runtime state.
+std::shared_ptr<core_internal::RootState> bind_fully_sharded(
+    UnitBase& root, const FullyShardedDataParallelOptions& options) {
+  TORCH_CHECK(options.communicator() != nullptr,
+              "FullyShardedDataParallel: options.communicator is null");
+  const Ignored ignored = resolve_ignored(options);
+  std::vector<FoundUnit> units = select_units(root, options, ignored);
+  UnitParams params = collect_unit_params(root, units, ignored);
+  Communicator& comm = *options.communicator();
+  check_same_construction(comm, options, unit_fqns(units), unit_numels(params));  // first
+  if (options.sync_module_states() && comm.world_size() > 1) {
+    sync_module_states(comm, root, ignored, params.to_flatten);
+  }
+  const ShardingStrategy strategy = effective_strategy(options);
+  auto root_state = std::make_shared<core_internal::RootState>(
+      options.communicator(), strategy, options.backward_prefetch(), options.forward_prefetch());
+  if (options.param_exec_order_wrap_policy()) root_state->prefetch_in_first_iteration_order();
+  const std::vector<const torch::nn::Module*> full_precision_modules =
+      bind_units(options, shard_groups(options, strategy), units, params, *root_state);
+  configure_root(root, options, ignored, full_precision_modules, *root_state);
+  return root_state;
+}
+
 }  // namespace
 
 bool is_batch_norm(const torch::nn::Module& module) {
@@ -410,8 +637,9 @@ ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& 
               "is null");
   TORCH_CHECK(active_construction == nullptr, "ShardOnConstruction: a scope is already "
               "active on this thread; scopes do not nest");
-  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && options.auto_wrap_policy() == nullptr,
+  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr,
               "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
+              "(nor param_exec_order_wrap_policy) "
               "when sharding at construction; annotate units with fsdp::Unit and use "
               "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
   active_construction = std::make_unique<ConstructionScope>(ConstructionScope{options, {}});
@@ -466,143 +694,50 @@ SummonFullParamsScope::SummonFullParamsScope(core_internal::RootState& root, boo
 }
 SummonFullParamsScope::~SummonFullParamsScope() { root_.end_summon(); }
 
-std::shared_ptr<core_internal::RootState> bind_fully_sharded(
-    UnitBase& root, const FullyShardedDataParallelOptions& options) {
-  TORCH_CHECK(options.communicator() != nullptr,
-              "FullyShardedDataParallel: options.communicator is null");
-  const Ignored ignored = resolve_ignored(options);
-  std::vector<FoundUnit> units;
-  if (options.auto_wrap_policy() != nullptr) {
-    const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options, ignored);
-    units = find_units(root, ignored.module_set);
-    units.erase(std::remove_if(units.begin(), units.end(),
-                               [&](const FoundUnit& f) { return !active.contains(f.unit); }),
-                units.end());
-  } else {
-    units = find_units(root, ignored.module_set);
-  }
-  for (const FoundUnit& found : units) {
-    TORCH_CHECK(found.unit->state() == nullptr, "FullyShardedDataParallel: unit '", found.fqn,
-                "' is already bound to a FullyShardedDataParallel root; wrap the model once");
-  }
-  // A unit sharded at construction that this root will not bind (under an ignored
-  // module) would run on freed parameters.
-  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
-    const bool found = std::any_of(units.begin(), units.end(),
-                                   [&](const FoundUnit& f) { return f.unit == unit; });
-    TORCH_CHECK(unit == nullptr || unit->constructed_handle() == nullptr || found,
-                "FullyShardedDataParallel: unit '", clean_tensor_name(item.key()),
-                "' was sharded at construction (ShardOnConstruction) but is inside an ignored "
-                "module; build ignored modules outside that scope");
-  }
-  // Each unit flattens the parameters it owns (see Note [Shared parameters]), named by
-  // their first FQN in pre-order; units sharded at construction keep what they took.
-  // Ignored parameters are left out everywhere.
-  const ParamOwners owners = assign_param_owners(root, units, ignored.params);
-  absl::flat_hash_set<const c10::TensorImpl*> taken;
-  std::vector<std::vector<NamedParam>> params_of(units.size());
-  std::vector<std::unique_ptr<FlatParamHandle>> constructed(units.size());
-  for (size_t k = 0; k < units.size(); ++k) {
-    const FoundUnit& unit = units[k];
-    const std::string prefix = unit.fqn.empty() ? "" : unit.fqn + ".";
-    constructed[k] = unit.unit->take_constructed_handle();
-    if (constructed[k] != nullptr) {  // see ShardOnConstruction
-      constructed[k]->add_fqn_prefix(prefix);
-      const std::vector<at::Tensor>& originals = constructed[k]->original_params();
-      for (size_t i = 0; i < originals.size(); ++i) {
-        const c10::TensorImpl* key = originals[i].unsafeGetTensorImpl();
-        const std::string& fqn = constructed[k]->param_infos()[i].fqn;
-        TORCH_CHECK(!ignored.params.contains(key), "FullyShardedDataParallel: '", fqn,
-                    "' is ignored, but unit '", unit.fqn, "' sharded it at construction "
-                    "(ShardOnConstruction); build ignored modules outside units made under "
-                    "that scope");
-        TORCH_CHECK(owners.unit.at(key) == k, "FullyShardedDataParallel: unit '", unit.fqn,
-                    "' sharded '", fqn, "' at construction (ShardOnConstruction), but the same "
-                    "parameter is also registered outside that unit (as ",
-                    absl::StrJoin(owners.fqns.at(key), ", "), "); a shared parameter must "
-                    "live in one unit: build every module that uses it inside one unit");
-        taken.insert(key);
-      }
-    }
-    for (const auto& item : unit.unit->wrapped_module()->named_parameters()) {
-      const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
-      auto owner = owners.unit.find(key);
-      if (owner == owners.unit.end() || owner->second != k || !taken.insert(key).second) {
-        continue;  // ignored, owned by another unit, or met before
-      }
-      params_of[k].push_back({prefix + clean_tensor_name(item.key()), item.value()});
-    }
-  }
 
-  Communicator& comm = *options.communicator();
-  std::vector<std::string> unit_fqns;
-  std::vector<int64_t> unit_numels;
-  for (size_t k = 0; k < units.size(); ++k) {
-    unit_fqns.push_back(units[k].fqn);
-    int64_t numel = constructed[k] != nullptr ? constructed[k]->numel() : 0;
-    for (const NamedParam& p : params_of[k]) numel += p.param.numel();
-    unit_numels.push_back(numel);
-  }
-  check_same_construction(comm, options, unit_fqns, unit_numels);  // before any traffic
-  if (options.sync_module_states() && comm.world_size() > 1) {
-    sync_module_states(comm, root, ignored, params_of);
-  }
+FullyShardedRoot::FullyShardedRoot(UnitBase& root,
+                                   const FullyShardedDataParallelOptions& options)
+    : root_(&root), state_(bind_fully_sharded(root, options)) {}
 
-  const ShardingStrategy strategy = effective_strategy(options);
-  std::shared_ptr<Communicator> shard_group = options.communicator();
-  std::shared_ptr<Communicator> replicate_group;
-  if (is_hybrid(strategy)) {
-    const int f = options.hybrid_shard_group_size();
-    TORCH_CHECK(f >= 1 && comm.world_size() % f == 0, "FullyShardedDataParallel: ",
-                sharding_strategy_name(strategy), " needs hybrid_shard_group_size F >= 1 "
-                "dividing the world size ", comm.world_size(), ", got ", f,
-                "; set it to the ranks of one host (e.g. LOCAL_WORLD_SIZE)");
-    HybridGroups groups = comm.split_hybrid(f);
-    shard_group = groups.shard_group;
-    replicate_group = groups.replicate_group;
+FullyShardedRoot::~FullyShardedRoot() = default;
+
+std::vector<at::Tensor> FullyShardedRoot::parameters(bool /*recurse*/) const {
+  std::vector<at::Tensor> params;
+  for (const auto& unit : state_->units()) {
+    if (unit->handle() != nullptr) params.push_back(unit->handle()->sharded_flat_param());
   }
-  auto root_state = std::make_shared<core_internal::RootState>(
-      options.communicator(), strategy, options.backward_prefetch(),
-      options.forward_prefetch());
-  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
-  std::vector<const torch::nn::Module*> full_precision_modules;
-  for (size_t k = 0; k < units.size(); ++k) {
-    const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
-    const bool full_precision = is_full_precision(options, wrapped);
-    FlatParamOptions unit_options = flat_param_options(options, wrapped);
-    unit_options.replicate_communicator(replicate_group);
-    const ShardingStrategy own = unit_strategy(options, *units[k].unit, units[k].fqn);
-    std::unique_ptr<FlatParamHandle> handle = std::move(constructed[k]);
-    if (handle != nullptr) {
-      check_constructed_handle(*handle, units[k].fqn, own, unit_options, *shard_group);
-    } else if (!params_of[k].empty()) {
-      handle = std::make_unique<FlatParamHandle>(params_of[k], shard_group, own, unit_options);
-    }
-    auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0,
-                                                            root_state.get(), std::move(handle));
-    if (full_precision) {
-      full_precision_modules.push_back(&wrapped);
-      if (state->handle() != nullptr) {
-        state->set_input_casting(state->handle()->param_dtype(), /*restore_output_dtype=*/true);
-      }
-    } else if (mp && (k == 0 ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs())) {
-      state->set_input_casting(mp->param_dtype(), /*restore_output_dtype=*/false);
-    }
-    units[k].unit->bind(state);
-    root_state->add_unit(std::move(state));
-  }
-  if (mp && mp->buffer_dtype()) {
-    std::vector<at::Tensor> buffers;
-    for (const at::Tensor& b : buffers_outside(root, ignored.modules,
-                                               full_precision_modules)) {
-      if (at::isFloatingType(b.scalar_type())) buffers.push_back(b);
-    }
-    root_state->set_buffer_casts(std::move(buffers), *mp->buffer_dtype());
-  }
-  root_state->set_ignored_params(ignored.trained);
-  root_state->set_validate_execution_order(options.validate_execution_order());
-  return root_state;
+  const std::vector<at::Tensor>& ignored = state_->ignored_params();
+  params.insert(params.end(), ignored.begin(), ignored.end());
+  return params;
+}
+
+std::unique_ptr<NoSyncScope> FullyShardedRoot::no_sync() {
+  return std::make_unique<NoSyncScope>(*state_);
+}
+
+std::unique_ptr<SummonFullParamsScope> FullyShardedRoot::summon_full_params(bool writeback,
+                                                                            bool rank0_only) {
+  return std::make_unique<SummonFullParamsScope>(*state_, writeback, rank0_only);
+}
+
+at::Tensor FullyShardedRoot::clip_grad_norm_(double max_norm, double norm_type) {
+  return state_->clip_grad_norm(max_norm, norm_type);
+}
+
+const std::vector<std::shared_ptr<FullyShardedUnit>>& FullyShardedRoot::units() const {
+  return state_->unit_views();
+}
+
+TrainingState FullyShardedRoot::training_state() const { return state_->training_state(); }
+
+ShardingStrategy FullyShardedRoot::sharding_strategy() const { return state_->strategy(); }
+
+Communicator& FullyShardedRoot::communicator() const { return state_->comm(); }
+
+torch::nn::Module& FullyShardedRoot::root_module() const { return *root_; }
+
+void FullyShardedRoot::check_idle(const char* what) const {
+  state_->assert_in_states({TrainingState::kIdle}, what);
 }
 
 }  // namespace fsdp

@@ -1,6 +1,7 @@
 // FullyShardedDataParallel: the root of an FSDP model. It makes the wrapped model the
 // root unit, binds every Unit<T> inside it (unit.h), flattens and shards each unit's
-// parameters, and trains with the runtime of internal/runtime.h.
+// parameters, and trains with the FSDP runtime (internal/runtime.h). Its non-template
+// part, FullyShardedRoot, is what state dicts and checkpoints (fsdp/state) take.
 //
 //   auto comm = fsdp::init_from_environment();
 //   fsdp::FullyShardedDataParallel<NetImpl> model(
@@ -59,6 +60,7 @@
 
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/flat_param.h"
+#include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"
 #include "fsdp/wrap/policy.h"
 
@@ -141,6 +143,10 @@ struct FullyShardedDataParallelOptions {
   // Tensor -> Tensor forward), which is rebuilt around a unit; anything else is an error
   // naming its FQN. Annotated units the policy does not pick stay pass-throughs.
   TORCH_ARG(AutoWrapPolicy, auto_wrap_policy) = nullptr;
+  // Units from its init_policy (as auto_wrap_policy; give one or the other), prefetching
+  // in both passes in the order the units ran in the first iteration (wrap/policy.h). It
+  // overrides backward_prefetch (BACKWARD_PRE) and forward_prefetch (on).
+  TORCH_ARG(c10::optional<ParamExecOrderWrapPolicy>, param_exec_order_wrap_policy);
   // Low-precision forward/backward and gradient reduction (none: everything in the
   // parameters' dtypes).
   TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision);
@@ -190,7 +196,7 @@ struct FullyShardedDataParallelOptions {
 // them from the same seed). HYBRID strategies and auto_wrap_policy are not supported with
 // it. A parameter shared by two units built under it must be inside the later one's
 // module. Errors: c10::Error. Not nestable; one per thread (ranks may be threads).
-class ShardOnConstruction {
+class [[nodiscard]] ShardOnConstruction {
  public:
   explicit ShardOnConstruction(const FullyShardedDataParallelOptions& options);
   ~ShardOnConstruction();
@@ -198,13 +204,12 @@ class ShardOnConstruction {
   ShardOnConstruction& operator=(const ShardOnConstruction&) = delete;
 };
 
-// Binds `root` and every Unit inside it; returns the root's runtime state. Used by
-// FullyShardedDataParallelImpl; throws c10::Error on bad models (see the file comment).
-std::shared_ptr<core_internal::RootState> bind_fully_sharded(
-    UnitBase& root, const FullyShardedDataParallelOptions& options);
+namespace core_internal {
+class RootState;  // the runtime state of a bound root (internal/runtime.h)
+}  // namespace core_internal
 
-// RAII scopes returned by FullyShardedDataParallelImpl::no_sync / summon_full_params.
-class NoSyncScope {
+// RAII scopes returned by FullyShardedRoot::no_sync / summon_full_params.
+class [[nodiscard]] NoSyncScope {
  public:
   explicit NoSyncScope(core_internal::RootState& root);
   ~NoSyncScope();
@@ -216,7 +221,7 @@ class NoSyncScope {
   bool previous_;
 };
 
-class SummonFullParamsScope {
+class [[nodiscard]] SummonFullParamsScope {
  public:
   SummonFullParamsScope(core_internal::RootState& root, bool writeback, bool rank0_only);
   ~SummonFullParamsScope();
@@ -227,30 +232,50 @@ class SummonFullParamsScope {
   core_internal::RootState& root_;
 };
 
-template <typename Contained>
-class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
+// One unit of a bound model, as the root lists it (FullyShardedRoot::units()): its FQN,
+// its flat parameter and its state. PyTorch: a FullyShardedDataParallel instance's
+// _fsdp_wrapped_module prefix, _handle and _handle.training_state.
+class FullyShardedUnit {
  public:
-  FullyShardedDataParallelImpl(std::shared_ptr<Contained> module,
-                               const FullyShardedDataParallelOptions& options)
-      : UnitImpl<Contained>(std::move(module)),
-        root_(bind_fully_sharded(*this, options)) {}
+  virtual ~FullyShardedUnit() = default;
+  FullyShardedUnit(const FullyShardedUnit&) = delete;
+  FullyShardedUnit& operator=(const FullyShardedUnit&) = delete;
 
-  // The sharded flat parameters of every unit, in pre-order: what the optimizer updates.
-  std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const {
-    std::vector<at::Tensor> params;
-    for (const auto& unit : root_->units()) {
-      if (unit->handle() != nullptr) params.push_back(unit->handle()->sharded_flat_param());
-    }
-    const std::vector<at::Tensor>& ignored = root_->ignored_params();
-    params.insert(params.end(), ignored.begin(), ignored.end());
-    return params;
-  }
+  const std::string& fqn() const { return fqn_; }  // cleaned; "" for the root
+  bool is_root() const { return is_root_; }
+  // The unit's flat parameter; null for a unit that owns no parameters.
+  FlatParamHandle* handle() const { return handle_.get(); }
+  HandleTrainingState handle_state() const { return handle_state_; }
+
+ protected:
+  FullyShardedUnit(std::string fqn, bool is_root, std::unique_ptr<FlatParamHandle> handle)
+      : fqn_(std::move(fqn)), is_root_(is_root), handle_(std::move(handle)) {}
+
+  std::string fqn_;
+  bool is_root_;
+  std::unique_ptr<FlatParamHandle> handle_;
+  HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
+};
+
+// The root of an FSDP model without its module type: what FullyShardedDataParallelImpl<T>
+// adds to its module, and what state dicts and checkpoints (fsdp/state) take. Made only
+// as a base of FullyShardedDataParallelImpl<T>. PyTorch: the root
+// FullyShardedDataParallel instance.
+class FullyShardedRoot {
+ public:
+  virtual ~FullyShardedRoot();
+  FullyShardedRoot(const FullyShardedRoot&) = delete;
+  FullyShardedRoot& operator=(const FullyShardedRoot&) = delete;
+
+  // The sharded flat parameters of every unit, in pre-order, then the ignored parameters
+  // that require grad: what the optimizer updates.
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
 
   // While the returned scope lives, backward passes accumulate gradients unsharded on
   // each rank with no communication (no reduce-scatter, no all-reduce); the first
   // backward after it reduces the sum. Every rank must use it the same way. PyTorch:
   // FullyShardedDataParallel.no_sync().
-  std::unique_ptr<NoSyncScope> no_sync() { return std::make_unique<NoSyncScope>(*root_); }
+  [[nodiscard]] std::unique_ptr<NoSyncScope> no_sync();
 
   // While the returned scope lives, every original parameter holds its full value (one
   // all-gather per unit, on every rank). With writeback, edits made to them are copied
@@ -258,10 +283,8 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
   // values: the other ranks' original parameters must not be read (their memory is
   // freed). Needs the model idle (not inside forward/backward); writeback with
   // rank0_only is an error. PyTorch: FullyShardedDataParallel.summon_full_params().
-  std::unique_ptr<SummonFullParamsScope> summon_full_params(bool writeback = true,
-                                                            bool rank0_only = false) {
-    return std::make_unique<SummonFullParamsScope>(*root_, writeback, rank0_only);
-  }
+  [[nodiscard]] std::unique_ptr<SummonFullParamsScope> summon_full_params(bool writeback = true,
+                                                                          bool rank0_only = false);
 
   // Scales every gradient (the flat shards' and the ignored modules' parameters') by
   // min(1, max_norm / (total_norm + 1e-6)), where total_norm is the norm of all of them
@@ -271,20 +294,42 @@ class FullyShardedDataParallelImpl : public UnitImpl<Contained> {
   // and before the optimizer step; the model must be idle. Only the root has this
   // method: units below it cannot clip alone (PyTorch raises for a non-root instance).
   // PyTorch: FullyShardedDataParallel.clip_grad_norm_.
-  at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0) {
-    return root_->clip_grad_norm(max_norm, norm_type);
-  }
+  at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
   // Units in pre-order (the root first), for inspection.
-  const std::vector<std::shared_ptr<core_internal::UnitState>>& units() const {
-    return root_->units();
-  }
-  TrainingState training_state() const { return root_->training_state(); }
-  ShardingStrategy sharding_strategy() const { return root_->strategy(); }  // effective
-  Communicator& communicator() const { return root_->comm(); }
+  const std::vector<std::shared_ptr<FullyShardedUnit>>& units() const;
+  TrainingState training_state() const;
+  ShardingStrategy sharding_strategy() const;  // effective (kNoShard at world size 1)
+  Communicator& communicator() const;
+
+  // The root as a module (the FullyShardedDataParallelImpl itself): its named_parameters()
+  // and named_buffers() carry the model's names, wrapper prefixes included.
+  torch::nn::Module& root_module() const;
+  // Throws c10::Error with PyTorch's message ("<what>: expected to be in states
+  // [TrainingState.IDLE] but current state is ...") unless the model is idle.
+  void check_idle(const char* what) const;
+
+ protected:
+  // Binds `root` (the FullyShardedDataParallelImpl being built) and every Unit inside it:
+  // flattens and shards their parameters. Throws c10::Error on bad models (see the file
+  // comment).
+  FullyShardedRoot(UnitBase& root, const FullyShardedDataParallelOptions& options);
 
  private:
-  std::shared_ptr<core_internal::RootState> root_;
+  UnitBase* root_;
+  std::shared_ptr<core_internal::RootState> state_;
+};
+
+// The root module: the model's own module type with FullyShardedRoot's API.
+template <typename Contained>
+class FullyShardedDataParallelImpl : public UnitImpl<Contained>, public FullyShardedRoot {
+ public:
+  FullyShardedDataParallelImpl(std::shared_ptr<Contained> module,
+                               const FullyShardedDataParallelOptions& options)
+      : UnitImpl<Contained>(std::move(module)), FullyShardedRoot(*this, options) {}
+
+  // The sharded flat parameters, not the original ones that Module::parameters() lists.
+  using FullyShardedRoot::parameters;
 };
 
 template <typename Contained>

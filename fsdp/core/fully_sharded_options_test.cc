@@ -1,7 +1,8 @@
 // FullyShardedDataParallel's options beyond sharding, with exact values on ranks as
 // threads (the fake communicator): clip_grad_norm_, sync_module_states, execution-order
-// validation and frozen parameters.
+// validation, ParamExecOrderWrapPolicy and frozen parameters.
 #include <cmath>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -12,10 +13,11 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/linear.h>
 
+#include "absl/strings/str_cat.h"
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/state/fqn.h"
 
 namespace fsdp {
 namespace {
@@ -299,6 +301,131 @@ TEST(ExecutionOrderTest, ALaterChangeWarnsOnce) {
   EXPECT_THAT(handler.messages[0], HasSubstr("the forward order of units changed after the "
                                              "first iteration: unit 'b' ran at position 0 "
                                              "where the first iteration ran 'a'"));
+}
+
+// ---- ParamExecOrderWrapPolicy ----
+
+// Reports each forward (and, through a hook on its output, the start of its backward)
+// to the model's `report`.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl(std::string name, const std::function<void(const std::string&, bool)>* report)
+      : name(std::move(name)), report(report) {
+    weight = register_parameter("weight", at::ones({4}));
+  }
+  at::Tensor forward(at::Tensor x) {
+    (*report)(name, /*backward=*/false);
+    at::Tensor y = x * weight;
+    y.register_hook([this](const at::Tensor&) { (*report)(name, /*backward=*/true); });
+    return y;
+  }
+  std::string name;
+  const std::function<void(const std::string&, bool)>* report;
+  at::Tensor weight;
+};
+
+// Units a, b, c (registered in that order) run in the order `order` names them.
+struct ExecOrderNetImpl : torch::nn::Module {
+  ExecOrderNetImpl() {
+    for (const char* name : {"a", "b", "c"}) {
+      probes.push_back(register_module(name, Unit<ProbeImpl>(std::make_shared<ProbeImpl>(
+                                                 name, &report))));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (char name : order) x = probes[name - 'a'](x);
+    return x;
+  }
+  std::string order = "abc";
+  std::function<void(const std::string&, bool)> report = [](const std::string&, bool) {};
+  std::vector<Unit<ProbeImpl>> probes;
+};
+
+// For each iteration's unit order, what the units saw: "f x:ABC" as unit x starts its
+// forward (the FlatParamState of a, b and c: S sharded, G gathering (prefetched), U
+// unsharded), "b x:A" as unit x's backward starts (its own state, before it gathers).
+std::vector<std::vector<std::string>> run_orders(const FullyShardedDataParallelOptions& options,
+                                                 const std::vector<std::string>& orders) {
+  auto net = std::make_shared<ExecOrderNetImpl>();
+  FullyShardedDataParallel<ExecOrderNetImpl> model(net, options);
+  std::map<std::string, const FlatParamHandle*> handles;
+  for (const auto& unit : model->units()) {
+    if (unit->handle() != nullptr) handles[unit->fqn()] = unit->handle();
+  }
+  EXPECT_EQ(handles.size(), 3u);
+  const auto letter = [&](const std::string& fqn) {
+    switch (handles.at(fqn)->state()) {
+      case FlatParamState::kSharded:
+        return 'S';
+      case FlatParamState::kUnsharding:
+        return 'G';
+      case FlatParamState::kUnsharded:
+        return 'U';
+      case FlatParamState::kUnshardedFullPrecision:
+        return 'F';
+    }
+    return '?';
+  };
+  std::vector<std::vector<std::string>> seen;
+  net->report = [&](const std::string& name, bool backward) {
+    seen.back().push_back(backward ? absl::StrCat("b ", name, ":", std::string(1, letter(name)))
+                                   : absl::StrCat("f ", name, ":", std::string{letter("a"),
+                                                  letter("b"), letter("c")}));
+  };
+  for (const std::string& order : orders) {
+    net->order = order;
+    seen.emplace_back();
+    model->forward(at::ones({2, 4})).sum().backward();
+  }
+  return seen;
+}
+
+// Units run c, a, b twice, then b, c, a twice. With the policy, prefetching follows the
+// first iteration's order (c, a, b) in both passes from the second iteration on; plain
+// forward_prefetch follows the previous iteration's order and backward prefetch the
+// current one, so they part in the fourth iteration.
+TEST(ParamExecOrderWrapPolicyTest, PrefetchFollowsTheFirstIterationsRunOrder) {
+  using Seen = std::vector<std::string>;
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    const std::vector<std::string> orders = {"cab", "cab", "bca", "bca"};
+    const auto policy = run_orders(FullyShardedDataParallelOptions(borrow(comm))
+                                       .param_exec_order_wrap_policy(ParamExecOrderWrapPolicy()),
+                                   orders);
+    ASSERT_EQ(policy.size(), 4u);
+    // First iteration: no order known yet in forward; backward follows this one.
+    EXPECT_EQ(policy[0], (Seen{"f c:SSU", "f a:USS", "f b:SUS", "b b:S", "b a:G", "b c:G"}));
+    EXPECT_EQ(policy[1], (Seen{"f c:GSU", "f a:UGS", "f b:SUS", "b b:S", "b a:G", "b c:G"}));
+    // Run as b, c, a: still prefetched in the order c, a, b (backward: b, a, c).
+    EXPECT_EQ(policy[2], (Seen{"f b:SUS", "f c:GSU", "f a:UGS", "b a:S", "b c:S", "b b:G"}));
+    EXPECT_EQ(policy[3], policy[2]);
+
+    const auto plain = run_orders(
+        FullyShardedDataParallelOptions(borrow(comm)).forward_prefetch(true), orders);
+    ASSERT_EQ(plain.size(), 4u);
+    EXPECT_EQ(plain[3], (Seen{"f b:SUG", "f c:GSU", "f a:USS", "b a:S", "b c:G", "b b:G"}));
+  });
+}
+
+TEST(ParamExecOrderWrapPolicyTest, UnitsComeFromItsInitPolicyAndExcludeAutoWrapPolicy) {
+  auto world = FakeWorld::create(1);
+  FullyShardedDataParallel<ExecOrderNetImpl> model(
+      std::make_shared<ExecOrderNetImpl>(),
+      FullyShardedDataParallelOptions(world->communicator(0))
+          .param_exec_order_wrap_policy(ParamExecOrderWrapPolicy().init_policy(
+              lambda_auto_wrap_policy([](const ModuleNode& node) { return node.name != "b"; }))));
+  std::vector<std::string> fqns;
+  for (const auto& unit : model->units()) fqns.push_back(unit->fqn());
+  EXPECT_EQ(fqns, (std::vector<std::string>{"", "a", "c"}));
+  EXPECT_THAT(
+      [&] {
+        FullyShardedDataParallel<ExecOrderNetImpl> both(
+            std::make_shared<ExecOrderNetImpl>(),
+            FullyShardedDataParallelOptions(world->communicator(0))
+                .auto_wrap_policy(always_wrap_policy())
+                .param_exec_order_wrap_policy(ParamExecOrderWrapPolicy()));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr(
+          "give auto_wrap_policy or param_exec_order_wrap_policy (whose init_policy picks "
+          "the units), not both")));
 }
 
 // ---- Frozen parameters ----

@@ -22,10 +22,10 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/internal/forwarding.h"
 #include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/state/fqn.h"
 
 namespace fsdp {
 namespace {
@@ -318,7 +318,7 @@ TEST(FullyShardedTest, UnitWithoutRootIsAPassThrough) {
   auto net = make_net();
   at::Tensor out = net->forward(inputs(0, 2));
   EXPECT_EQ(out.sizes(), c10::IntArrayRef({2, 3}));
-  EXPECT_EQ(net->l1->state(), nullptr);
+  EXPECT_FALSE(net->l1->is_bound());
 }
 
 TEST(FullyShardedTest, NoGradForwardReshardsAndReturnsToIdle) {
@@ -467,7 +467,7 @@ TEST(SummonFullParamsTest, RankZeroOnly) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
     FullyShardedDataParallel<NetImpl> model(make_net(), FullyShardedDataParallelOptions(self));
-    EXPECT_THAT([&] { model->summon_full_params(/*writeback=*/true, /*rank0_only=*/true); },
+    EXPECT_THAT([&] { (void)model->summon_full_params(/*writeback=*/true, /*rank0_only=*/true); },
                 ThrowsMessage<c10::Error>(HasSubstr("writeback=true with rank0_only=true")));
     auto full = model->summon_full_params(/*writeback=*/false, /*rank0_only=*/true);
     for (const auto& unit : model->units()) {
@@ -485,7 +485,7 @@ TEST(TrainingStateTest, WrongStateGivesTheSeedsMessage) {
     EXPECT_STREQ(handle_training_state_name(unit->handle_state()),
                  "HandleTrainingState.SUMMON_FULL_PARAMS");
   }
-  EXPECT_THAT([&] { model->summon_full_params(); },
+  EXPECT_THAT([&] { (void)model->summon_full_params(); },
               ThrowsMessage<c10::Error>(HasSubstr(
                   "summon_full_params: expected to be in states [TrainingState.IDLE] but "
                   "current state is TrainingState.SUMMON_FULL_PARAMS")));
@@ -675,7 +675,7 @@ TEST(AutoWrapTest, AnnotatedUnitsAreActiveOnlyWhenPicked) {
                              .auto_wrap_policy(lambda_auto_wrap_policy(
                                  [](const ModuleNode& m) { return m.fqn == "layers.2"; })));
   EXPECT_THAT(unit_fqns(*model), ElementsAre("", "layers.2"));
-  EXPECT_EQ(model->module()->block->state(), nullptr);  // annotated, not picked
+  EXPECT_FALSE(model->module()->block->is_bound());  // annotated, not picked
 }
 
 TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {

@@ -12,6 +12,7 @@
 #include <torch/optim/sgd.h>
 
 #include "absl/strings/str_format.h"
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/internal/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
@@ -19,7 +20,6 @@
 #include "fsdp/core/internal/mlp_model.h"
 #include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/core/tracking_allocator.h"
-#include "fsdp/state/fqn.h"
 
 namespace fsdp {
 namespace {

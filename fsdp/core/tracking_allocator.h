@@ -80,7 +80,7 @@ class MemoryTracker {
 // Sets the calling thread's memory tag for its lifetime and restores the previous one on
 // destruction. `tag`: 0 <= tag < kNumMemoryTags, or kUntagged; throws c10::Error
 // otherwise. Thread-local: affects only allocations made by this thread.
-class MemoryTagGuard {
+class [[nodiscard]] MemoryTagGuard {
  public:
   explicit MemoryTagGuard(int tag);
   ~MemoryTagGuard();

@@ -39,25 +39,25 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
-#include "fsdp/core/internal/forward_as.h"
-#include "fsdp/core/internal/runtime.h"
+#include "fsdp/base/names.h"
+#include "fsdp/core/flat_param.h"
+#include "fsdp/core/forward_as.h"
 
 namespace fsdp {
 
-// What the runtime finds in a module tree: any Unit<T>.
 namespace core_internal {
-// The wrapped module's parameters flattened and sharded, if a ShardOnConstruction scope
-// (fully_sharded.h) is active on this thread; else null.
-std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped);
+class UnitState;  // the runtime state of a bound unit (internal/runtime.h)
 }  // namespace core_internal
 
+// What the runtime finds in a module tree: any Unit<T>.
 class UnitBase : public torch::nn::Module {
  public:
   // The wrapped module.
   virtual std::shared_ptr<torch::nn::Module> wrapped_module() const = 0;
-  // Null until a FullyShardedDataParallel root binds this unit.
-  core_internal::UnitState* state() const { return state_.get(); }
-  void bind(std::shared_ptr<core_internal::UnitState> state) { state_ = std::move(state); }
+  // Whether a FullyShardedDataParallel root has bound this unit (a unit binds once).
+  bool is_bound() const { return state_ != nullptr; }
+  // Called by the binding FullyShardedDataParallel root.
+  void bind(std::shared_ptr<core_internal::UnitState> state);
   // The flat parameter made when this unit was built inside a ShardOnConstruction scope
   // (FQNs relative to the wrapped module), until the binding root takes it.
   const FlatParamHandle* constructed_handle() const { return constructed_handle_.get(); }
@@ -67,20 +67,18 @@ class UnitBase : public torch::nn::Module {
 
  protected:
   // Called at the end of a unit's constructor. See ShardOnConstruction.
-  void shard_if_constructing() {
-    constructed_handle_ = core_internal::shard_on_construction(*wrapped_module());
-  }
+  void shard_if_constructing();
 
   // Runs `forward` (the wrapped module's) with the FSDP steps around it.
   template <typename Forward>
   auto run(Forward&& forward) -> decltype(forward()) {
     if (!state_) return forward();
-    state_->pre_forward();
+    pre_forward();
     auto output = forward();
     if constexpr (std::is_same_v<std::decay_t<decltype(output)>, at::Tensor>) {
-      output = state_->cast_output(output);
+      output = cast_output(output);
     }
-    state_->post_forward(hook_outputs(output));
+    post_forward(hook_outputs(output));
     return output;
   }
 
@@ -89,17 +87,24 @@ class UnitBase : public torch::nn::Module {
   template <typename T>
   decltype(auto) cast_input(T&& arg) {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-      return at::Tensor(state_ ? state_->cast_input(arg) : arg);
+      return at::Tensor(state_ ? cast_tensor_input(arg) : arg);
     } else {
       return std::forward<T>(arg);
     }
   }
 
  private:
-  bool hook_outputs(const at::Tensor& output) { return state_->hook_output(output); }
+  // The runtime steps (unit.cc forwards them to the bound state).
+  void pre_forward();
+  at::Tensor cast_tensor_input(const at::Tensor& input);
+  at::Tensor cast_output(const at::Tensor& output);
+  bool hook_output(const at::Tensor& output);
+  void post_forward(bool hooked);
+
+  bool hook_outputs(const at::Tensor& output) { return hook_output(output); }
   bool hook_outputs(const std::vector<at::Tensor>& outputs) {
     bool hooked = false;
-    for (const at::Tensor& t : outputs) hooked = state_->hook_output(t) || hooked;
+    for (const at::Tensor& t : outputs) hooked = hook_output(t) || hooked;
     return hooked;
   }
   template <typename... Ts>
@@ -114,7 +119,7 @@ class UnitBase : public torch::nn::Module {
   template <typename T>
   bool hook_item(const T& item) {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-      return state_->hook_output(item);
+      return hook_output(item);
     } else {
       return false;
     }
@@ -124,14 +129,12 @@ class UnitBase : public torch::nn::Module {
   std::unique_ptr<FlatParamHandle> constructed_handle_;
 };
 
-
 template <typename Contained>
 class UnitImpl : public UnitBase,
-                 public core_internal::ForwardAs<UnitImpl<Contained>,
-                                                 decltype(&Contained::forward)> {
+                 public detail::ForwardAs<UnitImpl<Contained>, decltype(&Contained::forward)> {
  public:
   explicit UnitImpl(std::shared_ptr<Contained> module)
-      : module_(register_module("_fsdp_wrapped_module", std::move(module))) {
+      : module_(register_module(std::string(kFsdpWrappedModule), std::move(module))) {
     shard_if_constructing();
   }
 
@@ -166,7 +169,7 @@ class AnyUnitImpl : public UnitBase {
  public:
   explicit AnyUnitImpl(torch::nn::AnyModule module)
       : module_(std::move(module)),
-        wrapped_(register_module("_fsdp_wrapped_module", module_.ptr())) {
+        wrapped_(register_module(std::string(kFsdpWrappedModule), module_.ptr())) {
     shard_if_constructing();
   }
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }

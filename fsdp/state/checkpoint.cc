@@ -165,7 +165,7 @@ struct Item {
 
 // Replicated tensors are written by rank 0 only, and under HYBRID strategies a flat
 // parameter's pieces by its first shard group only (see writes_pieces).
-std::vector<Item> items_of(UnitBase& model, const ShardedStateDict& model_state,
+std::vector<Item> items_of(FullyShardedRoot& model, const ShardedStateDict& model_state,
                            const ShardedOptimStateDict& optim_state) {
   const state_internal::ModelLayout layout =
       state_internal::model_layout(model, "save_sharded_checkpoint");
@@ -391,12 +391,12 @@ OptimStateDict load_optim_state_dict(const std::string& path) {
   return state_dict;
 }
 
-void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* optimizer,
+void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer* optimizer,
                              const std::string& dir) {
   const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
   const ShardedOptimStateDict optim_state =
       optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
-  Communicator& comm = model.state()->root().comm();
+  Communicator& comm = model.communicator();
   const int rank = comm.rank();
   const std::vector<Item> items = items_of(model, model_state, optim_state);
   const fs::path target = fs::absolute(dir).lexically_normal();
@@ -484,7 +484,7 @@ void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* opt
   all_ok(ok, "publishing '" + target.string() + "'", error);
 }
 
-void load_sharded_checkpoint(UnitBase& model, torch::optim::Optimizer* optimizer,
+void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
                              const std::string& dir) {
   static const std::string kWhat = "load_sharded_checkpoint";
   ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape

@@ -43,7 +43,7 @@
 
 #include <torch/optim/optimizer.h>
 
-#include "fsdp/core/unit.h"
+#include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
 
@@ -61,13 +61,13 @@ OptimStateDict load_optim_state_dict(const std::string& path);
 
 // Writes the model's (and, if not null, the optimizer's) sharded state to directory
 // `dir` (its parent must exist; an existing `dir` is replaced). Collective.
-void save_sharded_checkpoint(UnitBase& model, const torch::optim::Optimizer* optimizer,
+void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer* optimizer,
                              const std::string& dir);
 
 // Loads a sharded checkpoint saved at any world size into `model` (and `optimizer`, if
 // not null: its state becomes the checkpoint's). Strict: the checkpoint's model keys,
 // shapes and dtypes must be the model's. Reads files only; no communication.
-void load_sharded_checkpoint(UnitBase& model, torch::optim::Optimizer* optimizer,
+void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
                              const std::string& dir);
 
 // The complete sharded checkpoint under `root` whose directory name sorts last (name

@@ -131,8 +131,8 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
   optimizer.state()[compat::optimizer_state_key(param)] = std::move(state);
 }
 
-void load(UnitBase& model, torch::optim::Optimizer& optimizer, const std::vector<std::string>& keys,
-          const Source& source, const char* what) {
+void load(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+          const std::vector<std::string>& keys, const Source& source, const char* what) {
   const ModelLayout layout = state_internal::model_layout(model, what);
   const std::vector<Param> params = params_of(layout);
   absl::flat_hash_set<std::string> known;
@@ -236,7 +236,8 @@ torch::OrderedDict<std::string, torch::OrderedDict<std::string, Value>> collect(
 
 }  // namespace
 
-OptimStateDict full_optim_state_dict(UnitBase& model, const torch::optim::Optimizer& optimizer,
+OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
+                                     const torch::optim::Optimizer& optimizer,
                                      const FullStateDictOptions& options) {
   const ModelLayout layout = state_internal::model_layout(model, "full_optim_state_dict");
   auto gather = [&](const FlatParamHandle& handle, const at::Tensor& shard) {
@@ -258,7 +259,7 @@ OptimStateDict full_optim_state_dict(UnitBase& model, const torch::optim::Optimi
       copy, !options.rank0_only() || layout.rank == 0);
 }
 
-void load_full_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimizer,
+void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                 const OptimStateDict& state_dict) {
   static const char* kWhat = "load_full_optim_state_dict";
   Source source;
@@ -283,7 +284,7 @@ void load_full_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimi
   load(model, optimizer, state_dict.keys(), source, kWhat);
 }
 
-ShardedOptimStateDict sharded_optim_state_dict(UnitBase& model,
+ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
                                                const torch::optim::Optimizer& optimizer) {
   const ModelLayout layout = state_internal::model_layout(model, "sharded_optim_state_dict");
   return collect<ShardedTensor>(
@@ -302,7 +303,7 @@ ShardedOptimStateDict sharded_optim_state_dict(UnitBase& model,
       /*keep=*/true);
 }
 
-void load_sharded_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimizer,
+void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                    const ShardedOptimStateDict& state_dict) {
   static const char* kWhat = "load_sharded_optim_state_dict";
   Source source;

@@ -42,22 +42,23 @@ using ShardedOptimStateDict = torch::OrderedDict<std::string, ShardedParamOptimS
 
 // Gathers the state (one all-gather per state tensor of each flat parameter). With
 // options.rank0_only(), ranks other than 0 get an empty dict. Collective.
-OptimStateDict full_optim_state_dict(UnitBase& model, const torch::optim::Optimizer& optimizer,
+OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
+                                     const torch::optim::Optimizer& optimizer,
                                      const FullStateDictOptions& options = {});
 
 // Replaces `optimizer`'s state with `state_dict` (every rank passes the same full dict).
 // Every parameter of a unit has state or none has (a flat parameter has one state);
 // shapes must equal the parameters' and dtypes their dtype. No communication.
-void load_full_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimizer,
+void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                 const OptimStateDict& state_dict);
 
 // This rank's pieces (copies); "step" is replicated. No communication.
-ShardedOptimStateDict sharded_optim_state_dict(UnitBase& model,
+ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
                                                const torch::optim::Optimizer& optimizer);
 
 // Loads pieces covering this rank's shards (as sharded_optim_state_dict gave them at the
 // same world size, or as load_sharded_checkpoint assembles them at another).
-void load_sharded_optim_state_dict(UnitBase& model, torch::optim::Optimizer& optimizer,
+void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                    const ShardedOptimStateDict& state_dict);
 
 }  // namespace fsdp

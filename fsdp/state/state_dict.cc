@@ -32,7 +32,7 @@ at::Tensor shard_part(const Entry& entry, const ParamSlice& slice) {
 
 }  // namespace
 
-StateDict full_state_dict(UnitBase& model, const FullStateDictOptions& options) {
+StateDict full_state_dict(FullyShardedRoot& model, const FullStateDictOptions& options) {
   const ModelLayout layout = state_internal::model_layout(model, "full_state_dict");
   const bool keep = !options.rank0_only() || layout.rank == 0;
   auto copy = [&](const at::Tensor& tensor) {
@@ -65,7 +65,7 @@ StateDict full_state_dict(UnitBase& model, const FullStateDictOptions& options) 
   return state_dict;
 }
 
-void load_full_state_dict(UnitBase& model, const StateDict& state_dict) {
+void load_full_state_dict(FullyShardedRoot& model, const StateDict& state_dict) {
   static const std::string kWhat = "load_full_state_dict";
   const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
   state_internal::check_same_keys(keys_of(layout.entries), state_dict.keys(), kWhat);
@@ -87,7 +87,7 @@ void load_full_state_dict(UnitBase& model, const StateDict& state_dict) {
   }
 }
 
-ShardedStateDict sharded_state_dict(UnitBase& model) {
+ShardedStateDict sharded_state_dict(FullyShardedRoot& model) {
   const ModelLayout layout = state_internal::model_layout(model, "sharded_state_dict");
   ShardedStateDict state_dict;
   for (const Entry& entry : layout.entries) {
@@ -107,7 +107,7 @@ ShardedStateDict sharded_state_dict(UnitBase& model) {
   return state_dict;
 }
 
-void load_sharded_state_dict(UnitBase& model, const ShardedStateDict& state_dict) {
+void load_sharded_state_dict(FullyShardedRoot& model, const ShardedStateDict& state_dict) {
   static const std::string kWhat = "load_sharded_state_dict";
   const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
   state_internal::check_same_keys(keys_of(layout.entries), state_dict.keys(), kWhat);
@@ -164,7 +164,7 @@ std::vector<std::pair<std::string, at::Tensor>> local_targets(const ModelLayout&
 
 }  // namespace
 
-LocalStateDict local_state_dict(UnitBase& model) {
+LocalStateDict local_state_dict(FullyShardedRoot& model) {
   const ModelLayout layout = state_internal::model_layout(model, "local_state_dict");
   LocalStateDict state_dict;
   state_dict.world_size = layout.world_size;
@@ -175,7 +175,7 @@ LocalStateDict local_state_dict(UnitBase& model) {
   return state_dict;
 }
 
-void load_local_state_dict(UnitBase& model, const LocalStateDict& state_dict) {
+void load_local_state_dict(FullyShardedRoot& model, const LocalStateDict& state_dict) {
   static const std::string kWhat = "load_local_state_dict";
   const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
   TORCH_CHECK(state_dict.world_size == layout.world_size && state_dict.rank == layout.rank, kWhat,

@@ -12,7 +12,8 @@
 //   torch::nn::Linear plain(4, 2);                     // an unwrapped LibTorch model
 //   fsdp::load_module_state_dict(*plain, fsdp::module_state_dict(*other));
 //
-// `model` is the root FullyShardedDataParallel (fully_sharded.h: pass *model), idle (not
+// `model` is the root of an FSDP model, a FullyShardedRoot (fully_sharded.h: pass *model
+// of a FullyShardedDataParallel<T>; a unit inside it does not compile), idle (not
 // inside forward/backward or summon_full_params). Functions that gather or need every
 // rank's part are collective: every rank calls them in the same order.
 //
@@ -21,7 +22,7 @@
 //
 // Threading: one call at a time per model, on its rank's thread. Errors: c10::Error
 // naming cleaned FQNs (missing and unexpected keys, shape or dtype mismatches, a model
-// that is not an idle FSDP root, a LOCAL state dict from another world size).
+// that is not idle, a LOCAL state dict from another world size).
 #ifndef FSDP_STATE_STATE_DICT_H_
 #define FSDP_STATE_STATE_DICT_H_
 
@@ -34,7 +35,7 @@
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
-#include "fsdp/core/unit.h"
+#include "fsdp/core/fully_sharded.h"
 
 namespace fsdp {
 
@@ -79,25 +80,25 @@ struct FullStateDictOptions {
 // The full state dict: every parameter gathered to its original shape (a copy that does
 // not change with training). Collective: one all-gather per unit with parameters, one
 // unit at a time, so at most one unit is unsharded beside the copies.
-StateDict full_state_dict(UnitBase& model, const FullStateDictOptions& options = {});
+StateDict full_state_dict(FullyShardedRoot& model, const FullStateDictOptions& options = {});
 
 // Loads a full state dict (on every rank). Strict: its keys must be exactly the
 // model's, each tensor of the same shape and dtype. Each rank copies only its shard's
 // elements; no communication.
-void load_full_state_dict(UnitBase& model, const StateDict& state_dict);
+void load_full_state_dict(FullyShardedRoot& model, const StateDict& state_dict);
 
 // This rank's pieces: every key of the model, each a ShardedTensor (a copy). No
 // communication.
-ShardedStateDict sharded_state_dict(UnitBase& model);
+ShardedStateDict sharded_state_dict(FullyShardedRoot& model);
 
 // Loads pieces that cover this rank's shard (those sharded_state_dict gave this rank at
 // the same world size; to reshard to another world size go through a sharded
 // checkpoint, checkpoint.h). Strict about keys, shapes and dtypes.
-void load_sharded_state_dict(UnitBase& model, const ShardedStateDict& state_dict);
+void load_sharded_state_dict(FullyShardedRoot& model, const ShardedStateDict& state_dict);
 
-LocalStateDict local_state_dict(UnitBase& model);
+LocalStateDict local_state_dict(FullyShardedRoot& model);
 // Throws if `state_dict` was made at another world size or rank.
-void load_local_state_dict(UnitBase& model, const LocalStateDict& state_dict);
+void load_local_state_dict(FullyShardedRoot& model, const LocalStateDict& state_dict);
 
 // The state dict of an unwrapped module (or an FSDP model seen as a plain module: names
 // are cleaned, values are the module's tensors themselves, not copies; an FSDP model's

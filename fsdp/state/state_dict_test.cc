@@ -2,6 +2,8 @@
 // values, round trips inside training (REFERENCE §7), plain-model interop, and errors.
 #include "fsdp/state/state_dict.h"
 
+#include <type_traits>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -302,9 +304,12 @@ TEST(Errors, ShardedStateDictFromAnotherWorldSize) {
 TEST(Errors, OnlyTheIdleRootHasAStateDict) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     auto model = wrap<NestedImpl>(comm);
-    EXPECT_THAT([&] { full_state_dict(*model->module()->l1); },
-                ::testing::ThrowsMessage<c10::Error>(
-                    HasSubstr("full_state_dict expects the root FullyShardedDataParallel module")));
+    // Only the root is a FullyShardedRoot: passing a unit inside it to full_state_dict
+    // does not compile (before FullyShardedRoot it was a run-time error).
+    using Root = std::remove_reference_t<decltype(*model)>;
+    using Unit = std::remove_reference_t<decltype(*model->module()->l1)>;
+    static_assert(std::is_convertible_v<Root&, FullyShardedRoot&>);
+    static_assert(!std::is_convertible_v<Unit&, FullyShardedRoot&>);
     auto summon = model->summon_full_params(/*writeback=*/false);
     EXPECT_THAT([&] { sharded_state_dict(*model); },
                 ::testing::ThrowsMessage<c10::Error>(HasSubstr("sharded_state_dict")));

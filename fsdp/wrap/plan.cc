@@ -213,14 +213,4 @@ WrapPlan plan_fsdp_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
   return make_plan(tree, policy, options, /*fsdp_root=*/true);
 }
 
-int64_t shard_numel(int64_t numel, int64_t world_size) {
-  TORCH_CHECK(numel >= 0, "shard_numel: numel must be >= 0, got ", numel);
-  TORCH_CHECK(world_size >= 1, "shard_numel: world_size must be >= 1, got ", world_size);
-  return (numel + world_size - 1) / world_size;
-}
-
-int64_t shard_padding(int64_t numel, int64_t world_size) {
-  return shard_numel(numel, world_size) * world_size - numel;
-}
-
 }  // namespace fsdp

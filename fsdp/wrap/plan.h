@@ -73,13 +73,6 @@ WrapPlan plan_recursive_wrap(const ModuleTree& tree, const AutoWrapPolicy& polic
 WrapPlan plan_fsdp_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
                          const WrapPlanOptions& options = {});
 
-// Flat-parameter sharding (REFERENCE §3): rank r owns chunk r of ceil(numel / world_size)
-// elements; the flat parameter is padded to shard_numel * world_size. numel >= 0,
-// world_size >= 1, else c10::Error. Examples: (120, 8) -> 15, pad 0; (9, 2) -> 5, pad 1;
-// (12, 16) -> 1, pad 4.
-int64_t shard_numel(int64_t numel, int64_t world_size);
-int64_t shard_padding(int64_t numel, int64_t world_size);
-
 }  // namespace fsdp
 
 #endif  // FSDP_WRAP_PLAN_H_

@@ -308,17 +308,5 @@ TEST(PolicyTest, CppTypesMatchSubclassesAndTheirPythonNames) {
   EXPECT_TRUE(mha.matches(scripted.node(0)));  // by name
 }
 
-TEST(ShardTest, ReferenceExamples) {
-  EXPECT_EQ(shard_numel(120, 8), 15);
-  EXPECT_EQ(shard_padding(120, 8), 0);
-  EXPECT_EQ(shard_numel(9, 2), 5);
-  EXPECT_EQ(shard_padding(9, 2), 1);
-  EXPECT_EQ(shard_numel(12, 16), 1);
-  EXPECT_EQ(shard_padding(12, 16), 4);
-  EXPECT_EQ(shard_numel(0, 4), 0);
-  EXPECT_THROW(shard_numel(5, 0), c10::Error);
-  EXPECT_THROW(shard_numel(-1, 2), c10::Error);
-}
-
 }  // namespace
 }  // namespace fsdp

@@ -97,6 +97,17 @@ AutoWrapPolicy wrap_batchnorm_individually();
 // _or_policy).
 AutoWrapPolicy or_policy(std::vector<AutoWrapPolicy> policies);
 
+// PyTorch 2.0's experimental ParamExecOrderWrapPolicy (torch.distributed.fsdp.wrap):
+// units come from `init_policy` (a recursive policy, as any above); the order in which
+// they run in the first iteration's forward then drives prefetching in both passes for
+// the rest of training (forward: the next unit in that order starts gathering as a unit
+// starts its forward; backward: the previous one, as a unit starts its backward). Give it
+// to FullyShardedDataParallelOptions::param_exec_order_wrap_policy (fully_sharded.h).
+// PyTorch's `tracing_config` (symbolic tracing at construction) has no counterpart.
+struct ParamExecOrderWrapPolicy {
+  TORCH_ARG(AutoWrapPolicy, init_policy) = always_wrap_policy();
+};
+
 // The size policy's defaults (PyTorch: size_based_auto_wrap_policy.FORCE_LEAF_MODULES
 // and .EXCLUDE_WRAP_MODULES).
 std::vector<ModuleType> default_force_leaf_modules();    // {MultiheadAttention}

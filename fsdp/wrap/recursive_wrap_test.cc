@@ -6,7 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 #include "fsdp/wrap/wrap_context.h"
 #include "tests/test_models.h"
 

@@ -47,7 +47,7 @@ void exit_scope(const void* scope);
 }  // namespace wrap_internal
 
 template <typename Options>
-class WrapScope {
+class [[nodiscard]] WrapScope {
  public:
   // Makes the wrapper for a module with the effective options (the seed's wrapper_cls).
   using Factory = std::function<std::shared_ptr<torch::nn::Module>(

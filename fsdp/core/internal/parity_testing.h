@@ -24,9 +24,9 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/state/fqn.h"
 
 namespace fsdp::core_testing {
 

@@ -15,34 +15,6 @@
 
 namespace fsdp {
 
-const char* training_state_name(TrainingState state) {
-  switch (state) {
-    case TrainingState::kIdle:
-      return "TrainingState.IDLE";
-    case TrainingState::kForwardBackward:
-      return "TrainingState.FORWARD_BACKWARD";
-    case TrainingState::kSummonFullParams:
-      return "TrainingState.SUMMON_FULL_PARAMS";
-  }
-  return "unknown";
-}
-
-const char* handle_training_state_name(HandleTrainingState state) {
-  switch (state) {
-    case HandleTrainingState::kIdle:
-      return "HandleTrainingState.IDLE";
-    case HandleTrainingState::kForward:
-      return "HandleTrainingState.FORWARD";
-    case HandleTrainingState::kBackwardPre:
-      return "HandleTrainingState.BACKWARD_PRE";
-    case HandleTrainingState::kBackwardPost:
-      return "HandleTrainingState.BACKWARD_POST";
-    case HandleTrainingState::kSummonFullParams:
-      return "HandleTrainingState.SUMMON_FULL_PARAMS";
-  }
-  return "unknown";
-}
-
 namespace core_internal {
 namespace {
 
@@ -80,7 +52,7 @@ class GradientSink : public torch::autograd::Node {
 
 UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
                      std::unique_ptr<FlatParamHandle> handle)
-    : fqn_(std::move(fqn)), is_root_(is_root), root_(root), handle_(std::move(handle)) {}
+    : FullyShardedUnit(std::move(fqn), is_root, std::move(handle)), root_(root) {}
 
 // Note [Gradient sinks]
 // The autograd engine runs ready nodes in decreasing sequence number (creation order).
@@ -159,17 +131,38 @@ void UnitState::post_forward(bool hooked) {
     handle_state_ = HandleTrainingState::kIdle;
     // The root keeps its parameters for backward (saves an all-gather); a unit whose
     // outputs carry no hook keeps them too, since nothing would gather them again.
-    if (!is_root_ && hooked && reshards_after_forward(handle_->strategy())) {
-      handle_->reshard();
-    }
+    if (!is_root_ && hooked && reshards_after_forward(handle_->strategy())) reshard();
   }
   input_dtype_ = c10::nullopt;
   if (is_root_ && !at::GradMode::is_enabled()) root_->end_forward_without_grad();
 }
 
+void UnitState::assert_handle_in(std::initializer_list<HandleTrainingState> states,
+                                 const char* what) const {
+  if (std::find(states.begin(), states.end(), handle_state_) != states.end()) return;
+  std::vector<std::string> names;
+  for (HandleTrainingState state : states) names.push_back(handle_training_state_name(state));
+  TORCH_CHECK(false, "FullyShardedDataParallel ", what, " of unit ",
+              is_root_ ? std::string("(the root)") : "'" + fqn_ + "'",
+              ": expected its flat parameter in states [", absl::StrJoin(names, ", "),
+              "] but current state is ", handle_training_state_name(handle_state_));
+}
+
+// The states a unit's backward hooks may find its handle in: idle after forward (or
+// when its pre-backward hook did not run), or already in backward. PyTorch asserts
+// BACKWARD_PRE or BACKWARD_POST in its post-backward hook; a C++ unit whose outputs carry
+// no hook (post_forward's `hooked`) reaches post-backward from IDLE.
+constexpr std::initializer_list<HandleTrainingState> kBackwardStates = {
+    HandleTrainingState::kIdle, HandleTrainingState::kBackwardPre,
+    HandleTrainingState::kBackwardPost};
+
 void UnitState::pre_backward() {
+  if (pre_backward_done_ || !handle_) {
+    root_->ensure_end_of_backward_callback();
+    return;
+  }
+  assert_handle_in(kBackwardStates, "pre-backward");
   root_->ensure_end_of_backward_callback();
-  if (pre_backward_done_ || !handle_) return;
   pre_backward_done_ = true;
   handle_->unshard();
   handle_state_ = HandleTrainingState::kBackwardPre;
@@ -178,6 +171,7 @@ void UnitState::pre_backward() {
 
 void UnitState::post_backward(std::vector<at::Tensor> grads) {
   TORCH_INTERNAL_ASSERT(handle_ != nullptr);
+  assert_handle_in(kBackwardStates, "post-backward");
   handle_state_ = HandleTrainingState::kBackwardPost;
   // The parameters are not needed any more: free them before the reduction allocates.
   reshard();
@@ -187,6 +181,18 @@ void UnitState::post_backward(std::vector<at::Tensor> grads) {
     handle_->accumulate_grad(std::move(grads));  // no_sync: no communication
   }
   root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPost);
+}
+
+void UnitState::prefetch() {
+  if (handle_ && handle_state_ == HandleTrainingState::kIdle) handle_->prefetch();
+}
+
+void UnitState::summon(bool keep) {
+  if (!handle_) return;
+  assert_handle_in({HandleTrainingState::kIdle}, "summon_full_params");
+  handle_->unshard_full_precision();
+  handle_state_ = HandleTrainingState::kSummonFullParams;
+  if (!keep) handle_->reshard();
 }
 
 void UnitState::reshard() {
@@ -219,13 +225,7 @@ void RootState::begin_summon(bool writeback, bool rank0_only) {
               "back); pass writeback=false");
   training_state_ = TrainingState::kSummonFullParams;
   summon_writeback_ = writeback;
-  for (const auto& unit : units_) {
-    FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
-    handle->unshard_full_precision();  // every rank takes part in the all-gather
-    unit->set_handle_state(HandleTrainingState::kSummonFullParams);
-    if (rank0_only && comm_->rank() != 0) handle->reshard();
-  }
+  for (const auto& unit : units_) unit->summon(/*keep=*/!rank0_only || comm_->rank() == 0);
 }
 
 void RootState::end_summon() {
@@ -246,7 +246,9 @@ void RootState::end_summon() {
 // forward begins the all-gather of the unit that came after it in the previous
 // iteration. Prefetching is one unit ahead, so at most one all-gather is in flight
 // besides the one being waited for; the all-gathers per iteration are the same ones,
-// issued earlier (REFERENCE §4 counts hold).
+// issued earlier (REFERENCE §4 counts hold). Under ParamExecOrderWrapPolicy both passes
+// follow the first iteration's order instead, whatever order later iterations run in
+// (PyTorch 2.0's experimental policy).
 void RootState::record_forward(UnitState* unit) {
   if (std::find(forward_order_.begin(), forward_order_.end(), unit) != forward_order_.end()) {
     return;  // run again in this iteration
@@ -303,20 +305,28 @@ void RootState::validate_position(const UnitState* unit, size_t position) {
               "or units would all-gather each other's parameters");
 }
 
+void RootState::prefetch_in_first_iteration_order() {
+  first_iteration_order_ = true;
+  forward_prefetch_ = true;
+  backward_prefetch_ = BackwardPrefetch::kBackwardPre;
+}
+
 void RootState::prefetch_for_forward_after(const UnitState* unit) {
   if (!forward_prefetch_) return;
-  auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), unit);
-  if (it != last_forward_order_.end() && ++it != last_forward_order_.end()) {
-    (*it)->handle()->prefetch();
-  }
+  const std::vector<UnitState*>& order =
+      first_iteration_order_ ? first_forward_order_ : last_forward_order_;
+  auto it = std::find(order.begin(), order.end(), unit);
+  if (it != order.end() && ++it != order.end()) (*it)->prefetch();
 }
 
 void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when) {
   if (backward_prefetch_ != when) return;
+  const std::vector<UnitState*>& order =
+      first_iteration_order_ && !first_iteration_ ? first_forward_order_ : forward_order_;
   // The latest unit in forward order, other than `unit`, whose backward has not started.
-  for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
     if (*it != unit && !(*it)->pre_backward_done()) {
-      (*it)->handle()->prefetch();
+      (*it)->prefetch();
       return;
     }
   }

@@ -16,39 +16,26 @@
 
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/flat_param.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/training_state.h"
 
 namespace fsdp {
-
-// PyTorch: torch.distributed.fsdp._common_utils.TrainingState.
-enum class TrainingState { kIdle, kForwardBackward, kSummonFullParams };
-// PyTorch: torch.distributed.fsdp._common_utils.HandleTrainingState.
-enum class HandleTrainingState { kIdle, kForward, kBackwardPre, kBackwardPost, kSummonFullParams };
-
-const char* training_state_name(TrainingState state);          // "TrainingState.IDLE", ...
-const char* handle_training_state_name(HandleTrainingState state);
-
-// PyTorch: torch.distributed.fsdp.BackwardPrefetch (kNone is None).
-enum class BackwardPrefetch {
-  kNone,
-  kBackwardPre,   // gather the next unit's parameters when this unit's backward starts
-  kBackwardPost,  // ... when this unit's gradient reduction was issued
-};
-
 namespace core_internal {
 
 class RootState;
 
-class UnitState : public std::enable_shared_from_this<UnitState> {
+// The wrapped module's parameters flattened and sharded, if a ShardOnConstruction scope
+// (fully_sharded.h) is active on this thread; else null. Defined in fully_sharded.cc.
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped);
+
+// A bound unit: FullyShardedUnit's fields (fqn, handle, handle state) plus the hooks.
+class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<UnitState> {
  public:
   // `handle` may be null (a unit that owns no parameters).
   UnitState(std::string fqn, bool is_root, RootState* root,
             std::unique_ptr<FlatParamHandle> handle);
 
-  const std::string& fqn() const { return fqn_; }
-  bool is_root() const { return is_root_; }
   RootState& root() const { return *root_; }
-  FlatParamHandle* handle() const { return handle_.get(); }
-  HandleTrainingState handle_state() const { return handle_state_; }
 
   // Connects the original parameters to a new gradient sink (see Note [Gradient sinks]).
   void install_gradient_sink();
@@ -73,22 +60,28 @@ class UnitState : public std::enable_shared_from_this<UnitState> {
 
   void pre_backward();
   void post_backward(std::vector<at::Tensor> grads);  // the engine's: released as copied
+  // Starts the all-gather of this unit's parameters ahead of its forward or backward
+  // (Note [Prefetching]); only while the unit is idle (not running, not summoned).
+  void prefetch();
   // End of a backward pass: reshard whatever is still unsharded, reset per-iteration flags.
   void finish_iteration();
   void reshard();
-  void set_handle_state(HandleTrainingState state) { handle_state_ = state; }
+  // summon_full_params: unshards in full precision (every rank takes part in the
+  // all-gather), then reshards again unless `keep`. Needs the unit idle.
+  void summon(bool keep);
+
 
  private:
-  std::string fqn_;
-  bool is_root_;
   RootState* root_;
-  std::unique_ptr<FlatParamHandle> handle_;
-  HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
   c10::optional<c10::ScalarType> cast_inputs_to_;
   bool restore_output_dtype_ = false;
   c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
   bool pre_backward_done_ = false;
   bool sink_installed_ = false;  // this iteration's sink exists
+
+  // Throws the seed's _assert_in_training_states message for the handle's state.
+  void assert_handle_in(std::initializer_list<HandleTrainingState> states,
+                        const char* what) const;
 
  public:
   bool pre_backward_done() const { return pre_backward_done_; }
@@ -107,7 +100,12 @@ class RootState {
   ShardingStrategy strategy() const { return strategy_; }  // the root's; units may differ
   TrainingState training_state() const { return training_state_; }
   const std::vector<std::shared_ptr<UnitState>>& units() const { return units_; }
-  void add_unit(std::shared_ptr<UnitState> unit) { units_.push_back(std::move(unit)); }
+  // The same units as FullyShardedRoot::units() lists them.
+  const std::vector<std::shared_ptr<FullyShardedUnit>>& unit_views() const { return unit_views_; }
+  void add_unit(std::shared_ptr<UnitState> unit) {
+    unit_views_.push_back(unit);
+    units_.push_back(std::move(unit));
+  }
 
   // The seed's _assert_in_training_states: throws c10::Error with its message.
   void assert_in_states(std::initializer_list<TrainingState> states, const char* what) const;
@@ -135,6 +133,9 @@ class RootState {
   at::Tensor clip_grad_norm(double max_norm, double norm_type);
 
   // Prefetching (see Note [Prefetching] in runtime.cc).
+  // ParamExecOrderWrapPolicy: forward and BACKWARD_PRE prefetch, both in the first
+  // iteration's order from the second iteration on.
+  void prefetch_in_first_iteration_order();
   void record_forward(UnitState* unit);
   void prefetch_for_forward_after(const UnitState* unit);
   void prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when);
@@ -153,6 +154,7 @@ class RootState {
   ShardingStrategy strategy_;
   BackwardPrefetch backward_prefetch_;
   bool forward_prefetch_;
+  bool first_iteration_order_ = false;           // see prefetch_in_first_iteration_order
   std::vector<UnitState*> forward_order_;       // units with parameters, this iteration
   std::vector<UnitState*> last_forward_order_;  // ... the previous iteration
   std::vector<UnitState*> first_forward_order_;  // ... the first iteration
@@ -168,6 +170,7 @@ class RootState {
   bool sync_gradients_ = true;
   bool summon_writeback_ = false;
   std::vector<std::shared_ptr<UnitState>> units_;  // pre-order
+  std::vector<std::shared_ptr<FullyShardedUnit>> unit_views_;  // the same
 };
 
 }  // namespace core_internal

@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 #include <c10/util/Exception.h>
 
 namespace fsdp::state_internal {
@@ -28,21 +28,14 @@ std::vector<Entry> module_entries(const torch::nn::Module& module) {
   return entries;
 }
 
-ModelLayout model_layout(UnitBase& model, const char* what) {
-  core_internal::UnitState* state = model.state();
-  TORCH_CHECK(state != nullptr && state->is_root(), what,
-              " expects the root FullyShardedDataParallel module (the one made with the "
-              "options), not a unit inside it or an unwrapped module; for a plain module use "
-              "fsdp::module_state_dict");
-  core_internal::RootState& root = state->root();
-  root.assert_in_states({TrainingState::kIdle}, what);
-
+ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
+  model.check_idle(what);
   ModelLayout layout;
-  layout.root = &root;
-  layout.rank = root.comm().rank();
-  layout.world_size = root.comm().world_size();
+  layout.root = &model;
+  layout.rank = model.communicator().rank();
+  layout.world_size = model.communicator().world_size();
   absl::flat_hash_map<const c10::TensorImpl*, std::pair<FlatParamHandle*, size_t>> owner;
-  for (const auto& unit : root.units()) {
+  for (const auto& unit : model.units()) {
     FlatParamHandle* handle = unit->handle();
     if (handle == nullptr) continue;
     layout.flat_params.push_back({unit->fqn(), handle});
@@ -51,7 +44,7 @@ ModelLayout model_layout(UnitBase& model, const char* what) {
       owner.emplace(originals[i].unsafeGetTensorImpl(), std::make_pair(handle, i));
     }
   }
-  layout.entries = module_entries(model);
+  layout.entries = module_entries(model.root_module());
   for (Entry& entry : layout.entries) {
     auto it = entry.is_param ? owner.find(entry.tensor.unsafeGetTensorImpl()) : owner.end();
     if (it == owner.end()) continue;
@@ -63,9 +56,7 @@ ModelLayout model_layout(UnitBase& model, const char* what) {
 
 ParamSlice param_slice(const FlatParamHandle& handle, size_t info) {
   const FlatParamInfo& param = handle.param_infos()[info];
-  const int rank = handle.communicator().rank();
-  const int64_t shard_start =
-      handle.strategy() == ShardingStrategy::kNoShard ? 0 : rank * handle.shard_numel();
+  const int64_t shard_start = handle.shard_offset();
   const int64_t begin = std::max(param.offset, shard_start);
   const int64_t end = std::min(param.offset + param.numel, shard_start + handle.shard_numel());
   if (begin >= end) return {};

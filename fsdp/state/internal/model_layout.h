@@ -11,7 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/core/flat_param.h"
-#include "fsdp/core/unit.h"
+#include "fsdp/core/fully_sharded.h"
 
 namespace fsdp::state_internal {
 
@@ -38,17 +38,16 @@ struct FlatParam {
 std::vector<Entry> module_entries(const torch::nn::Module& module);
 
 struct ModelLayout {
-  core_internal::RootState* root = nullptr;
+  FullyShardedRoot* root = nullptr;
   int rank = 0;
   int world_size = 1;
   std::vector<Entry> entries;          // module_entries, parameters resolved to handles
   std::vector<FlatParam> flat_params;  // units with parameters, pre-order
 };
 
-// The layout of `model`, which must be the root FullyShardedDataParallel; `what` names
-// the calling function in errors. Throws c10::Error if `model` is not a bound root or
-// is inside forward/backward.
-ModelLayout model_layout(UnitBase& model, const char* what);
+// The layout of `model`; `what` names the calling function in errors. Throws c10::Error
+// if `model` is inside forward/backward.
+ModelLayout model_layout(FullyShardedRoot& model, const char* what);
 
 // The elements of one original parameter inside a rank's shard of its flat parameter.
 struct ParamSlice {

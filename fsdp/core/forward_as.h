@@ -1,12 +1,13 @@
 // ForwardAs: gives a wrapper module (Unit<T>, CheckpointWrapper<T>) a non-template
-// forward() with exactly the signature of the wrapped module's. Not a public API.
-#ifndef FSDP_CORE_INTERNAL_FORWARD_AS_H_
-#define FSDP_CORE_INTERNAL_FORWARD_AS_H_
+// forward() with exactly the signature of the wrapped module's. A building block of the
+// wrapper templates in unit.h and checkpoint_wrapper.h, not an API of its own.
+#ifndef FSDP_CORE_FORWARD_AS_H_
+#define FSDP_CORE_FORWARD_AS_H_
 
 #include <utility>
 
 namespace fsdp {
-namespace core_internal {
+namespace detail {
 
 // Gives Derived a non-template forward() with exactly the signature of Contained's, so
 // AnyModule (Sequential) can take its address. Derived provides call(args...).
@@ -21,7 +22,7 @@ class ForwardAs<Derived, Result (Contained::*)(Args...)> {
   }
 };
 
-}  // namespace core_internal
+}  // namespace detail
 }  // namespace fsdp
 
-#endif  // FSDP_CORE_INTERNAL_FORWARD_AS_H_
+#endif  // FSDP_CORE_FORWARD_AS_H_

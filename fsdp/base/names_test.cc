@@ -1,4 +1,4 @@
-#include "fsdp/state/fqn.h"
+#include "fsdp/base/names.h"
 
 #include <string>
 #include <vector>

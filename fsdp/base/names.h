@@ -1,8 +1,9 @@
 // Fully qualified names (FQNs) of parameters and modules in an FSDP-wrapped model.
 //
 // The helpers of PyTorch's torch/distributed/fsdp/_common_utils.py that every layer
-// uses: the wrapper-prefix constants, `clean_tensor_name`, the pre-order traversal that
-// builds module prefixes, parameter -> FQNs, and the root modules of a set.
+// uses (bottom layer: it depends on no other fsdp package): the wrapper-name constants,
+// `clean_tensor_name`, the pre-order traversal that builds module prefixes, parameter ->
+// FQNs, and the root modules of a set.
 //
 //   torch::nn::Sequential seq(torch::nn::Linear(5, 5), torch::nn::Linear(5, 5));
 //   fsdp::apply_to_modules(*seq, [](const torch::nn::Module& m,
@@ -10,8 +11,8 @@
 //   fsdp::clean_tensor_name("_fsdp_wrapped_module.0.weight");  // "0.weight"
 //
 // Threading: every function here is a pure function of its arguments; none keeps state.
-#ifndef FSDP_STATE_FQN_H_
-#define FSDP_STATE_FQN_H_
+#ifndef FSDP_BASE_NAMES_H_
+#define FSDP_BASE_NAMES_H_
 
 #include <functional>
 #include <string>
@@ -76,4 +77,4 @@ absl::flat_hash_set<const torch::nn::Module*> get_root_modules(
 
 }  // namespace fsdp
 
-#endif  // FSDP_STATE_FQN_H_
+#endif  // FSDP_BASE_NAMES_H_

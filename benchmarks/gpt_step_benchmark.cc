@@ -170,9 +170,9 @@ struct Training {
   Communicator* comm = nullptr;            // null for plain LibTorch
   int64_t psi = 0;
   Formula formula;
-  int64_t peak_bytes = 0;  // of one step, over the memory before the model existed
-  double seconds = 0;      // timed steps, summed
-  int64_t wire_bytes = 0;  // sent by this rank in timed steps (communicator counters)
+  int64_t peak_bytes = 0;     // of one step, over the memory before the model existed
+  double seconds = 0;         // timed steps, summed
+  int64_t wire_bytes = 0;     // sent by this rank in timed steps (communicator counters)
   int64_t lo_min_bytes = -1;  // loopback tx of the timed step that sent least, all ranks
 };
 
@@ -183,8 +183,7 @@ std::function<void(const Batch&)> adam_step(Model model) {
   return [model, adam](const Batch& batch) mutable {
     adam->zero_grad();
     const at::Tensor logits = model->forward(batch.tokens);
-    torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}),
-                                         batch.targets.reshape({-1}))
+    torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), batch.targets.reshape({-1}))
         .backward();
     adam->step();
   };
@@ -328,10 +327,9 @@ void run_first_steps(benchmark::State& state, int world_size, const Variant& our
 
 void register_one(const std::string& name, int world_size, Variant ours,
                   std::optional<Variant> baseline) {
-  benchmark::RegisterBenchmark(absl::StrCat(name, "/W:", world_size).c_str(),
-                               [=](benchmark::State& state) {
-                                 run(state, world_size, ours, baseline);
-                               })
+  benchmark::RegisterBenchmark(
+      absl::StrCat(name, "/W:", world_size).c_str(),
+      [=](benchmark::State& state) { run(state, world_size, ours, baseline); })
       ->Iterations(kTimedSteps)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
@@ -339,8 +337,7 @@ void register_one(const std::string& name, int world_size, Variant ours,
 
 // The benchmarks of every group this rank belongs to, W = 1 first.
 void register_all(int rank, int world_size) {
-  const ShardingStrategy strategies[] = {ShardingStrategy::kNoShard,
-                                         ShardingStrategy::kShardGradOp,
+  const ShardingStrategy strategies[] = {ShardingStrategy::kNoShard, ShardingStrategy::kShardGradOp,
                                          ShardingStrategy::kFullShard};
   // At W = 1 every strategy runs as NO_SHARD: FULL_SHARD (the default) stands for them.
   if (rank == 0) {
@@ -352,8 +349,8 @@ void register_all(int rank, int world_size) {
     for (ShardingStrategy s : strategies) {
       std::optional<Variant> baseline;
       if (s != ShardingStrategy::kNoShard) baseline = strategy_variant(ShardingStrategy::kNoShard);
-      register_one(absl::StrCat("BM_Strategy/", sharding_strategy_name(s)), w,
-                   strategy_variant(s), baseline);
+      register_one(absl::StrCat("BM_Strategy/", sharding_strategy_name(s)), w, strategy_variant(s),
+                   baseline);
     }
     if (w != 2) continue;
     Variant none = strategy_variant(ShardingStrategy::kFullShard);
@@ -373,10 +370,9 @@ void register_all(int rank, int world_size) {
     Variant validated = strategy_variant(ShardingStrategy::kFullShard);
     validated.validate_execution_order = true;
     const Variant unvalidated = strategy_variant(ShardingStrategy::kFullShard);
-    benchmark::RegisterBenchmark("BM_FirstStep/validate/W:2",
-                                 [=](benchmark::State& state) {
-                                   run_first_steps(state, 2, validated, unvalidated);
-                                 })
+    benchmark::RegisterBenchmark(
+        "BM_FirstStep/validate/W:2",
+        [=](benchmark::State& state) { run_first_steps(state, 2, validated, unvalidated); })
         ->Iterations(kTimedSteps)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);

@@ -9,8 +9,7 @@
 namespace {
 
 TEST(UmbrellaHeaderTest, DeclaresThePublicApi) {
-  static_assert(std::is_base_of_v<c10::Error, fsdp::CommError>,
-                "CommError must be a c10::Error");
+  static_assert(std::is_base_of_v<c10::Error, fsdp::CommError>, "CommError must be a c10::Error");
   // One timeout type in options.
   static_assert(std::is_same_v<std::decay_t<decltype(fsdp::GlooOptions().timeout())>,
                                std::chrono::milliseconds>);

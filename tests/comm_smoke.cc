@@ -17,10 +17,9 @@ int main() {
   comm->all_reduce(sum);
   at::Tensor gathered = at::empty({w});
   comm->all_gather_into_tensor(gathered, at::full({1}, static_cast<double>(comm->rank())));
-  const bool ok = sum[0].item<double>() == w * (w + 1) / 2 &&
-                  at::equal(gathered, at::arange(w, at::kFloat));
-  std::printf("rank %d of %d (local %d of %d, launcher %s): %s\n", comm->rank(), w,
-              env.local_rank, env.local_world_size, env.launcher.c_str(),
-              ok ? "ok" : "WRONG");
+  const bool ok =
+      sum[0].item<double>() == w * (w + 1) / 2 && at::equal(gathered, at::arange(w, at::kFloat));
+  std::printf("rank %d of %d (local %d of %d, launcher %s): %s\n", comm->rank(), w, env.local_rank,
+              env.local_world_size, env.launcher.c_str(), ok ? "ok" : "WRONG");
   return ok ? 0 : 1;
 }

@@ -17,11 +17,10 @@ template <typename Net>
 void expect_parity_for_all_strategies(const std::shared_ptr<Communicator>& comm) {
   for (bool adam : {false, true}) {
     const Reference want = reference<Net>(comm->world_size(), adam);
-    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard,
-                                      ShardingStrategy::kShardGradOp,
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                                       ShardingStrategy::kNoShard}) {
-      SCOPED_TRACE(::testing::Message() << sharding_strategy_name(strategy)
-                                        << (adam ? ", Adam" : ", SGD"));
+      SCOPED_TRACE(::testing::Message()
+                   << sharding_strategy_name(strategy) << (adam ? ", Adam" : ", SGD"));
       expect_parity_on<Net>(
           comm, want, FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam);
     }
@@ -75,11 +74,11 @@ void expect_both_ranks_name_the_difference(bool validate) {
       });
   for (int rank : {0, 1}) {
     EXPECT_EQ(ranks[rank].exit_code, 0) << comm_internal::describe(ranks);
-    EXPECT_THAT(ranks[rank].output, ::testing::ContainsRegex(
-                                        "error: .* failed on rank " + std::to_string(rank) +
-                                        ": rank 0 runs [a-z_]+ of [0-9]+ elements, rank 1 runs "
-                                        "[a-z_]+ of [0-9]+ elements: the ranks are not running "
-                                        "the same units in the same order"))
+    EXPECT_THAT(ranks[rank].output,
+                ::testing::ContainsRegex("error: .* failed on rank " + std::to_string(rank) +
+                                         ": rank 0 runs [a-z_]+ of [0-9]+ elements, rank 1 runs "
+                                         "[a-z_]+ of [0-9]+ elements: the ranks are not running "
+                                         "the same units in the same order"))
         << comm_internal::describe(ranks);
     std::cout << "rank " << rank << ": "
               << ranks[rank].output.substr(ranks[rank].output.find("error: ")).substr(0, 300)

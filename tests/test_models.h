@@ -43,8 +43,8 @@ inline std::shared_ptr<torch::nn::Module> reference_model_n() {
 }
 
 // The module at `fqn` ("" for the root) below `root`.
-inline std::shared_ptr<torch::nn::Module> submodule(
-    const std::shared_ptr<torch::nn::Module>& root, const std::string& fqn) {
+inline std::shared_ptr<torch::nn::Module> submodule(const std::shared_ptr<torch::nn::Module>& root,
+                                                    const std::string& fqn) {
   if (fqn.empty()) return root;
   for (const auto& item : root->named_modules()) {
     if (item.key() == fqn) return item.value();

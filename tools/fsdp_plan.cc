@@ -64,8 +64,8 @@ int64_t count_flag(const char* flag, const std::string& text, int64_t min, int64
                   (absl::SimpleAtod(text, &real) && real >= -9e15 && real <= 9e15 &&
                    real == static_cast<double>(value = static_cast<int64_t>(real)));
   if (!ok || value < min || value > max) {
-    fail(absl::StrCat("--", flag, " must be an integer in [", min, ", ", max, "], got '",
-                      text, "'"));
+    fail(absl::StrCat("--", flag, " must be an integer in [", min, ", ", max, "], got '", text,
+                      "'"));
   }
   return value;
 }
@@ -83,13 +83,15 @@ void check_model_file(const std::string& path) {
   std::error_code error;
   const auto status = std::filesystem::status(path, error);
   if (error || !std::filesystem::exists(status)) {
-    fail(absl::StrCat("cannot open '", path, "': no such file; expected a TorchScript file "
+    fail(absl::StrCat("cannot open '", path,
+                      "': no such file; expected a TorchScript file "
                       "written by torch.jit.script(model).save(path)"));
   }
   if (!std::filesystem::is_regular_file(status)) {
-    fail(absl::StrCat("'", path, "' is ",
-                      std::filesystem::is_directory(status) ? "a directory" : "not a regular file",
-                      "; expected a TorchScript file written by torch.jit.script(model).save(path)"));
+    fail(absl::StrCat(
+        "'", path, "' is ",
+        std::filesystem::is_directory(status) ? "a directory" : "not a regular file",
+        "; expected a TorchScript file written by torch.jit.script(model).save(path)"));
   }
 }
 

@@ -65,8 +65,7 @@ int main(int argc, char** argv) {
       .master_addr(absl::GetFlag(FLAGS_master_addr))
       .master_port(absl::GetFlag(FLAGS_master_port))
       .grace_period(std::chrono::milliseconds(absl::GetFlag(FLAGS_grace_period_ms)))
-      .command(separator < argc
-                   ? std::vector<std::string>(argv + separator + 1, argv + argc)
-                   : std::vector<std::string>());
+      .command(separator < argc ? std::vector<std::string>(argv + separator + 1, argv + argc)
+                                : std::vector<std::string>());
   return fsdp::launch(options, std::cout, std::cerr);
 }

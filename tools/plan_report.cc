@@ -58,8 +58,8 @@ std::string to_json(const PlanReport& report) {
   std::vector<std::string> units;
   for (const PlannedUnit& unit : report.plan.units) {
     units.push_back(absl::StrFormat(
-        "{\"fqn\": %s, \"numel\": %d, \"shard_numel\": %d, \"padding\": %d}",
-        json_string(unit.fqn), unit.numel, shard_numel(unit.numel, report.world_size),
+        "{\"fqn\": %s, \"numel\": %d, \"shard_numel\": %d, \"padding\": %d}", json_string(unit.fqn),
+        unit.numel, shard_numel(unit.numel, report.world_size),
         shard_padding(unit.numel, report.world_size)));
   }
   std::vector<std::string> costs;
@@ -70,14 +70,14 @@ std::string to_json(const PlanReport& report) {
   }
   return absl::StrCat("{\"total_numel\": ", report.plan.total_numel,
                       ", \"world_size\": ", report.world_size, ", \"units\": [",
-                      absl::StrJoin(units, ", "), "], \"per_rank\": {",
-                      absl::StrJoin(costs, ", "), "}}\n");
+                      absl::StrJoin(units, ", "), "], \"per_rank\": {", absl::StrJoin(costs, ", "),
+                      "}}\n");
 }
 
 std::string to_table(const PlanReport& report, const std::string& title) {
   std::string out = absl::StrCat(title, "\n\n");
-  absl::StrAppendFormat(&out, "%4s  %-40s %14s %14s %8s\n", "unit", "fqn", "numel",
-                        "shard_numel", "padding");
+  absl::StrAppendFormat(&out, "%4s  %-40s %14s %14s %8s\n", "unit", "fqn", "numel", "shard_numel",
+                        "padding");
   int index = 0;
   for (const PlannedUnit& unit : report.plan.units) {
     absl::StrAppendFormat(&out, "%4d  %-40s %14d %14d %8d\n", index++,
@@ -86,15 +86,13 @@ std::string to_table(const PlanReport& report, const std::string& title) {
                           shard_padding(unit.numel, report.world_size));
   }
   absl::StrAppendFormat(&out, "\ntotal_numel %d in %d units, world_size %d\n\n",
-                        report.plan.total_numel, report.plan.units.size(),
-                        report.world_size);
+                        report.plan.total_numel, report.plan.units.size(), report.world_size);
   absl::StrAppend(&out,
                   "Per rank, one step, fp32 parameters and gradients with Adam: model state "
                   "= 16 bytes per sharded element\n+ the unsharded working set (largest unit "
                   "and its gradient; all units for SHARD_GRAD_OP); wire = bytes sent.\n");
-  absl::StrAppendFormat(&out, "%-14s %20s %12s %20s %12s\n",
-                        "strategy", "model_state_bytes", "MiB", "wire_bytes_per_step",
-                        "MiB");
+  absl::StrAppendFormat(&out, "%-14s %20s %12s %20s %12s\n", "strategy", "model_state_bytes", "MiB",
+                        "wire_bytes_per_step", "MiB");
   for (const StrategyCost& cost : report.costs) {
     absl::StrAppendFormat(&out, "%-14s %20d %12.2f %20.0f %12.2f\n", cost.strategy,
                           cost.model_state_bytes, mib(cost.model_state_bytes),

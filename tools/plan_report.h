@@ -15,9 +15,9 @@ namespace fsdp::tools {
 // Predicted per-rank figures for one sharding strategy, fp32 parameters and gradients,
 // Adam (two fp32 states per element), one training step (forward + backward).
 struct StrategyCost {
-  std::string strategy;             // "FULL_SHARD", "SHARD_GRAD_OP" or "NO_SHARD"
-  int64_t model_state_bytes = 0;    // peak: sharded states + unsharded working set
-  double wire_bytes_per_step = 0;   // bytes this rank sends (ring collectives)
+  std::string strategy;            // "FULL_SHARD", "SHARD_GRAD_OP" or "NO_SHARD"
+  int64_t model_state_bytes = 0;   // peak: sharded states + unsharded working set
+  double wire_bytes_per_step = 0;  // bytes this rank sends (ring collectives)
 };
 
 struct PlanReport {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what fsdp builds and tests against, then checks the versions:
 # - Debian bookworm packages (Bazel 4.2.3, Abseil, GoogleTest, Google Benchmark, Gloo's
-#   headers, zlib, the data sets, gnuplot, clang with libFuzzer, iproute2);
+#   headers, zlib, the data sets, gnuplot, clang with libFuzzer, clang-format, iproute2);
 # - LibTorch 2.11.0: the PyPI wheel torch==2.11.0 (its CUDA 13.0 build) and
 #   torchvision==0.26.0 with every dependency, exactly as tools/requirements.lock pins
 #   them (--require-hashes), into a Python environment outside the work tree:
@@ -31,6 +31,7 @@ readonly REQUIRED=(
   dataset-fashion-mnist=0.0~git20200523.55506a9
   gnuplot-nox=5.4.4
   clang=14.0
+  clang-format=14.0
   libclang-rt-14-dev=14.0.6
   iproute2=6.1.0
 )

@@ -2,9 +2,9 @@
 # The test command (README): installs what is missing, then builds and runs every test,
 # the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without a
 # GPU), the consumer workspace (examples/consumer: fsdp used from another workspace),
-# the unit tests and a 2-rank training run under ASan + UBSan (--config=asan), and 60 s
-# of fuzzing the checkpoint reader (tools/fuzz.sh). Prints "N passed, M
-# failed" last; exits non-zero on any failure.
+# the unit tests and a 2-rank training run under ASan + UBSan (--config=asan), the
+# clang-format check of every C++ source, and 60 s of fuzzing the checkpoint reader
+# (tools/fuzz.sh). Prints "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -21,6 +21,15 @@ bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 
 bazel test --config=asan //fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_test \
   --nocache_test_results "$@" 2>&1 | sed -E 's#^(//[^ ]+) #\1 (asan) #' | tee -a "$log" ||
   status=$?
+# House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).
+if find fsdp examples benchmarks tests tools \( -name '*.cc' -o -name '*.h' \) -print0 |
+  xargs -0 clang-format --dry-run -Werror; then
+  format_result=PASSED
+else
+  format_result=FAILED
+  status=1
+fi
+echo "//:clang_format $format_result (clang-format --dry-run -Werror)" | tee -a "$log"
 fuzz_log=$(mktemp)
 if bash tools/fuzz.sh 60 >"$fuzz_log" 2>&1; then
   fuzz_result="PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"

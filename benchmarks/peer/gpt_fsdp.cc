@@ -106,8 +106,7 @@ ShardingStrategy parse_strategy(const std::string& name) {
   if (name == "full_shard") return ShardingStrategy::kFullShard;
   if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
   if (name == "no_shard") return ShardingStrategy::kNoShard;
-  TORCH_CHECK(false, "--strategy must be full_shard, shard_grad_op or no_shard, got '", name,
-              "'");
+  TORCH_CHECK(false, "--strategy must be full_shard, shard_grad_op or no_shard, got '", name, "'");
 }
 
 // A field of /proc/self/status in MB ("VmRSS", "VmHWM").
@@ -142,9 +141,9 @@ int train(const std::string& dir) {
                                            .heads(absl::GetFlag(FLAGS_heads))
                                            .layers(layers));
   load_module_state_dict(*gpt, init);
-  FullyShardedDataParallel<GptImpl> model(
-      gpt, FullyShardedDataParallelOptions(comm).sharding_strategy(
-               parse_strategy(absl::GetFlag(FLAGS_strategy))));
+  FullyShardedDataParallel<GptImpl> model(gpt,
+                                          FullyShardedDataParallelOptions(comm).sharding_strategy(
+                                              parse_strategy(absl::GetFlag(FLAGS_strategy))));
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr)).weight_decay(0.01));
 
@@ -159,8 +158,8 @@ int train(const std::string& dir) {
     const auto begin = std::chrono::steady_clock::now();
     adamw.zero_grad();
     const at::Tensor logits = model->forward(rows.narrow(1, 0, context));
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                           rows.narrow(1, 1, context).reshape({-1}));
+    at::Tensor loss = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), rows.narrow(1, 1, context).reshape({-1}));
     loss.backward();
     adamw.step();
     step_ms.push_back(
@@ -174,12 +173,13 @@ int train(const std::string& dir) {
   const int64_t warmup = std::min(absl::GetFlag(FLAGS_warmup_steps), steps - 1);
   double timed_ms = 0;
   for (int64_t i = warmup; i < steps; ++i) timed_ms += step_ms[i];
-  const auto number = [](std::string* s, double v) { absl::StrAppend(s, absl::StrFormat("%.9g", v)); };
+  const auto number = [](std::string* s, double v) {
+    absl::StrAppend(s, absl::StrFormat("%.9g", v));
+  };
   std::ofstream out(absl::GetFlag(FLAGS_out));
   out << "{\"side\": \"fsdp\", \"strategy\": \"" << absl::GetFlag(FLAGS_strategy)
       << "\", \"world_size\": " << world << ", \"width\": " << gpt->options.width()
-      << ",\n \"losses\": [" << absl::StrJoin(losses, ", ", number)
-      << "],\n \"step_ms\": ["
+      << ",\n \"losses\": [" << absl::StrJoin(losses, ", ", number) << "],\n \"step_ms\": ["
       << absl::StrJoin(step_ms, ", ", number)
       << "],\n \"tokens_per_s\": " << (steps - warmup) * batch * context / (timed_ms / 1e3)
       << ", \"peak_rss_mb\": " << status_mb("VmHWM") << ", \"start_rss_mb\": " << start_rss

@@ -37,8 +37,8 @@ Corpus load_fortunes(const std::string& dir) {
   Corpus corpus;
   for (const auto& path : files) {
     std::ifstream in(path, std::ios::binary);
-    TORCH_CHECK(in.good(), "cannot read the fortune file '", path.string(), "': ",
-                std::strerror(errno), "; fix its permissions or pass another --data_dir");
+    TORCH_CHECK(in.good(), "cannot read the fortune file '", path.string(),
+                "': ", std::strerror(errno), "; fix its permissions or pass another --data_dir");
     std::stringstream content;
     content << in.rdbuf();
     for (absl::string_view entry : absl::StrSplit(content.str(), "\n%\n", absl::SkipEmpty())) {
@@ -48,7 +48,8 @@ Corpus load_fortunes(const std::string& dir) {
     }
   }
   TORCH_CHECK(!train_text.empty() && !validation_text.empty(), "the fortune files in '", dir,
-              "' hold ", corpus.entries, " fortunes; the trainer needs at least 10 (every "
+              "' hold ", corpus.entries,
+              " fortunes; the trainer needs at least 10 (every "
               "10th is held out for validation)");
   std::array<int64_t, 256> id_of;
   id_of.fill(-1);

@@ -19,10 +19,10 @@
 namespace fsdp::examples {
 
 struct Corpus {
-  at::Tensor train;             // 1-D int64 token ids
-  at::Tensor validation;        // 1-D int64 token ids: every 10th entry
-  std::vector<uint8_t> bytes;   // token id -> byte
-  int64_t entries = 0;          // fortunes read
+  at::Tensor train;            // 1-D int64 token ids
+  at::Tensor validation;       // 1-D int64 token ids: every 10th entry
+  std::vector<uint8_t> bytes;  // token id -> byte
+  int64_t entries = 0;         // fortunes read
 
   int64_t vocab_size() const { return static_cast<int64_t>(bytes.size()); }
   std::string decode(const at::Tensor& ids) const;

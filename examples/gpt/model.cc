@@ -41,8 +41,8 @@ GptImpl::GptImpl(const GptOptions& options) : options(options) {
     units.push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>(options)));
     blocks->push_back(units.back());
   }
-  norm = register_module(
-      "norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.width()})));
+  norm =
+      register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.width()})));
   // GPT-2's embedding scale: with the tied head, N(0, 1) rows would start at ~sqrt(width)
   // logits.
   torch::NoGradGuard no_grad;

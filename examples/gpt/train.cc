@@ -122,7 +122,8 @@ ShardingStrategy parse_strategy(const std::string& name) {
   if (name == "no_shard") return ShardingStrategy::kNoShard;
   if (name == "hybrid_shard") return ShardingStrategy::kHybridShard;
   if (name == "hybrid_shard_zero2") return ShardingStrategy::kHybridShardZero2;
-  TORCH_CHECK(false, "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
+  TORCH_CHECK(false,
+              "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
               "hybrid_shard or hybrid_shard_zero2, got '",
               name, "'");
 }
@@ -176,8 +177,8 @@ double validation_loss(Model& model, const Corpus& corpus, Communicator& comm) {
   for (int64_t i = 0; i < batches; ++i) {
     auto [x, y] = batch(corpus.validation, -1 - i, comm);  // fixed batches
     at::Tensor logits = model->forward(x);
-    sum += global_mean(torch::nn::functional::cross_entropy(
-                           logits.reshape({-1, logits.size(-1)}), y.reshape({-1})),
+    sum += global_mean(torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                            y.reshape({-1})),
                        comm);
   }
   return sum / batches;
@@ -320,8 +321,8 @@ std::vector<Communicator*> communicators_of(Model& model, Communicator& root) {
   std::vector<Communicator*> all = {&root};
   for (const auto& unit : model->units()) {
     if (unit->handle() == nullptr) continue;
-    for (Communicator* c : {&unit->handle()->communicator(),
-                            unit->handle()->replicate_communicator()}) {
+    for (Communicator* c :
+         {&unit->handle()->communicator(), unit->handle()->replicate_communicator()}) {
       if (c != nullptr && std::find(all.begin(), all.end(), c) == all.end()) all.push_back(c);
     }
   }
@@ -333,11 +334,12 @@ int64_t maybe_resume(Model& model, torch::optim::Optimizer& optimizer, bool lead
   if (!absl::GetFlag(FLAGS_resume)) return 0;
   const std::optional<std::string> latest = latest_checkpoint(checkpoint_dir());
   int64_t step = 0;
-  TORCH_CHECK(latest && absl::SimpleAtoi(
-                            std::filesystem::path(*latest).filename().string().substr(5), &step),
-              "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '",
-              checkpoint_dir(), "'; pass the --checkpoint_dir of the run to continue, or start "
-              "a new run without --resume");
+  TORCH_CHECK(
+      latest &&
+          absl::SimpleAtoi(std::filesystem::path(*latest).filename().string().substr(5), &step),
+      "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", checkpoint_dir(),
+      "'; pass the --checkpoint_dir of the run to continue, or start "
+      "a new run without --resume");
   load_sharded_checkpoint(*model, &optimizer, *latest);
   if (lead) std::cout << "resumed from " << *latest << " at step " << step << "\n";
   return step;
@@ -372,8 +374,11 @@ int train() {
   const int64_t context = absl::GetFlag(FLAGS_context);
   TORCH_CHECK(corpus.validation.numel() > context + 1, "--context=", context, ": the corpus in '",
               absl::GetFlag(FLAGS_data_dir), "' has ", corpus.train.numel(), " training and ",
-              corpus.validation.numel(), " validation characters (every 10th fortune); a "
-              "window needs context + 2 = ", context + 2, " characters in each; lower "
+              corpus.validation.numel(),
+              " validation characters (every 10th fortune); a "
+              "window needs context + 2 = ",
+              context + 2,
+              " characters in each; lower "
               "--context or add text");
 
   at::manual_seed(absl::GetFlag(FLAGS_seed));
@@ -389,13 +394,14 @@ int train() {
                        .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
                        .hybrid_shard_group_size(hybrid_group_size())
                        .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy))));
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  torch::optim::AdamW adamw(model->parameters(),
+                            torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   if (lead) {
     std::cout << absl::StrFormat(
         "corpus: %d fortunes, %d train / %d validation characters, vocabulary %d\n"
         "model: %d parameters in %d units over %d ranks (%s)\n",
-        corpus.entries, corpus.train.numel(), corpus.validation.numel(), corpus.vocab_size(),
-        numel, model->units().size(), comm->world_size(),
+        corpus.entries, corpus.train.numel(), corpus.validation.numel(), corpus.vocab_size(), numel,
+        model->units().size(), comm->world_size(),
         sharding_strategy_name(model->sharding_strategy()));
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
@@ -421,8 +427,8 @@ int train() {
     auto [x, y] = batch(corpus.train, step, *comm);
     adamw.zero_grad();
     at::Tensor logits = model->forward(x);
-    at::Tensor loss = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                           y.reshape({-1}));
     loss.backward();
     adamw.step();
     const double train_loss = global_mean(loss, *comm);
@@ -489,9 +495,8 @@ int train() {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   // Every flag is checked before a rank starts or a file is touched.
-  const std::string error =
-      fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(),
-                                 fsdp::examples::this_machine());
+  const std::string error = fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(),
+                                                       fsdp::examples::this_machine());
   if (!error.empty()) {
     std::cerr << "train: " << error << "\n";
     return 2;

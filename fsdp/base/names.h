@@ -32,8 +32,7 @@ inline constexpr absl::string_view kFsdpPrefix = "_fsdp_wrapped_module.";
 
 // Name of the child that holds the module a checkpoint wrapper wraps, and its prefix
 // (PyTorch: _CHECKPOINT_WRAPPED_MODULE / _CHECKPOINT_PREFIX).
-inline constexpr absl::string_view kCheckpointWrappedModule =
-    "_checkpoint_wrapped_module";
+inline constexpr absl::string_view kCheckpointWrappedModule = "_checkpoint_wrapped_module";
 inline constexpr absl::string_view kCheckpointPrefix = "_checkpoint_wrapped_module.";
 
 // Removes every "_fsdp_wrapped_module." and "_checkpoint_wrapped_module." at any depth:
@@ -45,8 +44,8 @@ std::string clean_tensor_name(absl::string_view tensor_name);
 // Called once per module in pre-order. `prefix` is the module's FQN followed by "." (""
 // for the root), exactly as it prefixes the module's entries in a state dict; `depth` is
 // 0 for the root.
-using ModuleVisitor = std::function<void(
-    const torch::nn::Module& module, const std::string& prefix, int depth)>;
+using ModuleVisitor =
+    std::function<void(const torch::nn::Module& module, const std::string& prefix, int depth)>;
 
 // Pre-order traversal of the tree rooted at `root` over registered children, in
 // registration order. A module registered under several names is visited once per name.
@@ -56,9 +55,7 @@ void apply_to_modules(const torch::nn::Module& root, const ModuleVisitor& visit)
 // Identity of a parameter: two tensors are the same parameter iff they share a
 // TensorImpl (tied weights assign the same tensor to two modules).
 using ParamKey = const c10::TensorImpl*;
-inline ParamKey param_key(const at::Tensor& param) {
-  return param.unsafeGetTensorImpl();
-}
+inline ParamKey param_key(const at::Tensor& param) { return param.unsafeGetTensorImpl(); }
 
 // Maps each parameter of `model` to its cleaned FQN(s), in pre-order. A shared parameter
 // maps to the first FQN met when `dedup_shared_params`, else to every FQN in traversal

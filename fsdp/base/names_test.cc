@@ -54,8 +54,7 @@ TEST(ParamToFqnsTest, SharedParameterKeepsFirstFqnWhenDeduplicated) {
 TEST(ApplyToModulesTest, PreOrderWithPrefixes) {
   auto outer = seq({linear(1), seq({linear(1), linear(1)})});
   std::vector<std::string> seen;
-  apply_to_modules(*outer, [&](const torch::nn::Module&, const std::string& prefix,
-                               int depth) {
+  apply_to_modules(*outer, [&](const torch::nn::Module&, const std::string& prefix, int depth) {
     seen.push_back(prefix + "@" + std::to_string(depth));
   });
   EXPECT_THAT(seen, ElementsAre("@0", "0.@1", "1.@1", "1.0.@2", "1.1.@2"));

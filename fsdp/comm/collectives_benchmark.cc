@@ -61,7 +61,6 @@ Ranks& ranks() {
   return *instance;
 }
 
-
 int64_t iterations_for(int64_t bytes) {
   return std::max<int64_t>(5, std::min<int64_t>(500, (int64_t{256} << 20) / bytes));
 }
@@ -89,8 +88,8 @@ Shape shape_of(Op op, int64_t bytes) {
 
 void report(benchmark::State& state, Op op, int64_t bytes, int64_t lo_before) {
   const Shape s = shape_of(op, bytes);
-  const int64_t lo_per_rank_call =
-      (comm_internal::loopback_tx_bytes() - lo_before) / kWorldSize / static_cast<int64_t>(state.iterations());
+  const int64_t lo_per_rank_call = (comm_internal::loopback_tx_bytes() - lo_before) / kWorldSize /
+                                   static_cast<int64_t>(state.iterations());
   state.counters["algbw"] = benchmark::Counter(static_cast<double>(s.algbw_bytes),
                                                benchmark::Counter::kIsIterationInvariantRate);
   state.counters["busbw"] = benchmark::Counter(s.algbw_bytes * s.bus_factor,
@@ -158,12 +157,9 @@ void BM_C10dAllReduce(benchmark::State& s) { run_c10d(s, Op::kAllReduce); }
 void register_all() {
   using Fn = void (*)(benchmark::State&);
   const std::pair<const char*, Fn> benchmarks[] = {
-      {"BM_AllGather", BM_AllGather},
-      {"BM_C10dAllGather", BM_C10dAllGather},
-      {"BM_ReduceScatter", BM_ReduceScatter},
-      {"BM_C10dReduceScatter", BM_C10dReduceScatter},
-      {"BM_AllReduce", BM_AllReduce},
-      {"BM_C10dAllReduce", BM_C10dAllReduce},
+      {"BM_AllGather", BM_AllGather},         {"BM_C10dAllGather", BM_C10dAllGather},
+      {"BM_ReduceScatter", BM_ReduceScatter}, {"BM_C10dReduceScatter", BM_C10dReduceScatter},
+      {"BM_AllReduce", BM_AllReduce},         {"BM_C10dAllReduce", BM_C10dAllReduce},
   };
   for (const auto& [name, fn] : benchmarks) {
     for (int64_t bytes = 4 << 10; bytes <= (64 << 20); bytes *= 4) {

@@ -106,15 +106,14 @@ Communicator::Communicator(int rank, int world_size, std::chrono::milliseconds t
       global_ranks_(std::move(global_ranks)),
       is_subgroup_(!global_ranks_.empty()) {
   TORCH_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ",
-              rank);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ", rank);
   TORCH_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");
   if (!is_subgroup_) {
     for (int r = 0; r < world_size; ++r) global_ranks_.push_back(r);
   }
-  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_size,
-              "a subgroup of world_size ", world_size, " needs as many global ranks, got [",
-              absl::StrJoin(global_ranks_, ", "), "]");
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_size, "a subgroup of world_size ",
+              world_size, " needs as many global ranks, got [", absl::StrJoin(global_ranks_, ", "),
+              "]");
 }
 
 CommError Communicator::comm_error(CollectiveKind kind, int64_t sequence, int peer,
@@ -136,9 +135,9 @@ int64_t Communicator::begin_collective(CollectiveKind kind, int64_t bytes_sent,
   {
     std::lock_guard<std::mutex> lock(broken_mutex_);
     if (broken_) {
-      throw comm_error(kind, sequence_, broken_->peer(),
-                       absl::StrCat("the communicator is broken by an earlier failure: ",
-                                    broken_->what()));
+      throw comm_error(
+          kind, sequence_, broken_->peer(),
+          absl::StrCat("the communicator is broken by an earlier failure: ", broken_->what()));
     }
   }
   counters_.record(kind, bytes_sent, bytes_received);
@@ -151,8 +150,8 @@ void Communicator::check_buffer(const char* collective, const CommBuffer& buffer
               "; expected float32, float64, float16, bfloat16, int64, int32 or uint8");
   TORCH_CHECK(supports_device(buffer.device), collective, ": the ", backend_name(),
               " backend cannot move a buffer on ", buffer.device.str());
-  TORCH_CHECK(buffer.numel == 0 || buffer.data != nullptr, collective,
-              ": buffer has ", buffer.numel, " elements but a null data pointer");
+  TORCH_CHECK(buffer.numel == 0 || buffer.data != nullptr, collective, ": buffer has ",
+              buffer.numel, " elements but a null data pointer");
 }
 
 namespace {
@@ -193,9 +192,10 @@ WorkHandle Communicator::reduce_scatter_tensor_async(const CommBuffer& output,
   check_buffer(name, input);
   TORCH_CHECK(input.numel == output.numel * world_size_ && output.dtype == input.dtype &&
                   output.device == input.device,
-              name, ": input must hold world_size x output numel elements of the output's "
-              "dtype and device, got output ", output.describe(), " and input ",
-              input.describe());
+              name,
+              ": input must hold world_size x output numel elements of the output's "
+              "dtype and device, got output ",
+              output.describe(), " and input ", input.describe());
   check_op(name, op, input.dtype);
   const int64_t bytes = (world_size_ - 1) * output.nbytes();
   const int64_t sequence = begin_collective(CollectiveKind::kReduceScatter, bytes, bytes);
@@ -265,8 +265,8 @@ std::shared_ptr<Communicator> Communicator::new_subgroup(const std::vector<int>&
   TORCH_CHECK(!ranks.empty(), "new_subgroup: expected at least one rank");
   for (size_t i = 0; i < ranks.size(); ++i) {
     TORCH_CHECK(ranks[i] >= 0 && ranks[i] < world_size_ && (i == 0 || ranks[i - 1] < ranks[i]),
-                "new_subgroup: expected distinct ascending ranks in [0, ", world_size_,
-                "), got [", absl::StrJoin(ranks, ", "), "]");
+                "new_subgroup: expected distinct ascending ranks in [0, ", world_size_, "), got [",
+                absl::StrJoin(ranks, ", "), "]");
   }
   if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) return nullptr;
   const int count = subgroups_made_[ranks]++;

@@ -52,11 +52,11 @@ enum class ReduceOp {
 
 // Collective kinds, with the bytes one rank sends (and receives) for a call on W ranks:
 enum class CollectiveKind : int {
-  kAllGather = 0,     // (W - 1) x input bytes
-  kReduceScatter,     // (W - 1) x output bytes
-  kAllReduce,         // 2 (W - 1) x ceil(bytes / W) (reduce-scatter then all-gather)
-  kBroadcast,         // root sends W - 1 copies; every other rank receives one
-  kBarrier,           // 0 bytes
+  kAllGather = 0,  // (W - 1) x input bytes
+  kReduceScatter,  // (W - 1) x output bytes
+  kAllReduce,      // 2 (W - 1) x ceil(bytes / W) (reduce-scatter then all-gather)
+  kBroadcast,      // root sends W - 1 copies; every other rank receives one
+  kBarrier,        // 0 bytes
 };
 inline constexpr int kNumCollectiveKinds = 5;
 
@@ -102,8 +102,8 @@ class TrafficCounters {
 class CommError : public c10::Error {
  public:
   // `group`: the subgroup's global ranks, or empty for a root communicator.
-  CommError(std::string collective, int64_t sequence, int rank, int peer,
-            const std::string& detail, std::vector<int> group = {});
+  CommError(std::string collective, int64_t sequence, int rank, int peer, const std::string& detail,
+            std::vector<int> group = {});
   const std::string& collective() const { return collective_; }
   int64_t sequence() const { return sequence_; }
   int rank() const { return rank_; }
@@ -250,8 +250,7 @@ class Communicator {
                                    int64_t sequence) = 0;
   virtual WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input,
                                        ReduceOp op, int64_t sequence) = 0;
-  virtual WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op,
-                                   int64_t sequence) = 0;
+  virtual WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) = 0;
   virtual WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) = 0;
   virtual WorkHandle do_barrier(int64_t sequence) = 0;
   // `spec.ranks` is validated and contains this rank.

@@ -136,8 +136,7 @@ class DoneWork : public Work {
 
 class FakeCommunicator : public Communicator {
  public:
-  FakeCommunicator(std::shared_ptr<FakeGroup> group, int rank,
-                   std::vector<int> global_ranks = {})
+  FakeCommunicator(std::shared_ptr<FakeGroup> group, int rank, std::vector<int> global_ranks = {})
       : Communicator(rank, group->world_size(), group->timeout(), std::move(global_ranks)),
         group_(std::move(group)) {}
 
@@ -148,43 +147,43 @@ class FakeCommunicator : public Communicator {
 
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
-    return run({CollectiveKind::kAllGather, input, input.numel, -1}, sequence,
-               [&](const std::vector<Arrival>& all) {
-                 std::vector<at::Tensor> parts;
-                 for (const Arrival& a : all) parts.push_back(as_tensor(a.input).clone());
-                 return at::cat(parts);
-               },
-               output);
+    return run(
+        {CollectiveKind::kAllGather, input, input.numel, -1}, sequence,
+        [&](const std::vector<Arrival>& all) {
+          std::vector<at::Tensor> parts;
+          for (const Arrival& a : all) parts.push_back(as_tensor(a.input).clone());
+          return at::cat(parts);
+        },
+        output);
   }
 
   WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
                                int64_t sequence) override {
-    return run({CollectiveKind::kReduceScatter, input, input.numel, -1}, sequence,
-               [&](const std::vector<Arrival>& all) {
-                 return reduce(all, op, rank() * output.numel, output.numel);
-               },
-               output);
+    return run(
+        {CollectiveKind::kReduceScatter, input, input.numel, -1}, sequence,
+        [&](const std::vector<Arrival>& all) {
+          return reduce(all, op, rank() * output.numel, output.numel);
+        },
+        output);
   }
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
-    return run({CollectiveKind::kAllReduce, tensor, tensor.numel, -1}, sequence,
-               [&](const std::vector<Arrival>& all) {
-                 return reduce(all, op, 0, tensor.numel);
-               },
-               tensor);
+    return run(
+        {CollectiveKind::kAllReduce, tensor, tensor.numel, -1}, sequence,
+        [&](const std::vector<Arrival>& all) { return reduce(all, op, 0, tensor.numel); }, tensor);
   }
 
   WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
-    return run({CollectiveKind::kBroadcast, tensor, tensor.numel, root}, sequence,
-               [&](const std::vector<Arrival>& all) {
-                 return as_tensor(all[root].input).clone();
-               },
-               tensor);
+    return run(
+        {CollectiveKind::kBroadcast, tensor, tensor.numel, root}, sequence,
+        [&](const std::vector<Arrival>& all) { return as_tensor(all[root].input).clone(); },
+        tensor);
   }
 
   WorkHandle do_barrier(int64_t sequence) override {
-    return run({CollectiveKind::kBarrier, CommBuffer{}, 0, -1}, sequence,
-               [](const std::vector<Arrival>&) { return at::Tensor(); }, CommBuffer{});
+    return run(
+        {CollectiveKind::kBarrier, CommBuffer{}, 0, -1}, sequence,
+        [](const std::vector<Arrival>&) { return at::Tensor(); }, CommBuffer{});
   }
 
   std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
@@ -205,8 +204,7 @@ class FakeCommunicator : public Communicator {
   }
 
   template <typename Compute>
-  WorkHandle run(const Arrival& mine, int64_t sequence, Compute compute,
-                 const CommBuffer& output) {
+  WorkHandle run(const Arrival& mine, int64_t sequence, Compute compute, const CommBuffer& output) {
     try {
       if (group_->should_fail(rank(), sequence)) {
         throw comm_error(mine.kind, sequence, -1, "injected failure (FakeWorld::inject_failure)");
@@ -227,11 +225,9 @@ class FakeCommunicator : public Communicator {
 }  // namespace
 }  // namespace comm_internal
 
-FakeWorld::FakeWorld(std::shared_ptr<comm_internal::FakeGroup> group)
-    : group_(std::move(group)) {}
+FakeWorld::FakeWorld(std::shared_ptr<comm_internal::FakeGroup> group) : group_(std::move(group)) {}
 
-std::shared_ptr<FakeWorld> FakeWorld::create(int world_size,
-                                             std::chrono::milliseconds timeout) {
+std::shared_ptr<FakeWorld> FakeWorld::create(int world_size, std::chrono::milliseconds timeout) {
   TORCH_CHECK(world_size >= 1, "FakeWorld: world_size must be >= 1, got ", world_size);
   TORCH_CHECK(timeout.count() > 0, "FakeWorld: timeout must be positive");
   return std::shared_ptr<FakeWorld>(

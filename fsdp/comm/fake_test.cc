@@ -19,8 +19,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 
-class FakeCollectivesTest
-    : public ::testing::TestWithParam<std::tuple<int, c10::ScalarType>> {};
+class FakeCollectivesTest : public ::testing::TestWithParam<std::tuple<int, c10::ScalarType>> {};
 
 TEST_P(FakeCollectivesTest, ResultsAndCountersMatchClosedForms) {
   const auto [world_size, dtype] = GetParam();
@@ -31,10 +30,10 @@ TEST_P(FakeCollectivesTest, ResultsAndCountersMatchClosedForms) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesAndDtypes, FakeCollectivesTest,
-    ::testing::Combine(::testing::Values(1, 2, 3, 4),
-                       ::testing::Values(c10::kFloat, c10::kBFloat16, c10::kHalf, c10::kLong)));
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndDtypes, FakeCollectivesTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(c10::kFloat, c10::kBFloat16,
+                                                              c10::kHalf, c10::kLong)));
 
 TEST(FakeCommunicatorTest, AverageDividesByWorldSize) {
   FakeWorld::run(FakeWorld::create(4), comm_internal::expect_average_divides_by_world_size);
@@ -56,9 +55,9 @@ TEST(FakeCommunicatorTest, MismatchedArgumentsAreRejectedBeforeTraffic) {
   auto world = FakeWorld::create(2);
   std::shared_ptr<Communicator> comm = world->communicator(0);
   EXPECT_THAT([&] { comm->all_gather_into_tensor(at::zeros({9}), at::zeros({5})); },
-              ThrowsMessage<c10::Error>(HasSubstr(
-                  "all_gather_into_tensor: output must hold world_size x input numel "
-                  "elements, got output [9] Float on cpu and input [5] Float on cpu")));
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("all_gather_into_tensor: output must hold world_size x input numel "
+                            "elements, got output [9] Float on cpu and input [5] Float on cpu")));
   EXPECT_THAT([&] { comm->all_gather_into_tensor(at::zeros({10}, at::kHalf), at::zeros({5})); },
               ThrowsMessage<c10::Error>(HasSubstr("same dtype and device, got output [10] "
                                                   "Half on cpu and input [5] Float on cpu")));
@@ -70,8 +69,11 @@ TEST(FakeCommunicatorTest, MismatchedArgumentsAreRejectedBeforeTraffic) {
               ThrowsMessage<c10::Error>(HasSubstr("unsupported dtype Bool")));
   EXPECT_THAT([&] { comm->broadcast(at::zeros({3}), 2); },
               ThrowsMessage<c10::Error>(HasSubstr("root must be in [0, 2), got 2")));
-  EXPECT_THAT([&] { comm->all_reduce(at::zeros({3, 4}).t()); },
-              ThrowsMessage<c10::Error>(HasSubstr("expected a contiguous tensor")));
+  EXPECT_THAT(
+      [&] {
+        comm->all_reduce(at::zeros({3, 4}).t());
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("expected a contiguous tensor")));
   // Nothing was sent.
   EXPECT_EQ(comm->counters().total().calls, 0);
 }
@@ -96,10 +98,10 @@ TEST(FakeCommunicatorTest, InjectedFailureReachesTheFailingRankAndTimesOutItsPee
         EXPECT_THAT(e.what(), HasSubstr("injected failure"));
       } else {
         EXPECT_EQ(e.peer(), 1);
-        EXPECT_THAT(e.what(), HasSubstr("all_reduce #2 failed on rank " +
-                                        std::to_string(comm.rank()) +
-                                        " (peer rank 1): rank(s) 1 did not reach it within "
-                                        "200 ms"));
+        EXPECT_THAT(e.what(),
+                    HasSubstr("all_reduce #2 failed on rank " + std::to_string(comm.rank()) +
+                              " (peer rank 1): rank(s) 1 did not reach it within "
+                              "200 ms"));
       }
     }
     // Broken from now on: the next call repeats the first error.

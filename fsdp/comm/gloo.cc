@@ -257,8 +257,7 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
                                int64_t sequence) override {
-    return submit(CollectiveKind::kReduceScatter, sequence, input.numel,
-                  [this, output, input, op] {
+    return submit(CollectiveKind::kReduceScatter, sequence, input.numel, [this, output, input, op] {
       reduce_scatter(at::from_blob(output.data, {output.numel}, output.dtype),
                      at::from_blob(input.data, {input.numel}, input.dtype), op);
     });
@@ -266,8 +265,7 @@ class GlooCommunicator : public Communicator,
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
     return submit(CollectiveKind::kAllReduce, sequence, tensor.numel, [this, tensor, op] {
-      std::vector<at::Tensor> tensors = {
-          at::from_blob(tensor.data, {tensor.numel}, tensor.dtype)};
+      std::vector<at::Tensor> tensors = {at::from_blob(tensor.data, {tensor.numel}, tensor.dtype)};
       group_->allreduce(tensors)->wait();
       if (op == ReduceOp::kAvg) tensors[0].div_(static_cast<double>(world_size()));
     });
@@ -350,15 +348,14 @@ class GlooCommunicator : public Communicator,
     for (int r = 0; r < world_size(); ++r) {
       const int64_t theirs = records[2 * r];
       const bool known = theirs >= 0 && theirs <= static_cast<int64_t>(CollectiveKind::kBarrier);
-      parts.push_back(absl::StrCat(
-          "rank ", global_ranks()[r], " runs ",
-          known ? collective_name(static_cast<CollectiveKind>(theirs))
-                : absl::StrCat("collective kind ", theirs),
-          " of ", records[2 * r + 1], " elements"));
+      parts.push_back(absl::StrCat("rank ", global_ranks()[r], " runs ",
+                                   known ? collective_name(static_cast<CollectiveKind>(theirs))
+                                         : absl::StrCat("collective kind ", theirs),
+                                   " of ", records[2 * r + 1], " elements"));
     }
-    throw MismatchedCollectives(absl::StrCat(
-        absl::StrJoin(parts, ", "),
-        ": the ranks are not running the same units in the same order"));
+    throw MismatchedCollectives(
+        absl::StrCat(absl::StrJoin(parts, ", "),
+                     ": the ranks are not running the same units in the same order"));
   }
 
   WorkHandle submit(CollectiveKind kind, int64_t sequence, int64_t numel,
@@ -369,7 +366,7 @@ class GlooCommunicator : public Communicator,
   GlooOptions options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;  // null once the connections are closed
   at::Tensor received_;  // alltoall target of reduce_scatter, reused (worker thread only)
-  Worker worker_;  // last: joined first on destruction, while the group still exists
+  Worker worker_;        // last: joined first on destruction, while the group still exists
 };
 
 void GlooFamily::on_failure(GlooCommunicator* source) {
@@ -455,8 +452,8 @@ std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::St
               " and world_size ", world_size);
   ignore_sigpipe_by_default();
   auto family = std::make_shared<GlooFamily>(store, rank, world_size);
-  return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank,
-                                            world_size, options);
+  return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank, world_size,
+                                            options);
 }
 
 }  // namespace fsdp

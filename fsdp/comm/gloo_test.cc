@@ -20,10 +20,10 @@
 namespace fsdp {
 namespace {
 
-using ::testing::HasSubstr;
 using comm_internal::describe;
 using comm_internal::RankOutcome;
 using comm_internal::run_test_as_ranks;
+using ::testing::HasSubstr;
 
 constexpr auto kDeadline = std::chrono::seconds(120);
 
@@ -167,9 +167,8 @@ TEST(GlooTest, PeerKilledMidCollectiveMakesSurvivorsRaiseInTime) {
   EXPECT_EQ(ranks[1].term_signal, SIGKILL) << describe(ranks);
   for (int rank : {0, 2}) {
     EXPECT_EQ(ranks[rank].exit_code, 0) << describe(ranks);
-    EXPECT_THAT(ranks[rank].output,
-                HasSubstr("survivor error: all_reduce #2 failed on rank " + std::to_string(rank) +
-                          " (peer rank 1)"))
+    EXPECT_THAT(ranks[rank].output, HasSubstr("survivor error: all_reduce #2 failed on rank " +
+                                              std::to_string(rank) + " (peer rank 1)"))
         << describe(ranks);
     // Within the 5 s timeout plus start-up and a margin.
     EXPECT_LT(ranks[rank].seconds, 20.0) << describe(ranks);
@@ -180,19 +179,23 @@ TEST(GlooTest, PeerKilledMidCollectiveMakesSurvivorsRaiseInTime) {
 TEST(GlooTest, MismatchedCollectivesAreNamedOnEveryRankUnderSizeChecks) {
   const std::vector<RankOutcome> ranks =
       run_test_as_ranks(2, "DISABLED_GlooWorker.MismatchedCollectivesUnderSizeChecks", kDeadline);
-  const std::string both = "rank 0 runs reduce_scatter_tensor of 36 elements, rank 1 runs "
-                           "all_gather_into_tensor of 4 elements: the ranks are not running "
-                           "the same units in the same order";
+  const std::string both =
+      "rank 0 runs reduce_scatter_tensor of 36 elements, rank 1 runs "
+      "all_gather_into_tensor of 4 elements: the ranks are not running "
+      "the same units in the same order";
   for (int rank : {0, 1}) {
     EXPECT_EQ(ranks[rank].exit_code, 0) << describe(ranks);
-    EXPECT_THAT(ranks[rank].output,
-                HasSubstr(absl::StrCat("mismatch error: ",
-                                       rank == 0 ? "reduce_scatter_tensor" : "all_gather_into_tensor",
-                                       " #2 failed on rank ", rank, ": ", both)))
+    EXPECT_THAT(
+        ranks[rank].output,
+        HasSubstr(absl::StrCat(
+            "mismatch error: ", rank == 0 ? "reduce_scatter_tensor" : "all_gather_into_tensor",
+            " #2 failed on rank ", rank, ": ", both)))
         << describe(ranks);
     EXPECT_THAT(ranks[rank].output,
                 HasSubstr(absl::StrCat("size error: all_reduce #0 in group [0, 1] failed on "
-                                       "rank ", rank, ": rank 0 runs all_reduce of 36 elements, "
+                                       "rank ",
+                                       rank,
+                                       ": rank 0 runs all_reduce of 36 elements, "
                                        "rank 1 runs all_reduce of 4 elements")))
         << describe(ranks);
   }
@@ -204,8 +207,8 @@ TEST(GlooTest, PeerKilledUnderHybridGroupsIsNamedByItsGlobalRank) {
   EXPECT_EQ(ranks[3].term_signal, SIGKILL) << describe(ranks);
   for (int rank : {0, 1, 2}) {
     EXPECT_EQ(ranks[rank].exit_code, 0) << describe(ranks);
-    EXPECT_THAT(ranks[rank].output, HasSubstr("failed on rank " + std::to_string(rank) +
-                                              " (peer rank 3)"))
+    EXPECT_THAT(ranks[rank].output,
+                HasSubstr("failed on rank " + std::to_string(rank) + " (peer rank 3)"))
         << describe(ranks);
     print_survivor_error(ranks, rank);
   }

@@ -304,8 +304,7 @@ class CStringArray {
 
 std::vector<std::string> environment_strings(const Environment& environment) {
   std::vector<std::string> strings;
-  for (const auto& [name, value] : environment)
-    strings.push_back(absl::StrCat(name, "=", value));
+  for (const auto& [name, value] : environment) strings.push_back(absl::StrCat(name, "=", value));
   return strings;
 }
 
@@ -361,8 +360,7 @@ absl::Status exec_error_status(absl::string_view program, int error) {
                                   : "; expected a program in PATH (or give its path)");
     return absl::NotFoundError(message);
   }
-  if (error == EACCES)
-    absl::StrAppend(&message, "; expected a file with execute permission");
+  if (error == EACCES) absl::StrAppend(&message, "; expected a file with execute permission");
   return absl::PermissionDeniedError(message);
 }
 
@@ -397,8 +395,8 @@ absl::StatusOr<StartedRank> start_rank(const CStringArray& argv, const CStringAr
     const ScopedSignalBlock block;
     pid = fork();
     if (pid == 0) {
-      exec_rank({stdin_fd, out->write.get(), err->write.get(), exec_error->write.get()},
-                launcher, argv.data(), envp.data());
+      exec_rank({stdin_fd, out->write.get(), err->write.get(), exec_error->write.get()}, launcher,
+                argv.data(), envp.data());
     }
   }
   if (pid < 0) return errno_status("fork");
@@ -465,8 +463,7 @@ struct Stop {
 
 class Job {
  public:
-  Job(const LaunchOptions& options, std::ostream& out, std::ostream& err,
-      SignalPipe& signals)
+  Job(const LaunchOptions& options, std::ostream& out, std::ostream& err, SignalPipe& signals)
       : options_(options), out_(out), err_(err), signals_(signals) {}
 
   int run() {
@@ -489,19 +486,17 @@ class Job {
     // See the stdin contract in launcher.h.
     Fd dev_null;
     if (isatty(STDIN_FILENO)) dev_null.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-    for (int local_rank = 0; local_rank < options_.nproc_per_node() && !stop_;
-         ++local_rank) {
-      const CStringArray envp(
-          environment_strings(rank_environment(options_, local_rank, parent)));
+    for (int local_rank = 0; local_rank < options_.nproc_per_node() && !stop_; ++local_rank) {
+      const CStringArray envp(environment_strings(rank_environment(options_, local_rank, parent)));
       absl::StatusOr<StartedRank> started = start_rank(argv, envp, dev_null.get());
       const int rank = options_.node_rank() * options_.nproc_per_node() + local_rank;
       if (!started.ok()) {
         const int status = exit_status_of(started.status());
         // Exec errors are the same for every rank; others (fork, pipe) may be this rank's.
         begin_stop(status,
-                   status == 1 ? absl::StrCat("cannot start rank ", rank, ": ",
-                                              started.status().message())
-                               : std::string(started.status().message()),
+                   status == 1
+                       ? absl::StrCat("cannot start rank ", rank, ": ", started.status().message())
+                       : std::string(started.status().message()),
                    SIGTERM, /*launcher_signal=*/false);
         break;
       }
@@ -535,8 +530,7 @@ class Job {
 
   int poll_timeout_ms() const {
     if (!stop_ || stop_->kill_sent) return -1;
-    const auto left =
-        std::chrono::ceil<std::chrono::milliseconds>(stop_->deadline - Clock::now());
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(stop_->deadline - Clock::now());
     return static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT_MAX));
   }
 
@@ -565,8 +559,8 @@ class Job {
       if (stop_) continue;
       if (pid < 0) {  // ECHILD: someone else in this process collected it
         begin_stop(1,
-                   absl::StrFormat("rank %d (pid %d) could not be waited for: %s",
-                                   rank->rank, rank->pid, error_text(wait_errno)),
+                   absl::StrFormat("rank %d (pid %d) could not be waited for: %s", rank->rank,
+                                   rank->pid, error_text(wait_errno)),
                    SIGTERM, /*launcher_signal=*/false);
       } else if (wait_status != 0) {
         begin_stop(exit_status_of_wait(wait_status),
@@ -657,18 +651,17 @@ absl::Status validate_launch_options(const LaunchOptions& options) {
         absl::StrCat("--nnodes must be >= 1, got ", options.nnodes()));
   }
   if (options.node_rank() < 0 || options.node_rank() >= options.nnodes()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--node_rank must be in [0, %d) (0 <= node_rank < --nnodes), got %d",
-        options.nnodes(), options.node_rank()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--node_rank must be in [0, %d) (0 <= node_rank < --nnodes), got %d",
+                        options.nnodes(), options.node_rank()));
   }
   if (options.master_addr().empty()) {
     return absl::InvalidArgumentError(
         "--master_addr must not be empty; expected rank 0's host, e.g. 127.0.0.1");
   }
   if (options.master_port() < 0 || options.master_port() > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--master_port must be in [0, 65535] (0 picks a free port), got ",
-                     options.master_port()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--master_port must be in [0, 65535] (0 picks a free port), got ", options.master_port()));
   }
   if (options.master_port() == 0 && options.nnodes() > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -721,8 +714,7 @@ namespace {
 // Binds a TCP socket to port 0 of `address` and returns the port the kernel chose, or
 // -errno.
 int bind_any_port(const addrinfo& address) {
-  const Fd sock(
-      socket(address.ai_family, address.ai_socktype | SOCK_CLOEXEC, address.ai_protocol));
+  const Fd sock(socket(address.ai_family, address.ai_socktype | SOCK_CLOEXEC, address.ai_protocol));
   if (!sock.valid()) return -errno;
   if (bind(sock.get(), address.ai_addr, address.ai_addrlen) != 0) return -errno;
   sockaddr_storage bound = {};
@@ -754,8 +746,7 @@ absl::StatusOr<int> pick_free_port(const std::string& address) {
   }
   const std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owner(found, &freeaddrinfo);
   int last_error = EADDRNOTAVAIL;
-  for (const addrinfo* candidate = found; candidate != nullptr;
-       candidate = candidate->ai_next) {
+  for (const addrinfo* candidate = found; candidate != nullptr; candidate = candidate->ai_next) {
     const int port = bind_any_port(*candidate);
     if (port > 0) return port;
     last_error = -port;

@@ -97,11 +97,7 @@ Result run(const LaunchOptions& options) {
 
 TEST(RankEnvironmentTest, SecondNodeOfTwoGetsGlobalRanksTwoAndThree) {
   LaunchOptions options;
-  options.nproc_per_node(2)
-      .nnodes(2)
-      .node_rank(1)
-      .master_addr("10.0.0.1")
-      .master_port(29500);
+  options.nproc_per_node(2).nnodes(2).node_rank(1).master_addr("10.0.0.1").master_port(29500);
   const Environment parent = {{"PATH", "/usr/bin"}, {"RANK", "99"}};
   EXPECT_EQ(rank_environment(options, 0, parent), (Environment{
                                                       {"GROUP_RANK", "1"},
@@ -197,9 +193,8 @@ TEST(LaunchTest, BadOptionsGiveOneLineAndStatusTwo) {
   const Result result = run(shell_job(0, "echo never"));
   EXPECT_EQ(result.status, 2);
   EXPECT_EQ(result.out, "");
-  EXPECT_EQ(
-      result.err,
-      "fsdp_run: --nproc_per_node must be >= 1 (ranks to start on this node), got 0\n");
+  EXPECT_EQ(result.err,
+            "fsdp_run: --nproc_per_node must be >= 1 (ranks to start on this node), got 0\n");
 }
 
 // ---- pick_free_port -------------------------------------------------------------------
@@ -246,8 +241,8 @@ TEST(LaunchTest, RanksSeeTheirEnvironment) {
                     "$MASTER_ADDR $MASTER_PORT")
               .master_port(29511));
   EXPECT_EQ(result.status, 0);
-  EXPECT_EQ(sorted_lines(result.out), (Lines{"[rank 0] 0 2 0 2 0 127.0.0.1 29511",
-                                             "[rank 1] 1 2 1 2 0 127.0.0.1 29511"}));
+  EXPECT_EQ(sorted_lines(result.out),
+            (Lines{"[rank 0] 0 2 0 2 0 127.0.0.1 29511", "[rank 1] 1 2 1 2 0 127.0.0.1 29511"}));
 }
 
 TEST(LaunchTest, PortZeroGivesEveryRankTheSameFreePort) {
@@ -289,8 +284,7 @@ TEST(LaunchTest, FailingRankStopsTheOthersAndGivesItsStatus) {
   EXPECT_EQ(err.back(), absl::StrCat("fsdp_run: rank 1 (pid ", read_file(dir + "/pid.1"),
                                      ") exited with status 3; stopped 2 other ranks"));
   for (size_t i = 0; i + 1 < err.size(); ++i) {
-    EXPECT_TRUE(absl::StartsWith(err[i], "[rank 0] ") ||
-                absl::StartsWith(err[i], "[rank 2] "))
+    EXPECT_TRUE(absl::StartsWith(err[i], "[rank 0] ") || absl::StartsWith(err[i], "[rank 2] "))
         << err[i];
   }
   for (const int rank : {0, 2}) {
@@ -315,10 +309,9 @@ TEST(LaunchTest, RanksThatIgnoreTermAreKilledAfterTheGracePeriod) {
   EXPECT_EQ(result.status, 5);
   EXPECT_GE(result.seconds, 0.2);
   EXPECT_LT(result.seconds, 5);
-  EXPECT_EQ(result.err,
-            absl::StrCat("fsdp_run: rank 1 (pid ", read_file(dir + "/pid.1"),
-                         ") exited with status 5; stopped 1 other rank (1 killed with "
-                         "SIGKILL after the 200 ms grace period)\n"));
+  EXPECT_EQ(result.err, absl::StrCat("fsdp_run: rank 1 (pid ", read_file(dir + "/pid.1"),
+                                     ") exited with status 5; stopped 1 other rank (1 killed with "
+                                     "SIGKILL after the 200 ms grace period)\n"));
 }
 
 TEST(LaunchTest, RankKilledBySignalGivesOneHundredTwentyEightPlusSignal) {
@@ -392,17 +385,15 @@ class BackgroundLaunch {
 
 TEST(LaunchTest, SigintIsForwardedToEveryRankAndGives130) {
   const std::string dir = make_temp_dir();
-  BackgroundLaunch job(
-      shell_job(2, absl::StrCat("trap 'echo got INT; exit 0' INT\n", "touch '", dir,
-                                "/ready.'$RANK\n", kWaitForSignal)));
+  BackgroundLaunch job(shell_job(2, absl::StrCat("trap 'echo got INT; exit 0' INT\n", "touch '",
+                                                 dir, "/ready.'$RANK\n", kWaitForSignal)));
   EXPECT_TRUE(wait_for_files({dir + "/ready.0", dir + "/ready.1"}));
   ASSERT_EQ(kill(getpid(), SIGINT), 0);
   const Result result = job.join();
   EXPECT_EQ(result.status, 130);
   EXPECT_LT(result.seconds, 10);
   EXPECT_EQ(sorted_lines(result.out), (Lines{"[rank 0] got INT", "[rank 1] got INT"}));
-  EXPECT_EQ(result.err,
-            "fsdp_run: got signal 2 (Interrupt); forwarded it to 2 running ranks\n");
+  EXPECT_EQ(result.err, "fsdp_run: got signal 2 (Interrupt); forwarded it to 2 running ranks\n");
 }
 
 // timeout(1), for one, sends its signal to the launcher and again to its process group.
@@ -410,11 +401,11 @@ TEST(LaunchTest, SigintIsForwardedToEveryRankAndGives130) {
 // could arrive after launch() restored SIGINT's default action, and end the test).
 TEST(LaunchTest, SignalRepeatedWhileStoppingIsNotForwardedAgain) {
   const std::string dir = make_temp_dir();
-  BackgroundLaunch job(shell_job(
-      2, absl::StrCat("cd '", dir, "'\n",
-                      "trap 'echo got INT; while [ ! -e release ]; do sleep 0.02; done; "
-                      "exit 0' INT\n",
-                      "touch ready.$RANK\n", kWaitForSignal)));
+  BackgroundLaunch job(
+      shell_job(2, absl::StrCat("cd '", dir, "'\n",
+                                "trap 'echo got INT; while [ ! -e release ]; do sleep 0.02; done; "
+                                "exit 0' INT\n",
+                                "touch ready.$RANK\n", kWaitForSignal)));
   EXPECT_TRUE(wait_for_files({dir + "/ready.0", dir + "/ready.1"}));
   ASSERT_EQ(kill(getpid(), SIGINT), 0);
   ASSERT_EQ(kill(getpid(), SIGINT), 0);
@@ -422,28 +413,24 @@ TEST(LaunchTest, SignalRepeatedWhileStoppingIsNotForwardedAgain) {
   const Result result = job.join();
   EXPECT_EQ(result.status, 130);
   EXPECT_EQ(sorted_lines(result.out), (Lines{"[rank 0] got INT", "[rank 1] got INT"}));
-  EXPECT_EQ(result.err,
-            "fsdp_run: got signal 2 (Interrupt); forwarded it to 2 running ranks\n");
+  EXPECT_EQ(result.err, "fsdp_run: got signal 2 (Interrupt); forwarded it to 2 running ranks\n");
 }
 
 TEST(LaunchTest, SigtermIsForwardedAndAConcurrentLaunchIsRefused) {
   const std::string dir = make_temp_dir();
-  BackgroundLaunch job(
-      shell_job(1, absl::StrCat("touch '", dir, "/ready.'$RANK\n", "sleep 30\n")));
+  BackgroundLaunch job(shell_job(1, absl::StrCat("touch '", dir, "/ready.'$RANK\n", "sleep 30\n")));
   EXPECT_TRUE(wait_for_files({dir + "/ready.0"}));
 
   const Result second = run(shell_job(1, "echo never"));
   EXPECT_EQ(second.status, 1);
   EXPECT_EQ(second.out, "");
-  EXPECT_EQ(
-      second.err,
-      "fsdp_run: launch() is already running in this process; run one job at a time\n");
+  EXPECT_EQ(second.err,
+            "fsdp_run: launch() is already running in this process; run one job at a time\n");
 
   ASSERT_EQ(kill(getpid(), SIGTERM), 0);
   const Result result = job.join();
   EXPECT_EQ(result.status, 143);
-  EXPECT_EQ(result.err,
-            "fsdp_run: got signal 15 (Terminated); forwarded it to 1 running rank\n");
+  EXPECT_EQ(result.err, "fsdp_run: got signal 15 (Terminated); forwarded it to 1 running rank\n");
 }
 
 }  // namespace

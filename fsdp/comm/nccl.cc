@@ -361,8 +361,7 @@ class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                    NcclOptions options, std::vector<int> global_ranks = {})
-      : Communicator(rank, world_size, options.timeout(),
-                     std::move(global_ranks)),
+      : Communicator(rank, world_size, options.timeout(), std::move(global_ranks)),
         store_(std::move(store)),
         options_(std::move(options)),
         resources_(std::make_shared<NcclResources>(

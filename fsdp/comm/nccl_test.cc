@@ -182,7 +182,8 @@ TEST(NcclOptionsTest, DefaultsAndChaining) {
   int stream_stand_in = 0;
   options.device_index(3)
       .timeout(std::chrono::milliseconds(50))
-      .compute_stream(&stream_stand_in).store_prefix("x");
+      .compute_stream(&stream_stand_in)
+      .store_prefix("x");
   EXPECT_EQ(options.device_index(), 3);
   EXPECT_EQ(options.timeout(), std::chrono::milliseconds(50));
   EXPECT_EQ(options.compute_stream(), &stream_stand_in);
@@ -195,8 +196,11 @@ TEST(NcclOptionsTest, BadArgumentsThrowBeforeAnyCudaCall) {
               ThrowsMessage<c10::Error>(HasSubstr("expected a c10d store")));
   EXPECT_THAT([&] { make_nccl_communicator(store, 0, 1, NcclOptions().device_index(-1)); },
               ThrowsMessage<c10::Error>(HasSubstr("device_index must be >= 0, got -1")));
-  EXPECT_THAT([&] { make_nccl_communicator(store, 0, 1, NcclOptions().timeout(std::chrono::milliseconds(0))); },
-              ThrowsMessage<c10::Error>(HasSubstr("timeout must be positive, got 0")));
+  EXPECT_THAT(
+      [&] {
+        make_nccl_communicator(store, 0, 1, NcclOptions().timeout(std::chrono::milliseconds(0)));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("timeout must be positive, got 0")));
   EXPECT_THAT([&] { make_nccl_communicator(store, 2, 2); },
               ThrowsMessage<c10::Error>(HasSubstr("rank must be in [0, 2), got 2")));
 }

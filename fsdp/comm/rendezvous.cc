@@ -40,7 +40,8 @@ int int_variable(const EnvLookup& lookup, const char* name, int fallback, int mi
   if (!value) return fallback;
   int parsed = 0;
   TORCH_CHECK(absl::SimpleAtoi(*value, &parsed) && parsed >= min && parsed <= max, name, "='",
-              *value, "' is not an integer in [", min, ", ", max, "]; check how the job was "
+              *value, "' is not an integer in [", min, ", ", max,
+              "]; check how the job was "
               "launched");
   return parsed;
 }
@@ -52,9 +53,9 @@ bool is_loopback(const std::string& address) {
 // Every rank sets "join/<rank>" = world size, then waits until ranks 0..W-1 all did.
 void wait_for_all_ranks(c10d::Store& store, const LaunchEnvironment& env,
                         const RendezvousOptions& options, const std::string& where) {
-  store.set(absl::StrCat("join/", env.rank), std::vector<uint8_t>(
-      reinterpret_cast<const uint8_t*>(&env.world_size),
-      reinterpret_cast<const uint8_t*>(&env.world_size) + sizeof(int)));
+  store.set(absl::StrCat("join/", env.rank),
+            std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(&env.world_size),
+                                 reinterpret_cast<const uint8_t*>(&env.world_size) + sizeof(int)));
   const auto deadline = std::chrono::steady_clock::now() + options.timeout();
   std::vector<int> missing;
   while (true) {
@@ -65,9 +66,9 @@ void wait_for_all_ranks(c10d::Store& store, const LaunchEnvironment& env,
     if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  TORCH_CHECK(missing.empty(), "rendezvous at ", where, ": rank(s) ",
-              absl::StrJoin(missing, ", "), " of ", env.world_size, " did not join within ",
-              options.timeout().count(), " ms; start every rank with the same MASTER_ADDR, "
+  TORCH_CHECK(missing.empty(), "rendezvous at ", where, ": rank(s) ", absl::StrJoin(missing, ", "),
+              " of ", env.world_size, " did not join within ", options.timeout().count(),
+              " ms; start every rank with the same MASTER_ADDR, "
               "MASTER_PORT and WORLD_SIZE");
   for (int r = 0; r < env.world_size; ++r) {
     const std::vector<uint8_t> value = store.get(absl::StrCat("join/", r));
@@ -76,7 +77,8 @@ void wait_for_all_ranks(c10d::Store& store, const LaunchEnvironment& env,
     std::copy(value.begin(), value.end(), reinterpret_cast<uint8_t*>(&theirs));
     TORCH_CHECK(theirs == env.world_size, "rendezvous at ", where, ": rank ", r,
                 " was started with WORLD_SIZE=", theirs, " but rank ", env.rank,
-                " with WORLD_SIZE=", env.world_size, "; start every rank with the same "
+                " with WORLD_SIZE=", env.world_size,
+                "; start every rank with the same "
                 "world size");
   }
 }
@@ -96,13 +98,10 @@ void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
 }  // namespace
 
 LaunchEnvironment read_launch_environment(const EnvLookup& lookup_or_null) {
-  const EnvLookup lookup = lookup_or_null ? lookup_or_null
-                                          : [](const std::string& name) {
-                                              const char* value = std::getenv(name.c_str());
-                                              return value == nullptr
-                                                         ? std::nullopt
-                                                         : std::optional<std::string>(value);
-                                            };
+  const EnvLookup lookup = lookup_or_null ? lookup_or_null : [](const std::string& name) {
+    const char* value = std::getenv(name.c_str());
+    return value == nullptr ? std::nullopt : std::optional<std::string>(value);
+  };
   LaunchEnvironment env;
   env.launcher = "none";
   for (const Scheme& scheme : kSchemes) {
@@ -112,14 +111,14 @@ LaunchEnvironment read_launch_environment(const EnvLookup& lookup_or_null) {
     env.rank = int_variable(lookup, scheme.rank, 0, 0, env.world_size - 1);
     env.local_world_size =
         int_variable(lookup, scheme.local_world_size, env.world_size, 1, env.world_size);
-    env.local_rank =
-        int_variable(lookup, scheme.local_rank, env.rank % env.local_world_size, 0,
-                     env.local_world_size - 1);
+    env.local_rank = int_variable(lookup, scheme.local_rank, env.rank % env.local_world_size, 0,
+                                  env.local_world_size - 1);
     break;
   }
-  env.master_addr = lookup("MASTER_ADDR").value_or(
-      env.launcher == std::string("Slurm") ? lookup("SLURM_LAUNCH_NODE_IPADDR").value_or("")
-                                           : "");
+  env.master_addr = lookup("MASTER_ADDR")
+                        .value_or(env.launcher == std::string("Slurm")
+                                      ? lookup("SLURM_LAUNCH_NODE_IPADDR").value_or("")
+                                      : "");
   env.master_port = int_variable(lookup, "MASTER_PORT", 0, 1, 65535);
   return env;
 }
@@ -134,7 +133,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
   } else {
     TORCH_CHECK(env.world_size == 1 || (!env.master_addr.empty() && env.master_port > 0),
                 "rendezvous: MASTER_ADDR and MASTER_PORT must be set for ", env.world_size,
-                " ranks (launcher: ", env.launcher, "); use fsdp_run or torchrun, or set "
+                " ranks (launcher: ", env.launcher,
+                "); use fsdp_run or torchrun, or set "
                 "RendezvousOptions::file_store_path");
     const std::string addr = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
     where = absl::StrCat(addr, ":", env.master_port);
@@ -148,8 +148,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
       store = c10::make_intrusive<c10d::TCPStore>(addr, tcp);
     } catch (const std::exception& e) {
       const std::string what = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
-      TORCH_CHECK(env.rank != 0, "rendezvous: rank 0 cannot host the store on ", where, " (",
-                  what, "); pick a free MASTER_PORT (fsdp_run picks one by default)");
+      TORCH_CHECK(env.rank != 0, "rendezvous: rank 0 cannot host the store on ", where, " (", what,
+                  "); pick a free MASTER_PORT (fsdp_run picks one by default)");
       TORCH_CHECK(false, "rendezvous: rank ", env.rank, " cannot reach the master at ", where,
                   " within ", options.timeout().count(), " ms (", what,
                   "); check MASTER_ADDR/MASTER_PORT and that rank 0 is running");

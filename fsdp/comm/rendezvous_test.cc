@@ -31,10 +31,14 @@ EnvLookup lookup_in(std::map<std::string, std::string> vars) {
 }
 
 TEST(LaunchEnvironmentTest, Torchrun) {
-  const LaunchEnvironment env = read_launch_environment(
-      lookup_in({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                 {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
-                 {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "9"}}));
+  const LaunchEnvironment env = read_launch_environment(lookup_in({{"RANK", "3"},
+                                                                   {"WORLD_SIZE", "4"},
+                                                                   {"LOCAL_RANK", "1"},
+                                                                   {"LOCAL_WORLD_SIZE", "2"},
+                                                                   {"MASTER_ADDR", "10.0.0.1"},
+                                                                   {"MASTER_PORT", "29500"},
+                                                                   {"OMPI_COMM_WORLD_RANK", "0"},
+                                                                   {"OMPI_COMM_WORLD_SIZE", "9"}}));
   EXPECT_EQ(env.launcher, "torchrun");
   EXPECT_EQ(env.rank, 3);
   EXPECT_EQ(env.world_size, 4);
@@ -45,9 +49,10 @@ TEST(LaunchEnvironmentTest, Torchrun) {
 }
 
 TEST(LaunchEnvironmentTest, OpenMpiMpichAndSlurm) {
-  LaunchEnvironment env = read_launch_environment(lookup_in(
-      {{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
-       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}}));
+  LaunchEnvironment env = read_launch_environment(lookup_in({{"OMPI_COMM_WORLD_RANK", "5"},
+                                                             {"OMPI_COMM_WORLD_SIZE", "8"},
+                                                             {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                                             {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}}));
   EXPECT_EQ(env.launcher, "Open MPI");
   EXPECT_EQ(env.rank, 5);
   EXPECT_EQ(env.local_rank, 1);
@@ -59,9 +64,11 @@ TEST(LaunchEnvironmentTest, OpenMpiMpichAndSlurm) {
   EXPECT_EQ(env.local_rank, 2);  // no local variables: one node
   EXPECT_EQ(env.local_world_size, 3);
 
-  env = read_launch_environment(lookup_in(
-      {{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"},
-       {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
+  env = read_launch_environment(lookup_in({{"SLURM_PROCID", "6"},
+                                           {"SLURM_NTASKS", "8"},
+                                           {"SLURM_LOCALID", "2"},
+                                           {"SLURM_NTASKS_PER_NODE", "4"},
+                                           {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
   EXPECT_EQ(env.launcher, "Slurm");
   EXPECT_EQ(env.rank, 6);
   EXPECT_EQ(env.local_rank, 2);
@@ -76,13 +83,22 @@ TEST(LaunchEnvironmentTest, NoVariablesMeansOneRank) {
 }
 
 TEST(LaunchEnvironmentTest, BadValuesNameTheVariable) {
-  EXPECT_THAT([] { read_launch_environment(lookup_in({{"RANK", "x"}, {"WORLD_SIZE", "2"}})); },
-              ThrowsMessage<c10::Error>(HasSubstr("RANK='x' is not an integer in [0, 1]")));
-  EXPECT_THAT([] { read_launch_environment(lookup_in({{"RANK", "2"}, {"WORLD_SIZE", "2"}})); },
-              ThrowsMessage<c10::Error>(HasSubstr("RANK='2' is not an integer in [0, 1]")));
-  EXPECT_THAT([] {
-    read_launch_environment(lookup_in({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}}));
-  }, ThrowsMessage<c10::Error>(HasSubstr("MASTER_PORT='70000'")));
+  EXPECT_THAT(
+      [] {
+        read_launch_environment(lookup_in({{"RANK", "x"}, {"WORLD_SIZE", "2"}}));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("RANK='x' is not an integer in [0, 1]")));
+  EXPECT_THAT(
+      [] {
+        read_launch_environment(lookup_in({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("RANK='2' is not an integer in [0, 1]")));
+  EXPECT_THAT(
+      [] {
+        read_launch_environment(
+            lookup_in({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}}));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("MASTER_PORT='70000'")));
 }
 
 LaunchEnvironment two_ranks(int rank, int port) {
@@ -126,8 +142,8 @@ TEST(RendezvousTest, PortInUseIsAClearError) {
   const int port = ntohs(addr.sin_port);
   const RendezvousOptions options = RendezvousOptions().timeout(std::chrono::milliseconds(1000));
   EXPECT_THAT([&] { connect_store(two_ranks(0, port), options); },
-              ThrowsMessage<c10::Error>(HasSubstr("rank 0 cannot host the store on 127.0.0.1:" +
-                                                  std::to_string(port))));
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("rank 0 cannot host the store on 127.0.0.1:" + std::to_string(port))));
   close(fd);
 }
 
@@ -143,11 +159,11 @@ TEST(DISABLED_RendezvousWorker, Join) {
 }
 
 TEST(RendezvousTest, DifferentWorldSizesAreNamed) {
-  const auto ranks = comm_internal::run_test_as_ranks(
-      2, "DISABLED_RendezvousWorker.Join", std::chrono::seconds(60),
-      [](int rank, Environment& env) {
-        if (rank == 1) env["WORLD_SIZE"] = "3";
-      });
+  const auto ranks =
+      comm_internal::run_test_as_ranks(2, "DISABLED_RendezvousWorker.Join",
+                                       std::chrono::seconds(60), [](int rank, Environment& env) {
+                                         if (rank == 1) env["WORLD_SIZE"] = "3";
+                                       });
   EXPECT_NE(ranks[0].exit_code, 0) << comm_internal::describe(ranks);
   EXPECT_THAT(ranks[0].output, HasSubstr("rank 1 was started with WORLD_SIZE=3 but rank 0 "
                                          "with WORLD_SIZE=2"));
@@ -160,8 +176,8 @@ TEST(RendezvousTest, DifferentWorldSizesAreNamed) {
 }
 
 TEST(RendezvousTest, FileStoreRendezvous) {
-  const std::string path = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
-                                                                  : "/tmp") + "/filestore";
+  const std::string path =
+      std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp") + "/filestore";
   unlink(path.c_str());
   const auto ranks = comm_internal::run_test_as_ranks(
       2, "DISABLED_RendezvousWorker.JoinThroughFile", std::chrono::seconds(60),

@@ -68,8 +68,7 @@ class CheckpointWrapperImpl
     : public torch::nn::Module,
       public detail::ForwardAs<CheckpointWrapperImpl<Contained>, decltype(&Contained::forward)> {
  public:
-  explicit CheckpointWrapperImpl(std::shared_ptr<Contained> module,
-                                 bool preserve_rng_state = true)
+  explicit CheckpointWrapperImpl(std::shared_ptr<Contained> module, bool preserve_rng_state = true)
       : module_(register_module(std::string(kCheckpointWrappedModule), std::move(module))),
         preserve_rng_state_(preserve_rng_state) {}
 

@@ -103,8 +103,7 @@ struct CheckpointedLmImpl : torch::nn::Module {
   int step = 0;
 };
 
-class CheckpointParityTest
-    : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
+class CheckpointParityTest : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
 
 TEST_P(CheckpointParityTest, CheckpointedUnitsTrainLikeThePlainReference) {
   const auto [w, strategy] = GetParam();
@@ -117,12 +116,11 @@ TEST_P(CheckpointParityTest, CheckpointedUnitsTrainLikeThePlainReference) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesStrategies, CheckpointParityTest,
-    ::testing::Combine(::testing::Values(1, 2, 3),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard)));
+INSTANTIATE_TEST_SUITE_P(WorldSizesStrategies, CheckpointParityTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard)));
 
 // kBlocks residual MLP blocks (dim 32 -> 128 -> 32), each a unit, on kRows rows per rank.
 constexpr int kBlocks = 12;

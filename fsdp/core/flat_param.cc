@@ -59,18 +59,19 @@ std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& 
   return result;
 }
 
-FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
-                                 std::shared_ptr<Communicator> comm, ShardingStrategy strategy,
-                                 const FlatParamOptions& options)
+FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr<Communicator> comm,
+                                 ShardingStrategy strategy, const FlatParamOptions& options)
     : comm_(std::move(comm)),
       strategy_(strategy),
       replicate_comm_(options.replicate_communicator()),
       keep_low_precision_grads_(options.keep_low_precision_grads()) {
   TORCH_CHECK(comm_ != nullptr, "FlatParamHandle: communicator is null");
-  TORCH_CHECK(!params.empty(), "FlatParamHandle: expected at least one parameter to flatten, "
+  TORCH_CHECK(!params.empty(),
+              "FlatParamHandle: expected at least one parameter to flatten, "
               "got none; a unit without parameters needs no flat parameter");
-  TORCH_CHECK(!is_hybrid(strategy_) || replicate_comm_ != nullptr, "FlatParamHandle: ",
-              sharding_strategy_name(strategy_), " needs options.replicate_communicator (the "
+  TORCH_CHECK(!is_hybrid(strategy_) || replicate_comm_ != nullptr,
+              "FlatParamHandle: ", sharding_strategy_name(strategy_),
+              " needs options.replicate_communicator (the "
               "replicate group of Communicator::split_hybrid)");
   absl::flat_hash_map<const c10::TensorImpl*, std::string> seen;
   const at::Tensor& first = params.front().param;
@@ -80,18 +81,18 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
     auto [it, inserted] = seen.try_emplace(p.param.unsafeGetTensorImpl(), p.fqn);
     TORCH_CHECK(inserted, "FlatParamHandle: '", p.fqn, "' is the same tensor as '", it->second,
                 "'; pass a shared parameter once");
-    TORCH_CHECK(p.param.scalar_type() == first.scalar_type() &&
-                    p.param.device() == first.device(),
+    TORCH_CHECK(p.param.scalar_type() == first.scalar_type() && p.param.device() == first.device(),
                 "FlatParamHandle: all parameters of a unit need one dtype and device; '",
                 params.front().fqn, "' is ", first.toString(), " on ", first.device(), " but '",
                 p.fqn, "' is ", p.param.toString(), " on ", p.param.device());
-    TORCH_CHECK(c10::isFloatingType(p.param.scalar_type()), "FlatParamHandle: parameter '",
-                p.fqn, "' has dtype ", p.param.scalar_type(), "; expected a floating dtype");
+    TORCH_CHECK(c10::isFloatingType(p.param.scalar_type()), "FlatParamHandle: parameter '", p.fqn,
+                "' has dtype ", p.param.scalar_type(), "; expected a floating dtype");
     infos_.push_back({p.fqn, p.param.sizes().vec(), p.param.numel(), numel_});
     numel_ += p.param.numel();
     (p.param.requires_grad() ? trained : frozen).push_back(p.fqn);
   }
-  TORCH_CHECK(trained.empty() || frozen.empty(), "FlatParamHandle: a unit's parameters must "
+  TORCH_CHECK(trained.empty() || frozen.empty(),
+              "FlatParamHandle: a unit's parameters must "
               "agree on requires_grad (one flat parameter has one), but [",
               absl::StrJoin(trained, ", "), "] require grad and [", absl::StrJoin(frozen, ", "),
               "] do not; make the frozen modules a unit of their own (fsdp::Unit) or pass "
@@ -113,17 +114,16 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params,
   const auto options_of_params = first.options().requires_grad(false);
   at::Tensor flat = at::zeros({padded_numel_}, options_of_params);
   for (size_t i = 0; i < params.size(); ++i) {
-    flat.narrow(0, infos_[i].offset, infos_[i].numel)
-        .copy_(params[i].param.detach().reshape({-1}));
+    flat.narrow(0, infos_[i].offset, infos_[i].numel).copy_(params[i].param.detach().reshape({-1}));
     originals_.push_back(params[i].param);
   }
   // NO_SHARD: the optimizer updates the flat buffer itself.
   sharded_ = no_shard ? flat : flat.narrow(0, shard_offset_, shard_numel_).clone();
   sharded_.set_requires_grad(frozen.empty());
-  unsharded_flat_ = uses_mixed_precision() ? at::empty({padded_numel_},
-                                                       options_of_params.dtype(param_dtype_))
-                    : no_shard            ? sharded_.detach()
-                                          : flat;
+  unsharded_flat_ = uses_mixed_precision()
+                        ? at::empty({padded_numel_}, options_of_params.dtype(param_dtype_))
+                    : no_shard ? sharded_.detach()
+                               : flat;
   use_views_of(unsharded_flat_);
   reshard();  // sharded from the start: only the shard's memory stays allocated
 }
@@ -143,7 +143,7 @@ namespace {
 // See Note [Freeing the unsharded flat parameter].
 void allocate(const at::Tensor& flat) {
   compat::resize_cpu_storage_bytes(flat.storage().unsafeGetStorageImpl(),
-                               flat.numel() * flat.element_size());
+                                   flat.numel() * flat.element_size());
 }
 void free_storage(const at::Tensor& flat) {
   compat::resize_cpu_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
@@ -250,8 +250,7 @@ at::Tensor FlatParamHandle::flatten_grads(std::vector<at::Tensor>& grads) const 
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;
     TORCH_CHECK(grads[i].numel() == infos_[i].numel, "FlatParamHandle: gradient of '",
-                infos_[i].fqn, "' has ", grads[i].numel(), " elements, expected ",
-                infos_[i].numel);
+                infos_[i].fqn, "' has ", grads[i].numel(), " elements, expected ", infos_[i].numel);
     flat_grad.narrow(0, infos_[i].offset, infos_[i].numel).copy_(grads[i].reshape({-1}));
     grads[i] = at::Tensor();  // its memory can go before the next one is copied
   }
@@ -273,9 +272,8 @@ void FlatParamHandle::write_back_shard() {
               "write_back_shard: the flat parameter is not unsharded in full precision; "
               "call unshard_full_precision() first");
   if (strategy_ == ShardingStrategy::kNoShard) return;  // one buffer: nothing to copy
-  const at::Tensor& full = state_ == FlatParamState::kUnshardedFullPrecision
-                               ? full_precision_flat_
-                               : unsharded_flat_;
+  const at::Tensor& full =
+      state_ == FlatParamState::kUnshardedFullPrecision ? full_precision_flat_ : unsharded_flat_;
   sharded_.detach().copy_(full.narrow(0, shard_offset_, shard_numel_));
 }
 

@@ -236,14 +236,14 @@ class FlatParamHandle {
   void use_views_of(const at::Tensor& flat);
   at::Tensor flatten_grads(std::vector<at::Tensor>& grads) const;  // releases each grad
 
-  at::Tensor sharded_;          // the optimizer's leaf
+  at::Tensor sharded_;  // the optimizer's leaf
   // padded_numel elements of param_dtype, the views' storage in forward and backward;
   // its storage is freed by reshard(). NO_SHARD without mixed precision: sharded_.
   at::Tensor unsharded_flat_;
   at::Tensor full_precision_flat_;  // unshard_full_precision()'s buffer, or undefined
   at::Tensor gather_input_;         // a prefetch's low-precision shard copy
-  at::Tensor unsharded_grad_;  // no_sync accumulator, padded_numel elements, or undefined
-  WorkHandle pending_;         // kUnsharding: the prefetch's all-gather
+  at::Tensor unsharded_grad_;       // no_sync accumulator, padded_numel elements, or undefined
+  WorkHandle pending_;              // kUnsharding: the prefetch's all-gather
   FlatParamState state_ = FlatParamState::kUnsharded;  // the constructor reshards
 
   // kUnsharding -> kUnsharded: waits for the prefetch's all-gather.

@@ -68,8 +68,8 @@ TEST_P(FlatParamHandleTest, ShardsUnshardsReshardsAndReducesGradients) {
     // This rank's shard metadata covers flat elements [rank x shard, (rank + 1) x shard).
     const std::vector<FlatParamInfo> infos = {{"p0", {3, 3}, 9, 0}, {"p1", {4}, 4, 9}};
     const std::vector<ShardParamInfo> local = handle.local_shard_param_infos();
-    const std::vector<ShardParamInfo> want = shard_param_infos(
-        infos, comm.rank() * shard, (comm.rank() + 1) * shard - 1);
+    const std::vector<ShardParamInfo> want =
+        shard_param_infos(infos, comm.rank() * shard, (comm.rank() + 1) * shard - 1);
     ASSERT_EQ(local.size(), want.size());
     for (size_t i = 0; i < want.size(); ++i) {
       EXPECT_EQ(local[i].fqn, want[i].fqn);
@@ -137,13 +137,18 @@ TEST(FlatParamHandleErrorsTest, BadInputIsNamed) {
   EXPECT_THAT([&] { FlatParamHandle({}, comm, ShardingStrategy::kFullShard); },
               ThrowsMessage<c10::Error>(HasSubstr("expected at least one parameter")));
   at::Tensor w = at::ones({2});
-  EXPECT_THAT([&] { FlatParamHandle({{"a.weight", w}, {"b.weight", w}}, comm,
-                                    ShardingStrategy::kFullShard); },
-              ThrowsMessage<c10::Error>(HasSubstr("'b.weight' is the same tensor as "
-                                                  "'a.weight'")));
-  EXPECT_THAT([&] { FlatParamHandle({{"a", at::ones({2})}, {"b", at::ones({2}, at::kDouble)}},
-                                    comm, ShardingStrategy::kFullShard); },
-              ThrowsMessage<c10::Error>(HasSubstr("need one dtype and device")));
+  EXPECT_THAT(
+      [&] {
+        FlatParamHandle({{"a.weight", w}, {"b.weight", w}}, comm, ShardingStrategy::kFullShard);
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("'b.weight' is the same tensor as "
+                                          "'a.weight'")));
+  EXPECT_THAT(
+      [&] {
+        FlatParamHandle({{"a", at::ones({2})}, {"b", at::ones({2}, at::kDouble)}}, comm,
+                        ShardingStrategy::kFullShard);
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("need one dtype and device")));
   FlatParamHandle handle({{"a", at::ones({2})}}, comm, ShardingStrategy::kFullShard);
   EXPECT_THAT([&] { handle.reduce_grad({at::ones({3})}); },
               ThrowsMessage<c10::Error>(HasSubstr("gradient of 'a' has 3 elements, expected 2")));
@@ -175,8 +180,7 @@ class SpyCommunicator : public comm_internal::ForwardingCommunicator {
   }
 };
 
-class DivideFactorTest
-    : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
+class DivideFactorTest : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
 
 // Rank r's gradient is 12 (r + 1) everywhere: predivided by f(W) before a sum-reduction,
 // postdivided by W / f(W) after, the result is the mean 6 (W + 1).
@@ -195,22 +199,19 @@ TEST_P(DivideFactorTest, PredivideBeforeTheReductionPostdivideAfter) {
     // The shard's elements that are not padding.
     const int64_t first = strategy == ShardingStrategy::kNoShard ? 0 : comm.rank() * grad.numel();
     const int64_t real = std::max<int64_t>(0, std::min<int64_t>(grad.numel(), 6 - first));
-    EXPECT_TRUE(at::equal(grad.narrow(0, 0, real), at::full({real}, 6.0 * (w + 1))))
-        << grad;
+    EXPECT_TRUE(at::equal(grad.narrow(0, 0, real), at::full({real}, 6.0 * (w + 1)))) << grad;
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesStrategies, DivideFactorTest,
-    ::testing::Combine(::testing::Values(2, 3, 4, 6),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kNoShard)));
+INSTANTIATE_TEST_SUITE_P(WorldSizesStrategies, DivideFactorTest,
+                         ::testing::Combine(::testing::Values(2, 3, 4, 6),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kNoShard)));
 
 // Parameters of 6 + 3 elements with values k / 8 (exact in bfloat16).
 std::vector<NamedParam> eighths() {
-  std::vector<NamedParam> params = {
-      {"a.weight", (at::arange(6, at::kFloat) / 8).view({2, 3})},
-      {"a.bias", at::arange(3, at::kFloat) / 8 + 1}};
+  std::vector<NamedParam> params = {{"a.weight", (at::arange(6, at::kFloat) / 8).view({2, 3})},
+                                    {"a.bias", at::arange(3, at::kFloat) / 8 + 1}};
   for (NamedParam& p : params) p.param.set_requires_grad(true);
   return params;
 }
@@ -222,13 +223,13 @@ TEST(FlatParamMixedPrecisionTest, LowPrecisionCopiesOnlyWhileUnsharded) {
     FlatParamHandle handle(params, self, ShardingStrategy::kFullShard,
                            FlatParamOptions().param_dtype(at::kBFloat16));
     EXPECT_EQ(handle.param_dtype(), at::kBFloat16);
-    EXPECT_EQ(handle.reduce_dtype(), at::kBFloat16);  // inferred, as PyTorch
+    EXPECT_EQ(handle.reduce_dtype(), at::kBFloat16);                   // inferred, as PyTorch
     EXPECT_EQ(handle.sharded_flat_param().scalar_type(), at::kFloat);  // the master shard
     EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
     handle.unshard();
     EXPECT_EQ(params[0].param.scalar_type(), at::kBFloat16);
-    EXPECT_TRUE(at::equal(params[0].param.to(at::kFloat),
-                          (at::arange(6, at::kFloat) / 8).view({2, 3})));
+    EXPECT_TRUE(
+        at::equal(params[0].param.to(at::kFloat), (at::arange(6, at::kFloat) / 8).view({2, 3})));
     // The all-gather moves bfloat16: 2 bytes x shard numel 5 to the one peer.
     EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).bytes_sent, 2 * 5);
     handle.reshard();
@@ -350,9 +351,11 @@ TEST(FlatParamHybridTest, ReduceScatterInTheShardGroupThenAllReduceAcross) {
     EXPECT_EQ(comm.counters().total().calls, 0);
   });
   auto world = FakeWorld::create(1);
-  EXPECT_THAT([&] { FlatParamHandle(make_params({{2}}), world->communicator(0),
-                                    ShardingStrategy::kHybridShard); },
-              ThrowsMessage<c10::Error>(HasSubstr("needs options.replicate_communicator")));
+  EXPECT_THAT(
+      [&] {
+        FlatParamHandle(make_params({{2}}), world->communicator(0), ShardingStrategy::kHybridShard);
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("needs options.replicate_communicator")));
 }
 
 TEST(FlatParamFrozenTest, AllFrozenIsAFrozenFlatParameterMixedIsAnError) {
@@ -363,8 +366,7 @@ TEST(FlatParamFrozenTest, AllFrozenIsAFrozenFlatParameterMixedIsAnError) {
   EXPECT_FALSE(handle.sharded_flat_param().requires_grad());
   std::vector<NamedParam> mixed = make_params({{2}, {3}, {4}});
   mixed[1].param.set_requires_grad(false);
-  EXPECT_THAT([&] { FlatParamHandle(mixed, world->communicator(0),
-                                    ShardingStrategy::kFullShard); },
+  EXPECT_THAT([&] { FlatParamHandle(mixed, world->communicator(0), ShardingStrategy::kFullShard); },
               ThrowsMessage<c10::Error>(HasSubstr("[p0, p2] require grad and [p1] do not")));
 }
 

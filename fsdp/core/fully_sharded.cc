@@ -98,7 +98,7 @@ struct Ignored {
   std::vector<const torch::nn::Module*> modules;
   absl::flat_hash_set<const torch::nn::Module*> module_set;
   absl::flat_hash_set<const c10::TensorImpl*> params;  // the modules' and the single ones
-  std::vector<at::Tensor> trained;                      // those that require grad, once each
+  std::vector<at::Tensor> trained;                     // those that require grad, once each
 };
 
 Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
@@ -112,7 +112,8 @@ Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
     if (state.module() != nullptr) {
       ignored.modules.push_back(state.module());
     } else {
-      TORCH_CHECK(state.parameter().defined(), "FullyShardedDataParallel: ignored_states "
+      TORCH_CHECK(state.parameter().defined(),
+                  "FullyShardedDataParallel: ignored_states "
                   "holds an undefined tensor; pass the model's parameters or modules");
       params.push_back(state.parameter());
     }
@@ -143,8 +144,9 @@ AutoWrapPolicy wrap_policy(const FullyShardedDataParallelOptions& options) {
   return options.auto_wrap_policy();
 }
 
-absl::flat_hash_set<const UnitBase*> apply_policy(
-    UnitBase& root, const FullyShardedDataParallelOptions& options, const Ignored& ignored) {
+absl::flat_hash_set<const UnitBase*> apply_policy(UnitBase& root,
+                                                  const FullyShardedDataParallelOptions& options,
+                                                  const Ignored& ignored) {
   std::vector<TreeSite> sites;
   const ModuleTree tree = transparent_tree(root, &sites);
   WrapPlanOptions plan_options;
@@ -161,12 +163,11 @@ absl::flat_hash_set<const UnitBase*> apply_policy(
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
     // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
     // _wrap_module_cls_individually over _module_classes_to_ignore.
-    policy = or_policy(
-        {policy, lambda_auto_wrap_policy(
-                     [full = options.mixed_precision()->full_precision_modules()](
-                         const ModuleNode& node) {
-                       return node.cpp_module != nullptr && full(*node.cpp_module);
-                     })});
+    policy = or_policy({policy, lambda_auto_wrap_policy(
+                                    [full = options.mixed_precision()->full_precision_modules()](
+                                        const ModuleNode& node) {
+                                      return node.cpp_module != nullptr && full(*node.cpp_module);
+                                    })});
   }
   const WrapPlan plan = plan_fsdp_units(tree, policy, plan_options);
   absl::flat_hash_set<const UnitBase*> active = {&root};
@@ -186,22 +187,22 @@ std::vector<FoundUnit> find_units(UnitBase& root,
                                   const absl::flat_hash_set<const torch::nn::Module*>& ignored) {
   std::vector<FoundUnit> units;
   std::vector<std::string> ignored_prefixes;
-  apply_to_modules(root, [&](const torch::nn::Module& module, const std::string& prefix,
-                             int /*depth*/) {
-    for (const std::string& skip : ignored_prefixes) {
-      if (absl::StartsWith(prefix, skip)) return;
-    }
-    auto* unit = dynamic_cast<const UnitBase*>(&module);
-    if (ignored.contains(&module) || (unit && ignored.contains(unit->wrapped_module().get()))) {
-      ignored_prefixes.push_back(prefix);
-      return;
-    }
-    if (unit != nullptr) {
-      std::string fqn = clean_tensor_name(prefix);
-      if (!fqn.empty()) fqn.pop_back();  // the trailing "."
-      units.push_back({const_cast<UnitBase*>(unit), fqn});
-    }
-  });
+  apply_to_modules(
+      root, [&](const torch::nn::Module& module, const std::string& prefix, int /*depth*/) {
+        for (const std::string& skip : ignored_prefixes) {
+          if (absl::StartsWith(prefix, skip)) return;
+        }
+        auto* unit = dynamic_cast<const UnitBase*>(&module);
+        if (ignored.contains(&module) || (unit && ignored.contains(unit->wrapped_module().get()))) {
+          ignored_prefixes.push_back(prefix);
+          return;
+        }
+        if (unit != nullptr) {
+          std::string fqn = clean_tensor_name(prefix);
+          if (!fqn.empty()) fqn.pop_back();  // the trailing "."
+          units.push_back({const_cast<UnitBase*>(unit), fqn});
+        }
+      });
   return units;
 }
 
@@ -210,8 +211,11 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
   std::map<c10::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const at::Tensor& t : tensors) by_dtype[t.scalar_type()].push_back(t.detach());
   for (auto& [dtype, group] : by_dtype) {
-    TORCH_CHECK(is_supported_dtype(dtype), "FullyShardedDataParallel: sync_module_states "
-                "cannot broadcast tensors of dtype ", dtype, "; convert them or leave their "
+    TORCH_CHECK(is_supported_dtype(dtype),
+                "FullyShardedDataParallel: sync_module_states "
+                "cannot broadcast tensors of dtype ",
+                dtype,
+                "; convert them or leave their "
                 "module out with ignored_modules");
     std::vector<at::Tensor> flat;
     for (const at::Tensor& t : group) flat.push_back(t.reshape({-1}));
@@ -252,15 +256,15 @@ ShardingStrategy effective_strategy(const FullyShardedDataParallelOptions& optio
 
 // The strategy of the unit around `wrapped` (see unit_sharding_strategies); `fqn` names
 // it in errors.
-ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options,
-                               const UnitBase& unit, const std::string& fqn) {
+ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options, const UnitBase& unit,
+                               const std::string& fqn) {
   const ShardingStrategy root = effective_strategy(options);
   for (const auto& [module, strategy] : options.unit_sharding_strategies()) {
     if (module != &unit && module != unit.wrapped_module().get()) continue;
     TORCH_CHECK(!is_hybrid(strategy) && !is_hybrid(root) && !fqn.empty(),
-                "FullyShardedDataParallel: unit_sharding_strategies gives unit '", fqn,
-                "' ", sharding_strategy_name(strategy), " under a ",
-                sharding_strategy_name(root), " root; only non-root units, and only FULL_SHARD, "
+                "FullyShardedDataParallel: unit_sharding_strategies gives unit '", fqn, "' ",
+                sharding_strategy_name(strategy), " under a ", sharding_strategy_name(root),
+                " root; only non-root units, and only FULL_SHARD, "
                 "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");
     // One rank shards nothing, whatever was asked (as effective_strategy).
     return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard : strategy;
@@ -306,18 +310,16 @@ void check_constructed_handle(const FlatParamHandle& handle, const std::string& 
                   &handle.communicator() == &comm,
               "FullyShardedDataParallel: unit '", unit_fqn, "' was sharded at construction ",
               "(ShardOnConstruction) as ", sharding_strategy_name(handle.strategy()),
-              " with param dtype ", handle.param_dtype(), " (reduce dtype ",
-              handle.reduce_dtype(), "), but this root uses ", sharding_strategy_name(strategy),
-              " with param dtype ", param_dtype, " (reduce dtype ",
-              want.reduce_dtype().value_or(param_dtype), ")",
+              " with param dtype ", handle.param_dtype(), " (reduce dtype ", handle.reduce_dtype(),
+              "), but this root uses ", sharding_strategy_name(strategy), " with param dtype ",
+              param_dtype, " (reduce dtype ", want.reduce_dtype().value_or(param_dtype), ")",
               &handle.communicator() == &comm ? "" : " and another communicator",
               "; pass the root the scope's options");
 }
 
 // sync_module_states: rank 0's unit parameters (those not sharded at construction) and
 // buffers outside ignored modules, one unit at a time.
-void sync_module_states(Communicator& comm, const torch::nn::Module& root,
-                        const Ignored& ignored,
+void sync_module_states(Communicator& comm, const torch::nn::Module& root, const Ignored& ignored,
                         const std::vector<std::vector<NamedParam>>& params_of) {
   for (const std::vector<NamedParam>& params : params_of) {
     std::vector<at::Tensor> tensors;
@@ -372,7 +374,7 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
                              const std::vector<int64_t>& unit_numels) {
   if (comm.world_size() == 1) return;
   std::string description = absl::StrCat(sharding_strategy_name(options.sharding_strategy()),
-                                          "/F=", options.hybrid_shard_group_size());
+                                         "/F=", options.hybrid_shard_group_size());
   const c10::optional<MixedPrecision>& mp = options.mixed_precision();
   if (mp) {
     absl::StrAppend(&description, "/mp=", mp->param_dtype() ? int(*mp->param_dtype()) : -1, ",",
@@ -395,18 +397,20 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
     const int64_t* theirs = a + 4 * r;
     std::string what;
     if (theirs[1] != a[1]) {
-      what = absl::StrCat("sharding strategy ",
-                          sharding_strategy_name(static_cast<ShardingStrategy>(theirs[1])),
-                          " vs rank 0's ",
-                          sharding_strategy_name(static_cast<ShardingStrategy>(a[1])));
+      what = absl::StrCat(
+          "sharding strategy ", sharding_strategy_name(static_cast<ShardingStrategy>(theirs[1])),
+          " vs rank 0's ", sharding_strategy_name(static_cast<ShardingStrategy>(a[1])));
     } else if (theirs[2] != a[2] || theirs[3] != a[3]) {
       what = absl::StrCat("a wrap plan of ", theirs[2], " units and ", theirs[3],
                           " parameters vs rank 0's ", a[2], " units and ", a[3]);
     } else {
       what = "different options (hybrid group size, mixed precision) or unit names";
     }
-    TORCH_CHECK(false, "FullyShardedDataParallel: rank ", r, " built a different model than "
-                "rank 0: ", what, ". Every rank must construct the same model with the same "
+    TORCH_CHECK(false, "FullyShardedDataParallel: rank ", r,
+                " built a different model than "
+                "rank 0: ",
+                what,
+                ". Every rank must construct the same model with the same "
                 "options (see Note [Construction fingerprint])");
   }
 }
@@ -633,9 +637,11 @@ bool is_batch_norm(const torch::nn::Module& module) {
 }
 
 ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& options) {
-  TORCH_CHECK(options.communicator() != nullptr, "ShardOnConstruction: options.communicator "
+  TORCH_CHECK(options.communicator() != nullptr,
+              "ShardOnConstruction: options.communicator "
               "is null");
-  TORCH_CHECK(active_construction == nullptr, "ShardOnConstruction: a scope is already "
+  TORCH_CHECK(active_construction == nullptr,
+              "ShardOnConstruction: a scope is already "
               "active on this thread; scopes do not nest");
   TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr,
               "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
@@ -667,7 +673,8 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& 
     const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
     if (nested.contains(key) || !seen.insert(key).second) continue;
     TORCH_CHECK(!scope->sharded.contains(key), "ShardOnConstruction: parameter '",
-                clean_tensor_name(item.key()), "' of a unit being built was already sharded "
+                clean_tensor_name(item.key()),
+                "' of a unit being built was already sharded "
                 "by another unit built before it and not inside it; a shared parameter must "
                 "live in one unit: build both users inside one unit");
     params.push_back({clean_tensor_name(item.key()), item.value()});
@@ -694,9 +701,7 @@ SummonFullParamsScope::SummonFullParamsScope(core_internal::RootState& root, boo
 }
 SummonFullParamsScope::~SummonFullParamsScope() { root_.end_summon(); }
 
-
-FullyShardedRoot::FullyShardedRoot(UnitBase& root,
-                                   const FullyShardedDataParallelOptions& options)
+FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParallelOptions& options)
     : root_(&root), state_(bind_fully_sharded(root, options)) {}
 
 FullyShardedRoot::~FullyShardedRoot() = default;

@@ -94,8 +94,7 @@ struct MixedPrecision {
   // Units whose wrapped module this picks stay in full precision (parameters, buffers,
   // gradients), casting floating inputs up and their tensor output back. With an
   // auto_wrap_policy every module it picks is made a unit, as in PyTorch.
-  TORCH_ARG(std::function<bool(const torch::nn::Module&)>, full_precision_modules) =
-      is_batch_norm;
+  TORCH_ARG(std::function<bool(const torch::nn::Module&)>, full_precision_modules) = is_batch_norm;
 };
 
 // (the unit's wrapped module or the Unit<T> itself, its strategy) pairs.
@@ -105,10 +104,10 @@ using UnitShardingStrategies = std::vector<std::pair<const torch::nn::Module*, S
 // below it) or a single parameter. PyTorch: an element of FSDP's `ignored_states`.
 class IgnoredState {
  public:
-  IgnoredState(const torch::nn::Module* module) : module_(module) {}  // NOLINT: implicit
+  IgnoredState(const torch::nn::Module* module) : module_(module) {}        // NOLINT: implicit
   IgnoredState(at::Tensor parameter) : parameter_(std::move(parameter)) {}  // NOLINT
-  const torch::nn::Module* module() const { return module_; }  // null for a parameter
-  const at::Tensor& parameter() const { return parameter_; }   // undefined for a module
+  const torch::nn::Module* module() const { return module_; }               // null for a parameter
+  const at::Tensor& parameter() const { return parameter_; }  // undefined for a module
 
  private:
   const torch::nn::Module* module_ = nullptr;
@@ -340,8 +339,8 @@ class FullyShardedDataParallel
   FullyShardedDataParallel(std::shared_ptr<Contained> module,
                            const FullyShardedDataParallelOptions& options)
       : torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Contained>>(
-            std::make_shared<FullyShardedDataParallelImpl<Contained>>(std::move(module),
-                                                                      options)) {}
+            std::make_shared<FullyShardedDataParallelImpl<Contained>>(std::move(module), options)) {
+  }
 };
 
 }  // namespace fsdp

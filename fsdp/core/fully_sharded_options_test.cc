@@ -103,8 +103,8 @@ TEST_P(ClipGradNormTest, EqualsTheUnwrappedModelsNormCountingEachGradientOnce) {
     EXPECT_FLOAT_EQ(total.item<float>(), static_cast<float>(want));
     // Clipped gradients: the reference's times max_norm / (total + 1e-6).
     const double coefficient = max_norm / (total.item<float>() + 1e-6);
-    EXPECT_TRUE(at::allclose(net->extra->weight.grad(),
-                             plain->extra->weight.grad() * coefficient, 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(net->extra->weight.grad(), plain->extra->weight.grad() * coefficient,
+                             1e-6, 1e-6));
     const std::map<std::string, at::Tensor> plain_params = by_fqn(*plain);
     for (const auto& unit : model->units()) {
       FlatParamHandle* handle = unit->handle();
@@ -116,21 +116,21 @@ TEST_P(ClipGradNormTest, EqualsTheUnwrappedModelsNormCountingEachGradientOnce) {
       }
       for (const FlatParamInfo& info : handle->param_infos()) {
         at::Tensor want_grad = plain_params.at(info.fqn).grad() * coefficient;
-        EXPECT_TRUE(at::allclose(full.narrow(0, info.offset, info.numel),
-                                 want_grad.view({-1}), 1e-6, 1e-6))
+        EXPECT_TRUE(
+            at::allclose(full.narrow(0, info.offset, info.numel), want_grad.view({-1}), 1e-6, 1e-6))
             << info.fqn;
       }
     }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesStrategiesNorms, ClipGradNormTest,
-    ::testing::Combine(::testing::Values(1, 2, 3),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard),
-                       ::testing::Values(2.0, 1.0, INFINITY), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(WorldSizesStrategiesNorms, ClipGradNormTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Values(2.0, 1.0, INFINITY),
+                                            ::testing::Bool()));
 
 TEST(ClipGradNormTest, NeedsTheModelIdle) {
   auto world = FakeWorld::create(1);
@@ -183,15 +183,15 @@ TEST(UnitShardingStrategiesTest, AShardedUnitUnderANoShardRoot) {
     auto net = make_net();
     auto plain = make_net();  // the same initial weights, unwrapped
     FullyShardedDataParallel<NetImpl> model(
-        net, FullyShardedDataParallelOptions(borrow(comm))
-                 .sharding_strategy(ShardingStrategy::kNoShard)
-                 .unit_sharding_strategies({{net->l2->module().get(),
-                                             ShardingStrategy::kFullShard}}));
+        net,
+        FullyShardedDataParallelOptions(borrow(comm))
+            .sharding_strategy(ShardingStrategy::kNoShard)
+            .unit_sharding_strategies({{net->l2->module().get(), ShardingStrategy::kFullShard}}));
     EXPECT_EQ(model->units()[0]->handle()->strategy(), ShardingStrategy::kNoShard);
     EXPECT_EQ(model->units()[1]->handle()->strategy(), ShardingStrategy::kNoShard);
     EXPECT_EQ(model->units()[2]->handle()->strategy(), ShardingStrategy::kFullShard);
-    const int64_t l2_numel = plain->l2->module()->weight.numel() +
-                             plain->l2->module()->bias.numel();
+    const int64_t l2_numel =
+        plain->l2->module()->weight.numel() + plain->l2->module()->bias.numel();
     EXPECT_EQ(model->units()[2]->handle()->shard_numel(), (l2_numel + 1) / 2);
     comm.counters().reset();
     at::Tensor x = inputs(0, 2);
@@ -227,8 +227,8 @@ TEST(SyncModuleStatesTest, RanksSeededDifferentlyEndWithRankZerosParametersAndBu
         // dtype (running_mean and running_var float, num_batches_tracked int64).
         EXPECT_EQ(comm.counters().get(CollectiveKind::kBroadcast).calls, 3 + 2);
       }
-      const bool same_buffer = at::equal(net->norm->module()->running_mean,
-                                         rank0->norm->module()->running_mean);
+      const bool same_buffer =
+          at::equal(net->norm->module()->running_mean, rank0->norm->module()->running_mean);
       EXPECT_EQ(same_buffer, sync || comm.rank() == 0);
       auto summon = model->summon_full_params(/*writeback=*/false);
       const std::map<std::string, at::Tensor> want = by_fqn(*rank0);
@@ -262,10 +262,13 @@ TEST(ExecutionOrderTest, DifferentOrdersAcrossRanksRaiseNamingTheUnits) {
     net->swap = comm.rank() == 1;
     FullyShardedDataParallel<OrderImpl> model(
         net, FullyShardedDataParallelOptions(borrow(comm)).validate_execution_order(true));
-    EXPECT_THAT([&] { model->forward(at::ones({1, 3})); },
-                ThrowsMessage<c10::Error>(HasSubstr(
-                    "forward order differs across ranks at unit position 0 of the first "
-                    "iteration: rank 0 runs 'a', rank 1 runs 'b'")));
+    EXPECT_THAT(
+        [&] {
+          model->forward(at::ones({1, 3}));
+        },
+        ThrowsMessage<c10::Error>(
+            HasSubstr("forward order differs across ranks at unit position 0 of the first "
+                      "iteration: rank 0 runs 'a', rank 1 runs 'b'")));
   });
 }
 
@@ -288,8 +291,7 @@ TEST(ExecutionOrderTest, ALaterChangeWarnsOnce) {
   auto world = FakeWorld::create(1);
   auto net = make<OrderImpl>();
   FullyShardedDataParallel<OrderImpl> model(
-      net,
-      FullyShardedDataParallelOptions(world->communicator(0)).validate_execution_order(true));
+      net, FullyShardedDataParallelOptions(world->communicator(0)).validate_execution_order(true));
   CountingWarningHandler handler;
   c10::WarningUtils::WarningHandlerGuard guard(&handler);
   model->forward(at::ones({1, 3})).sum().backward();
@@ -327,8 +329,8 @@ struct ProbeImpl : torch::nn::Module {
 struct ExecOrderNetImpl : torch::nn::Module {
   ExecOrderNetImpl() {
     for (const char* name : {"a", "b", "c"}) {
-      probes.push_back(register_module(name, Unit<ProbeImpl>(std::make_shared<ProbeImpl>(
-                                                 name, &report))));
+      probes.push_back(
+          register_module(name, Unit<ProbeImpl>(std::make_shared<ProbeImpl>(name, &report))));
     }
   }
   at::Tensor forward(at::Tensor x) {
@@ -367,9 +369,10 @@ std::vector<std::vector<std::string>> run_orders(const FullyShardedDataParallelO
   };
   std::vector<std::vector<std::string>> seen;
   net->report = [&](const std::string& name, bool backward) {
-    seen.back().push_back(backward ? absl::StrCat("b ", name, ":", std::string(1, letter(name)))
-                                   : absl::StrCat("f ", name, ":", std::string{letter("a"),
-                                                  letter("b"), letter("c")}));
+    seen.back().push_back(
+        backward
+            ? absl::StrCat("b ", name, ":", std::string(1, letter(name)))
+            : absl::StrCat("f ", name, ":", std::string{letter("a"), letter("b"), letter("c")}));
   };
   for (const std::string& order : orders) {
     net->order = order;
@@ -398,8 +401,8 @@ TEST(ParamExecOrderWrapPolicyTest, PrefetchFollowsTheFirstIterationsRunOrder) {
     EXPECT_EQ(policy[2], (Seen{"f b:SUS", "f c:GSU", "f a:UGS", "b a:S", "b c:S", "b b:G"}));
     EXPECT_EQ(policy[3], policy[2]);
 
-    const auto plain = run_orders(
-        FullyShardedDataParallelOptions(borrow(comm)).forward_prefetch(true), orders);
+    const auto plain =
+        run_orders(FullyShardedDataParallelOptions(borrow(comm)).forward_prefetch(true), orders);
     ASSERT_EQ(plain.size(), 4u);
     EXPECT_EQ(plain[3], (Seen{"f b:SUG", "f c:GSU", "f a:USS", "b a:S", "b c:G", "b b:G"}));
   });

@@ -112,8 +112,8 @@ struct TiedUnitsImpl : torch::nn::Module {
 // The token embedding a unit of its own, the output head in the root tied to it.
 struct EmbeddingUnitLmImpl : torch::nn::Module {
   EmbeddingUnitLmImpl() {
-    embedding = register_module(
-        "embedding", make_unit(torch::nn::Embedding(TinyLmImpl::kVocab, 8)));
+    embedding =
+        register_module("embedding", make_unit(torch::nn::Embedding(TinyLmImpl::kVocab, 8)));
     block = register_module("block", Unit<BlockImpl>(std::make_shared<BlockImpl>()));
     head = register_module("head", std::make_shared<TiedLinearImpl>(embedding->module()->weight));
   }
@@ -155,14 +155,12 @@ TEST_P(ParityTest, EmbeddingUnitTiedToTheRootsHead) {
   expect_parity<EmbeddingUnitLmImpl>(w, strategy, adam);
 }
 
-
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesStrategiesOptimizers, ParityTest,
-    ::testing::Combine(::testing::Values(1, 2, 3),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard),
-                       ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(WorldSizesStrategiesOptimizers, ParityTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Bool()));
 
 class PrefetchParityTest
     : public ::testing::TestWithParam<std::tuple<int, BackwardPrefetch, bool>> {};
@@ -176,12 +174,12 @@ TEST_P(PrefetchParityTest, UnitSkippedOnSomeIterations) {
   expect_parity<SkipImpl>(w, ShardingStrategy::kFullShard, false, backward, forward);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesAndPrefetching, PrefetchParityTest,
-    ::testing::Combine(::testing::Values(2, 3),
-                       ::testing::Values(BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPre,
-                                         BackwardPrefetch::kBackwardPost),
-                       ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndPrefetching, PrefetchParityTest,
+                         ::testing::Combine(::testing::Values(2, 3),
+                                            ::testing::Values(BackwardPrefetch::kNone,
+                                                              BackwardPrefetch::kBackwardPre,
+                                                              BackwardPrefetch::kBackwardPost),
+                                            ::testing::Bool()));
 
 // Records the order of all-gathers, reduce-scatters and all-reduces.
 class RecordingCommunicator : public comm_internal::ForwardingCommunicator {
@@ -235,12 +233,11 @@ TEST_P(SgdParityTest, BatchNormInAUnit) {
   expect_parity<NormedImpl>(w, strategy, /*adam=*/false);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesStrategies, SgdParityTest,
-    ::testing::Combine(::testing::Values(1, 2, 3),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard)));
+INSTANTIATE_TEST_SUITE_P(WorldSizesStrategies, SgdParityTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard)));
 
 struct Counts {
   int64_t all_gathers, reduce_scatters, all_reduces;
@@ -296,8 +293,8 @@ TEST(FullyShardedTest, UnitsFlattenTheirParametersAndFreeThemAfterward) {
     for (const auto& item : model->named_parameters()) {
       names.push_back(clean_tensor_name(item.key()));
     }
-    EXPECT_THAT(names, ElementsAre("l1.weight", "l1.bias", "l2.weight", "l2.bias",
-                                   "head.weight", "head.bias"));
+    EXPECT_THAT(names, ElementsAre("l1.weight", "l1.bias", "l2.weight", "l2.bias", "head.weight",
+                                   "head.bias"));
     model->forward(inputs(0, 2)).sum().backward();
     for (const auto& unit : model->units()) {
       EXPECT_FALSE(unit->handle()->is_unsharded()) << unit->fqn();
@@ -377,13 +374,12 @@ TEST(SharedParametersTest, TheLowestUnitContainingEveryUserOwnsThem) {
     FullyShardedDataParallel<SharedBiasImpl> nested(make<SharedBiasImpl>(),
                                                     FullyShardedDataParallelOptions(comm));
     EXPECT_THAT(unit_fqns(*nested),
-                ElementsAre(ElementsAre("head.weight", "head.bias"),
-                            ElementsAre("parent.bias"),
+                ElementsAre(ElementsAre("head.weight", "head.bias"), ElementsAre("parent.bias"),
                             ElementsAre("parent.child.lin.weight", "parent.child.lin.bias")));
     FullyShardedDataParallel<TiedUnitsImpl> siblings(make<TiedUnitsImpl>(),
                                                      FullyShardedDataParallelOptions(comm));
-    EXPECT_THAT(unit_fqns(*siblings), ElementsAre(ElementsAre("a.weight"),
-                                                  ElementsAre("a.bias"), ElementsAre()));
+    EXPECT_THAT(unit_fqns(*siblings),
+                ElementsAre(ElementsAre("a.weight"), ElementsAre("a.bias"), ElementsAre()));
     FullyShardedDataParallel<EmbeddingUnitLmImpl> lm(make<EmbeddingUnitLmImpl>(),
                                                      FullyShardedDataParallelOptions(comm));
     EXPECT_THAT(unit_fqns(*lm)[0], ElementsAre("embedding.weight"));
@@ -448,8 +444,8 @@ TEST(SummonFullParamsTest, WritebackEditsTheShards) {
     EXPECT_EQ(model->training_state(), TrainingState::kIdle);
     for (const auto& unit : model->units()) {
       EXPECT_FALSE(unit->handle()->is_unsharded());
-      EXPECT_TRUE(at::equal(unit->handle()->full_flat_param(),
-                            at::full({unit->handle()->numel()}, 0.5)));
+      EXPECT_TRUE(
+          at::equal(unit->handle()->full_flat_param(), at::full({unit->handle()->numel()}, 0.5)));
     }
     {
       auto read_only = model->summon_full_params(/*writeback=*/false);
@@ -457,8 +453,8 @@ TEST(SummonFullParamsTest, WritebackEditsTheShards) {
       for (const auto& item : model->named_parameters()) item.value().fill_(2.0);
     }
     for (const auto& unit : model->units()) {
-      EXPECT_TRUE(at::equal(unit->handle()->full_flat_param(),
-                            at::full({unit->handle()->numel()}, 0.5)));
+      EXPECT_TRUE(
+          at::equal(unit->handle()->full_flat_param(), at::full({unit->handle()->numel()}, 0.5)));
     }
   });
 }
@@ -486,14 +482,14 @@ TEST(TrainingStateTest, WrongStateGivesTheSeedsMessage) {
                  "HandleTrainingState.SUMMON_FULL_PARAMS");
   }
   EXPECT_THAT([&] { (void)model->summon_full_params(); },
-              ThrowsMessage<c10::Error>(HasSubstr(
-                  "summon_full_params: expected to be in states [TrainingState.IDLE] but "
-                  "current state is TrainingState.SUMMON_FULL_PARAMS")));
-  EXPECT_THAT([&] { model->forward(inputs(0, 2)); },
-              ThrowsMessage<c10::Error>(HasSubstr(
-                  "forward: expected to be in states [TrainingState.IDLE, "
-                  "TrainingState.FORWARD_BACKWARD] but current state is "
-                  "TrainingState.SUMMON_FULL_PARAMS")));
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("summon_full_params: expected to be in states [TrainingState.IDLE] but "
+                            "current state is TrainingState.SUMMON_FULL_PARAMS")));
+  EXPECT_THAT(
+      [&] { model->forward(inputs(0, 2)); },
+      ThrowsMessage<c10::Error>(HasSubstr("forward: expected to be in states [TrainingState.IDLE, "
+                                          "TrainingState.FORWARD_BACKWARD] but current state is "
+                                          "TrainingState.SUMMON_FULL_PARAMS")));
 }
 
 struct NoInputImpl : torch::nn::Module {
@@ -584,8 +580,7 @@ TEST(IgnoredStatesTest, SingleParametersAndModulesAreLeftAloneAndTrainLocally) {
     FullyShardedDataParallel<NetImpl> model(
         net, FullyShardedDataParallelOptions(comm).ignored_states(
                  {net->l2->module()->bias, net->head->weight, net->l1.ptr().get()}));
-    EXPECT_THAT(unit_fqns(*model), ElementsAre(ElementsAre("head.bias"),
-                                               ElementsAre("l2.weight")));
+    EXPECT_THAT(unit_fqns(*model), ElementsAre(ElementsAre("head.bias"), ElementsAre("l2.weight")));
     comm->counters().reset();
     torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
     for (int step = 0; step < 3; ++step) {
@@ -613,10 +608,10 @@ TEST(IgnoredStatesTest, SingleParametersAndModulesAreLeftAloneAndTrainLocally) {
   auto net = make<NetImpl>();
   EXPECT_THAT(
       [&] {
-        FullyShardedDataParallel<NetImpl>(
-            net, FullyShardedDataParallelOptions(world->communicator(0))
-                     .ignored_modules({net->head.get()})
-                     .ignored_states({net->l1->module()->weight}));
+        FullyShardedDataParallel<NetImpl>(net,
+                                          FullyShardedDataParallelOptions(world->communicator(0))
+                                              .ignored_modules({net->head.get()})
+                                              .ignored_states({net->l1->module()->weight}));
       },
       ThrowsMessage<c10::Error>(HasSubstr("give ignored_modules or ignored_states, not both")));
 }
@@ -658,7 +653,8 @@ TEST(AutoWrapTest, SizePolicyRebuildsSequentialChildrenAsUnits) {
     // The Sequential now calls units; names are unchanged once cleaned.
     EXPECT_NE(model->module()->layers->ptr<AnyUnitImpl>(0), nullptr);
     std::vector<std::string> names;
-    for (const auto& item : model->named_parameters()) names.push_back(clean_tensor_name(item.key()));
+    for (const auto& item : model->named_parameters())
+      names.push_back(clean_tensor_name(item.key()));
     EXPECT_EQ(names.front(), "layers.0.weight");
     comm.counters().reset();
     at::Tensor out = model->forward(inputs(0, 2));
@@ -680,17 +676,17 @@ TEST(AutoWrapTest, AnnotatedUnitsAreActiveOnlyWhenPicked) {
 
 TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {
   auto world = FakeWorld::create(1);
-  EXPECT_THAT([&] {
-    FullyShardedDataParallel<StackImpl> model(
-        make<StackImpl>(),
-        FullyShardedDataParallelOptions(world->communicator(0))
-            .auto_wrap_policy(transformer_auto_wrap_policy(
-                {ModuleType::of<torch::nn::LinearImpl>()})));
-  }, ThrowsMessage<c10::Error>(HasSubstr("auto_wrap_policy picked 'block.up' "
-                                         "(torch::nn::LinearImpl), but its parent calls it "
-                                         "directly")));
+  EXPECT_THAT(
+      [&] {
+        FullyShardedDataParallel<StackImpl> model(
+            make<StackImpl>(), FullyShardedDataParallelOptions(world->communicator(0))
+                                   .auto_wrap_policy(transformer_auto_wrap_policy(
+                                       {ModuleType::of<torch::nn::LinearImpl>()})));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("auto_wrap_policy picked 'block.up' "
+                                          "(torch::nn::LinearImpl), but its parent calls it "
+                                          "directly")));
 }
-
 
 // Note [Construction fingerprint]: ranks that built different models stop at once, on
 // every rank, naming the difference.
@@ -711,13 +707,14 @@ TEST(ConstructionFingerprintTest, AnotherStrategyOrWrapPlanOnOneRankIsAnError) {
         [&] {
           FullyShardedDataParallelOptions options(self);
           if (comm.rank() == 1) {
-            options.auto_wrap_policy(lambda_auto_wrap_policy([](const ModuleNode&) { return false; }));
+            options.auto_wrap_policy(
+                lambda_auto_wrap_policy([](const ModuleNode&) { return false; }));
           }
           FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(), options);
         },
-        ThrowsMessage<c10::Error>(HasSubstr(
-            "rank 1 built a different model than rank 0: a wrap plan of 1 units and 127 "
-            "parameters vs rank 0's 3 units and 127")));
+        ThrowsMessage<c10::Error>(
+            HasSubstr("rank 1 built a different model than rank 0: a wrap plan of 1 units and 127 "
+                      "parameters vs rank 0's 3 units and 127")));
   });
 }
 

@@ -107,10 +107,13 @@ TEST(HybridShardTest, ClipGradNormCountsEachReplicatedShardOnce) {
 TEST(HybridShardTest, ShardGroupSizeMustDivideTheWorld) {
   FakeWorld::run(FakeWorld::create(kWorldSize), [](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    EXPECT_THAT([&] { FullyShardedDataParallel<NetImpl>(
-                          make_net(), hybrid(self, ShardingStrategy::kHybridShard, 3)); },
-                ThrowsMessage<c10::Error>(HasSubstr("HYBRID_SHARD needs hybrid_shard_group_size "
-                                                    "F >= 1 dividing the world size 4, got 3")));
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<NetImpl>(make_net(),
+                                            hybrid(self, ShardingStrategy::kHybridShard, 3));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("HYBRID_SHARD needs hybrid_shard_group_size "
+                                            "F >= 1 dividing the world size 4, got 3")));
   });
 }
 

@@ -143,9 +143,9 @@ TEST(MixedPrecisionTest, IntegerInputsAreNotCast) {
 
 struct SequentialNetImpl : torch::nn::Module {
   SequentialNetImpl() {
-    layers = register_module("layers", torch::nn::Sequential(torch::nn::Linear(4, 6),
-                                                             torch::nn::BatchNorm1d(6),
-                                                             torch::nn::Linear(6, 3)));
+    layers = register_module(
+        "layers", torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
+                                        torch::nn::Linear(6, 3)));
   }
   at::Tensor forward(at::Tensor x) { return layers->forward(x); }
   torch::nn::Sequential layers{nullptr};
@@ -189,8 +189,8 @@ std::vector<float> train_losses(ShardingStrategy strategy,
     for (int step = 0; step < kTrainSteps; ++step) {
       const at::Tensor x = at::sin(at::arange(8 * 16, at::kFloat).view({8, 16}) * 0.1 + step)
                                .narrow(0, 2 * comm.rank(), 2);
-      const at::Tensor y = at::cos(at::arange(8 * 4, at::kFloat).view({8, 4}) * 0.3)
-                               .narrow(0, 2 * comm.rank(), 2);
+      const at::Tensor y =
+          at::cos(at::arange(8 * 4, at::kFloat).view({8, 4}) * 0.3).narrow(0, 2 * comm.rank(), 2);
       sgd.zero_grad();
       at::Tensor loss = (model->forward(x).to(at::kFloat) - y).pow(2).mean();
       loss.backward();
@@ -216,9 +216,9 @@ TEST_P(BFloat16TrainingTest, TracksFloat32Loss) {
   for (int step = 0; step < kTrainSteps; ++step) {
     worst = std::max<double>(worst, std::abs(bf16[step] - fp32[step]) / fp32[step]);
   }
-  std::cout << sharding_strategy_name(GetParam()) << " bf16 vs fp32 loss: first "
-            << bf16.front() << " vs " << fp32.front() << ", last " << bf16.back() << " vs "
-            << fp32.back() << ", largest relative gap " << worst << std::endl;
+  std::cout << sharding_strategy_name(GetParam()) << " bf16 vs fp32 loss: first " << bf16.front()
+            << " vs " << fp32.front() << ", last " << bf16.back() << " vs " << fp32.back()
+            << ", largest relative gap " << worst << std::endl;
   EXPECT_LT(worst, 0.01);
   EXPECT_LT(bf16.back(), 0.65 * bf16.front());
   EXPECT_LT(fp32.back(), 0.65 * fp32.front());

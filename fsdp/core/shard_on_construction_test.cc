@@ -85,8 +85,8 @@ TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
     const Trained deferred = train(comm, true);
     EXPECT_EQ(deferred.losses, whole.losses);
     EXPECT_EQ(deferred.flat_fqns, whole.flat_fqns);  // "l1.weight", not "weight"
-    EXPECT_THAT(deferred.flat_fqns, ElementsAre("head.weight", "head.bias", "l1.weight",
-                                                "l1.bias", "l2.weight", "l2.bias"));
+    EXPECT_THAT(deferred.flat_fqns, ElementsAre("head.weight", "head.bias", "l1.weight", "l1.bias",
+                                                "l2.weight", "l2.bias"));
     for (const auto& [fqn, value] : whole.params) {
       EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
     }
@@ -111,8 +111,8 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
     EXPECT_THAT([&] { ShardOnConstruction nested(options); },
                 ThrowsMessage<c10::Error>(HasSubstr("scopes do not nest")));
   }
-  auto hybrid = FullyShardedDataParallelOptions(options).sharding_strategy(
-      ShardingStrategy::kHybridShard);
+  auto hybrid =
+      FullyShardedDataParallelOptions(options).sharding_strategy(ShardingStrategy::kHybridShard);
   EXPECT_THAT([&] { ShardOnConstruction scope(hybrid); },
               ThrowsMessage<c10::Error>(HasSubstr("HYBRID strategies and auto_wrap_policy are "
                                                   "not supported")));
@@ -135,8 +135,7 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
     ShardOnConstruction scope(options);
     lm = std::make_shared<TinyLmImpl>();
   }
-  const torch::nn::Module* up =
-      lm->blocks->ptr<UnitImpl<BlockImpl>>(0)->module()->up.get();
+  const torch::nn::Module* up = lm->blocks->ptr<UnitImpl<BlockImpl>>(0)->module()->up.get();
   EXPECT_THAT(
       [&] {
         FullyShardedDataParallel<TinyLmImpl>(
@@ -175,8 +174,8 @@ constexpr int kBlocks = 8;
 constexpr int kTag = 0;
 
 struct ConstructionMemory {
-  int64_t peak = 0;     // bytes above the start, while building the model and the root
-  int64_t after = 0;    // bytes held once the root exists
+  int64_t peak = 0;   // bytes above the start, while building the model and the root
+  int64_t after = 0;  // bytes held once the root exists
 };
 
 ConstructionMemory build(const std::shared_ptr<Communicator>& comm, bool shard_on_construction,

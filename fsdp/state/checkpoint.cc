@@ -404,12 +404,11 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
   // running at once into one directory never mix their files: each publishes a complete
   // checkpoint, the last one wins.
   static std::atomic<int64_t> saves{0};
-  at::Tensor token = at::scalar_tensor(int64_t{getpid()} << 24 | (saves++ & 0xffffff),
-                                       at::kLong).reshape({1});
+  at::Tensor token =
+      at::scalar_tensor(int64_t{getpid()} << 24 | (saves++ & 0xffffff), at::kLong).reshape({1});
   comm.broadcast(token, /*root=*/0);
-  const fs::path partial =
-      target.parent_path() /
-      absl::StrCat(".", target.filename().string(), ".partial-", token.item<int64_t>());
+  const fs::path partial = target.parent_path() / absl::StrCat(".", target.filename().string(),
+                                                               ".partial-", token.item<int64_t>());
 
   // Every rank learns whether every other rank succeeded, so none waits for a dead one.
   auto all_ok = [&](bool ok, const std::string& step, const std::string& error) {

@@ -319,7 +319,8 @@ TEST(StateDictFile, ErrorsNameTheFile) {
 // itself through the memo. The reader must refuse it and free everything.
 TEST(StateDictFile, SelfContainingDictFromTheFuzzer) {
   static const char kPickle[] =
-      "\x80\x02" "ccollections\nOrderedDict\nq\x00)Rq\x01(X\x01\x00\x00\x00wq\x02"
+      "\x80\x02"
+      "ccollections\nOrderedDict\nq\x00)Rq\x01(X\x01\x00\x00\x00wq\x02"
       "ctorch._utils\n_rebuild_tensor_v2\x10tq\x08QK\x00K\x03M\x03\x86q\tK\x03K\x01S"
       "\x86q\n\x89h\x00)Rqhhhhhhhhhhhhhsssb.";
   const std::string pickle(kPickle, sizeof(kPickle) - 1);  // it holds NUL bytes

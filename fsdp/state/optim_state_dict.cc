@@ -171,8 +171,7 @@ void load(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
       at::Tensor flat_state = at::zeros({flat.handle->shard_numel()}, shard.options());
       for (const Param* member : members) {
         const FlatParamInfo& info = flat.handle->param_infos()[member->info];
-        const ParamSlice slice =
-            state_internal::param_slice(*flat.handle, member->info);
+        const ParamSlice slice = state_internal::param_slice(*flat.handle, member->info);
         if (slice.numel == 0) continue;
         flat_state.narrow(0, slice.shard_begin, slice.numel)
             .copy_(source.elements(*member, name, info.shape, shard.scalar_type(),
@@ -290,8 +289,7 @@ ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
   return collect<ShardedTensor>(
       layout, optimizer, [](const FlatParamHandle&, const at::Tensor& shard) { return shard; },
       [&](const Param& param, const at::Tensor& shard) {
-        const ParamSlice slice =
-            state_internal::param_slice(*param.handle, param.info);
+        const ParamSlice slice = state_internal::param_slice(*param.handle, param.info);
         return ShardedTensor{param.handle->param_infos()[param.info].shape, slice.param_begin,
                              shard.detach().narrow(0, slice.shard_begin, slice.numel).clone(),
                              /*replicated=*/false};

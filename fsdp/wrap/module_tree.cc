@@ -19,33 +19,70 @@ namespace {
 // module path. Only types that both frontends provide.
 const absl::flat_hash_map<std::string, std::string>& cpp_to_python_module() {
   static const auto* table = new absl::flat_hash_map<std::string, std::string>{
-      {"Linear", "linear"}, {"Bilinear", "linear"}, {"Identity", "linear"},
-      {"Conv1d", "conv"}, {"Conv2d", "conv"}, {"Conv3d", "conv"},
-      {"ConvTranspose1d", "conv"}, {"ConvTranspose2d", "conv"},
-      {"ConvTranspose3d", "conv"}, {"BatchNorm1d", "batchnorm"},
-      {"BatchNorm2d", "batchnorm"}, {"BatchNorm3d", "batchnorm"},
-      {"InstanceNorm1d", "instancenorm"}, {"InstanceNorm2d", "instancenorm"},
-      {"InstanceNorm3d", "instancenorm"}, {"LayerNorm", "normalization"},
-      {"GroupNorm", "normalization"}, {"LocalResponseNorm", "normalization"},
-      {"Embedding", "sparse"}, {"EmbeddingBag", "sparse"},
-      {"MultiheadAttention", "activation"}, {"ReLU", "activation"},
-      {"ReLU6", "activation"}, {"GELU", "activation"}, {"SiLU", "activation"},
-      {"Mish", "activation"}, {"Tanh", "activation"}, {"Sigmoid", "activation"},
-      {"Softmax", "activation"}, {"LogSoftmax", "activation"},
-      {"LeakyReLU", "activation"}, {"ELU", "activation"}, {"PReLU", "activation"},
-      {"Dropout", "dropout"}, {"Dropout2d", "dropout"}, {"Dropout3d", "dropout"},
-      {"Sequential", "container"}, {"ModuleList", "container"},
-      {"ModuleDict", "container"}, {"ParameterList", "container"},
-      {"ParameterDict", "container"}, {"Transformer", "transformer"},
-      {"TransformerEncoder", "transformer"}, {"TransformerDecoder", "transformer"},
+      {"Linear", "linear"},
+      {"Bilinear", "linear"},
+      {"Identity", "linear"},
+      {"Conv1d", "conv"},
+      {"Conv2d", "conv"},
+      {"Conv3d", "conv"},
+      {"ConvTranspose1d", "conv"},
+      {"ConvTranspose2d", "conv"},
+      {"ConvTranspose3d", "conv"},
+      {"BatchNorm1d", "batchnorm"},
+      {"BatchNorm2d", "batchnorm"},
+      {"BatchNorm3d", "batchnorm"},
+      {"InstanceNorm1d", "instancenorm"},
+      {"InstanceNorm2d", "instancenorm"},
+      {"InstanceNorm3d", "instancenorm"},
+      {"LayerNorm", "normalization"},
+      {"GroupNorm", "normalization"},
+      {"LocalResponseNorm", "normalization"},
+      {"Embedding", "sparse"},
+      {"EmbeddingBag", "sparse"},
+      {"MultiheadAttention", "activation"},
+      {"ReLU", "activation"},
+      {"ReLU6", "activation"},
+      {"GELU", "activation"},
+      {"SiLU", "activation"},
+      {"Mish", "activation"},
+      {"Tanh", "activation"},
+      {"Sigmoid", "activation"},
+      {"Softmax", "activation"},
+      {"LogSoftmax", "activation"},
+      {"LeakyReLU", "activation"},
+      {"ELU", "activation"},
+      {"PReLU", "activation"},
+      {"Dropout", "dropout"},
+      {"Dropout2d", "dropout"},
+      {"Dropout3d", "dropout"},
+      {"Sequential", "container"},
+      {"ModuleList", "container"},
+      {"ModuleDict", "container"},
+      {"ParameterList", "container"},
+      {"ParameterDict", "container"},
+      {"Transformer", "transformer"},
+      {"TransformerEncoder", "transformer"},
+      {"TransformerDecoder", "transformer"},
       {"TransformerEncoderLayer", "transformer"},
-      {"TransformerDecoderLayer", "transformer"}, {"LSTM", "rnn"}, {"GRU", "rnn"},
-      {"RNN", "rnn"}, {"LSTMCell", "rnn"}, {"GRUCell", "rnn"}, {"RNNCell", "rnn"},
-      {"MaxPool1d", "pooling"}, {"MaxPool2d", "pooling"}, {"MaxPool3d", "pooling"},
-      {"AvgPool1d", "pooling"}, {"AvgPool2d", "pooling"}, {"AvgPool3d", "pooling"},
-      {"AdaptiveAvgPool1d", "pooling"}, {"AdaptiveAvgPool2d", "pooling"},
-      {"AdaptiveAvgPool3d", "pooling"}, {"AdaptiveMaxPool2d", "pooling"},
-      {"Flatten", "flatten"}, {"Unflatten", "flatten"},
+      {"TransformerDecoderLayer", "transformer"},
+      {"LSTM", "rnn"},
+      {"GRU", "rnn"},
+      {"RNN", "rnn"},
+      {"LSTMCell", "rnn"},
+      {"GRUCell", "rnn"},
+      {"RNNCell", "rnn"},
+      {"MaxPool1d", "pooling"},
+      {"MaxPool2d", "pooling"},
+      {"MaxPool3d", "pooling"},
+      {"AvgPool1d", "pooling"},
+      {"AvgPool2d", "pooling"},
+      {"AvgPool3d", "pooling"},
+      {"AdaptiveAvgPool1d", "pooling"},
+      {"AdaptiveAvgPool2d", "pooling"},
+      {"AdaptiveAvgPool3d", "pooling"},
+      {"AdaptiveMaxPool2d", "pooling"},
+      {"Flatten", "flatten"},
+      {"Unflatten", "flatten"},
   };
   return *table;
 }
@@ -139,27 +176,27 @@ int ModuleTree::find(absl::string_view fqn) const {
 ModuleTree ModuleTree::from_module(const torch::nn::Module& root) {
   ModuleTree tree;
   std::vector<int> at_depth;  // index of the last node added at each depth
-  apply_to_modules(root, [&](const torch::nn::Module& module, const std::string& prefix,
-                             int depth) {
-    std::string type_name = python_class_path_for_cpp(c10::demangle(typeid(module).name()));
-    int index;
-    if (depth == 0) {
-      index = tree.add_root(std::move(type_name));
-    } else {
-      // prefix is "<parent fqn>.<name>."; the name is its last dotted segment.
-      absl::string_view path(prefix);
-      path.remove_suffix(1);
-      const size_t dot = path.rfind('.');
-      std::string name(dot == absl::string_view::npos ? path : path.substr(dot + 1));
-      index = tree.add_child(at_depth[depth - 1], std::move(name), std::move(type_name));
-    }
-    at_depth.resize(depth + 1);
-    at_depth[depth] = index;
-    tree.set_cpp_module(index, &module);
-    for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-      tree.add_param(index, item.key(), param_key(item.value()), item.value().numel());
-    }
-  });
+  apply_to_modules(
+      root, [&](const torch::nn::Module& module, const std::string& prefix, int depth) {
+        std::string type_name = python_class_path_for_cpp(c10::demangle(typeid(module).name()));
+        int index;
+        if (depth == 0) {
+          index = tree.add_root(std::move(type_name));
+        } else {
+          // prefix is "<parent fqn>.<name>."; the name is its last dotted segment.
+          absl::string_view path(prefix);
+          path.remove_suffix(1);
+          const size_t dot = path.rfind('.');
+          std::string name(dot == absl::string_view::npos ? path : path.substr(dot + 1));
+          index = tree.add_child(at_depth[depth - 1], std::move(name), std::move(type_name));
+        }
+        at_depth.resize(depth + 1);
+        at_depth[depth] = index;
+        tree.set_cpp_module(index, &module);
+        for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+          tree.add_param(index, item.key(), param_key(item.value()), item.value().numel());
+        }
+      });
   return tree;
 }
 

@@ -39,13 +39,13 @@ struct ParamEntry {
 
 // One module of the tree. Nodes are stored in pre-order; node 0 is the root.
 struct ModuleNode {
-  int index = 0;                  // position in pre-order
-  int parent = -1;                // index of the parent, -1 for the root
-  int depth = 0;                  // 0 for the root
-  std::string name;               // name under the parent, "" for the root
-  std::string fqn;                // dotted path from the root, "" for the root
-  std::string type_name;          // Python class path (see the file comment)
-  std::vector<int> children;      // indices, in registration order
+  int index = 0;                   // position in pre-order
+  int parent = -1;                 // index of the parent, -1 for the root
+  int depth = 0;                   // 0 for the root
+  std::string name;                // name under the parent, "" for the root
+  std::string fqn;                 // dotted path from the root, "" for the root
+  std::string type_name;           // Python class path (see the file comment)
+  std::vector<int> children;       // indices, in registration order
   std::vector<ParamEntry> params;  // parameters registered on this module itself
   // The C++ module this node describes, or nullptr for TorchScript and synthetic trees.
   // Valid while the model it was taken from is alive.

@@ -66,19 +66,17 @@ TEST(TypeNameTest, CppFrontendTypesMapToPythonPaths) {
   EXPECT_EQ(python_class_path_for_cpp("torch::nn::BatchNorm2dImpl"),
             "torch.nn.modules.batchnorm.BatchNorm2d");
   EXPECT_EQ(python_class_path_for_cpp("my::BlockImpl"), "my::BlockImpl");
-  EXPECT_EQ(python_class_path_for_cpp("torch::nn::NotAModuleImpl"),
-            "torch::nn::NotAModuleImpl");
+  EXPECT_EQ(python_class_path_for_cpp("torch::nn::NotAModuleImpl"), "torch::nn::NotAModuleImpl");
 }
 
 TEST(TypeNameTest, TorchScriptNamesAreNormalised) {
   EXPECT_EQ(normalize_torchscript_type_name(
                 "__torch__.torch.nn.modules.container.___torch_mangle_3.ModuleList"),
             "torch.nn.modules.container.ModuleList");
-  EXPECT_EQ(normalize_torchscript_type_name(
-                "__torch__.torch.nn.modules.activation.MultiheadAttention"),
-            "torch.nn.modules.activation.MultiheadAttention");
-  EXPECT_EQ(normalize_torchscript_type_name("__torch__.___torch_mangle_12.Net"),
-            "__main__.Net");
+  EXPECT_EQ(
+      normalize_torchscript_type_name("__torch__.torch.nn.modules.activation.MultiheadAttention"),
+      "torch.nn.modules.activation.MultiheadAttention");
+  EXPECT_EQ(normalize_torchscript_type_name("__torch__.___torch_mangle_12.Net"), "__main__.Net");
   EXPECT_EQ(normalize_torchscript_type_name("__torch__.torchvision.models.resnet.ResNet"),
             "torchvision.models.resnet.ResNet");
 }

@@ -80,8 +80,8 @@ TreeFacts collect_facts(const ModuleTree& tree, const WrapPlanOptions& options) 
 
 void check_not_wrapped(const ModuleTree& tree, const TreeFacts& facts) {
   for (const ModuleNode& node : tree.nodes()) {
-    TORCH_CHECK(facts.ignored[node.index] || !node.is_fsdp_wrapper, "module '", node.fqn,
-                "' (", node.type_name,
+    TORCH_CHECK(facts.ignored[node.index] || !node.is_fsdp_wrapper, "module '", node.fqn, "' (",
+                node.type_name,
                 ") is already an FSDP unit; auto-wrapping expects a model without units: "
                 "remove the manual wrap, or list the module in ignored_modules");
   }
@@ -92,8 +92,7 @@ void check_not_wrapped(const ModuleTree& tree, const TreeFacts& facts) {
 // the policy does not recurse into is skipped whole. Returns is_unit per node.
 std::vector<bool> decide_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
                                const TreeFacts& facts, bool only_wrap_children,
-                               int64_t* root_wrapped_numel,
-                               std::vector<int64_t>* remainder) {
+                               int64_t* root_wrapped_numel, std::vector<int64_t>* remainder) {
   const int n = tree.size();
   std::vector<bool> is_unit(n, false);
   std::vector<int64_t> wrapped_below(n, 0);  // sum of the children's return values

@@ -39,8 +39,8 @@ struct WrapPlanOptions {
 };
 
 struct PlannedUnit {
-  int node = 0;              // index in the ModuleTree
-  std::string fqn;           // the module's FQN, "" for the root
+  int node = 0;     // index in the ModuleTree
+  std::string fqn;  // the module's FQN, "" for the root
   // Parameters this unit flattens: those in its subtree, not ignored, not owned by a
   // unit inside it; a parameter shared by several units belongs to the first one that
   // wraps (children before parents, earlier siblings first), as in PyTorch. Elements.
@@ -55,8 +55,8 @@ struct WrapPlan {
   // Indices into `units` in the order the seed creates the wrappers: post-order
   // (children before parents, earlier siblings first).
   std::vector<int> wrap_order;
-  int64_t total_numel = 0;         // distinct, non-ignored parameters of the tree
-  int64_t wrapped_numel = 0;       // the seed's second return value for the root
+  int64_t total_numel = 0;    // distinct, non-ignored parameters of the tree
+  int64_t wrapped_numel = 0;  // the seed's second return value for the root
 };
 
 // PyTorch's `_recursive_wrap(root, policy, wrapper_cls, ignored_modules, ignored_params,

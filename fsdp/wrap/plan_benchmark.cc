@@ -75,13 +75,17 @@ void run_plan(benchmark::State& state, bool deep) {
   state.counters["modules"] = tree.size();
   state.counters["units"] = static_cast<double>(units);
   state.counters["time_per_module"] = benchmark::Counter(
-      tree.size(),
-      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+      tree.size(), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
 void BM_PlanWide(benchmark::State& state) { run_plan(state, /*deep=*/false); }
 void BM_PlanDeep(benchmark::State& state) { run_plan(state, /*deep=*/true); }
-BENCHMARK(BM_PlanWide)->Arg(1000)->Arg(10000)->Arg(30000)->Arg(100000)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanWide)
+    ->Arg(1000)
+    ->Arg(10000)
+    ->Arg(30000)
+    ->Arg(100000)
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PlanDeep)->Arg(1000)->Arg(10000)->Arg(100000)->Unit(benchmark::kMicrosecond);
 
 // Median wall time of `repeats` plans of the tree, in seconds.
@@ -103,9 +107,9 @@ constexpr char kPython[] = "../libtorch/bin/python3";
 
 // Runs torch_plan_timing.py; returns its median seconds, or -1 with a message.
 double seed_seconds(const std::string& script, bool deep, int64_t modules, int repeats) {
-  const std::string command = absl::StrFormat(
-      "%s %s --shape %s --modules %d --min_num_params %d --repeats %d", kPython, script,
-      deep ? "deep" : "wide", modules, kMinNumParams, repeats);
+  const std::string command =
+      absl::StrFormat("%s %s --shape %s --modules %d --min_num_params %d --repeats %d", kPython,
+                      script, deep ? "deep" : "wide", modules, kMinNumParams, repeats);
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
   double seconds = -1;
   if (pipe == nullptr || std::fscanf(pipe.get(), "%lf", &seconds) != 1) {
@@ -121,17 +125,16 @@ double seed_seconds(const std::string& script, bool deep, int64_t modules, int r
 
 void compare_with_seed(const std::string& script) {
   std::printf("\nPyTorch's _recursive_wrap (Python) vs plan_fsdp_units (C++), same trees:\n");
-  std::printf("%-6s %8s %14s %14s %10s %16s\n", "shape", "modules", "seed_s", "ours_s",
-              "ratio", "ours_ns_per_mod");
+  std::printf("%-6s %8s %14s %14s %10s %16s\n", "shape", "modules", "seed_s", "ours_s", "ratio",
+              "ours_ns_per_mod");
   for (bool deep : {false, true}) {
     for (int64_t modules : {1000, 10000, 100000}) {
       const ModuleTree tree = synthetic_tree(deep, modules);
       const int repeats = modules <= 1000 ? 5 : 1;
       const double seed = seed_seconds(script, deep, modules, repeats);
       const double ours = median_plan_seconds(tree, 5);
-      std::printf("%-6s %8d %14.6f %14.6f %10.1f %16.1f\n", deep ? "deep" : "wide",
-                  tree.size(), seed, ours, seed > 0 ? seed / ours : 0.0,
-                  ours * 1e9 / tree.size());
+      std::printf("%-6s %8d %14.6f %14.6f %10.1f %16.1f\n", deep ? "deep" : "wide", tree.size(),
+                  seed, ours, seed > 0 ? seed / ours : 0.0, ours * 1e9 / tree.size());
       std::fflush(stdout);
     }
   }

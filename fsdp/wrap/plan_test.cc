@@ -75,8 +75,7 @@ TEST(ReferencePlanTest, SizeMin40WithIgnoredModulesExcludesTheirNumel) {
 TEST(ReferencePlanTest, AlwaysWithIgnoredModules) {
   auto model = reference_model_n();
   const ModuleTree tree = ModuleTree::from_module(*model);
-  const WrapPlan plan =
-      plan_fsdp_units(tree, always_wrap_policy(), ignoring(tree, {"1", "2.0"}));
+  const WrapPlan plan = plan_fsdp_units(tree, always_wrap_policy(), ignoring(tree, {"1", "2.0"}));
   EXPECT_THAT(unit_fqns(plan), ElementsAre("", "0", "2", "2.1"));
   EXPECT_THAT(unit_numels(plan), ElementsAre(0, 30, 0, 30));
 }
@@ -196,15 +195,14 @@ TEST(PlanTest, PolicyIsCalledInTheSeedsOrderWithTheSeedsNumbers) {
     return recurse || m.fqn == "2.0";
   };
   plan_fsdp_units(ModuleTree::from_module(*model), recording);
-  EXPECT_THAT(calls, ElementsAre("R  120", "R 0 30", "W 0 30", "R 1 30", "W 1 30",
-                                 "R 2 60", "R 2.0 30", "W 2.0 30", "R 2.1 30", "W 2.1 30",
-                                 "W 2 30"));
+  EXPECT_THAT(calls, ElementsAre("R  120", "R 0 30", "W 0 30", "R 1 30", "W 1 30", "R 2 60",
+                                 "R 2.0 30", "W 2.0 30", "R 2.1 30", "W 2.1 30", "W 2 30"));
 }
 
 TEST(PlanTest, SharedParametersAreCountedOnceAndOwnedByTheFirstUnitToWrap) {
   auto first = torch::nn::Linear(5, 5);
-  auto model = seq({first.ptr(), linear(5), seq({std::make_shared<TiedLinear>(first->weight),
-                                                 linear(5)})});
+  auto model =
+      seq({first.ptr(), linear(5), seq({std::make_shared<TiedLinear>(first->weight), linear(5)})});
   const WrapPlan plan = plan_fsdp_units(ModuleTree::from_module(*model), always_wrap_policy());
   EXPECT_EQ(plan.total_numel, 95);
   EXPECT_THAT(unit_fqns(plan), ElementsAre("", "0", "1", "2", "2.0", "2.1"));

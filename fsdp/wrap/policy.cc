@@ -32,10 +32,10 @@ AutoWrapPolicy lambda_auto_wrap_policy(std::function<bool(const ModuleNode&)> la
 }
 
 AutoWrapPolicy transformer_auto_wrap_policy(std::vector<ModuleType> transformer_layer_cls) {
-  return [types = std::move(transformer_layer_cls)](const ModuleNode& module, bool recurse,
-                                                    int64_t) {
-    return recurse || matches_any(types, module);
-  };
+  return
+      [types = std::move(transformer_layer_cls)](const ModuleNode& module, bool recurse, int64_t) {
+        return recurse || matches_any(types, module);
+      };
 }
 
 AutoWrapPolicy wrap_batchnorm_individually() {
@@ -62,8 +62,7 @@ std::vector<ModuleType> default_force_leaf_modules() {
 }
 
 std::vector<ModuleType> default_exclude_wrap_modules() {
-  return {ModuleType::of<torch::nn::ModuleListImpl>(),
-          ModuleType::of<torch::nn::ModuleDictImpl>()};
+  return {ModuleType::of<torch::nn::ModuleListImpl>(), ModuleType::of<torch::nn::ModuleDictImpl>()};
 }
 
 AutoWrapPolicy size_based_auto_wrap_policy(SizeBasedPolicyOptions options) {

@@ -51,10 +51,9 @@ class ModuleType {
   // (torch.nn.modules.linear.Linear) or, for types outside torch::nn, T's C++ name.
   template <typename T>
   static ModuleType of() {
-    return ModuleType(python_class_path_for_cpp(c10::demangle_type<T>()),
-                      [](const torch::nn::Module& m) {
-                        return dynamic_cast<const T*>(&m) != nullptr;
-                      });
+    return ModuleType(
+        python_class_path_for_cpp(c10::demangle_type<T>()),
+        [](const torch::nn::Module& m) { return dynamic_cast<const T*>(&m) != nullptr; });
   }
 
   // A type by name: a Python class path ("torch.nn.modules.activation.MultiheadAttention")

@@ -25,8 +25,8 @@ RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
   TORCH_CHECK(options.replace_child() != nullptr, "recursive_wrap: replace_child is empty");
 
   const ModuleTree tree = ModuleTree::from_module(*root);
-  const absl::flat_hash_set<const torch::nn::Module*> ignored(
-      options.ignored_modules().begin(), options.ignored_modules().end());
+  const absl::flat_hash_set<const torch::nn::Module*> ignored(options.ignored_modules().begin(),
+                                                              options.ignored_modules().end());
   WrapPlanOptions plan_options;
   plan_options.only_wrap_children(options.only_wrap_children());
   for (const ModuleNode& node : tree.nodes()) {
@@ -43,16 +43,17 @@ RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
     const ModuleNode& node = tree.node(plan.units[k].node);
     if (node.parent < 0) {
       result.module = wrapper_factory(root);
-      TORCH_CHECK(result.module != nullptr, "recursive_wrap: wrapper_factory returned null "
-                                            "for the root module");
+      TORCH_CHECK(result.module != nullptr,
+                  "recursive_wrap: wrapper_factory returned null "
+                  "for the root module");
       continue;
     }
     // The tree was read from `root`, which we hold mutably.
     auto& parent = const_cast<torch::nn::Module&>(*tree.node(node.parent).cpp_module);
     std::shared_ptr<torch::nn::Module> child = parent.named_children()[node.name];
     std::shared_ptr<torch::nn::Module> wrapped = wrapper_factory(child);
-    TORCH_CHECK(wrapped != nullptr, "recursive_wrap: wrapper_factory returned null for '",
-                node.fqn, "'");
+    TORCH_CHECK(wrapped != nullptr, "recursive_wrap: wrapper_factory returned null for '", node.fqn,
+                "'");
     options.replace_child()(parent, node.name, std::move(wrapped));
   }
   return result;

@@ -30,16 +30,15 @@ namespace fsdp {
 
 // Makes the wrapper for a module (PyTorch: `wrapper_cls(module, **kwargs)`). Must not
 // return nullptr.
-using WrapperFactory = std::function<std::shared_ptr<torch::nn::Module>(
-    std::shared_ptr<torch::nn::Module> module)>;
+using WrapperFactory =
+    std::function<std::shared_ptr<torch::nn::Module>(std::shared_ptr<torch::nn::Module> module)>;
 
 // Puts `wrapped` where `parent` holds its child `name`. The default,
 // replace_registered_child, replaces the registered child, which is what named_modules(),
 // named_parameters() and state dicts see. A parent whose forward() reaches the child
 // through another handle (a typed member, Sequential's AnyModule list) also needs that
 // handle rebound; FullyShardedDataParallel passes a function that does so.
-using ReplaceChildFn = std::function<void(torch::nn::Module& parent,
-                                          const std::string& name,
+using ReplaceChildFn = std::function<void(torch::nn::Module& parent, const std::string& name,
                                           std::shared_ptr<torch::nn::Module> wrapped)>;
 
 // parent.replace_module(name, wrapped).

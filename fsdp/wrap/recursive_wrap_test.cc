@@ -73,8 +73,7 @@ TEST(RecursiveWrapTest, AlwaysPolicyReplacesEveryChild) {
 TEST(RecursiveWrapTest, RootIsWrappedWhenAllowed) {
   auto model = reference_model_n();
   RecursiveWrapResult result = recursive_wrap(
-      model, size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(40)),
-      make_unit);
+      model, size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(40)), make_unit);
   ASSERT_NE(dynamic_cast<TestUnit*>(result.module.get()), nullptr);
   EXPECT_EQ(result.module->named_children()[std::string(kFsdpWrappedModule)], model);
   EXPECT_THAT(unit_fqns(result.module), ElementsAre("", "2"));
@@ -93,8 +92,8 @@ TEST(RecursiveWrapTest, IgnoredModulesAndParametersAreLeftAlone) {
   RecursiveWrapOptions by_param;
   by_param.ignored_params({submodule(other, "2.0")->named_parameters()["weight"]});
   RecursiveWrapResult result = recursive_wrap(
-      other, size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(40)),
-      make_unit, by_param.only_wrap_children(true));
+      other, size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(40)), make_unit,
+      by_param.only_wrap_children(true));
   EXPECT_TRUE(unit_fqns(other).empty());
   EXPECT_EQ(result.wrapped_numel, 0);
 }
@@ -103,12 +102,12 @@ TEST(RecursiveWrapTest, CustomReplaceChildIsUsed) {
   auto model = reference_model_n();
   std::vector<std::string> replaced;
   RecursiveWrapOptions options;
-  options.only_wrap_children(true).replace_child(
-      [&](torch::nn::Module& parent, const std::string& name,
-          std::shared_ptr<torch::nn::Module> wrapped) {
-        replaced.push_back(name);
-        replace_registered_child(parent, name, std::move(wrapped));
-      });
+  options.only_wrap_children(true).replace_child([&](torch::nn::Module& parent,
+                                                     const std::string& name,
+                                                     std::shared_ptr<torch::nn::Module> wrapped) {
+    replaced.push_back(name);
+    replace_registered_child(parent, name, std::move(wrapped));
+  });
   recursive_wrap(model, always_wrap_policy(), make_unit, options);
   EXPECT_THAT(replaced, ElementsAre("0", "1", "0", "1", "2"));
 }

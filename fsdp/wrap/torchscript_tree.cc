@@ -33,8 +33,7 @@ ModuleTree module_tree_from_torchscript(const torch::jit::Module& module) {
                           ? tree.add_root(type_name_of(frame.module))
                           : tree.add_child(frame.parent, frame.name, type_name_of(frame.module));
     for (const auto& param : frame.module.named_parameters(/*recurse=*/false)) {
-      tree.add_param(index, param.name, param.value.unsafeGetTensorImpl(),
-                     param.value.numel());
+      tree.add_param(index, param.name, param.value.unsafeGetTensorImpl(), param.value.numel());
     }
     std::vector<Frame> children;
     for (const auto& child : frame.module.named_children()) {

@@ -91,8 +91,7 @@ std::shared_ptr<torch::nn::Module> wrap(std::shared_ptr<torch::nn::Module> modul
   TORCH_CHECK(*active.options_type == typeid(Options),
               "wrap: the active WrapScope takes options of another type; call wrap<> with "
               "the scope's Options type");
-  return static_cast<const WrapScope<Options>*>(active.scope)
-      ->apply(std::move(module), overrides);
+  return static_cast<const WrapScope<Options>*>(active.scope)->apply(std::move(module), overrides);
 }
 
 // Same, for a module holder such as torch::nn::Linear.

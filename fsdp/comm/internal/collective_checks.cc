@@ -15,8 +15,8 @@ at::Tensor shard_of(int rank, int64_t numel, c10::ScalarType dtype) {
 }  // namespace
 
 void expect_collectives_match_closed_forms(Communicator& comm, c10::ScalarType dtype) {
-  SCOPED_TRACE(::testing::Message() << "rank " << comm.rank() << " of " << comm.world_size()
-                                    << ", " << c10::toString(dtype));
+  SCOPED_TRACE(::testing::Message() << "rank " << comm.rank() << " of " << comm.world_size() << ", "
+                                    << c10::toString(dtype));
   comm.counters().reset();
   const int64_t w = comm.world_size();
   const int64_t n = 5;  // shard numel
@@ -47,8 +47,7 @@ void expect_collectives_match_closed_forms(Communicator& comm, c10::ScalarType d
   EXPECT_EQ(ag.calls, 1);
   EXPECT_EQ(ag.bytes_sent, (w - 1) * n * element);
   EXPECT_EQ(ag.bytes_received, (w - 1) * n * element);
-  EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).bytes_sent,
-            (w - 1) * n * element);
+  EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).bytes_sent, (w - 1) * n * element);
   EXPECT_EQ(comm.counters().get(CollectiveKind::kAllReduce).bytes_sent,
             2 * (w - 1) * ((7 + w - 1) / w) * element);
   const CollectiveTraffic bc = comm.counters().get(CollectiveKind::kBroadcast);

@@ -70,8 +70,8 @@ std::vector<RankOutcome> run_test_as_ranks(
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, logs[rank].c_str(),
                                      O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-    const int error = posix_spawn(&pids[rank], argv[0], &actions, nullptr, argv.data(),
-                                  envp.data());
+    const int error =
+        posix_spawn(&pids[rank], argv[0], &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     TORCH_CHECK(error == 0, "posix_spawn failed: ", std::strerror(error));
   }

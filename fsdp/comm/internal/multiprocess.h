@@ -20,10 +20,10 @@
 namespace fsdp::comm_internal {
 
 struct RankOutcome {
-  int exit_code = -1;    // if exited normally, else -1
-  int term_signal = 0;   // if killed by a signal, else 0
-  std::string output;    // stdout and stderr, interleaved
-  double seconds = 0;    // wall time from start to exit
+  int exit_code = -1;   // if exited normally, else -1
+  int term_signal = 0;  // if killed by a signal, else 0
+  std::string output;   // stdout and stderr, interleaved
+  double seconds = 0;   // wall time from start to exit
 };
 
 // Starts `world_size` ranks (fresh free MASTER_PORT) and waits for all of them; ranks

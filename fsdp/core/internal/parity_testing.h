@@ -32,8 +32,7 @@ namespace fsdp::core_testing {
 
 // Runs fn on every rank of a fake world of `world_size` ranks (threads), each with its
 // rank's communicator.
-inline void on_ranks(int world_size,
-                     const std::function<void(std::shared_ptr<Communicator>)>& fn) {
+inline void on_ranks(int world_size, const std::function<void(std::shared_ptr<Communicator>)>& fn) {
   FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
     fn(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
   });
@@ -96,8 +95,8 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<at::T
 // the W ranks' losses on their shares of the global batch (what FSDP's averaged
 // gradients train: for models without batch statistics, the loss on the global batch).
 struct Reference {
-  std::vector<float> losses;                  // per step
-  std::map<std::string, at::Tensor> params;   // cleaned FQN -> final value
+  std::vector<float> losses;                 // per step
+  std::map<std::string, at::Tensor> params;  // cleaned FQN -> final value
 };
 
 // A module's parameters, each once: LibTorch's parameters() lists a parameter registered
@@ -177,7 +176,6 @@ void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference
   }
 }
 
-
 // Nested linears with two units (NetImpl above).
 struct NestedImpl : NetImpl {
   static Batch batch(int step, int64_t rows) { return {inputs(step, rows), targets(step, rows)}; }
@@ -195,9 +193,7 @@ struct BlockImpl : torch::nn::Module {
     up = register_module("up", torch::nn::Linear(8, 16));
     down = register_module("down", torch::nn::Linear(16, 8));
   }
-  at::Tensor forward(at::Tensor x) {
-    return x + down(torch::nn::functional::gelu(up(norm(x))));
-  }
+  at::Tensor forward(at::Tensor x) { return x + down(torch::nn::functional::gelu(up(norm(x)))); }
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear up{nullptr}, down{nullptr};
 };
@@ -231,8 +227,10 @@ struct SkipImpl : NestedImpl {
   at::Tensor forward(at::Tensor x) {
     namespace F = torch::nn::functional;
     at::Tensor h = F::relu(l1(x));
-    if (step % 2 == 1) h = F::relu(l2(h));
-    else h = h.narrow(1, 0, 7);
+    if (step % 2 == 1)
+      h = F::relu(l2(h));
+    else
+      h = h.narrow(1, 0, 7);
     return head(h);
   }
 };

@@ -68,14 +68,12 @@ void UnitState::install_gradient_sink() {
   const std::vector<at::Tensor>& params = handle_->original_params();
   for (size_t i = 0; i < params.size(); ++i) {
     sink->add_input_metadata(params[i]);
-    torch::autograd::impl::set_gradient_edge(params[i],
-                                             {sink, static_cast<uint32_t>(i)});
+    torch::autograd::impl::set_gradient_edge(params[i], {sink, static_cast<uint32_t>(i)});
   }
 }
 
 void UnitState::pre_forward() {
-  root_->assert_in_states({TrainingState::kIdle, TrainingState::kForwardBackward},
-                          "forward");
+  root_->assert_in_states({TrainingState::kIdle, TrainingState::kForwardBackward}, "forward");
   if (is_root_) root_->begin_forward();
   if (!handle_) return;
   root_->record_forward(this);
@@ -220,7 +218,8 @@ void RootState::assert_in_states(std::initializer_list<TrainingState> states,
 
 void RootState::begin_summon(bool writeback, bool rank0_only) {
   assert_in_states({TrainingState::kIdle}, "summon_full_params");
-  TORCH_CHECK(!(writeback && rank0_only), "summon_full_params: writeback=true with "
+  TORCH_CHECK(!(writeback && rank0_only),
+              "summon_full_params: writeback=true with "
               "rank0_only=true is not supported (the other ranks hold no full copy to write "
               "back); pass writeback=false");
   training_state_ = TrainingState::kSummonFullParams;
@@ -275,17 +274,17 @@ void RootState::validate_position(const UnitState* unit, size_t position) {
     TORCH_INTERNAL_ASSERT(false, "unit '", u->fqn(), "' is not one of this root's units");
   };
   if (!first_iteration_) {
-    const bool same = position < first_forward_order_.size() &&
-                      first_forward_order_[position] == unit;
+    const bool same =
+        position < first_forward_order_.size() && first_forward_order_[position] == unit;
     if (!same && !warned_order_change_) {
       warned_order_change_ = true;
-      TORCH_WARN("FullyShardedDataParallel: the forward order of units changed after the "
-                 "first iteration: unit '", unit->fqn(), "' ran at position ", position,
-                 " where the first iteration ran ",
-                 position < first_forward_order_.size()
-                     ? "'" + first_forward_order_[position]->fqn() + "'"
-                     : std::string("no unit"),
-                 "; prefetching follows the previous iteration's order. Warned once.");
+      TORCH_WARN(
+          "FullyShardedDataParallel: the forward order of units changed after the "
+          "first iteration: unit '",
+          unit->fqn(), "' ran at position ", position, " where the first iteration ran ",
+          position < first_forward_order_.size() ? "'" + first_forward_order_[position]->fqn() + "'"
+                                                 : std::string("no unit"),
+          "; prefetching follows the previous iteration's order. Warned once.");
     }
     return;
   }
@@ -299,8 +298,10 @@ void RootState::validate_position(const UnitState* unit, size_t position) {
     differs = differs || indices[r] != indices[0];
     ranks.push_back(absl::StrCat("rank ", r, " runs '", units_[indices[r]]->fqn(), "'"));
   }
-  TORCH_CHECK(!differs, "FullyShardedDataParallel: forward order differs across ranks at "
-              "unit position ", position, " of the first iteration: ", absl::StrJoin(ranks, ", "),
+  TORCH_CHECK(!differs,
+              "FullyShardedDataParallel: forward order differs across ranks at "
+              "unit position ",
+              position, " of the first iteration: ", absl::StrJoin(ranks, ", "),
               ". Every rank must run the units in the same order (the same control flow), "
               "or units would all-gather each other's parameters");
 }
@@ -398,8 +399,7 @@ void RootState::finish_backward() {
 // FullyShardedDataParallel.clip_grad_norm_.
 at::Tensor RootState::clip_grad_norm(double max_norm, double norm_type) {
   assert_in_states({TrainingState::kIdle}, "clip_grad_norm_");
-  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (or inf), got ",
-              norm_type);
+  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (or inf), got ", norm_type);
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> grads;
   Communicator* shard_group = nullptr;

@@ -70,7 +70,6 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   // all-gather), then reshards again unless `keep`. Needs the unit idle.
   void summon(bool keep);
 
-
  private:
   RootState* root_;
   c10::optional<c10::ScalarType> cast_inputs_to_;
@@ -80,8 +79,7 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   bool sink_installed_ = false;  // this iteration's sink exists
 
   // Throws the seed's _assert_in_training_states message for the handle's state.
-  void assert_handle_in(std::initializer_list<HandleTrainingState> states,
-                        const char* what) const;
+  void assert_handle_in(std::initializer_list<HandleTrainingState> states, const char* what) const;
 
  public:
   bool pre_backward_done() const { return pre_backward_done_; }
@@ -140,8 +138,8 @@ class RootState {
   void prefetch_for_forward_after(const UnitState* unit);
   void prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when);
 
-  void begin_forward();                 // root pre-forward
-  void end_forward_without_grad();      // no backward will come: reshard, back to idle
+  void begin_forward();                    // root pre-forward
+  void end_forward_without_grad();         // no backward will come: reshard, back to idle
   void ensure_end_of_backward_callback();  // from any pre-backward hook
 
  private:
@@ -155,8 +153,8 @@ class RootState {
   BackwardPrefetch backward_prefetch_;
   bool forward_prefetch_;
   bool first_iteration_order_ = false;           // see prefetch_in_first_iteration_order
-  std::vector<UnitState*> forward_order_;       // units with parameters, this iteration
-  std::vector<UnitState*> last_forward_order_;  // ... the previous iteration
+  std::vector<UnitState*> forward_order_;        // units with parameters, this iteration
+  std::vector<UnitState*> last_forward_order_;   // ... the previous iteration
   std::vector<UnitState*> first_forward_order_;  // ... the first iteration
   bool validate_execution_order_ = false;
   bool first_iteration_ = true;
@@ -169,7 +167,7 @@ class RootState {
   bool callback_queued_ = false;
   bool sync_gradients_ = true;
   bool summon_writeback_ = false;
-  std::vector<std::shared_ptr<UnitState>> units_;  // pre-order
+  std::vector<std::shared_ptr<UnitState>> units_;              // pre-order
   std::vector<std::shared_ptr<FullyShardedUnit>> unit_views_;  // the same
 };
 

@@ -11,8 +11,9 @@ and writes the same JSON. Run with the pinned environment's torchrun:
 Strategies: full_shard = fully_shard(reshard_after_forward=True) (the root keeps its
 parameters after forward, as fsdp's root does), shard_grad_op = reshard_after_forward
 False, no_shard = DDP. AdamW(lr, weight_decay=0.01), fp32, constant learning rate, one
-intra-op thread per rank. gpt_fsdp.cc's file comment defines the batches and every JSON
-field; "peak_allocated_mb" is absent here because PyTorch counts no CPU allocations.
+intra-op thread per rank. tests/pytorch_interop.py imports its Gpt. gpt_fsdp.cc's file
+comment defines the batches and every JSON field; "peak_allocated_mb" is absent here
+because PyTorch counts no CPU allocations.
 """
 
 import argparse

@@ -190,7 +190,7 @@ void UnitState::summon(bool keep) {
   assert_handle_in({HandleTrainingState::kIdle}, "summon_full_params");
   handle_->unshard_full_precision();
   handle_state_ = HandleTrainingState::kSummonFullParams;
-  if (!keep) handle_->reshard();
+  if (!keep) reshard();
 }
 
 void UnitState::reshard() {

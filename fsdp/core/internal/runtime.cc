@@ -155,12 +155,10 @@ constexpr std::initializer_list<HandleTrainingState> kBackwardStates = {
     HandleTrainingState::kBackwardPost};
 
 void UnitState::pre_backward() {
-  if (pre_backward_done_ || !handle_) {
-    root_->ensure_end_of_backward_callback();
-    return;
-  }
-  assert_handle_in(kBackwardStates, "pre-backward");
+  const bool first = handle_ && !pre_backward_done_;
+  if (first) assert_handle_in(kBackwardStates, "pre-backward");
   root_->ensure_end_of_backward_callback();
+  if (!first) return;
   pre_backward_done_ = true;
   handle_->unshard();
   handle_state_ = HandleTrainingState::kBackwardPre;

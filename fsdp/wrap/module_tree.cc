@@ -173,30 +173,37 @@ int ModuleTree::find(absl::string_view fqn) const {
   return -1;
 }
 
-ModuleTree ModuleTree::from_module(const torch::nn::Module& root) {
+ModuleTree ModuleTree::from_module(const torch::nn::Module& root, const UnwrapFn& unwrap) {
+  struct Pending {
+    const torch::nn::Module* module;
+    std::string name;  // under the parent; "" for the root
+    int parent;        // node index; -1 for the root
+  };
   ModuleTree tree;
-  std::vector<int> at_depth;  // index of the last node added at each depth
-  apply_to_modules(
-      root, [&](const torch::nn::Module& module, const std::string& prefix, int depth) {
-        std::string type_name = python_class_path_for_cpp(c10::demangle(typeid(module).name()));
-        int index;
-        if (depth == 0) {
-          index = tree.add_root(std::move(type_name));
-        } else {
-          // prefix is "<parent fqn>.<name>."; the name is its last dotted segment.
-          absl::string_view path(prefix);
-          path.remove_suffix(1);
-          const size_t dot = path.rfind('.');
-          std::string name(dot == absl::string_view::npos ? path : path.substr(dot + 1));
-          index = tree.add_child(at_depth[depth - 1], std::move(name), std::move(type_name));
-        }
-        at_depth.resize(depth + 1);
-        at_depth[depth] = index;
-        tree.set_cpp_module(index, &module);
-        for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-          tree.add_param(index, item.key(), param_key(item.value()), item.value().numel());
-        }
-      });
+  std::vector<Pending> stack = {{&root, "", -1}};
+  while (!stack.empty()) {
+    Pending next = std::move(stack.back());
+    stack.pop_back();
+    const torch::nn::Module* module = next.module;
+    while (unwrap) {
+      const torch::nn::Module* inner = unwrap(*module);
+      if (inner == nullptr) break;
+      module = inner;
+    }
+    std::string type_name = python_class_path_for_cpp(c10::demangle(typeid(*module).name()));
+    const int index = next.parent < 0
+                          ? tree.add_root(std::move(type_name))
+                          : tree.add_child(next.parent, std::move(next.name), std::move(type_name));
+    tree.set_cpp_module(index, module);
+    for (const auto& item : module->named_parameters(/*recurse=*/false)) {
+      tree.add_param(index, item.key(), param_key(item.value()), item.value().numel());
+    }
+    const auto children = module->named_children();
+    for (auto it = children.end(); it != children.begin();) {  // first child on top
+      --it;
+      stack.push_back({it->value().get(), it->key(), index});
+    }
+  }
   return tree;
 }
 

@@ -20,6 +20,7 @@
 #define FSDP_WRAP_MODULE_TREE_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,10 +56,17 @@ struct ModuleNode {
   bool is_fsdp_wrapper = false;
 };
 
+// For a wrapper that changes nothing until it is activated (an fsdp::Unit before a root
+// binds it): the module it wraps; for any other module: null.
+using UnwrapFn = std::function<const torch::nn::Module*(const torch::nn::Module&)>;
+
 class ModuleTree {
  public:
-  // Snapshot of a C++ frontend module tree (registered children and parameters).
-  static ModuleTree from_module(const torch::nn::Module& root);
+  // Snapshot of a C++ frontend module tree (registered children and parameters). With
+  // `unwrap`, a wrapper it sees through is replaced by the module it wraps: the node keeps
+  // the wrapper's name and FQN and takes the wrapped module's type, parameters, children
+  // and address (cpp_module), as if the wrapper were not there.
+  static ModuleTree from_module(const torch::nn::Module& root, const UnwrapFn& unwrap = nullptr);
 
   // Building by hand (synthetic trees, TorchScript): the root first, then every node
   // after its parent in pre-order, i.e. `parent` is the last added node or one of its

@@ -10,9 +10,9 @@
 
 namespace fsdp {
 
-void replace_registered_child(torch::nn::Module& parent, const std::string& name,
+void replace_registered_child(torch::nn::Module& parent, const ModuleNode& child,
                               std::shared_ptr<torch::nn::Module> wrapped) {
-  parent.replace_module(name, std::move(wrapped));
+  parent.replace_module(child.name, std::move(wrapped));
 }
 
 RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
@@ -24,7 +24,7 @@ RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
   TORCH_CHECK(wrapper_factory != nullptr, "recursive_wrap: wrapper_factory is empty");
   TORCH_CHECK(options.replace_child() != nullptr, "recursive_wrap: replace_child is empty");
 
-  const ModuleTree tree = ModuleTree::from_module(*root);
+  const ModuleTree tree = ModuleTree::from_module(*root, options.unwrap());
   const absl::flat_hash_set<const torch::nn::Module*> ignored(options.ignored_modules().begin(),
                                                               options.ignored_modules().end());
   WrapPlanOptions plan_options;
@@ -54,7 +54,7 @@ RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
     std::shared_ptr<torch::nn::Module> wrapped = wrapper_factory(child);
     TORCH_CHECK(wrapped != nullptr, "recursive_wrap: wrapper_factory returned null for '", node.fqn,
                 "'");
-    options.replace_child()(parent, node.name, std::move(wrapped));
+    options.replace_child()(parent, node, std::move(wrapped));
   }
   return result;
 }

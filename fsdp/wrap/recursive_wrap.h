@@ -24,6 +24,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/policy.h"
 
 namespace fsdp {
@@ -33,16 +34,17 @@ namespace fsdp {
 using WrapperFactory =
     std::function<std::shared_ptr<torch::nn::Module>(std::shared_ptr<torch::nn::Module> module)>;
 
-// Puts `wrapped` where `parent` holds its child `name`. The default,
-// replace_registered_child, replaces the registered child, which is what named_modules(),
-// named_parameters() and state dicts see. A parent whose forward() reaches the child
-// through another handle (a typed member, Sequential's AnyModule list) also needs that
-// handle rebound; FullyShardedDataParallel passes a function that does so.
-using ReplaceChildFn = std::function<void(torch::nn::Module& parent, const std::string& name,
+// Puts `wrapped` where `parent` holds `child` (child.name is its name there, child.fqn
+// its FQN). The default, replace_registered_child, replaces the registered child, which
+// is what named_modules(), named_parameters() and state dicts see. A parent whose
+// forward() reaches the child through another handle (a typed member, Sequential's
+// AnyModule list) also needs that handle rebound; FullyShardedDataParallel passes a
+// function that does so (Note [Auto-wrapping] in fsdp/core/fully_sharded.cc).
+using ReplaceChildFn = std::function<void(torch::nn::Module& parent, const ModuleNode& child,
                                           std::shared_ptr<torch::nn::Module> wrapped)>;
 
-// parent.replace_module(name, wrapped).
-void replace_registered_child(torch::nn::Module& parent, const std::string& name,
+// parent.replace_module(child.name, wrapped).
+void replace_registered_child(torch::nn::Module& parent, const ModuleNode& child,
                               std::shared_ptr<torch::nn::Module> wrapped);
 
 struct RecursiveWrapOptions {
@@ -53,6 +55,9 @@ struct RecursiveWrapOptions {
   // Wrap the root's children but never the root (the seed's only_wrap_children).
   TORCH_ARG(bool, only_wrap_children) = false;
   TORCH_ARG(ReplaceChildFn, replace_child) = replace_registered_child;
+  // Wrappers to see through (ModuleTree::from_module): the policy sees the module such a
+  // wrapper holds, and the factory receives the wrapper itself.
+  TORCH_ARG(UnwrapFn, unwrap);
 };
 
 struct RecursiveWrapResult {

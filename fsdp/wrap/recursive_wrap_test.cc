@@ -1,6 +1,7 @@
 #include "fsdp/wrap/recursive_wrap.h"
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -29,6 +30,11 @@ struct TestUnit : torch::nn::Module {
   }
   int tag;
 };
+
+int tag_of(const std::shared_ptr<torch::nn::Module>& module) {
+  auto* unit = dynamic_cast<TestUnit*>(module.get());
+  return unit == nullptr ? -1 : unit->tag;
+}
 
 std::shared_ptr<torch::nn::Module> make_unit(std::shared_ptr<torch::nn::Module> module) {
   return std::make_shared<TestUnit>(std::move(module), 0);
@@ -103,13 +109,43 @@ TEST(RecursiveWrapTest, CustomReplaceChildIsUsed) {
   std::vector<std::string> replaced;
   RecursiveWrapOptions options;
   options.only_wrap_children(true).replace_child([&](torch::nn::Module& parent,
-                                                     const std::string& name,
+                                                     const ModuleNode& child,
                                                      std::shared_ptr<torch::nn::Module> wrapped) {
-    replaced.push_back(name);
-    replace_registered_child(parent, name, std::move(wrapped));
+    replaced.push_back(child.fqn);
+    replace_registered_child(parent, child, std::move(wrapped));
   });
   recursive_wrap(model, always_wrap_policy(), make_unit, options);
-  EXPECT_THAT(replaced, ElementsAre("0", "1", "0", "1", "2"));
+  EXPECT_THAT(replaced, ElementsAre("0", "1", "2.0", "2.1", "2"));
+}
+
+// A wrapper that stays inert until activated (as an unbound fsdp::Unit): the policy sees
+// through it, the factory receives the wrapper, and FQNs leave it out.
+TEST(RecursiveWrapTest, UnwrapSeesThroughInertWrappers) {
+  auto inner = linear(6);
+  auto model = seq({std::make_shared<TestUnit>(inner, 3), linear(2)});
+  std::vector<std::shared_ptr<torch::nn::Module>> offered;
+  std::vector<std::string> replaced;
+  RecursiveWrapOptions options;
+  options.only_wrap_children(true)
+      .unwrap([](const torch::nn::Module& m) -> const torch::nn::Module* {
+        auto* unit = dynamic_cast<const TestUnit*>(&m);
+        return unit == nullptr ? nullptr : unit->children()[0].get();
+      })
+      .replace_child([&](torch::nn::Module&, const ModuleNode& child,
+                         std::shared_ptr<torch::nn::Module>) { replaced.push_back(child.fqn); });
+  RecursiveWrapResult result = recursive_wrap(
+      model, size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(40)),
+      [&](std::shared_ptr<torch::nn::Module> m) {
+        offered.push_back(m);
+        return m;
+      },
+      options);
+  // linear(6) has 6 x 6 + 6 = 42 parameters, linear(2) has 6: only the first is wrapped.
+  EXPECT_THAT(result.wrapped_fqns, ElementsAre("0"));
+  EXPECT_EQ(result.wrapped_numel, 42);
+  ASSERT_EQ(offered.size(), 1u);
+  EXPECT_EQ(tag_of(offered[0]), 3);  // the wrapper, not the module inside it
+  EXPECT_THAT(replaced, ElementsAre("0"));
 }
 
 TEST(RecursiveWrapTest, ErrorsAreClear) {
@@ -131,51 +167,36 @@ TEST(RecursiveWrapTest, ErrorsAreClear) {
               ThrowsMessage<c10::Error>(HasSubstr("returned null for '0'")));
 }
 
-struct UnitOptions {
+struct Config {
   int tag = 1;
 };
 
-std::shared_ptr<torch::nn::Module> make_tagged(std::shared_ptr<torch::nn::Module> module,
-                                               const UnitOptions& options) {
-  return std::make_shared<TestUnit>(std::move(module), options.tag);
-}
-
-int tag_of(const std::shared_ptr<torch::nn::Module>& module) {
-  auto* unit = dynamic_cast<TestUnit*>(module.get());
-  return unit == nullptr ? -1 : unit->tag;
-}
-
-TEST(WrapScopeTest, WrapOutsideAScopeReturnsTheModule) {
-  torch::nn::Linear l(5, 5);
-  EXPECT_EQ(wrap<UnitOptions>(l), l.ptr());
-}
-
-TEST(WrapScopeTest, WrapInsideAScopeUsesDefaultsAndOverridesWin) {
+TEST(WrapScopeTest, ActiveOnlyWhileTheScopeLives) {
+  EXPECT_EQ(WrapScope<Config>::active(), nullptr);
   {
-    WrapScope<UnitOptions> scope(make_tagged, UnitOptions{7});
-    EXPECT_EQ(tag_of(wrap<UnitOptions>(torch::nn::Linear(2, 2))), 7);
-    EXPECT_EQ(tag_of(wrap<UnitOptions>(linear(2), [](UnitOptions& o) { o.tag = 9; })), 9);
-    // The override edits a copy: the scope's defaults are unchanged.
-    EXPECT_EQ(tag_of(wrap<UnitOptions>(linear(2))), 7);
+    WrapScope<Config> scope(Config{7});
+    ASSERT_EQ(WrapScope<Config>::active(), &scope);
+    EXPECT_EQ(WrapScope<Config>::active()->config().tag, 7);
   }
-  EXPECT_EQ(tag_of(wrap<UnitOptions>(linear(2))), -1);  // scope closed
+  EXPECT_EQ(WrapScope<Config>::active(), nullptr);
 }
 
 TEST(WrapScopeTest, NestedScopesAreAnError) {
-  WrapScope<UnitOptions> outer(make_tagged);
-  EXPECT_THAT([] { WrapScope<UnitOptions> inner(make_tagged); },
+  WrapScope<Config> outer(Config{});
+  EXPECT_THAT([] { WrapScope<Config> inner(Config{}); },
               ThrowsMessage<c10::Error>(HasSubstr("nested wrap scopes are not supported")));
-  // The failed inner scope left the outer one active.
-  EXPECT_EQ(tag_of(wrap<UnitOptions>(linear(2))), 1);
+  EXPECT_THAT([] { WrapScope<int> inner(0); },
+              ThrowsMessage<c10::Error>(HasSubstr("nested wrap scopes are not supported")));
+  EXPECT_EQ(WrapScope<Config>::active(), &outer);  // the failed inner scope left it alone
 }
 
 TEST(WrapScopeTest, ScopesArePerThreadAndTyped) {
-  WrapScope<UnitOptions> scope(make_tagged);
-  std::shared_ptr<torch::nn::Module> from_thread;
-  std::thread([&] { from_thread = wrap<UnitOptions>(linear(2)); }).join();
-  EXPECT_EQ(tag_of(from_thread), -1);
-  EXPECT_THAT([] { wrap<int>(linear(2)); },
-              ThrowsMessage<c10::Error>(HasSubstr("options of another type")));
+  WrapScope<Config> scope(Config{});
+  WrapScope<Config>* from_thread = &scope;
+  std::thread([&] { from_thread = WrapScope<Config>::active(); }).join();
+  EXPECT_EQ(from_thread, nullptr);
+  EXPECT_THAT([] { WrapScope<int>::active(); },
+              ThrowsMessage<c10::Error>(HasSubstr("configuration of another type")));
 }
 
 }  // namespace

@@ -3,22 +3,21 @@
 namespace fsdp {
 namespace wrap_internal {
 
-ActiveScope& active_scope() {
-  thread_local ActiveScope scope;
-  return scope;
-}
+namespace {
+thread_local ActiveScope active;
+}  // namespace
 
-void enter_scope(const void* scope, const std::type_info& options_type) {
-  ActiveScope& active = active_scope();
+const ActiveScope& active_scope() { return active; }
+
+void enter_scope(void* scope, const std::type_info& config_type) {
   TORCH_CHECK(active.scope == nullptr,
               "WrapScope: already inside a wrap scope on this thread; nested wrap scopes "
               "are not supported (PyTorch's enable_wrap raises the same). Close the outer "
               "scope first.");
-  active = {scope, &options_type};
+  active = {scope, &config_type};
 }
 
 void exit_scope(const void* scope) {
-  ActiveScope& active = active_scope();
   TORCH_INTERNAL_ASSERT(active.scope == scope, "WrapScope destroyed out of order");
   active = {};
 }

@@ -13,10 +13,9 @@
 #include "fsdp/base/names.h"
 #include "fsdp/core/internal/runtime.h"
 #include "fsdp/wrap/module_tree.h"
-#include "fsdp/wrap/plan.h"
+#include "fsdp/wrap/recursive_wrap.h"
 #include <c10/util/Type.h>
 #include <ATen/Functions.h>
-#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <c10/util/Exception.h>
 
@@ -24,80 +23,47 @@ namespace fsdp {
 namespace {
 
 // Note [Auto-wrapping]
-// With an auto_wrap_policy, the planner of fsdp/wrap (PyTorch's _recursive_wrap) runs
-// over the model as if no Unit<T> were in it: a Unit's place in the tree shows the module
-// it wraps. Each module the policy picks must then be made a unit where its parent calls
-// it: an annotated Unit<T> around it is activated; a torch::nn::Sequential child is
-// swapped, in the Sequential's own AnyModule list and its registered children, for an
-// AnyUnitImpl around it; any other parent calls the module directly (a typed member, a
-// ModuleList the parent casts from), which no wrapper can intercept, so that is an error
-// naming the FQN and how to annotate it.
+// With an auto_wrap_policy, fsdp/wrap's recursive_wrap (PyTorch's _recursive_wrap) runs
+// over the model with only_wrap_children, seeing through every Unit<T> (a Unit's place in
+// the tree shows the module it wraps). Its factory changes nothing; its replace_child
+// makes each picked module a unit where its parent calls it: a Unit<T> around it is
+// activated; a torch::nn::Sequential child is swapped, in the Sequential's own AnyModule
+// list and its registered children, for an AnyUnitImpl around it; any other parent calls
+// the module directly (a typed member, a ModuleList the parent casts from), which no
+// wrapper can intercept, so that is an error naming the FQN and how to annotate it.
 
-// Where a module of the transparent tree sits.
-struct TreeSite {
-  torch::nn::Module* parent = nullptr;  // the module that registers it (null: root)
-  std::string name;                     // its name there
-  UnitBase* annotation = nullptr;       // the Unit<T> around it, if any
-  torch::nn::Module* module = nullptr;
-};
-
-ModuleTree transparent_tree(UnitBase& root, std::vector<TreeSite>* sites) {
-  struct Frame {
-    TreeSite site;
-    int parent_index;
-  };
-  ModuleTree tree;
-  std::vector<Frame> stack = {{{nullptr, "", &root, root.wrapped_module().get()}, -1}};
-  while (!stack.empty()) {
-    Frame frame = std::move(stack.back());
-    stack.pop_back();
-    TreeSite site = frame.site;
-    while (auto* unit = dynamic_cast<UnitBase*>(site.module)) {  // see through units
-      site.annotation = unit;
-      site.module = unit->wrapped_module().get();
-    }
-    const std::string type = python_class_path_for_cpp(c10::demangle(typeid(*site.module).name()));
-    const int index = frame.parent_index < 0 ? tree.add_root(type)
-                                             : tree.add_child(frame.parent_index, site.name, type);
-    tree.set_cpp_module(index, site.module);
-    for (const auto& item : site.module->named_parameters(/*recurse=*/false)) {
-      tree.add_param(index, item.key(), item.value().unsafeGetTensorImpl(), item.value().numel());
-    }
-    sites->push_back(site);
-    const auto children = site.module->named_children();
-    for (auto it = children.end(); it != children.begin();) {
-      --it;
-      stack.push_back({{site.module, it->key(), nullptr, it->value().get()}, index});
-    }
+// recursive_wrap's replace_child for FSDP (see the Note): makes the picked `child` a unit
+// where `parent` calls it and adds it to `picked`.
+void make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
+                      std::shared_ptr<torch::nn::Module> registered,
+                      absl::flat_hash_set<const UnitBase*>& picked) {
+  if (auto* unit = dynamic_cast<UnitBase*>(registered.get())) {
+    picked.insert(unit);
+    return;
   }
-  return tree;
-}
-
-// Makes the unit for a picked module (see the Note); returns it.
-UnitBase* make_picked_unit(const TreeSite& site, const std::string& fqn) {
-  if (site.annotation != nullptr) return site.annotation;
-  if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(site.parent)) {
+  if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
     for (auto it = sequential->begin(); it != sequential->end(); ++it) {
-      if (it->ptr().get() != site.module) continue;
+      if (it->ptr() != registered) continue;
       auto unit = std::make_shared<AnyUnitImpl>(std::move(*it));
       *it = torch::nn::AnyModule(unit);
-      sequential->replace_module(site.name, unit);
-      return unit.get();
+      sequential->replace_module(child.name, unit);
+      picked.insert(unit.get());
+      return;
     }
   }
-  TORCH_CHECK(false, "FullyShardedDataParallel: auto_wrap_policy picked '", fqn, "' (",
-              c10::demangle(typeid(*site.module).name()),
+  TORCH_CHECK(false, "FullyShardedDataParallel: auto_wrap_policy picked '", child.fqn, "' (",
+              c10::demangle(typeid(*registered).name()),
               "), but its parent calls it directly, so FSDP cannot intercept its forward; "
-              "annotate it where the parent holds it (fsdp::Unit<T> / fsdp::make_unit), or "
+              "annotate it where the parent holds it (fsdp::Unit<T> / fsdp::wrap), or "
               "hold it in a torch::nn::Sequential");
 }
 
-// The units an auto_wrap_policy makes, besides the root.
 // What FSDP leaves alone: ignored_modules or ignored_states, resolved.
 struct Ignored {
   std::vector<const torch::nn::Module*> modules;
   absl::flat_hash_set<const torch::nn::Module*> module_set;
   absl::flat_hash_set<const c10::TensorImpl*> params;  // the modules' and the single ones
+  std::vector<at::Tensor> param_list;                  // the same, once each
   std::vector<at::Tensor> trained;                     // those that require grad, once each
 };
 
@@ -124,9 +90,9 @@ Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
     for (const at::Tensor& p : module->parameters()) params.push_back(p);
   }
   for (const at::Tensor& p : params) {
-    if (ignored.params.insert(p.unsafeGetTensorImpl()).second && p.requires_grad()) {
-      ignored.trained.push_back(p);
-    }
+    if (!ignored.params.insert(p.unsafeGetTensorImpl()).second) continue;
+    ignored.param_list.push_back(p);
+    if (p.requires_grad()) ignored.trained.push_back(p);
   }
   return ignored;
 }
@@ -144,21 +110,28 @@ AutoWrapPolicy wrap_policy(const FullyShardedDataParallelOptions& options) {
   return options.auto_wrap_policy();
 }
 
+// The units the policy picks (see the Note), and the root.
 absl::flat_hash_set<const UnitBase*> apply_policy(UnitBase& root,
                                                   const FullyShardedDataParallelOptions& options,
                                                   const Ignored& ignored) {
-  std::vector<TreeSite> sites;
-  const ModuleTree tree = transparent_tree(root, &sites);
-  WrapPlanOptions plan_options;
-  for (size_t i = 0; i < sites.size(); ++i) {
-    if (ignored.module_set.contains(sites[i].module) ||
-        ignored.module_set.contains(sites[i].annotation)) {
-      plan_options.ignored_modules().push_back(static_cast<int>(i));
+  RecursiveWrapOptions wrap_options;
+  wrap_options.only_wrap_children(true).ignored_params(ignored.param_list);
+  for (const torch::nn::Module* module : ignored.modules) {
+    wrap_options.ignored_modules().push_back(module);
+    // The tree shows the module a Unit<T> wraps in the Unit's place.
+    if (auto* unit = dynamic_cast<const UnitBase*>(module)) {
+      wrap_options.ignored_modules().push_back(unit->wrapped_module().get());
     }
   }
-  for (const c10::TensorImpl* param : ignored.params) {
-    plan_options.ignored_params().push_back(param);
-  }
+  wrap_options.unwrap([](const torch::nn::Module& module) -> const torch::nn::Module* {
+    auto* unit = dynamic_cast<const UnitBase*>(&module);
+    return unit == nullptr ? nullptr : unit->wrapped_module().get();
+  });
+  absl::flat_hash_set<const UnitBase*> picked = {&root};
+  wrap_options.replace_child([&picked](torch::nn::Module& parent, const ModuleNode& child,
+                                       std::shared_ptr<torch::nn::Module> registered) {
+    make_picked_unit(parent, child, std::move(registered), picked);
+  });
   AutoWrapPolicy policy = wrap_policy(options);
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
     // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
@@ -169,12 +142,10 @@ absl::flat_hash_set<const UnitBase*> apply_policy(UnitBase& root,
                                       return node.cpp_module != nullptr && full(*node.cpp_module);
                                     })});
   }
-  const WrapPlan plan = plan_fsdp_units(tree, policy, plan_options);
-  absl::flat_hash_set<const UnitBase*> active = {&root};
-  for (const PlannedUnit& unit : plan.units) {
-    if (unit.node != 0) active.insert(make_picked_unit(sites[unit.node], unit.fqn));
-  }
-  return active;
+  recursive_wrap(
+      root.wrapped_module(), policy,
+      [](std::shared_ptr<torch::nn::Module> module) { return module; }, wrap_options);
+  return picked;
 }
 
 struct FoundUnit {
@@ -254,49 +225,51 @@ ShardingStrategy effective_strategy(const FullyShardedDataParallelOptions& optio
                                                    : options.sharding_strategy();
 }
 
-// The strategy of the unit around `wrapped` (see unit_sharding_strategies); `fqn` names
-// it in errors.
+// The strategy of `unit` (the root if `is_root`): its own from fsdp::wrap, or the one
+// unit_sharding_strategies gives it, or the root's. `fqn` names it in errors.
 ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options, const UnitBase& unit,
-                               const std::string& fqn) {
+                               bool is_root, const std::string& fqn) {
   const ShardingStrategy root = effective_strategy(options);
+  c10::optional<ShardingStrategy> asked = unit.unit_options().sharding_strategy();
   for (const auto& [module, strategy] : options.unit_sharding_strategies()) {
     if (module != &unit && module != unit.wrapped_module().get()) continue;
-    TORCH_CHECK(!is_hybrid(strategy) && !is_hybrid(root) && !fqn.empty(),
-                "FullyShardedDataParallel: unit_sharding_strategies gives unit '", fqn, "' ",
-                sharding_strategy_name(strategy), " under a ", sharding_strategy_name(root),
-                " root; only non-root units, and only FULL_SHARD, "
-                "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");
-    // One rank shards nothing, whatever was asked (as effective_strategy).
-    return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard : strategy;
+    TORCH_CHECK(!asked, "FullyShardedDataParallel: unit '", fqn,
+                "' has a sharding strategy from fsdp::wrap and from unit_sharding_strategies; "
+                "give it one");
+    asked = strategy;
   }
-  return root;
+  if (!asked || *asked == options.sharding_strategy()) return root;
+  TORCH_CHECK(!is_hybrid(*asked) && !is_hybrid(root) && !is_root,
+              "FullyShardedDataParallel: unit '", fqn, "' asks for ",
+              sharding_strategy_name(*asked), " under a ", sharding_strategy_name(root),
+              " root; only non-root units, and only FULL_SHARD, "
+              "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");
+  // One rank shards nothing, whatever was asked (as effective_strategy).
+  return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard : *asked;
 }
 
-bool is_full_precision(const FullyShardedDataParallelOptions& options,
-                       const torch::nn::Module& wrapped) {
-  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+// The mixed precision of `unit`: its own from fsdp::wrap, or the root's.
+const c10::optional<MixedPrecision>& unit_mixed_precision(
+    const FullyShardedDataParallelOptions& options, const UnitBase& unit) {
+  const c10::optional<MixedPrecision>& own = unit.unit_options().mixed_precision();
+  return own ? own : options.mixed_precision();
+}
+
+bool is_full_precision(const c10::optional<MixedPrecision>& mp, const torch::nn::Module& wrapped) {
   return mp && mp->full_precision_modules() && mp->full_precision_modules()(wrapped);
 }
 
 // The mixed-precision part of a unit's FlatParamOptions.
-FlatParamOptions flat_param_options(const FullyShardedDataParallelOptions& options,
+FlatParamOptions flat_param_options(const c10::optional<MixedPrecision>& mp,
                                     const torch::nn::Module& wrapped) {
   FlatParamOptions flat;
-  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
-  if (mp && !is_full_precision(options, wrapped)) {
+  if (mp && !is_full_precision(mp, wrapped)) {
     flat.param_dtype(mp->param_dtype())
         .reduce_dtype(mp->reduce_dtype())
         .keep_low_precision_grads(mp->keep_low_precision_grads());
   }
   return flat;
 }
-
-// The ShardOnConstruction scope active on this thread.
-struct ConstructionScope {
-  FullyShardedDataParallelOptions options;
-  absl::flat_hash_set<const c10::TensorImpl*> sharded;  // parameters of units built so far
-};
-thread_local std::unique_ptr<ConstructionScope> active_construction;
 
 // A root taking over a unit's constructed flat parameter: it must be what the root
 // itself would have made.
@@ -309,12 +282,12 @@ void check_constructed_handle(const FlatParamHandle& handle, const std::string& 
                   handle.reduce_dtype() == want.reduce_dtype().value_or(param_dtype) &&
                   &handle.communicator() == &comm,
               "FullyShardedDataParallel: unit '", unit_fqn, "' was sharded at construction ",
-              "(ShardOnConstruction) as ", sharding_strategy_name(handle.strategy()),
-              " with param dtype ", handle.param_dtype(), " (reduce dtype ", handle.reduce_dtype(),
+              "(EnableWrap) as ", sharding_strategy_name(handle.strategy()), " with param dtype ",
+              handle.param_dtype(), " (reduce dtype ", handle.reduce_dtype(),
               "), but this root uses ", sharding_strategy_name(strategy), " with param dtype ",
               param_dtype, " (reduce dtype ", want.reduce_dtype().value_or(param_dtype), ")",
               &handle.communicator() == &comm ? "" : " and another communicator",
-              "; pass the root the scope's options");
+              "; pass the root the options the scope had");
 }
 
 // sync_module_states: rank 0's unit parameters (those not sharded at construction) and
@@ -370,7 +343,7 @@ ParamOwners assign_param_owners(UnitBase& root, const std::vector<FoundUnit>& un
 // its strategy, unit count and parameter count) and compares before anything else
 // communicates. PyTorch leaves this to FSDP_DEBUG_LEVEL=DETAIL's checks.
 void check_same_construction(Communicator& comm, const FullyShardedDataParallelOptions& options,
-                             const std::vector<std::string>& unit_fqns,
+                             const std::vector<std::string>& unit_names,
                              const std::vector<int64_t>& unit_numels) {
   if (comm.world_size() == 1) return;
   std::string description = absl::StrCat(sharding_strategy_name(options.sharding_strategy()),
@@ -382,13 +355,13 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
                     mp->buffer_dtype() ? int(*mp->buffer_dtype()) : -1);
   }
   int64_t total = 0;
-  for (size_t k = 0; k < unit_fqns.size(); ++k) {
-    absl::StrAppend(&description, "|", unit_fqns[k], "=", unit_numels[k]);
+  for (size_t k = 0; k < unit_names.size(); ++k) {
+    absl::StrAppend(&description, "|", unit_names[k], "=", unit_numels[k]);
     total += unit_numels[k];
   }
   const int64_t mine[4] = {static_cast<int64_t>(std::hash<std::string>()(description)),
                            static_cast<int64_t>(options.sharding_strategy()),
-                           static_cast<int64_t>(unit_fqns.size()), total};
+                           static_cast<int64_t>(unit_names.size()), total};
   at::Tensor all = at::empty({4 * comm.world_size()}, at::kLong);
   comm.all_gather_into_tensor(all, at::tensor(std::vector<int64_t>(mine, mine + 4), at::kLong));
   const int64_t* a = all.data_ptr<int64_t>();
@@ -404,7 +377,7 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
       what = absl::StrCat("a wrap plan of ", theirs[2], " units and ", theirs[3],
                           " parameters vs rank 0's ", a[2], " units and ", a[3]);
     } else {
-      what = "different options (hybrid group size, mixed precision) or unit names";
+      what = "different options (hybrid group size, mixed precision) or unit names and settings";
     }
     TORCH_CHECK(false, "FullyShardedDataParallel: rank ", r,
                 " built a different model than "
@@ -429,6 +402,9 @@ std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParall
                 units.end());
   } else {
     units = find_units(root, ignored.module_set);
+    units.erase(std::remove_if(units.begin(), units.end(),
+                               [](const FoundUnit& f) { return !f.unit->annotated(); }),
+                units.end());
   }
   for (const FoundUnit& found : units) {
     TORCH_CHECK(!found.unit->is_bound(), "FullyShardedDataParallel: unit '", found.fqn,
@@ -442,7 +418,7 @@ std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParall
         std::any_of(units.begin(), units.end(), [&](const FoundUnit& f) { return f.unit == unit; });
     TORCH_CHECK(unit == nullptr || unit->constructed_handle() == nullptr || found,
                 "FullyShardedDataParallel: unit '", clean_tensor_name(item.key()),
-                "' was sharded at construction (ShardOnConstruction) but is inside an ignored "
+                "' was sharded at construction (EnableWrap) but is inside an ignored "
                 "module; build ignored modules outside that scope");
   }
   return units;
@@ -451,7 +427,7 @@ std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParall
 // What each unit (index k of the selected units) flattens.
 struct UnitParams {
   std::vector<std::vector<NamedParam>> to_flatten;            // still whole
-  std::vector<std::unique_ptr<FlatParamHandle>> constructed;  // see ShardOnConstruction
+  std::vector<std::unique_ptr<FlatParamHandle>> constructed;  // see EnableWrap
 };
 
 // Checks that a unit sharded at construction took only parameters it owns and none that
@@ -466,11 +442,11 @@ void check_constructed_params(const FlatParamHandle& handle, const FoundUnit& un
     TORCH_CHECK(!ignored.params.contains(key), "FullyShardedDataParallel: '", fqn,
                 "' is ignored, but unit '", unit.fqn,
                 "' sharded it at construction "
-                "(ShardOnConstruction); build ignored modules outside units made under "
+                "(EnableWrap); build ignored modules outside units made under "
                 "that scope");
     TORCH_CHECK(owners.unit.at(key) == k, "FullyShardedDataParallel: unit '", unit.fqn,
                 "' sharded '", fqn,
-                "' at construction (ShardOnConstruction), but the same "
+                "' at construction (EnableWrap), but the same "
                 "parameter is also registered outside that unit (as ",
                 absl::StrJoin(owners.fqns.at(key), ", "),
                 "); a shared parameter must "
@@ -510,10 +486,22 @@ UnitParams collect_unit_params(UnitBase& root, const std::vector<FoundUnit>& uni
   return result;
 }
 
-std::vector<std::string> unit_fqns(const std::vector<FoundUnit>& units) {
-  std::vector<std::string> fqns;
-  for (const FoundUnit& unit : units) fqns.push_back(unit.fqn);
-  return fqns;
+// Each unit's FQN with its own settings from fsdp::wrap, for the construction fingerprint.
+std::vector<std::string> unit_names(const std::vector<FoundUnit>& units) {
+  std::vector<std::string> names;
+  for (const FoundUnit& unit : units) {
+    std::string name = unit.fqn;
+    const UnitOptions& own = unit.unit->unit_options();
+    if (own.sharding_strategy()) {
+      absl::StrAppend(&name, "/", sharding_strategy_name(*own.sharding_strategy()));
+    }
+    if (const c10::optional<MixedPrecision>& mp = own.mixed_precision()) {
+      absl::StrAppend(&name, "/mp=", mp->param_dtype() ? int(*mp->param_dtype()) : -1, ",",
+                      mp->reduce_dtype() ? int(*mp->reduce_dtype()) : -1);
+    }
+    names.push_back(std::move(name));
+  }
+  return names;
 }
 
 std::vector<int64_t> unit_numels(const UnitParams& params) {
@@ -556,14 +544,20 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
                                                  const std::vector<FoundUnit>& units,
                                                  UnitParams& params,
                                                  core_internal::RootState& root_state) {
-  const c10::optional<MixedPrecision>& mp = options.mixed_precision();
+  // Every unit's strategy is checked before any parameter is flattened, so a model
+  // refused here is left as it was.
+  std::vector<ShardingStrategy> strategies;
+  for (size_t k = 0; k < units.size(); ++k) {
+    strategies.push_back(unit_strategy(options, *units[k].unit, k == 0, units[k].fqn));
+  }
   std::vector<const torch::nn::Module*> full_precision_modules;
   for (size_t k = 0; k < units.size(); ++k) {
     const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
-    const bool full_precision = is_full_precision(options, wrapped);
-    FlatParamOptions unit_options = flat_param_options(options, wrapped);
+    const c10::optional<MixedPrecision>& mp = unit_mixed_precision(options, *units[k].unit);
+    const bool full_precision = is_full_precision(mp, wrapped);
+    FlatParamOptions unit_options = flat_param_options(mp, wrapped);
     unit_options.replicate_communicator(groups.replicate);
-    const ShardingStrategy own = unit_strategy(options, *units[k].unit, units[k].fqn);
+    const ShardingStrategy own = strategies[k];
     std::unique_ptr<FlatParamHandle> handle = std::move(params.constructed[k]);
     if (handle != nullptr) {
       check_constructed_handle(*handle, units[k].fqn, own, unit_options, *groups.shard);
@@ -614,7 +608,7 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   std::vector<FoundUnit> units = select_units(root, options, ignored);
   UnitParams params = collect_unit_params(root, units, ignored);
   Communicator& comm = *options.communicator();
-  check_same_construction(comm, options, unit_fqns(units), unit_numels(params));  // first
+  check_same_construction(comm, options, unit_names(units), unit_numels(params));  // first
   if (options.sync_module_states() && comm.world_size() > 1) {
     sync_module_states(comm, root, ignored, params.to_flatten);
   }
@@ -630,40 +624,36 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
 
 }  // namespace
 
-bool is_batch_norm(const torch::nn::Module& module) {
-  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
-         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
-         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
-}
-
-ShardOnConstruction::ShardOnConstruction(const FullyShardedDataParallelOptions& options) {
-  TORCH_CHECK(options.communicator() != nullptr,
-              "ShardOnConstruction: options.communicator "
-              "is null");
-  TORCH_CHECK(active_construction == nullptr,
-              "ShardOnConstruction: a scope is already "
-              "active on this thread; scopes do not nest");
-  TORCH_CHECK(!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr,
-              "ShardOnConstruction: HYBRID strategies and auto_wrap_policy are not supported "
-              "(nor param_exec_order_wrap_policy) "
-              "when sharding at construction; annotate units with fsdp::Unit and use "
-              "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
-  active_construction = std::make_unique<ConstructionScope>(ConstructionScope{options, {}});
-}
-
-ShardOnConstruction::~ShardOnConstruction() { active_construction.reset(); }
-
 namespace core_internal {
 
-std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped) {
-  ConstructionScope* scope = active_construction.get();
-  if (scope == nullptr) return nullptr;
+// An EnableWrap scope's settings, and the parameters units built in it sharded so far.
+struct WrapConfig {
+  FullyShardedDataParallelOptions options;
+  bool shard_on_construction;
+  absl::flat_hash_set<const c10::TensorImpl*> sharded;
+};
+
+UnitAnnotation annotation_for_wrap(const UnitOptions& overrides) {
+  WrapScope<WrapConfig>* scope = WrapScope<WrapConfig>::active();
+  if (scope == nullptr) return {/*annotated=*/false, {}};
+  const FullyShardedDataParallelOptions& defaults = scope->config().options;
+  UnitOptions options = overrides;
+  if (!options.sharding_strategy()) options.sharding_strategy(defaults.sharding_strategy());
+  if (!options.mixed_precision()) options.mixed_precision(defaults.mixed_precision());
+  return {/*annotated=*/true, std::move(options)};
+}
+
+std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
+  WrapScope<WrapConfig>* scope = WrapScope<WrapConfig>::active();
+  if (scope == nullptr || !scope->config().shard_on_construction) return nullptr;
+  WrapConfig& config = scope->config();
+  const torch::nn::Module& wrapped = *unit.wrapped_module();
   // Units built inside this one took their parameters already.
   absl::flat_hash_set<const c10::TensorImpl*> nested;
   for (const auto& module : wrapped.modules()) {
-    const auto* unit = dynamic_cast<const UnitBase*>(module.get());
-    if (unit == nullptr || unit->constructed_handle() == nullptr) continue;
-    for (const at::Tensor& p : unit->constructed_handle()->original_params()) {
+    const auto* inner = dynamic_cast<const UnitBase*>(module.get());
+    if (inner == nullptr || inner->constructed_handle() == nullptr) continue;
+    for (const at::Tensor& p : inner->constructed_handle()->original_params()) {
       nested.insert(p.unsafeGetTensorImpl());
     }
   }
@@ -672,7 +662,7 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& 
   for (const auto& item : wrapped.named_parameters()) {
     const c10::TensorImpl* key = item.value().unsafeGetTensorImpl();
     if (nested.contains(key) || !seen.insert(key).second) continue;
-    TORCH_CHECK(!scope->sharded.contains(key), "ShardOnConstruction: parameter '",
+    TORCH_CHECK(!config.sharded.contains(key), "EnableWrap: parameter '",
                 clean_tensor_name(item.key()),
                 "' of a unit being built was already sharded "
                 "by another unit built before it and not inside it; a shared parameter must "
@@ -680,13 +670,28 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& 
     params.push_back({clean_tensor_name(item.key()), item.value()});
   }
   if (params.empty()) return nullptr;
-  for (const NamedParam& p : params) scope->sharded.insert(p.param.unsafeGetTensorImpl());
-  return std::make_unique<FlatParamHandle>(std::move(params), scope->options.communicator(),
-                                           effective_strategy(scope->options),
-                                           flat_param_options(scope->options, wrapped));
+  for (const NamedParam& p : params) config.sharded.insert(p.param.unsafeGetTensorImpl());
+  return std::make_unique<FlatParamHandle>(
+      std::move(params), config.options.communicator(),
+      unit_strategy(config.options, unit, /*is_root=*/false, "<being built>"),
+      flat_param_options(unit_mixed_precision(config.options, unit), wrapped));
 }
 
 }  // namespace core_internal
+
+EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options, bool shard_on_construction) {
+  TORCH_CHECK(options.communicator() != nullptr, "EnableWrap: options.communicator is null");
+  TORCH_CHECK(!shard_on_construction ||
+                  (!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr),
+              "EnableWrap: HYBRID strategies and auto_wrap_policy are not supported "
+              "(nor param_exec_order_wrap_policy) "
+              "when sharding at construction; annotate units with fsdp::wrap or fsdp::Unit "
+              "and use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+  scope_ = std::make_unique<WrapScope<core_internal::WrapConfig>>(
+      core_internal::WrapConfig{options, shard_on_construction, {}});
+}
+
+EnableWrap::~EnableWrap() = default;
 
 NoSyncScope::NoSyncScope(core_internal::RootState& root)
     : root_(root), previous_(root.sync_gradients()) {

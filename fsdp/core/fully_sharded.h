@@ -13,13 +13,14 @@
 //   loss.backward();      // gradients reduce-scattered into the shards' .grad
 //   optimizer.step();
 //
-// Units: the Unit<T> modules of the model (annotate with fsdp::Unit / fsdp::wrap) plus
-// the root, which owns every parameter no unit inside it owns. Each unit flattens its
-// parameters (shared ones once) into a FlatParamHandle. A parameter registered by several
-// modules (tied weights) belongs to the lowest unit containing all of them, e.g. the root
-// for an embedding unit tied to an output head in the root (PyTorch's guidance: shared
-// parameters in one FSDP instance). Under ShardOnConstruction a unit that took a shared
-// parameter while another user is outside it is an error naming every FQN.
+// Units: the annotated Unit<T> modules of the model (fsdp::Unit, or fsdp::wrap inside an
+// EnableWrap scope; unit.h), or those an auto_wrap_policy picks, plus the root, which owns every
+// parameter no unit inside it owns. Each unit flattens its parameters (shared ones once) into a
+// FlatParamHandle. A parameter registered by several modules (tied weights) belongs to the lowest
+// unit containing all of them, e.g. the root for an embedding unit tied to an output head in the
+// root (PyTorch's guidance: shared parameters in one FSDP instance). A unit sharded on construction
+// (EnableWrap) that took a shared parameter while another user is outside it is an error naming
+// every FQN.
 //
 // Collectives per iteration (n = units with parameters; REFERENCE §4): FULL_SHARD:
 // forward all-gathers n, backward all-gathers n - 1 (the root is not resharded after
@@ -34,11 +35,11 @@
 // model's. PyTorch: torch.distributed.fsdp.FullyShardedDataParallel
 // (use_orig_params=False).
 //
-// Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision
-// below), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
-// strategies (unit_sharding_strategies), validate_execution_order (PyTorch's
-// FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on the root, and deferred
-// initialisation (ShardOnConstruction below).
+// Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision,
+// mixed_precision.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
+// strategies (unit_sharding_strategies, or fsdp::wrap's per-unit overrides),
+// validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on
+// the root, and deferred initialisation (EnableWrap below).
 //
 // Frozen parameters: a unit whose parameters all have requires_grad=false gets a frozen
 // flat parameter (no gradient, no reduction); a unit mixing requires_grad true and
@@ -60,42 +61,13 @@
 
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/flat_param.h"
+#include "fsdp/core/mixed_precision.h"
 #include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"
 #include "fsdp/wrap/policy.h"
+#include "fsdp/wrap/wrap_context.h"
 
 namespace fsdp {
-
-// Whether `module` is a BatchNorm (1d, 2d, 3d): MixedPrecision's default
-// full_precision_modules.
-bool is_batch_norm(const torch::nn::Module& module);
-
-// Mixed-precision training (see Note [Mixed precision] in internal/runtime.cc).
-// PyTorch: torch.distributed.fsdp.MixedPrecision, with _module_classes_to_ignore as
-// full_precision_modules. The optimizer always sees full-precision flat shards.
-//   options.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
-struct MixedPrecision {
-  // dtype of the unsharded parameters in forward and backward, and of the all-gathers
-  // (none: the parameters' own).
-  TORCH_ARG(c10::optional<c10::ScalarType>, param_dtype);
-  // dtype of gradient reduction (reduce-scatter / all-reduce); none: param_dtype if set,
-  // else the parameters' own.
-  TORCH_ARG(c10::optional<c10::ScalarType>, reduce_dtype);
-  // dtype of the floating buffers while the model runs forward and backward; they are
-  // cast back to their own dtype when each iteration ends (none: no cast).
-  TORCH_ARG(c10::optional<c10::ScalarType>, buffer_dtype);
-  // Keep the reduced gradient shards in reduce_dtype for the optimizer instead of
-  // casting them to the parameters' dtype.
-  TORCH_ARG(bool, keep_low_precision_grads) = false;
-  // Non-root units cast floating tensor arguments of their forward to param_dtype.
-  TORCH_ARG(bool, cast_forward_inputs) = false;
-  // The root casts floating tensor arguments of its forward to param_dtype.
-  TORCH_ARG(bool, cast_root_forward_inputs) = true;
-  // Units whose wrapped module this picks stay in full precision (parameters, buffers,
-  // gradients), casting floating inputs up and their tensor output back. With an
-  // auto_wrap_policy every module it picks is made a unit, as in PyTorch.
-  TORCH_ARG(std::function<bool(const torch::nn::Module&)>, full_precision_modules) = is_batch_norm;
-};
 
 // (the unit's wrapped module or the Unit<T> itself, its strategy) pairs.
 using UnitShardingStrategies = std::vector<std::pair<const torch::nn::Module*, ShardingStrategy>>;
@@ -136,11 +108,12 @@ struct FullyShardedDataParallelOptions {
   // PyTorch), and clip_grad_norm_ counts them once.
   TORCH_ARG(std::vector<IgnoredState>, ignored_states);
   // Which modules become units (see Note [Auto-wrapping] in fully_sharded.cc). Unset:
-  // every Unit<T> annotated in the model. Set: the modules the policy picks (PyTorch's
-  // _recursive_wrap over the model seen without annotations); a picked module must be
-  // annotated with Unit<T> or be a child of a torch::nn::Sequential (with a
-  // Tensor -> Tensor forward), which is rebuilt around a unit; anything else is an error
-  // naming its FQN. Annotated units the policy does not pick stay pass-throughs.
+  // every annotated Unit<T> in the model. Set: the modules the policy picks (fsdp/wrap's
+  // recursive_wrap, PyTorch's _recursive_wrap, over the model seen without unbound
+  // Unit<T>s); a picked module must sit in a Unit<T> (annotated or not) or be a child of
+  // a torch::nn::Sequential (with a Tensor -> Tensor forward), which is rebuilt around a
+  // unit; anything else is an error naming its FQN. Units the policy does not pick stay
+  // pass-throughs.
   TORCH_ARG(AutoWrapPolicy, auto_wrap_policy) = nullptr;
   // Units from its init_policy (as auto_wrap_policy; give one or the other), prefetching
   // in both passes in the order the units ran in the first iteration (wrap/policy.h). It
@@ -155,8 +128,8 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(bool, sync_module_states) = false;
   // Units that run with another strategy than sharding_strategy: FULL_SHARD,
   // SHARD_GRAD_OP or NO_SHARD (e.g. a small unit replicated), under a non-HYBRID root;
-  // not the root itself. PyTorch: a nested FullyShardedDataParallel
-  // with its own sharding_strategy.
+  // not the root itself; not a unit fsdp::wrap gave a strategy. PyTorch: a nested
+  // FullyShardedDataParallel with its own sharding_strategy.
   TORCH_ARG(UnitShardingStrategies, unit_sharding_strategies);
   // HYBRID strategies: F, the ranks of one shard group (e.g. LOCAL_WORLD_SIZE, one
   // host); world_size must be a multiple of it (Communicator::split_hybrid).
@@ -171,36 +144,51 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(bool, validate_execution_order) = false;
 };
 
-// Deferred initialisation: while a ShardOnConstruction lives on a thread, every Unit<T>
-// built on that thread flattens and shards its module's parameters (those no unit built
-// inside it took) as soon as it is constructed, so building a model holds its units'
-// shards plus one unit's full parameters at a time, never the whole model; the root
-// made later with the same options takes those flat parameters over. Parameters outside
-// units (the root's own) stay whole until the root is made. PyTorch: constructing each
-// layer and wrapping it in FSDP at once (enable_wrap / wrap), the C++ counterpart of
-// deferring initialisation to the meta device.
+namespace core_internal {
+struct WrapConfig;  // the scope's settings and what it sharded (fully_sharded.cc)
+}  // namespace core_internal
+
+// The seed's enable_wrap(wrapper_cls=FullyShardedDataParallel, **options) as an RAII
+// scope: while it lives on a thread, fsdp::wrap (unit.h) called on that thread makes
+// units with these options' sharding_strategy and mixed_precision, each overridable per
+// call (the seed's wrap overrides). The root that binds them later takes everything else
+// (communicator, prefetching, ...) from its own options.
 //
-//   FullyShardedDataParallelOptions options(comm);
+//   fsdp::FullyShardedDataParallelOptions options(comm);
 //   std::shared_ptr<NetImpl> net;
 //   {
-//     fsdp::ShardOnConstruction scope(options);
-//     net = std::make_shared<NetImpl>();  // each unit sharded as it is built
+//     fsdp::EnableWrap scope(options);
+//     net = std::make_shared<NetImpl>();  // its fsdp::wrap calls make units
 //   }
 //   fsdp::FullyShardedDataParallel<NetImpl> model(net, options);
 //
-// Every rank must build the same model (same units, same order). The root's options must
-// match the scope's (strategy, mixed precision); units made under it cannot contain
-// ignored modules (they do not exist yet when the unit shards), and sync_module_states
-// leaves their parameters alone (each rank keeps its own chunk's initial values: build
-// them from the same seed). HYBRID strategies and auto_wrap_policy are not supported with
-// it. A parameter shared by two units built under it must be inside the later one's
-// module. Errors: c10::Error. Not nestable; one per thread (ranks may be threads).
-class [[nodiscard]] ShardOnConstruction {
+// Deferred initialisation (shard_on_construction): every unit built in the scope (by
+// fsdp::wrap or as a Unit<T>) flattens and shards its module's parameters (those no unit
+// built inside it took) as soon as it is constructed, so building a model holds its
+// units' shards plus one unit's full parameters at a time, never the whole model; the
+// root made later takes those flat parameters over. Parameters outside units (the
+// root's own) stay whole until the root is made. PyTorch: constructing each layer and
+// wrapping it in FSDP at once, the C++ counterpart of deferring initialisation to the
+// meta device. Every rank must build the same model (same units, same order); the
+// root's options must give each unit what the scope gave it (strategy, mixed precision,
+// communicator); units made so cannot contain ignored modules (they do not exist yet
+// when the unit shards), and sync_module_states leaves their parameters alone (each rank
+// keeps its own chunk's initial values: build them from the same seed). HYBRID
+// strategies and auto_wrap_policy are not supported with it. A parameter shared by two
+// units built so must be inside the later one's module.
+//
+// Errors: c10::Error (also when a scope is already active on the thread: scopes do not
+// nest). One per thread (ranks may be threads).
+class [[nodiscard]] EnableWrap {
  public:
-  explicit ShardOnConstruction(const FullyShardedDataParallelOptions& options);
-  ~ShardOnConstruction();
-  ShardOnConstruction(const ShardOnConstruction&) = delete;
-  ShardOnConstruction& operator=(const ShardOnConstruction&) = delete;
+  explicit EnableWrap(const FullyShardedDataParallelOptions& options,
+                      bool shard_on_construction = false);
+  ~EnableWrap();
+  EnableWrap(const EnableWrap&) = delete;
+  EnableWrap& operator=(const EnableWrap&) = delete;
+
+ private:
+  std::unique_ptr<WrapScope<core_internal::WrapConfig>> scope_;
 };
 
 namespace core_internal {

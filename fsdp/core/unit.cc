@@ -9,7 +9,7 @@ namespace fsdp {
 void UnitBase::bind(std::shared_ptr<core_internal::UnitState> state) { state_ = std::move(state); }
 
 void UnitBase::shard_if_constructing() {
-  constructed_handle_ = core_internal::shard_on_construction(*wrapped_module());
+  constructed_handle_ = core_internal::shard_on_construction(*this);
 }
 
 void UnitBase::pre_forward() { state_->pre_forward(); }

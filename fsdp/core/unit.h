@@ -24,6 +24,14 @@
 // cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
 // FullyShardedDataParallel instance.
 //
+// fsdp::wrap(module) is the seed's wrap(): inside an EnableWrap scope (fully_sharded.h)
+// it makes a unit with the scope's settings and per-unit overrides; outside any scope the
+// unit it returns stays a pass-through that no root binds unless an auto_wrap_policy
+// picks it (the seed returns the module itself there; C++ needs one return type):
+//
+//   block1 = register_module("block1", fsdp::wrap(Block(64), fsdp::UnitOptions().sharding_strategy(
+//                                                                fsdp::ShardingStrategy::kNoShard)));
+//
 // Threading: a unit runs on its rank's thread.
 #ifndef FSDP_CORE_UNIT_H_
 #define FSDP_CORE_UNIT_H_
@@ -42,16 +50,45 @@
 #include "fsdp/base/names.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/forward_as.h"
+#include "fsdp/core/mixed_precision.h"
 
 namespace fsdp {
 
+// Settings of one unit that differ from its root's: the seed's wrap() overrides (PyTorch:
+// the arguments of a nested FullyShardedDataParallel). Unset: the root's.
+struct UnitOptions {
+  // FULL_SHARD, SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root; under a HYBRID root
+  // only the root's own (as unit_sharding_strategies).
+  TORCH_ARG(c10::optional<ShardingStrategy>, sharding_strategy);
+  // This unit's parameter and reduction dtypes, input casting (cast_forward_inputs) and
+  // full_precision_modules; buffers follow the root's.
+  TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision);
+};
+
+// How a unit was made: whether a root binds it without an auto_wrap_policy, and its own
+// settings.
+struct UnitAnnotation {
+  bool annotated = true;
+  UnitOptions options;
+};
+
 namespace core_internal {
 class UnitState;  // the runtime state of a bound unit (internal/runtime.h)
+
+// What fsdp::wrap makes (see EnableWrap in fully_sharded.h): annotated, with the active
+// scope's settings edited by `overrides`; outside any scope, not annotated.
+UnitAnnotation annotation_for_wrap(const UnitOptions& overrides);
 }  // namespace core_internal
 
 // What the runtime finds in a module tree: any Unit<T>.
 class UnitBase : public torch::nn::Module {
  public:
+  // Whether a root makes this a unit without an auto_wrap_policy: true for a Unit<T> made
+  // directly and for fsdp::wrap inside an EnableWrap scope, false for fsdp::wrap outside
+  // any scope.
+  bool annotated() const { return annotation_.annotated; }
+  // The unit's own settings (set by fsdp::wrap).
+  const UnitOptions& unit_options() const { return annotation_.options; }
   // The wrapped module.
   virtual std::shared_ptr<torch::nn::Module> wrapped_module() const = 0;
   // Whether a FullyShardedDataParallel root has bound this unit (a unit binds once).
@@ -66,7 +103,9 @@ class UnitBase : public torch::nn::Module {
   }
 
  protected:
-  // Called at the end of a unit's constructor. See ShardOnConstruction.
+  explicit UnitBase(UnitAnnotation annotation) : annotation_(std::move(annotation)) {}
+  // Called at the end of a unit's constructor: shards now inside an EnableWrap scope that
+  // shards on construction.
   void shard_if_constructing();
 
   // Runs `forward` (the wrapped module's) with the FSDP steps around it.
@@ -125,6 +164,7 @@ class UnitBase : public torch::nn::Module {
     }
   }
 
+  UnitAnnotation annotation_;
   std::shared_ptr<core_internal::UnitState> state_;
   std::unique_ptr<FlatParamHandle> constructed_handle_;
 };
@@ -133,8 +173,9 @@ template <typename Contained>
 class UnitImpl : public UnitBase,
                  public detail::ForwardAs<UnitImpl<Contained>, decltype(&Contained::forward)> {
  public:
-  explicit UnitImpl(std::shared_ptr<Contained> module)
-      : module_(register_module(std::string(kFsdpWrappedModule), std::move(module))) {
+  explicit UnitImpl(std::shared_ptr<Contained> module, UnitAnnotation annotation = {})
+      : UnitBase(std::move(annotation)),
+        module_(register_module(std::string(kFsdpWrappedModule), std::move(module))) {
     shard_if_constructing();
   }
 
@@ -158,9 +199,9 @@ template <typename Contained>
 class Unit : public torch::nn::ModuleHolder<UnitImpl<Contained>> {
  public:
   using torch::nn::ModuleHolder<UnitImpl<Contained>>::ModuleHolder;
-  explicit Unit(std::shared_ptr<Contained> module)
+  explicit Unit(std::shared_ptr<Contained> module, UnitAnnotation annotation = {})
       : torch::nn::ModuleHolder<UnitImpl<Contained>>(
-            std::make_shared<UnitImpl<Contained>>(std::move(module))) {}
+            std::make_shared<UnitImpl<Contained>>(std::move(module), std::move(annotation))) {}
 };
 
 // A unit around a type-erased module with a Tensor -> Tensor forward: what
@@ -168,7 +209,8 @@ class Unit : public torch::nn::ModuleHolder<UnitImpl<Contained>> {
 class AnyUnitImpl : public UnitBase {
  public:
   explicit AnyUnitImpl(torch::nn::AnyModule module)
-      : module_(std::move(module)),
+      : UnitBase(UnitAnnotation{}),
+        module_(std::move(module)),
         wrapped_(register_module(std::string(kFsdpWrappedModule), module_.ptr())) {
     shard_if_constructing();
   }
@@ -186,6 +228,21 @@ class AnyUnitImpl : public UnitBase {
 template <typename Contained>
 Unit<Contained> make_unit(const torch::nn::ModuleHolder<Contained>& module) {
   return Unit<Contained>(module.ptr());
+}
+
+// The seed's wrap(module, **overrides): inside an EnableWrap scope on this thread, a unit
+// with the scope's sharding_strategy and mixed_precision, each replaced by `overrides`
+// where set (and sharded at once if the scope shards on construction); outside any
+// scope, a pass-through unit (see the file comment). PyTorch:
+// torch.distributed.fsdp.wrap.wrap.
+template <typename Contained>
+Unit<Contained> wrap(const torch::nn::ModuleHolder<Contained>& module,
+                     const UnitOptions& overrides = {}) {
+  return Unit<Contained>(module.ptr(), core_internal::annotation_for_wrap(overrides));
+}
+template <typename Contained>
+Unit<Contained> wrap(std::shared_ptr<Contained> module, const UnitOptions& overrides = {}) {
+  return Unit<Contained>(std::move(module), core_internal::annotation_for_wrap(overrides));
 }
 
 }  // namespace fsdp

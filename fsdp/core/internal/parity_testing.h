@@ -143,15 +143,17 @@ template <typename Net>
 using AfterStep =
     std::function<void(FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer& opt)>;
 
-// Trains Net with FSDP on this rank of `comm` (every rank calls it) and EXPECTs the
-// reference's losses every step and its parameters at the end. Tolerance: 2e-6
-// absolute, the fp32 rounding of averaging W partial gradients in a different order.
+// Trains Net (made by `build_net`, default make<Net>) with FSDP on this rank of `comm`
+// (every rank calls it) and EXPECTs the reference's losses every step and its parameters
+// at the end. Tolerance: 2e-6 absolute, the fp32 rounding of averaging W partial
+// gradients in a different order.
 template <typename Net>
 void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference& want,
                       const FullyShardedDataParallelOptions& options, bool adam,
-                      const AfterStep<Net>& after_step = nullptr) {
+                      const AfterStep<Net>& after_step = nullptr,
+                      const std::function<std::shared_ptr<Net>()>& build_net = make<Net>) {
   const int world_size = comm->world_size();
-  FullyShardedDataParallel<Net> model(make<Net>(), options);
+  FullyShardedDataParallel<Net> model(build_net(), options);
   auto optimizer = make_optimizer(model->parameters(), adam);
   for (int step = 0; step < kSteps; ++step) {
     model->module()->step = step;

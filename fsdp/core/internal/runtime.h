@@ -24,9 +24,10 @@ namespace core_internal {
 
 class RootState;
 
-// The wrapped module's parameters flattened and sharded, if a ShardOnConstruction scope
-// (fully_sharded.h) is active on this thread; else null. Defined in fully_sharded.cc.
-std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped);
+// The unit's parameters flattened and sharded, if an EnableWrap scope that shards on
+// construction (fully_sharded.h) is active on this thread; else null. Defined in
+// fully_sharded.cc.
+std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit);
 
 // A bound unit: FullyShardedUnit's fields (fqn, handle, handle state) plus the hooks.
 class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<UnitState> {

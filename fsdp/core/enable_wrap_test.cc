@@ -1,6 +1,7 @@
-// Deferred initialisation (ShardOnConstruction): a model built under the scope trains
-// exactly like one built whole, and on W = 4 real processes its construction peaks near
-// the sharded size instead of the full model's.
+// EnableWrap and fsdp::wrap (the seed's enable_wrap / wrap): units made in the scope with
+// per-unit overrides train like one process; deferred initialisation (shard on
+// construction) trains exactly like a model built whole, and on W = 4 real processes its
+// construction peaks near the sharded size instead of the full model's.
 #include <chrono>
 #include <iostream>
 #include <sstream>
@@ -49,7 +50,7 @@ Trained train(Communicator& comm, bool shard_on_construction) {
     std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
     torch::manual_seed(0);
     if (shard_on_construction) {
-      ShardOnConstruction scope(options);
+      EnableWrap scope(options, /*shard_on_construction=*/true);
       net = std::make_shared<NestedImpl>();
     } else {
       net = std::make_shared<NestedImpl>();
@@ -95,7 +96,7 @@ TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
 
 TEST(ShardOnConstructionTest, UnitsAreShardedAsTheyAreBuilt) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
-    ShardOnConstruction scope(FullyShardedDataParallelOptions(borrow(comm)));
+    EnableWrap scope(FullyShardedDataParallelOptions(borrow(comm)), /*shard_on_construction=*/true);
     auto l1 = make_unit(torch::nn::Linear(4, 8));
     ASSERT_NE(l1->constructed_handle(), nullptr);
     EXPECT_EQ(l1->constructed_handle()->shard_numel(), 20);
@@ -107,18 +108,18 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
   auto world = FakeWorld::create(1);
   const FullyShardedDataParallelOptions options(world->communicator(0));
   {
-    ShardOnConstruction scope(options);
-    EXPECT_THAT([&] { ShardOnConstruction nested(options); },
-                ThrowsMessage<c10::Error>(HasSubstr("scopes do not nest")));
+    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EXPECT_THAT([&] { EnableWrap nested(options); },
+                ThrowsMessage<c10::Error>(HasSubstr("nested wrap scopes are not supported")));
   }
   auto hybrid =
       FullyShardedDataParallelOptions(options).sharding_strategy(ShardingStrategy::kHybridShard);
-  EXPECT_THAT([&] { ShardOnConstruction scope(hybrid); },
+  EXPECT_THAT([&] { EnableWrap scope(hybrid, /*shard_on_construction=*/true); },
               ThrowsMessage<c10::Error>(HasSubstr("HYBRID strategies and auto_wrap_policy are "
                                                   "not supported")));
   std::shared_ptr<NetImpl> net;
   {
-    ShardOnConstruction scope(options);
+    EnableWrap scope(options, /*shard_on_construction=*/true);
     net = std::make_shared<NetImpl>();
   }
   const torch::nn::Module* l1 = net->l1->module().get();
@@ -128,11 +129,11 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
             net, FullyShardedDataParallelOptions(options).ignored_modules({l1}));
       },
       ThrowsMessage<c10::Error>(HasSubstr("unit 'l1' was sharded at construction "
-                                          "(ShardOnConstruction) but is inside an ignored "
+                                          "(EnableWrap) but is inside an ignored "
                                           "module")));
   std::shared_ptr<TinyLmImpl> lm;
   {
-    ShardOnConstruction scope(options);
+    EnableWrap scope(options, /*shard_on_construction=*/true);
     lm = std::make_shared<TinyLmImpl>();
   }
   const torch::nn::Module* up = lm->blocks->ptr<UnitImpl<BlockImpl>>(0)->module()->up.get();
@@ -150,7 +151,7 @@ TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {
     const FullyShardedDataParallelOptions options(borrow(comm));
     std::shared_ptr<NetImpl> net;
     {
-      ShardOnConstruction scope(options);
+      EnableWrap scope(options, /*shard_on_construction=*/true);
       net = std::make_shared<NetImpl>();
     }
     EXPECT_THAT(
@@ -160,9 +161,164 @@ TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {
                        MixedPrecision().param_dtype(at::kBFloat16)));
         },
         ThrowsMessage<c10::Error>(HasSubstr("unit 'l1' was sharded at construction "
-                                            "(ShardOnConstruction) as FULL_SHARD with param "
+                                            "(EnableWrap) as FULL_SHARD with param "
                                             "dtype Float (reduce dtype Float), but this root "
                                             "uses FULL_SHARD with param dtype BFloat16")));
+  });
+}
+
+// ---- fsdp::wrap: the seed's enable_wrap / wrap with per-unit overrides. ----
+
+// NetImpl's layers, annotated with fsdp::wrap: l2 asks for NO_SHARD.
+struct WrappedNetImpl : torch::nn::Module {
+  WrappedNetImpl() {
+    l1 = register_module("l1", wrap(torch::nn::Linear(4, 8)));
+    l2 = register_module("l2", wrap(torch::nn::Linear(8, 7),
+                                    UnitOptions().sharding_strategy(ShardingStrategy::kNoShard)));
+    head = register_module("head", torch::nn::Linear(7, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    namespace F = torch::nn::functional;
+    return head(F::relu(l2(F::relu(l1(x)))));
+  }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<torch::nn::LinearImpl> l1{nullptr}, l2{nullptr};
+  torch::nn::Linear head{nullptr};
+  int step = 0;
+};
+
+// "FQN:strategy:param dtype/reduce dtype" of each unit of `model`, in pre-order.
+std::vector<std::string> describe_units(const FullyShardedRoot& model) {
+  std::vector<std::string> units;
+  for (const auto& unit : model.units()) {
+    const FlatParamHandle& handle = *unit->handle();
+    units.push_back(
+        absl::StrFormat("%s:%s:%s/%s", unit->fqn(), sharding_strategy_name(handle.strategy()),
+                        c10::toString(handle.param_dtype()), c10::toString(handle.reduce_dtype())));
+  }
+  return units;
+}
+
+TEST(WrapTest, OutsideAScopeWrapMakesNoUnit) {
+  auto net = make<WrappedNetImpl>();
+  EXPECT_FALSE(net->l1->annotated());
+  EXPECT_FALSE(net->l1->unit_options().sharding_strategy().has_value());  // no scope to read
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<WrappedNetImpl> model(make<WrappedNetImpl>(),
+                                                   FullyShardedDataParallelOptions(comm));
+    EXPECT_THAT(describe_units(*model), ElementsAre(":FULL_SHARD:Float/Float"));
+    EXPECT_EQ(model->units()[0]->handle()->numel(), 40 + 63 + 24);  // the whole model
+  });
+}
+
+// The "done when": a model built inside the scope with overrides trains like one
+// process, its units made by wrap() with the scope's strategy or their own, whether they
+// shard when built or when the root is made.
+TEST(WrapTest, ModelBuiltInsideTheScopeWithOverridesTrainsLikeOneProcess) {
+  const Reference want = reference<WrappedNetImpl>(2, /*adam=*/false);
+  for (const bool shard_on_construction : {false, true}) {
+    SCOPED_TRACE(shard_on_construction ? "sharded on construction" : "sharded by the root");
+    on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+      const FullyShardedDataParallelOptions options(comm);
+      auto build_in_scope = [&] {
+        EnableWrap scope(options, shard_on_construction);
+        auto net = make<WrappedNetImpl>();
+        EXPECT_TRUE(net->l1->annotated());
+        EXPECT_EQ(net->l1->unit_options().sharding_strategy(), ShardingStrategy::kFullShard);
+        EXPECT_EQ(net->l2->unit_options().sharding_strategy(), ShardingStrategy::kNoShard);
+        EXPECT_EQ(net->l2->constructed_handle() != nullptr, shard_on_construction);
+        return net;
+      };
+      expect_parity_on<WrappedNetImpl>(comm, want, options, /*adam=*/false, nullptr,
+                                       build_in_scope);
+    });
+  }
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    const FullyShardedDataParallelOptions options(comm);
+    std::shared_ptr<WrappedNetImpl> net;
+    {
+      EnableWrap scope(options);
+      net = make<WrappedNetImpl>();
+    }
+    FullyShardedDataParallel<WrappedNetImpl> model(net, options);
+    EXPECT_THAT(describe_units(*model),
+                ElementsAre(":FULL_SHARD:Float/Float", "l1:FULL_SHARD:Float/Float",
+                            "l2:NO_SHARD:Float/Float"));
+  });
+}
+
+TEST(WrapTest, TheScopesOptionsAreTheDefaultsAndOverridesWin) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    const FullyShardedDataParallelOptions root_options =
+        FullyShardedDataParallelOptions(comm)
+            .sharding_strategy(ShardingStrategy::kShardGradOp)
+            .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+    const FullyShardedDataParallelOptions scope_options =
+        FullyShardedDataParallelOptions(comm).mixed_precision(MixedPrecision()
+                                                                  .param_dtype(at::kBFloat16)
+                                                                  .reduce_dtype(at::kFloat)
+                                                                  .cast_forward_inputs(true));
+    std::shared_ptr<WrappedNetImpl> net;
+    {
+      EnableWrap scope(scope_options);
+      net = make<WrappedNetImpl>();
+    }
+    FullyShardedDataParallel<WrappedNetImpl> model(net, root_options);
+    // The root keeps its own options; l1 has the scope's, l2 the scope's mixed precision
+    // and its own strategy.
+    EXPECT_THAT(describe_units(*model),
+                ElementsAre(":SHARD_GRAD_OP:BFloat16/BFloat16", "l1:FULL_SHARD:BFloat16/Float",
+                            "l2:NO_SHARD:BFloat16/Float"));
+    at::Tensor loss =
+        WrappedNetImpl::loss(model->forward(inputs(0, 2)).to(at::kFloat), targets(0, 2));
+    loss.backward();
+    for (const auto& unit : model->units()) {
+      EXPECT_EQ(unit->handle()->sharded_flat_param().grad().scalar_type(), at::kFloat);
+    }
+  });
+}
+
+TEST(WrapTest, ConflictingStrategiesAreNamed) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    const FullyShardedDataParallelOptions options(comm);
+    std::shared_ptr<WrappedNetImpl> net;
+    {
+      EnableWrap scope(options);
+      net = make<WrappedNetImpl>();
+    }
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<WrappedNetImpl>(
+              net, FullyShardedDataParallelOptions(options).unit_sharding_strategies(
+                       {{net->l2.get(), ShardingStrategy::kShardGradOp}}));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("unit 'l2' has a sharding strategy from fsdp::wrap "
+                                            "and from unit_sharding_strategies")));
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<WrappedNetImpl>(
+              net, FullyShardedDataParallelOptions(options)
+                       .sharding_strategy(ShardingStrategy::kHybridShard)
+                       .hybrid_shard_group_size(1));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("unit 'l1' asks for FULL_SHARD under a "
+                                            "HYBRID_SHARD root")));
+  });
+}
+
+// An auto_wrap_policy sees through units fsdp::wrap made outside a scope and may pick them.
+TEST(WrapTest, AutoWrapPolicyPicksUnannotatedUnits) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<WrappedNetImpl> model(
+        make<WrappedNetImpl>(),
+        FullyShardedDataParallelOptions(comm).auto_wrap_policy(
+            size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(50))));
+    // l2 has 8 x 7 + 7 = 63 parameters, l1 40, head 24.
+    EXPECT_THAT(describe_units(*model),
+                ElementsAre(":FULL_SHARD:Float/Float", "l2:FULL_SHARD:Float/Float"));
   });
 }
 
@@ -186,7 +342,7 @@ ConstructionMemory build(const std::shared_ptr<Communicator>& comm, bool shard_o
   reset_peak_memory_stats(kTag);
   torch::manual_seed(0);
   if (shard_on_construction) {
-    ShardOnConstruction scope(options);
+    EnableWrap scope(options, /*shard_on_construction=*/true);
     *net = std::make_shared<MlpModel>(kDim, kBlocks, 10);
   } else {
     *net = std::make_shared<MlpModel>(kDim, kBlocks, 10);

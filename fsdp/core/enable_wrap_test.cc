@@ -304,7 +304,7 @@ TEST(WrapTest, ConflictingStrategiesAreNamed) {
                        .sharding_strategy(ShardingStrategy::kHybridShard)
                        .hybrid_shard_group_size(1));
         },
-        ThrowsMessage<c10::Error>(HasSubstr("unit 'l1' asks for FULL_SHARD under a "
+        ThrowsMessage<c10::Error>(HasSubstr("fsdp::wrap gives unit 'l1' FULL_SHARD under a "
                                             "HYBRID_SHARD root")));
   });
 }

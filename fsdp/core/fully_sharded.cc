@@ -231,16 +231,18 @@ ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options, c
                                bool is_root, const std::string& fqn) {
   const ShardingStrategy root = effective_strategy(options);
   c10::optional<ShardingStrategy> asked = unit.unit_options().sharding_strategy();
+  const char* source = "fsdp::wrap";
   for (const auto& [module, strategy] : options.unit_sharding_strategies()) {
     if (module != &unit && module != unit.wrapped_module().get()) continue;
     TORCH_CHECK(!asked, "FullyShardedDataParallel: unit '", fqn,
                 "' has a sharding strategy from fsdp::wrap and from unit_sharding_strategies; "
                 "give it one");
     asked = strategy;
+    source = "unit_sharding_strategies";
   }
   if (!asked || *asked == options.sharding_strategy()) return root;
   TORCH_CHECK(!is_hybrid(*asked) && !is_hybrid(root) && !is_root,
-              "FullyShardedDataParallel: unit '", fqn, "' asks for ",
+              "FullyShardedDataParallel: ", source, " gives unit '", fqn, "' ",
               sharding_strategy_name(*asked), " under a ", sharding_strategy_name(root),
               " root; only non-root units, and only FULL_SHARD, "
               "SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root, can differ");

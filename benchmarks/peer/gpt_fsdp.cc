@@ -48,6 +48,7 @@
 #include "examples/gpt/corpus.h"
 #include "examples/gpt/model.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/checkpoint.h"
@@ -102,11 +103,12 @@ int prepare(const std::string& dir) {
   return 0;
 }
 
+// The non-hybrid strategies only (the peer side has FSDP2 and DDP counterparts for those).
 ShardingStrategy parse_strategy(const std::string& name) {
-  if (name == "full_shard") return ShardingStrategy::kFullShard;
-  if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
-  if (name == "no_shard") return ShardingStrategy::kNoShard;
-  TORCH_CHECK(false, "--strategy must be full_shard, shard_grad_op or no_shard, got '", name, "'");
+  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
+  TORCH_CHECK(strategy.has_value() && !is_hybrid(*strategy),
+              "--strategy must be full_shard, shard_grad_op or no_shard, got '", name, "'");
+  return *strategy;
 }
 
 // A field of /proc/self/status in MB ("VmRSS", "VmHWM").

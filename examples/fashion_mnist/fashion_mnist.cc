@@ -44,7 +44,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +64,7 @@
 #include "fsdp/comm/communicator.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 
 ABSL_FLAG(int, world_size, 2,
@@ -115,18 +115,14 @@ struct Config {
   std::exit(2);
 }
 
+// The non-hybrid strategies only.
 fsdp::ShardingStrategy parse_strategy(const std::string& name) {
-  static const std::map<std::string, fsdp::ShardingStrategy> kStrategies = {
-      {"full_shard", fsdp::ShardingStrategy::kFullShard},
-      {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
-      {"no_shard", fsdp::ShardingStrategy::kNoShard},
-  };
-  auto it = kStrategies.find(name);
-  if (it == kStrategies.end()) {
+  const c10::optional<fsdp::ShardingStrategy> strategy = fsdp::parse_sharding_strategy(name);
+  if (!strategy || fsdp::is_hybrid(*strategy)) {
     fail_usage(absl::StrCat("unknown --sharding_strategy '", name,
                             "'; expected full_shard, shard_grad_op or no_shard"));
   }
-  return it->second;
+  return *strategy;
 }
 
 // True for "cosine", false for "constant".

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "fsdp/core/flat_param.h"
 
 namespace fsdp::examples {
 namespace {
@@ -80,9 +81,8 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
   if (f.timeout_s < 1) {
     return bad("timeout_s", f.timeout_s, "at least 1 second to wait for the other ranks");
   }
-  if (f.sharding_strategy != "full_shard" && f.sharding_strategy != "shard_grad_op" &&
-      f.sharding_strategy != "no_shard" && f.sharding_strategy != "hybrid_shard" &&
-      f.sharding_strategy != "hybrid_shard_zero2") {
+  const auto strategy = parse_sharding_strategy(f.sharding_strategy);
+  if (!strategy) {
     return bad("sharding_strategy", f.sharding_strategy,
                "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2");
   }
@@ -90,7 +90,7 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
     return bad("policy", f.policy, "transformer (each block a unit) or root (one unit)");
   }
   // One rank runs every strategy as NO_SHARD, so the group size matters only above it.
-  const bool hybrid = f.sharding_strategy.rfind("hybrid", 0) == 0 && world > 1;
+  const bool hybrid = is_hybrid(*strategy) && world > 1;
   if (f.hybrid_shard_group_size < 0 ||
       (hybrid && f.hybrid_shard_group_size > 0 && world % f.hybrid_shard_group_size != 0)) {
     return bad("hybrid_shard_group_size", f.hybrid_shard_group_size,

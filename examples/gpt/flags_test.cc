@@ -85,6 +85,17 @@ TEST(TrainerFlagsTest, EveryBadValueIsNamed) {
             "");
 }
 
+TEST(TrainerFlagsTest, StrategiesAlsoGoByTheirPyTorchNames) {
+  EXPECT_EQ(error_of([](TrainerFlags& f) { f.sharding_strategy = "SHARD_GRAD_OP"; }), "");
+  // A hybrid strategy however spelled: its group size must divide the world size.
+  EXPECT_EQ(error_of([](TrainerFlags& f) {
+              f.sharding_strategy = "_HYBRID_SHARD_ZERO2";
+              f.hybrid_shard_group_size = 3;
+            }),
+            "--hybrid_shard_group_size=3: expected 0 (the ranks of one host) or a divisor of "
+            "the world size 2");
+}
+
 TEST(TrainerFlagsTest, UnderALauncherTheWorldSizeIsItsAndNotCapped) {
   TrainerFlags flags;
   flags.launched_world_size = 16;  // e.g. torchrun over several hosts

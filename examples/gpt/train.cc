@@ -47,6 +47,7 @@
 #include "examples/gpt/model.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/checkpoint.h"
@@ -117,15 +118,12 @@ TrainerFlags flags_from_command_line() {
 }
 
 ShardingStrategy parse_strategy(const std::string& name) {
-  if (name == "full_shard") return ShardingStrategy::kFullShard;
-  if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
-  if (name == "no_shard") return ShardingStrategy::kNoShard;
-  if (name == "hybrid_shard") return ShardingStrategy::kHybridShard;
-  if (name == "hybrid_shard_zero2") return ShardingStrategy::kHybridShardZero2;
-  TORCH_CHECK(false,
+  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
+  TORCH_CHECK(strategy.has_value(),
               "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
               "hybrid_shard or hybrid_shard_zero2, got '",
               name, "'");
+  return *strategy;
 }
 
 AutoWrapPolicy parse_policy(const std::string& name) {
@@ -136,7 +134,7 @@ AutoWrapPolicy parse_policy(const std::string& name) {
 
 // Ranks per shard group for the hybrid strategies: the flag, else the ranks on this host.
 int hybrid_group_size() {
-  if (absl::GetFlag(FLAGS_sharding_strategy).rfind("hybrid", 0) != 0) return 0;
+  if (!is_hybrid(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))) return 0;
   const int flag = absl::GetFlag(FLAGS_hybrid_shard_group_size);
   return flag > 0 ? flag : read_launch_environment().local_world_size;
 }

@@ -3,7 +3,9 @@
 #include <algorithm>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "fsdp/base/shard_geometry.h"
 #include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
@@ -25,6 +27,18 @@ const char* sharding_strategy_name(ShardingStrategy strategy) {
       return "_HYBRID_SHARD_ZERO2";
   }
   return "unknown";
+}
+
+c10::optional<ShardingStrategy> parse_sharding_strategy(absl::string_view name) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+        ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+    const absl::string_view upper = sharding_strategy_name(strategy);
+    if (name == upper || name == absl::AsciiStrToLower(absl::StripPrefix(upper, "_"))) {
+      return strategy;
+    }
+  }
+  return c10::nullopt;
 }
 
 bool is_hybrid(ShardingStrategy strategy) {

@@ -292,26 +292,46 @@ void FlatParamHandle::write_back_shard() {
 }
 
 void FlatParamHandle::reduce_grad(std::vector<at::Tensor> grads) {
+  start_reduce_grad(std::move(grads));
+  finish_reduce_grad();
+}
+
+void FlatParamHandle::start_reduce_grad(std::vector<at::Tensor> grads) {
+  TORCH_CHECK(!reduction_pending(),
+              "FlatParamHandle: start_reduce_grad while the previous reduction of '",
+              infos_.front().fqn, "' is pending; call finish_reduce_grad first");
   at::Tensor flat_grad = flatten_grads(grads);
   if (unsharded_grad_.defined()) {
     flat_grad.add_(unsharded_grad_);
     unsharded_grad_ = at::Tensor();
   }
   // See Note [Gradient divide factors].
-  const int64_t replicas = replicate_comm_ != nullptr ? replicate_comm_->world_size() : 1;
-  const int64_t world_size = comm_->world_size() * replicas;
-  const double predivide = gradient_predivide_factor(world_size);
-  const double postdivide = gradient_postdivide_factor(world_size);
+  const double predivide = gradient_predivide_factor(total_replicas());
   if (predivide > 1) flat_grad.div_(predivide);
-  at::Tensor shard_grad;
+  reduction_.input = flat_grad;
   if (strategy_ == ShardingStrategy::kNoShard) {
-    if (comm_->world_size() > 1) comm_->all_reduce(flat_grad, ReduceOp::kSum);
-    shard_grad = flat_grad;
+    reduction_.output = flat_grad;
+    if (comm_->world_size() > 1) {
+      reduction_.work = comm_->all_reduce_async(flat_grad, ReduceOp::kSum);
+    }
   } else {
-    shard_grad = at::empty({shard_numel_}, flat_grad.options());
-    comm_->reduce_scatter_tensor(shard_grad, flat_grad, ReduceOp::kSum);
-    if (replicas > 1) replicate_comm_->all_reduce(shard_grad, ReduceOp::kSum);
+    reduction_.output = at::empty({shard_numel_}, flat_grad.options());
+    reduction_.work =
+        comm_->reduce_scatter_tensor_async(reduction_.output, flat_grad, ReduceOp::kSum);
   }
+}
+
+void FlatParamHandle::finish_reduce_grad() {
+  TORCH_CHECK(reduction_pending(), "FlatParamHandle: finish_reduce_grad without a reduction");
+  Reduction reduction = std::move(reduction_);
+  reduction_ = Reduction();
+  if (reduction.work != nullptr) reduction.work->wait();
+  at::Tensor shard_grad = std::move(reduction.output);
+  reduction.input = at::Tensor();  // freed here unless it is the output (NO_SHARD)
+  if (strategy_ != ShardingStrategy::kNoShard && replicate_comm_ != nullptr) {
+    replicate_comm_->all_reduce(shard_grad, ReduceOp::kSum);
+  }
+  const double postdivide = gradient_postdivide_factor(total_replicas());
   if (postdivide > 1) shard_grad.div_(postdivide);
   if (!keep_low_precision_grads_) shard_grad = shard_grad.to(sharded_.scalar_type());
   at::Tensor& grad = sharded_.mutable_grad();
@@ -320,6 +340,11 @@ void FlatParamHandle::reduce_grad(std::vector<at::Tensor> grads) {
   } else {
     grad = shard_grad;
   }
+}
+
+int64_t FlatParamHandle::total_replicas() const {
+  const int64_t groups = replicate_comm_ != nullptr ? replicate_comm_->world_size() : 1;
+  return comm_->world_size() * groups;
 }
 
 void FlatParamHandle::add_fqn_prefix(const std::string& prefix) {

@@ -204,8 +204,18 @@ class FlatParamHandle {
   // the result (cast to the shard's dtype unless keep_low_precision_grads) to
   // sharded_flat_param().grad().
   // Each gradient is released as soon as it is copied (pass them with std::move to free
-  // their memory while the flat gradient fills).
+  // their memory while the flat gradient fills). Same as start_reduce_grad followed by
+  // finish_reduce_grad.
   void reduce_grad(std::vector<at::Tensor> grads);
+  // reduce_grad in two halves, so that the collective runs while the caller computes:
+  // start_reduce_grad flattens the gradients and issues the reduce-scatter (NO_SHARD:
+  // all-reduce) without waiting; finish_reduce_grad waits for it, runs HYBRID's
+  // all-reduce across groups, and adds the result to sharded_flat_param().grad(). Until
+  // then the flat gradient (padded_numel elements of reduce_dtype) stays allocated. One
+  // reduction per handle at a time: start_reduce_grad while one is pending is an error.
+  void start_reduce_grad(std::vector<at::Tensor> grads);
+  void finish_reduce_grad();
+  bool reduction_pending() const { return reduction_.input.defined(); }
 
   // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded
   // accumulator, without communication; the next reduce_grad reduces their sum.
@@ -240,6 +250,8 @@ class FlatParamHandle {
   bool keep_low_precision_grads_;
 
   bool uses_mixed_precision() const { return param_dtype_ != sharded_.scalar_type(); }
+  // Ranks the gradients are averaged over: the shard group's, times the groups (HYBRID).
+  int64_t total_replicas() const;
   void use_views_of(const at::Tensor& flat);
   at::Tensor flatten_grads(std::vector<at::Tensor>& grads) const;  // releases each grad
 
@@ -251,6 +263,12 @@ class FlatParamHandle {
   at::Tensor gather_input_;         // a prefetch's low-precision shard copy
   at::Tensor unsharded_grad_;       // no_sync accumulator, padded_numel elements, or undefined
   WorkHandle pending_;              // kUnsharding: the prefetch's all-gather
+  struct Reduction {
+    at::Tensor input;   // the flat gradient; undefined when no reduction is pending
+    at::Tensor output;  // the reduced shard (NO_SHARD: input itself)
+    WorkHandle work;    // null when nothing was sent (NO_SHARD at one rank)
+  };
+  Reduction reduction_;  // between start_reduce_grad and finish_reduce_grad
   FlatParamState state_ = FlatParamState::kUnsharded;  // the constructor reshards
 
   // kUnsharding -> kUnsharded: waits for the prefetch's all-gather.

@@ -131,6 +131,29 @@ TEST(FlatParamHandleNoShardTest, KeepsEverythingAndAllReduces) {
   });
 }
 
+// start_reduce_grad issues the collective and returns; the result reaches .grad only at
+// finish_reduce_grad, and a second start before it is refused.
+TEST(FlatParamHandleAsyncReductionTest, ResultArrivesAtFinish) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    FlatParamHandle handle(make_params({{5}}), self, ShardingStrategy::kFullShard);
+    handle.start_reduce_grad({at::full({5}, comm.rank() * 2.0)});
+    EXPECT_TRUE(handle.reduction_pending());
+    EXPECT_FALSE(handle.sharded_flat_param().grad().defined());
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 1);
+    EXPECT_THAT([&] { handle.start_reduce_grad({at::ones({5})}); },
+                ThrowsMessage<c10::Error>(HasSubstr("previous reduction of 'p0' is pending")));
+    handle.finish_reduce_grad();
+    EXPECT_FALSE(handle.reduction_pending());
+    // Shard of 3 elements (5 padded to 6): the mean of 0 and 2 where real, 0 in the padding.
+    const std::vector<float> want =
+        comm.rank() == 0 ? std::vector<float>{1, 1, 1} : std::vector<float>{1, 1, 0};
+    EXPECT_TRUE(at::equal(handle.sharded_flat_param().grad(), at::tensor(want)));
+    EXPECT_THAT([&] { handle.finish_reduce_grad(); },
+                ThrowsMessage<c10::Error>(HasSubstr("finish_reduce_grad without a reduction")));
+  });
+}
+
 TEST(FlatParamHandleErrorsTest, BadInputIsNamed) {
   auto world = FakeWorld::create(1);
   std::shared_ptr<Communicator> comm = world->communicator(0);

@@ -172,7 +172,7 @@ void UnitState::post_backward(std::vector<at::Tensor> grads) {
   // The parameters are not needed any more: free them before the reduction allocates.
   reshard();
   if (root_->sync_gradients()) {
-    handle_->reduce_grad(std::move(grads));
+    root_->start_reduction(*handle_, std::move(grads));
   } else {
     handle_->accumulate_grad(std::move(grads));  // no_sync: no communication
   }
@@ -381,7 +381,30 @@ void RootState::ensure_end_of_backward_callback() {
   compat::queue_end_of_backward_callback([this] { finish_backward(); });
 }
 
+// Note [Asynchronous gradient reduction]
+// A unit's post-backward issues its reduce-scatter (NO_SHARD: all-reduce) and returns, so
+// the collective runs on the communicator's own thread while autograd computes the next
+// unit's gradients: DDP's overlap of its bucketed all-reduce with backward, and what
+// PyTorch FSDP's post-backward stream gives on the GPU. The next post-backward first
+// waits for it, so at most one reduction is in flight and peak memory grows by one flat
+// gradient at most (REFERENCE §5); the end-of-backward callback waits for the last, so
+// every .grad is final when backward() returns. Every rank issues and waits in the same
+// order, so collectives still match one for one.
+void RootState::start_reduction(FlatParamHandle& handle, std::vector<at::Tensor> grads) {
+  finish_reduction();
+  handle.start_reduce_grad(std::move(grads));
+  reducing_ = &handle;
+}
+
+void RootState::finish_reduction() {
+  if (reducing_ == nullptr) return;
+  FlatParamHandle* handle = reducing_;
+  reducing_ = nullptr;
+  handle->finish_reduce_grad();
+}
+
 void RootState::finish_backward() {
+  finish_reduction();
   end_iteration();
   callback_queued_ = false;
 }

@@ -142,8 +142,11 @@ class RootState {
   void begin_forward();                    // root pre-forward
   void end_forward_without_grad();         // no backward will come: reshard, back to idle
   void ensure_end_of_backward_callback();  // from any pre-backward hook
+  // A unit's gradient reduction (see Note [Asynchronous gradient reduction]).
+  void start_reduction(FlatParamHandle& handle, std::vector<at::Tensor> grads);
 
  private:
+  void finish_reduction();
   void finish_backward();
   void end_iteration();
   void cast_buffers(bool to_original);
@@ -166,6 +169,7 @@ class RootState {
   std::vector<at::Tensor> ignored_params_;
   TrainingState training_state_ = TrainingState::kIdle;
   bool callback_queued_ = false;
+  FlatParamHandle* reducing_ = nullptr;  // its reduction is in flight
   bool sync_gradients_ = true;
   bool summon_writeback_ = false;
   std::vector<std::shared_ptr<UnitState>> units_;              // pre-order

@@ -3,7 +3,7 @@
 # before anything starts or is written (exit 2, one line); records survive SIGTERM;
 # one run per out_dir; a new run does not splice into another run's checkpoints; ranks
 # started with different flags stop at once naming the flag; HYBRID traffic is counted;
-# unreadable and too-small corpora are named.
+# bad path flags, unreadable and too-small corpora are named.
 #   trainer_inputs_test.sh PATH/TO/examples/gpt/train
 set -uo pipefail
 train=${1:?usage: trainer_inputs_test.sh TRAIN}
@@ -26,6 +26,25 @@ for flag in --heads=0 --eval_interval=0 --log_interval=0 --world_size=0 --world_
   name=${flag%%=*}
   check "refuses $flag" "[[ $status -eq 2 && \$(wc -l <<<\"\$out\") -eq 1 && \"\$out\" == 'train: '*\"$name=\"* ]]"
 done
+# Path flags, checked before any rank starts (before, a bad --out_dir gave "train:
+# filesystem error: cannot create directories: No such file or directory [/proc/x]" with
+# status 1, and a bad --data_dir was found by the ranks).
+check_refusal() {  # check_refusal NAME EXPECTED_LINE COMMAND...: status 2, exactly that line
+  local name=$1 want=$2 out status
+  shift 2
+  out=$("$@" 2>&1)
+  status=$?
+  check "$name (status $status): $out" "[[ $status -eq 2 && \"\$out\" == \"\$want\" ]]"
+}
+check_refusal "refuses --out_dir=/proc/x" \
+  "train: --out_dir=/proc/x: expected a folder that can be written, or made (metrics.csv, model.pt and the checkpoints go there); cannot make a folder in '/proc': No such file or directory" \
+  "$train" --world_size=1 --out_dir=/proc/x
+check_refusal "refuses a --checkpoint_dir under a file" \
+  "train: --checkpoint_dir=/etc/passwd/checkpoints: expected a folder that can be written, or made (the checkpoints go there); '/etc/passwd' is not a folder" \
+  "$train" --checkpoint_dir=/etc/passwd/checkpoints --out_dir="$root/never"
+check_refusal "refuses a missing --data_dir" \
+  "train: --data_dir=$root/no_data: expected a folder of readable fortune files (files without an extension, as Debian's fortunes package installs them: tools/setup.sh); cannot open it: No such file or directory" \
+  "$train" --data_dir="$root/no_data" --out_dir="$root/never"
 check "nothing written for bad flags" "[[ ! -e $root/never ]]"
 
 # 2. SIGTERM mid-run: metrics.csv holds every row up to the last progress line.
@@ -92,16 +111,26 @@ tiny=$("$train" "${small[@]}" --world_size=1 --steps=2 --context=64 --data_dir="
   --out_dir="$root/tiny" 2>&1)
 check "a corpus too small for the context is named" \
   "grep -q 'a window needs context + 2 = 66 characters in each; lower --context' <<<\"\$tiny\""
+# An unreadable fortune file, found before any rank starts. Root reads a mode-000 file,
+# so as root the trainer runs without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH in its
+# bounding set (setpriv): then open() fails for it as for anyone.
 cp "$data/tiny" "$data/locked"
 chmod 000 "$data/locked"
-if [[ $(id -u) -ne 0 ]]; then
-  unreadable=$("$train" "${small[@]}" --world_size=1 --steps=2 --data_dir="$data" \
-    --out_dir="$root/unreadable" 2>&1)
-  check "an unreadable fortune file is named" \
-    "grep -q \"cannot read the fortune file '$data/locked'\" <<<\"\$unreadable\""
-else
-  echo "note: running as root, which reads a mode-000 file: the unreadable-file case is skipped"
-fi
-
+no_dac=()
+if [[ $(id -u) -eq 0 ]]; then no_dac=(setpriv --bounding-set=-dac_override,-dac_read_search --); fi
+data_expected="expected a folder of readable fortune files (files without an extension, as Debian's fortunes package installs them: tools/setup.sh)"
+check_refusal "an unreadable fortune file is named (as uid $(id -u))" \
+  "train: --data_dir=$data: $data_expected; cannot read '$data/locked': Permission denied" \
+  "${no_dac[@]}" "$train" "${small[@]}" --world_size=1 --steps=2 --data_dir="$data" \
+  --out_dir="$root/unreadable"
+# ... and a fortune file that no one can open: a link that loops.
+loop=$root/data_loop
+mkdir -p "$loop"
+cp "$data/tiny" "$loop/tiny"
+ln -s loop "$loop/loop"
+check_refusal "a looping link in --data_dir is named" \
+  "train: --data_dir=$loop: $data_expected; cannot read '$loop/loop': Too many levels of symbolic links" \
+  "$train" "${small[@]}" --world_size=1 --steps=2 --data_dir="$loop" --out_dir="$root/unreadable"
+check "nothing written for unreadable corpora" "[[ ! -e $root/unreadable ]]"
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -57,8 +57,9 @@ def _libtorch_repository_impl(ctx):
     torch_dir, python = _find_torch_dir(ctx)
     for child in ["include", "lib"]:
         if not torch_dir.get_child(child).exists:
-            fail("LibTorch at %s has no %s/ folder: expected the torch package of the " +
-                 "PyPI wheel or an unpacked libtorch archive; %s" % (torch_dir, child, _SETUP_HINT))
+            fail(("LibTorch at %s has no %s/ folder: expected the torch package of the " +
+                  "PyPI wheel or an unpacked libtorch archive; %s") %
+                 (torch_dir, child, _SETUP_HINT))
     version = _read_version(ctx, torch_dir)
     if version.split("+")[0] != ctx.attr.version:
         fail(("LibTorch at %s is version %s, but fsdp is built for %s; %s " +

@@ -3,7 +3,9 @@
 # before anything starts or is written (exit 2, one line); records survive SIGTERM;
 # one run per out_dir; a new run does not splice into another run's checkpoints; ranks
 # started with different flags stop at once naming the flag; HYBRID traffic is counted;
-# unreadable and too-small corpora are named.
+# unreadable and too-small corpora are named; a failed start (a damaged checkpoint to
+# resume, an error found late) leaves the previous run's records byte for byte; loss.png
+# is plotted, and a missing or failing gnuplot is told apart.
 #   trainer_inputs_test.sh PATH/TO/examples/gpt/train
 set -uo pipefail
 train=${1:?usage: trainer_inputs_test.sh TRAIN}
@@ -26,6 +28,25 @@ for flag in --heads=0 --eval_interval=0 --log_interval=0 --world_size=0 --world_
   name=${flag%%=*}
   check "refuses $flag" "[[ $status -eq 2 && \$(wc -l <<<\"\$out\") -eq 1 && \"\$out\" == 'train: '*\"$name=\"* ]]"
 done
+# Path flags, checked before any rank starts (before, a bad --out_dir gave "train:
+# filesystem error: cannot create directories: No such file or directory [/proc/x]" with
+# status 1, and a bad --data_dir was found by the ranks).
+check_refusal() {  # check_refusal NAME EXPECTED_LINE COMMAND...: status 2, exactly that line
+  local name=$1 want=$2 out status
+  shift 2
+  out=$("$@" 2>&1)
+  status=$?
+  check "$name (status $status): $out" "[[ $status -eq 2 && \"\$out\" == \"\$want\" ]]"
+}
+check_refusal "refuses --out_dir=/proc/x" \
+  "train: --out_dir=/proc/x: expected a folder that can be written, or made (metrics.csv, model.pt and the checkpoints go there); cannot make a folder in '/proc': No such file or directory" \
+  "$train" --world_size=1 --out_dir=/proc/x
+check_refusal "refuses a --checkpoint_dir under a file" \
+  "train: --checkpoint_dir=/etc/passwd/checkpoints: expected a folder that can be written, or made (the checkpoints go there); '/etc/passwd' is not a folder" \
+  "$train" --checkpoint_dir=/etc/passwd/checkpoints --out_dir="$root/never"
+check_refusal "refuses a missing --data_dir" \
+  "train: --data_dir=$root/no_data: expected a folder of readable fortune files (files without an extension, as Debian's fortunes package installs them: tools/setup.sh); cannot open it: No such file or directory" \
+  "$train" --data_dir="$root/no_data" --out_dir="$root/never"
 check "nothing written for bad flags" "[[ ! -e $root/never ]]"
 
 # 2. SIGTERM mid-run: metrics.csv holds every row up to the last progress line.
@@ -92,16 +113,98 @@ tiny=$("$train" "${small[@]}" --world_size=1 --steps=2 --context=64 --data_dir="
   --out_dir="$root/tiny" 2>&1)
 check "a corpus too small for the context is named" \
   "grep -q 'a window needs context + 2 = 66 characters in each; lower --context' <<<\"\$tiny\""
+# An unreadable fortune file, found before any rank starts. Root reads a mode-000 file,
+# so as root the trainer runs without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH in its
+# bounding set (setpriv): then open() fails for it as for anyone.
 cp "$data/tiny" "$data/locked"
 chmod 000 "$data/locked"
-if [[ $(id -u) -ne 0 ]]; then
-  unreadable=$("$train" "${small[@]}" --world_size=1 --steps=2 --data_dir="$data" \
-    --out_dir="$root/unreadable" 2>&1)
-  check "an unreadable fortune file is named" \
-    "grep -q \"cannot read the fortune file '$data/locked'\" <<<\"\$unreadable\""
+no_dac=()
+if [[ $(id -u) -eq 0 ]]; then no_dac=(setpriv --bounding-set=-dac_override,-dac_read_search --); fi
+data_expected="expected a folder of readable fortune files (files without an extension, as Debian's fortunes package installs them: tools/setup.sh)"
+check_refusal "an unreadable fortune file is named (as uid $(id -u))" \
+  "train: --data_dir=$data: $data_expected; cannot read '$data/locked': Permission denied" \
+  "${no_dac[@]}" "$train" "${small[@]}" --world_size=1 --steps=2 --data_dir="$data" \
+  --out_dir="$root/unreadable"
+# ... and a fortune file that no one can open: a link that loops.
+loop=$root/data_loop
+mkdir -p "$loop"
+cp "$data/tiny" "$loop/tiny"
+ln -s loop "$loop/loop"
+check_refusal "a looping link in --data_dir is named" \
+  "train: --data_dir=$loop: $data_expected; cannot read '$loop/loop': Too many levels of symbolic links" \
+  "$train" "${small[@]}" --world_size=1 --steps=2 --data_dir="$loop" --out_dir="$root/unreadable"
+check "nothing written for unreadable corpora" "[[ ! -e $root/unreadable ]]"
+# Every file of a run folder but the lock (which holds the newest holder's pid), with its
+# checksum.
+records() { (cd "$1" && find . -type f ! -name .lock | sort | xargs md5sum); }
+
+# 8. --resume onto a damaged newest checkpoint fails before it prints "resumed from" and
+#    before it cuts metrics.csv (before: "resumed from .../step_00000004", metrics.csv
+#    cut to its header, then the failure).
+dir=$root/damaged
+"$train" "${small[@]}" --world_size=2 --steps=4 --eval_interval=100 --checkpoint_interval=2 \
+  --out_dir="$dir" >"$root/damaged_first.log" 2>&1
+/usr/bin/python3 -c 'import sys; p = sys.argv[1]; b = bytearray(open(p, "rb").read())
+b[len(b) // 2] ^= 0xFF; open(p, "wb").write(b)' "$dir/checkpoints/step_00000004/rank_00000.pt"
+before=$(records "$dir")
+resumed=$("$train" "${small[@]}" --world_size=2 --steps=6 --eval_interval=100 \
+  --checkpoint_interval=2 --resume --out_dir="$dir" 2>&1)
+status=$?
+check "a damaged newest checkpoint is named (status $status)" \
+  "[[ $status -eq 1 ]] && grep -qFx \"[rank 0] train: checkpoint file '$dir/checkpoints/step_00000004/rank_00000.pt' fails its CRC-32 check: it is damaged; use another checkpoint\" <<<\"\$resumed\""
+check "a failed --resume prints no 'resumed from'" "! grep -q 'resumed from' <<<\"\$resumed\""
+check "a failed --resume leaves metrics.csv, memory_rank*.csv, model.pt, loss.png as they were" \
+  "[[ \"\$(records $dir)\" == \"\$before\" && \$(grep -c . $dir/metrics.csv) -eq 5 ]]"
+
+# 9. An error found late (after the ranks started and took the out_dir's lock) leaves the
+#    previous run's records byte for byte, also with --overwrite (its checkpoints too).
+#    Before, metrics.csv and memory_rank*.csv were cut first.
+dir=$root/late
+"$train" "${small[@]}" --world_size=2 --steps=2 --eval_interval=100 --checkpoint_interval=2 \
+  --out_dir="$dir" >"$root/late_first.log" 2>&1
+before=$(records "$dir")
+few=$root/data_few
+mkdir -p "$few"
+printf 'one\n%%\ntwo\n' >"$few/two"
+rm -f "$data/locked"  # section 7's: here the corpus itself must pass the start-up checks
+for late in "--context=64 --data_dir=$data:[rank 0] train: --context=64: the corpus in '$data' has 333 training and 38 validation characters (every 10th fortune); a window needs context + 2 = 66 characters in each; lower --context or add text" \
+            "--data_dir=$few:[rank 0] train: the fortune files in '$few' hold 2 fortunes; the trainer needs at least 10 (every 10th is held out for validation)"; do
+  args=${late%%:*}
+  want=${late#*:}
+  # shellcheck disable=SC2086  # $args: two flags
+  out=$("$train" "${small[@]}" --world_size=2 --steps=2 --checkpoint_interval=2 --overwrite \
+    $args --out_dir="$dir" 2>&1)
+  status=$?
+  check "a late error is named (status $status): ${want#*train: }" \
+    "[[ $status -eq 1 ]] && grep -qFx \"\$want\" <<<\"\$out\""
+  check "a late error (${args%% *}) leaves the previous run's records byte for byte" \
+    "[[ \"\$(records $dir)\" == \"\$before\" && -n \"\$before\" ]]"
+done
+check "the previous run wrote memory_rank0.csv, memory_rank1.csv and a checkpoint" \
+  "grep -q memory_rank1.csv <<<\"\$before\" && grep -q step_00000002/rank_00001.pt <<<\"\$before\""
+
+# 10. loss.png: plotted when gnuplot is installed (tools/setup.sh installs gnuplot-nox);
+#     "gnuplot not found" only when it is not, "could not plot" when it fails.
+dir=$root/plot
+if command -v gnuplot >/dev/null; then
+  out=$("$train" "${small[@]}" --world_size=1 --steps=2 --out_dir="$dir" 2>&1)
+  check "gnuplot makes loss.png (a PNG), with no gnuplot message" \
+    "[[ \"\$(head -c 4 $dir/loss.png | od -An -tx1 | tr -d ' ')\" == 89504e47 ]] &&
+     ! grep -q gnuplot <<<\"\$out\""
 else
-  echo "note: running as root, which reads a mode-000 file: the unreadable-file case is skipped"
+  echo "note: gnuplot is not installed here (tools/setup.sh installs gnuplot-nox): loss.png not checked"
 fi
+out=$(PATH=/nonexistent "$train" "${small[@]}" --world_size=1 --steps=2 \
+  --out_dir="$root/no_gnuplot" 2>&1)
+check "without gnuplot: one line says so and no loss.png" \
+  "grep -qFx 'gnuplot not found: no loss.png (tools/setup.sh installs it)' <<<\"\$out\" && [[ ! -e $root/no_gnuplot/loss.png ]]"
+mkdir -p "$root/bad_gnuplot"
+printf '#!/bin/sh\nexit 1\n' >"$root/bad_gnuplot/gnuplot"
+chmod +x "$root/bad_gnuplot/gnuplot"
+out=$(PATH="$root/bad_gnuplot:/usr/bin:/bin" "$train" "${small[@]}" --world_size=1 --steps=2 \
+  --out_dir="$root/gnuplot_fails" 2>&1)
+check "a failing gnuplot is told from a missing one" \
+  "grep -qFx 'gnuplot could not plot $root/gnuplot_fails/metrics.csv: no loss.png' <<<\"\$out\" && ! grep -q 'not found' <<<\"\$out\""
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

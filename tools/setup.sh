@@ -71,10 +71,22 @@ for entry in "${REQUIRED[@]}"; do
   fi
 done
 
-# The torch wheel. A venv cannot move, so it is built in place; the marker (the lock's
-# checksum) is written last, so an interrupted install is redone.
+# The torch wheel. A venv cannot move, so it is built in place. Setup deletes and remakes
+# only a prefix it made itself: one holding .fsdp-setup (written before the install
+# starts) or .fsdp-lock (the lock's checksum, written last, so an interrupted install is
+# redone; older setups wrote only .fsdp-lock). A missing or empty folder is installed
+# into. Any other folder is the user's and is never touched: it is used as it is if it
+# holds the pinned torch and torchvision, else setup stops with one line.
 lock_sum=$(sha256sum tools/requirements.lock | cut -d' ' -f1)
-if [[ "$(cat "$PREFIX/.fsdp-lock" 2>/dev/null)" != "$lock_sum" ]]; then
+versions() {  # "TORCH TORCHVISION" in the prefix's Python (no +local tags), or nothing
+  "$PREFIX/bin/python3" -c 'import importlib.metadata as m;
+print(*(m.version(p).split("+")[0] for p in ("torch", "torchvision")))' 2>/dev/null || true
+}
+made_here=false
+if [[ -e "$PREFIX/.fsdp-setup" || -e "$PREFIX/.fsdp-lock" ]]; then made_here=true; fi
+if [[ "$(cat "$PREFIX/.fsdp-lock" 2>/dev/null)" == "$lock_sum" ]]; then
+  :  # installed by this setup from this lock
+elif $made_here || [[ ! -e "$PREFIX" ]] || [[ -d "$PREFIX" && -z "$(ls -A "$PREFIX")" ]]; then
   python=$(command -v python3.11 || command -v python3 || true)
   if [[ -z "$python" ]] ||
      [[ "$("$python" -c 'import sys; print(sys.version_info[:2] == (3, 11))')" != True ]]; then
@@ -84,15 +96,25 @@ if [[ "$(cat "$PREFIX/.fsdp-lock" 2>/dev/null)" != "$lock_sum" ]]; then
   fi
   echo "setup: installing torch==$TORCH_VERSION and torchvision==$TORCHVISION_VERSION" \
        "into $PREFIX" >&2
-  rm -rf "$PREFIX"
-  mkdir -p "$(dirname "$PREFIX")"
+  if $made_here; then rm -rf "$PREFIX"; fi
+  mkdir -p "$PREFIX"
+  echo "made by fsdp's tools/setup.sh, which deletes and remakes this folder when" \
+       "tools/requirements.lock changes" >"$PREFIX/.fsdp-setup"
   "$python" -m venv "$PREFIX"
   "$PREFIX/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
     --require-hashes --only-binary=:all: -r tools/requirements.lock
   echo "$lock_sum" >"$PREFIX/.fsdp-lock"
+elif [[ "$(versions)" != "$TORCH_VERSION $TORCHVISION_VERSION" ]]; then
+  # Someone else's folder: setup neither deletes nor installs into it.
+  name=$PREFIX
+  if [[ -n "${FSDP_TORCH_PREFIX:-}" ]]; then name="FSDP_TORCH_PREFIX=$PREFIX"; fi
+  echo "setup: $name is not empty, was not made by tools/setup.sh (no .fsdp-setup in it)" \
+       "and has no torch==$TORCH_VERSION with torchvision==$TORCHVISION_VERSION, so setup" \
+       "leaves it alone; point FSDP_TORCH_PREFIX at a new or empty folder (setup installs" \
+       "there) or at a Python environment that has those versions" >&2
+  exit 1
 fi
-have=$("$PREFIX/bin/python3" -c \
-  'import importlib.metadata as m; print(m.version("torch"), m.version("torchvision"))')
+have=$(versions)
 if [[ "$have" != "$TORCH_VERSION $TORCHVISION_VERSION" ]]; then
   echo "setup: $PREFIX holds torch and torchvision '$have', but fsdp is built for" \
        "$TORCH_VERSION and $TORCHVISION_VERSION; remove $PREFIX and run tools/setup.sh" >&2

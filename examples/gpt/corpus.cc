@@ -26,8 +26,15 @@ std::string Corpus::decode(const at::Tensor& ids) const {
 Corpus load_fortunes(const std::string& dir) {
   std::vector<std::filesystem::path> files;
   std::error_code error;
+  // The selection path_flag_error (flags.cc) checks up front: entries without an
+  // extension that are, or link to, regular files; one whose type cannot be read is named.
   for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-    if (entry.is_regular_file() && !entry.path().has_extension()) files.push_back(entry.path());
+    if (entry.path().has_extension()) continue;
+    std::error_code type_error;
+    const bool regular = std::filesystem::is_regular_file(entry.path(), type_error);
+    TORCH_CHECK(!type_error, "cannot read the fortune file '", entry.path().string(),
+                "': ", type_error.message(), "; fix it or pass another --data_dir");
+    if (regular) files.push_back(entry.path());
   }
   TORCH_CHECK(!error && !files.empty(), "no fortune files in '", dir,
               "'; install Debian's fortunes package (tools/setup.sh does)");

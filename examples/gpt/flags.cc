@@ -1,11 +1,19 @@
 #include "examples/gpt/flags.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -20,7 +28,89 @@ std::string bad(const char* name, T value, const std::string& expected) {
   return absl::StrCat("--", name, "=", value, ": expected ", expected);
 }
 
+std::string error_text(int error) { return std::strerror(error); }
+
+// Why the folder `dir` cannot take the run's output, or "" if it can: it, or else its
+// nearest existing ancestor, must be a folder in which a folder can be made. That is
+// tried with a uniquely named folder, removed at once: it works for root too (for whom
+// access() allows writing in /proc), leaves nothing, and ranks checking at once do not
+// race.
+std::string output_dir_problem(const std::string& dir) {
+  if (dir.empty()) return "the path is empty";
+  std::filesystem::path existing = std::filesystem::path(dir).lexically_normal();
+  struct stat st;
+  while (::stat(existing.c_str(), &st) != 0) {
+    const int error = errno;
+    const std::filesystem::path parent =
+        existing.has_parent_path() ? existing.parent_path() : std::filesystem::path(".");
+    if ((error != ENOENT && error != ENOTDIR) || parent == existing) {
+      return absl::StrCat("cannot look at '", existing.string(), "': ", error_text(error));
+    }
+    existing = parent;
+  }
+  if (!S_ISDIR(st.st_mode)) return absl::StrCat("'", existing.string(), "' is not a folder");
+  std::string probe = (existing / ".fsdp-write-check-XXXXXX").string();
+  if (::mkdtemp(probe.data()) == nullptr) {
+    return absl::StrCat("cannot make a folder in '", existing.string(), "': ", error_text(errno));
+  }
+  ::rmdir(probe.c_str());
+  return "";
+}
+
+// Why `dir` holds no usable fortune files, or "" if it does. Same selection as
+// load_fortunes (corpus.cc).
+std::string data_dir_problem(const std::string& dir) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) return absl::StrCat("cannot open it: ", error_text(errno));
+  if (!S_ISDIR(st.st_mode)) return "it is not a folder";
+  DIR* listing = ::opendir(dir.c_str());
+  if (listing == nullptr) return absl::StrCat("cannot list it: ", error_text(errno));
+  std::vector<std::string> names;
+  while (const dirent* entry = ::readdir(listing)) names.emplace_back(entry->d_name);
+  ::closedir(listing);
+  std::sort(names.begin(), names.end());
+  int fortune_files = 0;
+  for (const std::string& name : names) {
+    if (name == "." || name == ".." || std::filesystem::path(name).has_extension()) continue;
+    const std::string path = dir + "/" + name;
+    if (::stat(path.c_str(), &st) != 0) {
+      return absl::StrCat("cannot read '", path, "': ", error_text(errno));
+    }
+    if (!S_ISREG(st.st_mode)) continue;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return absl::StrCat("cannot read '", path, "': ", error_text(errno));
+    ::close(fd);
+    ++fortune_files;
+  }
+  return fortune_files > 0 ? "" : "it holds none";
+}
+
 }  // namespace
+
+std::string path_flag_error(const PathFlags& f) {
+  if (std::string problem = data_dir_problem(f.data_dir); !problem.empty()) {
+    return bad("data_dir", f.data_dir,
+               absl::StrCat("a folder of readable fortune files (files without an extension, "
+                            "as Debian's fortunes package installs them: tools/setup.sh); ",
+                            problem));
+  }
+  struct OutputFlag {
+    const char* name;
+    const std::string& value;
+    const char* holds;
+  };
+  for (const OutputFlag& flag :
+       {OutputFlag{"out_dir", f.out_dir, "metrics.csv, model.pt and the checkpoints go there"},
+        OutputFlag{"checkpoint_dir", f.checkpoint_dir, "the checkpoints go there"}}) {
+    if (&flag.value == &f.checkpoint_dir && flag.value.empty()) continue;  // OUT_DIR/...
+    if (std::string problem = output_dir_problem(flag.value); !problem.empty()) {
+      return bad(
+          flag.name, flag.value,
+          absl::StrCat("a folder that can be written, or made (", flag.holds, "); ", problem));
+    }
+  }
+  return "";
+}
 
 MachineLimits this_machine() {
   MachineLimits machine;

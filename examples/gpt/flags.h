@@ -41,6 +41,24 @@ MachineLimits this_machine();
 // "" if the flags are usable on `machine`, else one line saying why not.
 std::string flag_error(const TrainerFlags& flags, const MachineLimits& machine);
 
+// The trainer's path flags.
+struct PathFlags {
+  std::string out_dir;         // metrics.csv, model.pt, memory_rank<R>.csv, .lock
+  std::string checkpoint_dir;  // "": OUT_DIR/checkpoints
+  std::string data_dir;        // the fortune files
+};
+
+// "" if --data_dir is a folder holding at least one fortune file and every fortune file
+// in it can be opened, and --out_dir (and --checkpoint_dir, if given) is a folder that can
+// be written, or that can be made; else one line naming the flag, the value, what is
+// expected and what was found. A fortune file is an entry without an extension that is
+// (or links to) a regular file; one whose type cannot be read (a dangling or looping link)
+// counts as unreadable. An output folder is checked by making a uniquely named folder in
+// it (or in its nearest existing ancestor) and removing it at once: nothing is left
+// behind, root is not waved through as by access(), and ranks checking at once do not
+// race.
+std::string path_flag_error(const PathFlags& flags);
+
 // Bytes one rank needs at least: AdamW model state (16 bytes a parameter, unsharded as a
 // bound) and the attention scores and probabilities every layer keeps for backward
 // (layers x batch per rank x heads x context^2 x 8 bytes).

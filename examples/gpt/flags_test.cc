@@ -3,7 +3,16 @@
 // one rank for --world_size=0) or were OOM-killed.
 #include "examples/gpt/flags.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -126,6 +135,83 @@ TEST(TrainerFlagsTest, AModelThatCannotFitIsRefusedFromItsSize) {
   // 12 x 4 x 96^2 + (256 + 64) x 96 = 473,088 parameters: 7.6 MB of AdamW state, plus
   // 4 x 16 x 4 x 64^2 x 8 = 8.4 MB of attention.
   EXPECT_DOUBLE_EQ(lower_bound_bytes_per_rank(flags), 16.0 * 473088 + 8388608);
+}
+
+// The path flags (issue 15 item 1): checked before any rank starts. Before, a bad
+// --out_dir gave "train: filesystem error: cannot create directories: No such file or
+// directory [/proc/x]" (status 1, no flag named) and a bad --data_dir was found by the
+// ranks.
+class PathFlagsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    std::string pattern = std::string(tmp != nullptr ? tmp : "/tmp") + "/path_flags_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    root_ = pattern;
+    data_ = root_ + "/data";
+    std::filesystem::create_directories(data_);
+    std::ofstream(data_ + "/jokes") << "a joke\n%\nanother\n";
+    std::ofstream(data_ + "/jokes.dat") << "index";  // skipped: has an extension
+  }
+  void TearDown() override { std::filesystem::remove_all(root_); }
+
+  // Everything under root_, to show that a check leaves nothing behind.
+  std::vector<std::string> listing() const {
+    std::vector<std::string> paths;
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(root_)) {
+      paths.push_back(entry.path().string());
+    }
+    std::sort(paths.begin(), paths.end());
+    return paths;
+  }
+
+  std::string root_, data_;
+};
+
+TEST_F(PathFlagsTest, ExistingAndMakeableFoldersAreAcceptedAndNothingIsMade) {
+  const std::vector<std::string> before = listing();
+  EXPECT_EQ(path_flag_error({root_, "", data_}), "");
+  EXPECT_EQ(path_flag_error({root_ + "/new/deeper/out", root_ + "/elsewhere/ckpt/", data_}), "");
+  EXPECT_EQ(path_flag_error({root_ + "/new/", "", data_ + "/"}), "");
+  EXPECT_EQ(listing(), before);
+}
+
+TEST_F(PathFlagsTest, EveryBadPathIsNamed) {
+  const std::string data_expected =
+      ": expected a folder of readable fortune files (files without an extension, as "
+      "Debian's fortunes package installs them: tools/setup.sh); ";
+  EXPECT_EQ(path_flag_error({root_, "", root_ + "/nope"}),
+            "--data_dir=" + root_ + "/nope" + data_expected +
+                "cannot open it: No such file or directory");
+  EXPECT_EQ(path_flag_error({root_, "", data_ + "/jokes"}),
+            "--data_dir=" + data_ + "/jokes" + data_expected + "it is not a folder");
+  std::filesystem::create_directories(root_ + "/only_indexes/sub");
+  std::ofstream(root_ + "/only_indexes/jokes.dat") << "index";
+  EXPECT_EQ(path_flag_error({root_, "", root_ + "/only_indexes"}),
+            "--data_dir=" + root_ + "/only_indexes" + data_expected + "it holds none");
+  // A link that loops cannot be opened, also by root.
+  std::filesystem::create_symlink("loop", data_ + "/loop");
+  EXPECT_EQ(path_flag_error({root_, "", data_}), "--data_dir=" + data_ + data_expected +
+                                                     "cannot read '" + data_ +
+                                                     "/loop': Too many levels of symbolic links");
+  std::filesystem::remove(data_ + "/loop");
+
+  const std::string out_expected =
+      ": expected a folder that can be written, or made (metrics.csv, model.pt and the "
+      "checkpoints go there); ";
+  // Nothing can be made in /proc, also by root (for whom access() says it is writable).
+  EXPECT_EQ(path_flag_error({"/proc/x", "", data_}),
+            "--out_dir=/proc/x" + out_expected +
+                "cannot make a folder in '/proc': No such file or directory");
+  EXPECT_EQ(
+      path_flag_error({data_ + "/jokes/out", "", data_}),
+      "--out_dir=" + data_ + "/jokes/out" + out_expected + "'" + data_ + "/jokes' is not a folder");
+  EXPECT_EQ(path_flag_error({"", "", data_}), "--out_dir=" + out_expected + "the path is empty");
+  EXPECT_EQ(path_flag_error({root_, data_ + "/jokes", data_}),
+            "--checkpoint_dir=" + data_ +
+                "/jokes: expected a folder that can be written, or made (the checkpoints go "
+                "there); '" +
+                data_ + "/jokes' is not a folder");
 }
 
 }  // namespace

@@ -493,8 +493,13 @@ int train() {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   // Every flag is checked before a rank starts or a file is touched.
-  const std::string error = fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(),
-                                                       fsdp::examples::this_machine());
+  std::string error = fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(),
+                                                 fsdp::examples::this_machine());
+  if (error.empty()) {
+    error = fsdp::examples::path_flag_error({absl::GetFlag(FLAGS_out_dir),
+                                             absl::GetFlag(FLAGS_checkpoint_dir),
+                                             absl::GetFlag(FLAGS_data_dir)});
+  }
   if (!error.empty()) {
     std::cerr << "train: " << error << "\n";
     return 2;

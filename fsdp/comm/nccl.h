@@ -113,6 +113,12 @@ std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::St
                                                      int rank, int world_size,
                                                      NcclOptions options = {});
 
+// The CUDA devices this process can use (cudaGetDeviceCount, so CUDA_VISIBLE_DEVICES
+// applies). 0 when there is no device or no usable driver; then `why_none`, if not null,
+// receives the CUDA runtime's words, e.g. "cudaGetDeviceCount: cudaErrorNoDevice: no
+// CUDA-capable device is detected" (cleared otherwise). Never throws.
+int cuda_device_count(std::string* why_none = nullptr);
+
 }  // namespace fsdp
 
 #endif  // FSDP_COMM_NCCL_H_

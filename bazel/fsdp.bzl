@@ -13,12 +13,6 @@ FSDP_COPTS = [
 # <- core <- state <- //fsdp, examples, tools, benchmarks, tests; comm <- core, state),
 # so an upward dependency is a visibility error. Other workspaces use //fsdp:fsdp.
 
-# Targets that need CUDA/NCCL: built only under --config=nccl.
-NCCL_ONLY = select({
-    "//bazel:nccl_enabled": [],
-    "//conditions:default": ["//bazel:unsupported"],
-})
-
 # libFuzzer targets: built only under --config=fuzz (clang).
 FUZZ_ONLY = select({
     "//bazel:fuzz_enabled": [],

@@ -53,6 +53,26 @@ def _read_version(ctx, torch_dir):
                     return line.split("=")[1].strip().strip("'\"")
     return "unknown"
 
+# Note [One NCCL per process]
+# libtorch_cuda (in the CUDA wheel) loads NCCL and the CUDA runtime from the wheel's own
+# NVIDIA packages (its RPATH names $ORIGIN/../../nvidia/nccl/lib, .../nvidia/cu13/lib),
+# and the dynamic loader keeps one library per SONAME in a process: whichever libnccl.so.2
+# comes first serves both fsdp and LibTorch. So fsdp links exactly the files LibTorch
+# loads (nvidia-nccl-cu13 2.28.9 and nvidia-cuda-runtime 13.0 in the pinned environment),
+# not /usr/local/cuda's copies: a process never mixes two NCCL builds, whatever the
+# toolkit on the machine. Only the headers come from /usr/local/cuda (@cuda). LibTorch
+# given as an unpacked archive holds these libraries in its own lib/; a LibTorch without
+# them (a CPU-only build, which loads no NCCL) falls back to /usr/local/cuda.
+_SYSTEM_CUDA_LIB = "/usr/local/cuda/lib64"
+
+def _nvidia_lib_dir(torch_dir, package, library):
+    """The folder holding `library` as LibTorch loads it (Note [One NCCL per process])."""
+    wheel = torch_dir.dirname.get_child("nvidia").get_child(package).get_child("lib")
+    for folder in [wheel, torch_dir.get_child("lib")]:
+        if folder.get_child(library).exists:
+            return str(folder)
+    return _SYSTEM_CUDA_LIB
+
 def _libtorch_repository_impl(ctx):
     torch_dir, python = _find_torch_dir(ctx)
     for child in ["include", "lib"]:
@@ -70,7 +90,11 @@ def _libtorch_repository_impl(ctx):
     ctx.template(
         "BUILD.bazel",
         ctx.attr.build_file,
-        substitutions = {"%{lib_dir}": str(torch_dir.get_child("lib"))},
+        substitutions = {
+            "%{lib_dir}": str(torch_dir.get_child("lib")),
+            "%{nccl_lib_dir}": _nvidia_lib_dir(torch_dir, "nccl", "libnccl.so.2"),
+            "%{cudart_lib_dir}": _nvidia_lib_dir(torch_dir, "cu13", "libcudart.so.13"),
+        },
         executable = False,
     )
     ctx.file("VERSION", version + "\n")

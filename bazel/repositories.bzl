@@ -66,5 +66,5 @@ def fsdp_dependencies(fsdp_path = "", libtorch_path = ""):
     _system_library("gloo", str(Label("//third_party:gloo.BUILD")))
     _system_library("zlib", str(Label("//third_party:zlib.BUILD")))
 
-    # CUDA 13.0 toolkit with NCCL; only targets built under --config=nccl use it.
+    # CUDA 13.0 and NCCL headers (the libraries are LibTorch's: third_party/cuda.BUILD).
     _system_library("cuda", str(Label("//third_party:cuda.BUILD")), path = "/usr/local/cuda")

@@ -268,7 +268,8 @@ Groups& groups() {
   static Groups* instance = [] {
     auto* g = new Groups;
     // Ranks outside a group wait for it in their next collective: minutes, not seconds.
-    g->world = init_from_environment(RendezvousOptions().timeout(std::chrono::hours(1)));
+    g->world = init_from_environment(
+        RendezvousOptions().timeout(std::chrono::hours(1)).backend(Backend::kGloo));
     const int rank = g->world->rank();
     for (int w : {1, 2}) {
       if (w < g->world->world_size() && rank < w) {

@@ -12,10 +12,8 @@
 //
 // Layers (each header documents its own API; PyTorch counterparts are named there):
 //   names and shard geometry     fsdp/base/names.h, fsdp/base/shard_geometry.h
-//   communication                fsdp/comm/communicator.h (CommError), gloo.h, fake.h,
-//                                rendezvous.h, launcher.h (the NCCL backend,
-//                                fsdp/comm/nccl.h, is built only under --config=nccl and
-//                                is not included here)
+//   communication                fsdp/comm/communicator.h (CommError), gloo.h, nccl.h,
+//                                fake.h, rendezvous.h, launcher.h
 //   choosing units               fsdp/wrap/module_tree.h, torchscript_tree.h, policy.h,
 //                                plan.h, recursive_wrap.h, wrap_context.h
 //   sharded training             fsdp/core/fully_sharded.h (FullyShardedDataParallel,
@@ -34,6 +32,7 @@
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/gloo.h"
 #include "fsdp/comm/launcher.h"
+#include "fsdp/comm/nccl.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/flat_param.h"

@@ -15,6 +15,8 @@ TEST(UmbrellaHeaderTest, DeclaresThePublicApi) {
                                std::chrono::milliseconds>);
   static_assert(std::is_same_v<std::decay_t<decltype(fsdp::LaunchOptions().grace_period())>,
                                std::chrono::milliseconds>);
+  static_assert(std::is_same_v<std::decay_t<decltype(fsdp::NcclOptions().timeout())>,
+                               std::chrono::milliseconds>);
   EXPECT_EQ(fsdp::shard_numel(9, 2), 5);
   EXPECT_EQ(fsdp::clean_tensor_name("_fsdp_wrapped_module.fc.weight"), "fc.weight");
 }

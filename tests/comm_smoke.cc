@@ -10,8 +10,9 @@
 
 int main() {
   const fsdp::LaunchEnvironment env = fsdp::read_launch_environment();
-  std::shared_ptr<fsdp::Communicator> comm =
-      fsdp::init_communicator(env, fsdp::RendezvousOptions().timeout(std::chrono::seconds(60)));
+  std::shared_ptr<fsdp::Communicator> comm = fsdp::init_communicator(
+      env,
+      fsdp::RendezvousOptions().timeout(std::chrono::seconds(60)).backend(fsdp::Backend::kGloo));
   const int w = comm->world_size();
   at::Tensor sum = at::full({4}, static_cast<double>(comm->rank() + 1));
   comm->all_reduce(sum);

@@ -28,8 +28,8 @@ void expect_parity_for_all_strategies(const std::shared_ptr<Communicator>& comm)
 }
 
 TEST(DISABLED_FsdpWorker, Parity) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kGloo));
   expect_parity_for_all_strategies<NestedImpl>(comm);
   expect_parity_for_all_strategies<TinyLmImpl>(comm);
   expect_parity_for_all_strategies<SkipImpl>(comm);
@@ -52,8 +52,8 @@ TEST(FsdpGlooTest, ParityOnThreeRanks) { expect_all_ranks_pass(3); }
 // terminate rank 0 (an exception on its transport thread) or time out naming nothing;
 // the first iteration's size checks make both ranks raise the same error.
 TEST(DISABLED_FsdpWorker, RanksRunningDifferentUnits) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(30)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(30)).backend(Backend::kGloo));
   const bool validate = std::getenv("FSDP_TEST_VALIDATE") != nullptr;
   FullyShardedDataParallel<SkipImpl> model(
       make<SkipImpl>(), FullyShardedDataParallelOptions(comm).validate_execution_order(validate));

@@ -7,6 +7,8 @@
 #   them (--require-hashes), into a Python environment outside the work tree:
 #   $FSDP_TORCH_PREFIX, by default ~/.cache/fsdp/torch-2.11.0 (about 4.7 GB). Bazel's
 #   @libtorch repository (bazel/libtorch.bzl) finds it there.
+# Checks (does not install) the CUDA 13.0 and NCCL headers in /usr/local/cuda/include that
+# the NCCL backend compiles against; the libraries it links are the wheel's.
 # Idempotent and quiet when everything is present. Needs root (or sudo) only when a Debian
 # package must be installed.
 set -euo pipefail
@@ -119,5 +121,31 @@ if [[ "$have" != "$TORCH_VERSION $TORCHVISION_VERSION" ]]; then
   echo "setup: $PREFIX holds torch and torchvision '$have', but fsdp is built for" \
        "$TORCH_VERSION and $TORCHVISION_VERSION; remove $PREFIX and run tools/setup.sh" >&2
   status=1
+fi
+
+# CUDA and NCCL headers (fsdp/comm:nccl; building needs no GPU). The libraries linked are
+# the wheel's (bazel/libtorch.bzl), so the headers must be of the same versions.
+readonly CUDA_INCLUDE=/usr/local/cuda/include
+wheel_versions=$("$PREFIX/bin/python3" -c \
+  'import importlib.metadata as m; print(m.version("nvidia-cuda-runtime"), m.version("nvidia-nccl-cu13"))')
+read -r wheel_cudart wheel_nccl <<<"$wheel_versions"
+if [[ ! -f $CUDA_INCLUDE/cuda_runtime_api.h || ! -f $CUDA_INCLUDE/crt/host_defines.h ||
+      ! -f $CUDA_INCLUDE/nccl.h ]]; then
+  echo "setup: the NCCL backend needs CUDA ${wheel_cudart%.*}'s runtime headers" \
+       "(cuda_runtime_api.h, crt/) and NCCL $wheel_nccl's nccl.h in $CUDA_INCLUDE;" \
+       "install NVIDIA's CUDA ${wheel_cudart%.*} toolkit and NCCL $wheel_nccl there" \
+       "(no GPU needed)" >&2
+  status=1
+else
+  cudart=$(awk '$2 == "CUDART_VERSION" { print int($3 / 1000) "." int($3 % 1000 / 10) }' \
+    "$CUDA_INCLUDE/cuda_runtime_api.h")
+  nccl=$(awk '$2 ~ /^NCCL_(MAJOR|MINOR|PATCH)$/ { v = v (v ? "." : "") $3 } END { print v }' \
+    "$CUDA_INCLUDE/nccl.h")
+  if [[ "$wheel_cudart" != "$cudart".* || "$nccl" != "$wheel_nccl" ]]; then
+    echo "setup: $CUDA_INCLUDE has CUDA $cudart and NCCL $nccl headers, but the torch" \
+         "wheel's libraries are CUDA $wheel_cudart and NCCL $wheel_nccl; install" \
+         "headers of those versions" >&2
+    status=1
+  fi
 fi
 exit "$status"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The test command (README): installs what is missing, then builds and runs every test,
-# the NCCL backend's host-side tests under --config=nccl (its GPU tests skip without a
-# GPU), the consumer workspace (examples/consumer: fsdp used from another workspace),
-# the unit tests and a 2-rank training run under ASan + UBSan (--config=asan), the
-# clang-format check of every C++ source, and 60 s of fuzzing the checkpoint reader
-# (tools/fuzz.sh). Prints "N passed, M failed" last; exits non-zero on any failure.
+# The test command (README): installs what is missing, then builds and runs every test
+# (the NCCL backend's among them: its GPU tests skip without a GPU), the consumer
+# workspace (examples/consumer: fsdp used from another workspace), the unit tests and a
+# 2-rank training run under ASan + UBSan (--config=asan), the clang-format check of every
+# C++ source, and 60 s of fuzzing the checkpoint reader (tools/fuzz.sh). Prints
+# "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -14,8 +14,6 @@ trap 'rm -f "$log"' EXIT
 status=0
 # Test results are not taken from the cache: every run really runs the tests.
 bazel test //... --nocache_test_results "$@" 2>&1 | tee -a "$log" || status=$?
-bazel test --config=nccl //fsdp/comm:nccl_test --nocache_test_results "$@" 2>&1 |
-  tee -a "$log" || status=$?
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
 bazel test --config=asan //fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_test \

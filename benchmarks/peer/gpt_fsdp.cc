@@ -127,7 +127,8 @@ double status_mb(const std::string& field) {
 int train(const std::string& dir) {
   at::set_num_threads(1);
   MemoryTracker memory;
-  std::shared_ptr<Communicator> comm = init_from_environment();
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions().backend(Backend::kGloo));
   const StateDict init = load_state_dict(dir + "/init.pt");
   const at::Tensor tokens = load_state_dict(dir + "/batches.pt")["tokens"];
   const int64_t steps = tokens.size(0), batch = tokens.size(1), context = tokens.size(2) - 1;

@@ -25,7 +25,8 @@ int main(int argc, char** argv) {
     return fsdp::launch_self(2, argc, argv);
   }
   at::set_num_threads(1);
-  auto comm = fsdp::init_from_environment();
+  auto comm =  // CPU tensors: Gloo on any host
+      fsdp::init_from_environment(fsdp::RendezvousOptions().backend(fsdp::Backend::kGloo));
   at::manual_seed(0);
   fsdp::FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(),
                                                 fsdp::FullyShardedDataParallelOptions(comm));

@@ -418,7 +418,7 @@ int run_rank(const Config& config, const fsdp::LaunchEnvironment& env) {
   const int rank = env.rank;
   try {
     Rank r{config,
-           fsdp::init_communicator(env),
+           fsdp::init_communicator(env, fsdp::RendezvousOptions().backend(fsdp::Backend::kGloo)),
            {},
            {},
            at::make_generator<at::CPUGeneratorImpl>(config.seed)};

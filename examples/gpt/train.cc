@@ -362,8 +362,11 @@ int train() {
   std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
   at::set_num_threads(1);
   MemoryTracker memory;
-  std::shared_ptr<Communicator> comm = init_from_environment(
-      RendezvousOptions().timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s))));
+  // The model and its tensors stay on the CPU: Gloo on any host.
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions()
+                                .timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)))
+                                .backend(Backend::kGloo));
   const bool lead = comm->rank() == 0;
   check_same_flags(*comm);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);

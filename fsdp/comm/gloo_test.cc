@@ -30,8 +30,8 @@ constexpr auto kDeadline = std::chrono::seconds(120);
 // ---- Worker tests: run by the ranks spawned below (see multiprocess.h). ----
 
 TEST(DISABLED_GlooWorker, Collectives) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kGloo));
   EXPECT_EQ(comm->backend_name(), "gloo");
   for (c10::ScalarType dtype : {c10::kFloat, c10::kBFloat16, c10::kHalf, c10::kLong}) {
     comm_internal::expect_collectives_match_closed_forms(*comm, dtype);
@@ -49,8 +49,8 @@ TEST(DISABLED_GlooWorker, Collectives) {
 }
 
 TEST(DISABLED_GlooWorker, PeerKilledDuringAllReduce) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(5)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(5)).backend(Backend::kGloo));
   comm->barrier();
   comm->barrier();
   if (comm->rank() == 1) std::raise(SIGKILL);
@@ -72,8 +72,8 @@ TEST(DISABLED_GlooWorker, PeerKilledDuringAllReduce) {
 // them Gloo terminated the rank that received the longer message. Rank 0 reduce-scatters
 // 36 elements, rank 1 all-gathers 4; then the same collective with other sizes.
 TEST(DISABLED_GlooWorker, MismatchedCollectivesUnderSizeChecks) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(10)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(10)).backend(Backend::kGloo));
   comm->set_size_checks(true);
   comm->barrier();
   comm->barrier();
@@ -104,8 +104,8 @@ TEST(DISABLED_GlooWorker, MismatchedCollectivesUnderSizeChecks) {
 // replicate group, rank 0 only because rank 2 closed its connections (rank 2 stays
 // alive). Every survivor names global rank 3 well within the 20 s timeout.
 TEST(DISABLED_GlooWorker, PeerKilledUnderHybridGroups) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(20)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(20)).backend(Backend::kGloo));
   const HybridGroups groups = comm->split_hybrid(2);
   comm->barrier();
   if (comm->rank() == 3) std::raise(SIGKILL);

@@ -474,4 +474,20 @@ std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::St
                                                            std::move(options));
 }
 
+int cuda_device_count(std::string* why_none) {
+  int count = 0;
+  const cudaError_t result = cudaGetDeviceCount(&count);
+  std::string why;
+  if (result != cudaSuccess) {
+    why = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorName(result), ": ",
+                       cudaGetErrorString(result));
+    count = 0;
+    cudaGetLastError();  // reset the runtime's last error (this one is not sticky)
+  } else if (count == 0) {
+    why = "cudaGetDeviceCount found 0 devices";
+  }
+  if (why_none != nullptr) *why_none = why;
+  return count;
+}
+
 }  // namespace fsdp

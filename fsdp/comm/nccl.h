@@ -1,7 +1,8 @@
 // The NCCL backend: collectives between GPUs through the NCCL C API, on raw device buffers
-// (PyTorch: ProcessGroupNCCL). This LibTorch is CPU-only, so there are no CUDA tensors:
-// callers pass CommBuffers that point into device memory (cudaMalloc'ed, or the
-// data_ptr() of a CUDA tensor in a CUDA build), with device = c10::Device(c10::kCUDA, i).
+// (PyTorch: ProcessGroupNCCL). Callers pass CommBuffers that point into device memory
+// (cudaMalloc'ed, or the data_ptr() of a CUDA tensor), with device =
+// c10::Device(c10::kCUDA, i). Built by default; NCCL and the CUDA runtime are the torch
+// wheel's own (Note [One NCCL per process] in bazel/libtorch.bzl).
 //
 //   auto store = c10::make_intrusive<c10d::TCPStore>(master_addr, store_options);
 //   fsdp::NcclOptions options;
@@ -111,6 +112,12 @@ struct NcclOptions {
 std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store> store,
                                                      int rank, int world_size,
                                                      NcclOptions options = {});
+
+// The CUDA devices this process can use (cudaGetDeviceCount, so CUDA_VISIBLE_DEVICES
+// applies). 0 when there is no device or no usable driver; then `why_none`, if not null,
+// receives the CUDA runtime's words, e.g. "cudaGetDeviceCount: cudaErrorNoDevice: no
+// CUDA-capable device is detected" (cleared otherwise). Never throws.
+int cuda_device_count(std::string* why_none = nullptr);
 
 }  // namespace fsdp
 

@@ -223,14 +223,20 @@ TEST(NcclSetupTest, InvalidDeviceFailsWithTheCudaCallsName) {
 
 // Why this machine cannot run the GPU tests, or "" if it can.
 std::string no_gpu_reason() {
-  int count = 0;
-  const cudaError_t result = cudaGetDeviceCount(&count);
-  if (result != cudaSuccess) {
-    return std::string("cudaGetDeviceCount: ") + cudaGetErrorName(result) + ": " +
-           cudaGetErrorString(result);
+  std::string why;
+  cuda_device_count(&why);
+  return why;
+}
+
+TEST(CudaDeviceCountTest, AReasonExactlyWhenThereIsNoDevice) {
+  std::string why = "stale";
+  const int count = cuda_device_count(&why);
+  EXPECT_GE(count, 0);
+  EXPECT_EQ(count == 0, !why.empty()) << why;
+  if (count == 0) {
+    EXPECT_THAT(why, HasSubstr("cudaGetDeviceCount"));
   }
-  if (count == 0) return "cudaGetDeviceCount found 0 devices";
-  return "";
+  EXPECT_EQ(cuda_device_count(), count);
 }
 
 #define SKIP_WITHOUT_GPU()                                               \

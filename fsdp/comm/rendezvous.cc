@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "fsdp/comm/nccl.h"
+
 namespace fsdp {
 namespace {
 
@@ -95,7 +97,57 @@ void check_all_joined(c10d::Store& store, const LaunchEnvironment& env,
   }
 }
 
+// Rank 0 publishes its backend; every other rank compares its own with it (one store
+// read per rank), so a rank that chose differently stops here naming both.
+void check_same_backend(c10d::Store& store, const LaunchEnvironment& env, Backend requested,
+                        Backend chosen, int cuda_devices) {
+  const std::string key = "backend";
+  const std::string mine = backend_name(chosen);
+  if (env.rank == 0) {
+    store.set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
+    return;
+  }
+  const std::vector<uint8_t> value = store.get(key);
+  const std::string theirs(value.begin(), value.end());
+  TORCH_CHECK(theirs == mine, "rendezvous: rank ", env.rank, " chose the ", mine,
+              " backend (requested: ", backend_name(requested),
+              ", CUDA devices seen: ", cuda_devices, ") but rank 0 chose ", theirs,
+              "; give every rank the same RendezvousOptions::backend, and either CUDA devices "
+              "on every host or on none");
+}
+
 }  // namespace
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::kDefault:
+      return "default";
+    case Backend::kGloo:
+      return "gloo";
+    case Backend::kNccl:
+      return "nccl";
+  }
+  return "unknown";
+}
+
+Backend choose_backend(Backend requested, int cuda_device_count, int local_rank,
+                       const std::string& why_no_cuda) {
+  if (requested == Backend::kGloo) return Backend::kGloo;
+  if (cuda_device_count <= 0) {
+    const std::string why = why_no_cuda.empty() ? "" : absl::StrCat(" (", why_no_cuda, ")");
+    TORCH_CHECK(requested != Backend::kNccl,
+                "rendezvous: backend nccl needs a CUDA device, but this process sees none", why,
+                "; run it on a GPU host or choose Backend::kGloo");
+    return Backend::kGloo;
+  }
+  TORCH_CHECK(local_rank < cuda_device_count, "rendezvous: LOCAL_RANK=", local_rank,
+              " has no CUDA device: this process sees ", cuda_device_count,
+              " (cuda:0 to cuda:", cuda_device_count - 1,
+              ") and NCCL runs one rank per device, on cuda:LOCAL_RANK ",
+              "(backend requested: ", backend_name(requested), "); start at most ",
+              cuda_device_count, " ranks per host, or choose Backend::kGloo");
+  return Backend::kNccl;
+}
 
 LaunchEnvironment read_launch_environment(const EnvLookup& lookup_or_null) {
   const EnvLookup lookup = lookup_or_null ? lookup_or_null : [](const std::string& name) {
@@ -162,7 +214,18 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
 
 std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
                                                 const RendezvousOptions& options) {
+  std::string why_no_cuda;
+  const int cuda_devices =
+      options.backend() == Backend::kGloo ? 0 : cuda_device_count(&why_no_cuda);
+  const Backend backend =
+      choose_backend(options.backend(), cuda_devices, env.local_rank, why_no_cuda);
   c10::intrusive_ptr<c10d::Store> store = connect_store(env, options);
+  check_same_backend(*store, env, options.backend(), backend, cuda_devices);
+  if (backend == Backend::kNccl) {
+    return make_nccl_communicator(
+        store, env.rank, env.world_size,
+        NcclOptions().device_index(env.local_rank).timeout(options.timeout()));
+  }
   GlooOptions gloo;
   gloo.timeout(options.timeout());
   if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {

@@ -354,8 +354,8 @@ ConstructionMemory build(const std::shared_ptr<Communicator>& comm, bool shard_o
 TEST(DISABLED_ConstructionWorker, PeakNearTheShardedSize) {
   MemoryTracker tracker;
   MemoryTagGuard tag(kTag);
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kGloo));
   ASSERT_EQ(comm->world_size(), kWorldSize);
   std::shared_ptr<MlpModel> deferred_net, whole_net;
   std::unique_ptr<FullyShardedDataParallel<MlpModel>> deferred, whole;

@@ -229,7 +229,7 @@ class FlatParamHandle {
   void write_back_shard();
 
   // Prepends `prefix` to every parameter's FQN: for a handle made before its unit's
-  // place in the model was known (ShardOnConstruction in fully_sharded.h).
+  // place in the model was known (EnableWrap in fully_sharded.h).
   void add_fqn_prefix(const std::string& prefix);
 
   // A copy of the full flat parameter (numel elements, no padding), e.g. for tests.

@@ -120,8 +120,8 @@ TEST(HybridShardTest, ShardGroupSizeMustDivideTheWorld) {
 // ---- Real processes: run by each of the 4 ranks (see multiprocess.h). ----
 
 TEST(DISABLED_HybridWorker, EveryStrategyMatchesTheReference) {
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kGloo));
   ASSERT_EQ(comm->world_size(), kWorldSize);
   expect_parity_of_every_strategy(comm, References(/*adam=*/false), /*adam=*/false);
 }

@@ -77,8 +77,8 @@ std::string megabytes(int64_t bytes) { return absl::StrFormat("%.3f MB", bytes /
 void train_and_measure(BackwardPrefetch prefetch) {
   MemoryTracker tracker;  // before the model exists, so its storages are tracked
   MemoryTagGuard tag(kTrainingThreadTag);
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(60)));
+  std::shared_ptr<Communicator> comm = init_from_environment(
+      RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kGloo));
   ASSERT_EQ(comm->world_size(), kWorldSize);
   torch::manual_seed(100 + comm->rank());
   const at::Tensor x = at::randn({kBatchRows, kDim});

@@ -95,8 +95,8 @@ class UnitBase : public torch::nn::Module {
   bool is_bound() const { return state_ != nullptr; }
   // Called by the binding FullyShardedDataParallel root.
   void bind(std::shared_ptr<core_internal::UnitState> state);
-  // The flat parameter made when this unit was built inside a ShardOnConstruction scope
-  // (FQNs relative to the wrapped module), until the binding root takes it.
+  // The flat parameter made when this unit was built inside an EnableWrap scope that shards on
+  // construction (FQNs relative to the wrapped module), until the binding root takes it.
   const FlatParamHandle* constructed_handle() const { return constructed_handle_.get(); }
   std::unique_ptr<FlatParamHandle> take_constructed_handle() {
     return std::move(constructed_handle_);

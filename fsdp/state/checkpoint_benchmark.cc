@@ -61,7 +61,7 @@ struct Setup {
 Setup& setup() {
   static Setup* s = [] {
     auto* s = new Setup;
-    s->comm = init_from_environment();
+    s->comm = init_from_environment(RendezvousOptions().backend(Backend::kGloo));
     s->model = FullyShardedDataParallel<NetImpl>(std::make_shared<NetImpl>(),
                                                  FullyShardedDataParallelOptions(s->comm));
     for (const at::Tensor& shard : s->model->parameters()) {

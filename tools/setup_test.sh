@@ -31,15 +31,21 @@ EOF
 for tool in apt-get sudo; do
   printf '#!/bin/sh\necho "%s $*" >>%s\nexit 1\n' "$tool" "$log" >"$root/shims/$tool"
 done
-# CPython 3.11 whose venv has a pip that logs its arguments and a python3 that reports the
-# pinned versions.
+# A python3 that reports the pinned torch and torchvision versions, and for the NVIDIA
+# packages those of the CUDA 13.0 / NCCL 2.28.9 headers in /usr/local/cuda (setup checks
+# the headers against them).
+pinned_python='#!/bin/sh
+case "$*" in *nvidia*) echo "13.0.96 2.28.9" ;; *) echo "2.11.0 0.26.0" ;; esac'
+# CPython 3.11 whose venv has a pip that logs its arguments and the python3 above.
 cat >"$root/shims/python3.11" <<EOF
 #!/bin/sh
 if [ "\$1" = -c ]; then echo True; exit 0; fi
 [ "\$1 \$2" = "-m venv" ] || exit 9
 mkdir -p "\$3/bin"
 printf '#!/bin/sh\\necho "pip \$*" >>$log\\n' >"\$3/bin/pip"
-printf '#!/bin/sh\\necho "2.11.0 0.26.0"\\n' >"\$3/bin/python3"
+cat >"\$3/bin/python3" <<'PY'
+$pinned_python
+PY
 chmod +x "\$3/bin/pip" "\$3/bin/python3"
 EOF
 chmod +x "$root/shims"/*
@@ -90,7 +96,7 @@ check "a user's environment with torch 2.10 is left as it was" \
 # 3. A user's Python environment with the pinned versions: used as it is, quietly.
 prefix=$root/my_torch
 mkdir -p "$prefix/bin"
-printf '#!/bin/sh\necho "2.11.0 0.26.0"\n' >"$prefix/bin/python3"
+echo "$pinned_python" >"$prefix/bin/python3"
 chmod +x "$prefix/bin/python3"
 before=$(listing "$prefix")
 run_setup "$prefix"

@@ -433,9 +433,9 @@ class GlooCommunicator : public Communicator,
   // or in another order) make Gloo corrupt data silently (alltoall) or terminate the
   // receiving process from its transport thread (a message longer than expected), naming
   // no cause. With size checks on (Communicator::set_size_checks; FSDP turns them on for
-  // its first iteration), every collective first all-gathers each rank's (kind, numel),
-  // and all ranks raise the same error naming them. Without them see Note [Gloo
-  // terminations].
+  // its first iteration, and for every iteration with validate_execution_order), every
+  // collective first all-gathers each rank's (kind, numel), and all ranks raise the same
+  // error naming them. Without them see Note [Gloo terminations].
   // See Note [Mismatched sizes]. Worker thread only.
   void check_same_collective(CollectiveKind kind, int64_t numel) {
     at::Tensor mine = at::empty({2}, at::kLong);

@@ -24,6 +24,10 @@
 //                               validate_execution_order against one without (both with
 //                               the first iteration's size checks); each iteration builds
 //                               both, so every timed step is a first step
+//   BM_SizeChecks/sequences:<s>/W:2
+//                               FULL_SHARD with Communicator::set_size_checks on in every
+//                               step against FULL_SHARD with them on in the first only,
+//                               <s> sequences per rank (1, and the main job's 16)
 // Model: GptOptions with vocab 128, context 64, 4 heads, 4 layers (each block a unit;
 // embeddings, final norm and the tied head in the root), width 128 unless the name says
 // otherwise (Psi = 0.82 M parameters at width 128, 1.82 M at 192). Each rank trains on
@@ -101,7 +105,9 @@ struct Variant {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   bool validate_execution_order = false;
+  bool size_checks = false;  // Communicator::set_size_checks in every step, not the first only
   int64_t width = kWidth;
+  int64_t sequences = kBatch;  // per rank and step (ours and the baseline alike)
 };
 
 Variant plain_variant() { return {"plain", /*plain=*/true}; }
@@ -208,6 +214,15 @@ Training make_training(const Variant& variant, const std::shared_ptr<Communicato
     if (unit->handle() != nullptr) t.psi += unit->handle()->numel();
   }
   t.step = adam_step(model);
+  if (variant.size_checks) {
+    // FSDP checks the first iteration only; on for the whole step, then off again so that
+    // a baseline stepped in between runs without them.
+    t.step = [step = std::move(t.step), comm](const Batch& batch) {
+      comm->set_size_checks(true);
+      step(batch);
+      comm->set_size_checks(false);
+    };
+  }
   t.comm = comm.get();
   t.formula = formula_of(model, variant);
   return t;
@@ -289,7 +304,7 @@ Groups& groups() {
 void run(benchmark::State& state, int world_size, const Variant& ours,
          const std::optional<Variant>& baseline) {
   const std::shared_ptr<Communicator>& comm = groups().of_size[world_size];
-  const Batch batch = make_batch(comm->rank(), kBatch, kContext);
+  const Batch batch = make_batch(comm->rank(), ours.sequences, kContext);
   std::optional<Training> reference;
   if (baseline) reference = prepare(*baseline, comm, batch);
   Training training = prepare(ours, comm, batch);
@@ -298,7 +313,7 @@ void run(benchmark::State& state, int world_size, const Variant& ours,
     if (reference) timed_step(*reference, batch);
     state.SetIterationTime(timed_step(training, batch));
   }
-  state.SetItemsProcessed(state.iterations() * kBatch * kContext);
+  state.SetItemsProcessed(state.iterations() * ours.sequences * kContext);
   set_counters(state, "", training, world_size);
   if (!reference) return;
   set_counters(state, "ref_", *reference, world_size);
@@ -377,6 +392,16 @@ void register_all(int rank, int world_size) {
         ->Iterations(kTimedSteps)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
+    // Size checks in every step (one small all-gather before each of the step's 14
+    // collectives) against the first iteration only, at kBatch and at the main job's 16
+    // sequences per rank.
+    for (int64_t sequences : {kBatch, int64_t{16}}) {
+      Variant checked = strategy_variant(ShardingStrategy::kFullShard);
+      checked.size_checks = true;
+      Variant unchecked = strategy_variant(ShardingStrategy::kFullShard);
+      checked.sequences = unchecked.sequences = sequences;
+      register_one(absl::StrCat("BM_SizeChecks/sequences:", sequences), w, checked, unchecked);
+    }
     for (int64_t width : {32, 64, 128, 192}) {
       Variant full = strategy_variant(ShardingStrategy::kFullShard);
       Variant replicated = strategy_variant(ShardingStrategy::kNoShard);

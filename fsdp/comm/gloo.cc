@@ -3,12 +3,17 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -19,6 +24,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <gloo/common/logging.h>
 
 namespace fsdp {
 namespace {
@@ -50,6 +56,105 @@ void ignore_sigpipe_by_default() {
   if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
     signal(SIGPIPE, SIG_IGN);
   }
+}
+
+// First line of an exception message (c10::Error appends a C++ stack trace).
+std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
+
+// Note [Gloo terminations]
+// Gloo checks a received message's length on its transport thread, inside libtorch_cpu,
+// where no caller can catch what it throws: a peer that sends more bytes than this rank
+// posted for (ranks running different collectives, or the same ones with other sizes)
+// throws gloo::EnforceNotMet there ("op.preamble.length <= op.nbytes. 64 vs 40") and the
+// process terminates, naming neither the collective nor the cause. Size checks
+// (Communicator::set_size_checks) turn that into a CommError on every rank, at the price
+// of one small all-gather per collective; where they are off, make_gloo_communicator
+// installs a terminate handler (unless the program set its own) that, for a
+// gloo::EnforceNotMet, first prints one line naming this rank's last started collective
+// and the cause, e.g.
+//   fsdp: Gloo terminates rank 0 in all_gather_into_tensor #8: a peer sent a message of 64
+//   bytes where this rank expected 40: the ranks are not running the same units in the
+//   same order (...)
+// and then hands over to the handler it replaced (libstdc++'s prints the exception and
+// aborts). libstdc++ marks an exception that finds no handler as caught before calling
+// the terminate handler, so std::current_exception sees it there.
+struct LastCollective {
+  std::mutex mutex;
+  std::string name;           // "all_gather_into_tensor #8", "... in group [0, 2]"; "" before any
+  std::atomic<int> rank{-1};  // this process's global rank, once a communicator exists
+};
+
+LastCollective& last_collective() {
+  static auto* last = new LastCollective;  // never destroyed: read while terminating
+  return *last;
+}
+
+// Worker threads, as each collective starts.
+// `group`: "" for a root communicator, " in group [0, 2]" for a subgroup.
+void record_started(CollectiveKind kind, int64_t sequence, const std::string& group) {
+  std::string name = absl::StrCat(collective_name(kind), " #", sequence, group);
+  LastCollective& last = last_collective();
+  std::lock_guard<std::mutex> lock(last.mutex);
+  last.name = std::move(name);
+}
+
+std::terminate_handler replaced_terminate_handler = nullptr;
+
+// "a peer sent a message of R bytes where this rank expected E" from Gloo's length check
+// (one message of the collective's algorithm, not the whole buffer), or "" for any other
+// enforcement.
+std::string length_mismatch(const std::string& what) {
+  const std::string check = "op.preamble.length <= op.nbytes. ";
+  const size_t at = what.find(check);
+  if (at == std::string::npos) return "";
+  long long received = 0, expected = 0;
+  if (std::sscanf(what.c_str() + at + check.size(), "%lld vs %lld", &received, &expected) != 2) {
+    return "";
+  }
+  return absl::StrCat("a peer sent a message of ", received, " bytes where this rank expected ",
+                      expected);
+}
+
+void name_gloo_termination() {
+  if (std::exception_ptr current = std::current_exception()) {
+    try {
+      std::rethrow_exception(current);
+    } catch (const ::gloo::EnforceNotMet& e) {
+      LastCollective& last = last_collective();
+      std::string where = "before its first collective";
+      if (last.mutex.try_lock()) {
+        if (!last.name.empty()) where = "in " + last.name;
+        last.mutex.unlock();
+      }
+      const std::string what = e.what();
+      const std::string mismatch = length_mismatch(what);
+      const std::string cause =
+          mismatch.empty()
+              ? absl::StrCat("Gloo reported: ", first_line(what))
+              : absl::StrCat(mismatch,
+                             ": the ranks are not running the same units in the same order "
+                             "(FullyShardedDataParallelOptions::validate_execution_order "
+                             "size-checks every collective, making this a CommError on every "
+                             "rank)");
+      std::fprintf(stderr, "fsdp: Gloo terminates rank %d %s: %s\n", last.rank.load(),
+                   where.c_str(), cause.c_str());
+      std::fflush(stderr);
+    } catch (...) {
+    }
+  }
+  if (replaced_terminate_handler != nullptr) replaced_terminate_handler();
+  std::abort();
+}
+
+// See Note [Gloo terminations]. Only over libstdc++'s default handler.
+void name_gloo_terminations_by_default() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const std::terminate_handler current = std::get_terminate();
+    if (current != &__gnu_cxx::__verbose_terminate_handler) return;  // the program's own
+    replaced_terminate_handler = current;
+    std::set_terminate(&name_gloo_termination);
+  });
 }
 
 at::Tensor bytes_of(const CommBuffer& buffer) {
@@ -134,9 +239,6 @@ class MismatchedCollectives : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// First line of an exception message (c10::Error appends a C++ stack trace).
-std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
-
 class GlooCommunicator;
 
 // What a root communicator and the subgroups made from it share in one process: the
@@ -220,6 +322,8 @@ class GlooCommunicator : public Communicator,
                   " could not connect to its peers within ", options.timeout().count(),
                   " ms: ", first_line(e.what()));
     }
+    const std::vector<int> group = error_group();
+    if (!group.empty()) group_name_ = absl::StrCat(" in group [", absl::StrJoin(group, ", "), "]");
     family_->add(this);
   }
 
@@ -329,8 +433,9 @@ class GlooCommunicator : public Communicator,
   // or in another order) make Gloo corrupt data silently (alltoall) or terminate the
   // receiving process from its transport thread (a message longer than expected), naming
   // no cause. With size checks on (Communicator::set_size_checks; FSDP turns them on for
-  // its first iteration), every collective first all-gathers each rank's (kind, numel),
-  // and all ranks raise the same error naming them.
+  // its first iteration, and for every iteration with validate_execution_order), every
+  // collective first all-gathers each rank's (kind, numel), and all ranks raise the same
+  // error naming them. Without them see Note [Gloo terminations].
   // See Note [Mismatched sizes]. Worker thread only.
   void check_same_collective(CollectiveKind kind, int64_t numel) {
     at::Tensor mine = at::empty({2}, at::kLong);
@@ -364,6 +469,7 @@ class GlooCommunicator : public Communicator,
   std::shared_ptr<GlooFamily> family_;  // first: outlives the group (rank 0's store)
   c10::intrusive_ptr<c10d::Store> store_;
   GlooOptions options_;
+  std::string group_name_;  // " in group [0, 2]" for a subgroup, for record_started
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;  // null once the connections are closed
   at::Tensor received_;  // alltoall target of reduce_scatter, reused (worker thread only)
   Worker worker_;        // last: joined first on destruction, while the group still exists
@@ -425,9 +531,10 @@ WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence, int64
                                     std::function<void()> task) {
   // Runs on the worker thread, the only one that touches group_ while the communicator
   // lives. See Note [Naming the lost peer] for why a failure closes the connections.
-  auto run = [this, kind, numel, check = family_->size_checks(), task = std::move(task)] {
+  auto run = [this, kind, sequence, numel, check = family_->size_checks(), task = std::move(task)] {
     TORCH_CHECK(group_,
                 "the connections were closed after an earlier collective of this process failed");
+    record_started(kind, sequence, group_name_);  // see Note [Gloo terminations]
     try {
       if (check) check_same_collective(kind, numel);
       task();
@@ -451,6 +558,8 @@ std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::St
               "make_gloo_communicator: expected 0 <= rank < world_size, got rank ", rank,
               " and world_size ", world_size);
   ignore_sigpipe_by_default();
+  last_collective().rank = rank;
+  name_gloo_terminations_by_default();
   auto family = std::make_shared<GlooFamily>(store, rank, world_size);
   return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank, world_size,
                                             options);

@@ -15,6 +15,10 @@
 // Signals: make_gloo_communicator sets SIGPIPE to ignored if it is at its default, as
 // Python does at start-up, so that a peer closing its connections surfaces as a CommError
 // naming that peer instead of killing this process; a handler the program set is kept.
+// Likewise, if the terminate handler is still libstdc++'s default, it installs one that
+// names the collective and the likely cause when Gloo terminates the process from its
+// transport thread (mismatched sizes without size checks; Note [Gloo terminations] in
+// gloo.cc), then calls the default; a handler the program set is kept.
 //
 // Threading: collectives run in issue order on one worker thread per communicator;
 // Work::wait may be called from any thread. PyTorch: ProcessGroupGloo.

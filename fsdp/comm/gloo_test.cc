@@ -4,6 +4,9 @@
 
 #include <csignal>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +27,7 @@ using comm_internal::describe;
 using comm_internal::RankOutcome;
 using comm_internal::run_test_as_ranks;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr auto kDeadline = std::chrono::seconds(120);
 
@@ -96,6 +100,30 @@ TEST(DISABLED_GlooWorker, MismatchedCollectivesUnderSizeChecks) {
     ADD_FAILURE() << "mismatched all_reduce succeeded";
   } catch (const CommError& e) {
     std::cout << "size error: " << e.what() << std::endl;
+  }
+}
+
+// Without size checks Gloo terminates the rank that receives the longer message, from its
+// transport thread; make_gloo_communicator's terminate handler names the collective and
+// the cause first (Note [Gloo terminations]). Rank 0 all-gathers 4 elements, rank 1 36.
+// With FSDP_TEST_OWN_HANDLER the program installs its own terminate handler first, which
+// make_gloo_communicator keeps.
+TEST(DISABLED_GlooWorker, MismatchedCollectivesWithoutSizeChecks) {
+  if (std::getenv("FSDP_TEST_OWN_HANDLER") != nullptr) {
+    std::set_terminate([] {
+      std::fprintf(stderr, "the program's own terminate handler\n");
+      std::abort();
+    });
+  }
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions().timeout(std::chrono::seconds(10)));
+  comm->barrier();
+  const int64_t n = comm->rank() == 0 ? 4 : 36;
+  try {
+    comm->all_gather_into_tensor(at::empty({2 * n}), at::ones({n}));
+    std::cout << "all_gather_into_tensor returned" << std::endl;
+  } catch (const CommError& e) {
+    std::cout << "survivor error: " << e.what() << std::endl;
   }
 }
 
@@ -199,6 +227,47 @@ TEST(GlooTest, MismatchedCollectivesAreNamedOnEveryRankUnderSizeChecks) {
                                        "rank 1 runs all_reduce of 4 elements")))
         << describe(ranks);
   }
+}
+
+// The line of `output` that starts with `prefix` (without its newline), or "".
+std::string line_starting(const std::string& output, const std::string& prefix) {
+  size_t at = output.find(prefix);
+  if (at == std::string::npos) return "";
+  return output.substr(at, output.find('\n', at) - at);
+}
+
+// Before: rank 0 died with only "terminate called after throwing an instance of
+// 'gloo::EnforceNotMet'" and Gloo's enforcement. Rank 1's all-gather either completes
+// (it received the shorter message) or fails when rank 0 is gone.
+TEST(GlooTest, MismatchedCollectivesWithoutSizeChecksTerminateNamingTheCollective) {
+  const std::vector<RankOutcome> ranks =
+      run_test_as_ranks(2, "DISABLED_GlooWorker.MismatchedCollectivesWithoutSizeChecks", kDeadline);
+  EXPECT_EQ(ranks[0].term_signal, SIGABRT) << describe(ranks);
+  EXPECT_EQ(line_starting(ranks[0].output, "fsdp: Gloo terminates"),
+            "fsdp: Gloo terminates rank 0 in all_gather_into_tensor #1: a peer sent a message of "
+            "72 bytes where this rank expected 8: the ranks are not running the same units in "
+            "the same order (FullyShardedDataParallelOptions::validate_execution_order "
+            "size-checks every collective, making this a CommError on every rank)")
+      << describe(ranks);
+  EXPECT_THAT(ranks[0].output, HasSubstr("terminate called after throwing an instance of "
+                                         "'gloo::EnforceNotMet'"));
+  EXPECT_EQ(ranks[1].exit_code, 0) << describe(ranks);
+  EXPECT_THAT(ranks[1].output,
+              ::testing::ContainsRegex("all_gather_into_tensor returned|survivor error: "
+                                       "all_gather_into_tensor #1 failed on rank 1 \\(peer "
+                                       "rank 0\\)"))
+      << describe(ranks);
+}
+
+// A terminate handler the program installed before is kept (as a SIGPIPE handler is).
+TEST(GlooTest, AProgramsOwnTerminateHandlerIsKept) {
+  const std::vector<RankOutcome> ranks =
+      run_test_as_ranks(2, "DISABLED_GlooWorker.MismatchedCollectivesWithoutSizeChecks", kDeadline,
+                        [](int /*rank*/, Environment& env) { env["FSDP_TEST_OWN_HANDLER"] = "1"; });
+  EXPECT_EQ(ranks[0].term_signal, SIGABRT) << describe(ranks);
+  EXPECT_THAT(ranks[0].output, HasSubstr("the program's own terminate handler\n"))
+      << describe(ranks);
+  EXPECT_THAT(ranks[0].output, Not(HasSubstr("fsdp: Gloo terminates"))) << describe(ranks);
 }
 
 TEST(GlooTest, PeerKilledUnderHybridGroupsIsNamedByItsGlobalRank) {

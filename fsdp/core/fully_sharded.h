@@ -135,12 +135,20 @@ struct FullyShardedDataParallelOptions {
   // host); world_size must be a multiple of it (Communicator::split_hybrid).
   TORCH_ARG(int, hybrid_shard_group_size) = 0;
   // Check on the first iteration that every rank runs the units in the same order (n
-  // small all-gathers more, once); see Note [Execution order validation] in
-  // internal/runtime.cc. Off by default, as in PyTorch: on the GPT of examples/gpt at
-  // W = 2 over Gloo it adds 2.6-4.9 ms to the first step (8-17% of one 27-31 ms step;
-  // BM_FirstStep in benchmarks/gpt_step_benchmark.cc). Without it, ranks whose first
-  // iterations run units of different sizes still stop with an error naming the sizes
-  // (Note [First-iteration size checks]); it also catches swapped units of equal size.
+  // small all-gathers more, once; see Note [Execution order validation] in
+  // internal/runtime.cc), and keep the size checks of every collective
+  // (Communicator::set_size_checks) on in every iteration, not in the first only: ranks
+  // that run units of different sizes in any iteration stop with the same CommError on
+  // every rank. Off by default, as in PyTorch: on the GPT of examples/gpt at W = 2 over
+  // Gloo the order check adds 2.6-4.9 ms to the first step (8-17% of one 27-31 ms step;
+  // BM_FirstStep in benchmarks/gpt_step_benchmark.cc) and the size checks 11-16 ms to
+  // every later one (16-37%; BM_SizeChecks). Without it, the first iteration is still
+  // size-checked (Note [First-iteration size checks]); a later divergence makes Gloo
+  // terminate the rank that receives the longer message, after one line naming the
+  // collective and the cause ("fsdp: Gloo terminates rank 0 in all_gather_into_tensor #8:
+  // a peer sent a message of 64 bytes where this rank expected 40: the ranks are not
+  // running the same units in the same order ..."). It also catches swapped units of
+  // equal size in the first iteration.
   TORCH_ARG(bool, validate_execution_order) = false;
 };
 

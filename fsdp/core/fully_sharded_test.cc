@@ -3,6 +3,7 @@
 #include "fsdp/core/fully_sharded.h"
 
 #include <map>
+#include <set>
 
 #include "absl/strings/str_join.h"
 #include <mutex>
@@ -616,6 +617,118 @@ TEST(IgnoredStatesTest, SingleParametersAndModulesAreLeftAloneAndTrainLocally) {
       ThrowsMessage<c10::Error>(HasSubstr("give ignored_modules or ignored_states, not both")));
 }
 
+// Review gap 3 of issue 14: ignored parameters that require grad train locally. Each
+// rank keeps its own gradient of them (not averaged across ranks, as in PyTorch), while
+// the units' gradients are averaged. The ranks train on different inputs, so the two
+// differ. The reference is one process holding each rank's replica: the shared
+// parameters step with the ranks' mean gradient, each replica's ignored ones with its
+// own. Weights in {-1, 0, 1}, inputs in {0, 1}, the loss sum(output * target) with
+// targets in {-1, 0, 1, 2} and lr 0.5 keep every value a small dyadic rational, exact in
+// float32: the comparisons are exact.
+TEST(IgnoredStatesTest, IgnoredParametersTrainOnEachRanksOwnGradients) {
+  constexpr int kWorld = 2;
+  constexpr int kTrainSteps = 3;
+  constexpr double kLr = 0.5;
+  const auto integer_net = [] {
+    auto net = make<NetImpl>();
+    torch::NoGradGuard no_grad;
+    int64_t i = 0;
+    for (at::Tensor& p : net->parameters()) {
+      p.copy_(((at::arange(p.numel(), at::kFloat) + i++).remainder(3) - 1).view(p.sizes()));
+    }
+    return net;
+  };
+  const auto batch = [](int rank, int step) {
+    return (at::arange(8, at::kFloat).view({2, 4}) * (rank + 1) + step).remainder(2);
+  };
+  const auto loss = [](const at::Tensor& out, int rank, int step) {
+    return (out * ((at::arange(6, at::kFloat).view({2, 3}) + 2 * rank + step).remainder(4) - 1))
+        .sum();
+  };
+  const std::set<std::string> ignored = {"l2.bias", "head.weight"};
+  // Reference: grads[step][rank][fqn]; replicas end with each rank's final parameters.
+  std::vector<std::shared_ptr<NetImpl>> replicas;
+  for (int r = 0; r < kWorld; ++r) replicas.push_back(integer_net());
+  std::vector<std::vector<std::map<std::string, at::Tensor>>> grads(kTrainSteps);
+  for (int step = 0; step < kTrainSteps; ++step) {
+    for (int r = 0; r < kWorld; ++r) {
+      replicas[r]->zero_grad();
+      loss(replicas[r]->forward(batch(r, step)), r, step).backward();
+      grads[step].emplace_back();
+      for (const auto& item : replicas[r]->named_parameters()) {
+        grads[step][r][clean_tensor_name(item.key())] = item.value().grad().clone();
+      }
+    }
+    torch::NoGradGuard no_grad;
+    for (int r = 0; r < kWorld; ++r) {
+      for (const auto& item : replicas[r]->named_parameters()) {
+        const std::string fqn = clean_tensor_name(item.key());
+        const at::Tensor grad = ignored.count(fqn) != 0
+                                    ? grads[step][r][fqn]
+                                    : (grads[step][0][fqn] + grads[step][1][fqn]) / kWorld;
+        item.value().sub_(grad * kLr);
+      }
+    }
+  }
+  // The test tells the two apart: the ranks' gradients of every ignored parameter differ.
+  for (int step = 0; step < kTrainSteps; ++step) {
+    for (const std::string& fqn : ignored) {
+      ASSERT_FALSE(at::equal(grads[step][0][fqn], grads[step][1][fqn])) << fqn << ", " << step;
+    }
+  }
+  on_ranks(kWorld, [&](std::shared_ptr<Communicator> comm) {
+    const int rank = comm->rank();
+    auto net = integer_net();
+    FullyShardedDataParallel<NetImpl> model(net,
+                                            FullyShardedDataParallelOptions(comm).ignored_states(
+                                                {net->l2->module()->bias, net->head->weight}));
+    EXPECT_THAT(unit_fqns(*model),
+                ElementsAre(ElementsAre("head.bias"), ElementsAre("l1.weight", "l1.bias"),
+                            ElementsAre("l2.weight")));
+    EXPECT_EQ(model->parameters().size(), 3u + 2u);  // three flat shards, two ignored
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(kLr));
+    for (int step = 0; step < kTrainSteps; ++step) {
+      sgd.zero_grad();
+      loss(model->forward(batch(rank, step)), rank, step).backward();
+      // Ignored: this rank's own gradient, exactly.
+      EXPECT_TRUE(at::equal(net->l2->module()->bias.grad(), grads[step][rank]["l2.bias"]))
+          << "step " << step << ", rank " << rank;
+      EXPECT_TRUE(at::equal(net->head->weight.grad(), grads[step][rank]["head.weight"]))
+          << "step " << step << ", rank " << rank;
+      // The units': the mean over ranks, exactly (gathered from the shards).
+      for (const auto& unit : model->units()) {
+        const FlatParamHandle& handle = *unit->handle();
+        at::Tensor full = at::empty({handle.padded_numel()});
+        comm->all_gather_into_tensor(full, handle.sharded_flat_param().grad());
+        for (const FlatParamInfo& info : handle.param_infos()) {
+          const at::Tensor mean = (grads[step][0][info.fqn] + grads[step][1][info.fqn]) / kWorld;
+          EXPECT_TRUE(at::equal(full.narrow(0, info.offset, info.numel), mean.view({-1})))
+              << info.fqn << ", step " << step << ", rank " << rank;
+        }
+      }
+      sgd.step();
+    }
+    auto summon = model->summon_full_params(/*writeback=*/false);
+    const std::map<std::string, at::Tensor> want = [&] {
+      std::map<std::string, at::Tensor> params;
+      for (const auto& item : replicas[rank]->named_parameters()) {
+        params[clean_tensor_name(item.key())] = item.value();
+      }
+      return params;
+    }();
+    int checked = 0;
+    for (const auto& item : model->module()->named_parameters()) {
+      const std::string fqn = clean_tensor_name(item.key());
+      EXPECT_TRUE(at::equal(item.value(), want.at(fqn))) << fqn << " on rank " << rank;
+      ++checked;
+    }
+    EXPECT_EQ(checked, 6);
+  });
+  // The ranks' ignored parameters part ways; the others stay equal.
+  EXPECT_FALSE(at::equal(replicas[0]->head->weight, replicas[1]->head->weight));
+  EXPECT_TRUE(at::equal(replicas[0]->l1->module()->weight, replicas[1]->l1->module()->weight));
+}
+
 struct StackImpl : torch::nn::Module {
   StackImpl() {
     layers = register_module(
@@ -661,6 +774,55 @@ TEST(AutoWrapTest, SizePolicyRebuildsSequentialChildrenAsUnits) {
     EXPECT_TRUE(at::allclose(out, plain->forward(inputs(0, 2)), 0, 1e-6));
     out.sum().backward();
     EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 3);
+  });
+}
+
+// Review gap 3 of issue 14: ignored_states with an auto_wrap_policy. The ignored
+// parameters stay out of every unit's flat parameter, also out of a unit the policy picks,
+// and (as PyTorch's _recursive_wrap) the size policy does not count them: with
+// layers.0.weight ignored, layers.0 holds 8 parameters and is not picked.
+TEST(AutoWrapTest, IgnoredStatesStayOutOfThePolicysUnits) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    // Linear(4,8) = 40, Linear(8,8) = 72, Linear(8,2) = 18, head Linear(2,8) = 24, the
+    // block (a forced leaf) 296.
+    const auto policy =
+        size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(30).force_leaf_modules(
+            std::vector<ModuleType>{ModuleType::of<BlockImpl>()}));
+    auto plain = make<StackImpl>();
+    auto net = make<StackImpl>();
+    at::Tensor layers2_bias = net->layers->ptr<torch::nn::LinearImpl>(2)->bias;
+    FullyShardedDataParallel<StackImpl> model(
+        net, FullyShardedDataParallelOptions(self).auto_wrap_policy(policy).ignored_states(
+                 {layers2_bias, net->head->weight}));
+    EXPECT_THAT(unit_fqns(*model), ElementsAre("", "layers.0", "layers.2"));
+    EXPECT_THAT(unit_fqns<StackImpl>(*model),
+                ElementsAre(ElementsAre("layers.3.weight", "layers.3.bias", "block.norm.weight",
+                                        "block.norm.bias", "block.up.weight", "block.up.bias",
+                                        "block.down.weight", "block.down.bias", "head.bias"),
+                            ElementsAre("layers.0.weight", "layers.0.bias"),
+                            ElementsAre("layers.2.weight")));
+    std::vector<int64_t> numels;
+    for (const auto& unit : model->units()) numels.push_back(unit->handle()->numel());
+    EXPECT_THAT(numels, ElementsAre(16 + 2 + 296 + 8, 40, 64));
+    // They stay whole, in parameters() after the flat shards, and train locally.
+    const std::vector<at::Tensor> params = model->parameters();
+    ASSERT_EQ(params.size(), 5u);
+    EXPECT_TRUE(params[3].is_same(layers2_bias));
+    EXPECT_TRUE(params[4].is_same(net->head->weight));
+    at::Tensor out = model->forward(inputs(0, 2));
+    EXPECT_TRUE(at::allclose(out, plain->forward(inputs(0, 2)), 0, 1e-6));
+    out.sum().backward();
+    EXPECT_TRUE(layers2_bias.grad().defined());
+    EXPECT_TRUE(net->head->weight.grad().defined());
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).calls, 3);
+
+    auto other = make<StackImpl>();
+    FullyShardedDataParallel<StackImpl> smaller(
+        other, FullyShardedDataParallelOptions(self).auto_wrap_policy(policy).ignored_states(
+                   {other->layers->ptr<torch::nn::LinearImpl>(0)->weight}));
+    EXPECT_THAT(unit_fqns(*smaller), ElementsAre("", "layers.2"));
+    EXPECT_EQ(smaller->units()[0]->handle()->numel(), 8 + 18 + 296 + 24);
   });
 }
 

@@ -125,7 +125,8 @@ class RootState {
   void set_ignored_params(std::vector<at::Tensor> params) { ignored_params_ = std::move(params); }
   // Ignored parameters that require grad (ignored_modules' and ignored_states').
   const std::vector<at::Tensor>& ignored_params() const { return ignored_params_; }
-  // See Note [Execution order validation] in runtime.cc.
+  // See Note [Execution order validation] and Note [First-iteration size checks] in
+  // runtime.cc.
   void set_validate_execution_order(bool validate) { validate_execution_order_ = validate; }
 
   // FullyShardedDataParallelImpl::clip_grad_norm_ (see fully_sharded.h).

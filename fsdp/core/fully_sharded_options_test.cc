@@ -478,6 +478,25 @@ TEST(DeviceIdTest, CpuDeviceIdTrainsAsWithout) {
   });
 }
 
+TEST(DeviceIdTest, UnitsShardedAtConstructionUseTheDeviceId) {
+  auto world = FakeWorld::create(1);
+  const auto options = FullyShardedDataParallelOptions(world->communicator(0)).device_id(c10::kCPU);
+  std::shared_ptr<NetImpl> net;
+  {
+    EnableWrap scope(options, /*shard_on_construction=*/true);
+    net = make_net();
+  }
+  FullyShardedDataParallel<NetImpl> model(net, options);
+  EXPECT_EQ(model->device_handle().device(), c10::Device(c10::kCPU));
+  for (const auto& unit : model->units()) {
+    if (unit->handle() != nullptr) {
+      EXPECT_EQ(unit->handle()->device(), c10::Device(c10::kCPU));
+    }
+  }
+  model->forward(at::ones({2, 4})).sum().backward();
+  EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+}
+
 TEST(DeviceIdTest, CudaWithoutItsHandleSaysWhatToLink) {
   auto world = FakeWorld::create(1);
   auto net = make_net();

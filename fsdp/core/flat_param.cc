@@ -7,7 +7,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "fsdp/base/shard_geometry.h"
-#include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
@@ -77,6 +76,7 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
                                  ShardingStrategy strategy, const FlatParamOptions& options)
     : comm_(std::move(comm)),
       strategy_(strategy),
+      device_(options.device_handle()),
       replicate_comm_(options.replicate_communicator()),
       keep_low_precision_grads_(options.keep_low_precision_grads()) {
   TORCH_CHECK(comm_ != nullptr, "FlatParamHandle: communicator is null");
@@ -111,6 +111,10 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
               absl::StrJoin(trained, ", "), "] require grad and [", absl::StrJoin(frozen, ", "),
               "] do not; make the frozen modules a unit of their own (fsdp::Unit) or pass "
               "them in ignored_modules");
+  if (device_ == nullptr) device_ = DeviceHandle::for_device(first.device());
+  TORCH_CHECK(device_->device() == first.device(), "FlatParamHandle: the device handle is ",
+              device_->device(), "'s but the parameters (e.g. '", params.front().fqn, "') are on ",
+              first.device());
   // PyTorch infers the reduce dtype from param_dtype when only the latter is given.
   param_dtype_ = options.param_dtype().value_or(first.scalar_type());
   reduce_dtype_ = options.reduce_dtype().value_or(param_dtype_);
@@ -152,19 +156,6 @@ std::vector<ShardParamInfo> FlatParamHandle::local_shard_param_infos() const {
   return shard_param_infos(infos_, shard_offset_, shard_offset_ + shard_numel_ - 1);
 }
 
-namespace {
-
-// See Note [Freeing the unsharded flat parameter].
-void allocate(const at::Tensor& flat) {
-  compat::resize_cpu_storage_bytes(flat.storage().unsafeGetStorageImpl(),
-                                   flat.numel() * flat.element_size());
-}
-void free_storage(const at::Tensor& flat) {
-  compat::resize_cpu_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
-}
-
-}  // namespace
-
 const char* flat_param_state_name(FlatParamState state) {
   switch (state) {
     case FlatParamState::kSharded:
@@ -190,7 +181,7 @@ void FlatParamHandle::check_not_in(FlatParamState state, const char* call) const
 void FlatParamHandle::prefetch() {
   check_not_in(FlatParamState::kUnshardedFullPrecision, "unshard()");
   if (state_ != FlatParamState::kSharded) return;
-  allocate(unsharded_flat_);
+  device_->reallocate_storage(unsharded_flat_);
   if (strategy_ == ShardingStrategy::kNoShard) {  // mixed precision: a low-precision copy
     unsharded_flat_.copy_(sharded_.detach());
     state_ = FlatParamState::kUnsharded;
@@ -230,19 +221,20 @@ void FlatParamHandle::unshard_full_precision() {
 
 // Note [Freeing the unsharded flat parameter]
 // The original parameters, and tensors autograd saved from them, are views of
-// unsharded_flat_'s storage. Resizing that storage to 0 bytes frees the memory while
-// every view keeps pointing at the same StorageImpl; unshard() resizes it back and
-// all-gathers into it, so the views read the new values. The all-gather writes through
-// a raw pointer, which leaves the views' version counters alone. Only
-// unshard_full_precision() points the views elsewhere (set_data, outside forward and
-// backward), and reshard() points them back.
+// unsharded_flat_'s storage. Resizing that storage to 0 bytes (DeviceHandle::free_storage,
+// which on CUDA returns the bytes to the caching allocator) frees the memory while every
+// view keeps pointing at the same StorageImpl; unshard() resizes it back
+// (DeviceHandle::reallocate_storage) and all-gathers into it, so the views read the new
+// values. The all-gather writes through a raw pointer, which leaves the views' version
+// counters alone. Only unshard_full_precision() points the views elsewhere (set_data,
+// outside forward and backward), and reshard() points them back.
 void FlatParamHandle::reshard() {
   switch (state_) {
     case FlatParamState::kSharded:
       return;
     case FlatParamState::kUnshardedFullPrecision:
       full_precision_flat_ = at::Tensor();
-      allocate(unsharded_flat_);  // views are bounds-checked against the storage
+      device_->reallocate_storage(unsharded_flat_);  // views are bounds-checked against the storage
       use_views_of(unsharded_flat_);
       break;
     case FlatParamState::kUnsharding:
@@ -252,7 +244,7 @@ void FlatParamHandle::reshard() {
       if (strategy_ == ShardingStrategy::kNoShard && !uses_mixed_precision()) return;
       break;
   }
-  free_storage(unsharded_flat_);
+  device_->free_storage(unsharded_flat_);
   state_ = FlatParamState::kSharded;
 }
 

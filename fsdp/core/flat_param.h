@@ -45,6 +45,7 @@
 
 #include "absl/strings/string_view.h"
 #include "fsdp/comm/communicator.h"
+#include "fsdp/core/device_handle.h"
 
 namespace fsdp {
 
@@ -136,6 +137,10 @@ struct FlatParamOptions {
   // Keep the reduced gradient shard in reduce_dtype instead of casting it to the
   // parameters' dtype for the optimizer.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
+  // The compute device's handle (device_handle.h): it frees and reallocates the unsharded
+  // buffer's storage. Null: DeviceHandle::for_device of the parameters' device. Must be a
+  // handle of the parameters' device.
+  TORCH_ARG(std::shared_ptr<DeviceHandle>, device_handle);
 };
 
 class FlatParamHandle {
@@ -145,7 +150,8 @@ class FlatParamHandle {
   // (requires_grad; a frozen flat parameter does not require grad), contiguous or not.
   // Their values
   // become the flat parameter; rank r of `comm` keeps its shard. Throws c10::Error on bad
-  // input (and for a HYBRID strategy without options.replicate_communicator).
+  // input (and for a HYBRID strategy without options.replicate_communicator, or a
+  // device handle of another device than the parameters').
   FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr<Communicator> comm,
                   ShardingStrategy strategy, const FlatParamOptions& options = {});
 
@@ -157,6 +163,9 @@ class FlatParamHandle {
   // (fsdp/base/shard_geometry.h); NO_SHARD: 0.
   int64_t shard_offset() const { return shard_offset_; }
   ShardingStrategy strategy() const { return strategy_; }
+  // The parameters' device and its handle (FlatParamOptions::device_handle).
+  c10::Device device() const { return device_->device(); }
+  DeviceHandle& device_handle() const { return *device_; }
   // The ranks the flat parameter is sharded over (HYBRID: the shard group).
   Communicator& communicator() const { return *comm_; }
   // HYBRID: the replicas gradients are all-reduced over; null otherwise.
@@ -238,6 +247,7 @@ class FlatParamHandle {
  private:
   std::shared_ptr<Communicator> comm_;
   ShardingStrategy strategy_;
+  std::shared_ptr<DeviceHandle> device_;
   std::vector<FlatParamInfo> infos_;
   std::vector<at::Tensor> originals_;
   int64_t numel_ = 0;

@@ -16,6 +16,7 @@
 #include "fsdp/wrap/recursive_wrap.h"
 #include <c10/util/Type.h>
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <c10/util/Exception.h>
 
@@ -278,6 +279,10 @@ FlatParamOptions flat_param_options(const c10::optional<MixedPrecision>& mp,
 void check_constructed_handle(const FlatParamHandle& handle, const std::string& unit_fqn,
                               ShardingStrategy strategy, const FlatParamOptions& want,
                               const Communicator& comm) {
+  TORCH_CHECK(handle.device() == want.device_handle()->device(), "FullyShardedDataParallel: unit '",
+              unit_fqn, "' was sharded at construction (EnableWrap) on ", handle.device(),
+              ", but this root computes on ", want.device_handle()->device(),
+              "; give the scope the root's device_id");
   const c10::ScalarType param_dtype =
       want.param_dtype().value_or(handle.sharded_flat_param().scalar_type());
   TORCH_CHECK(handle.strategy() == strategy && handle.param_dtype() == param_dtype &&
@@ -543,6 +548,7 @@ ShardGroups shard_groups(const FullyShardedDataParallelOptions& options,
 // stay in full precision.
 std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelOptions& options,
                                                  const ShardGroups& groups,
+                                                 const std::shared_ptr<DeviceHandle>& device,
                                                  const std::vector<FoundUnit>& units,
                                                  UnitParams& params,
                                                  core_internal::RootState& root_state) {
@@ -559,6 +565,7 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     const bool full_precision = is_full_precision(mp, wrapped);
     FlatParamOptions unit_options = flat_param_options(mp, wrapped);
     unit_options.replicate_communicator(groups.replicate);
+    unit_options.device_handle(device);
     const ShardingStrategy own = strategies[k];
     std::unique_ptr<FlatParamHandle> handle = std::move(params.constructed[k]);
     if (handle != nullptr) {
@@ -601,6 +608,56 @@ void configure_root(const torch::nn::Module& root, const FullyShardedDataParalle
   root_state.set_validate_execution_order(options.validate_execution_order());
 }
 
+// Note [Compute device]
+// PyTorch's device_id: FSDP computes on one device per rank, and the runtime reaches it
+// only through that device's DeviceHandle (device_handle.h): storage free/reallocate,
+// memory statistics, streams and events. With device_id the module's CPU tensors are
+// moved there at construction, before flattening, as PyTorch's _move_module_to_device
+// does (ignored modules' and ignored_states' tensors stay where they are, and so do the
+// parameters of units sharded at construction, whose handle must already be on the
+// device). Without it the device is the parameters' (the first unit parameter's; CPU for
+// a model without any). One handle serves the root and every unit's flat parameter.
+std::shared_ptr<DeviceHandle> compute_device(const FullyShardedDataParallelOptions& options,
+                                             const UnitParams& params) {
+  if (options.device_id()) return DeviceHandle::for_device(*options.device_id());
+  for (const std::unique_ptr<FlatParamHandle>& handle : params.constructed) {
+    if (handle != nullptr) return DeviceHandle::for_device(handle->device());
+  }
+  for (const std::vector<NamedParam>& unit : params.to_flatten) {
+    if (!unit.empty()) return DeviceHandle::for_device(unit.front().param.device());
+  }
+  return DeviceHandle::for_device(c10::Device(c10::kCPU));
+}
+
+// Moves the CPU parameters and buffers of `root` to `device` in place (set_data: the
+// same tensors, so FQNs, ignored sets and the units' lists stay valid). See Note
+// [Compute device].
+void move_to_device(torch::nn::Module& root, c10::Device device, const Ignored& ignored,
+                    const UnitParams& params) {
+  absl::flat_hash_set<const c10::TensorImpl*> stay = ignored.params;
+  for (const torch::nn::Module* module : ignored.modules) {
+    for (const at::Tensor& buffer : module->buffers()) stay.insert(buffer.unsafeGetTensorImpl());
+  }
+  for (const std::unique_ptr<FlatParamHandle>& handle : params.constructed) {
+    if (handle == nullptr) continue;
+    for (const at::Tensor& p : handle->original_params()) stay.insert(p.unsafeGetTensorImpl());
+  }
+  at::NoGradGuard no_grad;
+  const auto move = [&](const std::string& name, const at::Tensor& tensor) {
+    if (!tensor.defined() || stay.contains(tensor.unsafeGetTensorImpl()) ||
+        tensor.device() == device) {
+      return;
+    }
+    TORCH_CHECK(tensor.device().is_cpu(), "FullyShardedDataParallel: '", clean_tensor_name(name),
+                "' is on ", tensor.device(), " but device_id is ", device,
+                "; FSDP moves only CPU tensors to device_id (PyTorch: \"Inconsistent compute "
+                "device and device_id\")");
+    tensor.set_data(tensor.to(device));
+  };
+  for (const auto& item : root.named_parameters()) move(item.key(), item.value());
+  for (const auto& item : root.named_buffers()) move(item.key(), item.value());
+}
+
 // Binds `root` and every Unit inside it; returns the root's runtime state.
 std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options) {
@@ -609,6 +666,8 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   const Ignored ignored = resolve_ignored(options);
   std::vector<FoundUnit> units = select_units(root, options, ignored);
   UnitParams params = collect_unit_params(root, units, ignored);
+  std::shared_ptr<DeviceHandle> device = compute_device(options, params);
+  if (options.device_id()) move_to_device(root, device->device(), ignored, params);
   Communicator& comm = *options.communicator();
   check_same_construction(comm, options, unit_names(units), unit_numels(params));  // first
   if (options.sync_module_states() && comm.world_size() > 1) {
@@ -616,10 +675,11 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   }
   const ShardingStrategy strategy = effective_strategy(options);
   auto root_state = std::make_shared<core_internal::RootState>(
-      options.communicator(), strategy, options.backward_prefetch(), options.forward_prefetch());
+      options.communicator(), device, strategy, options.backward_prefetch(),
+      options.forward_prefetch());
   if (options.param_exec_order_wrap_policy()) root_state->prefetch_in_first_iteration_order();
   const std::vector<const torch::nn::Module*> full_precision_modules =
-      bind_units(options, shard_groups(options, strategy), units, params, *root_state);
+      bind_units(options, shard_groups(options, strategy), device, units, params, *root_state);
   configure_root(root, options, ignored, full_precision_modules, *root_state);
   return root_state;
 }
@@ -673,10 +733,22 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
   }
   if (params.empty()) return nullptr;
   for (const NamedParam& p : params) config.sharded.insert(p.param.unsafeGetTensorImpl());
+  FlatParamOptions flat = flat_param_options(unit_mixed_precision(config.options, unit), wrapped);
+  if (const c10::optional<c10::Device>& device_id = config.options.device_id()) {
+    // See Note [Compute device]: the unit's parameters move before they are flattened.
+    flat.device_handle(DeviceHandle::for_device(*device_id));
+    const c10::Device device = flat.device_handle()->device();
+    at::NoGradGuard no_grad;
+    for (const NamedParam& p : params) {
+      TORCH_CHECK(p.param.device() == device || p.param.device().is_cpu(), "EnableWrap: '", p.fqn,
+                  "' is on ", p.param.device(), " but device_id is ", device,
+                  "; FSDP moves only CPU tensors to device_id");
+      if (p.param.device() != device) p.param.set_data(p.param.to(device));
+    }
+  }
   return std::make_unique<FlatParamHandle>(
       std::move(params), config.options.communicator(),
-      unit_strategy(config.options, unit, /*is_root=*/false, "<being built>"),
-      flat_param_options(unit_mixed_precision(config.options, unit), wrapped));
+      unit_strategy(config.options, unit, /*is_root=*/false, "<being built>"), flat);
 }
 
 }  // namespace core_internal
@@ -745,6 +817,8 @@ TrainingState FullyShardedRoot::training_state() const { return state_->training
 ShardingStrategy FullyShardedRoot::sharding_strategy() const { return state_->strategy(); }
 
 Communicator& FullyShardedRoot::communicator() const { return state_->comm(); }
+
+DeviceHandle& FullyShardedRoot::device_handle() const { return state_->device(); }
 
 torch::nn::Module& FullyShardedRoot::root_module() const { return *root_; }
 

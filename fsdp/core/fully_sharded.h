@@ -60,6 +60,7 @@
 #include <torch/arg.h>
 
 #include "fsdp/comm/communicator.h"
+#include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/mixed_precision.h"
 #include "fsdp/core/training_state.h"
@@ -150,6 +151,16 @@ struct FullyShardedDataParallelOptions {
   // running the same units in the same order ..."). It also catches swapped units of
   // equal size in the first iteration.
   TORCH_ARG(bool, validate_execution_order) = false;
+  // The compute device (PyTorch's device_id); see Note [Compute device] in
+  // fully_sharded.cc. Set: the model's CPU parameters and buffers (outside ignored
+  // modules and ignored_states) are moved there at construction, before flattening, and
+  // a parameter or buffer already on another non-CPU device is an error naming it; a
+  // CUDA device without an index means the current CUDA device. Unset: the device of the
+  // parameters (CPU unless the model was moved). The device's handle (device_handle.h)
+  // must be linked: for CUDA, //fsdp/core:cuda_device_handle. Whether the communicator
+  // takes tensors of that device is the communicator's to say (c10d Gloo refuses what it
+  // cannot reduce, NCCL takes only CUDA tensors).
+  TORCH_ARG(c10::optional<c10::Device>, device_id);
 };
 
 namespace core_internal {
@@ -296,6 +307,9 @@ class FullyShardedRoot {
   TrainingState training_state() const;
   ShardingStrategy sharding_strategy() const;  // effective (kNoShard at world size 1)
   Communicator& communicator() const;
+  // The compute device's handle (FullyShardedDataParallelOptions::device_id): every unit's
+  // flat parameter lives on its device().
+  DeviceHandle& device_handle() const;
 
   // The root as a module (the FullyShardedDataParallelImpl itself): its named_parameters()
   // and named_buffers() carry the model's names, wrapper prefixes included.

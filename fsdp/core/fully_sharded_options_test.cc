@@ -459,5 +459,68 @@ TEST(FrozenParametersTest, AUnitMixingFrozenAndTrainedParametersIsNamed) {
       ThrowsMessage<c10::Error>(HasSubstr("[l2.weight] require grad and [l2.bias] do not")));
 }
 
+// ---- device_id (Note [Compute device]); the CUDA cases are in cuda_parity_test ----
+
+TEST(DeviceIdTest, UnsetTheParametersDeviceIsUsed) {
+  auto world = FakeWorld::create(1);
+  FullyShardedDataParallel<NetImpl> model(make_net(),
+                                          FullyShardedDataParallelOptions(world->communicator(0)));
+  EXPECT_EQ(model->device_handle().device(), c10::Device(c10::kCPU));
+  for (const at::Tensor& p : model->parameters()) EXPECT_TRUE(p.device().is_cpu());
+}
+
+TEST(DeviceIdTest, CpuDeviceIdTrainsAsWithout) {
+  const Reference want = reference<NestedImpl>(2, /*adam=*/false);
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    expect_parity_on<NestedImpl>(comm, want,
+                                 FullyShardedDataParallelOptions(comm).device_id(c10::kCPU),
+                                 /*adam=*/false);
+  });
+}
+
+TEST(DeviceIdTest, UnitsShardedAtConstructionUseTheDeviceId) {
+  auto world = FakeWorld::create(1);
+  const auto options = FullyShardedDataParallelOptions(world->communicator(0)).device_id(c10::kCPU);
+  std::shared_ptr<NetImpl> net;
+  {
+    EnableWrap scope(options, /*shard_on_construction=*/true);
+    net = make_net();
+  }
+  FullyShardedDataParallel<NetImpl> model(net, options);
+  EXPECT_EQ(model->device_handle().device(), c10::Device(c10::kCPU));
+  for (const auto& unit : model->units()) {
+    if (unit->handle() != nullptr) {
+      EXPECT_EQ(unit->handle()->device(), c10::Device(c10::kCPU));
+    }
+  }
+  model->forward(at::ones({2, 4})).sum().backward();
+  EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+}
+
+TEST(DeviceIdTest, CudaWithoutItsHandleSaysWhatToLink) {
+  auto world = FakeWorld::create(1);
+  auto net = make_net();
+  EXPECT_THAT(
+      [&] {
+        FullyShardedDataParallel<NetImpl> model(
+            net, FullyShardedDataParallelOptions(world->communicator(0))
+                     .device_id(c10::Device("cuda:0")));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("link //fsdp/core:cuda_device_handle")));
+  for (const at::Tensor& p : net->parameters()) EXPECT_TRUE(p.device().is_cpu());
+}
+
+TEST(DeviceIdTest, ATensorOnAnotherDeviceIsNamed) {
+  auto world = FakeWorld::create(1);
+  auto net = make_net();
+  net->register_buffer("stray", at::zeros({2}, at::TensorOptions().device(c10::kMeta)));
+  EXPECT_THAT(
+      [&] {
+        FullyShardedDataParallel<NetImpl> model(
+            net, FullyShardedDataParallelOptions(world->communicator(0)).device_id(c10::kCPU));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("'stray' is on meta but device_id is cpu")));
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -286,9 +286,11 @@ void RootState::validate_position(const UnitState* unit, size_t position) {
     }
     return;
   }
-  at::Tensor mine = at::full({1}, index_of(unit), at::kLong);
-  at::Tensor all = at::empty({comm_->world_size()}, at::kLong);
+  const auto on_device = at::TensorOptions().dtype(at::kLong).device(device_->device());
+  at::Tensor mine = at::full({1}, index_of(unit), on_device);
+  at::Tensor all = at::empty({comm_->world_size()}, on_device);
   comm_->all_gather_into_tensor(all, mine);
+  all = all.cpu();
   const auto* indices = all.data_ptr<int64_t>();
   std::vector<std::string> ranks;
   bool differs = false;
@@ -429,12 +431,14 @@ at::Tensor RootState::clip_grad_norm(double max_norm, double norm_type) {
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> grads;
   Communicator* shard_group = nullptr;
-  at::Tensor sharded = at::zeros({1}, at::kFloat);
-  at::Tensor replicated = at::zeros({}, at::kFloat);
+  // On the compute device, as the gradients are.
+  const auto on_device = at::TensorOptions().dtype(at::kFloat).device(device_->device());
+  at::Tensor sharded = at::zeros({1}, on_device);
+  at::Tensor replicated = at::zeros({}, on_device);
   const auto add = [&](at::Tensor& total, const at::Tensor& grad) {
     if (!grad.defined()) return;
     grads.push_back(grad);
-    const at::Tensor g = grad.detach().to(at::kFloat).abs();
+    const at::Tensor g = grad.detach().to(on_device).abs();  // ignored ones may be elsewhere
     if (g.numel() == 0) return;
     total = inf ? at::maximum(total, g.max()) : total + g.pow(norm_type).sum();
   };
@@ -452,7 +456,7 @@ at::Tensor RootState::clip_grad_norm(double max_norm, double norm_type) {
   for (const at::Tensor& param : ignored_params_) add(replicated, param.grad());
   if (shard_group != nullptr && shard_group->world_size() > 1) {
     if (inf) {
-      at::Tensor all = at::empty({shard_group->world_size()}, at::kFloat);
+      at::Tensor all = at::empty({shard_group->world_size()}, on_device);
       shard_group->all_gather_into_tensor(all, sharded);
       sharded = all.max();
     } else {
@@ -462,7 +466,8 @@ at::Tensor RootState::clip_grad_norm(double max_norm, double norm_type) {
   at::Tensor total = inf ? at::maximum(sharded.reshape({}), replicated)
                          : (sharded.reshape({}) + replicated).pow(1.0 / norm_type);
   const at::Tensor coefficient = at::clamp_max(max_norm / (total + 1e-6), 1.0);
-  for (at::Tensor& grad : grads) grad.detach().mul_(coefficient.to(grad.scalar_type()));
+  for (at::Tensor& grad : grads)
+    grad.detach().mul_(coefficient.to(grad.device(), grad.scalar_type()));
   return total;
 }
 

@@ -15,6 +15,7 @@
 #include <torch/nn/module.h>
 
 #include "fsdp/comm/communicator.h"
+#include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/training_state.h"
@@ -88,14 +89,18 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
 class RootState {
  public:
-  RootState(std::shared_ptr<Communicator> comm, ShardingStrategy strategy,
-            BackwardPrefetch backward_prefetch, bool forward_prefetch)
+  // `device`: the compute device's handle (Note [Compute device] in fully_sharded.cc),
+  // which every unit's FlatParamHandle also uses.
+  RootState(std::shared_ptr<Communicator> comm, std::shared_ptr<DeviceHandle> device,
+            ShardingStrategy strategy, BackwardPrefetch backward_prefetch, bool forward_prefetch)
       : comm_(std::move(comm)),
+        device_(std::move(device)),
         strategy_(strategy),
         backward_prefetch_(backward_prefetch),
         forward_prefetch_(forward_prefetch) {}
 
   Communicator& comm() { return *comm_; }
+  DeviceHandle& device() const { return *device_; }
   ShardingStrategy strategy() const { return strategy_; }  // the root's; units may differ
   TrainingState training_state() const { return training_state_; }
   const std::vector<std::shared_ptr<UnitState>>& units() const { return units_; }
@@ -154,6 +159,7 @@ class RootState {
   void validate_position(const UnitState* unit, size_t position);
 
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<DeviceHandle> device_;
   ShardingStrategy strategy_;
   BackwardPrefetch backward_prefetch_;
   bool forward_prefetch_;

@@ -1,0 +1,107 @@
+// The CUDA device handle: registered by linking //fsdp/core:cuda_device_handle; on a GPU,
+// storage free/reallocate returns bytes to the caching allocator (its statistics show
+// it), side streams and events order work. Cases that need a CUDA device skip without one,
+// naming why.
+#include "fsdp/core/cuda_device_handle.h"
+
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <ATen/Functions.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "fsdp/comm/nccl.h"  // cuda_device_count
+#include "fsdp/core/device_handle.h"
+
+namespace fsdp {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::ThrowsMessage;
+
+// Why there is no CUDA device, or "" if there is one.
+std::string no_gpu_reason() {
+  std::string why;
+  return cuda_device_count(&why) > 0 ? std::string() : why;
+}
+
+#define SKIP_WITHOUT_GPU()                                               \
+  do {                                                                   \
+    const std::string reason = no_gpu_reason();                          \
+    if (!reason.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << reason; \
+  } while (false)
+
+TEST(CudaDeviceHandleTest, LinkingTheTargetRegistersIt) {
+  if (!no_gpu_reason().empty()) {
+    // Registered (not the "link ..." error), but there is no device to make it for.
+    EXPECT_THAT([] { DeviceHandle::for_device(c10::Device("cuda:0")); },
+                ThrowsMessage<c10::Error>(AllOf(HasSubstr("no CUDA device is available"),
+                                                Not(HasSubstr("link //fsdp/core")))));
+    return;
+  }
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
+  EXPECT_EQ(handle->device(), c10::Device("cuda:0"));
+  EXPECT_EQ(DeviceHandle::for_device(c10::Device(c10::kCUDA))->device().type(), c10::kCUDA);
+  EXPECT_THAT([] { DeviceHandle::for_device(c10::Device(c10::kCUDA, 127)); },
+              ThrowsMessage<c10::Error>(HasSubstr("out of range")));
+}
+
+TEST(CudaDeviceHandleTest, FreeReturnsBytesToTheCachingAllocator) {
+  SKIP_WITHOUT_GPU();
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
+  at::Tensor flat = at::arange(1 << 20, at::TensorOptions().dtype(at::kFloat).device("cuda:0"));
+  at::Tensor view = flat.narrow(0, 8, 4);
+  handle->synchronize();
+  const int64_t before = handle->memory_allocated();
+  handle->reset_peak_memory_stats();
+  handle->free_storage(flat);
+  EXPECT_EQ(flat.storage().nbytes(), 0u);
+  EXPECT_EQ(handle->memory_allocated(), before - (4 << 20));  // a multiple of 512
+  EXPECT_EQ(handle->max_memory_allocated(), before);
+  handle->reset_peak_memory_stats();
+  EXPECT_EQ(handle->max_memory_allocated(), before - (4 << 20));
+  handle->reallocate_storage(flat);
+  EXPECT_EQ(flat.storage().nbytes(), size_t{4} << 20);
+  EXPECT_EQ(handle->memory_allocated(), before);
+  flat.fill_(3);
+  EXPECT_TRUE(at::equal(view.cpu(), at::full({4}, 3.0f)));
+  EXPECT_THAT([&] { handle->free_storage(at::zeros({4})); },
+              ThrowsMessage<c10::Error>(HasSubstr("expected a defined tensor on cuda:0")));
+}
+
+TEST(CudaDeviceHandleTest, SideStreamsAreOwnAndStable) {
+  SKIP_WITHOUT_GPU();
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
+  const c10::Stream unshard = handle->side_stream(kUnshardStream);
+  const c10::Stream post_backward = handle->side_stream(kPostBackwardStream);
+  EXPECT_EQ(handle->side_stream(kUnshardStream), unshard);
+  EXPECT_NE(unshard, handle->current_stream());
+  EXPECT_NE(unshard, post_backward);
+  EXPECT_EQ(unshard.device(), c10::Device("cuda:0"));
+}
+
+TEST(CudaDeviceHandleTest, EventsOrderASideStreamBeforeTheCurrentOne) {
+  SKIP_WITHOUT_GPU();
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
+  const auto options = at::TensorOptions().dtype(at::kFloat).device("cuda:0");
+  at::Tensor x = at::zeros({1 << 22}, options);
+  handle->synchronize();
+  std::unique_ptr<DeviceEvent> written;
+  {
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::CUDAStream(handle->side_stream(kUnshardStream)));
+    for (int i = 0; i < 8; ++i) x.add_(1);  // queued on the side stream
+    written = handle->record_event(handle->side_stream(kUnshardStream));
+  }
+  handle->wait_event(handle->current_stream(), *written);
+  at::Tensor y = x.mul(2);  // on the current stream, after the side stream's adds
+  written->synchronize();
+  EXPECT_TRUE(written->query());
+  handle->synchronize();
+  EXPECT_TRUE(at::equal(y.cpu(), at::full({1 << 22}, 16.0f)));
+}
+
+}  // namespace
+}  // namespace fsdp

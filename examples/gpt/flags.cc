@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "fsdp/comm/nccl.h"
 #include "fsdp/core/flat_param.h"
 
 namespace fsdp::examples {
@@ -116,6 +117,7 @@ MachineLimits this_machine() {
   MachineLimits machine;
   machine.cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
   machine.max_ranks = max_ranks_per_node();
+  machine.cuda_devices = cuda_device_count(&machine.why_no_cuda);
   std::ifstream meminfo("/proc/meminfo");
   for (std::string key; meminfo >> key;) {
     int64_t kib = 0;
@@ -136,7 +138,61 @@ double lower_bound_bytes_per_rank(const TrainerFlags& f) {
   return 16 * params + attention;
 }
 
+std::string resolve_device(const std::string& requested, int cuda_devices) {
+  return requested == "cuda" || (requested == "auto" && cuda_devices > 0) ? "cuda" : "cpu";
+}
+
+std::string resolve_mixed_precision(const std::string& requested, const std::string& device) {
+  return requested == "bf16" || (requested == "auto" && device == "cuda") ? "bf16" : "none";
+}
+
+std::vector<FlagValue> cuda_defaults(const TrainerFlags& f, int cuda_devices,
+                                     const std::function<bool(const std::string&)>& specified) {
+  std::vector<FlagValue> defaults;
+  const auto add = [&](const char* name, const std::string& value) {
+    if (!specified(name)) defaults.push_back({name, value});
+  };
+  const int world_size = specified("world_size") ? f.world_size : cuda_devices;
+  add("world_size", std::to_string(cuda_devices));
+  add("width", "768");
+  add("layers", "12");
+  add("heads", "12");
+  add("context", "256");
+  add("lr", "6e-4");
+  const int world = std::max(1, f.launched_world_size > 0 ? f.launched_world_size : world_size);
+  add("batch_size", std::to_string((64 + world - 1) / world * world));
+  add("checkpoint_interval", "600");
+  return defaults;
+}
+
 std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
+  if (f.device != "auto" && f.device != "cpu" && f.device != "cuda") {
+    return bad("device", f.device,
+               "auto (CUDA when this process sees a CUDA device, else the CPU), cpu or cuda");
+  }
+  const bool cuda = resolve_device(f.device, machine.cuda_devices) == "cuda";
+  if (cuda && machine.cuda_devices == 0) {
+    return bad("device", f.device,
+               absl::StrCat("a CUDA device, but this process sees none (",
+                            machine.why_no_cuda.empty() ? "no reason given" : machine.why_no_cuda,
+                            "); pass --device=cpu, or run where a GPU is visible"));
+  }
+  if (f.mixed_precision != "auto" && f.mixed_precision != "bf16" && f.mixed_precision != "none") {
+    return bad("mixed_precision", f.mixed_precision,
+               "auto (bf16 on CUDA, none on the CPU), bf16 or none");
+  }
+  if (!std::isfinite(f.peak_tflops) || f.peak_tflops < 0) {
+    return bad("peak_tflops", f.peak_tflops,
+               "0 (the device's peak from the table in examples/gpt/mfu.cc) or the peak "
+               "dense bf16 TFLOP/s of the device");
+  }
+  if (cuda && f.launched_world_size == 0 && f.world_size > machine.cuda_devices) {
+    return bad("world_size", f.world_size,
+               absl::StrCat("1 to ", machine.cuda_devices,
+                            " ranks with --device=cuda (one CUDA device per rank; this "
+                            "process sees ",
+                            machine.cuda_devices, ")"));
+  }
   if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > machine.max_ranks)) {
     return bad("world_size", f.world_size,
                absl::StrCat("1 to ", machine.max_ranks, " ranks on this machine (", machine.cores,
@@ -186,6 +242,7 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
     return bad("hybrid_shard_group_size", f.hybrid_shard_group_size,
                absl::StrCat("0 (the ranks of one host) or a divisor of the world size ", world));
   }
+  if (cuda) return "";  // device memory is the bound there
   const double need = lower_bound_bytes_per_rank(f);
   const int ranks_here = f.launched_world_size > 0 ? 1 : world;
   if (machine.available_bytes > 0 && need > double(machine.available_bytes) / ranks_here) {

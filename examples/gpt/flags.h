@@ -9,7 +9,9 @@
 #define FSDP_EXAMPLES_GPT_FLAGS_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "fsdp/comm/launcher.h"
 
@@ -26,7 +28,10 @@ struct TrainerFlags {
   double lr = 3e-3;
   int64_t warmup_steps = 50, log_interval = 10, eval_interval = 200, eval_batches = 8;
   int64_t sample_length = 300, checkpoint_interval = 200, timeout_s = 300;
-  int64_t vocab_size = 256;  // an upper bound before the corpus is read (bytes)
+  int64_t vocab_size = 256;              // an upper bound before the corpus is read (bytes)
+  std::string device = "auto";           // auto, cpu or cuda (Note [The compute device])
+  std::string mixed_precision = "auto";  // auto (bf16 on CUDA, none on the CPU), bf16, none
+  double peak_tflops = 0;                // 0: the table of mfu.cc
 };
 
 // What the machine allows.
@@ -34,11 +39,15 @@ struct MachineLimits {
   int cores = 1;
   int max_ranks = kMaxRanksPerCore;  // fsdp::max_ranks_per_node()
   int64_t available_bytes = 0;       // MemAvailable
+  int cuda_devices = 0;              // fsdp::cuda_device_count()
+  std::string why_no_cuda;           // the CUDA runtime's words when cuda_devices is 0
 };
 
 MachineLimits this_machine();
 
-// "" if the flags are usable on `machine`, else one line saying why not.
+// "" if the flags are usable on `machine`, else one line saying why not. On CUDA (after
+// resolve_device) a self-launched run needs a device per rank, and the host-memory bound
+// below is not checked (device memory is what runs out; the caching allocator says so).
 std::string flag_error(const TrainerFlags& flags, const MachineLimits& machine);
 
 // The trainer's path flags.
@@ -58,6 +67,44 @@ struct PathFlags {
 // behind, root is not waved through as by access(), and ranks checking at once do not
 // race.
 std::string path_flag_error(const PathFlags& flags);
+
+// Note [The compute device]
+// --device=auto trains on CUDA when this process sees a CUDA device (fsdp::
+// cuda_device_count() > 0), else on the CPU; cpu and cuda force one (cuda without a device
+// is a flag error naming the CUDA runtime's reason). On CUDA, rank r uses cuda:LOCAL_RANK
+// (torchrun's convention) through FullyShardedDataParallelOptions::device_id, the ranks
+// talk over NCCL, and --mixed_precision=auto means bf16. Flags the user did not set take
+// the CUDA defaults of cuda_defaults below (a GPT-2-small-sized model); flags given
+// always win, and the CPU defaults are TrainerFlags' own.
+
+// "cpu" or "cuda": what --device=`requested` (auto, cpu, cuda) means with
+// `cuda_devices` usable CUDA devices. Pure; call after flag_error accepted the flag.
+std::string resolve_device(const std::string& requested, int cuda_devices);
+
+// "bf16" or "none": what --mixed_precision=`requested` (auto, bf16, none) means on
+// `device` ("cpu" or "cuda"). bf16 is FSDP's MixedPrecision with param_dtype bf16 (the
+// all-gathers, forward and backward) and reduce_dtype fp32 (the gradient reduction);
+// the sharded master parameters and AdamW's state stay fp32. Pure.
+std::string resolve_mixed_precision(const std::string& requested, const std::string& device);
+
+// A flag and the value it takes.
+struct FlagValue {
+  std::string name;
+  std::string value;
+  bool operator==(const FlagValue& other) const {
+    return name == other.name && value == other.value;
+  }
+};
+
+// The CUDA defaults of the flags for which `specified(name)` is false (not given on the
+// command line), in the order to apply them: --world_size: one rank per device; --width
+// 768, --layers 12, --heads 12, --context 256 (GPT-2 small's shape, with this corpus's
+// context); --lr 6e-4 (GPT-3's 125M model, Brown et al. 2020, table 2.1); --batch_size 64
+// sequences rounded up to a multiple of the world size (the launcher's, else --world_size
+// as given or defaulted here); --checkpoint_interval 600 (a checkpoint is 1.5 GB at this
+// size). `flags` holds the values as parsed. Pure.
+std::vector<FlagValue> cuda_defaults(const TrainerFlags& flags, int cuda_devices,
+                                     const std::function<bool(const std::string&)>& specified);
 
 // Bytes one rank needs at least: AdamW model state (16 bytes a parameter, unsharded as a
 // bound) and the attention scores and probabilities every layer keeps for backward

@@ -20,7 +20,8 @@
 namespace fsdp::examples {
 namespace {
 
-const MachineLimits kMachine{/*cores=*/2, /*max_ranks=*/8, /*available_bytes=*/int64_t{20} << 30};
+const MachineLimits kMachine{/*cores=*/2, /*max_ranks=*/8, /*available_bytes=*/int64_t{20} << 30,
+                             /*cuda_devices=*/0, /*why_no_cuda=*/""};
 
 std::string error_of(void (*change)(TrainerFlags&)) {
   TrainerFlags flags;
@@ -135,6 +136,90 @@ TEST(TrainerFlagsTest, AModelThatCannotFitIsRefusedFromItsSize) {
   // 12 x 4 x 96^2 + (256 + 64) x 96 = 473,088 parameters: 7.6 MB of AdamW state, plus
   // 4 x 16 x 4 x 64^2 x 8 = 8.4 MB of attention.
   EXPECT_DOUBLE_EQ(lower_bound_bytes_per_rank(flags), 16.0 * 473088 + 8388608);
+}
+
+// The compute device (issue 18 item 4): --device is checked up front like the others.
+TEST(TrainerFlagsTest, CudaWithoutADeviceIsRefusedWithTheRuntimesReason) {
+  MachineLimits machine = kMachine;
+  machine.why_no_cuda = "cudaGetDeviceCount: cudaErrorNoDevice: no CUDA-capable device is detected";
+  TrainerFlags flags;
+  flags.device = "cuda";
+  EXPECT_EQ(flag_error(flags, machine),
+            "--device=cuda: expected a CUDA device, but this process sees none "
+            "(cudaGetDeviceCount: cudaErrorNoDevice: no CUDA-capable device is detected); "
+            "pass --device=cpu, or run where a GPU is visible");
+  flags.device = "auto";  // the CPU then
+  EXPECT_EQ(flag_error(flags, machine), "");
+  flags.device = "gpu";
+  EXPECT_EQ(flag_error(flags, machine),
+            "--device=gpu: expected auto (CUDA when this process sees a CUDA device, else the "
+            "CPU), cpu or cuda");
+  flags.device = "cpu";
+  flags.mixed_precision = "fp16";
+  EXPECT_EQ(flag_error(flags, machine),
+            "--mixed_precision=fp16: expected auto (bf16 on CUDA, none on the CPU), bf16 or "
+            "none");
+  flags.mixed_precision = "none";
+  flags.peak_tflops = -1;
+  EXPECT_EQ(flag_error(flags, machine),
+            "--peak_tflops=-1: expected 0 (the device's peak from the table in "
+            "examples/gpt/mfu.cc) or the peak dense bf16 TFLOP/s of the device");
+}
+
+TEST(TrainerFlagsTest, OnCudaEachSelfLaunchedRankNeedsADevice) {
+  MachineLimits machine = kMachine;
+  machine.cuda_devices = 1;
+  TrainerFlags flags;
+  flags.device = "cuda";
+  EXPECT_EQ(flag_error(flags, machine),
+            "--world_size=2: expected 1 to 1 ranks with --device=cuda (one CUDA device per "
+            "rank; this process sees 1)");
+  flags.world_size = 1;
+  EXPECT_EQ(flag_error(flags, machine), "");
+  // Host memory does not bound a CUDA run (this one needs far more than 20 GiB).
+  flags.context = 100000;
+  EXPECT_EQ(flag_error(flags, machine), "");
+}
+
+TEST(TrainerFlagsTest, AutoMeansCudaWhenADeviceIsSeen) {
+  EXPECT_EQ(resolve_device("auto", 0), "cpu");
+  EXPECT_EQ(resolve_device("auto", 2), "cuda");
+  EXPECT_EQ(resolve_device("cpu", 2), "cpu");
+  EXPECT_EQ(resolve_device("cuda", 2), "cuda");
+  EXPECT_EQ(resolve_mixed_precision("auto", "cuda"), "bf16");
+  EXPECT_EQ(resolve_mixed_precision("auto", "cpu"), "none");
+  EXPECT_EQ(resolve_mixed_precision("none", "cuda"), "none");
+  EXPECT_EQ(resolve_mixed_precision("bf16", "cpu"), "bf16");
+}
+
+TEST(TrainerFlagsTest, CudaDefaultsApplyOnlyToFlagsNotGiven) {
+  const auto none = [](const std::string&) { return false; };
+  EXPECT_EQ(cuda_defaults(TrainerFlags(), 1, none),
+            (std::vector<FlagValue>{{"world_size", "1"},
+                                    {"width", "768"},
+                                    {"layers", "12"},
+                                    {"heads", "12"},
+                                    {"context", "256"},
+                                    {"lr", "6e-4"},
+                                    {"batch_size", "64"},
+                                    {"checkpoint_interval", "600"}}));
+  // Given flags win; the batch is rounded up to a multiple of the world size.
+  TrainerFlags flags;
+  flags.world_size = 3;
+  flags.width = 256;
+  const auto given = [](const std::string& name) {
+    return name == "world_size" || name == "width" || name == "lr";
+  };
+  EXPECT_EQ(cuda_defaults(flags, 8, given),
+            (std::vector<FlagValue>{{"layers", "12"},
+                                    {"heads", "12"},
+                                    {"context", "256"},
+                                    {"batch_size", "66"},
+                                    {"checkpoint_interval", "600"}}));
+  // Under a launcher its world size counts; every device a rank: 8 ranks.
+  flags.launched_world_size = 5;
+  EXPECT_EQ(cuda_defaults(flags, 8, given)[3], (FlagValue{"batch_size", "65"}));
+  EXPECT_EQ(cuda_defaults(TrainerFlags(), 8, none)[6], (FlagValue{"batch_size", "64"}));
 }
 
 // The path flags (issue 15 item 1): checked before any rank starts. Before, a bad

@@ -14,6 +14,11 @@
 // from the newest complete one, on the same loss curve. Each rank logs its resident
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
+//
+// --device=auto (the default) trains on CUDA when this process sees a CUDA device, else
+// on the CPU (Note [The compute device] in flags.h): on CUDA rank r uses cuda:LOCAL_RANK
+// over NCCL with bf16 mixed precision, a GPT-2-small-sized model for the model flags not
+// given, and the progress lines add the model FLOP utilisation (mfu.h).
 #include <cerrno>
 #include <algorithm>
 #include <chrono>
@@ -31,22 +36,28 @@
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/private_handle_accessor.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
 #include "examples/gpt/flags.h"
+#include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
@@ -84,6 +95,19 @@ ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpo
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
+ABSL_FLAG(std::string, device, "auto",
+          "auto: CUDA when this process sees a CUDA device, else the CPU; cpu (Gloo); cuda "
+          "(rank r on cuda:LOCAL_RANK, NCCL; the flags not given take CUDA defaults: one rank "
+          "per device, --width=768 --layers=12 --heads=12 --context=256 --lr=6e-4 "
+          "--batch_size=64 --checkpoint_interval=600)");
+ABSL_FLAG(std::string, mixed_precision, "auto",
+          "auto (bf16 on CUDA, none on the CPU), bf16 or none; bf16: parameters all-gathered "
+          "and run in bfloat16 (param_dtype), gradients reduced in float32 (reduce_dtype), "
+          "fp32 master shards and AdamW state");
+ABSL_FLAG(double, peak_tflops, 0,
+          "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU) in the "
+          "progress lines; 0: from the device name (H200, H100 SXM: 989.4; A100: 312), else "
+          "no MFU");
 
 namespace fsdp::examples {
 namespace {
@@ -114,7 +138,45 @@ TrainerFlags flags_from_command_line() {
   f.sample_length = absl::GetFlag(FLAGS_sample_length);
   f.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
   f.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  f.device = absl::GetFlag(FLAGS_device);
+  f.mixed_precision = absl::GetFlag(FLAGS_mixed_precision);
+  f.peak_tflops = absl::GetFlag(FLAGS_peak_tflops);
   return f;
+}
+
+// Note [The compute device] (flags.h): on CUDA, the flags not given on the command line
+// (nor in a --flagfile) take their CUDA defaults. A self-launched rank runs this too, on
+// the same command line and machine, so every rank ends with the same values. Returns ""
+// or why a default could not be set (a bug).
+std::string apply_device_defaults(const MachineLimits& machine) {
+  if (machine.cuda_devices == 0 ||
+      resolve_device(absl::GetFlag(FLAGS_device), machine.cuda_devices) != "cuda") {
+    return "";
+  }
+  const auto specified = [](const std::string& name) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    // Abseil 20220623 has no public IsSpecifiedOnCommandLine; this is how its own usage
+    // code asks.
+    return flag != nullptr &&
+           absl::flags_internal::PrivateHandleAccessor::IsSpecifiedOnCommandLine(*flag);
+  };
+  for (const FlagValue& value :
+       cuda_defaults(flags_from_command_line(), machine.cuda_devices, specified)) {
+    std::string error;
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(value.name);
+    if (flag == nullptr || !flag->ParseFrom(value.value, &error)) {
+      return absl::StrCat("cannot set the CUDA default --", value.name, "=", value.value, ": ",
+                          error);
+    }
+  }
+  return "";
+}
+
+// The compute device: cuda:LOCAL_RANK or the CPU (--device is resolved by main()).
+c10::Device compute_device() {
+  if (absl::GetFlag(FLAGS_device) != "cuda") return c10::Device(c10::kCPU);
+  return c10::Device(c10::kCUDA,
+                     static_cast<c10::DeviceIndex>(read_launch_environment().local_rank));
 }
 
 ShardingStrategy parse_strategy(const std::string& name) {
@@ -149,8 +211,8 @@ double learning_rate(int64_t step) {
 }
 
 // This rank's share of global batch `index` (the same windows whatever the world size).
-std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
-                                        Communicator& comm) {
+std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index, Communicator& comm,
+                                        c10::Device device) {
   const int64_t global = absl::GetFlag(FLAGS_batch_size);
   const int64_t context = absl::GetFlag(FLAGS_context);
   TORCH_CHECK(global % comm.world_size() == 0, "--batch_size ", global,
@@ -158,7 +220,14 @@ std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
   at::manual_seed(absl::GetFlag(FLAGS_seed) * 1000003 + index);
   const at::Tensor starts = at::randint(tokens.numel() - context - 1, {global}, at::kLong);
   const int64_t local = global / comm.world_size();
-  return windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+  auto [x, y] = windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+  return {x.to(device), y.to(device)};
+}
+
+// The cross-entropy of next-token `logits` (any float dtype) against `targets`, in fp32.
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                              targets.reshape({-1}));
 }
 
 // Mean loss over ranks of `loss` (this rank's mean over an equal share).
@@ -173,11 +242,9 @@ double validation_loss(Model& model, const Corpus& corpus, Communicator& comm) {
   double sum = 0;
   const int64_t batches = absl::GetFlag(FLAGS_eval_batches);
   for (int64_t i = 0; i < batches; ++i) {
-    auto [x, y] = batch(corpus.validation, -1 - i, comm);  // fixed batches
-    at::Tensor logits = model->forward(x);
-    sum += global_mean(torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                            y.reshape({-1})),
-                       comm);
+    auto [x, y] = batch(corpus.validation, -1 - i, comm,
+                        model->device_handle().device());  // fixed batches
+    sum += global_mean(next_token_loss(model->forward(x), y), comm);
   }
   return sum / batches;
 }
@@ -189,8 +256,10 @@ std::string sample(Model& model, const Corpus& corpus) {
   at::Tensor ids = corpus.train.narrow(0, 0, 1).view({1, 1});
   for (int64_t i = 0; i < absl::GetFlag(FLAGS_sample_length); ++i) {
     const int64_t t = std::min<int64_t>(ids.size(1), context);
-    at::Tensor logits = model->forward(ids.narrow(1, ids.size(1) - t, t));
-    at::Tensor probs = at::softmax(logits.select(1, t - 1) / 0.8, -1);
+    at::Tensor logits =
+        model->forward(ids.narrow(1, ids.size(1) - t, t).to(model->device_handle().device()));
+    // Drawn on the CPU in fp32: the same text on every rank and device.
+    at::Tensor probs = at::softmax(logits.select(1, t - 1).to(at::kCPU, at::kFloat) / 0.8, -1);
     ids = at::cat({ids, at::multinomial(probs, 1)}, 1);
   }
   return corpus.decode(ids);
@@ -226,7 +295,7 @@ std::string checkpoint_dir() {
 
 // Every rank must run with the flags rank 0 has: a rank with another --steps would leave
 // the others waiting in a collective. Raises on every rank naming the first difference.
-void check_same_flags(Communicator& comm) {
+void check_same_flags(Communicator& comm, c10::Device device) {
   const TrainerFlags f = flags_from_command_line();
   const std::vector<std::pair<const char*, double>> values = {
       {"steps", double(f.steps)},
@@ -244,12 +313,15 @@ void check_same_flags(Communicator& comm) {
       {"checkpoint_interval", double(f.checkpoint_interval)},
       {"seed", double(absl::GetFlag(FLAGS_seed))},
       {"resume", double(absl::GetFlag(FLAGS_resume))},
+      {"cuda", double(f.device == "cuda")},
+      {"bf16", double(f.mixed_precision == "bf16")},
   };
   const int64_t n = static_cast<int64_t>(values.size());
   at::Tensor mine = at::empty({n}, at::kDouble);
   for (int64_t i = 0; i < n; ++i) mine.data_ptr<double>()[i] = values[i].second;
-  at::Tensor all = at::empty({n * comm.world_size()}, at::kDouble);
-  comm.all_gather_into_tensor(all, mine);
+  at::Tensor all = at::empty({n * comm.world_size()}, at::dtype(at::kDouble).device(device));
+  comm.all_gather_into_tensor(all, mine.to(device));
+  all = all.cpu();
   const double* got = all.data_ptr<double>();
   for (int r = 1; r < comm.world_size(); ++r) {
     for (int64_t i = 0; i < n; ++i) {
@@ -262,7 +334,7 @@ void check_same_flags(Communicator& comm) {
 
 // One run per out_dir: rank 0 holds an flock on OUT_DIR/.lock (with its pid in it) for
 // the run's life; every rank learns whether it got it. Returns the lock's descriptor.
-int lock_out_dir(Communicator& comm, const std::string& dir) {
+int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device) {
   int fd = -1;
   int64_t holder = 0;
   if (comm.rank() == 0) {
@@ -284,7 +356,7 @@ int lock_out_dir(Communicator& comm, const std::string& dir) {
       }
     }
   }
-  at::Tensor status = at::full({1}, holder, at::kLong);
+  at::Tensor status = at::full({1}, holder, at::dtype(at::kLong).device(device));
   comm.broadcast(status, /*root=*/0);
   holder = status.item<int64_t>();
   TORCH_CHECK(holder == 0, "--out_dir=", dir, " is in use by another run (",
@@ -362,15 +434,18 @@ int train() {
   std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
   at::set_num_threads(1);
   MemoryTracker memory;
-  // The model and its tensors stay on the CPU: Gloo on any host.
+  // On the CPU the model and its tensors stay there (Gloo on any host); on CUDA, rank r
+  // works on cuda:LOCAL_RANK over NCCL.
+  const c10::Device device = compute_device();
+  if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       init_from_environment(RendezvousOptions()
                                 .timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)))
-                                .backend(Backend::kGloo));
+                                .backend(device.is_cuda() ? Backend::kNccl : Backend::kGloo));
   const bool lead = comm->rank() == 0;
-  check_same_flags(*comm);
+  check_same_flags(*comm, device);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
-  const int lock = lock_out_dir(*comm, dir);
+  const int lock = lock_out_dir(*comm, dir, device);
   const Corpus corpus = load_fortunes(absl::GetFlag(FLAGS_data_dir));
   const int64_t context = absl::GetFlag(FLAGS_context);
   TORCH_CHECK(corpus.validation.numel() > context + 1, "--context=", context, ": the corpus in '",
@@ -391,10 +466,23 @@ int train() {
                                            .layers(absl::GetFlag(FLAGS_layers)));
   int64_t numel = 0;
   for (const auto& p : gpt->parameters()) numel += p.numel();
-  Model model(gpt, FullyShardedDataParallelOptions(comm)
-                       .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
-                       .hybrid_shard_group_size(hybrid_group_size())
-                       .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy))));
+  const bool bf16 = absl::GetFlag(FLAGS_mixed_precision) == "bf16";
+  FullyShardedDataParallelOptions options =
+      FullyShardedDataParallelOptions(comm)
+          .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
+          .hybrid_shard_group_size(hybrid_group_size())
+          .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
+          .device_id(device);
+  if (bf16) {
+    options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+  }
+  Model model(gpt, options);
+  DeviceHandle& handle = model->device_handle();
+  // Model FLOP utilisation needs the device's peak (mfu.h); the CPU has one only by flag.
+  const std::string device_name =
+      device.is_cuda() ? cuda_device_name(device.index()) : std::string("CPU");
+  const std::optional<double> peak_flops =
+      peak_bf16_flops(device.is_cuda() ? device_name : "", absl::GetFlag(FLAGS_peak_tflops));
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   if (lead) {
@@ -404,6 +492,13 @@ int train() {
         corpus.entries, corpus.train.numel(), corpus.validation.numel(), corpus.vocab_size(), numel,
         model->units().size(), comm->world_size(),
         sharding_strategy_name(model->sharding_strategy()));
+    if (device.is_cuda()) {
+      std::cout << absl::StrFormat(
+          "device: cuda:LOCAL_RANK (%s), NCCL, %s; peak bf16 %s\n", device_name,
+          bf16 ? "bf16 mixed precision (param_dtype bf16, reduce_dtype fp32)" : "fp32",
+          peak_flops ? absl::StrFormat("%.1f TFLOP/s", *peak_flops / 1e12)
+                     : std::string("unknown (pass --peak_tflops for the MFU)"));
+    }
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
   const int64_t first = maybe_resume(model, adamw, lead);  // before anything is written
@@ -425,11 +520,9 @@ int train() {
   for (int64_t step = first; step < steps; ++step) {
     const double lr = learning_rate(step);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
-    auto [x, y] = batch(corpus.train, step, *comm);
+    auto [x, y] = batch(corpus.train, step, *comm, device);
     adamw.zero_grad();
-    at::Tensor logits = model->forward(x);
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                           y.reshape({-1}));
+    at::Tensor loss = next_token_loss(model->forward(x), y);
     loss.backward();
     adamw.step();
     const double train_loss = global_mean(loss, *comm);
@@ -448,7 +541,8 @@ int train() {
     }
     if (log) {
       memory_csv << absl::StrFormat("%d,%.2f,%.2f,%.2f\n", step + 1, resident_bytes() / 1e6,
-                                    memory_allocated() / 1e6, max_memory_allocated() / 1e6)
+                                    handle.memory_allocated() / 1e6,
+                                    handle.max_memory_allocated() / 1e6)
                  << std::flush;
     }
     if (!lead) continue;
@@ -459,9 +553,13 @@ int train() {
                            eval ? absl::StrFormat("%.7f", val) : "", lr, tokens_per_s)
         << std::flush;  // a killed run keeps every row up to its last progress line
     if (log) {
-      std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | ETA %.0f s\n",
-                                   step + 1, steps, train_loss, lr, tokens_per_s,
-                                   seconds / (step + 1 - first) * (steps - step - 1));
+      std::cout << absl::StrFormat(
+          "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s | ETA %.0f s\n", step + 1, steps,
+          train_loss, lr, tokens_per_s,
+          peak_flops ? absl::StrFormat(" | MFU %.1f%%", 100 * model_flops_utilization(
+                                                                  numel, tokens_per_s, *peak_flops))
+                     : std::string(),
+          seconds / (step + 1 - first) * (steps - step - 1));
     }
     if (eval) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, val);
   }
@@ -469,10 +567,13 @@ int train() {
   int64_t sent = 0;
   for (Communicator* c : communicators) sent += c->counters().total().bytes_sent;
   const double per_step = double(sent) / std::max<int64_t>(1, steps - first);
-  at::Tensor mine = at::tensor({double(max_memory_allocated()), per_step}, at::kDouble);
-  at::Tensor all = at::empty({2 * comm->world_size()}, at::kDouble);
+  at::Tensor mine =
+      at::tensor({double(handle.max_memory_allocated()), per_step}, at::kDouble).to(device);
+  at::Tensor all = at::empty({2 * comm->world_size()}, at::dtype(at::kDouble).device(device));
   comm->all_gather_into_tensor(all, mine);
-  const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+  all = all.cpu();
+  const StateDict full = full_state_dict(
+      *model, FullStateDictOptions().rank0_only(true).offload_to_cpu(device.is_cuda()));
   if (lead) save_state_dict(full, dir + "/model.pt");
   const std::string text = absl::GetFlag(FLAGS_sample_length) > 0 ? sample(model, corpus) : "";
   if (!lead) return 0;
@@ -496,8 +597,11 @@ int train() {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   // Every flag is checked before a rank starts or a file is touched.
-  std::string error = fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(),
-                                                 fsdp::examples::this_machine());
+  const fsdp::examples::MachineLimits machine = fsdp::examples::this_machine();
+  std::string error = fsdp::examples::apply_device_defaults(machine);
+  if (error.empty()) {
+    error = fsdp::examples::flag_error(fsdp::examples::flags_from_command_line(), machine);
+  }
   if (error.empty()) {
     error = fsdp::examples::path_flag_error({absl::GetFlag(FLAGS_out_dir),
                                              absl::GetFlag(FLAGS_checkpoint_dir),
@@ -507,6 +611,12 @@ int main(int argc, char** argv) {
     std::cerr << "train: " << error << "\n";
     return 2;
   }
+  // From here on --device is cpu or cuda and --mixed_precision bf16 or none.
+  absl::SetFlag(&FLAGS_device,
+                fsdp::examples::resolve_device(absl::GetFlag(FLAGS_device), machine.cuda_devices));
+  absl::SetFlag(&FLAGS_mixed_precision,
+                fsdp::examples::resolve_mixed_precision(absl::GetFlag(FLAGS_mixed_precision),
+                                                        absl::GetFlag(FLAGS_device)));
   if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
     return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }

@@ -398,6 +398,9 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
       optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
   Communicator& comm = model.communicator();
   const int rank = comm.rank();
+  // The bookkeeping collectives below run on the compute device (NCCL takes only CUDA
+  // tensors); their results are read on the CPU.
+  const at::TensorOptions on_device = at::dtype(at::kLong).device(model.device_handle().device());
   const std::vector<Item> items = items_of(model, model_state, optim_state);
   const fs::path target = fs::absolute(dir).lexically_normal();
   // A partial directory of this save's own (rank 0's pid and save count), so that saves
@@ -405,14 +408,14 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
   // checkpoint, the last one wins.
   static std::atomic<int64_t> saves{0};
   at::Tensor token =
-      at::scalar_tensor(int64_t{getpid()} << 24 | (saves++ & 0xffffff), at::kLong).reshape({1});
+      at::scalar_tensor(int64_t{getpid()} << 24 | (saves++ & 0xffffff), on_device).reshape({1});
   comm.broadcast(token, /*root=*/0);
   const fs::path partial = target.parent_path() / absl::StrCat(".", target.filename().string(),
                                                                ".partial-", token.item<int64_t>());
 
   // Every rank learns whether every other rank succeeded, so none waits for a dead one.
   auto all_ok = [&](bool ok, const std::string& step, const std::string& error) {
-    at::Tensor flag = at::scalar_tensor(ok ? 1 : 0, at::kLong).reshape({1});
+    at::Tensor flag = at::scalar_tensor(ok ? 1 : 0, on_device).reshape({1});
     comm.all_reduce(flag, ReduceOp::kSum);
     TORCH_CHECK(ok, "save_sharded_checkpoint: ", step, " failed on rank ", rank, ": ", error);
     TORCH_CHECK(flag.item<int64_t>() == comm.world_size(), "save_sharded_checkpoint: ", step,
@@ -445,7 +448,7 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
       if (!items[i].written) continue;
       m[3 + 2 * i] = t.offset;
       m[4 + 2 * i] = t.local.numel();
-      pieces.insert(items[i].key, t.local.contiguous());
+      pieces.insert(items[i].key, t.local.to(at::kCPU).contiguous());
     }
     const std::vector<char> bytes = compat::save_torch_archive(pieces);
     write_file_durably((partial / rank_file(rank)).string(), bytes);
@@ -455,8 +458,9 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
   } catch (const std::exception& e) {
     error = e.what();
   }
-  at::Tensor all = at::empty({static_cast<int64_t>(stride) * comm.world_size()}, at::kLong);
-  comm.all_gather_into_tensor(all, mine);
+  at::Tensor all = at::empty({static_cast<int64_t>(stride) * comm.world_size()}, on_device);
+  comm.all_gather_into_tensor(all, mine.to(on_device.device()));
+  all = all.cpu();
   const int64_t* a = all.data_ptr<int64_t>();
   std::string failed;
   for (int r = 0; r < comm.world_size(); ++r) {

@@ -14,6 +14,14 @@ False, no_shard = DDP. AdamW(lr, weight_decay=0.01), fp32, constant learning rat
 intra-op thread per rank. tests/pytorch_interop.py imports its Gpt. gpt_fsdp.cc's file
 comment defines the batches and every JSON field; "peak_allocated_mb" is absent here
 because PyTorch counts no CPU allocations.
+
+On a GPU (issue 18 item 6; tools/gpu_bundle_run.sh runs it at W = 1 with the torchrun
+variables set by hand): `--device cuda` puts rank r on cuda:LOCAL_RANK with NCCL, and
+`--mixed_precision bf16` gives fully_shard MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32), as gpt_fsdp.cc's --mixed_precision=bf16. Each step then ends with
+torch.cuda.synchronize(); "peak_allocated_mb" is torch.cuda.max_memory_allocated() (reset
+just before the first step), and "device", "device_name", "mixed_precision" and
+"parameters" are added.
 """
 
 import argparse
@@ -27,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -64,7 +72,7 @@ class Gpt(nn.Module):
         self.norm = nn.LayerNorm(width)
 
     def forward(self, tokens):
-        x = self.token(tokens) + self.position(torch.arange(tokens.size(1)))
+        x = self.token(tokens) + self.position(torch.arange(tokens.size(1), device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.norm(x) @ self.token.weight.t()
@@ -88,13 +96,22 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup_steps", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--mixed_precision", default="none", choices=["none", "bf16"])
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     init = torch.load(os.path.join(args.data, "init.pt"))
-    tokens = torch.load(os.path.join(args.data, "batches.pt"))["tokens"]
+    tokens = torch.load(os.path.join(args.data, "batches.pt"))["tokens"].to(device)
     steps, batch, context = tokens.size(0), tokens.size(1), tokens.size(2) - 1
     if batch % world:
         raise SystemExit(f"the prepared batch of {batch} sequences does not split evenly "
@@ -103,15 +120,21 @@ def main():
     vocab, width = init["token.weight"].shape
     model = Gpt(vocab, init["position.weight"].size(0), width, args.heads, layers)
     model.load_state_dict(init)
+    model.to(device)
+    parameters = sum(p.numel() for p in model.parameters())
     if args.strategy == "no_shard":
         model = DistributedDataParallel(model)
         side = "ddp"
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         reshard = args.strategy == "full_shard"
+        mp_policy = MixedPrecisionPolicy()
+        if args.mixed_precision == "bf16":
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                             reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
         side = "fsdp2"
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
@@ -121,14 +144,20 @@ def main():
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # VmHWM := VmRSS
     start_rss = status_mb("VmRSS")
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(steps):
         rows = tokens[step, rank * local:(rank + 1) * local]
         begin = time.perf_counter()
         adamw.zero_grad()
         logits = model(rows[:, :context])
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                               rows[:, 1:].reshape(-1))
         loss.backward()
         adamw.step()
+        if cuda:
+            torch.cuda.synchronize(device)
         step_ms.append((time.perf_counter() - begin) * 1e3)
         mean = loss.detach().reshape(1).clone()
         dist.all_reduce(mean)  # Gloo has no AVG
@@ -141,6 +170,12 @@ def main():
             "tokens_per_s": (steps - warmup) * batch * context / (sum(step_ms[warmup:]) / 1e3),
             "peak_rss_mb": status_mb("VmHWM"), "start_rss_mb": start_rss,
         }
+        if cuda:
+            result.update({
+                "peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 1e6,
+                "device": str(device), "device_name": torch.cuda.get_device_name(device),
+                "mixed_precision": args.mixed_precision, "parameters": parameters,
+            })
         with open(args.out, "w") as out:
             json.dump(result, out)
     dist.barrier()

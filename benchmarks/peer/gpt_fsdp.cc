@@ -22,20 +22,40 @@
 // current RSS by /proc/self/clear_refs just before the first step), "start_rss_mb" (the
 // RSS at that reset), "peak_allocated_mb" (fsdp's tracking allocator: the most bytes of
 // CPU tensors held during training; PyTorch has no such counter on the CPU).
+//
+// On a GPU (issue 18 item 6; tools/gpu_bundle_run.sh runs it at W = 1 on cuda:0):
+//   gpt_fsdp --data=DIR --heads=12 --device=cuda --mixed_precision=bf16 --out=ours.json
+//   gpt_fsdp --data=DIR --heads=12 --device=cuda --mixed_precision=bf16 --mode=plain ...
+// --device=cuda puts rank r on cuda:LOCAL_RANK with NCCL (FullyShardedDataParallelOptions::
+// device_id); --mixed_precision=bf16 is FSDP's param_dtype bf16, reduce_dtype fp32 (fp32
+// master shards and AdamW state), as FSDP2's MixedPrecisionPolicy in fsdp2_gpt.py.
+// --mode=plain trains the same GptImpl without FSDP (one rank, no communicator): the
+// model moved to the device, bf16 by LibTorch's autocast (which keeps LayerNorm and the
+// softmax-like ops in fp32). Each step then ends with a device synchronisation, so that
+// step_ms is the device's time. On CUDA, "peak_allocated_mb" is the caching allocator's
+// peak (DeviceHandle::max_memory_allocated, PyTorch's torch.cuda.max_memory_allocated),
+// reset just before the first step; the JSON adds "device", "device_name", "mode",
+// "mixed_precision", "parameters", "peak_flops" (the device's dense bf16 peak, from
+// examples/gpt/mfu.cc or --peak_tflops; null if unknown) and "mfu" (6 x parameters x
+// tokens_per_s / peak_flops; null if unknown).
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
@@ -46,8 +66,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "examples/gpt/corpus.h"
+#include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
@@ -68,6 +90,14 @@ ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the batch offsets (prepa
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes (prepare)");
 ABSL_FLAG(double, lr, 1e-3, "AdamW learning rate (train)");
 ABSL_FLAG(int64_t, warmup_steps, 3, "steps left out of tokens_per_s (train)");
+ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda: rank r on cuda:LOCAL_RANK over NCCL (train)");
+ABSL_FLAG(std::string, mode, "fsdp", "fsdp, or plain: LibTorch without FSDP, one rank (train)");
+ABSL_FLAG(std::string, mixed_precision, "none",
+          "none (fp32), or bf16: param_dtype bf16 and reduce_dtype fp32 under FSDP, "
+          "autocast to bf16 in plain mode (train)");
+ABSL_FLAG(double, peak_tflops, 0,
+          "the device's peak dense bf16 TFLOP/s for the MFU; 0: examples/gpt/mfu.cc's table "
+          "(train)");
 
 namespace fsdp::examples {
 namespace {
@@ -127,12 +157,30 @@ double status_mb(const std::string& field) {
 int train(const std::string& dir) {
   at::set_num_threads(1);
   MemoryTracker memory;
+  const std::string device_flag = absl::GetFlag(FLAGS_device);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  const std::string precision = absl::GetFlag(FLAGS_mixed_precision);
+  TORCH_CHECK(device_flag == "cpu" || device_flag == "cuda", "--device must be cpu or cuda, got '",
+              device_flag, "'");
+  TORCH_CHECK(mode == "fsdp" || mode == "plain", "--mode must be fsdp or plain, got '", mode, "'");
+  TORCH_CHECK(precision == "none" || precision == "bf16",
+              "--mixed_precision must be none or bf16, got '", precision, "'");
+  const LaunchEnvironment env = read_launch_environment();
+  TORCH_CHECK(mode == "fsdp" || env.world_size == 1,
+              "--mode=plain trains one rank without FSDP; run it with WORLD_SIZE 1, not ",
+              env.world_size);
+  const c10::Device device =
+      device_flag == "cuda" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
+                            : c10::Device(c10::kCPU);
+  if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions().backend(Backend::kGloo));
+      mode == "fsdp" ? init_from_environment(RendezvousOptions().backend(
+                           device.is_cuda() ? Backend::kNccl : Backend::kGloo))
+                     : nullptr;
   const StateDict init = load_state_dict(dir + "/init.pt");
-  const at::Tensor tokens = load_state_dict(dir + "/batches.pt")["tokens"];
+  const at::Tensor tokens = load_state_dict(dir + "/batches.pt")["tokens"].to(device);
   const int64_t steps = tokens.size(0), batch = tokens.size(1), context = tokens.size(2) - 1;
-  const int world = comm->world_size(), rank = comm->rank();
+  const int world = env.world_size, rank = env.rank;
   TORCH_CHECK(batch % world == 0, "the prepared batch of ", batch,
               " sequences does not split evenly over ", world, " ranks");
   int64_t layers = 0;
@@ -144,32 +192,61 @@ int train(const std::string& dir) {
                                            .heads(absl::GetFlag(FLAGS_heads))
                                            .layers(layers));
   load_module_state_dict(*gpt, init);
-  FullyShardedDataParallel<GptImpl> model(gpt,
-                                          FullyShardedDataParallelOptions(comm).sharding_strategy(
-                                              parse_strategy(absl::GetFlag(FLAGS_strategy))));
-  torch::optim::AdamW adamw(model->parameters(),
+  int64_t parameters = 0;
+  for (const at::Tensor& p : gpt->parameters()) parameters += p.numel();
+  const bool bf16 = precision == "bf16";
+  // The model a step runs: FSDP's root, or the GptImpl itself (plain).
+  std::optional<FullyShardedDataParallel<GptImpl>> fsdp_model;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<at::Tensor> trained;
+  if (mode == "fsdp") {
+    FullyShardedDataParallelOptions options =
+        FullyShardedDataParallelOptions(comm)
+            .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_strategy)))
+            .device_id(device);
+    if (bf16) {
+      options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+    }
+    fsdp_model.emplace(gpt, options);
+    forward = [&](const at::Tensor& x) { return (*fsdp_model)->forward(x); };
+    trained = (*fsdp_model)->parameters();
+  } else {
+    gpt->to(device);
+    forward = [&](const at::Tensor& x) { return gpt->forward(x); };
+    trained = gpt->parameters();
+    if (bf16) {
+      at::autocast::set_autocast_dtype(device.type(), at::kBFloat16);
+      at::autocast::set_autocast_enabled(device.type(), true);
+    }
+  }
+  torch::optim::AdamW adamw(trained,
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr)).weight_decay(0.01));
+  const std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(device);
 
   std::vector<double> losses, step_ms;
   const int64_t local = batch / world;
-  comm->barrier();
+  if (comm != nullptr) comm->barrier();
   std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
   const double start_rss = status_mb("VmRSS");
-  reset_peak_memory_stats();
+  handle->synchronize();
+  handle->reset_peak_memory_stats();
   for (int64_t step = 0; step < steps; ++step) {
     const at::Tensor rows = tokens[step].narrow(0, rank * local, local);
     const auto begin = std::chrono::steady_clock::now();
     adamw.zero_grad();
-    const at::Tensor logits = model->forward(rows.narrow(1, 0, context));
-    at::Tensor loss = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}), rows.narrow(1, 1, context).reshape({-1}));
+    const at::Tensor logits = forward(rows.narrow(1, 0, context));
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                             rows.narrow(1, 1, context).reshape({-1}));
     loss.backward();
     adamw.step();
+    at::autocast::clear_cache();  // plain bf16: the weights' bf16 copies are stale now
+    handle->synchronize();        // the step's kernels are done (CPU: nothing to wait for)
     step_ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
             .count());
     at::Tensor mean = loss.detach().reshape({1}).clone();
-    comm->all_reduce(mean, ReduceOp::kAvg);
+    if (comm != nullptr) comm->all_reduce(mean, ReduceOp::kAvg);
     losses.push_back(mean.item<double>());
   }
   if (rank != 0) return 0;
@@ -179,14 +256,28 @@ int train(const std::string& dir) {
   const auto number = [](std::string* s, double v) {
     absl::StrAppend(s, absl::StrFormat("%.9g", v));
   };
+  const double tokens_per_s = (steps - warmup) * batch * context / (timed_ms / 1e3);
+  const std::string device_name = device.is_cuda() ? cuda_device_name(device.index()) : "CPU";
+  const std::optional<double> peak =
+      peak_bf16_flops(device.is_cuda() ? device_name : "", absl::GetFlag(FLAGS_peak_tflops));
+  const auto or_null = [](const std::optional<double>& v) {
+    return v ? absl::StrFormat("%.9g", *v) : std::string("null");
+  };
   std::ofstream out(absl::GetFlag(FLAGS_out));
-  out << "{\"side\": \"fsdp\", \"strategy\": \"" << absl::GetFlag(FLAGS_strategy)
-      << "\", \"world_size\": " << world << ", \"width\": " << gpt->options.width()
-      << ",\n \"losses\": [" << absl::StrJoin(losses, ", ", number) << "],\n \"step_ms\": ["
-      << absl::StrJoin(step_ms, ", ", number)
-      << "],\n \"tokens_per_s\": " << (steps - warmup) * batch * context / (timed_ms / 1e3)
+  out << "{\"side\": \"" << (mode == "fsdp" ? "fsdp" : "plain") << "\", \"strategy\": \""
+      << absl::GetFlag(FLAGS_strategy) << "\", \"world_size\": " << world
+      << ", \"width\": " << gpt->options.width() << ",\n \"losses\": ["
+      << absl::StrJoin(losses, ", ", number) << "],\n \"step_ms\": ["
+      << absl::StrJoin(step_ms, ", ", number) << "],\n \"tokens_per_s\": " << tokens_per_s
       << ", \"peak_rss_mb\": " << status_mb("VmHWM") << ", \"start_rss_mb\": " << start_rss
-      << ", \"peak_allocated_mb\": " << max_memory_allocated() / 1e6 << "}\n";
+      << ", \"peak_allocated_mb\": " << handle->max_memory_allocated() / 1e6 << ",\n \"device\": \""
+      << device.str() << "\", \"device_name\": \"" << device_name << "\", \"mode\": \"" << mode
+      << "\", \"mixed_precision\": \"" << precision << "\", \"parameters\": " << parameters
+      << ", \"peak_flops\": " << or_null(peak) << ", \"mfu\": "
+      << or_null(
+             peak ? std::optional<double>(model_flops_utilization(parameters, tokens_per_s, *peak))
+                  : std::nullopt)
+      << "}\n";
   TORCH_CHECK(out.good(), "could not write --out='", absl::GetFlag(FLAGS_out), "'");
   return 0;
 }

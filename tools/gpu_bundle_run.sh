@@ -10,8 +10,16 @@
 # every bundled test binary (tests.tsv) under one deadline (7.5 minutes in all), prints a
 # line per binary, the reasons of skipped cases, then "K skipped" and, last,
 # "N passed, M failed" counting GoogleTest cases (a skipped case is not a pass; a case
-# that crashed, timed out or never ran is a failure). Without a CUDA device a last line
-# says so. Logs go to .gpu_bundle/logs/.
+# that crashed, timed out or never ran is a failure). Then, with a CUDA device, the GPT
+# on the GPU (issue 18): a 30-step training run of examples/gpt (bin/examples/gpt/train,
+# one rank on cuda:0, its CUDA defaults: a GPT-2-small-sized model in bf16; it passes if
+# the validation loss falls) and the side by side at W = 1 on cuda:0 of the same GPT
+# (width 768, 12 layers, 12 heads, context 256, bf16, batch 32, from the same weights on
+# the same batches) trained by fsdp (bin/benchmarks/gpt_fsdp), by plain LibTorch without
+# FSDP (gpt_fsdp --mode=plain, autocast bf16) and by PyTorch FSDP2 eager
+# (peer/fsdp2_gpt.py): tokens/s, peak memory (the caching allocator's), MFU and the
+# ratios ours/FSDP2 and ours/plain. Each failed run counts as one failure in the last
+# line. Without a CUDA device a last line says so. Logs go to .gpu_bundle/logs/.
 # Exit status: 0 every case passed with a device; 1 a failure; 2 nothing failed but no
 # CUDA device was found (the GPU cases were skipped); 3 no usable torch 2.11.
 set -uo pipefail
@@ -129,8 +137,107 @@ while IFS=$'\t' read -r label rel; do
   skipped=$((skipped + skip))
 done <"$here/tests.tsv"
 
-echo "training run: none in this bundle: examples/gpt trains on the CPU only (it has no" \
-     "device option yet, though FullyShardedDataParallelOptions::device_id exists)"
+# --- the GPT on the GPU (issue 18 items 4 and 6) ---------------------------------------
+# One rank of `command` at W = 1 under the torchrun variables (a fresh port each).
+run_rank0() {
+  local port
+  port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    timeout --kill-after=10 "$@"
+}
+
+# Runs `name` with a time limit of at most `cap` seconds of what is left of the budget;
+# prints FAILED with the log's last lines (and counts a failure) unless it exits 0.
+gpu_step() {
+  local name=$1 cap=$2 log="$logs/gpu_$1.log"
+  shift 2
+  local left=$((deadline - SECONDS))
+  if ((left < 20)); then
+    echo "  $name: FAILED: not run, the ${BUDGET_S} s budget is spent"
+    failed=$((failed + 1))
+    return 1
+  fi
+  ((left > cap)) && left=$cap
+  local start=$SECONDS
+  "$@" "$left" >"$log" 2>&1
+  local rc=$?
+  if ((rc != 0)); then
+    echo "  $name: FAILED (exit $rc$( ((rc == 124 || rc == 137)) && echo ", killed after $left s"))"
+    tail -15 "$log" | sed 's/^/      /'
+    failed=$((failed + 1))
+    return 1
+  fi
+  echo "  $name: ok ($((SECONDS - start)) s)"
+}
+
+if ((devices > 0)); then
+  gpu=$TEST_TMPDIR/gpu
+  mkdir -p "$gpu"
+  echo "GPT on the GPU:"
+  train_run() {
+    timeout --kill-after=10 "$1" "$here/bin/examples/gpt/train" --world_size=1 --steps=30 \
+      --eval_interval=30 --eval_batches=2 --checkpoint_interval=30 --sample_length=0 \
+      --data_dir="$here/fortunes" --out_dir="$gpu/train" --timeout_s=120
+  }
+  if gpu_step training_run 150 train_run; then
+    log="$logs/gpu_training_run.log"
+    grep -E '^(model|device):|^step 30/|validation loss' "$log" | sed 's/^/      /'
+    first=$(sed -n 's/^step 0: validation loss //p' "$log")
+    last=$(sed -n 's/^step 30: validation loss //p' "$log")
+    if ! awk -v a="$first" -v b="$last" 'BEGIN { exit !(a != "" && b != "" && b < a) }'; then
+      echo "  training run: FAILED: the validation loss did not fall ($first at step 0, $last at step 30)"
+      failed=$((failed + 1))
+    fi
+  fi
+  peer=$gpu/peer
+  mkdir -p "$peer"
+  prepare() {
+    timeout --kill-after=10 "$1" "$here/bin/benchmarks/gpt_fsdp" --prepare="$peer" --width=768 \
+      --layers=12 --heads=12 --context=256 --batch_size=32 --steps=25 --data_dir="$here/fortunes"
+  }
+  side() {  # fsdp | plain | fsdp2, then the time limit
+    local out="$peer/$1.json"
+    case $1 in
+      fsdp2) run_rank0 "$2" "$python" "$here/peer/fsdp2_gpt.py" --data="$peer" --heads=12 \
+               --device=cuda --mixed_precision=bf16 --warmup_steps=5 --out="$out" ;;
+      *) run_rank0 "$2" "$here/bin/benchmarks/gpt_fsdp" --data="$peer" --heads=12 \
+           --device=cuda --mixed_precision=bf16 --warmup_steps=5 --mode="$1" \
+           --out="$out" ;;
+    esac
+  }
+  side_fsdp() { side fsdp "$1"; }
+  side_plain() { side plain "$1"; }
+  side_fsdp2() { side fsdp2 "$1"; }
+  if gpu_step side_by_side_prepare 90 prepare &&
+     gpu_step side_by_side_fsdp 90 side_fsdp &&
+     gpu_step side_by_side_plain 90 side_plain &&
+     gpu_step side_by_side_fsdp2 90 side_fsdp2; then
+    "$python" - "$peer" <<'PY' || { echo "  side by side: FAILED: cannot read the results"; failed=$((failed + 1)); }
+import json, os, sys
+runs = {n: json.load(open(os.path.join(sys.argv[1], n + ".json"))) for n in ("fsdp", "plain", "fsdp2")}
+ours = runs["fsdp"]
+steps = len(ours["losses"])
+print(f"  side by side, W = 1 on {ours['device']} ({ours['device_name']}): GPT of "
+      f"{ours['parameters'] / 1e6:.1f} M parameters (width {ours['width']}), bf16, "
+      f"{steps} steps of 32 x 256 tokens, the first 5 untimed")
+# Each run's MFU is ours scaled by its tokens/s: the same model, tokens and peak.
+for name, label in (("fsdp", "fsdp"), ("plain", "plain LibTorch"), ("fsdp2", "PyTorch FSDP2")):
+    r = runs[name]
+    mfu = ("MFU %.1f%%" % (100 * ours["mfu"] * r["tokens_per_s"] / ours["tokens_per_s"])
+           if ours["mfu"] is not None else "MFU unknown (no peak for this device)")
+    print(f"    {label:15s} {r['tokens_per_s']:>11,.0f} tokens/s  peak {r['peak_allocated_mb']:>8,.0f} MB"
+          f"  {mfu}  loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+for other, label in (("fsdp2", "FSDP2"), ("plain", "plain")):
+    r = runs[other]
+    print(f"    ours/{label}: {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s, "
+          f"{ours['peak_allocated_mb'] / r['peak_allocated_mb']:.2f}x peak memory")
+PY
+  fi
+else
+  echo "GPT on the GPU: not run (no CUDA device): a 30-step training run of examples/gpt and" \
+       "the side by side of fsdp, plain LibTorch and PyTorch FSDP2 (benchmarks/peer)"
+fi
+
 echo "$skipped skipped (not counted as passed)"
 echo "$passed passed, $failed failed"
 if ((devices == 0)); then

@@ -9,6 +9,10 @@
 # tag a new one and it is bundled), built with --config=gpu: optimised, with our code,
 # Abseil and GoogleTest linked in and no run path into this machine's torch; run.sh
 # (tools/gpu_bundle_run.sh), tests.tsv (label and binary of each test) and BUILD_INFO.
+# For the GPT on the GPU that run.sh runs after the tests (issue 18), also the trainer
+# (bin/examples/gpt/train), benchmarks/peer's two sides (bin/benchmarks/gpt_fsdp and
+# peer/fsdp2_gpt.py) and the text they train on (fortunes/: this machine's Debian fortune
+# files, 2.5 MB).
 # LibTorch, NCCL and the CUDA runtime are the GPU machine's own, found through its
 # python3. The build fails if a binary needs a shared library that neither the C/C++
 # runtime nor the torch wheel provides, or if the bundle is over 64 MiB.
@@ -34,7 +38,8 @@ if ((${#targets[@]} == 0)); then
   echo "gpu_check: no test is tagged \"gpu\"" >&2
   exit 1
 fi
-bazel build --config=gpu "${targets[@]}"
+readonly GPT_BINARIES=(//examples/gpt:train //benchmarks:gpt_fsdp)
+bazel build --config=gpu "${targets[@]}" "${GPT_BINARIES[@]}"
 bin_dir=$(bazel info --config=gpu bazel-bin 2>/dev/null)
 
 # What a bundled binary may load: the C and C++ runtime of the GPU machine, and the
@@ -47,7 +52,9 @@ readonly SYSTEM_LIBS='^((libc|libm|libdl|librt|libpthread|libgcc_s)\.so\.[0-9]+|
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin"
 status=0
-for label in "${targets[@]}"; do
+# Copies the binary of `label` to bin/PACKAGE/NAME and checks the libraries it needs.
+bundle_binary() {
+  local label=$1 path lib
   path=${label#//}
   path=${path/://}
   mkdir -p "$(dirname "$BUNDLE/bin/$path")"
@@ -59,9 +66,18 @@ for label in "${targets[@]}"; do
       status=1
     fi
   done < <(readelf -d "$BUNDLE/bin/$path" | sed -n 's/.*Shared library: \[\(.*\)\]$/\1/p')
-  printf '%s\tbin/%s\n' "$label" "$path" >>"$BUNDLE/tests.tsv"
+}
+for label in "${targets[@]}"; do
+  bundle_binary "$label"
+  path=${label#//}
+  printf '%s\tbin/%s\n' "$label" "${path/://}" >>"$BUNDLE/tests.tsv"
 done
+for label in "${GPT_BINARIES[@]}"; do bundle_binary "$label"; done
 install -m 755 tools/gpu_bundle_run.sh "$BUNDLE/run.sh"
+mkdir -p "$BUNDLE/peer" "$BUNDLE/fortunes"
+install -m 644 benchmarks/peer/fsdp2_gpt.py "$BUNDLE/peer/"
+# The fortune files as load_fortunes reads them (no .dat indexes, no .u8 copies).
+find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' -exec install -m 644 {} "$BUNDLE/fortunes/" \;
 
 # The newest glibc and libstdc++ symbol versions the binaries use: the GPU machine's C
 # and C++ runtime must be at least as new.
@@ -80,5 +96,5 @@ if ((bytes > MAX_BYTES)); then
   status=1
 fi
 ((status == 0)) || exit "$status"
-echo "gpu_check: wrote $BUNDLE: ${#targets[@]} test binaries, $(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }') MiB;" \
+echo "gpu_check: wrote $BUNDLE: ${#targets[@]} test binaries, the GPT trainer and side by side, $(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }') MiB;" \
      "copy it to a machine with an NVIDIA GPU and torch 2.11 and run: bash $BUNDLE/run.sh"

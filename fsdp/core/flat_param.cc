@@ -178,10 +178,43 @@ void FlatParamHandle::check_not_in(FlatParamState state, const char* call) const
                   : "");
 }
 
+// Note [Out of memory while unsharding]
+// The unsharded flat parameter is the one large allocation FSDP makes per unit (padded_numel
+// elements: a whole unit, where the shard is 1 / W of it), so it is where a model that does
+// not fit runs out of device memory. The allocator's error (c10::OutOfMemoryError, e.g. the
+// CUDA caching allocator's "CUDA out of memory. Tried to allocate ...") names neither the
+// unit nor the remedy, so the handle rethrows it as a c10::OutOfMemoryError (a c10::Error;
+// PyTorch's torch.OutOfMemoryError) naming the unit's parameters, the bytes asked for and
+// the bytes free on the device (DeviceHandle::memory_free), and the three remedies. The
+// allocation comes before any state change or collective, so the handle stays in the
+// state it was in (kSharded for unshard) and a later call may retry; every rank that runs
+// out of memory fails before the all-gather, and a rank that does not waits in it until the
+// communicator's timeout.
+void FlatParamHandle::throw_out_of_memory(const c10::OutOfMemoryError& error, const char* what,
+                                          c10::ScalarType dtype) const {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "FlatParamHandle of '", infos_.front().fqn, "' (",
+                   infos_.size(), " parameters): ", what, " needs ",
+                   padded_numel_ * static_cast<int64_t>(c10::elementSize(dtype)), " bytes on ",
+                   device(), " for the unsharded flat parameter (", padded_numel_, " elements of ",
+                   dtype, ") and the device is out of memory (", device_->memory_free(),
+                   " bytes free). To fit, make the unit smaller (a wrap policy that puts fewer "
+                   "parameters in each unit), shard over more ranks (a larger world size), or "
+                   "unshard in a smaller dtype (MixedPrecision::param_dtype). Allocator: ",
+                   error.msg());
+}
+
+void FlatParamHandle::reallocate_unsharded(const char* what) {
+  try {
+    device_->reallocate_storage(unsharded_flat_);
+  } catch (const c10::OutOfMemoryError& error) {
+    throw_out_of_memory(error, what, param_dtype_);  // See Note [Out of memory while unsharding]
+  }
+}
+
 void FlatParamHandle::prefetch() {
   check_not_in(FlatParamState::kUnshardedFullPrecision, "unshard()");
   if (state_ != FlatParamState::kSharded) return;
-  device_->reallocate_storage(unsharded_flat_);
+  reallocate_unsharded("unsharding");
   if (strategy_ == ShardingStrategy::kNoShard) {  // mixed precision: a low-precision copy
     unsharded_flat_.copy_(sharded_.detach());
     state_ = FlatParamState::kUnsharded;
@@ -212,7 +245,11 @@ void FlatParamHandle::unshard_full_precision() {
   if (strategy_ == ShardingStrategy::kNoShard) {
     full_precision_flat_ = sharded_.detach();  // edits go straight to the shard
   } else {
-    full_precision_flat_ = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+    try {
+      full_precision_flat_ = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+    } catch (const c10::OutOfMemoryError& error) {
+      throw_out_of_memory(error, "unshard_full_precision()", sharded_.scalar_type());
+    }
     comm_->all_gather_into_tensor(full_precision_flat_, sharded_.detach());
   }
   use_views_of(full_precision_flat_);
@@ -233,8 +270,9 @@ void FlatParamHandle::reshard() {
     case FlatParamState::kSharded:
       return;
     case FlatParamState::kUnshardedFullPrecision:
+      // Views are bounds-checked against the storage; on failure the handle stays summoned.
+      reallocate_unsharded("reshard() (back from unshard_full_precision)");
       full_precision_flat_ = at::Tensor();
-      device_->reallocate_storage(unsharded_flat_);  // views are bounds-checked against the storage
       use_views_of(unsharded_flat_);
       break;
     case FlatParamState::kUnsharding:

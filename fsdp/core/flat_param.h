@@ -40,6 +40,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 
@@ -193,7 +195,11 @@ class FlatParamHandle {
   // All-gathers the shards (cast to param_dtype) into the unsharded flat buffer
   // (allocating its memory), so the original parameters hold the current full values;
   // waits for a prefetch's all-gather. No-op if already unsharded. Throws c10::Error in
-  // kUnshardedFullPrecision (reshard() first).
+  // kUnshardedFullPrecision (reshard() first), and c10::OutOfMemoryError naming the unit,
+  // the bytes needed (padded_numel x the element size of param_dtype) and the bytes free
+  // if the device cannot hold the unsharded buffer; the handle then stays kSharded (see
+  // Note [Out of memory while unsharding] in flat_param.cc). Same for prefetch(), and
+  // for unshard_full_precision() (the shards' dtype) and the reshard() that ends it.
   void unshard();
   // Starts unshard()'s all-gather without waiting for it (prefetch); the next unshard()
   // or reshard() waits. No-op unless kSharded (throws in kUnshardedFullPrecision).
@@ -285,6 +291,14 @@ class FlatParamHandle {
   void finish_all_gather();
   // Throws c10::Error naming the handle's parameters if the state is `state`.
   void check_not_in(FlatParamState state, const char* call) const;
+  // DeviceHandle::reallocate_storage(unsharded_flat_) for `what` (e.g. "unsharding"),
+  // rethrowing a c10::OutOfMemoryError as throw_out_of_memory's.
+  void reallocate_unsharded(const char* what);
+  // Throws a c10::OutOfMemoryError for a failed allocation of the unsharded flat
+  // parameter in `dtype`, naming the unit, the bytes and what to do (see Note [Out of
+  // memory while unsharding] in flat_param.cc).
+  [[noreturn]] void throw_out_of_memory(const c10::OutOfMemoryError& error, const char* what,
+                                        c10::ScalarType dtype) const;
 };
 
 }  // namespace fsdp

@@ -28,7 +28,10 @@
 // Shapes and dtypes: storage calls take a tensor of any dtype and shape whose storage
 // belongs to it alone (a flat parameter: 1-D, storage offset 0); other tensors viewing the
 // same storage stay valid across free and reallocate (Note [Freeing the unsharded flat
-// parameter] in flat_param.cc). Every tensor passed must be on device().
+// parameter] in flat_param.cc). Every tensor passed must be on device(). Storage is
+// allocated and freed on the calling thread's current stream; FlatParamHandle frees a
+// buffer only after the collectives using it completed, so no record_stream is needed
+// (Note [Streams and freeing unsharded memory] in flat_param.cc).
 //
 // Threading: a handle may be used from several threads, except that two threads must not
 // free or reallocate one storage at the same time. Streams and events follow the device

@@ -29,7 +29,11 @@
 // reduced gradient shard over FlatParamOptions::replicate_communicator.
 //
 // Threading: a handle is used by one thread (its rank's); collectives go through its
-// communicator in call order. Errors: c10::Error naming cleaned FQNs for bad input.
+// communicator in call order. Streams: buffers are allocated on the calling thread's current
+// (compute) stream; the collectives run on the communicator's streams, and the handle waits
+// (on the host) for each collective before freeing a buffer it touches (Note [Streams and
+// freeing unsharded memory] in flat_param.cc). Errors: c10::Error naming cleaned FQNs for
+// bad input.
 #ifndef FSDP_CORE_FLAT_PARAM_H_
 #define FSDP_CORE_FLAT_PARAM_H_
 

@@ -243,7 +243,9 @@ void RootState::end_summon() {
 // forward begins the all-gather of the unit that came after it in the previous
 // iteration. Prefetching is one unit ahead, so at most one all-gather is in flight
 // besides the one being waited for; the all-gathers per iteration are the same ones,
-// issued earlier (REFERENCE §4 counts hold). Under ParamExecOrderWrapPolicy both passes
+// issued earlier (REFERENCE §4 counts hold); with the host waiting for each all-gather,
+// that bounds the units gathered at once (Note [Streams and freeing unsharded memory] in
+// flat_param.cc). Under ParamExecOrderWrapPolicy both passes
 // follow the first iteration's order instead, whatever order later iterations run in
 // (PyTorch 2.0's experimental policy).
 void RootState::record_forward(UnitState* unit) {

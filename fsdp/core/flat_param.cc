@@ -427,6 +427,11 @@ void FlatParamHandle::finish_reduce_grad() {
   }
 }
 
+void FlatParamHandle::cancel_reduce_grad() {
+  Reduction reduction = std::exchange(reduction_, Reduction());
+  if (reduction.work != nullptr) reduction.work->wait();
+}
+
 int64_t FlatParamHandle::total_replicas() const {
   const int64_t groups = replicate_comm_ != nullptr ? replicate_comm_->world_size() : 1;
   return comm_->world_size() * groups;

@@ -234,6 +234,11 @@ class FlatParamHandle {
   // reduction per handle at a time: start_reduce_grad while one is pending is an error.
   void start_reduce_grad(std::vector<at::Tensor> grads);
   void finish_reduce_grad();
+  // Drops a pending reduction: waits for its collective (whose buffers must outlive it),
+  // then frees them, leaving sharded_flat_param().grad() as it was. For a backward pass
+  // that threw (Note [A backward that did not finish] in internal/runtime.cc). No-op
+  // without one. Throws the collective's error, if any, with the reduction dropped.
+  void cancel_reduce_grad();
   bool reduction_pending() const { return reduction_.input.defined(); }
 
   // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded

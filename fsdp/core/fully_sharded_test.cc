@@ -25,6 +25,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
@@ -930,6 +931,79 @@ TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {
       ThrowsMessage<c10::Error>(HasSubstr("auto_wrap_policy picked 'block.up' "
                                           "(torch::nn::LinearImpl), but its parent calls it "
                                           "directly")));
+}
+
+// Identity in forward; its backward throws while `fail` was set in forward.
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, bool fail) {
+    ctx->saved_data["fail"] = fail;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!ctx->saved_data["fail"].toBool(), "injected failure in backward");
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// NestedImpl with ThrowInBackward between l1 and l2: in backward it runs after l2's
+// post-backward issued l2's reduce-scatter and l2's pre-backward prefetched l1, before
+// l1's backward.
+struct FailingBackwardImpl : NestedImpl {
+  at::Tensor forward(at::Tensor x) {
+    namespace F = torch::nn::functional;
+    at::Tensor h = ThrowInBackward::apply(F::relu(l1(x)), fail);
+    return head(F::relu(l2(h)));
+  }
+  bool fail = false;
+};
+
+// Note [A backward that did not finish]: before step 1, an attempt whose backward throws
+// on every rank; it is dropped, and training matches the reference, which never ran it.
+TEST(FailedBackwardTest, TheNextIterationTrainsAsIfTheFailedOneHadNotRun) {
+  constexpr int kWorldSize = 2;
+  const Reference want = reference<FailingBackwardImpl>(kWorldSize, /*adam=*/false);
+  on_ranks(kWorldSize, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<FailingBackwardImpl> model(make<FailingBackwardImpl>(),
+                                                        FullyShardedDataParallelOptions(comm));
+    auto optimizer = make_optimizer(model->parameters(), /*adam=*/false);
+    const auto loss_of = [&](int step) {
+      const Batch batch = FailingBackwardImpl::batch(step, kBatchPerRank * kWorldSize);
+      const int64_t first = comm->rank() * kBatchPerRank;
+      return FailingBackwardImpl::loss(model->forward(batch.input.narrow(0, first, kBatchPerRank)),
+                                       batch.target.narrow(0, first, kBatchPerRank));
+    };
+    for (int step = 0; step < kSteps; ++step) {
+      if (step == 1) {
+        model->module()->fail = true;
+        at::Tensor loss = loss_of(step);
+        model->module()->fail = false;
+        EXPECT_THAT([&] { loss.backward(); },
+                    ThrowsMessage<c10::Error>(HasSubstr("injected failure in backward")));
+        // What the failure left (units "", l1, l2 in pre-order): l1 prefetched, l2's
+        // reduce-scatter in flight, the iteration not ended.
+        EXPECT_EQ(model->training_state(), TrainingState::kForwardBackward);
+        EXPECT_EQ(model->units()[1]->handle()->state(), FlatParamState::kUnsharding);
+        EXPECT_TRUE(model->units()[2]->handle()->reduction_pending());
+        comm->counters().reset();
+      }
+      optimizer->zero_grad();
+      at::Tensor loss = loss_of(step);
+      loss.backward();
+      optimizer->step();
+      if (step == 1) {
+        // Only step 1's own collectives (REFERENCE §4, n = 3): the dropped reduction and
+        // prefetch were issued before the reset.
+        EXPECT_EQ(comm->counters().get(CollectiveKind::kAllGather).calls, 3 + 2);
+        EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 3);
+        EXPECT_EQ(comm->counters().total().calls, 3 + 2 + 3);
+      }
+      at::Tensor global = loss.detach().clone();
+      comm->all_reduce(global, ReduceOp::kAvg);
+      EXPECT_NEAR(global.item<float>(), want.losses[step], 2e-6) << "step " << step;
+      EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+    }
+  });
 }
 
 // Note [Construction fingerprint]: ranks that built different models stop at once, on

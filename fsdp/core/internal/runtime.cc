@@ -349,7 +349,9 @@ void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefe
 // the next one's), then reshards every unit (waiting for any prefetch) and resets the
 // per-iteration state as finish_backward would. Units whose post-backward ran before the
 // exception keep their reduced gradients in .grad, so zero them (optimizer.zero_grad())
-// before the next step, as the usual loop does. The collectives still match only if every
+// before the next step, as the usual loop does. Inside no_sync, what the failed pass
+// accumulated stays in the unsharded accumulators and is reduced with the next pass's
+// gradients. The collectives still match only if every
 // rank failed at the same point (an error of the model, not of one rank's data); a failure
 // on one rank leaves the others waiting in a collective until the communicator's timeout.
 // If the dropped reduction's collective failed, its error is thrown from that forward, with

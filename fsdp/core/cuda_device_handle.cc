@@ -6,10 +6,12 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 
 #include "absl/container/flat_hash_map.h"
 #include "fsdp/base/torch_compat_cuda.h"
@@ -56,6 +58,15 @@ class CudaDeviceHandle : public DeviceHandle {
   int64_t max_memory_allocated() const override { return stats().allocated_bytes[kAggregate].peak; }
   void reset_peak_memory_stats() override {
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
+  }
+  int64_t memory_free() const override {
+    c10::cuda::CUDAGuard guard(device_.index());
+    size_t free = 0;
+    size_t total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    const c10::CachingDeviceAllocator::DeviceStats s = stats();
+    return static_cast<int64_t>(free) + s.reserved_bytes[kAggregate].current -
+           s.allocated_bytes[kAggregate].current;
   }
 
   void synchronize() override {

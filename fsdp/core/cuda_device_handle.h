@@ -12,6 +12,9 @@
 //   allocator's aggregate allocated_bytes, current and peak, of the device
 //   (torch.cuda.memory_allocated / max_memory_allocated / reset_peak_memory_stats):
 //   bytes as the allocator rounds them (multiples of 512).
+// - memory_free(): cudaMemGetInfo's free bytes plus the caching allocator's reserved
+//   minus allocated bytes of the device (torch.cuda.mem_get_info()[0] +
+//   memory_reserved() - memory_allocated()).
 // - synchronize(): cudaDeviceSynchronize on the device (torch.cuda.synchronize).
 // - current_stream(): the calling thread's current stream of the device
 //   (torch.cuda.current_stream).

@@ -11,8 +11,10 @@
 #include <ATen/Functions.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "fsdp/comm/fake.h"
 #include "fsdp/comm/nccl.h"  // cuda_device_count
 #include "fsdp/core/device_handle.h"
+#include "fsdp/core/flat_param.h"
 
 namespace fsdp {
 namespace {
@@ -70,6 +72,41 @@ TEST(CudaDeviceHandleTest, FreeReturnsBytesToTheCachingAllocator) {
   EXPECT_TRUE(at::equal(view.cpu(), at::full({4}, 3.0f)));
   EXPECT_THAT([&] { handle->free_storage(at::zeros({4})); },
               ThrowsMessage<c10::Error>(HasSubstr("expected a defined tensor on cuda:0")));
+}
+
+TEST(CudaDeviceHandleTest, MemoryFreeCountsTheCachingAllocatorsReserve) {
+  SKIP_WITHOUT_GPU();
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
+  at::Tensor flat = at::empty({64 << 20}, at::TensorOptions().dtype(at::kFloat).device("cuda:0"));
+  handle->synchronize();
+  const int64_t before = handle->memory_free();
+  handle->free_storage(flat);  // cached by the allocator: still free for the next allocation
+  EXPECT_EQ(handle->memory_free(), before + (int64_t{256} << 20));
+}
+
+// Note [Out of memory while unsharding] on a real device: a unit whose unsharded flat
+// parameter (1 GiB) does not fit beside a tensor holding all but 512 MiB of the device.
+TEST(CudaDeviceHandleTest, UnshardingAUnitThatDoesNotFitNamesIt) {
+  SKIP_WITHOUT_GPU();
+  auto world = FakeWorld::create(1);
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
+  // 256 Mi elements of float32: 1 GiB unsharded.
+  at::Tensor weight = at::zeros({256 << 20}, at::TensorOptions().device("cuda:0"));
+  FlatParamHandle unit({{"big.weight", weight}}, world->communicator(0),
+                       ShardingStrategy::kFullShard, FlatParamOptions().device_handle(handle));
+  weight = at::Tensor();
+  handle->synchronize();
+  const int64_t hog_bytes = handle->memory_free() - (int64_t{512} << 20);
+  at::Tensor hog = at::empty({hog_bytes}, at::TensorOptions().dtype(at::kByte).device("cuda:0"));
+  EXPECT_THAT([&] { unit.unshard(); },
+              ThrowsMessage<c10::OutOfMemoryError>(
+                  AllOf(HasSubstr("FlatParamHandle of 'big.weight' (1 parameters): unsharding "
+                                  "needs 1073741824 bytes on cuda:0"),
+                        HasSubstr("bytes free). To fit, make the unit smaller"))));
+  EXPECT_EQ(unit.state(), FlatParamState::kSharded);
+  hog = at::Tensor();
+  unit.unshard();  // fits again
+  EXPECT_EQ(unit.state(), FlatParamState::kUnsharded);
 }
 
 TEST(CudaDeviceHandleTest, SideStreamsAreOwnAndStable) {

@@ -1,6 +1,10 @@
 #include "fsdp/core/device_handle.h"
 
+#include <unistd.h>
+
+#include <fstream>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -17,6 +21,18 @@ class CpuEvent : public DeviceEvent {
   bool query() const override { return true; }
   void synchronize() const override {}
 };
+
+// MemAvailable of /proc/meminfo ("MemAvailable:   123456 kB"), else free physical pages.
+int64_t available_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+}
 
 // CPU ops run on the calling thread, in order: there is nothing to overlap or order,
 // so streams are one placeholder and events are no-ops.
@@ -39,6 +55,7 @@ class CpuDeviceHandle : public DeviceHandle {
   int64_t memory_allocated() const override { return fsdp::memory_allocated(tag()); }
   int64_t max_memory_allocated() const override { return fsdp::max_memory_allocated(tag()); }
   void reset_peak_memory_stats() override { fsdp::reset_peak_memory_stats(tag()); }
+  int64_t memory_free() const override { return available_bytes(); }
 
   void synchronize() override {}
 

@@ -28,7 +28,10 @@
 // Shapes and dtypes: storage calls take a tensor of any dtype and shape whose storage
 // belongs to it alone (a flat parameter: 1-D, storage offset 0); other tensors viewing the
 // same storage stay valid across free and reallocate (Note [Freeing the unsharded flat
-// parameter] in flat_param.cc). Every tensor passed must be on device().
+// parameter] in flat_param.cc). Every tensor passed must be on device(). Storage is
+// allocated and freed on the calling thread's current stream; FlatParamHandle frees a
+// buffer only after the collectives using it completed, so no record_stream is needed
+// (Note [Streams and freeing unsharded memory] in flat_param.cc).
 //
 // Threading: a handle may be used from several threads, except that two threads must not
 // free or reallocate one storage at the same time. Streams and events follow the device
@@ -97,6 +100,15 @@ class DeviceHandle {
   virtual int64_t memory_allocated() const = 0;
   virtual int64_t max_memory_allocated() const = 0;
   virtual void reset_peak_memory_stats() = 0;
+  // Bytes an allocation on the device could still get now, for error messages (an
+  // estimate: another process may take them, fragmentation may deny them). CUDA: the
+  // driver's free bytes (cudaMemGetInfo, PyTorch: torch.cuda.mem_get_info()[0]) plus the
+  // caching allocator's reserved-but-unallocated bytes of the device (its
+  // reserved_bytes - allocated_bytes), which it releases before failing. CPU: MemAvailable
+  // of /proc/meminfo (the kernel's estimate of memory available without swapping), or
+  // free physical pages x page size (sysconf) where that file is missing. Whole device,
+  // not the calling thread's memory tag.
+  virtual int64_t memory_free() const = 0;
 
   // Blocks until every stream of the device has finished its work (PyTorch:
   // torch.cuda.synchronize). CPU: returns at once.

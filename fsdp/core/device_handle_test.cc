@@ -3,6 +3,8 @@
 // registry's errors.
 #include "fsdp/core/device_handle.h"
 
+#include <unistd.h>
+
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -85,6 +87,14 @@ TEST(DeviceHandleTest, MemoryStatsFollowTheThreadsTag) {
     EXPECT_EQ(max_memory_allocated(3), before + 2000);
   });
   rank.join();
+}
+
+TEST(DeviceHandleTest, CpuMemoryFreeIsTheKernelsAvailableMemory) {
+  std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(at::kCPU);
+  // MemAvailable changes with every other process, so only its range is known.
+  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  EXPECT_GT(handle->memory_free(), 0);
+  EXPECT_LE(handle->memory_free(), physical);
 }
 
 TEST(DeviceHandleTest, CpuStreamsAndEventsAreNoOps) {

@@ -1,6 +1,7 @@
 #include "fsdp/core/flat_param.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
@@ -178,10 +179,43 @@ void FlatParamHandle::check_not_in(FlatParamState state, const char* call) const
                   : "");
 }
 
+// Note [Out of memory while unsharding]
+// The unsharded flat parameter is the one large allocation FSDP makes per unit (padded_numel
+// elements: a whole unit, where the shard is 1 / W of it), so it is where a model that does
+// not fit runs out of device memory. The allocator's error (c10::OutOfMemoryError, e.g. the
+// CUDA caching allocator's "CUDA out of memory. Tried to allocate ...") names neither the
+// unit nor the remedy, so the handle rethrows it as a c10::OutOfMemoryError (a c10::Error;
+// PyTorch's torch.OutOfMemoryError) naming the unit's parameters, the bytes asked for and
+// the bytes free on the device (DeviceHandle::memory_free), and the three remedies. The
+// allocation comes before any state change or collective, so the handle stays in the
+// state it was in (kSharded for unshard) and a later call may retry; every rank that runs
+// out of memory fails before the all-gather, and a rank that does not waits in it until the
+// communicator's timeout.
+void FlatParamHandle::throw_out_of_memory(const c10::OutOfMemoryError& error, const char* what,
+                                          c10::ScalarType dtype) const {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "FlatParamHandle of '", infos_.front().fqn, "' (",
+                   infos_.size(), " parameters): ", what, " needs ",
+                   padded_numel_ * static_cast<int64_t>(c10::elementSize(dtype)), " bytes on ",
+                   device(), " for the unsharded flat parameter (", padded_numel_, " elements of ",
+                   dtype, ") and the device is out of memory (", device_->memory_free(),
+                   " bytes free). To fit, make the unit smaller (a wrap policy that puts fewer "
+                   "parameters in each unit), shard over more ranks (a larger world size), or "
+                   "unshard in a smaller dtype (MixedPrecision::param_dtype). Allocator: ",
+                   error.msg());
+}
+
+void FlatParamHandle::reallocate_unsharded(const char* what) {
+  try {
+    device_->reallocate_storage(unsharded_flat_);
+  } catch (const c10::OutOfMemoryError& error) {
+    throw_out_of_memory(error, what, param_dtype_);  // See Note [Out of memory while unsharding]
+  }
+}
+
 void FlatParamHandle::prefetch() {
   check_not_in(FlatParamState::kUnshardedFullPrecision, "unshard()");
   if (state_ != FlatParamState::kSharded) return;
-  device_->reallocate_storage(unsharded_flat_);
+  reallocate_unsharded("unsharding");
   if (strategy_ == ShardingStrategy::kNoShard) {  // mixed precision: a low-precision copy
     unsharded_flat_.copy_(sharded_.detach());
     state_ = FlatParamState::kUnsharded;
@@ -212,12 +246,70 @@ void FlatParamHandle::unshard_full_precision() {
   if (strategy_ == ShardingStrategy::kNoShard) {
     full_precision_flat_ = sharded_.detach();  // edits go straight to the shard
   } else {
-    full_precision_flat_ = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+    try {
+      full_precision_flat_ = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+    } catch (const c10::OutOfMemoryError& error) {
+      throw_out_of_memory(error, "unshard_full_precision()", sharded_.scalar_type());
+    }
     comm_->all_gather_into_tensor(full_precision_flat_, sharded_.detach());
   }
   use_views_of(full_precision_flat_);
   state_ = FlatParamState::kUnshardedFullPrecision;
 }
+
+// Note [Streams and freeing unsharded memory]
+// What PyTorch does. FSDP1 (torch/distributed/fsdp/_runtime_utils.py) issues all-gathers on
+// an `_unshard_stream` and reduce-scatters on a `_post_backward_stream`; the unsharded flat
+// parameter is allocated while the unshard stream is current and used on the compute stream,
+// so before freeing it FlatParamHandle calls `_no_dispatch_record_stream` (record_stream)
+// with the compute stream, and gradients handed to the post-backward stream get the same
+// treatment. With `limit_all_gathers` (on by default) `_reshard` records an event on the
+// compute stream after each free and queues it in a `_FreeEventQueue`
+// (torch/distributed/fsdp/_limiter_utils.py); once two are queued
+// (`_max_num_inflight_all_gathers = 2`), `_unshard` takes the oldest and synchronizes on it,
+// blocking the CPU so that it cannot issue a third all-gather before an earlier unit's memory
+// is freed. FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
+// _fsdp_collectives.py) copies the all-gather input in on an all-gather copy-in stream, runs
+// the all-gather on an all-gather stream and records an event the compute stream waits on;
+// it never calls record_stream but keeps each buffer referenced until an event says its
+// consumer is done: the all-gather result lives in the all-gather state until the next
+// all-gather waits on its copy-out event (which also bounds all-gathers in flight to the
+// current one and one prefetched), and the reduce-scatter input lives in the reduce-scatter
+// state, with its event, until the next reduce-scatter waits on it.
+//
+// What fsdp does. The communicator's own streams are the unshard and post-backward streams
+// (NCCL: its all-gather and reduce-scatter streams, Note [NCCL streams and events] in
+// fsdp/comm/nccl.h); the runtime does not put collectives on DeviceHandle::side_stream.
+// Every buffer is allocated on the compute stream (the caller's current stream): the
+// unsharded flat parameter (DeviceHandle::reallocate_storage), the cast all-gather input,
+// the flat gradient and the reduce-scatter output. Then:
+// 1. A collective starts after an event recorded on the compute stream when it is issued,
+//    so it runs after every kernel queued before it, including those that last used the
+//    memory the allocator gave its buffers.
+// 2. Work::wait() blocks the host until the collective has completed, then makes the
+//    compute stream wait for it. No buffer a collective touches is freed before its wait:
+//    reshard() of a unit still unsharding waits first (finish_all_gather), the all-gather
+//    input goes in finish_all_gather, the flat gradient in finish_reduce_grad. So memory is
+//    freed after its collective's event, FSDP2's choice, with no record_stream.
+// This is safe with the CUDA caching allocator: a freed block returns to the pool of the
+// stream it was allocated on, the compute stream, and is handed out again only to
+// allocations on that stream, whose kernels are queued after those that read the old
+// contents; when the new owner is a collective's buffer, (1) orders the collective after
+// them. record_stream is only needed when a block is freed while another stream still has
+// work queued on it, which (2) rules out.
+//
+// The bound. Prefetching is one unit ahead (Note [Prefetching] in
+// fsdp/core/internal/runtime.cc), and each unshard() waits on the host for its all-gather,
+// so the host cannot issue a unit's all-gather before the previous one has completed and
+// the unit before that has been resharded. Under FULL_SHARD (and HYBRID_SHARD) at most three
+// flat parameters are unsharded or unsharding at once: the root's (kept from forward to
+// backward), the unit computing and the unit prefetched, i.e. two units besides the root:
+// PyTorch's limit_all_gathers with two all-gathers in flight, always on (there is no
+// option). fully_sharded_test's GatheredUnitsTest counts it. SHARD_GRAD_OP keeps every
+// unit gathered from forward to backward by design, as in PyTorch. The price of blocking
+// the host is that it cannot queue kernels while it waits; the overlap of communication
+// with computation comes from the prefetched all-gather, issued before the current unit's
+// kernels are queued.
 
 // Note [Freeing the unsharded flat parameter]
 // The original parameters, and tensors autograd saved from them, are views of
@@ -233,8 +325,9 @@ void FlatParamHandle::reshard() {
     case FlatParamState::kSharded:
       return;
     case FlatParamState::kUnshardedFullPrecision:
+      // Views are bounds-checked against the storage; on failure the handle stays summoned.
+      reallocate_unsharded("reshard() (back from unshard_full_precision)");
       full_precision_flat_ = at::Tensor();
-      device_->reallocate_storage(unsharded_flat_);  // views are bounds-checked against the storage
       use_views_of(unsharded_flat_);
       break;
     case FlatParamState::kUnsharding:
@@ -332,6 +425,11 @@ void FlatParamHandle::finish_reduce_grad() {
   } else {
     grad = shard_grad;
   }
+}
+
+void FlatParamHandle::cancel_reduce_grad() {
+  Reduction reduction = std::exchange(reduction_, Reduction());
+  if (reduction.work != nullptr) reduction.work->wait();
 }
 
 int64_t FlatParamHandle::total_replicas() const {

@@ -29,7 +29,11 @@
 // reduced gradient shard over FlatParamOptions::replicate_communicator.
 //
 // Threading: a handle is used by one thread (its rank's); collectives go through its
-// communicator in call order. Errors: c10::Error naming cleaned FQNs for bad input.
+// communicator in call order. Streams: buffers are allocated on the calling thread's current
+// (compute) stream; the collectives run on the communicator's streams, and the handle waits
+// (on the host) for each collective before freeing a buffer it touches (Note [Streams and
+// freeing unsharded memory] in flat_param.cc). Errors: c10::Error naming cleaned FQNs for
+// bad input.
 #ifndef FSDP_CORE_FLAT_PARAM_H_
 #define FSDP_CORE_FLAT_PARAM_H_
 
@@ -40,6 +44,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 
@@ -193,7 +199,11 @@ class FlatParamHandle {
   // All-gathers the shards (cast to param_dtype) into the unsharded flat buffer
   // (allocating its memory), so the original parameters hold the current full values;
   // waits for a prefetch's all-gather. No-op if already unsharded. Throws c10::Error in
-  // kUnshardedFullPrecision (reshard() first).
+  // kUnshardedFullPrecision (reshard() first), and c10::OutOfMemoryError naming the unit,
+  // the bytes needed (padded_numel x the element size of param_dtype) and the bytes free
+  // if the device cannot hold the unsharded buffer; the handle then stays kSharded (see
+  // Note [Out of memory while unsharding] in flat_param.cc). Same for prefetch(), and
+  // for unshard_full_precision() (the shards' dtype) and the reshard() that ends it.
   void unshard();
   // Starts unshard()'s all-gather without waiting for it (prefetch); the next unshard()
   // or reshard() waits. No-op unless kSharded (throws in kUnshardedFullPrecision).
@@ -224,6 +234,11 @@ class FlatParamHandle {
   // reduction per handle at a time: start_reduce_grad while one is pending is an error.
   void start_reduce_grad(std::vector<at::Tensor> grads);
   void finish_reduce_grad();
+  // Drops a pending reduction: waits for its collective (whose buffers must outlive it),
+  // then frees them, leaving sharded_flat_param().grad() as it was. For a backward pass
+  // that threw (Note [A backward that did not finish] in internal/runtime.cc). No-op
+  // without one. Throws the collective's error, if any, with the reduction dropped.
+  void cancel_reduce_grad();
   bool reduction_pending() const { return reduction_.input.defined(); }
 
   // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded
@@ -285,6 +300,14 @@ class FlatParamHandle {
   void finish_all_gather();
   // Throws c10::Error naming the handle's parameters if the state is `state`.
   void check_not_in(FlatParamState state, const char* call) const;
+  // DeviceHandle::reallocate_storage(unsharded_flat_) for `what` (e.g. "unsharding"),
+  // rethrowing a c10::OutOfMemoryError as throw_out_of_memory's.
+  void reallocate_unsharded(const char* what);
+  // Throws a c10::OutOfMemoryError for a failed allocation of the unsharded flat
+  // parameter in `dtype`, naming the unit, the bytes and what to do (see Note [Out of
+  // memory while unsharding] in flat_param.cc).
+  [[noreturn]] void throw_out_of_memory(const c10::OutOfMemoryError& error, const char* what,
+                                        c10::ScalarType dtype) const;
 };
 
 }  // namespace fsdp

@@ -1,5 +1,9 @@
 #include "fsdp/core/flat_param.h"
 
+#include <functional>
+#include <memory>
+#include <string>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <ATen/Functions.h>
@@ -336,6 +340,101 @@ TEST(FlatParamStateTest, TransitionsAndTheirAllGathers) {
     EXPECT_EQ(handle.state(), FlatParamState::kSharded);
     EXPECT_EQ(params[0].param.scalar_type(), at::kBFloat16);
     EXPECT_EQ(gathers(), 3);
+  });
+}
+
+// The CPU handle, except that reallocate_storage throws c10::OutOfMemoryError (as the
+// CUDA caching allocator does on a full device) while `fail` is set, and memory_free()
+// reports a fixed 1000 bytes.
+class OutOfMemoryDevice : public DeviceHandle {
+ public:
+  bool fail = true;
+  int64_t reallocations = 0;  // that succeeded
+
+  c10::Device device() const override { return cpu_->device(); }
+  void free_storage(const at::Tensor& tensor) override { cpu_->free_storage(tensor); }
+  void reallocate_storage(const at::Tensor& tensor) override {
+    TORCH_CHECK_WITH(OutOfMemoryError, !fail, "injected: out of memory");
+    cpu_->reallocate_storage(tensor);
+    ++reallocations;
+  }
+  int64_t memory_allocated() const override { return cpu_->memory_allocated(); }
+  int64_t max_memory_allocated() const override { return cpu_->max_memory_allocated(); }
+  void reset_peak_memory_stats() override { cpu_->reset_peak_memory_stats(); }
+  int64_t memory_free() const override { return 1000; }
+  void synchronize() override { cpu_->synchronize(); }
+  c10::Stream current_stream() const override { return cpu_->current_stream(); }
+  c10::Stream side_stream(const std::string& name) override { return cpu_->side_stream(name); }
+  std::unique_ptr<DeviceEvent> record_event(c10::Stream stream) override {
+    return cpu_->record_event(stream);
+  }
+  void wait_event(c10::Stream stream, const DeviceEvent& event) override {
+    cpu_->wait_event(stream, event);
+  }
+
+ private:
+  std::shared_ptr<DeviceHandle> cpu_ = DeviceHandle::for_device(at::kCPU);
+};
+
+// The message of the c10::OutOfMemoryError `call` throws (fails the test if it throws
+// nothing or something else).
+std::string out_of_memory_message(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const c10::OutOfMemoryError& error) {
+    return error.msg();
+  }
+  ADD_FAILURE() << "expected a c10::OutOfMemoryError";
+  return "";
+}
+
+// Note [Out of memory while unsharding]: the unit, the bytes and the remedies; the handle
+// stays as it was and works once memory is there.
+TEST(FlatParamOutOfMemoryTest, NamesTheUnitAndTheBytesAndStaysUsable) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    auto device = std::make_shared<OutOfMemoryDevice>();
+    std::vector<NamedParam> params = make_params({{3, 3}, {4}});  // 13 elements, padded 14
+    const at::Tensor expected0 = params[0].param.detach().clone();
+    FlatParamHandle handle(params, self, ShardingStrategy::kFullShard,
+                           FlatParamOptions().param_dtype(at::kBFloat16).device_handle(device));
+    const std::string remedies =
+        " bytes free). To fit, make the unit smaller (a wrap policy that puts fewer "
+        "parameters in each unit), shard over more ranks (a larger world size), or unshard in "
+        "a smaller dtype (MixedPrecision::param_dtype). Allocator: injected: out of memory";
+    // 14 elements x 2 bytes of bfloat16.
+    const std::string unsharding =
+        "FlatParamHandle of 'p0' (2 parameters): unsharding needs 28 bytes on cpu for the "
+        "unsharded flat parameter (14 elements of BFloat16) and the device is out of memory "
+        "(1000" +
+        remedies;
+    EXPECT_EQ(out_of_memory_message([&] { handle.prefetch(); }), unsharding);
+    EXPECT_EQ(out_of_memory_message([&] { handle.unshard(); }), unsharding);
+    EXPECT_EQ(handle.state(), FlatParamState::kSharded);
+    EXPECT_EQ(params[0].param.storage().nbytes(), 0u);
+    EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).calls, 0);  // none issued
+
+    device->fail = false;
+    handle.unshard();
+    EXPECT_EQ(handle.state(), FlatParamState::kUnsharded);
+    EXPECT_TRUE(at::equal(params[0].param, expected0.to(at::kBFloat16)));
+    handle.reshard();
+
+    // summon_full_params' way back: reshard() reallocates the low-precision buffer to
+    // point the views at it; out of memory there, the handle stays summoned.
+    handle.unshard_full_precision();
+    device->fail = true;
+    EXPECT_EQ(out_of_memory_message([&] { handle.reshard(); }),
+              "FlatParamHandle of 'p0' (2 parameters): reshard() (back from "
+              "unshard_full_precision) needs 28 bytes on cpu for the unsharded flat parameter "
+              "(14 elements of BFloat16) and the device is out of memory (1000" +
+                  remedies);
+    EXPECT_EQ(handle.state(), FlatParamState::kUnshardedFullPrecision);
+    EXPECT_TRUE(at::equal(params[0].param, expected0));  // still the full-precision values
+    device->fail = false;
+    handle.reshard();
+    EXPECT_EQ(handle.state(), FlatParamState::kSharded);
+    EXPECT_EQ(device->reallocations, 2);
   });
 }
 

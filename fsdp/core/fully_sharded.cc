@@ -348,8 +348,11 @@ ParamOwners assign_param_owners(UnitBase& root, const std::vector<FoundUnit>& un
 // different order: a hang or silent corruption far from the cause. So every root
 // all-gathers a fingerprint of what it built (one hash of the description below, plus
 // its strategy, unit count and parameter count) and compares before anything else
-// communicates. PyTorch leaves this to FSDP_DEBUG_LEVEL=DETAIL's checks.
-void check_same_construction(Communicator& comm, const FullyShardedDataParallelOptions& options,
+// communicates. PyTorch leaves this to FSDP_DEBUG_LEVEL=DETAIL's checks. The fingerprint
+// travels as a tensor on the compute device (Note [Compute device]; NCCL takes only CUDA
+// tensors) and is read back on the CPU.
+void check_same_construction(Communicator& comm, c10::Device device,
+                             const FullyShardedDataParallelOptions& options,
                              const std::vector<std::string>& unit_names,
                              const std::vector<int64_t>& unit_numels) {
   if (comm.world_size() == 1) return;
@@ -369,8 +372,11 @@ void check_same_construction(Communicator& comm, const FullyShardedDataParallelO
   const int64_t mine[4] = {static_cast<int64_t>(std::hash<std::string>()(description)),
                            static_cast<int64_t>(options.sharding_strategy()),
                            static_cast<int64_t>(unit_names.size()), total};
-  at::Tensor all = at::empty({4 * comm.world_size()}, at::kLong);
-  comm.all_gather_into_tensor(all, at::tensor(std::vector<int64_t>(mine, mine + 4), at::kLong));
+  const auto on_device = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor all = at::empty({4 * comm.world_size()}, on_device);
+  comm.all_gather_into_tensor(
+      all, at::tensor(std::vector<int64_t>(mine, mine + 4), at::kLong).to(device));
+  all = all.cpu();
   const int64_t* a = all.data_ptr<int64_t>();
   for (int r = 0; r < comm.world_size(); ++r) {
     if (a[4 * r] == a[0]) continue;
@@ -669,7 +675,8 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   std::shared_ptr<DeviceHandle> device = compute_device(options, params);
   if (options.device_id()) move_to_device(root, device->device(), ignored, params);
   Communicator& comm = *options.communicator();
-  check_same_construction(comm, options, unit_names(units), unit_numels(params));  // first
+  check_same_construction(comm, device->device(), options, unit_names(units),
+                          unit_numels(params));  // first
   if (options.sync_module_states() && comm.world_size() > 1) {
     sync_module_states(comm, root, ignored, params.to_flatten);
   }

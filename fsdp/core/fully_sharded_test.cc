@@ -2,8 +2,11 @@
 // collective counts (REFERENCE §4), on ranks as threads (the fake communicator).
 #include "fsdp/core/fully_sharded.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_join.h"
 #include <mutex>
@@ -22,6 +25,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
@@ -222,6 +226,85 @@ TEST(PrefetchTest, BackwardPreGathersTheNextUnitBeforeReducing) {
   // l1's all-gather follows l2's reduce-scatter, issued by l2's sink rather than by l1's
   // hook: the same order as without prefetching, earlier in time.
   EXPECT_EQ(backward_log(BackwardPrefetch::kBackwardPost), "AG RS AG RS RS");
+}
+
+// How many units' flat parameters are unsharded or being gathered, at each probe.
+struct GatheredUnits {
+  const FullyShardedRoot* root = nullptr;  // set once the model is built
+  std::vector<int> counts;
+
+  void probe() {
+    if (root == nullptr) return;
+    int n = 0;
+    for (const auto& unit : root->units()) {
+      if (unit->handle() != nullptr && unit->handle()->state() != FlatParamState::kSharded) ++n;
+    }
+    counts.push_back(n);
+  }
+};
+
+// A linear layer that probes as its forward starts (after its unit's pre-forward) and as
+// the gradient of its input is computed (the end of its backward, before its unit's
+// post-backward: the clone's node is numbered after the unit's gradient sink, Note
+// [Gradient sinks]).
+struct ProbedLinearImpl : torch::nn::Module {
+  explicit ProbedLinearImpl(std::shared_ptr<GatheredUnits> gathered)
+      : gathered(std::move(gathered)) {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(at::Tensor x) {
+    gathered->probe();
+    x = x.clone();
+    if (x.requires_grad()) x.register_hook([g = gathered](const at::Tensor&) { g->probe(); });
+    return torch::tanh(lin(x));
+  }
+  std::shared_ptr<GatheredUnits> gathered;
+  torch::nn::Linear lin{nullptr};
+};
+
+// Four probed units between the root's own stem and head.
+struct FourUnitsImpl : torch::nn::Module {
+  explicit FourUnitsImpl(const std::shared_ptr<GatheredUnits>& gathered) {
+    stem = register_module("stem", torch::nn::Linear(4, 4));
+    for (int i = 0; i < 4; ++i) {
+      blocks.push_back(
+          register_module("u" + std::to_string(i),
+                          Unit<ProbedLinearImpl>(std::make_shared<ProbedLinearImpl>(gathered))));
+    }
+    head = register_module("head", torch::nn::Linear(4, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = stem(x);
+    for (Unit<ProbedLinearImpl>& block : blocks) x = block(x);
+    return head(x);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<Unit<ProbedLinearImpl>> blocks;
+};
+
+// Note [Streams and freeing unsharded memory]: FULL_SHARD with both prefetches gathers at
+// most the root, the unit computing and the next one (PyTorch's limit_all_gathers: two
+// all-gathers in flight besides the root).
+TEST(GatheredUnitsTest, AtMostTheRootAndTwoUnitsAreUnshardedAtOnce) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    auto gathered = std::make_shared<GatheredUnits>();
+    FullyShardedDataParallel<FourUnitsImpl> model(
+        std::make_shared<FourUnitsImpl>(gathered),
+        FullyShardedDataParallelOptions(comm)
+            .backward_prefetch(BackwardPrefetch::kBackwardPre)
+            .forward_prefetch(true));
+    ASSERT_EQ(model->units().size(), 5u);
+    gathered->root = model.get();
+    for (int step = 0; step < 2; ++step) model->forward(inputs(step, 2)).pow(2).mean().backward();
+    // Iteration 1, forward (no previous order to prefetch in): the root and the unit.
+    // Backward, u3 to u0: the root, the unit and the next one; u0 has no next one.
+    // Iteration 2, forward: the root, the unit and the next one, u3 has none; backward again.
+    EXPECT_THAT(gathered->counts, ElementsAre(2, 2, 2, 2, 3, 3, 3, 2, 3, 3, 3, 2, 3, 3, 3, 2));
+    EXPECT_EQ(*std::max_element(gathered->counts.begin(), gathered->counts.end()), 3);
+    gathered->counts.clear();
+    gathered->probe();
+    EXPECT_THAT(gathered->counts, ElementsAre(0));  // all resharded after backward
+  });
 }
 
 // With SGD only: the bias before BatchNorm has a true gradient of 0, and Adam's division
@@ -848,6 +931,79 @@ TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {
       ThrowsMessage<c10::Error>(HasSubstr("auto_wrap_policy picked 'block.up' "
                                           "(torch::nn::LinearImpl), but its parent calls it "
                                           "directly")));
+}
+
+// Identity in forward; its backward throws while `fail` was set in forward.
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, bool fail) {
+    ctx->saved_data["fail"] = fail;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!ctx->saved_data["fail"].toBool(), "injected failure in backward");
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// NestedImpl with ThrowInBackward between l1 and l2: in backward it runs after l2's
+// post-backward issued l2's reduce-scatter and l2's pre-backward prefetched l1, before
+// l1's backward.
+struct FailingBackwardImpl : NestedImpl {
+  at::Tensor forward(at::Tensor x) {
+    namespace F = torch::nn::functional;
+    at::Tensor h = ThrowInBackward::apply(F::relu(l1(x)), fail);
+    return head(F::relu(l2(h)));
+  }
+  bool fail = false;
+};
+
+// Note [A backward that did not finish]: before step 1, an attempt whose backward throws
+// on every rank; it is dropped, and training matches the reference, which never ran it.
+TEST(FailedBackwardTest, TheNextIterationTrainsAsIfTheFailedOneHadNotRun) {
+  constexpr int kWorldSize = 2;
+  const Reference want = reference<FailingBackwardImpl>(kWorldSize, /*adam=*/false);
+  on_ranks(kWorldSize, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<FailingBackwardImpl> model(make<FailingBackwardImpl>(),
+                                                        FullyShardedDataParallelOptions(comm));
+    auto optimizer = make_optimizer(model->parameters(), /*adam=*/false);
+    const auto loss_of = [&](int step) {
+      const Batch batch = FailingBackwardImpl::batch(step, kBatchPerRank * kWorldSize);
+      const int64_t first = comm->rank() * kBatchPerRank;
+      return FailingBackwardImpl::loss(model->forward(batch.input.narrow(0, first, kBatchPerRank)),
+                                       batch.target.narrow(0, first, kBatchPerRank));
+    };
+    for (int step = 0; step < kSteps; ++step) {
+      if (step == 1) {
+        model->module()->fail = true;
+        at::Tensor loss = loss_of(step);
+        model->module()->fail = false;
+        EXPECT_THAT([&] { loss.backward(); },
+                    ThrowsMessage<c10::Error>(HasSubstr("injected failure in backward")));
+        // What the failure left (units "", l1, l2 in pre-order): l1 prefetched, l2's
+        // reduce-scatter in flight, the iteration not ended.
+        EXPECT_EQ(model->training_state(), TrainingState::kForwardBackward);
+        EXPECT_EQ(model->units()[1]->handle()->state(), FlatParamState::kUnsharding);
+        EXPECT_TRUE(model->units()[2]->handle()->reduction_pending());
+        comm->counters().reset();
+      }
+      optimizer->zero_grad();
+      at::Tensor loss = loss_of(step);
+      loss.backward();
+      optimizer->step();
+      if (step == 1) {
+        // Only step 1's own collectives (REFERENCE §4, n = 3): the dropped reduction and
+        // prefetch were issued before the reset.
+        EXPECT_EQ(comm->counters().get(CollectiveKind::kAllGather).calls, 3 + 2);
+        EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 3);
+        EXPECT_EQ(comm->counters().total().calls, 3 + 2 + 3);
+      }
+      at::Tensor global = loss.detach().clone();
+      comm->all_reduce(global, ReduceOp::kAvg);
+      EXPECT_NEAR(global.item<float>(), want.losses[step], 2e-6) << "step " << step;
+      EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+    }
+  });
 }
 
 // Note [Construction fingerprint]: ranks that built different models stop at once, on

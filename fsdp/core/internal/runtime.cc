@@ -243,7 +243,9 @@ void RootState::end_summon() {
 // forward begins the all-gather of the unit that came after it in the previous
 // iteration. Prefetching is one unit ahead, so at most one all-gather is in flight
 // besides the one being waited for; the all-gathers per iteration are the same ones,
-// issued earlier (REFERENCE §4 counts hold). Under ParamExecOrderWrapPolicy both passes
+// issued earlier (REFERENCE §4 counts hold); with the host waiting for each all-gather,
+// that bounds the units gathered at once (Note [Streams and freeing unsharded memory] in
+// flat_param.cc). Under ParamExecOrderWrapPolicy both passes
 // follow the first iteration's order instead, whatever order later iterations run in
 // (PyTorch 2.0's experimental policy).
 void RootState::record_forward(UnitState* unit) {
@@ -333,7 +335,35 @@ void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefe
   }
 }
 
+// Note [A backward that did not finish]
+// An exception inside backward (in a unit's backward ops, a user hook, a collective or a
+// gradient reduction) ends the autograd engine's pass without running the end-of-backward
+// callback, so nothing ends the iteration: a reduction stays in flight (reducing_), units
+// stay gathered or marked as having started their backward (the next backward would not
+// gather them again), last iteration's gradient sinks stay connected, and the next backward
+// would queue no callback (callback_queued_ is still set). The root's next forward sees
+// callback_queued_ (no forward of the root runs inside backward: the checkpoint wrapper never
+// wraps a unit) and ends the abandoned iteration first (abandon_backward): it drops the
+// reduction in flight, after waiting for its collective, instead of adding it to .grad (the
+// usual loop zeroes gradients before that forward, and the stale gradient would be added to
+// the next one's), then reshards every unit (waiting for any prefetch) and resets the
+// per-iteration state as finish_backward would. Units whose post-backward ran before the
+// exception keep their reduced gradients in .grad, so zero them (optimizer.zero_grad())
+// before the next step, as the usual loop does. Inside no_sync, what the failed pass
+// accumulated stays in the unsharded accumulators and is reduced with the next pass's
+// gradients. The collectives still match only if every
+// rank failed at the same point (an error of the model, not of one rank's data); a failure
+// on one rank leaves the others waiting in a collective until the communicator's timeout.
+// If the dropped reduction's collective failed, its error is thrown from that forward, with
+// the reduction dropped, and the next forward finishes resetting.
+void RootState::abandon_backward() {
+  if (FlatParamHandle* handle = std::exchange(reducing_, nullptr)) handle->cancel_reduce_grad();
+  end_iteration();
+  callback_queued_ = false;
+}
+
 void RootState::begin_forward() {
+  if (callback_queued_) abandon_backward();  // See Note [A backward that did not finish]
   training_state_ = TrainingState::kForwardBackward;
   cast_buffers(/*to_original=*/false);
   // See Note [First-iteration size checks].

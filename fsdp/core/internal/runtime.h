@@ -154,6 +154,7 @@ class RootState {
  private:
   void finish_reduction();
   void finish_backward();
+  void abandon_backward();  // see Note [A backward that did not finish]
   void end_iteration();
   void cast_buffers(bool to_original);
   void validate_position(const UnitState* unit, size_t position);
@@ -175,6 +176,8 @@ class RootState {
   c10::optional<c10::ScalarType> buffer_dtype_;
   std::vector<at::Tensor> ignored_params_;
   TrainingState training_state_ = TrainingState::kIdle;
+  // Set from the first pre-backward hook of a pass until finish_backward; still set at
+  // the next forward if the pass threw (see Note [A backward that did not finish]).
   bool callback_queued_ = false;
   FlatParamHandle* reducing_ = nullptr;  // its reduction is in flight
   bool sync_gradients_ = true;

@@ -95,6 +95,8 @@ ABSL_FLAG(std::string, mode, "fsdp", "fsdp, or plain: LibTorch without FSDP, one
 ABSL_FLAG(std::string, mixed_precision, "none",
           "none (fp32), or bf16: param_dtype bf16 and reduce_dtype fp32 under FSDP, "
           "autocast to bf16 in plain mode (train)");
+ABSL_FLAG(bool, forward_prefetch, false,
+          "FullyShardedDataParallelOptions::forward_prefetch (train)");
 ABSL_FLAG(double, peak_tflops, 0,
           "the device's peak dense bf16 TFLOP/s for the MFU; 0: examples/gpt/mfu.cc's table "
           "(train)");
@@ -203,7 +205,8 @@ int train(const std::string& dir) {
     FullyShardedDataParallelOptions options =
         FullyShardedDataParallelOptions(comm)
             .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_strategy)))
-            .device_id(device);
+            .device_id(device)
+            .forward_prefetch(absl::GetFlag(FLAGS_forward_prefetch));
     if (bf16) {
       options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
     }

@@ -36,7 +36,9 @@ INSTANTIATE_TEST_SUITE_P(WorldSizesAndDtypes, FakeCollectivesTest,
                                                               c10::kHalf, c10::kLong)));
 
 TEST(FakeCommunicatorTest, AverageDividesByWorldSize) {
-  FakeWorld::run(FakeWorld::create(4), comm_internal::expect_average_divides_by_world_size);
+  FakeWorld::run(FakeWorld::create(4), [](Communicator& comm) {
+    comm_internal::expect_average_divides_by_world_size(comm);
+  });
 }
 
 TEST(FakeCommunicatorTest, AsyncWorksCompleteInOrder) {

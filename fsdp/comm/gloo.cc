@@ -46,6 +46,19 @@ namespace {
 // Each collective is one task on the communicator's worker thread, which calls c10d
 // synchronously; Gloo's timeout (the communicator's) bounds every wait.
 
+// Note [Gloo on device tensors]
+// Gloo moves host memory. A collective on CUDA buffers (ranks that train on a GPU but
+// talk over Gloo, e.g. several ranks on one GPU, where NCCL refuses them) is staged through
+// host tensors: when it is issued, on the caller's thread, each input is copied to the host
+// with a blocking copy on the caller's current stream, which waits for every kernel queued
+// there before it (those that wrote the input, and those that still read the output's old
+// contents); the host collective runs on the worker thread as for CPU buffers, and the
+// worker copies the result into the device buffer with a blocking copy before the work
+// completes. So after Work::wait() the result is in place for every stream, with no event
+// to wait on. The price: the issuing thread waits for its stream, and each collective adds
+// a device-to-host and a host-to-device copy of its buffers. PyTorch's ProcessGroupGloo
+// also stages CUDA tensors through host memory (pinned, with events on the streams).
+
 // Gloo writes to its TCP pairs with writev, which raises SIGPIPE when the peer has closed
 // the connection; the default action kills the process before Gloo can report the lost
 // peer (seen as "killed by signal 13" on a survivor). Python ignores SIGPIPE at start-up,
@@ -160,6 +173,38 @@ void name_gloo_terminations_by_default() {
 at::Tensor bytes_of(const CommBuffer& buffer) {
   return at::from_blob(buffer.data, {buffer.nbytes()}, at::TensorOptions().dtype(at::kByte));
 }
+
+at::Tensor tensor_of(const CommBuffer& buffer) {
+  return at::from_blob(buffer.data, {buffer.numel},
+                       at::TensorOptions().dtype(buffer.dtype).device(buffer.device));
+}
+
+// The host side of a collective's buffer (see Note [Gloo on device tensors]): the buffer
+// itself on the CPU; for a device buffer, a host tensor holding a copy of it (`copy_in`:
+// made on the calling thread, ordered after the kernels of its current stream) or fresh
+// memory, and, once the host collective is done, copy_out() moves the result back.
+class HostStage {
+ public:
+  HostStage(const CommBuffer& buffer, bool copy_in) : buffer_(buffer) {
+    if (buffer.device.is_cpu()) {
+      host_ = buffer;
+      return;
+    }
+    host_tensor_ = copy_in ? tensor_of(buffer).to(at::kCPU)
+                           : at::empty({buffer.numel}, at::TensorOptions().dtype(buffer.dtype));
+    host_ = CommBuffer::of(host_tensor_, "the host copy of a device buffer");
+  }
+  const CommBuffer& host() const { return host_; }
+  // Blocking host-to-device copy of the result (worker thread). No-op on the CPU.
+  void copy_out() const {
+    if (host_tensor_.defined()) tensor_of(buffer_).copy_(host_tensor_);
+  }
+
+ private:
+  CommBuffer buffer_;
+  CommBuffer host_;
+  at::Tensor host_tensor_;  // defined for a device buffer
+};
 
 // Issue-ordered tasks on one thread.
 class Worker {
@@ -348,39 +393,50 @@ class GlooCommunicator : public Communicator,
   }
 
  protected:
-  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
+  // CUDA buffers are staged through host memory: see Note [Gloo on device tensors].
+  bool supports_device(const c10::Device& device) const override {
+    return device.is_cpu() || device.is_cuda();
+  }
 
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
-    return submit(CollectiveKind::kAllGather, sequence, input.numel, [this, output, input] {
-      at::Tensor output_bytes = bytes_of(output);
-      at::Tensor input_bytes = bytes_of(input);
+    HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
+    return submit(CollectiveKind::kAllGather, sequence, input.numel, [this, out, in] {
+      at::Tensor output_bytes = bytes_of(out.host());
+      at::Tensor input_bytes = bytes_of(in.host());
       group_->_allgather_base(output_bytes, input_bytes)->wait();
+      out.copy_out();
     });
   }
 
   WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
                                int64_t sequence) override {
-    return submit(CollectiveKind::kReduceScatter, sequence, input.numel, [this, output, input, op] {
-      reduce_scatter(at::from_blob(output.data, {output.numel}, output.dtype),
-                     at::from_blob(input.data, {input.numel}, input.dtype), op);
+    HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
+    return submit(CollectiveKind::kReduceScatter, sequence, input.numel, [this, out, in, op] {
+      reduce_scatter(tensor_of(out.host()), tensor_of(in.host()), op);
+      out.copy_out();
     });
   }
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
-    return submit(CollectiveKind::kAllReduce, sequence, tensor.numel, [this, tensor, op] {
-      std::vector<at::Tensor> tensors = {at::from_blob(tensor.data, {tensor.numel}, tensor.dtype)};
+    HostStage stage(tensor, /*copy_in=*/true);
+    return submit(CollectiveKind::kAllReduce, sequence, tensor.numel, [this, stage, op] {
+      std::vector<at::Tensor> tensors = {tensor_of(stage.host())};
       group_->allreduce(tensors)->wait();
       if (op == ReduceOp::kAvg) tensors[0].div_(static_cast<double>(world_size()));
+      stage.copy_out();
     });
   }
 
   WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
-    return submit(CollectiveKind::kBroadcast, sequence, tensor.numel, [this, tensor, root] {
-      std::vector<at::Tensor> tensors = {bytes_of(tensor)};
+    // Every rank copies in: the copy is what orders the collective after its stream.
+    HostStage stage(tensor, /*copy_in=*/true);
+    return submit(CollectiveKind::kBroadcast, sequence, tensor.numel, [this, stage, root] {
+      std::vector<at::Tensor> tensors = {bytes_of(stage.host())};
       c10d::BroadcastOptions options;
       options.rootRank = root;
       group_->broadcast(tensors, options)->wait();
+      stage.copy_out();
     });
   }
 

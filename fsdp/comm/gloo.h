@@ -1,4 +1,4 @@
-// The Gloo backend: CPU collectives over c10d's ProcessGroupGloo (LibTorch 2.11), the
+// The Gloo backend: host collectives over c10d's ProcessGroupGloo (LibTorch 2.11), the
 // embedded default that needs no GPU. See Note [Gloo collectives] in gloo.cc.
 //
 //   c10::intrusive_ptr<c10d::Store> store = fsdp::connect_store(env, options);  // rendezvous.h
@@ -19,6 +19,9 @@
 // names the collective and the likely cause when Gloo terminates the process from its
 // transport thread (mismatched sizes without size checks; Note [Gloo terminations] in
 // gloo.cc), then calls the default; a handler the program set is kept.
+//
+// Devices: CPU buffers, and CUDA buffers staged through host copies (Note [Gloo on device
+// tensors] in gloo.cc: the issuing thread waits for its current stream).
 //
 // Threading: collectives run in issue order on one worker thread per communicator;
 // Work::wait may be called from any thread. PyTorch: ProcessGroupGloo.

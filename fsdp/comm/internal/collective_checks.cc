@@ -14,32 +14,37 @@ at::Tensor shard_of(int rank, int64_t numel, c10::ScalarType dtype) {
 
 }  // namespace
 
-void expect_collectives_match_closed_forms(Communicator& comm, c10::ScalarType dtype) {
+void expect_collectives_match_closed_forms(Communicator& comm, c10::ScalarType dtype,
+                                           c10::Device device) {
   SCOPED_TRACE(::testing::Message() << "rank " << comm.rank() << " of " << comm.world_size() << ", "
-                                    << c10::toString(dtype));
+                                    << c10::toString(dtype) << " on " << device);
   comm.counters().reset();
   const int64_t w = comm.world_size();
   const int64_t n = 5;  // shard numel
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   // all-gather: rank k's shard at k * n.
-  at::Tensor full = at::zeros({n * w}, dtype);
-  comm.all_gather_into_tensor(full, shard_of(comm.rank(), n, dtype));
+  at::Tensor full = at::zeros({n * w}, dtype).to(device);
+  comm.all_gather_into_tensor(full, shard_of(comm.rank(), n, dtype).to(device));
+  full = full.cpu();
   for (int k = 0; k < w; ++k) {
     EXPECT_TRUE(at::equal(full.narrow(0, k * n, n), shard_of(k, n, dtype))) << "chunk " << k;
   }
   // reduce-scatter (sum): chunk r of sum_k (k + arange(n*w)).
-  at::Tensor flat = (at::arange(n * w, at::kDouble) + comm.rank()).to(dtype);
-  at::Tensor out = at::zeros({n}, dtype);
+  at::Tensor flat = (at::arange(n * w, at::kDouble) + comm.rank()).to(dtype).to(device);
+  at::Tensor out = at::zeros({n}, dtype).to(device);
   comm.reduce_scatter_tensor(out, flat);
+  out = out.cpu();
   at::Tensor expected = (at::arange(n, at::kDouble) + comm.rank() * n) * w + w * (w - 1) / 2;
   EXPECT_TRUE(at::equal(out, expected.to(dtype))) << out;
   // all-reduce (sum) of 7 elements.
-  at::Tensor t = at::full({7}, comm.rank() + 1, at::kDouble).to(dtype);
+  at::Tensor t = at::full({7}, comm.rank() + 1, at::kDouble).to(dtype).to(device);
   comm.all_reduce(t);
+  t = t.cpu();
   EXPECT_TRUE(at::equal(t, at::full({7}, w * (w + 1) / 2, at::kDouble).to(dtype))) << t;
   // broadcast from the last rank.
-  at::Tensor b = shard_of(comm.rank(), 3, dtype);
+  at::Tensor b = shard_of(comm.rank(), 3, dtype).to(device);
   comm.broadcast(b, w - 1);
+  b = b.cpu();
   EXPECT_TRUE(at::equal(b, shard_of(w - 1, 3, dtype))) << b;
   comm.barrier();
 
@@ -57,15 +62,16 @@ void expect_collectives_match_closed_forms(Communicator& comm, c10::ScalarType d
   EXPECT_EQ(comm.counters().total().calls, 5);
 }
 
-void expect_average_divides_by_world_size(Communicator& comm) {
+void expect_average_divides_by_world_size(Communicator& comm, c10::Device device) {
   const double mean = (comm.world_size() - 1) / 2.0;
-  at::Tensor flat = at::full({2 * comm.world_size()}, static_cast<double>(comm.rank()));
-  at::Tensor out = at::empty({2});
+  const auto on_device = at::TensorOptions().device(device);
+  at::Tensor flat = at::full({2 * comm.world_size()}, static_cast<double>(comm.rank()), on_device);
+  at::Tensor out = at::empty({2}, on_device);
   comm.reduce_scatter_tensor(out, flat, ReduceOp::kAvg);
-  EXPECT_TRUE(at::equal(out, at::full({2}, mean))) << out;
-  at::Tensor t = at::full({3}, static_cast<double>(comm.rank()));
+  EXPECT_TRUE(at::equal(out.cpu(), at::full({2}, mean))) << out;
+  at::Tensor t = at::full({3}, static_cast<double>(comm.rank()), on_device);
   comm.all_reduce(t, ReduceOp::kAvg);
-  EXPECT_TRUE(at::equal(t, at::full({3}, mean))) << t;
+  EXPECT_TRUE(at::equal(t.cpu(), at::full({3}, mean))) << t;
 }
 
 void expect_hybrid_groups_of_four(Communicator& comm) {

@@ -144,12 +144,54 @@ TEST_P(CudaParityTest, UnitSkippedOnSomeIterations) {
   const auto [w, strategy, adam] = GetParam();
   expect_cuda_parity<SkipImpl>(w, strategy, adam);
 }
+TEST_P(CudaParityTest, BiasSharedByAUnitAndTheUnitInsideIt) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const auto [w, strategy, adam] = GetParam();
+  expect_cuda_parity<SharedBiasImpl>(w, strategy, adam);
+}
+TEST_P(CudaParityTest, WeightSharedBySiblingUnits) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const auto [w, strategy, adam] = GetParam();
+  expect_cuda_parity<TiedUnitsImpl>(w, strategy, adam);
+}
+TEST_P(CudaParityTest, EmbeddingUnitTiedToTheRootsHead) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const auto [w, strategy, adam] = GetParam();
+  expect_cuda_parity<EmbeddingUnitLmImpl>(w, strategy, adam);
+}
 
 INSTANTIATE_TEST_SUITE_P(WorldSizesStrategiesOptimizers, CudaParityTest,
                          ::testing::Combine(::testing::Values(1, 2, 4),
                                             ::testing::Values(ShardingStrategy::kFullShard,
                                                               ShardingStrategy::kShardGradOp,
                                                               ShardingStrategy::kNoShard),
+                                            ::testing::Bool()));
+
+// Backward and forward prefetching (PrefetchParityTest of fully_sharded_test.cc): the
+// next unit is gathered while the current one computes, on the rank's stream.
+class CudaPrefetchParityTest
+    : public ::testing::TestWithParam<std::tuple<int, BackwardPrefetch, bool>> {};
+
+TEST_P(CudaPrefetchParityTest, NestedLinearsAndAUnitSkippedOnSomeIterations) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const auto [w, backward, forward] = GetParam();
+  const OptionsOf prefetching = [backward = backward,
+                                 forward = forward](std::shared_ptr<Communicator> comm) {
+    return FullyShardedDataParallelOptions(std::move(comm))
+        .backward_prefetch(backward)
+        .forward_prefetch(forward);
+  };
+  expect_cuda_parity<NestedImpl>(w, reference<NestedImpl>(w, /*adam=*/false), /*adam=*/false,
+                                 prefetching);
+  expect_cuda_parity<SkipImpl>(w, reference<SkipImpl>(w, /*adam=*/false), /*adam=*/false,
+                               prefetching);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndPrefetching, CudaPrefetchParityTest,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values(BackwardPrefetch::kNone,
+                                                              BackwardPrefetch::kBackwardPre,
+                                                              BackwardPrefetch::kBackwardPost),
                                             ::testing::Bool()));
 
 // SGD only, as SgdParityTest in fully_sharded_test.cc says why.

@@ -307,6 +307,82 @@ struct OrderImpl : torch::nn::Module {
   bool swap = false;
 };
 
+// Issue 14's shared-parameter cases (pytorch#83052's pattern): a parent unit and a unit
+// inside it register one bias, and the parent uses it after calling the child.
+struct BiasChildImpl : torch::nn::Module {
+  explicit BiasChildImpl(const at::Tensor& shared) {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    bias = register_parameter("bias", shared);
+  }
+  at::Tensor forward(const at::Tensor& x) { return lin(x) + bias; }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor bias;
+};
+struct BiasParentImpl : torch::nn::Module {
+  BiasParentImpl() {
+    bias = register_parameter("bias", at::randn({4}) * 0.1);
+    child = register_module("child", Unit<BiasChildImpl>(std::make_shared<BiasChildImpl>(bias)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(child(x)) * bias; }
+  at::Tensor bias;
+  Unit<BiasChildImpl> child{nullptr};
+};
+struct SharedBiasImpl : torch::nn::Module {
+  SharedBiasImpl() {
+    parent = register_module("parent", Unit<BiasParentImpl>(std::make_shared<BiasParentImpl>()));
+    head = register_module("head", torch::nn::Linear(4, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(parent(x)); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<BiasParentImpl> parent{nullptr};
+  torch::nn::Linear head{nullptr};
+  int step = 0;
+};
+
+// Two sibling units tied: b uses a's weight (transposed).
+struct TiedLinearImpl : torch::nn::Module {
+  explicit TiedLinearImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight.t()); }
+  at::Tensor weight;
+};
+struct TiedUnitsImpl : torch::nn::Module {
+  TiedUnitsImpl() {
+    a = register_module("a", make_unit(torch::nn::Linear(4, 4)));
+    b = register_module(
+        "b", Unit<TiedLinearImpl>(std::make_shared<TiedLinearImpl>(a->module()->weight)));
+  }
+  at::Tensor forward(at::Tensor x) { return b(torch::tanh(a(x))).narrow(1, 0, 3); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<torch::nn::LinearImpl> a{nullptr};
+  Unit<TiedLinearImpl> b{nullptr};
+  int step = 0;
+};
+
+// The token embedding a unit of its own, the output head in the root tied to it.
+struct EmbeddingUnitLmImpl : torch::nn::Module {
+  EmbeddingUnitLmImpl() {
+    embedding =
+        register_module("embedding", make_unit(torch::nn::Embedding(TinyLmImpl::kVocab, 8)));
+    block = register_module("block", Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+    head = register_module("head", std::make_shared<TiedLinearImpl>(embedding->module()->weight));
+  }
+  at::Tensor forward(at::Tensor tokens) { return head->forward(block(embedding(tokens))); }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  Unit<torch::nn::EmbeddingImpl> embedding{nullptr};
+  Unit<BlockImpl> block{nullptr};
+  std::shared_ptr<TiedLinearImpl> head;
+  int step = 0;
+};
+
 }  // namespace fsdp::core_testing
 
 #endif  // FSDP_CORE_INTERNAL_PARITY_TESTING_H_

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -27,6 +28,18 @@ struct Arrival {
 // The ranks of one (sub)group meeting at numbered collectives. Each collective is two
 // barriers: after the first every rank reads all inputs into a private result; after the
 // second (nobody reads any more) each writes its result, so in-place ops are safe.
+//
+// Note [Fake collectives on device buffers]
+// On a device (CUDA), ranks are threads that each queue work on their own current stream
+// (FakeWorld's callers set one per thread), and a collective runs on the thread of each
+// rank that issues it, as a blocking one: (1) before arriving, a rank synchronizes its
+// current stream, so its input is complete when peers read it (NCCL's equivalent: the
+// collective starts after an event recorded on the issuing stream); (2) each rank reads
+// the peers' inputs into its private result on its own stream and synchronizes before
+// the second meeting, so no peer overwrites an input still being read; (3) it copies the
+// result into its output on its own stream and synchronizes, so the returned work is
+// complete, and so is the output for every stream. Slow (three host synchronizations a
+// collective), exact and simple: for tests. CPU buffers skip the synchronizations.
 class FakeGroup {
  public:
   // `global_ranks`: a subgroup's members as world ranks; empty for the world.
@@ -117,7 +130,21 @@ class FakeGroup {
 namespace {
 
 at::Tensor as_tensor(const CommBuffer& buffer) {
-  return at::from_blob(buffer.data, {buffer.numel}, at::TensorOptions().dtype(buffer.dtype));
+  // target_device: no pointer lookup (CUDA's would reject the null data of an empty
+  // buffer).
+  return at::for_blob(buffer.data, {buffer.numel})
+      .options(at::TensorOptions().dtype(buffer.dtype).device(buffer.device))
+      .target_device(buffer.device)
+      .make_tensor();
+}
+
+// Blocks until the work queued so far on the calling thread's current stream of
+// `device` has finished. CPU: returns at once (ops ran synchronously). Other devices go
+// through c10's device-generic guard, which dispatches to the device's runtime (CUDA's
+// once libc10_cuda is loaded), so this target needs no CUDA headers.
+void synchronize_current_stream(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
 }
 
 // A work that already finished, successfully or with an error.
@@ -143,7 +170,9 @@ class FakeCommunicator : public Communicator {
   std::string backend_name() const override { return "fake"; }
 
  protected:
-  bool supports_device(const c10::Device& device) const override { return device.is_cpu(); }
+  bool supports_device(const c10::Device& device) const override {
+    return device.is_cpu() || device.is_cuda();
+  }
 
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
@@ -209,9 +238,18 @@ class FakeCommunicator : public Communicator {
       if (group_->should_fail(rank(), sequence)) {
         throw comm_error(mine.kind, sequence, -1, "injected failure (FakeWorld::inject_failure)");
       }
+      // Note [Fake collectives on device buffers]: this rank's input is complete before
+      // any peer reads it.
+      synchronize_current_stream(mine.input.device);
       at::Tensor result = compute(group_->meet(rank(), sequence, 0, mine));
+      // This rank's reads of its peers' inputs are done before any peer writes its output
+      // (which may be its input) after the second meeting.
+      synchronize_current_stream(mine.input.device);
       group_->meet(rank(), sequence, 1, mine);  // everyone has read the inputs
-      if (result.defined()) as_tensor(output).copy_(result);
+      if (result.defined()) {
+        as_tensor(output).copy_(result);
+        synchronize_current_stream(output.device);  // the output is complete: the work is done
+      }
       return std::make_shared<DoneWork>(timeout(), nullptr);
     } catch (const CommError& error) {
       mark_broken(error);

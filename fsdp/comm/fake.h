@@ -13,6 +13,22 @@
 // CommError naming the missing rank. Ranks that issue different collectives (or
 // different sizes) at the same sequence number throw a CommError saying so.
 //
+// Devices and streams: buffers on the CPU or on a CUDA device (all of one collective's
+// ranks on one device type; typically every rank on cuda:0, ranks as threads sharing one
+// GPU). A collective runs on each rank's calling thread and returns a completed work:
+// on CUDA it synchronizes that thread's current stream before peers read the rank's
+// input, reads and writes on that stream, and synchronizes again before returning, so
+// the output is complete for every stream (Note [Fake collectives on device buffers] in
+// fake.cc). Give each rank thread its own current stream (PyTorch: a
+// torch.cuda.Stream per rank under torch.cuda.stream) to test stream handling as on real
+// ranks. This target needs no CUDA headers or libraries; CUDA buffers need libtorch_cuda
+// in the binary (as any CUDA tensor does). Ranks as threads on CUDA that run backward
+// must switch off the autograd engine's device threads on each rank thread
+// (c10::AutogradState::get_tls_state().set_multithreading_enabled(false); PyTorch:
+// torch.autograd.set_multithreading_enabled(False)): otherwise the engine runs every rank's CUDA
+// backward on one shared device thread, and a collective issued there by one rank's hook waits for
+// peers that cannot run.
+//
 // Threading: each rank's communicator is used by that rank's thread; a FakeWorld is
 // shared by all of them.
 #ifndef FSDP_COMM_FAKE_H_

@@ -76,6 +76,12 @@ TEST(FakeCommunicatorTest, MismatchedArgumentsAreRejectedBeforeTraffic) {
         comm->all_reduce(at::zeros({3, 4}).t());
       },
       ThrowsMessage<c10::Error>(HasSubstr("expected a contiguous tensor")));
+  // CPU and CUDA buffers only (CUDA ones are tested in fsdp/core:cuda_parity_test).
+  float values[3] = {};
+  const CommBuffer on_meta{values, 3, c10::kFloat, c10::Device(c10::kMeta)};
+  EXPECT_THAT([&] { comm->all_reduce_async(on_meta); },
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("all_reduce: the fake backend cannot move a buffer on meta")));
   // Nothing was sent.
   EXPECT_EQ(comm->counters().total().calls, 0);
 }

@@ -76,33 +76,6 @@ TEST(CheckpointWrapperTest, WithoutGradModeItIsAPlainCall) {
   EXPECT_EQ(wrapped(inputs(0, 2)).grad_fn(), nullptr);
 }
 
-// TinyLmImpl with each block a Unit<CheckpointWrapper<Block>>: the same parameters, in
-// the same order, under the same cleaned names. No random numbers in forward, and ranks
-// are threads: no RNG state to preserve (see checkpoint_wrapper.h).
-using CheckpointedBlock = CheckpointWrapperImpl<BlockImpl>;
-struct CheckpointedLmImpl : torch::nn::Module {
-  CheckpointedLmImpl() {
-    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < 2; ++i) {
-      blocks->push_back(Unit<CheckpointedBlock>(std::make_shared<CheckpointedBlock>(
-          std::make_shared<BlockImpl>(), /*preserve_rng_state=*/false)));
-    }
-  }
-  at::Tensor forward(at::Tensor tokens) {
-    at::Tensor x = embedding(tokens);
-    for (const auto& block : *blocks) x = block->as<UnitImpl<CheckpointedBlock>>()->forward(x);
-    return at::matmul(x, embedding->weight.t());
-  }
-  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
-  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
-    return TinyLmImpl::loss(logits, next);
-  }
-  torch::nn::Embedding embedding{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
-  int step = 0;
-};
-
 class CheckpointParityTest : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
 
 TEST_P(CheckpointParityTest, CheckpointedUnitsTrainLikeThePlainReference) {

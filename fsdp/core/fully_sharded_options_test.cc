@@ -245,17 +245,6 @@ TEST(SyncModuleStatesTest, RanksSeededDifferentlyEndWithRankZerosParametersAndBu
 
 // ---- Execution-order validation ----
 
-// Two units of identical flat size (12 elements); `swap` runs b before a.
-struct OrderImpl : torch::nn::Module {
-  OrderImpl() {
-    a = register_module("a", make_unit(torch::nn::Linear(3, 3)));
-    b = register_module("b", make_unit(torch::nn::Linear(3, 3)));
-  }
-  at::Tensor forward(at::Tensor x) { return swap ? a(b(x)) : b(a(x)); }
-  Unit<torch::nn::LinearImpl> a{nullptr}, b{nullptr};
-  bool swap = false;
-};
-
 TEST(ExecutionOrderTest, DifferentOrdersAcrossRanksRaiseNamingTheUnits) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
     auto net = make<OrderImpl>();

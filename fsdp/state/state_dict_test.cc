@@ -9,11 +9,13 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/state/internal/state_dict_testing.h"
 
 namespace fsdp {
 namespace {
 
-using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
+using namespace ::fsdp::core_testing;   // NOLINT: the shared test models
+using namespace ::fsdp::state_testing;  // NOLINT: the shared round trips
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -23,14 +25,6 @@ FullyShardedDataParallel<Net> wrap(std::shared_ptr<Communicator> comm,
                                    ShardingStrategy strategy = ShardingStrategy::kFullShard) {
   return FullyShardedDataParallel<Net>(
       make<Net>(), FullyShardedDataParallelOptions(comm).sharding_strategy(strategy));
-}
-
-// Every shard and buffer set to zero (what a fresh, wrongly initialised model holds).
-template <typename Net>
-void zero_model(FullyShardedDataParallelImpl<Net>& model) {
-  torch::NoGradGuard no_grad;
-  for (at::Tensor shard : model.parameters()) shard.zero_();
-  for (at::Tensor buffer : model.buffers()) buffer.zero_();
 }
 
 TEST(FullStateDict, KeysAreTheUnwrappedModelsInStateDictOrder) {
@@ -130,7 +124,6 @@ TEST(FullStateDict, TiedParameterAppearsUnderEveryName) {
 
 // REFERENCE §7: save -> zero -> load the state dict after every step; training still
 // matches the single-process reference.
-enum class Kind { kFull, kSharded, kLocal };
 
 // Net: NormedImpl (buffers) with SGD; TinyLmImpl (tied embedding) with Adam (see
 // SgdParityTest in fully_sharded_test.cc for why not BatchNorm with Adam).
@@ -141,28 +134,7 @@ void expect_round_trips_keep_parity(Kind kind, int world_size, ShardingStrategy 
   on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
     expect_parity_on<Net>(comm, want,
                           FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam,
-                          [&](FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer&) {
-                            switch (kind) {
-                              case Kind::kFull: {
-                                const StateDict saved = full_state_dict(model);
-                                zero_model(model);
-                                load_full_state_dict(model, saved);
-                                break;
-                              }
-                              case Kind::kSharded: {
-                                const ShardedStateDict saved = sharded_state_dict(model);
-                                zero_model(model);
-                                load_sharded_state_dict(model, saved);
-                                break;
-                              }
-                              case Kind::kLocal: {
-                                const LocalStateDict saved = local_state_dict(model);
-                                zero_model(model);
-                                load_local_state_dict(model, saved);
-                                break;
-                              }
-                            }
-                          });
+                          save_zero_load<Net>(kind));
   });
 }
 

@@ -26,6 +26,7 @@
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
+#include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/fully_sharded.h"
 
 namespace fsdp::core_testing {
@@ -145,35 +146,47 @@ using AfterStep =
 
 // Trains Net (made by `build_net`, default make<Net>) with FSDP on this rank of `comm`
 // (every rank calls it) and EXPECTs the reference's losses every step and its parameters
-// at the end. Tolerance: 2e-6 absolute, the fp32 rounding of averaging W partial
-// gradients in a different order.
+// at the end. `device`: the compute device, CPU by default; any other (CUDA) is set as
+// the options' device_id, each rank's share of the batch is moved there, and losses and
+// parameters are compared after copying them to the CPU (the reference always runs on
+// the CPU). Tolerance, absolute: 2e-6 on the CPU, the fp32 rounding of averaging W
+// partial gradients in a different order; 1e-5 on a GPU, whose kernels (cuBLAS GEMMs,
+// reductions) also sum in another order than the CPU reference's; a nonzero `tolerance`
+// replaces them (e.g. for mixed precision).
 template <typename Net>
 void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference& want,
                       const FullyShardedDataParallelOptions& options, bool adam,
                       const AfterStep<Net>& after_step = nullptr,
-                      const std::function<std::shared_ptr<Net>()>& build_net = make<Net>) {
+                      const std::function<std::shared_ptr<Net>()>& build_net = make<Net>,
+                      const c10::Device& device = c10::Device(c10::kCPU), double tolerance = 0) {
   const int world_size = comm->world_size();
-  FullyShardedDataParallel<Net> model(build_net(), options);
+  if (tolerance == 0) tolerance = device.is_cpu() ? 2e-6 : 1e-5;
+  FullyShardedDataParallelOptions on_device = options;
+  if (!device.is_cpu()) on_device.device_id(device);
+  FullyShardedDataParallel<Net> model(build_net(), on_device);
   auto optimizer = make_optimizer(model->parameters(), adam);
   for (int step = 0; step < kSteps; ++step) {
     model->module()->step = step;
     const Batch batch = Net::batch(step, kBatchPerRank * world_size);
     optimizer->zero_grad();
-    at::Tensor loss = Net::loss(
-        model->forward(batch.input.narrow(0, comm->rank() * kBatchPerRank, kBatchPerRank)),
-        batch.target.narrow(0, comm->rank() * kBatchPerRank, kBatchPerRank));
+    const int64_t first = comm->rank() * kBatchPerRank;
+    at::Tensor loss =
+        Net::loss(model->forward(batch.input.narrow(0, first, kBatchPerRank).to(device)),
+                  batch.target.narrow(0, first, kBatchPerRank).to(device));
     loss.backward();
     optimizer->step();
     if (after_step) after_step(*model, *optimizer);
     at::Tensor global = loss.detach().clone();
     comm->all_reduce(global, ReduceOp::kAvg);
-    EXPECT_NEAR(global.item<float>(), want.losses[step], 2e-6) << "step " << step;
+    EXPECT_NEAR(global.item<float>(), want.losses[step], tolerance) << "step " << step;
     EXPECT_EQ(model->training_state(), TrainingState::kIdle);
   }
   auto summon = model->summon_full_params(/*writeback=*/false);
   for (const auto& item : model->named_parameters()) {
     const std::string fqn = clean_tensor_name(item.key());
-    EXPECT_TRUE(at::allclose(item.value(), want.params.at(fqn), /*rtol=*/0, /*atol=*/2e-6))
+    EXPECT_EQ(item.value().device(), model->device_handle().device()) << fqn;
+    EXPECT_TRUE(
+        at::allclose(item.value().cpu(), want.params.at(fqn), /*rtol=*/0, /*atol=*/tolerance))
         << fqn << " on rank " << comm->rank();
   }
 }
@@ -252,6 +265,121 @@ struct NormedImpl : torch::nn::Module {
   Unit<torch::nn::LinearImpl> first{nullptr};
   Unit<torch::nn::BatchNorm1dImpl> norm{nullptr};
   torch::nn::Linear head{nullptr};
+  int step = 0;
+};
+
+// TinyLmImpl with each block a Unit<CheckpointWrapper<Block>>: the same parameters, in
+// the same order, under the same cleaned names. No random numbers in forward, and ranks
+// are threads: no RNG state to preserve (see checkpoint_wrapper.h).
+using CheckpointedBlock = CheckpointWrapperImpl<BlockImpl>;
+struct CheckpointedLmImpl : torch::nn::Module {
+  CheckpointedLmImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) {
+      blocks->push_back(Unit<CheckpointedBlock>(std::make_shared<CheckpointedBlock>(
+          std::make_shared<BlockImpl>(), /*preserve_rng_state=*/false)));
+    }
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    at::Tensor x = embedding(tokens);
+    for (const auto& block : *blocks) x = block->as<UnitImpl<CheckpointedBlock>>()->forward(x);
+    return at::matmul(x, embedding->weight.t());
+  }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  int step = 0;
+};
+
+// Execution-order validation: two units of identical flat size (12 elements); `swap`
+// runs b before a.
+struct OrderImpl : torch::nn::Module {
+  OrderImpl() {
+    a = register_module("a", make_unit(torch::nn::Linear(3, 3)));
+    b = register_module("b", make_unit(torch::nn::Linear(3, 3)));
+  }
+  at::Tensor forward(at::Tensor x) { return swap ? a(b(x)) : b(a(x)); }
+  Unit<torch::nn::LinearImpl> a{nullptr}, b{nullptr};
+  bool swap = false;
+};
+
+// Issue 14's shared-parameter cases (pytorch#83052's pattern): a parent unit and a unit
+// inside it register one bias, and the parent uses it after calling the child.
+struct BiasChildImpl : torch::nn::Module {
+  explicit BiasChildImpl(const at::Tensor& shared) {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    bias = register_parameter("bias", shared);
+  }
+  at::Tensor forward(const at::Tensor& x) { return lin(x) + bias; }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor bias;
+};
+struct BiasParentImpl : torch::nn::Module {
+  BiasParentImpl() {
+    bias = register_parameter("bias", at::randn({4}) * 0.1);
+    child = register_module("child", Unit<BiasChildImpl>(std::make_shared<BiasChildImpl>(bias)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(child(x)) * bias; }
+  at::Tensor bias;
+  Unit<BiasChildImpl> child{nullptr};
+};
+struct SharedBiasImpl : torch::nn::Module {
+  SharedBiasImpl() {
+    parent = register_module("parent", Unit<BiasParentImpl>(std::make_shared<BiasParentImpl>()));
+    head = register_module("head", torch::nn::Linear(4, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(parent(x)); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<BiasParentImpl> parent{nullptr};
+  torch::nn::Linear head{nullptr};
+  int step = 0;
+};
+
+// Two sibling units tied: b uses a's weight (transposed).
+struct TiedLinearImpl : torch::nn::Module {
+  explicit TiedLinearImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight.t()); }
+  at::Tensor weight;
+};
+struct TiedUnitsImpl : torch::nn::Module {
+  TiedUnitsImpl() {
+    a = register_module("a", make_unit(torch::nn::Linear(4, 4)));
+    b = register_module(
+        "b", Unit<TiedLinearImpl>(std::make_shared<TiedLinearImpl>(a->module()->weight)));
+  }
+  at::Tensor forward(at::Tensor x) { return b(torch::tanh(a(x))).narrow(1, 0, 3); }
+  static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
+    return NestedImpl::loss(out, y);
+  }
+  Unit<torch::nn::LinearImpl> a{nullptr};
+  Unit<TiedLinearImpl> b{nullptr};
+  int step = 0;
+};
+
+// The token embedding a unit of its own, the output head in the root tied to it.
+struct EmbeddingUnitLmImpl : torch::nn::Module {
+  EmbeddingUnitLmImpl() {
+    embedding =
+        register_module("embedding", make_unit(torch::nn::Embedding(TinyLmImpl::kVocab, 8)));
+    block = register_module("block", Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+    head = register_module("head", std::make_shared<TiedLinearImpl>(embedding->module()->weight));
+  }
+  at::Tensor forward(at::Tensor tokens) { return head->forward(block(embedding(tokens))); }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  Unit<torch::nn::EmbeddingImpl> embedding{nullptr};
+  Unit<BlockImpl> block{nullptr};
+  std::shared_ptr<TiedLinearImpl> head;
   int step = 0;
 };
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -75,6 +76,15 @@ CommBuffer CommBuffer::of(const at::Tensor& tensor, const char* what) {
   TORCH_CHECK(tensor.is_contiguous(), what, ": expected a contiguous tensor, got sizes ",
               tensor.sizes(), " strides ", tensor.strides(), "; call .contiguous() first");
   return {tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), tensor.device()};
+}
+
+at::Tensor CommBuffer::as_tensor() const {
+  // target_device: no lookup of the pointer's device (CUDA's rejects the null data of an
+  // empty buffer).
+  return at::for_blob(data, {numel})
+      .options(at::TensorOptions().dtype(dtype).device(device))
+      .target_device(device)
+      .make_tensor();
 }
 
 std::string CommBuffer::describe() const {

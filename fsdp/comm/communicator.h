@@ -129,6 +129,9 @@ struct CommBuffer {
   // contiguous or not defined.
   static CommBuffer of(const at::Tensor& tensor, const char* what);
   int64_t nbytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
+  // The memory as a 1-D tensor of `numel` elements of `dtype` on `device`: a view, no
+  // copy, valid while the memory is.
+  at::Tensor as_tensor() const;
   std::string describe() const;  // e.g. "[10] Float on cpu"
 };
 

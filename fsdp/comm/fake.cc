@@ -129,15 +129,6 @@ class FakeGroup {
 
 namespace {
 
-at::Tensor as_tensor(const CommBuffer& buffer) {
-  // target_device: no pointer lookup (CUDA's would reject the null data of an empty
-  // buffer).
-  return at::for_blob(buffer.data, {buffer.numel})
-      .options(at::TensorOptions().dtype(buffer.dtype).device(buffer.device))
-      .target_device(buffer.device)
-      .make_tensor();
-}
-
 // Blocks until the work queued so far on the calling thread's current stream of
 // `device` has finished. CPU: returns at once (ops ran synchronously). Other devices go
 // through c10's device-generic guard, which dispatches to the device's runtime (CUDA's
@@ -180,7 +171,7 @@ class FakeCommunicator : public Communicator {
         {CollectiveKind::kAllGather, input, input.numel, -1}, sequence,
         [&](const std::vector<Arrival>& all) {
           std::vector<at::Tensor> parts;
-          for (const Arrival& a : all) parts.push_back(as_tensor(a.input).clone());
+          for (const Arrival& a : all) parts.push_back(a.input.as_tensor().clone());
           return at::cat(parts);
         },
         output);
@@ -205,7 +196,7 @@ class FakeCommunicator : public Communicator {
   WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
     return run(
         {CollectiveKind::kBroadcast, tensor, tensor.numel, root}, sequence,
-        [&](const std::vector<Arrival>& all) { return as_tensor(all[root].input).clone(); },
+        [&](const std::vector<Arrival>& all) { return all[root].input.as_tensor().clone(); },
         tensor);
   }
 
@@ -224,9 +215,9 @@ class FakeCommunicator : public Communicator {
   // Sums chunk [offset, offset + numel) of every rank's input in rank order.
   static at::Tensor reduce(const std::vector<Arrival>& all, ReduceOp op, int64_t offset,
                            int64_t numel) {
-    at::Tensor sum = as_tensor(all[0].input).narrow(0, offset, numel).clone();
+    at::Tensor sum = all[0].input.as_tensor().narrow(0, offset, numel).clone();
     for (size_t r = 1; r < all.size(); ++r) {
-      sum.add_(as_tensor(all[r].input).narrow(0, offset, numel));
+      sum.add_(all[r].input.as_tensor().narrow(0, offset, numel));
     }
     if (op == ReduceOp::kAvg) sum.div_(static_cast<double>(all.size()));
     return sum;
@@ -247,7 +238,7 @@ class FakeCommunicator : public Communicator {
       synchronize_current_stream(mine.input.device);
       group_->meet(rank(), sequence, 1, mine);  // everyone has read the inputs
       if (result.defined()) {
-        as_tensor(output).copy_(result);
+        output.as_tensor().copy_(result);
         synchronize_current_stream(output.device);  // the output is complete: the work is done
       }
       return std::make_shared<DoneWork>(timeout(), nullptr);

@@ -170,14 +170,7 @@ void name_gloo_terminations_by_default() {
   });
 }
 
-at::Tensor bytes_of(const CommBuffer& buffer) {
-  return at::from_blob(buffer.data, {buffer.nbytes()}, at::TensorOptions().dtype(at::kByte));
-}
-
-at::Tensor tensor_of(const CommBuffer& buffer) {
-  return at::from_blob(buffer.data, {buffer.numel},
-                       at::TensorOptions().dtype(buffer.dtype).device(buffer.device));
-}
+at::Tensor bytes_of(const CommBuffer& buffer) { return buffer.as_tensor().view(at::kByte); }
 
 // The host side of a collective's buffer (see Note [Gloo on device tensors]): the buffer
 // itself on the CPU; for a device buffer, a host tensor holding a copy of it (`copy_in`:
@@ -190,14 +183,14 @@ class HostStage {
       host_ = buffer;
       return;
     }
-    host_tensor_ = copy_in ? tensor_of(buffer).to(at::kCPU)
+    host_tensor_ = copy_in ? buffer.as_tensor().to(at::kCPU)
                            : at::empty({buffer.numel}, at::TensorOptions().dtype(buffer.dtype));
     host_ = CommBuffer::of(host_tensor_, "the host copy of a device buffer");
   }
   const CommBuffer& host() const { return host_; }
   // Blocking host-to-device copy of the result (worker thread). No-op on the CPU.
   void copy_out() const {
-    if (host_tensor_.defined()) tensor_of(buffer_).copy_(host_tensor_);
+    if (host_tensor_.defined()) buffer_.as_tensor().copy_(host_tensor_);
   }
 
  private:
@@ -413,7 +406,7 @@ class GlooCommunicator : public Communicator,
                                int64_t sequence) override {
     HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
     return submit(CollectiveKind::kReduceScatter, sequence, input.numel, [this, out, in, op] {
-      reduce_scatter(tensor_of(out.host()), tensor_of(in.host()), op);
+      reduce_scatter(out.host().as_tensor(), in.host().as_tensor(), op);
       out.copy_out();
     });
   }
@@ -421,7 +414,7 @@ class GlooCommunicator : public Communicator,
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
     HostStage stage(tensor, /*copy_in=*/true);
     return submit(CollectiveKind::kAllReduce, sequence, tensor.numel, [this, stage, op] {
-      std::vector<at::Tensor> tensors = {tensor_of(stage.host())};
+      std::vector<at::Tensor> tensors = {stage.host().as_tensor()};
       group_->allreduce(tensors)->wait();
       if (op == ReduceOp::kAvg) tensors[0].div_(static_cast<double>(world_size()));
       stage.copy_out();

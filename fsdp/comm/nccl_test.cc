@@ -20,6 +20,7 @@
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "fsdp/comm/internal/gpu_testing.h"
 #include "fsdp/comm/internal/nccl_utils.h"
 
 namespace fsdp {
@@ -222,12 +223,6 @@ TEST(NcclSetupTest, InvalidDeviceFailsWithTheCudaCallsName) {
 // --- collectives on a GPU (W = 1) --------------------------------------------------------
 
 // Why this machine cannot run the GPU tests, or "" if it can.
-std::string no_gpu_reason() {
-  std::string why;
-  cuda_device_count(&why);
-  return why;
-}
-
 TEST(CudaDeviceCountTest, AReasonExactlyWhenThereIsNoDevice) {
   std::string why = "stale";
   const int count = cuda_device_count(&why);
@@ -238,12 +233,6 @@ TEST(CudaDeviceCountTest, AReasonExactlyWhenThereIsNoDevice) {
   }
   EXPECT_EQ(cuda_device_count(), count);
 }
-
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    const std::string reason = no_gpu_reason();                          \
-    if (!reason.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << reason; \
-  } while (0)
 
 // Device memory holding a copy of a CPU tensor, freed on destruction.
 class DeviceBuffer {
@@ -283,7 +272,7 @@ std::shared_ptr<Communicator> single_rank(NcclOptions options = {}) {
 class NcclGpuTest : public ::testing::TestWithParam<c10::ScalarType> {};
 
 TEST_P(NcclGpuTest, EveryCollectiveOnOneRankHasItsClosedForm) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   const c10::ScalarType dtype = GetParam();
   const bool floating = c10::isFloatingType(dtype);
   std::shared_ptr<Communicator> comm = single_rank();
@@ -336,7 +325,7 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, NcclGpuTest,
 // The collective starts after what the compute stream queued before it, and after wait()
 // the compute stream sees the output.
 TEST(NcclGpuStreamTest, CollectivesAreOrderedAgainstTheComputeStream) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   cudaStream_t compute = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
   {
@@ -361,7 +350,7 @@ TEST(NcclGpuStreamTest, CollectivesAreOrderedAgainstTheComputeStream) {
 }
 
 TEST(NcclGpuSubgroupTest, SubgroupOfOneRankWorks) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<Communicator> comm = single_rank();
   std::shared_ptr<Communicator> group = comm->new_subgroup({0});
   ASSERT_NE(group, nullptr);
@@ -375,7 +364,7 @@ TEST(NcclGpuSubgroupTest, SubgroupOfOneRankWorks) {
 }
 
 TEST(NcclGpuValidationTest, CpuAndOtherDeviceBuffersAreRejected) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<Communicator> comm = single_rank();
   DeviceBuffer t(at::ones({4}, at::kFloat));
   CommBuffer on_cpu = t.view();
@@ -394,7 +383,7 @@ void CUDART_CB sleep_300_ms(void*) { std::this_thread::sleep_for(std::chrono::mi
 // CommError naming it, the NCCL communicator is aborted, and later calls throw too.
 // Runs last: it aborts an NCCL communicator.
 TEST(NcclGpuZFailureTest, TimeoutAbortsAndBreaksTheCommunicator) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   cudaStream_t compute = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
   {

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <ATen/Functions.h>
 
+#include "fsdp/comm/internal/gpu_testing.h"
 #include "fsdp/comm/internal/multiprocess.h"
 #include "fsdp/comm/nccl.h"
 
@@ -161,13 +162,6 @@ TEST(ChooseBackendTest, Names) {
   EXPECT_EQ(RendezvousOptions().backend(), Backend::kDefault);
 }
 
-// This process's CUDA devices, or skips the test (naming why) if it has none.
-#define SKIP_WITHOUT_GPU()                                                         \
-  do {                                                                             \
-    std::string why;                                                               \
-    if (cuda_device_count(&why) == 0) GTEST_SKIP() << "needs a CUDA GPU: " << why; \
-  } while (0)
-
 TEST(InitBackendTest, DefaultIsGlooOnAHostWithoutCuda) {
   if (cuda_device_count() > 0) {
     GTEST_SKIP() << "this host has a CUDA device, so the default is NCCL here "
@@ -195,7 +189,7 @@ TEST(InitBackendTest, GlooOnRequestOnAnyHost) {
 }
 
 TEST(InitBackendTest, DefaultIsNcclOnTheLocalRanksDevice) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<Communicator> comm = init_communicator(LaunchEnvironment());
   EXPECT_EQ(comm->backend_name(), "nccl");
   comm->barrier();
@@ -270,7 +264,7 @@ TEST(DISABLED_RendezvousWorker, JoinWithBackendFromEnvironment) {
 }
 
 TEST(RendezvousTest, RanksWithDifferentBackendsAreNamed) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   const auto ranks = comm_internal::run_test_as_ranks(
       2, "DISABLED_RendezvousWorker.JoinWithBackendFromEnvironment", std::chrono::seconds(60),
       [](int rank, Environment& env) {

@@ -12,7 +12,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/nccl.h"  // cuda_device_count
+#include "fsdp/comm/internal/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
+#include "fsdp/comm/nccl.h"                  // cuda_device_count
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 
@@ -24,20 +25,8 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::ThrowsMessage;
 
-// Why there is no CUDA device, or "" if there is one.
-std::string no_gpu_reason() {
-  std::string why;
-  return cuda_device_count(&why) > 0 ? std::string() : why;
-}
-
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    const std::string reason = no_gpu_reason();                          \
-    if (!reason.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << reason; \
-  } while (false)
-
 TEST(CudaDeviceHandleTest, LinkingTheTargetRegistersIt) {
-  if (!no_gpu_reason().empty()) {
+  if (cuda_device_count() == 0) {
     // Registered (not the "link ..." error), but there is no device to make it for.
     EXPECT_THAT([] { DeviceHandle::for_device(c10::Device("cuda:0")); },
                 ThrowsMessage<c10::Error>(AllOf(HasSubstr("no CUDA device is available"),
@@ -52,7 +41,7 @@ TEST(CudaDeviceHandleTest, LinkingTheTargetRegistersIt) {
 }
 
 TEST(CudaDeviceHandleTest, FreeReturnsBytesToTheCachingAllocator) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
   at::Tensor flat = at::arange(1 << 20, at::TensorOptions().dtype(at::kFloat).device("cuda:0"));
   at::Tensor view = flat.narrow(0, 8, 4);
@@ -75,7 +64,7 @@ TEST(CudaDeviceHandleTest, FreeReturnsBytesToTheCachingAllocator) {
 }
 
 TEST(CudaDeviceHandleTest, MemoryFreeCountsTheCachingAllocatorsReserve) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
   at::Tensor flat = at::empty({64 << 20}, at::TensorOptions().dtype(at::kFloat).device("cuda:0"));
   handle->synchronize();
@@ -87,7 +76,7 @@ TEST(CudaDeviceHandleTest, MemoryFreeCountsTheCachingAllocatorsReserve) {
 // Note [Out of memory while unsharding] on a real device: a unit whose unsharded flat
 // parameter (1 GiB) does not fit beside a tensor holding all but 512 MiB of the device.
 TEST(CudaDeviceHandleTest, UnshardingAUnitThatDoesNotFitNamesIt) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   auto world = FakeWorld::create(1);
   std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
   // 256 Mi elements of float32: 1 GiB unsharded.
@@ -110,7 +99,7 @@ TEST(CudaDeviceHandleTest, UnshardingAUnitThatDoesNotFitNamesIt) {
 }
 
 TEST(CudaDeviceHandleTest, SideStreamsAreOwnAndStable) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
   const c10::Stream unshard = handle->side_stream(kUnshardStream);
   const c10::Stream post_backward = handle->side_stream(kPostBackwardStream);
@@ -121,7 +110,7 @@ TEST(CudaDeviceHandleTest, SideStreamsAreOwnAndStable) {
 }
 
 TEST(CudaDeviceHandleTest, EventsOrderASideStreamBeforeTheCurrentOne) {
-  SKIP_WITHOUT_GPU();
+  FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(c10::Device("cuda:0"));
   const auto options = at::TensorOptions().dtype(at::kFloat).device("cuda:0");
   at::Tensor x = at::zeros({1 << 22}, options);

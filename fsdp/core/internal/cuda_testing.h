@@ -38,17 +38,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/nccl.h"  // cuda_device_count
-
-// Skips the calling test unless a CUDA device is usable, naming why not (the CUDA
-// runtime's words).
-#define FSDP_SKIP_WITHOUT_GPU()                                \
-  do {                                                         \
-    std::string fsdp_why_no_gpu;                               \
-    if (::fsdp::cuda_device_count(&fsdp_why_no_gpu) == 0) {    \
-      GTEST_SKIP() << "needs a CUDA GPU: " << fsdp_why_no_gpu; \
-    }                                                          \
-  } while (false)
+#include "fsdp/comm/internal/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
 
 namespace fsdp::core_testing {
 

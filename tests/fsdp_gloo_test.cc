@@ -16,20 +16,6 @@ namespace {
 
 using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 
-template <typename Net>
-void expect_parity_for_all_strategies(const std::shared_ptr<Communicator>& comm) {
-  for (bool adam : {false, true}) {
-    const Reference want = reference<Net>(comm->world_size(), adam);
-    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                                      ShardingStrategy::kNoShard}) {
-      SCOPED_TRACE(::testing::Message()
-                   << sharding_strategy_name(strategy) << (adam ? ", Adam" : ", SGD"));
-      expect_parity_on<Net>(
-          comm, want, FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam);
-    }
-  }
-}
-
 TEST(DISABLED_FsdpWorker, Parity) {
   std::shared_ptr<Communicator> comm = init_from_environment(
       RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kGloo));
@@ -39,12 +25,8 @@ TEST(DISABLED_FsdpWorker, Parity) {
 }
 
 void expect_all_ranks_pass(int world_size) {
-  const auto ranks = comm_internal::run_test_as_ranks(world_size, "DISABLED_FsdpWorker.Parity",
-                                                      std::chrono::seconds(240));
-  for (const auto& rank : ranks) {
-    ASSERT_EQ(rank.exit_code, 0) << comm_internal::describe(ranks);
-    ASSERT_THAT(rank.output, ::testing::HasSubstr("[  PASSED  ] 1 test"));
-  }
+  comm_internal::expect_ranks_passed(comm_internal::run_test_as_ranks(
+      world_size, "DISABLED_FsdpWorker.Parity", std::chrono::seconds(240)));
 }
 
 TEST(FsdpGlooTest, ParityOnTwoRanks) { expect_all_ranks_pass(2); }

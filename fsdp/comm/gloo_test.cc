@@ -170,23 +170,19 @@ void print_survivor_error(const std::vector<RankOutcome>& ranks, int rank) {
             << " s: " << out.substr(at, out.find('\n', at) - at) << "\n";
 }
 
-void expect_all_passed(const std::vector<RankOutcome>& ranks) {
-  for (const RankOutcome& rank : ranks) {
-    ASSERT_EQ(rank.exit_code, 0) << describe(ranks);
-    ASSERT_THAT(rank.output, HasSubstr("[  PASSED  ] 1 test")) << describe(ranks);
-  }
-}
-
 TEST(GlooTest, CollectivesMatchClosedFormsOnTwoRanks) {
-  expect_all_passed(run_test_as_ranks(2, "DISABLED_GlooWorker.Collectives", kDeadline));
+  comm_internal::expect_ranks_passed(
+      run_test_as_ranks(2, "DISABLED_GlooWorker.Collectives", kDeadline));
 }
 
 TEST(GlooTest, CollectivesMatchClosedFormsOnThreeRanks) {
-  expect_all_passed(run_test_as_ranks(3, "DISABLED_GlooWorker.Collectives", kDeadline));
+  comm_internal::expect_ranks_passed(
+      run_test_as_ranks(3, "DISABLED_GlooWorker.Collectives", kDeadline));
 }
 
 TEST(GlooTest, CollectivesAndHybridGroupsOnFourRanks) {
-  expect_all_passed(run_test_as_ranks(4, "DISABLED_GlooWorker.Collectives", kDeadline));
+  comm_internal::expect_ranks_passed(
+      run_test_as_ranks(4, "DISABLED_GlooWorker.Collectives", kDeadline));
 }
 
 TEST(GlooTest, PeerKilledMidCollectiveMakesSurvivorsRaiseInTime) {

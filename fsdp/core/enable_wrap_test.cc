@@ -509,10 +509,7 @@ TEST(ShardOnConstructionTest, ConstructionPeakNearTheShardedSizeOnFourProcesses)
       if (line.rfind("construction rank", 0) == 0) std::cout << line << "\n";
     }
   }
-  for (const comm_internal::RankOutcome& rank : ranks) {
-    ASSERT_EQ(rank.exit_code, 0) << comm_internal::describe(ranks);
-    ASSERT_THAT(rank.output, HasSubstr("[  PASSED  ] 1 test")) << comm_internal::describe(ranks);
-  }
+  comm_internal::expect_ranks_passed(ranks);
 }
 
 }  // namespace

@@ -130,10 +130,7 @@ TEST(HybridShardTest, ParityWithFullShardOnFourProcesses) {
   const std::vector<comm_internal::RankOutcome> ranks = comm_internal::run_test_as_ranks(
       kWorldSize, "DISABLED_HybridWorker.EveryStrategyMatchesTheReference",
       std::chrono::seconds(50));
-  for (const comm_internal::RankOutcome& rank : ranks) {
-    ASSERT_EQ(rank.exit_code, 0) << comm_internal::describe(ranks);
-    ASSERT_THAT(rank.output, HasSubstr("[  PASSED  ] 1 test")) << comm_internal::describe(ranks);
-  }
+  comm_internal::expect_ranks_passed(ranks);
 }
 
 }  // namespace

@@ -140,10 +140,7 @@ void expect_within_formula(const std::string& worker) {
       if (line.rfind("memory rank", 0) == 0) std::cout << line << "\n";
     }
   }
-  for (const comm_internal::RankOutcome& rank : ranks) {
-    ASSERT_EQ(rank.exit_code, 0) << comm_internal::describe(ranks);
-    ASSERT_THAT(rank.output, HasSubstr("[  PASSED  ] 1 test")) << comm_internal::describe(ranks);
-  }
+  comm_internal::expect_ranks_passed(ranks);
 }
 
 TEST(MemoryTest, FullShardAdamPeakWithinTenPercentOfFormulaOnFourRanks) {

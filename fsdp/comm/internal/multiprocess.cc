@@ -11,6 +11,9 @@
 #include <sstream>
 #include <thread>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include "absl/strings/str_cat.h"
 #include <c10/util/Exception.h>
 
@@ -110,6 +113,13 @@ std::string describe(const std::vector<RankOutcome>& ranks) {
                     " after ", r.seconds, " s\n", r.output, "\n");
   }
   return out;
+}
+
+void expect_ranks_passed(const std::vector<RankOutcome>& ranks) {
+  for (const RankOutcome& rank : ranks) {
+    ASSERT_EQ(rank.exit_code, 0) << describe(ranks);
+    ASSERT_THAT(rank.output, ::testing::HasSubstr("[  PASSED  ] 1 test")) << describe(ranks);
+  }
 }
 
 }  // namespace fsdp::comm_internal

@@ -36,6 +36,10 @@ std::vector<RankOutcome> run_test_as_ranks(
 // "rank R: exited 0 after 1.2 s" / "killed by signal 9", then its output; for messages.
 std::string describe(const std::vector<RankOutcome>& ranks);
 
+// ASSERTs (GoogleTest) that every rank exited with status 0 and passed its worker test
+// ("[  PASSED  ] 1 test"); a failure shows describe(ranks).
+void expect_ranks_passed(const std::vector<RankOutcome>& ranks);
+
 }  // namespace fsdp::comm_internal
 
 #endif  // FSDP_COMM_INTERNAL_MULTIPROCESS_H_

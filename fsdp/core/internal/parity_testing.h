@@ -191,6 +191,24 @@ void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference
   }
 }
 
+// expect_parity_on for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, each with SGD and with
+// Adam, on `device` (every rank calls it).
+template <typename Net>
+void expect_parity_for_all_strategies(const std::shared_ptr<Communicator>& comm,
+                                      const c10::Device& device = c10::Device(c10::kCPU)) {
+  for (bool adam : {false, true}) {
+    const Reference want = reference<Net>(comm->world_size(), adam);
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                      ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(::testing::Message()
+                   << sharding_strategy_name(strategy) << (adam ? ", Adam" : ", SGD"));
+      expect_parity_on<Net>(comm, want,
+                            FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam,
+                            nullptr, make<Net>, device);
+    }
+  }
+}
+
 // Nested linears with two units (NetImpl above).
 struct NestedImpl : NetImpl {
   static Batch batch(int step, int64_t rows) { return {inputs(step, rows), targets(step, rows)}; }

@@ -307,7 +307,8 @@ def peer_section(runs, dat):
     reps = len(next(iter(runs.values())))
     return ("## 7. Side by side with PyTorch FSDP2 and DDP\n\n"
             "The GPT of examples/gpt (4 layers, 4 heads, context 128, global batch 16, "
-            "fp32, AdamW) trained by fsdp (benchmarks/peer/gpt_fsdp.cc) and by PyTorch "
+            "fp32, AdamW) trained by fsdp (benchmarks/peer/gpt_fsdp.cc, with "
+            "`forward_prefetch`; backward prefetch BACKWARD_PRE, the default) and by PyTorch "
             "2.11 (benchmarks/peer/fsdp2_gpt.py: `fully_shard` on every block and the root, "
             "or DistributedDataParallel for NO_SHARD) under torchrun, from the same weights "
             "on the same batches, 23 steps each, the two alternating "

@@ -172,12 +172,9 @@ TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {
 
 // ---- Shared parameters under shard_on_construction (Note [Shared parameters]). ----
 
-// A module that uses a parameter registered elsewhere: matmul with its transpose.
-struct TiedLinearImpl : torch::nn::Module {
-  explicit TiedLinearImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
-  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight.t()); }
-  at::Tensor weight;
-};
+// TiedLinearImpl and BiasChildImpl are parity_testing.h's; the models below differ from
+// its same-named ones (no head, other forwards), so their construction errors name
+// these FQNs.
 
 // The token embedding a unit of its own, the output head in the root tied to it.
 struct EmbeddingUnitLmImpl : torch::nn::Module {
@@ -191,15 +188,6 @@ struct EmbeddingUnitLmImpl : torch::nn::Module {
 };
 
 // A parent unit and a unit inside it register one bias (pytorch#83052's pattern).
-struct BiasChildImpl : torch::nn::Module {
-  explicit BiasChildImpl(const at::Tensor& shared) {
-    lin = register_module("lin", torch::nn::Linear(4, 4));
-    bias = register_parameter("bias", shared);
-  }
-  at::Tensor forward(const at::Tensor& x) { return lin(x) + bias; }
-  torch::nn::Linear lin{nullptr};
-  at::Tensor bias;
-};
 struct BiasParentImpl : torch::nn::Module {
   BiasParentImpl() {
     bias = register_parameter("bias", at::zeros({4}));

@@ -111,14 +111,16 @@ std::string line_starting(const std::string& output, const std::string& prefix) 
 // still terminates rank 0, which receives the longer message, but the terminate handler
 // of make_gloo_communicator names the collective and the cause first. Before, rank 0 said
 // only "terminate called after throwing an instance of 'gloo::EnforceNotMet'" and Gloo's
-// enforcement. Rank 1 fails in a later collective, naming rank 0.
+// enforcement. Rank 1 fails in a later collective, naming rank 0. Rank 1 all-gathers l2's
+// shard (63 parameters padded to 64, 32 floats per rank) where rank 0 all-gathers l1's
+// (40 parameters, 20 per rank), each shard in one message.
 TEST(FsdpGlooTest, RanksDivergingAfterTheFirstIterationTerminateNamingTheCause) {
   const auto ranks = comm_internal::run_test_as_ranks(
       2, "DISABLED_FsdpWorker.RanksDivergingAfterTheFirstIteration", std::chrono::seconds(120));
   EXPECT_EQ(ranks[0].term_signal, SIGABRT) << comm_internal::describe(ranks);
   EXPECT_EQ(line_starting(ranks[0].output, "fsdp: Gloo terminates"),
             "fsdp: Gloo terminates rank 0 in all_gather_into_tensor #8: a peer sent a message of "
-            "64 bytes where this rank expected 40: the ranks are not running the same units in "
+            "128 bytes where this rank expected 80: the ranks are not running the same units in "
             "the same order (FullyShardedDataParallelOptions::validate_execution_order "
             "size-checks every collective, making this a CommError on every rank)")
       << comm_internal::describe(ranks);

@@ -12,9 +12,9 @@
 //   busbw        algbw x (W-1)/W (all-gather, reduce-scatter), x 2(W-1)/W (all-reduce)
 //   wire_ratio   lo bytes per rank per call / the formula's bytes sent per rank
 // The c10d baselines, called directly on a ProcessGroupGloo of LibTorch 2.11:
-// `_allgather_base` (what our all-gather calls), `_reduce_scatter_base` (c10d's native
-// reduce-scatter for Gloo, against our alltoall-based one; see Note [Gloo collectives]),
-// `allreduce` (ring) for all-reduce.
+// `_allgather_base` (c10d's ring all-gather, against our direct exchange),
+// `_reduce_scatter_base` (c10d's native reduce-scatter for Gloo, against our exchange and
+// local sum; see Note [Gloo collectives]), `allreduce` (ring) for all-reduce.
 #include <cstdio>
 #include <iostream>
 #include <memory>

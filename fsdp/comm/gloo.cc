@@ -4,13 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <deque>
 #include <exception>
 #include <functional>
-#include <future>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -33,18 +31,25 @@ namespace {
 // Every collective goes through c10d's ProcessGroupGloo (LibTorch 2.11): fsdp never calls
 // Gloo's algorithms itself, because the Gloo compiled into libtorch_cpu is newer than any
 // Gloo headers we could compile against, and its option structs may differ.
-// - all-gather: c10d's `_allgather_base` on kByte views (any dtype), the ring all-gather:
-//   each rank sends and receives (W - 1) x input bytes.
-// - reduce-scatter: c10d's `_reduce_scatter_base` for Gloo all-reduces the whole input
-//   (2 (W - 1)/W of it each way, twice the ring reduce-scatter) and ignores the reduce op.
-//   So we run `alltoall_base` of the flat input in W equal chunks (rank r receives every
-//   rank's chunk r: (W - 1)/W each way, as a ring reduce-scatter) and sum them locally in
-//   rank order, in the buffer's dtype. benchmarks/RESULTS.md has both measured.
+// - all-gather: a direct exchange over c10d's point-to-point send and recv on kByte views
+//   (any dtype): each rank sends its input to every peer and receives every peer's into
+//   its slice of the output, (W - 1) x input bytes each way, as in a ring all-gather, but
+//   in one round instead of W - 1 steps that each wait for the next rank.
+// - reduce-scatter: the same exchange of the input's W equal chunks (rank r receives
+//   every rank's chunk r: (W - 1)/W of the input each way, as a ring reduce-scatter), then
+//   a local sum in rank order, in the buffer's dtype. (c10d's `_reduce_scatter_base` for
+//   Gloo all-reduces the whole input, twice the bytes, and ignores the reduce op.)
 // - all-reduce: Gloo's ring all-reduce (every floating dtype, bfloat16 included), sum;
 //   average divides afterwards.
 // - broadcast and barrier: Gloo's own.
-// Each collective is one task on the communicator's worker thread, which calls c10d
-// synchronously; Gloo's timeout (the communicator's) bounds every wait.
+// Everything is issued on the caller's thread, with no thread of fsdp's own in between:
+// sends and receives are moved by Gloo's transport thread, c10d's collectives run in
+// issue order on c10d's one worker thread, and what completes a collective (the local
+// sum, an average's division, the copy back of a staged device buffer) runs in the first
+// Work::wait. Gloo's timeout (the communicator's) bounds every wait. On 2 cores with 4
+// ranks each hand-off to a thread waits for a core, so the two hops saved per collective
+// (to a worker of fsdp's and back) and the one round of the exchange are what made
+// FULL_SHARD's 14 collectives a step cheaper (benchmarks/PROFILE.md).
 
 // Note [Gloo on device tensors]
 // Gloo moves host memory. A collective on CUDA buffers (ranks that train on a GPU but
@@ -52,9 +57,8 @@ namespace {
 // host tensors: when it is issued, on the caller's thread, each input is copied to the host
 // with a blocking copy on the caller's current stream, which waits for every kernel queued
 // there before it (those that wrote the input, and those that still read the output's old
-// contents); the host collective runs on the worker thread as for CPU buffers, and the
-// worker copies the result into the device buffer with a blocking copy before the work
-// completes. So after Work::wait() the result is in place for every stream, with no event
+// contents); the host collective runs as for CPU buffers, and the waiter copies the result
+// into the device buffer with a blocking copy before Work::wait returns. So after Work::wait() the result is in place for every stream, with no event
 // to wait on. The price: the issuing thread waits for its stream, and each collective adds
 // a device-to-host and a host-to-device copy of its buffers. PyTorch's ProcessGroupGloo
 // also stages CUDA tensors through host memory (pinned, with events on the streams).
@@ -199,57 +203,6 @@ class HostStage {
   at::Tensor host_tensor_;  // defined for a device buffer
 };
 
-// Issue-ordered tasks on one thread.
-class Worker {
- public:
-  Worker() : thread_([this] { loop(); }) {}
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  std::shared_future<void> submit(std::function<void()> task) {
-    auto promise = std::make_shared<std::promise<void>>();
-    std::shared_future<void> done = promise->get_future().share();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      tasks_.push_back([task = std::move(task), promise] {
-        try {
-          task();
-          promise->set_value();
-        } catch (...) {
-          promise->set_exception(std::current_exception());
-        }
-      });
-    }
-    cv_.notify_all();
-    return done;
-  }
-
- private:
-  void loop() {
-    while (true) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
-
 // Note [Naming the lost peer]
 // Gloo reports a lost connection by socket address, not by rank. After a failure, each
 // survivor marks itself alive in the root communicator's store and waits up to
@@ -266,8 +219,11 @@ class Worker {
 // probe, and be named in place of the lost rank. So as soon as a collective fails, the
 // process closes the connections of all its communicators (as PyTorch aborts a failed
 // NCCL communicator): every survivor blocked on it fails within milliseconds and probes
-// at the same time. Rank 0 (the store's host) keeps the store up for another probe time
-// before it goes, so that the others can finish their probes.
+// at the same time. Closing means dropping every reference to the Gloo context: the
+// process group's, and those of the collectives in flight (their c10d works), whose
+// pending sends and receives are aborted first so that no waiter blocks on them. Rank 0
+// (the store's host) keeps the store up for another probe time before it goes, so that
+// the others can finish their probes.
 constexpr auto kProbeTime = std::chrono::milliseconds(1500);
 
 // Thrown on the worker thread when a size check finds ranks running different collectives
@@ -338,6 +294,83 @@ class GlooFamily {
   std::vector<GlooCommunicator*> members_;
 };
 
+class GlooCommunicator;
+
+// One collective: the c10d works it posted and what completes it once they are done (the
+// local sum of a reduce-scatter, the division of an average, the copy back of a device
+// buffer). Made on the issuing thread; wait() may be called from any thread and more than
+// once (the first waiter completes it). See Note [Gloo collectives].
+class GlooWork : public Work {
+ public:
+  GlooWork(std::weak_ptr<GlooCommunicator> comm, CollectiveKind kind, int64_t sequence,
+           int global_rank, std::chrono::milliseconds timeout)
+      : Work(timeout),
+        comm_(std::move(comm)),
+        kind_(kind),
+        sequence_(sequence),
+        global_rank_(global_rank) {}
+
+  // While issuing. `point_to_point`: a send or receive, which release() must abort.
+  void add(c10::intrusive_ptr<c10d::Work> work, bool point_to_point) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    posted_.push_back({std::move(work), point_to_point});
+  }
+  void set_finish(std::function<void()> finish) { finish_ = std::move(finish); }
+  // Issuing failed (a size check, closed connections): wait() raises it.
+  void set_failed(std::exception_ptr failure) { failed_ = std::move(failure); }
+
+  void wait(std::chrono::milliseconds timeout) override;
+
+  // For all-gathers and reduce-scatters, true once wait() returned: their sends and
+  // receives cannot be polled without completing them.
+  bool is_completed() override {
+    if (completed_) return true;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_ || released_) return true;
+    for (const Posted& posted : posted_) {
+      if (posted.point_to_point || !posted.work->isCompleted()) return false;
+    }
+    return true;
+  }
+
+  bool done() const { return completed_; }
+
+  // The connections are being closed (see Note [Naming the lost peer]): wakes a waiter
+  // blocked in a send or receive and drops this collective's references to the Gloo
+  // context, so that closing it closes its sockets. wait() then fails.
+  void release() {
+    std::vector<Posted> posted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      released_ = true;
+      posted.swap(posted_);
+    }
+    for (Posted& p : posted) {
+      if (p.point_to_point && !p.work->isCompleted()) p.work->abort();
+    }
+  }
+
+ private:
+  struct Posted {
+    c10::intrusive_ptr<c10d::Work> work;
+    bool point_to_point;
+  };
+  [[noreturn]] void fail(const std::string& detail);
+
+  const std::weak_ptr<GlooCommunicator> comm_;
+  const CollectiveKind kind_;
+  const int64_t sequence_;
+  const int global_rank_;  // for a failure seen after the communicator is gone
+  std::function<void()> finish_;
+  std::exception_ptr failed_;
+  std::mutex wait_mutex_;  // held by the waiter that completes it
+  std::exception_ptr error_;  // the CommError of a failed wait, raised again (wait_mutex_)
+  std::atomic<bool> completed_{false};
+  std::mutex mutex_;  // guards posted_ and released_
+  std::vector<Posted> posted_;
+  bool released_ = false;
+};
+
 class GlooCommunicator : public Communicator,
                          public std::enable_shared_from_this<GlooCommunicator> {
  public:
@@ -374,15 +407,27 @@ class GlooCommunicator : public Communicator,
   // For GlooWork, which sees failures when they are waited on: closes the connections,
   // names the lost rank and breaks the communicator. See Note [Naming the lost peer].
   CommError fail(CollectiveKind kind, int64_t sequence, const std::string& detail) {
+    close_connections();
     family_->on_failure(this);
     const CommError error = comm_error(kind, sequence, family_->find_lost_peer(), detail);
     mark_broken(error);
     return error;
   }
 
-  // Queued behind the collectives already issued (which fail fast once peers close).
+  // Releases the collectives in flight and the process group: once nothing references
+  // the Gloo context, its sockets close. The group's destructor waits for the collective
+  // c10d is running, which fails fast once peers have closed (or at Gloo's timeout).
   void close_connections() {
-    worker_.submit([this] { group_.reset(); });
+    std::vector<std::weak_ptr<GlooWork>> in_flight;
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      in_flight.swap(in_flight_);
+      group = std::move(group_);
+    }
+    for (const std::weak_ptr<GlooWork>& weak : in_flight) {
+      if (std::shared_ptr<GlooWork> work = weak.lock()) work->release();
+    }
   }
 
  protected:
@@ -394,47 +439,81 @@ class GlooCommunicator : public Communicator,
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
     HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
-    return submit(CollectiveKind::kAllGather, sequence, input.numel, [this, out, in] {
-      at::Tensor output_bytes = bytes_of(out.host());
-      at::Tensor input_bytes = bytes_of(in.host());
-      group_->_allgather_base(output_bytes, input_bytes)->wait();
-      out.copy_out();
-    });
+    return start(CollectiveKind::kAllGather, sequence, input.numel,
+                 [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
+                   at::Tensor output_bytes = bytes_of(out.host());
+                   at::Tensor input_bytes = bytes_of(in.host());
+                   const int64_t n = input_bytes.numel();
+                   output_bytes.narrow(0, rank() * n, n).copy_(input_bytes);
+                   exchange(group, work, sequence, [&](int /*to*/) { return input_bytes; },
+                            [&](int from) { return output_bytes.narrow(0, from * n, n); });
+                   return [out] { out.copy_out(); };
+                 });
   }
 
   WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
                                int64_t sequence) override {
     HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
-    return submit(CollectiveKind::kReduceScatter, sequence, input.numel, [this, out, in, op] {
-      reduce_scatter(out.host().as_tensor(), in.host().as_tensor(), op);
-      out.copy_out();
-    });
+    return start(
+        CollectiveKind::kReduceScatter, sequence, input.numel,
+        [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
+          const at::Tensor input_chunks = in.host().as_tensor();
+          const int64_t n = out.host().numel;
+          const int me = rank(), world = world_size();
+          // Peer r's chunk `me` lands at slot r, or r - 1 after this rank's own.
+          at::Tensor received = at::empty({(world - 1) * n}, input_chunks.options());
+          auto slot = [me](int r) { return r < me ? r : r - 1; };
+          exchange(group, work, sequence,
+                   [&](int to) { return input_chunks.narrow(0, to * n, n).view(at::kByte); },
+                   [&](int from) { return received.narrow(0, slot(from) * n, n).view(at::kByte); });
+          return [out, input_chunks, received, n, me, world, slot, op] {
+            // In rank order, in the buffer's dtype: every rank sums the same way.
+            auto chunk = [&](int r) {
+              return r == me ? input_chunks.narrow(0, me * n, n)
+                             : received.narrow(0, slot(r) * n, n);
+            };
+            at::Tensor output_tensor = out.host().as_tensor();
+            output_tensor.copy_(chunk(0));
+            for (int r = 1; r < world; ++r) output_tensor.add_(chunk(r));
+            if (op == ReduceOp::kAvg) output_tensor.div_(static_cast<double>(world));
+            out.copy_out();
+          };
+        });
   }
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
     HostStage stage(tensor, /*copy_in=*/true);
-    return submit(CollectiveKind::kAllReduce, sequence, tensor.numel, [this, stage, op] {
-      std::vector<at::Tensor> tensors = {stage.host().as_tensor()};
-      group_->allreduce(tensors)->wait();
-      if (op == ReduceOp::kAvg) tensors[0].div_(static_cast<double>(world_size()));
-      stage.copy_out();
-    });
+    return start(CollectiveKind::kAllReduce, sequence, tensor.numel,
+                 [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
+                   std::vector<at::Tensor> tensors = {stage.host().as_tensor()};
+                   work.add(group.allreduce(tensors), /*point_to_point=*/false);
+                   const int world = world_size();
+                   return [stage, result = tensors[0], op, world] {
+                     if (op == ReduceOp::kAvg) result.div_(static_cast<double>(world));
+                     stage.copy_out();
+                   };
+                 });
   }
 
   WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
     // Every rank copies in: the copy is what orders the collective after its stream.
     HostStage stage(tensor, /*copy_in=*/true);
-    return submit(CollectiveKind::kBroadcast, sequence, tensor.numel, [this, stage, root] {
-      std::vector<at::Tensor> tensors = {bytes_of(stage.host())};
-      c10d::BroadcastOptions options;
-      options.rootRank = root;
-      group_->broadcast(tensors, options)->wait();
-      stage.copy_out();
-    });
+    return start(CollectiveKind::kBroadcast, sequence, tensor.numel,
+                 [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
+                   std::vector<at::Tensor> tensors = {bytes_of(stage.host())};
+                   c10d::BroadcastOptions options;
+                   options.rootRank = root;
+                   work.add(group.broadcast(tensors, options), /*point_to_point=*/false);
+                   return [stage] { stage.copy_out(); };
+                 });
   }
 
   WorkHandle do_barrier(int64_t sequence) override {
-    return submit(CollectiveKind::kBarrier, sequence, 0, [this] { group_->barrier()->wait(); });
+    return start(CollectiveKind::kBarrier, sequence, 0,
+                 [](c10d::ProcessGroupGloo& group, GlooWork& work) {
+                   work.add(group.barrier(), /*point_to_point=*/false);
+                   return [] {};
+                 });
   }
 
   std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
@@ -454,44 +533,39 @@ class GlooCommunicator : public Communicator,
     return c10d::ProcessGroupGloo::createDefaultDevice();
   }
 
-  // A reusable buffer of `numel` elements (worker thread only): a fresh allocation per
-  // call costs a page fault per 4 KiB, more than the copy itself.
-  at::Tensor received(int64_t numel, c10::ScalarType dtype) {
-    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    if (!received_.defined() || received_.numel() < bytes) {
-      received_ = at::empty({bytes}, at::kByte);
+  // Posts collective `sequence`'s direct exchange: to each peer, send(peer) (bytes); from
+  // each, into receive(peer) (bytes of the same size). Peers in ring order (the next rank
+  // first), so that no two ranks start with the same peer. The tag is the sequence: every
+  // rank numbers its collectives alike, and a tag names one message per pair.
+  template <typename SendFn, typename ReceiveFn>
+  void exchange(c10d::ProcessGroupGloo& group, GlooWork& work, int64_t sequence,
+                const SendFn& send, const ReceiveFn& receive) {
+    const int tag = static_cast<int>(sequence % std::numeric_limits<int>::max());
+    const int world = world_size();
+    for (int step = 1; step < world; ++step) {
+      const int from = (rank() - step + world) % world;
+      const int to = (rank() + step) % world;
+      std::vector<at::Tensor> into = {receive(from)};
+      work.add(group.recv(into, from, tag), /*point_to_point=*/true);
+      std::vector<at::Tensor> what = {send(to)};
+      work.add(group.send(what, to, tag), /*point_to_point=*/true);
     }
-    return received_.narrow(0, 0, bytes).view(dtype);
-  }
-
-  // output: n elements; input: W x n elements of the same dtype. See Note [Gloo collectives].
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
-    const int64_t n = output.numel();
-    at::Tensor chunks = received(input.numel(), input.scalar_type());
-    at::Tensor received_bytes = chunks.view(at::kByte);
-    at::Tensor input_bytes = input.view(at::kByte);
-    std::vector<int64_t> equal_splits;  // empty = W equal chunks
-    group_->alltoall_base(received_bytes, input_bytes, equal_splits, equal_splits)->wait();
-    output.copy_(chunks.narrow(0, 0, n));
-    for (int r = 1; r < world_size(); ++r) output.add_(chunks.narrow(0, r * n, n));
-    if (op == ReduceOp::kAvg) output.div_(static_cast<double>(world_size()));
   }
 
   // Note [Mismatched sizes]
   // Ranks that pass different sizes to one collective (ranks running different units,
-  // or in another order) make Gloo corrupt data silently (alltoall) or terminate the
-  // receiving process from its transport thread (a message longer than expected), naming
-  // no cause. With size checks on (Communicator::set_size_checks; FSDP turns them on for
-  // its first iteration, and for every iteration with validate_execution_order), every
-  // collective first all-gathers each rank's (kind, numel), and all ranks raise the same
-  // error naming them. Without them see Note [Gloo terminations].
-  // See Note [Mismatched sizes]. Worker thread only.
-  void check_same_collective(CollectiveKind kind, int64_t numel) {
+  // or in another order) make Gloo corrupt data silently or terminate the receiving
+  // process from its transport thread (a message longer than expected), naming no cause.
+  // With size checks on (Communicator::set_size_checks; FSDP turns them on for its first
+  // iteration, and for every iteration with validate_execution_order), every collective
+  // first all-gathers each rank's (kind, numel), blocking the issuing thread, and all
+  // ranks raise the same error naming them. Without them see Note [Gloo terminations].
+  void check_same_collective(c10d::ProcessGroupGloo& group, CollectiveKind kind, int64_t numel) {
     at::Tensor mine = at::empty({2}, at::kLong);
     mine.data_ptr<int64_t>()[0] = static_cast<int64_t>(kind);
     mine.data_ptr<int64_t>()[1] = numel;
     at::Tensor all = at::empty({2 * world_size()}, at::kLong);
-    group_->_allgather_base(all, mine)->wait();
+    group._allgather_base(all, mine)->wait();
     const int64_t* records = all.data_ptr<int64_t>();
     bool same = true;
     for (int r = 0; r < world_size(); ++r) {
@@ -512,16 +586,46 @@ class GlooCommunicator : public Communicator,
                      ": the ranks are not running the same units in the same order"));
   }
 
-  WorkHandle submit(CollectiveKind kind, int64_t sequence, int64_t numel,
-                    std::function<void()> task);
+  // Starts collective `sequence` on the issuing thread: records it (Note [Gloo
+  // terminations]), checks sizes if asked, then `post` posts its c10d works on the
+  // GlooWork and returns what completes it. A failure of any step is raised by wait().
+  template <typename PostFn>
+  WorkHandle start(CollectiveKind kind, int64_t sequence, int64_t numel, const PostFn& post) {
+    auto work = std::make_shared<GlooWork>(weak_from_this(), kind, sequence, global_rank(),
+                                           timeout());
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      group = group_;
+      // Forget the collectives that are done or gone; keep this one for close_connections.
+      in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(),
+                                      [](const std::weak_ptr<GlooWork>& weak) {
+                                        std::shared_ptr<GlooWork> w = weak.lock();
+                                        return !w || w->done();
+                                      }),
+                       in_flight_.end());
+      if (group) in_flight_.push_back(work);
+    }
+    record_started(kind, sequence, group_name_);
+    try {
+      TORCH_CHECK(group,
+                  "the connections were closed after an earlier collective of this process "
+                  "failed");
+      if (family_->size_checks()) check_same_collective(*group, kind, numel);
+      work->set_finish(post(*group, *work));
+    } catch (...) {
+      work->set_failed(std::current_exception());
+    }
+    return work;
+  }
 
   std::shared_ptr<GlooFamily> family_;  // first: outlives the group (rank 0's store)
   c10::intrusive_ptr<c10d::Store> store_;
   GlooOptions options_;
   std::string group_name_;  // " in group [0, 2]" for a subgroup, for record_started
+  std::mutex mutex_;        // guards group_ and in_flight_
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;  // null once the connections are closed
-  at::Tensor received_;  // alltoall target of reduce_scatter, reused (worker thread only)
-  Worker worker_;        // last: joined first on destruction, while the group still exists
+  std::vector<std::weak_ptr<GlooWork>> in_flight_;    // issued, not yet waited for
 };
 
 void GlooFamily::on_failure(GlooCommunicator* source) {
@@ -532,69 +636,60 @@ void GlooFamily::on_failure(GlooCommunicator* source) {
   }
 }
 
-class GlooWork : public Work {
- public:
-  GlooWork(std::weak_ptr<GlooCommunicator> comm, CollectiveKind kind, int64_t sequence,
-           int global_rank, std::shared_future<void> done, std::chrono::milliseconds timeout)
-      : Work(timeout),
-        comm_(std::move(comm)),
-        kind_(kind),
-        sequence_(sequence),
-        global_rank_(global_rank),
-        done_(std::move(done)) {}
-
-  void wait(std::chrono::milliseconds timeout) override {
-    if (done_.wait_for(timeout) != std::future_status::ready) {
-      fail(absl::StrCat("did not complete within ", timeout.count(), " ms"));
-    }
-    try {
-      done_.get();
-    } catch (const CommError&) {
-      throw;
-    } catch (const MismatchedCollectives& e) {
-      fail(e.what());
-    } catch (const std::exception& e) {
-      fail(first_line(e.what()));
-    }
+void GlooWork::wait(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> waiting(wait_mutex_);
+  if (completed_) return;
+  if (error_) std::rethrow_exception(error_);
+  std::vector<Posted> posted;
+  bool released = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    posted = posted_;
+    released = released_;
   }
-
-  bool is_completed() override {
-    return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& detail) {
-    std::shared_ptr<GlooCommunicator> comm = comm_.lock();
-    if (!comm) throw CommError(collective_name(kind_), sequence_, global_rank_, -1, detail);
-    throw comm->fail(kind_, sequence_, detail);
-  }
-
-  std::weak_ptr<GlooCommunicator> comm_;
-  CollectiveKind kind_;
-  int64_t sequence_;
-  int global_rank_;  // for a failure seen after the communicator is gone
-  std::shared_future<void> done_;
-};
-
-WorkHandle GlooCommunicator::submit(CollectiveKind kind, int64_t sequence, int64_t numel,
-                                    std::function<void()> task) {
-  // Runs on the worker thread, the only one that touches group_ while the communicator
-  // lives. See Note [Naming the lost peer] for why a failure closes the connections.
-  auto run = [this, kind, sequence, numel, check = family_->size_checks(), task = std::move(task)] {
-    TORCH_CHECK(group_,
-                "the connections were closed after an earlier collective of this process failed");
-    record_started(kind, sequence, group_name_);  // see Note [Gloo terminations]
-    try {
-      if (check) check_same_collective(kind, numel);
-      task();
-    } catch (...) {
-      group_.reset();
-      family_->on_failure(this);
-      throw;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string detail;
+  try {
+    if (failed_) std::rethrow_exception(failed_);
+    for (const Posted& p : posted) {
+      if (released) break;
+      // c10d reads a zero timeout as none.
+      const auto left = std::max(std::chrono::milliseconds(1),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     deadline - std::chrono::steady_clock::now()));
+      if (!p.work->wait(left)) {  // a send or receive aborted by release()
+        released = true;
+      }
     }
-  };
-  return std::make_shared<GlooWork>(weak_from_this(), kind, sequence, global_rank(),
-                                    worker_.submit(std::move(run)), timeout());
+    if (released) {
+      detail = "the connections were closed after a collective of this process failed";
+    } else {
+      finish_();
+      completed_ = true;
+      return;
+    }
+  } catch (const CommError&) {
+    throw;
+  } catch (const MismatchedCollectives& e) {
+    detail = e.what();
+  } catch (const std::exception& e) {
+    detail = std::chrono::steady_clock::now() >= deadline
+                 ? absl::StrCat("did not complete within ", timeout.count(), " ms")
+                 : first_line(e.what());
+  }
+  posted.clear();  // so that closing the connections closes them
+  try {
+    fail(detail);
+  } catch (const CommError&) {
+    error_ = std::current_exception();
+    throw;
+  }
+}
+
+void GlooWork::fail(const std::string& detail) {
+  std::shared_ptr<GlooCommunicator> comm = comm_.lock();
+  if (!comm) throw CommError(collective_name(kind_), sequence_, global_rank_, -1, detail);
+  throw comm->fail(kind_, sequence_, detail);
 }
 
 }  // namespace

@@ -6,11 +6,11 @@
 //       store, env.rank, env.world_size, fsdp::GlooOptions().timeout(std::chrono::seconds(30)));
 //
 // How the collectives map onto Gloo (see Note [Gloo collectives] in gloo.cc): all-gather
-// is Gloo's ring allgather into views of the flat output; reduce-scatter is a pairwise
-// all-to-all followed by a local sum, so each rank sends and receives (W - 1)/W of the
-// input, like a ring reduce-scatter; all-reduce is Gloo's ring all-reduce (or, for
-// dtypes Gloo cannot sum, that reduce-scatter followed by the all-gather). Data that is
-// only moved moves as bytes, so every dtype of is_supported_dtype works.
+// is a direct exchange (each rank sends its input to every peer) into views of the flat
+// output; reduce-scatter is the same exchange of the input's chunks followed by a local
+// sum in rank order, so each rank sends and receives (W - 1)/W of the input, like a ring
+// reduce-scatter; all-reduce is Gloo's ring all-reduce. Data that is only moved moves as
+// bytes, so every dtype of is_supported_dtype works.
 //
 // Signals: make_gloo_communicator sets SIGPIPE to ignored if it is at its default, as
 // Python does at start-up, so that a peer closing its connections surfaces as a CommError
@@ -23,8 +23,11 @@
 // Devices: CPU buffers, and CUDA buffers staged through host copies (Note [Gloo on device
 // tensors] in gloo.cc: the issuing thread waits for its current stream).
 //
-// Threading: collectives run in issue order on one worker thread per communicator;
-// Work::wait may be called from any thread. PyTorch: ProcessGroupGloo.
+// Threading: collectives are issued on the calling thread (one at a time, in the same
+// order on every rank) and moved by Gloo's and c10d's threads; Work::wait may be called
+// from any thread, and the first wait runs what completes the collective (a
+// reduce-scatter's local sum). Work::is_completed of an all-gather or reduce-scatter is
+// true only once it was waited for. PyTorch: ProcessGroupGloo.
 #ifndef FSDP_COMM_GLOO_H_
 #define FSDP_COMM_GLOO_H_
 

@@ -234,14 +234,15 @@ std::string line_starting(const std::string& output, const std::string& prefix) 
 
 // Before: rank 0 died with only "terminate called after throwing an instance of
 // 'gloo::EnforceNotMet'" and Gloo's enforcement. Rank 1's all-gather either completes
-// (it received the shorter message) or fails when rank 0 is gone.
+// (it received the shorter message) or fails when rank 0 is gone. The all-gather is a direct
+// exchange, so rank 1's whole input (36 floats) is one message where rank 0 posted for 4.
 TEST(GlooTest, MismatchedCollectivesWithoutSizeChecksTerminateNamingTheCollective) {
   const std::vector<RankOutcome> ranks =
       run_test_as_ranks(2, "DISABLED_GlooWorker.MismatchedCollectivesWithoutSizeChecks", kDeadline);
   EXPECT_EQ(ranks[0].term_signal, SIGABRT) << describe(ranks);
   EXPECT_EQ(line_starting(ranks[0].output, "fsdp: Gloo terminates"),
             "fsdp: Gloo terminates rank 0 in all_gather_into_tensor #1: a peer sent a message of "
-            "72 bytes where this rank expected 8: the ranks are not running the same units in "
+            "144 bytes where this rank expected 16: the ranks are not running the same units in "
             "the same order (FullyShardedDataParallelOptions::validate_execution_order "
             "size-checks every collective, making this a CommError on every rank)")
       << describe(ranks);

@@ -7,14 +7,18 @@
 //   16 x sum_i shard_numel_i      param + grad + Adam exp_avg + exp_avg_sq shards
 //   + 4 x max_i padded_numel_i    the largest unit unsharded
 //   + 4 x max_i padded_numel_i    and its unsharded gradient
-// That is training without prefetching (BackwardPrefetch::kNone). With kBackwardPre
-// (PyTorch's default) the next unit is gathered while the current one still computes
-// its gradients, so one more unit is unsharded: + 4 x max_i padded_numel_i.
+//   + 4 x max_i padded_numel_i    the flat gradient of the reduction left in flight
+//                                 (Note [Asynchronous gradient reduction])
+//   + 4 x (W - 1) x max_i shard_numel_i   the peers' chunks that reduction receives
+//                                 (Note [Gloo collectives] in fsdp/comm/gloo.cc)
+// That is training without prefetching (BackwardPrefetch::kNone): REFERENCE §5's bound
+// with Gloo's receive buffer. With kBackwardPre (PyTorch's default) the next unit is
+// gathered while the current one still computes its gradients, so one more unit is
+// unsharded: + 4 x max_i padded_numel_i.
 //
 // What is measured. Each rank counts, under one memory tag, every CPU allocation its
-// training thread makes from just before the model is built (so Gloo's worker thread,
-// whose reduce-scatter scratch buffer is communication memory, is excluded; the process
-// total including it is printed too). The peak is taken over a whole step (zero_grad,
+// training thread makes from just before the model is built (Gloo's buffers included:
+// collectives are issued on this thread; the process total is printed too). The peak is taken over a whole step (zero_grad,
 // forward, backward, Adam step) once Adam's state exists. Everything that is not model
 // state is kept small: a batch of 2 rows makes the activations and their gradients
 // about 2 x 2 x (512 + 3 x 128) x 4 bytes = 14 KB per block, 0.11 MB in all (2% of the
@@ -55,17 +59,24 @@ using ModelImpl = core_internal::MlpModelImpl;
 struct Prediction {
   int64_t sharded_state_bytes = 0;  // 16 x sum of shard numels
   int64_t max_unit_bytes = 0;       // 4 x max padded numel
-  int64_t total() const { return sharded_state_bytes + 2 * max_unit_bytes; }
+  int64_t max_received_bytes = 0;   // 4 x (W - 1) x max shard numel
+  // Unsharded: the unit, its gradient, the reduction's flat gradient, and `prefetched`.
+  int units(int prefetched) const { return 3 + prefetched; }
+  int64_t total(int prefetched) const {
+    return sharded_state_bytes + units(prefetched) * max_unit_bytes + max_received_bytes;
+  }
 };
 
 template <typename Model>
-Prediction predict(const Model& model) {
+Prediction predict(const Model& model, int world_size) {
   Prediction p;
   for (const auto& unit : model->units()) {
     const FlatParamHandle* handle = unit->handle();
     if (handle == nullptr) continue;
     p.sharded_state_bytes += 16 * handle->shard_numel();
     p.max_unit_bytes = std::max<int64_t>(p.max_unit_bytes, 4 * handle->padded_numel());
+    p.max_received_bytes =
+        std::max<int64_t>(p.max_received_bytes, 4 * (world_size - 1) * handle->shard_numel());
   }
   return p;
 }
@@ -90,9 +101,9 @@ void train_and_measure(BackwardPrefetch prefetch) {
                                                 .sharding_strategy(ShardingStrategy::kFullShard)
                                                 .backward_prefetch(prefetch));
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-  const Prediction formula = predict(model);
+  const Prediction formula = predict(model, comm->world_size());
   const int prefetched_units = prefetch == BackwardPrefetch::kNone ? 0 : 1;
-  const int64_t predicted = formula.total() + prefetched_units * formula.max_unit_bytes;
+  const int64_t predicted = formula.total(prefetched_units);
 
   int64_t peak = 0, steady = 0, process_peak = 0;
   for (int step = 0; step < kSteps; ++step) {
@@ -108,12 +119,13 @@ void train_and_measure(BackwardPrefetch prefetch) {
   const double ratio = static_cast<double>(peak) / predicted;
   std::cout << absl::StrFormat(
                    "memory rank %d, backward prefetch %s: peak %s (%d B), predicted %s "
-                   "(%d B) = 16 Psi/W %s + %d x 4 max psi_i %s; ratio %.4f; between "
-                   "steps %s; process peak (with Gloo's buffers) %s",
+                   "(%d B) = 16 Psi/W %s + %d x 4 max psi_i %s + received chunks %s; ratio "
+                   "%.4f; between steps %s; process peak %s",
                    comm->rank(), prefetch == BackwardPrefetch::kNone ? "none" : "BACKWARD_PRE",
                    megabytes(peak), peak, megabytes(predicted), predicted,
-                   megabytes(formula.sharded_state_bytes), 2 + prefetched_units,
-                   megabytes((2 + prefetched_units) * formula.max_unit_bytes), ratio,
+                   megabytes(formula.sharded_state_bytes), formula.units(prefetched_units),
+                   megabytes(formula.units(prefetched_units) * formula.max_unit_bytes),
+                   megabytes(formula.max_received_bytes), ratio,
                    megabytes(steady), megabytes(process_peak))
             << std::endl;
   // Between steps exactly the sharded state (the root's head stays sharded too).

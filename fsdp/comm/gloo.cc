@@ -58,9 +58,10 @@ namespace {
 // with a blocking copy on the caller's current stream, which waits for every kernel queued
 // there before it (those that wrote the input, and those that still read the output's old
 // contents); the host collective runs as for CPU buffers, and the waiter copies the result
-// into the device buffer with a blocking copy before Work::wait returns. So after Work::wait() the result is in place for every stream, with no event
-// to wait on. The price: the issuing thread waits for its stream, and each collective adds
-// a device-to-host and a host-to-device copy of its buffers. PyTorch's ProcessGroupGloo
+// into the device buffer with a blocking copy before Work::wait returns. So after
+// Work::wait() the result is in place for every stream, with no event to wait on. The
+// price: the issuing thread waits for its stream, and each collective adds a
+// device-to-host and a host-to-device copy of its buffers. PyTorch's ProcessGroupGloo
 // also stages CUDA tensors through host memory (pinned, with events on the streams).
 
 // Gloo writes to its TCP pairs with writev, which raises SIGPIPE when the peer has closed
@@ -106,7 +107,7 @@ LastCollective& last_collective() {
   return *last;
 }
 
-// Worker threads, as each collective starts.
+// The issuing thread, as each collective starts.
 // `group`: "" for a root communicator, " in group [0, 2]" for a subgroup.
 void record_started(CollectiveKind kind, int64_t sequence, const std::string& group) {
   std::string name = absl::StrCat(collective_name(kind), " #", sequence, group);
@@ -192,7 +193,7 @@ class HostStage {
     host_ = CommBuffer::of(host_tensor_, "the host copy of a device buffer");
   }
   const CommBuffer& host() const { return host_; }
-  // Blocking host-to-device copy of the result (worker thread). No-op on the CPU.
+  // Blocking host-to-device copy of the result (the waiter). No-op on the CPU.
   void copy_out() const {
     if (host_tensor_.defined()) buffer_.as_tensor().copy_(host_tensor_);
   }
@@ -226,7 +227,7 @@ class HostStage {
 // the others can finish their probes.
 constexpr auto kProbeTime = std::chrono::milliseconds(1500);
 
-// Thrown on the worker thread when a size check finds ranks running different collectives
+// Thrown on the issuing thread when a size check finds ranks running different collectives
 // (see Communicator::set_size_checks); its message names every rank's.
 class MismatchedCollectives : public std::runtime_error {
  public:
@@ -258,7 +259,7 @@ class GlooFamily {
   }
 
   // A collective of `source` failed: closes the connections of every other member
-  // (`source` closes its own on its worker thread).
+  // (`source` closes its own first, in GlooCommunicator::fail).
   void on_failure(GlooCommunicator* source);
 
   // See Communicator::set_size_checks: read when a collective is issued.
@@ -293,8 +294,6 @@ class GlooFamily {
   std::mutex mutex_;
   std::vector<GlooCommunicator*> members_;
 };
-
-class GlooCommunicator;
 
 // One collective: the c10d works it posted and what completes it once they are done (the
 // local sum of a reduce-scatter, the division of an average, the copy back of a device
@@ -363,7 +362,7 @@ class GlooWork : public Work {
   const int global_rank_;  // for a failure seen after the communicator is gone
   std::function<void()> finish_;
   std::exception_ptr failed_;
-  std::mutex wait_mutex_;  // held by the waiter that completes it
+  std::mutex wait_mutex_;     // held by the waiter that completes it
   std::exception_ptr error_;  // the CommError of a failed wait, raised again (wait_mutex_)
   std::atomic<bool> completed_{false};
   std::mutex mutex_;  // guards posted_ and released_
@@ -445,8 +444,9 @@ class GlooCommunicator : public Communicator,
                    at::Tensor input_bytes = bytes_of(in.host());
                    const int64_t n = input_bytes.numel();
                    output_bytes.narrow(0, rank() * n, n).copy_(input_bytes);
-                   exchange(group, work, sequence, [&](int /*to*/) { return input_bytes; },
-                            [&](int from) { return output_bytes.narrow(0, from * n, n); });
+                   exchange(
+                       group, work, sequence, [&](int /*to*/) { return input_bytes; },
+                       [&](int from) { return output_bytes.narrow(0, from * n, n); });
                    return [out] { out.copy_out(); };
                  });
   }
@@ -463,9 +463,10 @@ class GlooCommunicator : public Communicator,
           // Peer r's chunk `me` lands at slot r, or r - 1 after this rank's own.
           at::Tensor received = at::empty({(world - 1) * n}, input_chunks.options());
           auto slot = [me](int r) { return r < me ? r : r - 1; };
-          exchange(group, work, sequence,
-                   [&](int to) { return input_chunks.narrow(0, to * n, n).view(at::kByte); },
-                   [&](int from) { return received.narrow(0, slot(from) * n, n).view(at::kByte); });
+          exchange(
+              group, work, sequence,
+              [&](int to) { return input_chunks.narrow(0, to * n, n).view(at::kByte); },
+              [&](int from) { return received.narrow(0, slot(from) * n, n).view(at::kByte); });
           return [out, input_chunks, received, n, me, world, slot, op] {
             // In rank order, in the buffer's dtype: every rank sums the same way.
             auto chunk = [&](int r) {
@@ -535,12 +536,14 @@ class GlooCommunicator : public Communicator,
 
   // Posts collective `sequence`'s direct exchange: to each peer, send(peer) (bytes); from
   // each, into receive(peer) (bytes of the same size). Peers in ring order (the next rank
-  // first), so that no two ranks start with the same peer. The tag is the sequence: every
-  // rank numbers its collectives alike, and a tag names one message per pair.
+  // first), so that no two ranks start with the same peer. The tag comes from the sequence
+  // (every rank numbers its collectives alike: one message per pair and tag), at or above
+  // 2^30, where no slot of c10d's collectives on the same Gloo context lies.
   template <typename SendFn, typename ReceiveFn>
-  void exchange(c10d::ProcessGroupGloo& group, GlooWork& work, int64_t sequence,
-                const SendFn& send, const ReceiveFn& receive) {
-    const int tag = static_cast<int>(sequence % std::numeric_limits<int>::max());
+  void exchange(c10d::ProcessGroupGloo& group, GlooWork& work, int64_t sequence, const SendFn& send,
+                const ReceiveFn& receive) {
+    constexpr int64_t kTagBase = int64_t{1} << 30;
+    const int tag = static_cast<int>(kTagBase + sequence % kTagBase);
     const int world = world_size();
     for (int step = 1; step < world; ++step) {
       const int from = (rank() - step + world) % world;
@@ -591,8 +594,8 @@ class GlooCommunicator : public Communicator,
   // GlooWork and returns what completes it. A failure of any step is raised by wait().
   template <typename PostFn>
   WorkHandle start(CollectiveKind kind, int64_t sequence, int64_t numel, const PostFn& post) {
-    auto work = std::make_shared<GlooWork>(weak_from_this(), kind, sequence, global_rank(),
-                                           timeout());
+    auto work =
+        std::make_shared<GlooWork>(weak_from_this(), kind, sequence, global_rank(), timeout());
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
     {
       std::lock_guard<std::mutex> lock(mutex_);

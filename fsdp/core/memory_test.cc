@@ -18,12 +18,12 @@
 //
 // What is measured. Each rank counts, under one memory tag, every CPU allocation its
 // training thread makes from just before the model is built (Gloo's buffers included:
-// collectives are issued on this thread; the process total is printed too). The peak is taken over a whole step (zero_grad,
-// forward, backward, Adam step) once Adam's state exists. Everything that is not model
-// state is kept small: a batch of 2 rows makes the activations and their gradients
-// about 2 x 2 x (512 + 3 x 128) x 4 bytes = 14 KB per block, 0.11 MB in all (2% of the
-// prediction); Adam's per-parameter temporaries are shard-sized. The test allows the
-// prediction + 10% for them.
+// collectives are issued on this thread; the process total is printed too). The peak is
+// taken over a whole step (zero_grad, forward, backward, Adam step) once Adam's state
+// exists. Everything that is not model state is kept small: a batch of 2 rows makes the
+// activations and their gradients about 2 x 2 x (512 + 3 x 128) x 4 bytes = 14 KB per
+// block, 0.11 MB in all (2% of the prediction); Adam's per-parameter temporaries are
+// shard-sized. The test allows the prediction + 10% for them.
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -125,8 +125,8 @@ void train_and_measure(BackwardPrefetch prefetch) {
                    megabytes(peak), peak, megabytes(predicted), predicted,
                    megabytes(formula.sharded_state_bytes), formula.units(prefetched_units),
                    megabytes(formula.units(prefetched_units) * formula.max_unit_bytes),
-                   megabytes(formula.max_received_bytes), ratio,
-                   megabytes(steady), megabytes(process_peak))
+                   megabytes(formula.max_received_bytes), ratio, megabytes(steady),
+                   megabytes(process_peak))
             << std::endl;
   // Between steps exactly the sharded state (the root's head stays sharded too).
   EXPECT_EQ(steady, formula.sharded_state_bytes);

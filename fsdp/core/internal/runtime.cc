@@ -420,13 +420,13 @@ void RootState::ensure_end_of_backward_callback() {
 
 // Note [Asynchronous gradient reduction]
 // A unit's post-backward issues its reduce-scatter (NO_SHARD: all-reduce) and returns, so
-// the collective runs on the communicator's own thread while autograd computes the next
-// unit's gradients: DDP's overlap of its bucketed all-reduce with backward, and what
-// PyTorch FSDP's post-backward stream gives on the GPU. The next post-backward first
-// waits for it, so at most one reduction is in flight and peak memory grows by one flat
-// gradient at most (REFERENCE §5); the end-of-backward callback waits for the last, so
-// every .grad is final when backward() returns. Every rank issues and waits in the same
-// order, so collectives still match one for one.
+// the collective's bytes move (Gloo's transport thread, NCCL's stream) while autograd
+// computes the next unit's gradients: DDP's overlap of its bucketed all-reduce with
+// backward, and what PyTorch FSDP's post-backward stream gives on the GPU. The next
+// post-backward first waits for it, so at most one reduction is in flight and peak memory
+// grows by one flat gradient at most (REFERENCE §5); the end-of-backward callback waits
+// for the last, so every .grad is final when backward() returns. Every rank issues and
+// waits in the same order, so collectives still match one for one.
 void RootState::start_reduction(FlatParamHandle& handle, std::vector<at::Tensor> grads) {
   finish_reduction();
   handle.start_reduce_grad(std::move(grads));

@@ -37,8 +37,12 @@ namespace {
 //   in one round instead of W - 1 steps that each wait for the next rank.
 // - reduce-scatter: the same exchange of the input's W equal chunks (rank r receives
 //   every rank's chunk r: (W - 1)/W of the input each way, as a ring reduce-scatter), then
-//   a local sum in rank order, in the buffer's dtype. (c10d's `_reduce_scatter_base` for
-//   Gloo all-reduces the whole input, twice the bytes, and ignores the reduce op.)
+//   a local sum in the buffer's dtype, the same on every rank: ((c0 + c1) + c2) + ...
+//   One peer's chunk (rank 1's on rank 0, rank 0's elsewhere) is received straight into
+//   the output and the other of c0, c1 added to it, which is c0 + c1 exactly (IEEE
+//   addition commutes); the other W - 2 are received into a buffer of (W - 2)/W of the
+//   input, none at W = 2. (c10d's `_reduce_scatter_base` for Gloo all-reduces the whole
+//   input, twice the bytes, and ignores the reduce op.)
 // - all-reduce: Gloo's ring all-reduce (every floating dtype, bfloat16 included), sum;
 //   average divides afterwards.
 // - broadcast and barrier: Gloo's own.
@@ -176,6 +180,13 @@ void name_gloo_terminations_by_default() {
 }
 
 at::Tensor bytes_of(const CommBuffer& buffer) { return buffer.as_tensor().view(at::kByte); }
+
+// Whether two buffers share memory.
+bool overlaps(const CommBuffer& a, const CommBuffer& b) {
+  const char* a_begin = static_cast<const char*>(a.data);
+  const char* b_begin = static_cast<const char*>(b.data);
+  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
+}
 
 // The host side of a collective's buffer (see Note [Gloo on device tensors]): the buffer
 // itself on the CPU; for a device buffer, a host tensor holding a copy of it (`copy_in`:
@@ -454,32 +465,41 @@ class GlooCommunicator : public Communicator,
   WorkHandle do_reduce_scatter(const CommBuffer& output, const CommBuffer& input, ReduceOp op,
                                int64_t sequence) override {
     HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
-    return start(
-        CollectiveKind::kReduceScatter, sequence, input.numel,
-        [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
-          const at::Tensor input_chunks = in.host().as_tensor();
-          const int64_t n = out.host().numel;
-          const int me = rank(), world = world_size();
-          // Peer r's chunk `me` lands at slot r, or r - 1 after this rank's own.
-          at::Tensor received = at::empty({(world - 1) * n}, input_chunks.options());
-          auto slot = [me](int r) { return r < me ? r : r - 1; };
-          exchange(
-              group, work, sequence,
-              [&](int to) { return input_chunks.narrow(0, to * n, n).view(at::kByte); },
-              [&](int from) { return received.narrow(0, slot(from) * n, n).view(at::kByte); });
-          return [out, input_chunks, received, n, me, world, slot, op] {
-            // In rank order, in the buffer's dtype: every rank sums the same way.
-            auto chunk = [&](int r) {
-              return r == me ? input_chunks.narrow(0, me * n, n)
-                             : received.narrow(0, slot(r) * n, n);
-            };
-            at::Tensor output_tensor = out.host().as_tensor();
-            output_tensor.copy_(chunk(0));
-            for (int r = 1; r < world; ++r) output_tensor.add_(chunk(r));
-            if (op == ReduceOp::kAvg) output_tensor.div_(static_cast<double>(world));
-            out.copy_out();
-          };
-        });
+    return start(CollectiveKind::kReduceScatter, sequence, input.numel,
+                 [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
+                   at::Tensor input_chunks = in.host().as_tensor();
+                   at::Tensor output_tensor = out.host().as_tensor();
+                   const int64_t n = output_tensor.numel();
+                   const int me = rank(), world = world_size();
+                   // The output receives a chunk itself, so an output inside the input (in place,
+                   // as NCCL allows) would be overwritten before it is read: read a copy instead.
+                   if (overlaps(out.host(), in.host())) input_chunks = input_chunks.clone();
+                   // Peer `first`'s chunk lands in the output, the others' in `received`, in rank
+                   // order. See Note [Gloo collectives] for the order of the sum.
+                   const int first = me == 0 ? 1 : 0;
+                   auto slot = [me, first](int r) { return r - (r > me) - (r > first); };
+                   at::Tensor received =
+                       at::empty({std::max(world - 2, 0) * n}, input_chunks.options());
+                   auto chunk = [=](int r) {
+                     return r == me      ? input_chunks.narrow(0, me * n, n)
+                            : r == first ? output_tensor
+                                         : received.narrow(0, slot(r) * n, n);
+                   };
+                   exchange(
+                       group, work, sequence,
+                       [&](int to) { return input_chunks.narrow(0, to * n, n).view(at::kByte); },
+                       [&](int from) { return chunk(from).view(at::kByte); });
+                   return [out, output_tensor, chunk, first, me, world, op] {
+                     if (world == 1) {
+                       output_tensor.copy_(chunk(me));
+                     } else {
+                       output_tensor.add_(chunk(1 - first));
+                       for (int r = 2; r < world; ++r) output_tensor.add_(chunk(r));
+                     }
+                     if (op == ReduceOp::kAvg) output_tensor.div_(static_cast<double>(world));
+                     out.copy_out();
+                   };
+                 });
   }
 
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {

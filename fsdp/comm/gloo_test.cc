@@ -42,6 +42,15 @@ TEST(DISABLED_GlooWorker, Collectives) {
   }
   comm_internal::expect_average_divides_by_world_size(*comm);
   if (comm->world_size() == 4) comm_internal::expect_hybrid_groups_of_four(*comm);
+  // In place (the output is this rank's chunk of the input, as NCCL allows): chunk c of
+  // rank r holds 10 r + c, so chunk `rank` sums to 10 W (W - 1) / 2 + W rank.
+  const int world = comm->world_size();
+  at::Tensor flat = at::empty({3 * world});
+  for (int c = 0; c < world; ++c) flat.narrow(0, 3 * c, 3).fill_(10 * comm->rank() + c);
+  at::Tensor mine = flat.narrow(0, 3 * comm->rank(), 3);
+  comm->reduce_scatter_tensor(mine, flat);
+  EXPECT_TRUE(at::equal(mine, at::full({3}, 10.0 * world * (world - 1) / 2 + world * comm->rank())))
+      << mine;
   // Async works complete in issue order.
   at::Tensor a = at::ones({1000}), b = at::ones({1000});
   WorkHandle first = comm->all_reduce_async(a);

@@ -9,8 +9,9 @@
 //   + 4 x max_i padded_numel_i    and its unsharded gradient
 //   + 4 x max_i padded_numel_i    the flat gradient of the reduction left in flight
 //                                 (Note [Asynchronous gradient reduction])
-//   + 4 x (W - 1) x max_i shard_numel_i   the peers' chunks that reduction receives
-//                                 (Note [Gloo collectives] in fsdp/comm/gloo.cc)
+//   + 4 x (W - 2) x max_i shard_numel_i   the peers' chunks that reduction receives
+//                                 besides the one received into its output (Note
+//                                 [Gloo collectives] in fsdp/comm/gloo.cc)
 // That is training without prefetching (BackwardPrefetch::kNone): REFERENCE §5's bound
 // with Gloo's receive buffer. With kBackwardPre (PyTorch's default) the next unit is
 // gathered while the current one still computes its gradients, so one more unit is
@@ -59,7 +60,7 @@ using ModelImpl = core_internal::MlpModelImpl;
 struct Prediction {
   int64_t sharded_state_bytes = 0;  // 16 x sum of shard numels
   int64_t max_unit_bytes = 0;       // 4 x max padded numel
-  int64_t max_received_bytes = 0;   // 4 x (W - 1) x max shard numel
+  int64_t max_received_bytes = 0;   // 4 x (W - 2) x max shard numel
   // Unsharded: the unit, its gradient, the reduction's flat gradient, and `prefetched`.
   int units(int prefetched) const { return 3 + prefetched; }
   int64_t total(int prefetched) const {
@@ -76,7 +77,7 @@ Prediction predict(const Model& model, int world_size) {
     p.sharded_state_bytes += 16 * handle->shard_numel();
     p.max_unit_bytes = std::max<int64_t>(p.max_unit_bytes, 4 * handle->padded_numel());
     p.max_received_bytes =
-        std::max<int64_t>(p.max_received_bytes, 4 * (world_size - 1) * handle->shard_numel());
+        std::max<int64_t>(p.max_received_bytes, 4 * (world_size - 2) * handle->shard_numel());
   }
   return p;
 }

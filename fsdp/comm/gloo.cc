@@ -688,6 +688,13 @@ void GlooWork::wait(std::chrono::milliseconds timeout) {
       detail = "the connections were closed after a collective of this process failed";
     } else {
       finish_();
+      // Let go of the buffers now (the c10d works and the completion hold views of
+      // them), not when the caller drops this work: freed memory is reused sooner.
+      finish_ = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        posted_.clear();
+      }
       completed_ = true;
       return;
     }

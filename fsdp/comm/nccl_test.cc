@@ -222,7 +222,8 @@ TEST(NcclSetupTest, InvalidDeviceFailsWithTheCudaCallsName) {
 
 // --- collectives on a GPU (W = 1) --------------------------------------------------------
 
-// Why this machine cannot run the GPU tests, or "" if it can.
+// cuda_device_count names a reason exactly when it finds no device (FSDP_SKIP_WITHOUT_GPU
+// prints it).
 TEST(CudaDeviceCountTest, AReasonExactlyWhenThereIsNoDevice) {
   std::string why = "stale";
   const int count = cuda_device_count(&why);

@@ -138,20 +138,25 @@ check "nothing written for unreadable corpora" "[[ ! -e $root/unreadable ]]"
 # checksum.
 records() { (cd "$1" && find . -type f ! -name .lock | sort | xargs md5sum); }
 
-# 8. --resume onto a damaged newest checkpoint fails before it prints "resumed from" and
-#    before it cuts metrics.csv (before: "resumed from .../step_00000004", metrics.csv
-#    cut to its header, then the failure).
+# 8. --resume when no checkpoint loads (rank 0's file damaged in both) fails on every rank
+#    naming each damaged file, before any rank prints "resumed from" or cuts metrics.csv
+#    (before: "resumed from .../step_00000004", metrics.csv cut to its header, then the
+#    failure). A damaged newest checkpoint with a complete older one falls back to it:
+#    trainer_recovery_test.sh.
 dir=$root/damaged
 "$train" "${small[@]}" --world_size=2 --steps=4 --eval_interval=100 --checkpoint_interval=2 \
   --out_dir="$dir" >"$root/damaged_first.log" 2>&1
-/usr/bin/python3 -c 'import sys; p = sys.argv[1]; b = bytearray(open(p, "rb").read())
-b[len(b) // 2] ^= 0xFF; open(p, "wb").write(b)' "$dir/checkpoints/step_00000004/rank_00000.pt"
+for step in 2 4; do
+  /usr/bin/python3 -c 'import sys; p = sys.argv[1]; b = bytearray(open(p, "rb").read())
+b[len(b) // 2] ^= 0xFF; open(p, "wb").write(b)' "$dir/checkpoints/step_0000000$step/rank_00000.pt"
+done
 before=$(records "$dir")
 resumed=$("$train" "${small[@]}" --world_size=2 --steps=6 --eval_interval=100 \
   --checkpoint_interval=2 --resume --out_dir="$dir" 2>&1)
 status=$?
-check "a damaged newest checkpoint is named (status $status)" \
-  "[[ $status -eq 1 ]] && grep -qFx \"[rank 0] train: checkpoint file '$dir/checkpoints/step_00000004/rank_00000.pt' fails its CRC-32 check: it is damaged; use another checkpoint\" <<<\"\$resumed\""
+crc() { echo "ranks? [0-9, ]+: checkpoint file '$dir/checkpoints/step_0000000$1/rank_00000.pt' fails its CRC-32 check: it is damaged; use another checkpoint"; }
+check "no checkpoint that loads: every damaged file is named (status $status)" \
+  "[[ $status -eq 1 ]] && grep -qE \"^\\[rank 0\\] train: --resume: no checkpoint under '$dir/checkpoints' loads on every rank: '$dir/checkpoints/step_00000004': $(crc 4); '$dir/checkpoints/step_00000002': $(crc 2); every file is as it was: restore a checkpoint or start a new run with --overwrite\\\$\" <<<\"\$resumed\""
 check "a failed --resume prints no 'resumed from'" "! grep -q 'resumed from' <<<\"\$resumed\""
 check "a failed --resume leaves metrics.csv, memory_rank*.csv, model.pt, loss.png as they were" \
   "[[ \"\$(records $dir)\" == \"\$before\" && \$(grep -c . $dir/metrics.csv) -eq 5 ]]"

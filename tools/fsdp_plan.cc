@@ -5,11 +5,15 @@
 //   fsdp_plan --model=gpt.pt --policy=transformer --format=json
 //       --layer_cls=torch.nn.modules.transformer.TransformerEncoderLayer
 //
-// The model is a TorchScript file (torch.jit.script(model).save(path) in PyTorch). Bad
-// input prints one line on stderr and exits with status 2 (an unknown flag name is
-// Abseil's to reject, with status 1).
+// The model is a TorchScript file (torch.jit.script(model).save(path) in PyTorch); a
+// state dict or checkpoint from torch.save, a .pt2 archive, a folder, an empty or a
+// truncated file is named as such. Bad input prints one line on stderr and exits with
+// status 2 (an unknown flag name is Abseil's to reject, with status 1).
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <set>
 #include <string>
@@ -18,6 +22,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -27,6 +33,7 @@
 #include "fsdp/wrap/torchscript_tree.h"
 #include "tools/plan_report.h"
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
 
 ABSL_FLAG(std::string, model, "", "TorchScript file of the model (required)");
 ABSL_FLAG(std::string, policy, "size", "auto-wrap policy: size, always or transformer");
@@ -78,20 +85,67 @@ std::vector<std::string> list_flag(const char* flag, const std::vector<std::stri
   return items;
 }
 
-// The model file must be a regular file (not a directory, a FIFO, a device).
+constexpr char kExpected[] =
+    "expected a TorchScript file written by torch.jit.script(model).save(path)";
+
+// What the model file is, when it is not a TorchScript archive: "" if it may be one.
+// Recognised before PyTorch's loader reads it, so that the message leads with what the
+// file is (PyTorch's own text ends with its hint after a miniz error code).
+std::string not_torchscript(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in.good()) return absl::StrCat("cannot be read (", std::strerror(errno), ")");
+  char head[16] = {};
+  in.read(head, sizeof(head));
+  const std::string start(head, static_cast<size_t>(in.gcount()));
+  if (start.empty()) return "is empty (0 bytes)";
+  // torch.save's legacy format: a pickle (protocol 2) of its magic number first.
+  if (absl::StartsWith(start,
+                       std::string("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8", 12))) {
+    return "was written by torch.save in its legacy (non-zip) format: a state dict or a "
+           "pickled object, not a TorchScript module";
+  }
+  if (!absl::StartsWith(start, "PK\x03\x04")) {
+    return absl::StrCat("is not a PyTorch file (not a zip archive; it starts with '",
+                        absl::CHexEscape(start.substr(0, 8)), "')");
+  }
+  std::vector<std::string> records;
+  try {
+    records = caffe2::serialize::PyTorchStreamReader(path).getAllRecords();
+  } catch (const std::exception&) {
+    return "is a truncated or damaged zip archive (its directory of files cannot be read)";
+  }
+  const std::set<std::string> names(records.begin(), records.end());
+  if (names.count("archive_format") > 0) {
+    return "is a .pt2 archive (torch.export.save), which fsdp_plan cannot read yet";
+  }
+  if (names.count("constants.pkl") == 0 && names.count("data.pkl") > 0) {
+    return "was written by torch.save (a state dict, a checkpoint or a pickled module): it "
+           "holds tensors, not a TorchScript module's structure";
+  }
+  if (names.count("data.pkl") == 0) return "is a zip archive without PyTorch's data.pkl";
+  return "";
+}
+
+// The model file must be a TorchScript archive: a folder, a FIFO, an empty or truncated
+// file, a torch.save file or a .pt2 archive is named as such.
 void check_model_file(const std::string& path) {
   std::error_code error;
   const auto status = std::filesystem::status(path, error);
   if (error || !std::filesystem::exists(status)) {
-    fail(absl::StrCat("cannot open '", path,
-                      "': no such file; expected a TorchScript file "
-                      "written by torch.jit.script(model).save(path)"));
+    fail(absl::StrCat("cannot open '", path, "': no such file; ", kExpected));
+  }
+  if (std::filesystem::is_directory(status)) {
+    const bool checkpoint = std::filesystem::exists(std::filesystem::path(path) / "metadata.pt");
+    fail(
+        absl::StrCat("'", path, "' is a directory",
+                     checkpoint ? " (a sharded checkpoint, as save_sharded_checkpoint writes)" : "",
+                     "; ", kExpected));
   }
   if (!std::filesystem::is_regular_file(status)) {
-    fail(absl::StrCat(
-        "'", path, "' is ",
-        std::filesystem::is_directory(status) ? "a directory" : "not a regular file",
-        "; expected a TorchScript file written by torch.jit.script(model).save(path)"));
+    fail(absl::StrCat("'", path, "' is not a regular file; ", kExpected));
+  }
+  if (const std::string what = not_torchscript(path); !what.empty()) {
+    fail(absl::StrCat("'", path, "' ", what, "; ", kExpected));
   }
 }
 

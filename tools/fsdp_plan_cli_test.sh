@@ -19,6 +19,12 @@ torch.jit.script(model).save(sys.argv[1])
 def double(x: torch.Tensor) -> torch.Tensor:
     return 2 * x
 torch.jit.save(torch.jit.script(double), sys.argv[1].replace("model.pt", "function.pt"))
+# What fsdp_plan is often given instead (issue 30): torch.save files and a .pt2 archive.
+torch.save(model.state_dict(), sys.argv[1].replace("model.pt", "state_dict.pt"))
+torch.save(model.state_dict(), sys.argv[1].replace("model.pt", "legacy.pt"),
+           _use_new_zipfile_serialization=False)
+torch.export.save(torch.export.export(model, (torch.randn(2, 10),)),
+                  sys.argv[1].replace("model.pt", "model.pt2"))
 PY
 "$python" "$tmp/make_models.py" "$tmp/model.pt" || { echo "cannot create the test models"; exit 1; }
 echo "not a zip" > "$tmp/corrupt.pt"
@@ -46,8 +52,40 @@ expect_error missing_file "cannot open '$tmp/nope.pt': no such file" --model="$t
 expect_error directory "'$tmp' is a directory" --model="$tmp"
 mkfifo "$tmp/fifo"
 expect_error fifo "'$tmp/fifo' is not a regular file" --model="$tmp/fifo"
-expect_error corrupt_file "is not a readable TorchScript archive" --model="$tmp/corrupt.pt"
-expect_error truncated_file "is not a readable TorchScript archive" --model="$tmp/truncated.pt"
+# What the file is, in one line that leads with our words (issue 30).
+expected="expected a TorchScript file written by torch.jit.script(model).save(path)"
+: >"$tmp/empty.pt"
+mkdir -p "$tmp/checkpoint" && : >"$tmp/checkpoint/metadata.pt"
+expect_line() {  # expect_line NAME EXACT_LINE ARGS...
+  local name=$1 want=$2
+  shift 2
+  expect_error "$name" "" "$@"
+  if [[ "$("$plan" "$@" 2>&1 >/dev/null)" != "$want" ]]; then
+    echo "FAIL $name: not exactly '$want'"
+    passed=$((passed - 1))
+    failed=$((failed + 1))
+  fi
+}
+expect_line corrupt_file \
+  "fsdp_plan: '$tmp/corrupt.pt' is not a PyTorch file (not a zip archive; it starts with 'not a zi'); $expected" \
+  --model="$tmp/corrupt.pt"
+expect_line truncated_file \
+  "fsdp_plan: '$tmp/truncated.pt' is a truncated or damaged zip archive (its directory of files cannot be read); $expected" \
+  --model="$tmp/truncated.pt"
+expect_line empty_file "fsdp_plan: '$tmp/empty.pt' is empty (0 bytes); $expected" \
+  --model="$tmp/empty.pt"
+expect_line state_dict \
+  "fsdp_plan: '$tmp/state_dict.pt' was written by torch.save (a state dict, a checkpoint or a pickled module): it holds tensors, not a TorchScript module's structure; $expected" \
+  --model="$tmp/state_dict.pt"
+expect_line legacy_state_dict \
+  "fsdp_plan: '$tmp/legacy.pt' was written by torch.save in its legacy (non-zip) format: a state dict or a pickled object, not a TorchScript module; $expected" \
+  --model="$tmp/legacy.pt"
+expect_line pt2_archive \
+  "fsdp_plan: '$tmp/model.pt2' is a .pt2 archive (torch.export.save), which fsdp_plan cannot read yet; $expected" \
+  --model="$tmp/model.pt2"
+expect_line checkpoint_folder \
+  "fsdp_plan: '$tmp/checkpoint' is a directory (a sharded checkpoint, as save_sharded_checkpoint writes); $expected" \
+  --model="$tmp/checkpoint"
 expect_error unknown_policy "unknown --policy 'biggest'" --model="$tmp/model.pt" --policy=biggest
 expect_error negative_threshold "--min_num_params must be an integer in [0, 9007199254740992], got '-5'" \
   --model="$tmp/model.pt" --min_num_params=-5

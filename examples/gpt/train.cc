@@ -32,7 +32,9 @@
 #include <string>
 
 #include <fcntl.h>
+#include <spawn.h>
 #include <sys/file.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
@@ -43,7 +45,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
+#include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -53,6 +55,7 @@
 
 #include "examples/gpt/corpus.h"
 #include "examples/gpt/flags.h"
+#include "examples/gpt/metrics.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "fsdp/comm/launcher.h"
@@ -265,17 +268,41 @@ std::string sample(Model& model, const Corpus& corpus) {
   return corpus.decode(ids);
 }
 
+// Runs `gnuplot loss.gnuplot` in `dir` without a shell, its stderr discarded: any folder
+// name works (spaces, quotes, non-ASCII letters). Returns its exit status, or -1 with
+// errno when it cannot start (ENOENT: not on PATH).
+int run_gnuplot(const std::string& dir) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addchdir_np(&actions, dir.c_str());
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  char program[] = "gnuplot";
+  char script[] = "loss.gnuplot";
+  char* argv[] = {program, script, nullptr};
+  pid_t pid = 0;
+  const int error = ::posix_spawnp(&pid, program, &actions, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (error != 0) {
+    errno = error;
+    return -1;
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 void plot(const std::string& dir) {
-  const std::string script = dir + "/loss.gnuplot";
-  std::ofstream(script) << "set terminal png size 900,500\nset output '" << dir
-                        << "/loss.png'\nset datafile separator ','\nset key top right\n"
-                        << "set xlabel 'step'\nset ylabel 'cross-entropy (nats/char)'\n"
-                        << "plot '" << dir << "/metrics.csv' using 1:2 skip 1 with lines "
-                        << "title 'train', '' using 1:3 skip 1 with linespoints title "
-                        << "'validation'\n";
-  if (std::system("command -v gnuplot >/dev/null") != 0) {
+  // File names relative to `dir`, where gnuplot runs: nothing to quote.
+  std::ofstream(dir + "/loss.gnuplot")
+      << "set terminal png size 900,500\nset output 'loss.png'\nset datafile separator ','\n"
+      << "set key top right\nset xlabel 'step'\nset ylabel 'cross-entropy (nats/char)'\n"
+      << "plot 'metrics.csv' using 1:2 skip 1 with lines title 'train', '' using 1:3 skip 1 "
+      << "with linespoints title 'validation'\n";
+  const int status = run_gnuplot(dir);
+  if (status == -1 && errno == ENOENT) {
     std::cout << "gnuplot not found: no loss.png (tools/setup.sh installs it)\n";
-  } else if (std::system(("gnuplot " + script + " 2>/dev/null").c_str()) != 0) {
+  } else if (status != 0) {
     std::cout << "gnuplot could not plot " << dir << "/metrics.csv: no loss.png\n";
   }
 }
@@ -399,35 +426,55 @@ std::vector<Communicator*> communicators_of(Model& model, Communicator& root) {
   return all;
 }
 
-// Loads the newest checkpoint if --resume; returns the step to start from.
+// Loads the newest checkpoint that every rank can read if --resume; returns the step to
+// start from. The ranks agree before any prints or writes anything (Note [A resume that
+// fails changes nothing] in fsdp/state/checkpoint.cc): a damaged newest checkpoint is
+// named and the newest complete one is used; when none loads, every rank stops and every
+// file is as it was.
 int64_t maybe_resume(Model& model, torch::optim::Optimizer& optimizer, bool lead) {
   if (!absl::GetFlag(FLAGS_resume)) return 0;
-  const std::optional<std::string> latest = latest_checkpoint(checkpoint_dir());
+  const std::string root = checkpoint_dir();
+  std::optional<LoadedCheckpoint> loaded;
+  try {
+    loaded = load_latest_sharded_checkpoint(*model, &optimizer, root);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--resume: ", e.what_without_backtrace(),
+                "; every file is as it was: restore a checkpoint or start a new run with "
+                "--overwrite");
+  }
   int64_t step = 0;
   TORCH_CHECK(
-      latest &&
-          absl::SimpleAtoi(std::filesystem::path(*latest).filename().string().substr(5), &step),
-      "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", checkpoint_dir(),
+      loaded &&
+          absl::SimpleAtoi(std::filesystem::path(loaded->dir).filename().string().substr(5), &step),
+      "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", root,
       "'; pass the --checkpoint_dir of the run to continue, or start "
       "a new run without --resume");
-  load_sharded_checkpoint(*model, &optimizer, *latest);
-  if (lead) std::cout << "resumed from " << *latest << " at step " << step << "\n";
+  if (!lead) return step;
+  for (const std::string& skipped : loaded->skipped) {
+    std::cout << "--resume: skipped " << skipped << "\n";
+  }
+  std::cout << "resumed from " << loaded->dir << " at step " << step
+            << (loaded->skipped.empty() ? "" : " (the newest checkpoint that loads)") << "\n";
   return step;
 }
 
-// metrics.csv with its header and the rows up to `step` (those a resumed run keeps).
-std::ofstream open_metrics(const std::string& path, int64_t step) {
-  std::vector<std::string> kept = {"step,train_loss,validation_loss,lr,tokens_per_s"};
-  std::ifstream old(path);
-  for (std::string line; step > 0 && std::getline(old, line);) {
-    int64_t row = 0;
-    const std::vector<std::string> fields = absl::StrSplit(line, ',');
-    if (absl::SimpleAtoi(fields[0], &row) && row <= step) kept.push_back(line);
+// Rank 0 removes the partial checkpoints a killed save left (Note [A failed save leaves
+// nothing] in fsdp/state/checkpoint.cc), under the out_dir's lock, and says so.
+void remove_leftovers(bool lead) {
+  if (!lead) return;
+  const std::vector<std::string> removed = remove_partial_checkpoints(checkpoint_dir());
+  if (!removed.empty()) {
+    std::cout << "removed " << removed.size()
+              << " partial checkpoint(s) an interrupted save left: " << absl::StrJoin(removed, ", ")
+              << "\n";
   }
-  std::ofstream csv(path, std::ios::trunc);
-  TORCH_CHECK(csv.good(), "cannot write ", path, "; pass a writable --out_dir");
-  for (const std::string& line : kept) csv << line << "\n";
-  return csv;
+}
+
+// A row that cannot be written (a full disk) stops the run: the curve is never silently
+// cut.
+void check_written(std::ostream& out, const std::string& path) {
+  TORCH_CHECK(out.good(), "cannot write ", path, ": ", std::strerror(errno),
+              "; free space and continue with --resume");
 }
 
 int train() {
@@ -504,8 +551,13 @@ int train() {
   const int64_t first = maybe_resume(model, adamw, lead);  // before anything is written
   check_fresh_checkpoints(*comm);
   if (lead) std::filesystem::create_directories(checkpoint_dir());
+  remove_leftovers(lead);
   std::ofstream csv;
-  if (lead) csv = open_metrics(dir + "/metrics.csv", first);
+  if (lead) {
+    std::string warning;
+    csv = open_metrics(dir + "/metrics.csv", first, &warning);
+    if (!warning.empty()) std::cout << warning << "\n";
+  }
   std::ofstream memory_csv(absl::StrFormat("%s/memory_rank%d.csv", dir, comm->rank()),
                            first > 0 ? std::ios::app : std::ios::trunc);
   if (first == 0) memory_csv << "step,rss_mb,tracked_mb,peak_tracked_mb\n";
@@ -552,6 +604,7 @@ int train() {
     csv << absl::StrFormat("%d,%.7f,%s,%.6f,%.0f\n", step + 1, train_loss,
                            eval ? absl::StrFormat("%.7f", val) : "", lr, tokens_per_s)
         << std::flush;  // a killed run keeps every row up to its last progress line
+    check_written(csv, dir + "/metrics.csv");
     if (log) {
       std::cout << absl::StrFormat(
           "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s | ETA %.0f s\n", step + 1, steps,
@@ -595,7 +648,15 @@ int train() {
 }  // namespace fsdp::examples
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {  // positional[0] is the program
+    std::vector<std::string> extra(positional.begin() + 1, positional.end());
+    for (std::string& argument : extra) argument = "'" + argument + "'";
+    std::cerr << "train: unexpected argument" << (extra.size() > 1 ? "s " : " ")
+              << absl::StrJoin(extra, ", ")
+              << ": the trainer takes only --flags (see --help); pass values as --name=value\n";
+    return 2;
+  }
   // Every flag is checked before a rank starts or a file is touched.
   const fsdp::examples::MachineLimits machine = fsdp::examples::this_machine();
   std::string error = fsdp::examples::apply_device_defaults(machine);

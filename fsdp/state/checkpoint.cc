@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/internal/torch_file.h"
@@ -42,6 +45,12 @@ constexpr char kModelPrefix[] = "model/";
 constexpr char kOptimPrefix[] = "optim/";
 
 std::string errno_text() { return std::strerror(errno); }
+
+// An exception's message without LibTorch's C++ backtrace.
+std::string message_of(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
 
 // Makes a rename in `dir` durable ("" is the current directory); best effort.
 void fsync_directory(const fs::path& dir) {
@@ -94,6 +103,37 @@ std::string read_file(const std::string& path) {
 
 uint64_t crc32_of(const char* data, size_t size) {
   return ::crc32_z(::crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(data), size);
+}
+
+std::string bytes_text(int64_t bytes) {
+  return absl::StrFormat("%d bytes (%.1f MB)", bytes, bytes / 1e6);
+}
+
+// How much space a failed save needed and how much the file system holding `dir` has
+// free, after its partial directory is gone.
+std::string space_note(const fs::path& dir, int64_t needed) {
+  struct statvfs stats = {};
+  const std::string free =
+      ::statvfs(dir.c_str(), &stats) == 0
+          ? bytes_text(static_cast<int64_t>(stats.f_bavail) * static_cast<int64_t>(stats.f_frsize))
+          : "an unknown amount (" + errno_text() + ")";
+  return absl::StrCat("the checkpoint needs at least ", bytes_text(needed), ", ", free,
+                      " is free on the file system of '", dir.string(),
+                      "'; its partial directory was removed: free space (or save elsewhere) "
+                      "and save again");
+}
+
+// A partial directory: ".<name>.partial-<token>" (see save_sharded_checkpoint).
+bool is_partial_name(const std::string& name) {
+  return absl::StartsWith(name, ".") && absl::StrContains(name, ".partial-");
+}
+
+// Removes `partial` (several ranks may do so at once: retried until it is gone).
+void remove_partial(const fs::path& partial) {
+  std::error_code error;
+  for (int attempt = 0; attempt < 10 && fs::exists(partial, error); ++attempt) {
+    fs::remove_all(partial, error);
+  }
 }
 
 // ---- Reading values of a parsed file, with messages naming the file.
@@ -363,6 +403,97 @@ class CheckpointReader {
   absl::flat_hash_map<int, StateDict> loaded_;
 };
 
+// Note [A failed save leaves nothing]
+// A save that fails for any reason (a full disk, a permission, an exception or a lost
+// rank in a collective) removes its partial directory on every rank that is still alive
+// before the error leaves save_sharded_checkpoint, so no hidden ".<name>.partial-..."
+// directory keeps the space. A failed write says how much space the checkpoint needs
+// (the sum of the ranks' files) and how much is free once the partial directory is gone.
+// A process killed mid-save cannot clean up: remove_partial_checkpoints, called at the
+// next start, removes what it left.
+void save_into(const fs::path& partial, const fs::path& target, Communicator& comm,
+               const at::TensorOptions& on_device, const std::vector<Item>& items) {
+  const int rank = comm.rank();
+  // Every rank learns whether every other rank succeeded, so none waits for a dead one.
+  auto all_ok = [&](bool ok, const std::string& step, const std::string& error) {
+    at::Tensor flag = at::scalar_tensor(ok ? 1 : 0, on_device).reshape({1});
+    comm.all_reduce(flag, ReduceOp::kSum);
+    TORCH_CHECK(ok, "save_sharded_checkpoint: ", step, " failed on rank ", rank, ": ", error);
+    TORCH_CHECK(flag.item<int64_t>() == comm.world_size(), "save_sharded_checkpoint: ", step,
+                " failed on ", comm.world_size() - flag.item<int64_t>(),
+                " other rank(s); see their errors");
+  };
+  std::string error;
+  bool ok = true;
+  if (rank == 0) {
+    try {
+      TORCH_CHECK(fs::is_directory(target.parent_path()), "the parent directory '",
+                  target.parent_path().string(), "' does not exist");
+      fs::remove_all(partial);
+      fs::create_directory(partial);
+    } catch (const std::exception& e) {
+      ok = false;
+      error = message_of(e);
+    }
+  }
+  all_ok(ok, "creating '" + partial.string() + "'", error);
+
+  // This rank's file, and what rank 0 needs for the metadata: [written, bytes, crc32,
+  // (offset, numel) per item].
+  const size_t stride = 3 + 2 * items.size();
+  at::Tensor mine = at::zeros({static_cast<int64_t>(stride)}, at::kLong);
+  auto* m = mine.data_ptr<int64_t>();
+  try {
+    c10::Dict<std::string, at::Tensor> pieces;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const ShardedTensor& t = *items[i].tensor;
+      if (!items[i].written) continue;
+      m[3 + 2 * i] = t.offset;
+      m[4 + 2 * i] = t.local.numel();
+      pieces.insert(items[i].key, t.local.to(at::kCPU).contiguous());
+    }
+    const std::vector<char> bytes = compat::save_torch_archive(pieces);
+    m[1] = static_cast<int64_t>(bytes.size());
+    write_file_durably((partial / rank_file(rank)).string(), bytes);
+    m[0] = 1;
+    m[2] = static_cast<int64_t>(crc32_of(bytes.data(), bytes.size()));
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  at::Tensor all = at::empty({static_cast<int64_t>(stride) * comm.world_size()}, on_device);
+  comm.all_gather_into_tensor(all, mine.to(on_device.device()));
+  all = all.cpu();
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::string failed;
+  int64_t needed = 0;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (a[r * stride] == 0) absl::StrAppend(&failed, failed.empty() ? "" : ", ", r);
+    needed += a[r * stride + 1];
+  }
+  if (!failed.empty()) remove_partial(partial);
+  TORCH_CHECK(m[0] == 1, "save_sharded_checkpoint: rank ", rank, " cannot write its shard: ", error,
+              "; ", space_note(target.parent_path(), needed));
+  TORCH_CHECK(failed.empty(), "save_sharded_checkpoint: rank(s) ", failed,
+              " could not write their shards; see their errors. '", target.string(),
+              "' is unchanged; ", space_note(target.parent_path(), needed));
+
+  ok = true;
+  if (rank == 0) {
+    try {
+      write_file_durably(
+          (partial / kMetadata).string(),
+          compat::save_torch_archive(metadata_value(
+              comm.world_size(), items, std::vector<int64_t>(a, a + all.numel()), stride)));
+      publish(partial, target);
+    } catch (const std::exception& e) {
+      ok = false;
+      remove_partial(partial);
+      error = absl::StrCat(message_of(e), "; ", space_note(target.parent_path(), needed));
+    }
+  }
+  all_ok(ok, "publishing '" + target.string() + "'", error);
+}
+
 }  // namespace
 
 void save_state_dict(const StateDict& state_dict, const std::string& path) {
@@ -397,7 +528,6 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
   const ShardedOptimStateDict optim_state =
       optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
   Communicator& comm = model.communicator();
-  const int rank = comm.rank();
   // The bookkeeping collectives below run on the compute device (NCCL takes only CUDA
   // tensors); their results are read on the CPU.
   const at::TensorOptions on_device = at::dtype(at::kLong).device(model.device_handle().device());
@@ -412,79 +542,13 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
   comm.broadcast(token, /*root=*/0);
   const fs::path partial = target.parent_path() / absl::StrCat(".", target.filename().string(),
                                                                ".partial-", token.item<int64_t>());
-
-  // Every rank learns whether every other rank succeeded, so none waits for a dead one.
-  auto all_ok = [&](bool ok, const std::string& step, const std::string& error) {
-    at::Tensor flag = at::scalar_tensor(ok ? 1 : 0, on_device).reshape({1});
-    comm.all_reduce(flag, ReduceOp::kSum);
-    TORCH_CHECK(ok, "save_sharded_checkpoint: ", step, " failed on rank ", rank, ": ", error);
-    TORCH_CHECK(flag.item<int64_t>() == comm.world_size(), "save_sharded_checkpoint: ", step,
-                " failed on ", comm.world_size() - flag.item<int64_t>(),
-                " other rank(s); see their errors");
-  };
-  std::string error;
-  bool ok = true;
-  if (rank == 0) {
-    try {
-      TORCH_CHECK(fs::is_directory(target.parent_path()), "the parent directory '",
-                  target.parent_path().string(), "' does not exist");
-      fs::remove_all(partial);
-      fs::create_directory(partial);
-    } catch (const std::exception& e) {
-      ok = false;
-      error = e.what();
-    }
-  }
-  all_ok(ok, "creating '" + partial.string() + "'", error);
-
-  // This rank's file, and what rank 0 needs for the metadata.
-  const size_t stride = 3 + 2 * items.size();
-  at::Tensor mine = at::zeros({static_cast<int64_t>(stride)}, at::kLong);
-  auto* m = mine.data_ptr<int64_t>();
+  // See Note [A failed save leaves nothing].
   try {
-    c10::Dict<std::string, at::Tensor> pieces;
-    for (size_t i = 0; i < items.size(); ++i) {
-      const ShardedTensor& t = *items[i].tensor;
-      if (!items[i].written) continue;
-      m[3 + 2 * i] = t.offset;
-      m[4 + 2 * i] = t.local.numel();
-      pieces.insert(items[i].key, t.local.to(at::kCPU).contiguous());
-    }
-    const std::vector<char> bytes = compat::save_torch_archive(pieces);
-    write_file_durably((partial / rank_file(rank)).string(), bytes);
-    m[0] = 1;
-    m[1] = static_cast<int64_t>(bytes.size());
-    m[2] = static_cast<int64_t>(crc32_of(bytes.data(), bytes.size()));
-  } catch (const std::exception& e) {
-    error = e.what();
+    save_into(partial, target, comm, on_device, items);
+  } catch (...) {
+    remove_partial(partial);
+    throw;
   }
-  at::Tensor all = at::empty({static_cast<int64_t>(stride) * comm.world_size()}, on_device);
-  comm.all_gather_into_tensor(all, mine.to(on_device.device()));
-  all = all.cpu();
-  const int64_t* a = all.data_ptr<int64_t>();
-  std::string failed;
-  for (int r = 0; r < comm.world_size(); ++r) {
-    if (a[r * stride] == 0) absl::StrAppend(&failed, failed.empty() ? "" : ", ", r);
-  }
-  TORCH_CHECK(m[0] == 1, "save_sharded_checkpoint: rank ", rank,
-              " cannot write its shard: ", error);
-  TORCH_CHECK(failed.empty(), "save_sharded_checkpoint: rank(s) ", failed,
-              " could not write their shards; see their errors. '", dir, "' is unchanged");
-
-  ok = true;
-  if (rank == 0) {
-    try {
-      write_file_durably(
-          (partial / kMetadata).string(),
-          compat::save_torch_archive(metadata_value(
-              comm.world_size(), items, std::vector<int64_t>(a, a + all.numel()), stride)));
-      publish(partial, target);
-    } catch (const std::exception& e) {
-      ok = false;
-      error = e.what();
-    }
-  }
-  all_ok(ok, "publishing '" + target.string() + "'", error);
 }
 
 void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
@@ -546,6 +610,141 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
     if (!latest || name > fs::path(*latest).filename().string()) latest = entry.path().string();
   }
   return latest;
+}
+
+std::vector<std::string> remove_partial_checkpoints(const std::string& root) {
+  std::vector<std::string> removed;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    if (!is_partial_name(entry.path().filename().string()) || !entry.is_directory()) continue;
+    remove_partial(entry.path());
+    TORCH_CHECK(!fs::exists(entry.path()), "cannot remove the partial checkpoint '",
+                entry.path().string(), "' an interrupted save left; remove it by hand");
+    removed.push_back(entry.path().string());
+  }
+  std::sort(removed.begin(), removed.end());
+  return removed;
+}
+
+// Note [A resume that fails changes nothing]
+// load_latest_sharded_checkpoint tries the checkpoints under a root newest first. Each
+// rank loads the files it needs (load_sharded_checkpoint verifies each one's size and
+// CRC-32 against the metadata before parsing it), then the ranks exchange one small
+// record each (all_gather: which checkpoint, whether it loaded, the error) so that all
+// of them agree on the outcome before any returns: a caller that truncates its records or
+// prints "resumed" after it returns does so only when every rank holds the same
+// checkpoint. A checkpoint that fails on any rank is skipped with the failing ranks'
+// errors (naming the damaged files), and the next older one is tried; when none loads,
+// every rank raises the same error and nothing on disk was touched.
+namespace {
+
+constexpr int64_t kMaxMessage = 1000;  // characters of a rank's error that travel
+
+struct RankOutcome {
+  int64_t name_hash;
+  bool ok;
+  std::string error;
+};
+
+// Every rank's outcome of trying checkpoint `name` ("" when it has none left).
+std::vector<RankOutcome> agree(Communicator& comm, const at::TensorOptions& on_device,
+                               const std::string& name, const std::string& error) {
+  const int64_t stride = 2 + kMaxMessage;
+  at::Tensor mine = at::zeros({stride}, at::kLong);
+  int64_t* m = mine.data_ptr<int64_t>();
+  m[0] = static_cast<int64_t>(std::hash<std::string>()(name) & 0x7fffffffffffffff);
+  m[1] = error.empty() ? 1 : 0;
+  for (size_t i = 0; i < error.size() && int64_t(i) < kMaxMessage; ++i) {
+    m[2 + i] = static_cast<unsigned char>(error[i]);
+  }
+  at::Tensor all = at::empty({stride * comm.world_size()}, on_device);
+  comm.all_gather_into_tensor(all, mine.to(on_device.device()));
+  all = all.cpu();
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::vector<RankOutcome> outcomes;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    const int64_t* record = a + r * stride;
+    RankOutcome outcome{record[0], record[1] == 1, ""};
+    for (int64_t i = 0; i < kMaxMessage && record[2 + i] != 0; ++i) {
+      outcome.error.push_back(static_cast<char>(record[2 + i]));
+    }
+    outcomes.push_back(std::move(outcome));
+  }
+  return outcomes;
+}
+
+// The failing ranks' errors, ranks with the same error together: "rank 1: ...".
+std::string failures_text(const std::vector<RankOutcome>& outcomes) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < static_cast<int>(outcomes.size()); ++r) {
+    if (outcomes[r].ok) continue;
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& group) { return group.first == outcomes[r].error; });
+    if (it == groups.end()) it = groups.insert(groups.end(), {outcomes[r].error, {}});
+    it->second.push_back(r);
+  }
+  std::vector<std::string> parts;
+  for (const auto& [error, ranks] : groups) {
+    parts.push_back(absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "),
+                                 ": ", error));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+// The directories under `root` that hold a checkpoint, complete or not (metadata.pt or a
+// rank file), newest (last in name order) first; partial directories excluded.
+std::vector<std::string> checkpoint_candidates(const std::string& root) {
+  std::vector<std::string> names;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name[0] == '.' || !entry.is_directory()) continue;
+    if (fs::exists(entry.path() / kMetadata) || fs::exists(entry.path() / rank_file(0))) {
+      names.push_back(name);
+    }
+  }
+  std::sort(names.rbegin(), names.rend());
+  return names;
+}
+
+}  // namespace
+
+std::optional<LoadedCheckpoint> load_latest_sharded_checkpoint(FullyShardedRoot& model,
+                                                               torch::optim::Optimizer* optimizer,
+                                                               const std::string& root) {
+  Communicator& comm = model.communicator();
+  const at::TensorOptions on_device = at::dtype(at::kLong).device(model.device_handle().device());
+  const std::vector<std::string> names = checkpoint_candidates(root);
+  LoadedCheckpoint loaded;
+  for (size_t i = 0;; ++i) {
+    const std::string name = i < names.size() ? names[i] : "";
+    const std::string dir = (fs::path(root) / name).string();
+    std::string error;
+    if (!name.empty()) {
+      try {
+        load_sharded_checkpoint(model, optimizer, dir);
+      } catch (const std::exception& e) {
+        error = message_of(e);
+      }
+    }
+    const std::vector<RankOutcome> outcomes = agree(comm, on_device, name, error);
+    for (int r = 1; r < comm.world_size(); ++r) {
+      TORCH_CHECK(outcomes[r].name_hash == outcomes[0].name_hash,
+                  "load_latest_sharded_checkpoint: the ranks see different checkpoints under '",
+                  root, "' (rank ", r,
+                  " another one than rank 0); it must be a folder every rank sees (for several "
+                  "hosts, on a shared file system)");
+    }
+    if (name.empty()) break;
+    if (std::all_of(outcomes.begin(), outcomes.end(), [](const auto& o) { return o.ok; })) {
+      loaded.dir = dir;
+      return loaded;
+    }
+    loaded.skipped.push_back(absl::StrCat("'", dir, "': ", failures_text(outcomes)));
+  }
+  TORCH_CHECK(loaded.skipped.empty(), "no checkpoint under '", root,
+              "' loads on every rank: ", absl::StrJoin(loaded.skipped, "; "));
+  return std::nullopt;
 }
 
 }  // namespace fsdp

@@ -24,9 +24,12 @@
 //
 // Crash safety: a file is written to a temporary name, flushed to disk (fsync) and
 // renamed; a sharded checkpoint is assembled in a hidden sibling directory
-// (".<name>.partial") and published with one rename (an existing checkpoint of the same
-// name is swapped out atomically), so a checkpoint directory is complete or absent.
-// Reads verify sizes and checksums before parsing.
+// (".<name>.partial-<id>") and published with one rename (an existing checkpoint of the
+// same name is swapped out atomically), so a checkpoint directory is complete or absent.
+// A save that fails (no space, a permission, a lost rank) removes its partial directory
+// on every rank before it raises, and says how much space the checkpoint needs and how
+// much is free; remove_partial_checkpoints clears what a killed process left. Reads
+// verify sizes and checksums before parsing.
 //
 // PyTorch: torch.save / torch.load of state dicts; torch.distributed.checkpoint
 // (save_state_dict / load_state_dict with resharding) for sharded checkpoints.
@@ -40,6 +43,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/optim/optimizer.h>
 
@@ -74,6 +78,34 @@ void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* o
 // them so that they sort by step, e.g. step_00000200), or nullopt if there is none.
 // Partial directories (a save that crashed) are skipped.
 std::optional<std::string> latest_checkpoint(const std::string& root);
+
+// What load_latest_sharded_checkpoint loaded, and the newer checkpoints it skipped.
+struct LoadedCheckpoint {
+  std::string dir;  // ROOT/<name> of the checkpoint loaded
+  // One line per skipped checkpoint: "'ROOT/<name>': rank 1: checkpoint file '...' has
+  // 100 bytes, the metadata says 129047: it is truncated or damaged; ...".
+  std::vector<std::string> skipped;
+};
+
+// Loads the newest checkpoint under `root` that loads on every rank, trying the
+// directories holding a checkpoint (metadata.pt or rank_00000.pt) in reverse name order.
+// Collective: each rank loads the files its shard needs (sizes, CRC-32s and metadata
+// verified), then the ranks agree (one all-gather of a small record) before any returns,
+// so every rank returns the same checkpoint, or raises the same error. Returns nullopt
+// when `root` holds no checkpoint at all. Raises c10::Error naming every damaged file
+// when no checkpoint loads on every rank (then the model's and optimizer's in-memory
+// state is unspecified; no file was touched), or when the ranks see different folders.
+// PyTorch: none (a trainer's resume loop around torch.distributed.checkpoint.load).
+std::optional<LoadedCheckpoint> load_latest_sharded_checkpoint(FullyShardedRoot& model,
+                                                               torch::optim::Optimizer* optimizer,
+                                                               const std::string& root);
+
+// Removes the hidden partial directories (".<name>.partial-<id>") under `root` that a
+// save killed mid-way left (a save that fails with an error removes its own); returns
+// their paths, sorted. Call it when no save into `root` runs (e.g. at a trainer's start,
+// under its lock). Not collective: call it on one rank. Raises c10::Error if one cannot
+// be removed.
+std::vector<std::string> remove_partial_checkpoints(const std::string& root);
 
 }  // namespace fsdp
 

@@ -2,9 +2,13 @@
 // other world sizes, crash safety, and every reading error.
 #include "fsdp/state/checkpoint.h"
 
+#include <signal.h>
+#include <sys/resource.h>
+
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -13,6 +17,9 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/optim/adam.h>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "fsdp/core/internal/parity_testing.h"
 
 namespace fsdp {
@@ -227,6 +234,177 @@ TEST(ShardedCheckpoint, AFailedSaveRaisesOnEveryRankAndChangesNothing) {
                                         : "failed on 1 other rank(s); see their errors")));
   });
   EXPECT_EQ(entries(root), 0u);
+}
+
+// Issue 30: a write that fails (here: every write past 64 bytes fails with EFBIG, as
+// RLIMIT_FSIZE makes it) removes the partial directory before the error, on every rank,
+// and the error says how much space the checkpoint needs and how much is free.
+TEST(ShardedCheckpoint, AFailedWriteRemovesItsPartialDirectoryAndSaysTheSpace) {
+  const fs::path root = scratch("failed_write");
+  const std::string good = (root / "step_00000001").string();
+  std::vector<std::string> errors(2);
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 1);
+    save_sharded_checkpoint(*t.model, t.adam.get(), good);
+    comm->barrier();
+    static std::mutex mutex;
+    if (comm->rank() == 0) {
+      ::signal(SIGXFSZ, SIG_IGN);  // write() fails with EFBIG instead of a signal
+      const rlimit limit = {64, RLIM_INFINITY};
+      ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+    }
+    comm->barrier();
+    try {
+      save_sharded_checkpoint(*t.model, t.adam.get(), (root / "step_00000002").string());
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[comm->rank()] = e.what_without_backtrace();
+    }
+    comm->barrier();
+    if (comm->rank() == 0) {
+      const rlimit unlimited = {RLIM_INFINITY, RLIM_INFINITY};
+      ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &unlimited), 0);
+    }
+  });
+  int64_t needed = 0;
+  for (const char* file : {"rank_00000.pt", "rank_00001.pt"}) {
+    needed += static_cast<int64_t>(fs::file_size(root / "step_00000001" / file));
+  }
+  const std::string partial_prefix = (root / ".step_00000002.partial-").string();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_THAT(errors[rank], ::testing::StartsWith(absl::StrCat(
+                                  "save_sharded_checkpoint: rank ", rank,
+                                  " cannot write its shard: cannot write '", partial_prefix)))
+        << rank;
+    EXPECT_THAT(errors[rank],
+                HasSubstr(absl::StrFormat(
+                    "': File too large; the checkpoint needs at least %d bytes (%.1f MB), ", needed,
+                    needed / 1e6)));
+    EXPECT_THAT(errors[rank], HasSubstr(" is free on the file system of '" + root.string() +
+                                        "'; its partial directory was removed: free space (or "
+                                        "save elsewhere) and save again"));
+  }
+  EXPECT_EQ(entries(root), 1u) << "only step_00000001: no partial directory left";
+}
+
+// A save killed mid-way leaves ".<name>.partial-<id>"; the next start removes it, and
+// only it.
+TEST(ShardedCheckpoint, RemovesThePartialDirectoriesOfAKilledSave) {
+  const fs::path root = scratch("killed_save");
+  fs::create_directories(root / ".step_00000004.partial-123456");
+  write_bytes(root / ".step_00000004.partial-123456" / "rank_00000.pt.tmp-77", "half");
+  fs::create_directories(root / ".step_00000002.partial-9");
+  fs::create_directories(root / "step_00000002");
+  fs::create_directories(root / ".hidden");
+  write_bytes(root / ".notes.partial-1", "a file, not a partial directory");
+  EXPECT_THAT(remove_partial_checkpoints(root.string()),
+              ElementsAre((root / ".step_00000002.partial-9").string(),
+                          (root / ".step_00000004.partial-123456").string()));
+  EXPECT_EQ(entries(root), 3u);
+  EXPECT_TRUE(fs::exists(root / "step_00000002") && fs::exists(root / ".hidden") &&
+              fs::exists(root / ".notes.partial-1"));
+  EXPECT_THAT(remove_partial_checkpoints(root.string()), ElementsAre());
+}
+
+// Issue 25 item 4: two checkpoints at W = 2; damage in the newest one is found by the
+// rank that reads the damaged file, the ranks agree, and every rank loads the older one
+// (or, when none loads, every rank raises the same error naming each damaged file).
+class LoadLatestTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = scratch("latest_" +
+                    std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+      Trained t = train_tiny_lm(comm, 1);
+      save_sharded_checkpoint(*t.model, t.adam.get(), (root_ / "step_1").string());
+      const StateDict full = full_state_dict(*t.model);
+      if (comm->rank() == 0) step1_ = full;
+      Trained u = train_tiny_lm(comm, 2);
+      save_sharded_checkpoint(*u.model, u.adam.get(), (root_ / "step_2").string());
+    });
+  }
+  // Every rank's outcome of load_latest_sharded_checkpoint at W = 2.
+  std::vector<std::string> load_latest() {
+    std::vector<std::string> outcomes(2);
+    on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+      Trained t = train_tiny_lm(comm, 0);
+      std::string outcome;
+      try {
+        const std::optional<LoadedCheckpoint> loaded =
+            load_latest_sharded_checkpoint(*t.model, t.adam.get(), root_.string());
+        outcome = loaded ? absl::StrCat("loaded ", loaded->dir, " skipping ",
+                                        absl::StrJoin(loaded->skipped, " | "))
+                         : "none";
+        if (loaded && loaded->dir == (root_ / "step_1").string()) {
+          expect_equal(full_state_dict(*t.model), step1_);
+        }
+      } catch (const c10::Error& e) {
+        outcome = absl::StrCat("error ", e.what_without_backtrace());
+      }
+      outcomes[comm->rank()] = outcome;
+    });
+    return outcomes;
+  }
+  std::string damage(const std::string& file) {  // flips a byte in the middle
+    std::string bytes = read_bytes(root_ / file);
+    bytes[bytes.size() / 2] ^= 0x5a;
+    write_bytes(root_ / file, bytes);
+    return (root_ / file).string();
+  }
+  std::string dir(const std::string& name) { return (root_ / name).string(); }
+  fs::path root_;
+  StateDict step1_;
+};
+
+TEST_F(LoadLatestTest, LoadsTheNewestWhenItIsWhole) {
+  const std::vector<std::string> outcomes = load_latest();
+  EXPECT_EQ(outcomes[0], "loaded " + dir("step_2") + " skipping ");
+  EXPECT_EQ(outcomes[1], outcomes[0]);
+}
+
+TEST_F(LoadLatestTest, NoCheckpointIsNullopt) {
+  fs::remove_all(root_ / "step_1");
+  fs::remove_all(root_ / "step_2");
+  fs::create_directories(root_ / ".step_3.partial-1");
+  EXPECT_THAT(load_latest(), ElementsAre("none", "none"));
+}
+
+TEST_F(LoadLatestTest, DamageOnRankOneOnlyFallsBackOnEveryRank) {
+  const std::string bytes = read_bytes(root_ / "step_2/rank_00001.pt");
+  write_bytes(root_ / "step_2/rank_00001.pt", bytes.substr(0, 100));
+  const std::vector<std::string> outcomes = load_latest();
+  EXPECT_EQ(outcomes[0], absl::StrCat("loaded ", dir("step_1"), " skipping '", dir("step_2"),
+                                      "': rank 1: checkpoint file '", dir("step_2/rank_00001.pt"),
+                                      "' has 100 bytes, the metadata says ", bytes.size(),
+                                      ": it is truncated or damaged; use another checkpoint"));
+  EXPECT_EQ(outcomes[1], outcomes[0]);
+}
+
+TEST_F(LoadLatestTest, DamageInTheMetadataFallsBack) {
+  write_bytes(root_ / "step_2/metadata.pt", "garbage");
+  const std::vector<std::string> outcomes = load_latest();
+  EXPECT_EQ(outcomes[0],
+            absl::StrCat("loaded ", dir("step_1"), " skipping '", dir("step_2"),
+                         "': ranks 0, 1: cannot read '", dir("step_2/metadata.pt"),
+                         "': it is truncated or damaged, or not a file torch.save (zip format) or "
+                         "fsdp wrote (reading it failed: PytorchStreamReader failed reading zip "
+                         "archive: not a ZIP archive)"));
+  EXPECT_EQ(outcomes[1], outcomes[0]);
+}
+
+TEST_F(LoadLatestTest, DamageOnRankZeroInEveryCheckpointRaisesOnEveryRank) {
+  const std::string newest = damage("step_2/rank_00000.pt");
+  const std::string older = damage("step_1/rank_00000.pt");
+  const std::vector<std::string> outcomes = load_latest();
+  // Rank 1 reads rank 0's file too: Adam's step counts are replicated, written by rank 0.
+  auto crc = [](const std::string& file) {
+    return "ranks 0, 1: checkpoint file '" + file +
+           "' fails its CRC-32 check: it is damaged; use another checkpoint";
+  };
+  EXPECT_EQ(outcomes[0], absl::StrCat("error no checkpoint under '", root_.string(),
+                                      "' loads on every rank: '", dir("step_2"), "': ", crc(newest),
+                                      "; '", dir("step_1"), "': ", crc(older)));
+  EXPECT_EQ(outcomes[1], outcomes[0]);
 }
 
 class BadCheckpointTest : public ::testing::Test {

@@ -454,9 +454,14 @@ PyValuePtr read_torch_file(const std::string& bytes, const std::string& name) {
     return Unpickler(static_cast<const char*>(data.get()), size, archive).run();
   } catch (const std::exception& e) {
     std::string what = e.what();
-    TORCH_CHECK(false, "cannot read '", name, "': ", what.substr(0, what.find('\n')),
-                ". Expected a file written by torch.save (zip format) or fsdp; the file may be "
-                "truncated or damaged");
+    what = what.substr(0, what.find('\n'));
+    what = what.substr(0, what.find(". This is an internal miniz error"));
+    // Our words first: PyTorch's reader ends its text with its hint ("... your
+    // checkpoint file is corrupted") after a miniz error code.
+    TORCH_CHECK(false, "cannot read '", name,
+                "': it is truncated or damaged, or not a file torch.save (zip format) or fsdp "
+                "wrote (reading it failed: ",
+                what, ")");
   }
 }
 

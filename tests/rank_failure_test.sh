@@ -3,8 +3,8 @@
 # checkpoint save: the run saves a checkpoint every 2 steps) with W ranks (3 by default):
 # every other rank must exit non-zero within the collective timeout (10 s) plus 5 s,
 # naming the lost rank (its global rank, also when the failing collective is a
-# subgroup's) and the collective; the newest complete checkpoint must still load
-# (resumed at W = 1). Trial t kills rank t mod W.
+# subgroup's) and the collective; no partial checkpoint folder is left; the newest
+# complete checkpoint must still load (resumed at W = 1). Trial t kills rank t mod W.
 #   rank_failure_test.sh PATH/TO/examples/gpt/train [TRIALS [W [TRAINER FLAGS...]]]
 set -uo pipefail
 train=${1:?usage: rank_failure_test.sh TRAIN [TRIALS [W [TRAINER FLAGS...]]]}
@@ -72,6 +72,12 @@ for trial in $(seq 1 "$trials"); do
     fi
   done
   wait "${pids[$victim]}" 2>/dev/null
+  # A save the kill interrupted is cleaned up by the survivors (no hidden partial folder).
+  leftover=$(ls -A "$dir/checkpoints" 2>/dev/null | grep partial)
+  if [[ -n "$leftover" ]]; then
+    echo "trial $trial: partial checkpoint folders left after the failure: $leftover"
+    ok=0
+  fi
   step=$(grep -oE "^step [0-9]+/" "$dir/rank0.log" | tail -1)
   latest=$(ls -d "$dir"/checkpoints/step_* 2>/dev/null | tail -1)
   resumed=$("$train" "${flags[@]}" --world_size=1 --resume --steps=$((10#${latest##*_} + 1)) \

@@ -131,6 +131,7 @@ check "--resume works after the failed write (status $status), with rows 1-8" \
 mnt=$root/tmpfs
 mkdir -p "$mnt"
 if mount_error=$(mount -t tmpfs -o size=2m tmpfs "$mnt" 2>&1); then
+  trap 'umount "$mnt" 2>/dev/null' EXIT  # also when the test is stopped part-way
   dir=$mnt/run
   "$train" "${small[@]}" --world_size=2 --steps=2 --checkpoint_interval=2 --out_dir="$dir" \
     >"$root/tmpfs_first.log" 2>&1

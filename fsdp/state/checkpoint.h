@@ -10,6 +10,9 @@
 //   // Sharded: every rank writes its pieces of the model and optimizer (collective).
 //   fsdp::save_sharded_checkpoint(*model, &optimizer, "/ckpt/step_00000200");
 //   fsdp::load_sharded_checkpoint(*model, &optimizer, *fsdp::latest_checkpoint("/ckpt"));
+//   // Resuming: the newest checkpoint that loads on every rank (collective).
+//   std::optional<fsdp::LoadedCheckpoint> loaded =
+//       fsdp::load_latest_sharded_checkpoint(*model, &optimizer, "/ckpt");
 //
 // Full files: a zip archive as torch.save writes it (no TorchScript type tags) holding a
 // dict str -> Tensor; load_state_dict also reads files saved by PyTorch's

@@ -143,7 +143,13 @@ if mount_error=$(mount -t tmpfs -o size=2m tmpfs "$mnt" 2>&1); then
     "[[ $status -eq 1 ]] && grep -qE \"^\\[rank 0\\] train: save_sharded_checkpoint: rank 0 cannot write its shard: cannot write '$dir/checkpoints/\\.step_00000004\\.partial-[0-9]+/rank_00000\\.pt\\.tmp-[0-9]+': No space left on device; the checkpoint needs at least [0-9]+ bytes \\([0-9.]+ MB\\), [0-9]+ bytes \\([0-9.]+ MB\\) is free on the file system of '$dir/checkpoints'\" <<<\"\$out\""
   check "a full disk leaves no partial folder" \
     "[[ \"\$(ls -A $dir/checkpoints)\" == step_00000002 ]]"
-  rm "$mnt/filler"
+  # No space at all: the run stops before it changes metrics.csv.
+  before=$(md5sum <"$dir/metrics.csv")
+  dd if=/dev/zero of="$mnt/filler2" bs=4k >/dev/null 2>&1
+  resume "$dir" 4
+  check "no space at all stops the run before metrics.csv changes (status $status)" \
+    "[[ $status -eq 1 ]] && has_line \"[rank 0] train: cannot write $dir/metrics.csv.tmp: No space left on device; pass a writable --out_dir with free space\" \"\$out\" && [[ \"\$(md5sum <$dir/metrics.csv)\" == \"\$before\" && ! -e $dir/metrics.csv.tmp ]]"
+  rm "$mnt/filler" "$mnt/filler2"
   resume "$dir" 4
   check "after space is freed --resume goes on (status $status) with the whole curve" \
     "[[ $status -eq 0 && \"\$(steps_of $dir/metrics.csv)\" == '1 2 3 4' && \"\$(ls -A $dir/checkpoints)\" == \"\$(printf 'step_00000002\nstep_00000004')\" ]]"

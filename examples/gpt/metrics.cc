@@ -79,10 +79,10 @@ KeptMetrics metrics_to_keep(absl::string_view text, int64_t step) {
 std::ofstream open_metrics(const std::string& path, int64_t step, std::string* warning) {
   warning->clear();
   std::vector<std::string> lines = {kMetricsHeader};
+  std::error_code error;
+  const bool exists = fs::exists(fs::symlink_status(path, error));
+  std::string problem;
   if (step > 0) {
-    std::error_code error;
-    const bool exists = fs::exists(fs::symlink_status(path, error));
-    std::string problem;
     std::ifstream in(path, std::ios::binary);
     if (!exists) {
       problem = "is missing";
@@ -99,27 +99,32 @@ std::ofstream open_metrics(const std::string& path, int64_t step, std::string* w
         problem = absl::StrCat("does not hold the rows of steps 1-", step, ": ", kept.problem);
       }
     }
-    if (!problem.empty()) {
-      std::string aside;
-      if (exists) {
-        const fs::path name = set_aside_name(path);
-        TORCH_CHECK(std::rename(path.c_str(), name.c_str()) == 0, "cannot keep '", path,
-                    "' aside as '", name.string(), "': ", std::strerror(errno),
-                    "; move it away by hand and resume again");
-        aside = absl::StrCat("; kept it as ", name.string());
-      }
-      *warning = absl::StrCat("warning: ", path, " ", problem, aside,
-                              "; a new metrics.csv starts at step ", step + 1,
-                              " (the rows of steps 1-", step, " are not in it)");
-    }
   }
+  // The new file first, so that a failure (a full disk) leaves the old one as it was.
   const std::string temporary = path + ".tmp";
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     for (const std::string& line : lines) out << line << "\n";
     out.flush();
-    TORCH_CHECK(out.good(), "cannot write ", temporary, ": ", std::strerror(errno),
-                "; pass a writable --out_dir with free space");
+    if (!out.good()) {
+      const std::string why = std::strerror(errno);
+      fs::remove(temporary, error);
+      TORCH_CHECK(false, "cannot write ", temporary, ": ", why,
+                  "; pass a writable --out_dir with free space");
+    }
+  }
+  if (!problem.empty()) {
+    std::string aside;
+    if (exists) {
+      const fs::path name = set_aside_name(path);
+      TORCH_CHECK(std::rename(path.c_str(), name.c_str()) == 0, "cannot keep '", path,
+                  "' aside as '", name.string(), "': ", std::strerror(errno),
+                  "; move it away by hand and resume again");
+      aside = absl::StrCat("; kept it as ", name.string());
+    }
+    *warning =
+        absl::StrCat("warning: ", path, " ", problem, aside, "; a new metrics.csv starts at step ",
+                     step + 1, " (the rows of steps 1-", step, " are not in it)");
   }
   TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "cannot write ", path, ": ",
               std::strerror(errno), "; pass a writable --out_dir");

@@ -377,9 +377,12 @@ int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device)
       ::close(fd);
       fd = -1;
     } else {
+      // The pid is for people and for the message above; the flock is the lock. A full
+      // disk may refuse to write it: that must not read as another run's lock.
       const std::string pid = std::to_string(::getpid()) + "\n";
       if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-        holder = -1;
+        std::cerr << "note: cannot write the pid to " << path << ": " << std::strerror(errno)
+                  << "\n";
       }
     }
   }

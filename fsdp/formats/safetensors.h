@@ -47,6 +47,9 @@
 
 namespace fsdp {
 
+// __metadata__: string keys to string values.
+using SafetensorsMetadata = std::map<std::string, std::string>;
+
 // "F32" <-> at::kFloat, ... Throws c10::Error for a dtype outside the list above.
 at::ScalarType safetensors_dtype(const std::string& name);
 std::string safetensors_dtype_name(at::ScalarType dtype);
@@ -63,9 +66,9 @@ struct SafetensorsTensorInfo {
 
 // A parsed, validated header.
 struct SafetensorsHeader {
-  std::vector<SafetensorsTensorInfo> tensors;  // in file order (increasing offset)
+  std::vector<SafetensorsTensorInfo> tensors;   // in file order (increasing offset)
   std::map<std::string, std::string> metadata;  // __metadata__ (string values)
-  int64_t data_offset = 0;                       // 8 + header length
+  int64_t data_offset = 0;                      // 8 + header length
 };
 
 // Parses and validates the header of a file of `file_size` bytes whose first bytes are
@@ -181,13 +184,14 @@ struct SafetensorsWriteOptions {
   // Bytes per file at most (a larger tensor gets a file of its own), as
   // save_pretrained(max_shard_size=...); its default is transformers' ("50GB").
   TORCH_ARG(int64_t, max_shard_size) = 50'000'000'000;
-  TORCH_ARG(std::map<std::string, std::string>, metadata) = {{"format", "pt"}};
+  TORCH_ARG(SafetensorsMetadata, metadata) = {{"format", "pt"}};
 };
 
-// Which file each spec goes to: Hugging Face's split (huggingface_hub's
-// split_state_dict_into_shards: in order, a new file when the next tensor would pass
-// max_shard_size; a tensor larger than it alone in a file of its own). Returns, per file,
-// the positions in `specs`.
+// Which file each spec goes to, as huggingface_hub's split_state_dict_into_shards: in
+// order, a new file when the next tensor would pass max_shard_size, so a tensor larger
+// than it sits alone in a file. (huggingface_hub keeps filling the open file after such
+// a tensor; here every file holds consecutive specs, so that files are written one after
+// another.) Returns, per file, the positions in `specs` (one empty file for no specs).
 std::vector<std::vector<size_t>> plan_safetensors_shards(
     const std::vector<SafetensorsTensorSpec>& specs, int64_t max_shard_size);
 

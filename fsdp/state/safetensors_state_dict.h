@@ -30,6 +30,7 @@
 #include <vector>
 
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 
 #include "fsdp/core/fully_sharded.h"
 
@@ -66,6 +67,14 @@ struct SaveSafetensorsOptions {
 // elsewhere).
 std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::string& dir,
                                           const SaveSafetensorsOptions& options = {});
+
+// The same for an unwrapped module (PyTorch: safetensors.torch.load_model /
+// save_model, strict): whole tensors, no communication.
+void load_module_safetensors(torch::nn::Module& module, const std::string& path,
+                             const LoadSafetensorsOptions& options = {});
+std::vector<std::string> save_module_safetensors(const torch::nn::Module& module,
+                                                 const std::string& dir,
+                                                 const SaveSafetensorsOptions& options = {});
 
 }  // namespace fsdp
 

@@ -7,12 +7,15 @@
 //                                   DIR/fsdp_model/ (save_safetensors at W = 2, sharded)
 //   safetensors_interop check DIR   reads DIR/py_dtypes.safetensors (save_file) and loads
 //                                   DIR/py_model/ (save_torch_state_dict, sharded) at
-//                                   W = 1, 2, 3
+//                                   W = 1, 2, 3, and DIR/hf_llama/ (transformers'
+//                                   save_pretrained, tied embeddings) into a module tree
+//                                   of the same names with lm_head.weight tied
 #include <cstdio>
 #include <string>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include "fsdp/comm/fake.h"
@@ -57,6 +60,52 @@ void on_ranks(int world_size, const std::function<void(FullyShardedDataParallel<
   });
 }
 
+// A module tree with a parameter of each name and shape in `file`, plus lm_head.weight
+// tied to model.embed_tokens.weight (as LlamaForCausalLM with tie_word_embeddings).
+struct TreeImpl : torch::nn::Module {
+  explicit TreeImpl(const SafetensorsFile& file) {
+    for (const SafetensorsTensorInfo& t : file.header().tensors) {
+      add(t.name, at::zeros(t.shape, at::TensorOptions().dtype(t.dtype)));
+    }
+    add("lm_head.weight", named_parameters()["model.embed_tokens.weight"]);
+  }
+  void add(const std::string& name, const at::Tensor& tensor) {
+    torch::nn::Module* module = this;
+    size_t begin = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', begin)) {
+      const std::string child = name.substr(begin, dot - begin);
+      auto children = module->named_children();
+      module = children.contains(child)
+                   ? children[child].get()
+                   : module->register_module(child, std::make_shared<torch::nn::Module>()).get();
+      begin = dot + 1;
+    }
+    module->register_parameter(name.substr(begin), tensor);
+  }
+  at::Tensor forward(at::Tensor x) { return x; }
+};
+
+void check_transformers_llama(const std::string& dir) {
+  const SafetensorsFile expected = SafetensorsFile::open(dir + "/hf_llama_expected.safetensors");
+  TORCH_CHECK(!SafetensorsCheckpoint::open(dir + "/hf_llama").contains("lm_head.weight"),
+              "transformers wrote lm_head.weight");
+  for (int world_size : {1, 2, 3}) {
+    core_testing::on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
+      FullyShardedDataParallel<TreeImpl> model(std::make_shared<TreeImpl>(expected),
+                                               FullyShardedDataParallelOptions(comm));
+      load_safetensors(*model, dir + "/hf_llama");
+      const StateDict got = full_state_dict(*model);
+      for (const SafetensorsTensorInfo& t : expected.header().tensors) {
+        TORCH_CHECK(at::equal(got[t.name], expected.read(t.name)), t.name, " differs");
+      }
+      TORCH_CHECK(at::equal(got["lm_head.weight"], expected.read("model.embed_tokens.weight")),
+                  "lm_head.weight is not the embedding");
+    });
+    std::printf("hf_llama/ at W = %d: %zu tensors equal, lm_head.weight tied\n", world_size,
+                expected.header().tensors.size() + 1);
+  }
+}
+
 int write(const std::string& dir) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (at::ScalarType dtype : kDtypes) {
@@ -95,6 +144,7 @@ int check(const std::string& dir) {
     });
     std::printf("py_model/ at W = %d: %zu tensors equal\n", world_size, want.size());
   }
+  check_transformers_llama(dir);
   return 0;
 }
 

@@ -74,9 +74,24 @@ def write_python_files(out):
     save_torch_state_dict(model_values(), os.path.join(out, "py_model"), max_shard_size=200)
 
 
+def write_transformers_llama(out):
+    """A random tiny Llama with tied embeddings, saved by transformers in 4 KB shards (no
+    lm_head.weight in the files), and its state dict (the embedding once) for reference."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model.save_pretrained(os.path.join(out, "hf_llama"), max_shard_size="4KB")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, os.path.join(out, "hf_llama_expected.safetensors"))
+    print(f"hf_llama/: save_pretrained wrote {len(state)} tensors")
+
+
 def main(out):
     check_fsdp_files(out)
     write_python_files(out)
+    write_transformers_llama(out)
 
 
 if __name__ == "__main__":

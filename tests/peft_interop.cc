@@ -3,8 +3,9 @@
 // trainable adapters), saved as PEFT saves it.
 //
 //   peft_interop DIR   writes DIR/adapter/ (save_adapter), DIR/base.pt (the base
-//                      weights, torch.save format), DIR/merged.pt (merged_state_dict) and
-//                      DIR/io.pt (tokens, logits of the adapted model in eval mode)
+//                      weights, torch.save format), DIR/merged.pt (merged_state_dict),
+//                      DIR/merged/ (save_merged, sharded safetensors) and DIR/io.pt
+//                      (tokens, logits of the adapted model in eval mode)
 //
 // peft_interop.py builds the same model in PyTorch, loads base.pt, then the adapter with
 // peft.PeftModel.from_pretrained, and compares logits and merged weights.
@@ -105,6 +106,8 @@ int write(const std::string& dir) {
     }
     save_state_dict(base, dir + "/base.pt");
     save_state_dict(lora::merged_state_dict(full, config()), dir + "/merged.pt");
+    // Small shards: a folder of several files with the index.
+    lora::save_merged(full, config(), dir + "/merged", /*max_shard_size=*/1500);
     StateDict io;
     io.insert("tokens", tokens());
     io.insert("logits", logits);

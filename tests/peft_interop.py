@@ -5,8 +5,9 @@
 Builds peft_interop.cc's model in PyTorch, loads DIR/base.pt strictly, then DIR/adapter
 with peft.PeftModel.from_pretrained, and checks: the config PEFT read, logits equal to
 fsdp's (DIR/io.pt) within 1e-5, merge_and_unload's weights equal to fsdp's
-merged_state_dict (DIR/merged.pt) within 1e-6, and PEFT's own save_pretrained of the
-loaded adapter holding the same tensor names as fsdp's file.
+merged_state_dict (DIR/merged.pt) within 1e-6, save_merged's sharded folder (DIR/merged/)
+holding the same tensors, and PEFT's own save_pretrained of the loaded adapter holding the
+same tensor names as fsdp's file.
 """
 import json
 import os
@@ -84,6 +85,17 @@ def main(directory):
     worst = max((merged[k] - fsdp_merged[k]).abs().max().item() for k in merged)
     print(f"merged weights: max |PEFT - fsdp| = {worst:.3g}")
     assert worst <= 1e-6, worst
+    index = os.path.join(directory, "merged", "model.safetensors.index.json")
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(files) > 1, files
+    saved = {}
+    for name in files:
+        saved.update(load_file(os.path.join(directory, "merged", name)))
+    assert sorted(saved) == sorted(merged), sorted(saved)
+    for name, tensor in merged.items():
+        assert torch.equal(saved[name], fsdp_merged[name]), name
+    print(f"save_merged: {len(files)} safetensors files with the index, equal to merged.pt")
     print("PASS: PEFT loads fsdp's adapter; logits and merged weights match")
 
 

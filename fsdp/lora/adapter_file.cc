@@ -79,4 +79,17 @@ void save_adapter(const StateDict& state_dict, const LoraConfig& config,
   write_file_atomically(directory + "/adapter_config.json", adapter_config_json(config));
 }
 
+std::vector<std::string> save_merged(const StateDict& state_dict, const LoraConfig& config,
+                                     const std::string& directory, int64_t max_shard_size) {
+  const StateDict merged = merged_state_dict(state_dict, config);
+  std::vector<SafetensorsTensorSpec> specs;
+  for (const auto& item : merged) {
+    specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
+  }
+  SafetensorsFolderWriter writer(directory, std::move(specs),
+                                 SafetensorsWriteOptions().max_shard_size(max_shard_size));
+  for (const auto& item : merged) writer.write(item.key(), item.value());
+  return writer.commit();
+}
+
 }  // namespace fsdp::lora

@@ -10,7 +10,9 @@
 #ifndef FSDP_LORA_ADAPTER_FILE_H_
 #define FSDP_LORA_ADAPTER_FILE_H_
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fsdp/lora/lora.h"
 
@@ -25,6 +27,18 @@ std::string adapter_config_json(const LoraConfig& config);
 // the CPU. Throws on I/O errors naming the file.
 void save_adapter(const StateDict& state_dict, const LoraConfig& config,
                   const std::string& directory);
+
+// Writes the merged model (merged_state_dict(state_dict, config): base weights with the
+// adapters folded in, the keys of the model without adapters) to `directory` as
+// transformers' save_pretrained writes weights: model.safetensors, or
+// model-0000k-of-0000n.safetensors files of at most `max_shard_size` bytes with
+// model.safetensors.index.json (fsdp/formats/safetensors.h), each file atomically. Every
+// entry is written under its own key, so drop a tied duplicate (e.g. lm_head.weight
+// tied to model.embed_tokens.weight) from `state_dict` first, as transformers does.
+// Returns the file names written. PEFT: merge_and_unload() then save_pretrained().
+std::vector<std::string> save_merged(const StateDict& state_dict, const LoraConfig& config,
+                                     const std::string& directory,
+                                     int64_t max_shard_size = 50'000'000'000);
 
 }  // namespace fsdp::lora
 

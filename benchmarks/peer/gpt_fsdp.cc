@@ -36,8 +36,9 @@
 // peak (DeviceHandle::max_memory_allocated, PyTorch's torch.cuda.max_memory_allocated),
 // reset just before the first step; the JSON adds "device", "device_name", "mode",
 // "mixed_precision", "parameters", "peak_flops" (the device's dense bf16 peak, from
-// examples/gpt/mfu.cc or --peak_tflops; null if unknown) and "mfu" (6 x parameters x
-// tokens_per_s / peak_flops; null if unknown).
+// examples/gpt/mfu.cc or --peak_tflops; null if unknown), "mfu" (per device: 6 x
+// parameters x (tokens_per_s / world_size) / peak_flops; null if unknown) and
+// "mfu_formula" (that formula in words).
 #include <unistd.h>
 
 #include <algorithm>
@@ -277,10 +278,10 @@ int train(const std::string& dir) {
       << device.str() << "\", \"device_name\": \"" << device_name << "\", \"mode\": \"" << mode
       << "\", \"mixed_precision\": \"" << precision << "\", \"parameters\": " << parameters
       << ", \"peak_flops\": " << or_null(peak) << ", \"mfu\": "
-      << or_null(
-             peak ? std::optional<double>(model_flops_utilization(parameters, tokens_per_s, *peak))
-                  : std::nullopt)
-      << "}\n";
+      << or_null(peak ? std::optional<double>(
+                            model_flops_utilization(parameters, tokens_per_s, world, *peak))
+                      : std::nullopt)
+      << ", \"mfu_formula\": \"" << kMfuFormula << "\"}\n";
   TORCH_CHECK(out.good(), "could not write --out='", absl::GetFlag(FLAGS_out), "'");
   return 0;
 }

@@ -259,5 +259,35 @@ TEST(DeviceCheckTest, ParityModelsStayOnTheModelsDevice) {
   expect_parity_model_on_its_device<core_testing::EmbeddingUnitLmImpl>();
 }
 
+// FSDP's own tensors (flat parameters, unshard, reshard, gradient reduction, the
+// execution-order check) under the same check: two ranks as threads over the fake
+// communicator, each running a parity model's forward and backward on its share.
+template <typename Net>
+void expect_fsdp_on_its_device() {
+  const core_testing::Batch batch = Net::batch(/*step=*/0, /*rows=*/4);
+  // LibTorch modules are built on the CPU (and moved by device_id): build them first.
+  const std::vector<std::shared_ptr<Net>> nets = {core_testing::make<Net>(),
+                                                  core_testing::make<Net>()};
+  DeviceCheck check(kCpu);
+  core_testing::on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<Net> model(nets[comm->rank()], FullyShardedDataParallelOptions(comm));
+    const int64_t rows = 2;
+    at::Tensor loss = Net::loss(model->forward(batch.input.narrow(0, comm->rank() * rows, rows)),
+                                batch.target.narrow(0, comm->rank() * rows, rows));
+    loss.backward();
+    for (const at::Tensor& p : model->parameters()) {
+      EXPECT_EQ(p.device(), kCpu);
+      EXPECT_EQ(p.grad().device(), kCpu);
+    }
+  });
+  EXPECT_EQ(check.violations(), std::vector<std::string>());
+}
+
+TEST(DeviceCheckTest, FsdpRuntimeStaysOnTheModelsDevice) {
+  expect_fsdp_on_its_device<core_testing::NestedImpl>();
+  expect_fsdp_on_its_device<core_testing::TinyLmImpl>();
+  expect_fsdp_on_its_device<core_testing::NormedImpl>();
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -449,7 +449,9 @@ class NcclResources {
   void check_pending_locked() {
     forget_finished_locked();
     const auto now = std::chrono::steady_clock::now();
-    for (const std::shared_ptr<WorkRecord>& record : pending_) {
+    // A copy: failing a record clears pending_ (abort_locked).
+    const std::vector<std::shared_ptr<WorkRecord>> pending = pending_;
+    for (const std::shared_ptr<WorkRecord>& record : pending) {
       if (poll_locked(*record) == WorkState::kFailed) return;  // failed them all
       if (now >= record->deadline) {
         fail_locked(*record, timed_out(record->timeout));

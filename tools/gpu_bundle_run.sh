@@ -18,8 +18,12 @@
 # the same batches) trained by fsdp (bin/benchmarks/gpt_fsdp), by plain LibTorch without
 # FSDP (gpt_fsdp --mode=plain, autocast bf16) and by PyTorch FSDP2 eager
 # (peer/fsdp2_gpt.py): tokens/s, peak memory (the caching allocator's), MFU and the
-# ratios ours/FSDP2 and ours/plain. Each failed run counts as one failure in the last
-# line. Without a CUDA device a last line says so. Logs go to .gpu_bundle/logs/.
+# ratios ours/FSDP2 and ours/plain, and fsdp once more with TORCH_NCCL_BLOCKING_WAIT=1
+# (the host waiting for every collective) for the host-side time per step with and
+# without. Each failed run counts as one failure in the last line. Then one summary
+# table: test binaries, GPU main job (tokens/s, MFU, peak memory, last loss), the W = 1
+# side by side (tokens/s, peak memory, MFU, ratios), host ms/step. Without a CUDA device
+# a last line says so. Logs go to .gpu_bundle/logs/.
 # Exit status: 0 every case passed with a device; 1 a failure; 2 nothing failed but no
 # CUDA device was found (the GPU cases were skipped); 3 no usable torch 2.11.
 set -uo pipefail
@@ -181,13 +185,19 @@ if ((devices > 0)); then
   }
   if gpu_step training_run 150 train_run; then
     log="$logs/gpu_training_run.log"
-    grep -E '^(model|device):|^step 30/|validation loss' "$log" | sed 's/^/      /'
+    grep -E '^(model|device):|^step 30/|validation loss|^rank 0: peak' "$log" | sed 's/^/      /'
     first=$(sed -n 's/^step 0: validation loss //p' "$log")
     last=$(sed -n 's/^step 30: validation loss //p' "$log")
     if ! awk -v a="$first" -v b="$last" 'BEGIN { exit !(a != "" && b != "" && b < a) }'; then
       echo "  training run: FAILED: the validation loss did not fall ($first at step 0, $last at step 30)"
       failed=$((failed + 1))
     fi
+    # For the table: "step 30/30 | loss L | lr R | T tok/s | MFU M% | ETA 0 s".
+    line=$(grep -E '^step 30/30 ' "$log" | tail -1)
+    main_loss=$(sed -n 's/.*| loss \([0-9.]*\) .*/\1/p' <<<"$line")
+    main_tokens=$(sed -n 's/.*| \([0-9]*\) tok\/s.*/\1/p' <<<"$line")
+    main_mfu=$(sed -n 's/.*| MFU \([0-9.]*\)%.*/\1/p' <<<"$line")
+    main_peak=$(sed -n 's/^rank 0: peak memory \([0-9.]*\) MB.*/\1/p' "$log")
   fi
   peer=$gpu/peer
   mkdir -p "$peer"
@@ -208,10 +218,17 @@ if ((devices > 0)); then
   side_fsdp() { side fsdp "$1"; }
   side_plain() { side plain "$1"; }
   side_fsdp2() { side fsdp2 "$1"; }
+  # fsdp again with the host waiting for every collective (issue 29 item 4's "without").
+  side_fsdp_blocking() {
+    TORCH_NCCL_BLOCKING_WAIT=1 run_rank0 "$1" "$here/bin/benchmarks/gpt_fsdp" --data="$peer" \
+      --heads=12 --device=cuda --mixed_precision=bf16 --warmup_steps=5 --mode=fsdp \
+      --out="$peer/fsdp_blocking.json"
+  }
   if gpu_step side_by_side_prepare 90 prepare &&
      gpu_step side_by_side_fsdp 90 side_fsdp &&
      gpu_step side_by_side_plain 90 side_plain &&
      gpu_step side_by_side_fsdp2 90 side_fsdp2; then
+    gpu_step side_by_side_fsdp_blocking_wait 60 side_fsdp_blocking
     "$python" - "$peer" <<'PY' || { echo "  side by side: FAILED: cannot read the results"; failed=$((failed + 1)); }
 import json, os, sys
 runs = {n: json.load(open(os.path.join(sys.argv[1], n + ".json"))) for n in ("fsdp", "plain", "fsdp2")}
@@ -237,6 +254,58 @@ else
   echo "GPT on the GPU: not run (no CUDA device): a 30-step training run of examples/gpt and" \
        "the side by side of fsdp, plain LibTorch and PyTorch FSDP2 (benchmarks/peer)"
 fi
+
+# --- one table (issue 29 item 7) -----------------------------------------------------------
+MAIN_TOKENS=${main_tokens:-} MAIN_MFU=${main_mfu:-} MAIN_PEAK=${main_peak:-} \
+MAIN_LOSS=${main_loss:-} PEER_DIR=${peer:-} BINARIES=$(wc -l <"$here/tests.tsv") \
+PASSED=$passed FAILED=$failed SKIPPED=$skipped DEVICES=$devices \
+"$python" - <<'PY' || echo "(the summary table could not be printed)"
+import json, os
+e = os.environ
+def cell(v, fmt="{}"):
+    return fmt.format(v) if v not in (None, "") else "-"
+rows = [("test binaries", f"{e['BINARIES']} binaries: {e['PASSED']} cases passed, "
+                          f"{e['FAILED']} failed, {e['SKIPPED']} skipped")]
+if e["DEVICES"] == "0":
+    rows.append(("GPU main job", "not run (no CUDA device)"))
+    rows.append(("W = 1 side by side", "not run (no CUDA device)"))
+else:
+    rows.append(("GPU main job", f"{cell(e['MAIN_TOKENS'])} tokens/s, MFU {cell(e['MAIN_MFU'])}%, "
+                                 f"peak {cell(e['MAIN_PEAK'])} MB, loss at step 30 {cell(e['MAIN_LOSS'])}"))
+    runs = {}
+    for name in ("fsdp", "plain", "fsdp2", "fsdp_blocking"):
+        path = os.path.join(e["PEER_DIR"], name + ".json") if e["PEER_DIR"] else ""
+        if path and os.path.exists(path):
+            runs[name] = json.load(open(path))
+    ours = runs.get("fsdp")
+    def mfu(r):
+        if not ours or ours.get("mfu") is None:
+            return "-"
+        return "%.1f%%" % (100 * ours["mfu"] * r["tokens_per_s"] / ours["tokens_per_s"])
+    for name, label in (("fsdp", "fsdp"), ("plain", "plain LibTorch"), ("fsdp2", "PyTorch FSDP2")):
+        r = runs.get(name)
+        rows.append((f"W = 1 {label}", "not run" if not r else
+                     f"{r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_allocated_mb']:,.0f} MB, MFU {mfu(r)}"))
+    for other, label in (("fsdp2", "FSDP2"), ("plain", "plain")):
+        if ours and other in runs:
+            r = runs[other]
+            rows.append((f"ours/{label}", f"{ours['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s, "
+                                          f"{ours['peak_allocated_mb'] / r['peak_allocated_mb']:.2f}x peak memory"))
+    def host(r):
+        timed = r.get("host_ms", [])[5:]
+        return sum(timed) / len(timed) if timed else float("nan")
+    if ours and "fsdp_blocking" in runs:
+        b = runs["fsdp_blocking"]
+        rows.append(("host ms/step", f"{host(ours):.1f} with stream waits vs {host(b):.1f} with the host "
+                                     f"waiting on each collective (TORCH_NCCL_BLOCKING_WAIT=1); "
+                                     f"tokens/s {ours['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f}"))
+    if ours:
+        rows.append(("MFU formula", ours.get("mfu_formula", "-")))
+width = max(len(k) for k, _ in rows)
+print("summary:")
+for k, v in rows:
+    print(f"  {k:<{width}}  {v}")
+PY
 
 echo "$skipped skipped (not counted as passed)"
 echo "$passed passed, $failed failed"

@@ -16,7 +16,9 @@
 // intra-op thread per rank.
 //
 // JSON (rank 0): "losses" (the mean over ranks of each step's loss, before the update),
-// "step_ms" (each step's wall time on rank 0: zero_grad to optimizer step), "tokens_per_s"
+// "step_ms" (each step's wall time on rank 0: zero_grad to optimizer step), "host_ms"
+// (the part of it until the host had queued the step, before the device
+// synchronisation: on a GPU, the host-side time per step), "tokens_per_s"
 // (global tokens / time of the steps after --warmup_steps), "peak_rss_mb" (the most
 // resident set of the process during training: /proc/self/status VmHWM, reset to the
 // current RSS by /proc/self/clear_refs just before the first step), "start_rss_mb" (the
@@ -36,8 +38,9 @@
 // peak (DeviceHandle::max_memory_allocated, PyTorch's torch.cuda.max_memory_allocated),
 // reset just before the first step; the JSON adds "device", "device_name", "mode",
 // "mixed_precision", "parameters", "peak_flops" (the device's dense bf16 peak, from
-// examples/gpt/mfu.cc or --peak_tflops; null if unknown) and "mfu" (6 x parameters x
-// tokens_per_s / peak_flops; null if unknown).
+// examples/gpt/mfu.cc or --peak_tflops; null if unknown), "mfu" (per device: 6 x
+// parameters x (tokens_per_s / world_size) / peak_flops; null if unknown) and
+// "mfu_formula" (that formula in words).
 #include <unistd.h>
 
 #include <algorithm>
@@ -226,7 +229,7 @@ int train(const std::string& dir) {
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr)).weight_decay(0.01));
   const std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(device);
 
-  std::vector<double> losses, step_ms;
+  std::vector<double> losses, step_ms, host_ms;
   const int64_t local = batch / world;
   if (comm != nullptr) comm->barrier();
   std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
@@ -244,7 +247,11 @@ int train(const std::string& dir) {
     loss.backward();
     adamw.step();
     at::autocast::clear_cache();  // plain bf16: the weights' bf16 copies are stale now
-    handle->synchronize();        // the step's kernels are done (CPU: nothing to wait for)
+    // The host's share: the step is queued (on the CPU: done).
+    host_ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
+            .count());
+    handle->synchronize();  // the step's kernels are done (CPU: nothing to wait for)
     step_ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
             .count());
@@ -271,16 +278,17 @@ int train(const std::string& dir) {
       << absl::GetFlag(FLAGS_strategy) << "\", \"world_size\": " << world
       << ", \"width\": " << gpt->options.width() << ",\n \"losses\": ["
       << absl::StrJoin(losses, ", ", number) << "],\n \"step_ms\": ["
-      << absl::StrJoin(step_ms, ", ", number) << "],\n \"tokens_per_s\": " << tokens_per_s
+      << absl::StrJoin(step_ms, ", ", number) << "],\n \"host_ms\": ["
+      << absl::StrJoin(host_ms, ", ", number) << "],\n \"tokens_per_s\": " << tokens_per_s
       << ", \"peak_rss_mb\": " << status_mb("VmHWM") << ", \"start_rss_mb\": " << start_rss
       << ", \"peak_allocated_mb\": " << handle->max_memory_allocated() / 1e6 << ",\n \"device\": \""
       << device.str() << "\", \"device_name\": \"" << device_name << "\", \"mode\": \"" << mode
       << "\", \"mixed_precision\": \"" << precision << "\", \"parameters\": " << parameters
       << ", \"peak_flops\": " << or_null(peak) << ", \"mfu\": "
-      << or_null(
-             peak ? std::optional<double>(model_flops_utilization(parameters, tokens_per_s, *peak))
-                  : std::nullopt)
-      << "}\n";
+      << or_null(peak ? std::optional<double>(
+                            model_flops_utilization(parameters, tokens_per_s, world, *peak))
+                      : std::nullopt)
+      << ", \"mfu_formula\": \"" << kMfuFormula << "\"}\n";
   TORCH_CHECK(out.good(), "could not write --out='", absl::GetFlag(FLAGS_out), "'");
   return 0;
 }

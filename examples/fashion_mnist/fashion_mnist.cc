@@ -60,6 +60,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "examples/fashion_mnist/idx.h"
+#include "examples/fashion_mnist/model.h"
 #include "fsdp/base/shard_geometry.h"
 #include "fsdp/comm/communicator.h"
 #include "fsdp/comm/launcher.h"
@@ -88,7 +89,7 @@ ABSL_FLAG(int64_t, log_every, 100, "print the loss every N steps (and the first 
 namespace {
 
 constexpr int64_t kImagePixels = 28 * 28;
-constexpr int64_t kNumClasses = 10;
+using fsdp::examples::kNumClasses;
 constexpr int64_t kEvalBatchSize = 1000;  // global, split over the ranks like training's
 // Pixel mean and standard deviation of Fashion-MNIST's training images (values in [0, 1]).
 constexpr double kPixelMean = 0.2860;
@@ -198,26 +199,8 @@ std::string batch_split_error(int64_t batch_size, int world_size) {
 
 // --- the model ---
 
-struct HiddenBlockImpl : torch::nn::Module {
-  HiddenBlockImpl(int64_t in, int64_t out)
-      : fc(register_module("fc", torch::nn::Linear(in, out))) {}
-  at::Tensor forward(at::Tensor x) { return torch::relu(fc(x)); }
-  torch::nn::Linear fc;
-};
-
-// input: float [B, 784]; output: logits [B, 10].
-struct ClassifierImpl : torch::nn::Module {
-  ClassifierImpl()
-      : block1(register_module(
-            "block1", fsdp::Unit<HiddenBlockImpl>(std::make_shared<HiddenBlockImpl>(784, 512)))),
-        block2(register_module(
-            "block2", fsdp::Unit<HiddenBlockImpl>(std::make_shared<HiddenBlockImpl>(512, 256)))),
-        head(register_module("head", torch::nn::Linear(256, kNumClasses))) {}
-  at::Tensor forward(at::Tensor x) { return head(block2(block1(x))); }
-  fsdp::Unit<HiddenBlockImpl> block1, block2;
-  torch::nn::Linear head;
-};
-
+// examples/fashion_mnist/model.h
+using fsdp::examples::ClassifierImpl;
 using Model = fsdp::FullyShardedDataParallel<ClassifierImpl>;
 
 // --- the data ---

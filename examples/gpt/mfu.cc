@@ -2,6 +2,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <c10/util/Exception.h>
+
 #include "absl/strings/match.h"
 
 namespace fsdp::examples {
@@ -35,8 +37,17 @@ constexpr PeakEntry kPeaks[] = {
 
 }  // namespace
 
-double model_flops_utilization(int64_t parameters, double tokens_per_s, double peak_flops) {
-  return 6.0 * static_cast<double>(parameters) * tokens_per_s / peak_flops;
+const char kMfuFormula[] =
+    "MFU = 6 x parameters x (tokens/s / ranks) / peak bf16 FLOP/s of one device";
+
+double model_flops_utilization(int64_t parameters, double global_tokens_per_s, int64_t world_size,
+                               double peak_flops) {
+  TORCH_CHECK(world_size >= 1,
+              "model_flops_utilization: expected world_size >= 1 (the ranks, one "
+              "device each, that share the tokens/s), got ",
+              world_size);
+  const double tokens_per_s_per_device = global_tokens_per_s / static_cast<double>(world_size);
+  return 6.0 * static_cast<double>(parameters) * tokens_per_s_per_device / peak_flops;
 }
 
 std::optional<double> peak_bf16_flops(const std::string& device_name, double flag_tflops) {

@@ -1,6 +1,9 @@
 // Model FLOP utilisation (issue 18 item 4): the formula and the table of peaks.
 #include "examples/gpt/mfu.h"
 
+#include <string>
+
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 namespace fsdp::examples {
@@ -8,10 +11,20 @@ namespace {
 
 TEST(MfuTest, IsSixFlopsPerParameterPerTokenOverThePeak) {
   // GPT-2 small (124 M parameters) at 400,000 tokens/s on a 989.4 TFLOP/s device.
-  EXPECT_DOUBLE_EQ(model_flops_utilization(124000000, 400000, 989.4e12),
+  EXPECT_DOUBLE_EQ(model_flops_utilization(124000000, 400000, 1, 989.4e12),
                    6.0 * 124e6 * 4e5 / 989.4e12);
-  EXPECT_NEAR(model_flops_utilization(124000000, 400000, 989.4e12), 0.3008, 1e-4);
-  EXPECT_DOUBLE_EQ(model_flops_utilization(1000, 0, 1e12), 0);
+  EXPECT_NEAR(model_flops_utilization(124000000, 400000, 1, 989.4e12), 0.3008, 1e-4);
+  EXPECT_DOUBLE_EQ(model_flops_utilization(1000, 0, 1, 1e12), 0);
+}
+
+TEST(MfuTest, IsPerDeviceTheGlobalRateSharedByTheRanks) {
+  // 8 ranks at 3,200,000 tokens/s together: 400,000 per device, the 1-device MFU above
+  // (not 8 x it).
+  EXPECT_DOUBLE_EQ(model_flops_utilization(124000000, 3200000, 8, 989.4e12),
+                   6.0 * 124e6 * 4e5 / 989.4e12);
+  EXPECT_DOUBLE_EQ(model_flops_utilization(1000, 3000, 3, 1e12), 6.0 * 1000 * 1000 / 1e12);
+  EXPECT_THROW(model_flops_utilization(1000, 3000, 0, 1e12), c10::Error);
+  EXPECT_NE(std::string(kMfuFormula).find("tokens/s / ranks"), std::string::npos);
 }
 
 TEST(MfuTest, PeaksComeFromTheTableByCudaDeviceName) {

@@ -54,7 +54,8 @@ at::Tensor GptImpl::forward(at::Tensor tokens) {
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= options.context(), "sequence of ", t, " tokens is longer than the context ",
               options.context());
-  at::Tensor x = token(tokens) + position(at::arange(t, at::kLong));
+  // The positions on the tokens' device (the embeddings' device, cuda:N under device_id).
+  at::Tensor x = token(tokens) + position(at::arange(t, tokens.options().dtype(at::kLong)));
   for (auto& unit : units) x = unit(x);
   return at::matmul(norm(x), token->weight.t());  // output head tied to the embedding
 }

@@ -546,7 +546,7 @@ int train() {
       std::cout << absl::StrFormat(
           "device: cuda:LOCAL_RANK (%s), NCCL, %s; peak bf16 %s\n", device_name,
           bf16 ? "bf16 mixed precision (param_dtype bf16, reduce_dtype fp32)" : "fp32",
-          peak_flops ? absl::StrFormat("%.1f TFLOP/s", *peak_flops / 1e12)
+          peak_flops ? absl::StrFormat("%.1f TFLOP/s; %s", *peak_flops / 1e12, kMfuFormula)
                      : std::string("unknown (pass --peak_tflops for the MFU)"));
     }
   }
@@ -613,7 +613,8 @@ int train() {
           "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s | ETA %.0f s\n", step + 1, steps,
           train_loss, lr, tokens_per_s,
           peak_flops ? absl::StrFormat(" | MFU %.1f%%", 100 * model_flops_utilization(
-                                                                  numel, tokens_per_s, *peak_flops))
+                                                                  numel, tokens_per_s,
+                                                                  comm->world_size(), *peak_flops))
                      : std::string(),
           seconds / (step + 1 - first) * (steps - step - 1));
     }

@@ -1,5 +1,7 @@
 #include "fsdp/comm/communicator.h"
 
+#include "fsdp/comm/internal/size_checks.h"
+
 #include <algorithm>
 #include <utility>
 
@@ -301,4 +303,29 @@ HybridGroups Communicator::split_hybrid(int shard_group_size) {
   return {new_subgroup(shard), new_subgroup(replicate)};
 }
 
+namespace comm_internal {
+
+std::string describe_mismatched_collectives(const int64_t* records,
+                                            const std::vector<int>& global_ranks,
+                                            CollectiveKind kind, int64_t numel) {
+  const int world_size = static_cast<int>(global_ranks.size());
+  bool same = true;
+  for (int r = 0; r < world_size; ++r) {
+    same = same && records[2 * r] == static_cast<int64_t>(kind) && records[2 * r + 1] == numel;
+  }
+  if (same) return "";
+  std::vector<std::string> parts;
+  for (int r = 0; r < world_size; ++r) {
+    const int64_t theirs = records[2 * r];
+    const bool known = theirs >= 0 && theirs <= static_cast<int64_t>(CollectiveKind::kBarrier);
+    parts.push_back(absl::StrCat("rank ", global_ranks[r], " runs ",
+                                 known ? collective_name(static_cast<CollectiveKind>(theirs))
+                                       : absl::StrCat("collective kind ", theirs),
+                                 " of ", records[2 * r + 1], " elements"));
+  }
+  return absl::StrCat(absl::StrJoin(parts, ", "),
+                      ": the ranks are not running the same units in the same order");
+}
+
+}  // namespace comm_internal
 }  // namespace fsdp

@@ -24,8 +24,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <gloo/common/logging.h>
 
+#include "fsdp/comm/internal/size_checks.h"
+
 namespace fsdp {
 namespace {
+
+using comm_internal::describe_mismatched_collectives;
 
 // Note [Gloo collectives]
 // Every collective goes through c10d's ProcessGroupGloo (LibTorch 2.11): fsdp never calls
@@ -589,24 +593,9 @@ class GlooCommunicator : public Communicator,
     mine.data_ptr<int64_t>()[1] = numel;
     at::Tensor all = at::empty({2 * world_size()}, at::kLong);
     group._allgather_base(all, mine)->wait();
-    const int64_t* records = all.data_ptr<int64_t>();
-    bool same = true;
-    for (int r = 0; r < world_size(); ++r) {
-      same = same && records[2 * r] == records[0] && records[2 * r + 1] == records[1];
-    }
-    if (same) return;
-    std::vector<std::string> parts;
-    for (int r = 0; r < world_size(); ++r) {
-      const int64_t theirs = records[2 * r];
-      const bool known = theirs >= 0 && theirs <= static_cast<int64_t>(CollectiveKind::kBarrier);
-      parts.push_back(absl::StrCat("rank ", global_ranks()[r], " runs ",
-                                   known ? collective_name(static_cast<CollectiveKind>(theirs))
-                                         : absl::StrCat("collective kind ", theirs),
-                                   " of ", records[2 * r + 1], " elements"));
-    }
-    throw MismatchedCollectives(
-        absl::StrCat(absl::StrJoin(parts, ", "),
-                     ": the ranks are not running the same units in the same order"));
+    const std::string mismatch =
+        describe_mismatched_collectives(all.data_ptr<int64_t>(), global_ranks(), kind, numel);
+    if (!mismatch.empty()) throw MismatchedCollectives(mismatch);
   }
 
   // Starts collective `sequence` on the issuing thread: records it (Note [Gloo

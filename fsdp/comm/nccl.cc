@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <functional>
 #include <mutex>
@@ -11,11 +13,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include "fsdp/comm/internal/nccl_utils.h"
+#include "fsdp/comm/internal/size_checks.h"
 
 namespace fsdp {
 namespace comm_internal {
@@ -73,6 +77,62 @@ std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds t
   return now + timeout;
 }
 
+// Note [Non-blocking NCCL calls]
+// Communicators are created non-blocking (ncclConfig_t::blocking = 0), so that creation
+// has a deadline: ncclCommInitRankConfig returns at once with ncclInProgress, and the
+// communicator's state, read with ncclCommGetAsyncError, stays ncclInProgress until every
+// rank joined. A peer that died after the unique-id exchange leaves it there forever; we
+// poll it until NcclOptions::timeout and then abort the communicator (ncclCommAbort, as
+// ProcessGroupNCCL does with TORCH_NCCL_USE_COMM_NONBLOCKING). On a non-blocking
+// communicator any NCCL call may return ncclInProgress (a collective still being
+// enqueued, e.g. while NCCL connects peers lazily), and the next call on it, or an event
+// recorded after it, may come only once the state left ncclInProgress: settle() polls it
+// under the same deadline. The host waits there for the enqueue, never for the kernels.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t result,
+                    std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::microseconds(10);
+  while (result == ncclInProgress) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
+    if (query != ncclSuccess) return query;
+    if (state != ncclInProgress) return state;
+    if (std::chrono::steady_clock::now() >= deadline) return ncclInProgress;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  return result;
+}
+
+// check_nccl for a settled call: ncclInProgress here means the deadline passed.
+void check_settled(ncclResult_t result, const char* call, std::chrono::milliseconds timeout) {
+  if (result == ncclInProgress) {
+    throw NcclCallError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                        absl::StrCat(call, " did not finish within ", timeout.count(),
+                                     " ms (the NCCL communicator stayed ncclInProgress: a "
+                                     "peer may have died or not joined)"));
+  }
+  check_nccl(result, call);
+}
+
+// Note [The compute stream]
+// The stream a collective is ordered against: NcclOptions::compute_stream when given,
+// else the calling thread's current CUDA stream of the communicator's device at the time
+// of the call (c10's, as at::cuda::CUDAStreamGuard and the autograd engine set it; the
+// legacy default stream unless one was set), which is where FSDP queues its casts and
+// copies. Read through c10's device-guard registry, which LibTorch's CUDA half fills when
+// it is loaded; without it no thread can have set a current stream, and the legacy
+// default stream is the current one.
+cudaStream_t compute_stream_of(cudaStream_t fixed, int device) {
+  if (fixed != nullptr) return fixed;
+  if (!c10::impl::hasDeviceGuardImpl(c10::kCUDA)) return nullptr;
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+  return static_cast<cudaStream_t>(
+      cuda->getStreamNativeHandle(cuda->getStream(c10::Device(c10::kCUDA, device))));
+}
+
+// How often the watchdog looks at the pending collectives. See Note [The NCCL watchdog].
+constexpr auto kWatchdogPeriod = std::chrono::milliseconds(2);
+
 // One issued collective: its completion event and outcome. Guarded by the owning
 // NcclResources' mutex.
 struct WorkRecord {
@@ -86,8 +146,12 @@ struct WorkRecord {
 
   const CollectiveKind kind;
   const int64_t sequence;
-  cudaEvent_t done = nullptr;  // recorded on the collective's stream after the NCCL call
-  bool finished = false;       // `done` fired while the NCCL communicator was alive
+  // Past it, the watchdog fails the work (issue time + timeout; wait(timeout) may move it
+  // earlier).
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  std::chrono::milliseconds timeout{0};  // what `deadline` was set from, for the message
+  cudaEvent_t done = nullptr;            // recorded on the collective's stream after the NCCL call
+  bool finished = false;                 // `done` fired while the NCCL communicator was alive
   std::optional<CommError> error;
 };
 
@@ -97,31 +161,61 @@ enum class WorkState { kPending, kDone, kFailed };
 // events].
 enum StreamIndex { kAllGatherStream = 0, kReduceScatterStream, kOtherStream, kNumStreams };
 
+// Note [The NCCL watchdog]
+// Each communicator has a thread that, while collectives are pending, looks at them every
+// kWatchdogPeriod: it queries their completion events, reads ncclCommGetAsyncError, and
+// checks each one's deadline (issue time + NcclOptions::timeout, or earlier through
+// wait(timeout)). An asynchronous error or an expired deadline aborts the NCCL
+// communicator (which ends its kernels, so no stream stays blocked behind a collective
+// whose peer is gone), fails every pending work with a CommError naming the collective,
+// this rank and the group, and marks the Communicator broken (Communicator::mark_broken),
+// so that the next call or wait() on it throws. That happens on every survivor within its
+// timeout, whether or not the host is waiting for a collective: without blocking_wait the
+// host does not wait for collectives at all. PyTorch: ProcessGroupNCCL's watchdog thread
+// (ncclCommWatchdog) with TORCH_NCCL_ASYNC_ERROR_HANDLING, which aborts the communicator;
+// it also tears down the process, which we leave to the caller, who gets the CommError.
+// The thread sleeps on a condition variable while nothing is pending. Every NCCL and CUDA
+// call of a communicator, the watchdog's included, is made under its mutex.
+
 // The NCCL communicator and CUDA objects of one NcclCommunicator, shared with its works
 // (which may outlive it). Everything is guarded by `mutex_`.
 class NcclResources {
  public:
   // `rank`: in the NCCL communicator; `global_rank` and `error_group` label CommErrors
-  // (Communicator::comm_error).
-  NcclResources(int rank, int device, cudaStream_t compute, int global_rank,
-                std::vector<int> error_group)
+  // (Communicator::comm_error). `compute`: NcclOptions::compute_stream (nullptr: the
+  // caller's current stream, Note [The compute stream]).
+  NcclResources(int rank, int device, cudaStream_t compute, std::chrono::milliseconds timeout,
+                int global_rank, std::vector<int> error_group)
       : rank_(rank),
         device_(device),
         compute_(compute),
+        timeout_(timeout),
         global_rank_(global_rank),
         error_group_(std::move(error_group)) {}
   ~NcclResources() { close(); }
   NcclResources(const NcclResources&) = delete;
   NcclResources& operator=(const NcclResources&) = delete;
 
-  // ncclCommInitRank on the current device, then the streams, the event and the barrier
-  // buffer. Throws NcclCallError; close() frees whatever was made.
+  // ncclCommInitRankConfig (non-blocking, Note [Non-blocking NCCL calls]) on the device,
+  // polled until the timeout, then the streams, the event, the barrier and size-check
+  // buffers, and the watchdog. Throws NcclCallError; a communicator that did not finish
+  // in time is aborted, and close() frees whatever was made.
   void init(int world_size, const ncclUniqueId& id) {
     std::lock_guard<std::mutex> lock(mutex_);
     DeviceGuard guard(device_);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
     ncclComm_t comm = nullptr;
-    check_nccl(ncclCommInitRank(&comm, world_size, id, rank_), "ncclCommInitRank");
-    comm_ = comm;
+    const ncclResult_t started = ncclCommInitRankConfig(&comm, world_size, id, rank_, &config);
+    if (comm == nullptr) check_nccl(started, "ncclCommInitRankConfig");
+    comm_ = comm;  // from here on a failure aborts it (abort_locked)
+    try {
+      check_settled(settle(comm, started, deadline_after(timeout_)), "ncclCommInitRankConfig",
+                    timeout_);
+    } catch (const NcclCallError&) {
+      abort_locked("ncclCommInitRankConfig failed");
+      throw;
+    }
     for (cudaStream_t& stream : streams_) {
       check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
                  "cudaStreamCreateWithFlags");
@@ -130,6 +224,9 @@ class NcclResources {
                "cudaEventCreateWithFlags");
     check_cuda(cudaMalloc(&barrier_buffer_, sizeof(float)), "cudaMalloc");
     check_cuda(cudaMemset(barrier_buffer_, 0, sizeof(float)), "cudaMemset");
+    const size_t check_bytes = sizeof(int64_t) * 2 * static_cast<size_t>(world_size + 1);
+    check_cuda(cudaMalloc(&size_check_buffer_, check_bytes), "cudaMalloc");
+    watchdog_ = std::thread([this] { watch(); });
   }
 
   // Called with every CommError that breaks the communicator (Communicator::mark_broken).
@@ -140,12 +237,16 @@ class NcclResources {
 
   float* barrier_buffer() const { return barrier_buffer_; }
 
-  // Issues `call` on stream `which` after the compute stream's queued work and returns
-  // its record; a failure is in record->error (the communicator is then aborted).
+  // Issues `call` on stream `which` (after the compute stream's queued work when
+  // `after_compute`) and returns its record, watched from now on with the deadline
+  // now + timeout; a failure is in record->error (the communicator is then aborted).
   std::shared_ptr<WorkRecord> launch(
       CollectiveKind kind, int64_t sequence, StreamIndex which, const char* call_name,
-      const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call) {
+      const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call,
+      bool after_compute = true) {
     auto record = std::make_shared<WorkRecord>(kind, sequence);
+    record->timeout = timeout_;
+    record->deadline = deadline_after(timeout_);
     std::lock_guard<std::mutex> lock(mutex_);
     if (comm_ == nullptr) {
       set_error(*record, "the NCCL communicator was aborted or destroyed");
@@ -156,15 +257,82 @@ class NcclResources {
       DeviceGuard guard(device_);
       check_cuda(cudaEventCreateWithFlags(&record->done, cudaEventDisableTiming),
                  "cudaEventCreateWithFlags");
-      check_cuda(cudaEventRecord(ready_, compute_), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(streams_[which], ready_, 0), "cudaStreamWaitEvent");
-      check_nccl(call(comm_, streams_[which]), call_name);
+      if (after_compute) {
+        check_cuda(cudaEventRecord(ready_, compute_stream_of(compute_, device_)),
+                   "cudaEventRecord");
+        check_cuda(cudaStreamWaitEvent(streams_[which], ready_, 0), "cudaStreamWaitEvent");
+      }
+      check_settled(settle(comm_, call(comm_, streams_[which]), record->deadline), call_name,
+                    timeout_);
       check_cuda(cudaEventRecord(record->done, streams_[which]), "cudaEventRecord");
       pending_.push_back(record);
     } catch (const NcclCallError& error) {
       fail_locked(*record, error.what_without_backtrace());
     }
+    watch_.notify_all();
     return record;
+  }
+
+  // Blocks the host while `limit` or more collectives of `kind` are pending (issued, not
+  // known to be complete), so that at most `limit` are in flight once the caller issues
+  // the next one: PyTorch FSDP's limit_all_gathers. The watchdog ends the wait on a
+  // failure or an expired deadline (the pending works are then failed). limit 0: no bound.
+  void wait_for_slot(CollectiveKind kind, int limit) {
+    if (limit <= 0) return;
+    auto pause = std::chrono::microseconds(10);
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        forget_finished_locked();
+        const auto in_flight = std::count_if(
+            pending_.begin(), pending_.end(),
+            [&](const std::shared_ptr<WorkRecord>& record) { return record->kind == kind; });
+        if (in_flight < limit) return;
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+
+  // The size check of collective `sequence` (see Note [NCCL size checks]): all-gathers
+  // every rank's (kind, numel) on the other stream, waits for it on the host (deadline:
+  // the timeout) and copies the records back. Returns a failed record when the check
+  // fails or finds ranks that disagree (the communicator is then aborted), else nullptr.
+  std::shared_ptr<WorkRecord> check_sizes(CollectiveKind kind, int64_t sequence, int64_t numel,
+                                          const std::vector<int>& global_ranks,
+                                          int64_t published_numel) {
+    const int64_t mine[2] = {static_cast<int64_t>(kind), published_numel};
+    int64_t* buffer = size_check_buffer_;
+    std::shared_ptr<WorkRecord> gathered = launch(
+        kind, sequence, kOtherStream, "ncclAllGather (size check)",
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          check_cuda(cudaMemcpyAsync(buffer, mine, sizeof(mine), cudaMemcpyHostToDevice, stream),
+                     "cudaMemcpyAsync");
+          return ncclAllGather(buffer, buffer + 2, 2, ncclInt64, comm, stream);
+        },
+        /*after_compute=*/false);
+    try {
+      wait(*gathered, timeout_, /*blocking=*/true);
+    } catch (const CommError&) {
+      return gathered;
+    }
+    std::vector<int64_t> records(2 * global_ranks.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      DeviceGuard guard(device_);
+      check_cuda(cudaMemcpyAsync(records.data(), buffer + 2, records.size() * sizeof(int64_t),
+                                 cudaMemcpyDeviceToHost, streams_[kOtherStream]),
+                 "cudaMemcpyAsync");
+      check_cuda(cudaStreamSynchronize(streams_[kOtherStream]), "cudaStreamSynchronize");
+    } catch (const NcclCallError& error) {
+      fail_locked(*gathered, error.what_without_backtrace());
+      return gathered;
+    }
+    const std::string mismatch =
+        describe_mismatched_collectives(records.data(), global_ranks, kind, numel);
+    if (mismatch.empty()) return nullptr;
+    fail_locked(*gathered, absl::StrCat("size check: ", mismatch));
+    return gathered;
   }
 
   // Non-blocking: whether `record` completed or failed. Checks the event, then NCCL's
@@ -174,9 +342,27 @@ class NcclResources {
     return poll_locked(record);
   }
 
-  // See Note [NCCL streams and events]. Throws the record's CommError on failure or
-  // timeout.
-  void wait(WorkRecord& record, std::chrono::milliseconds timeout) {
+  // See Note [NCCL streams and events]. `blocking`: the host waits until the record
+  // completed, failed or missed `timeout` (NcclOptions::blocking_wait); otherwise the
+  // compute stream waits for its completion event and the watchdog enforces the
+  // deadline, moved to now + timeout if that is earlier. Throws the record's CommError
+  // once it failed.
+  void wait(WorkRecord& record, std::chrono::milliseconds timeout, bool blocking) {
+    if (!blocking) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const WorkState state = poll_locked(record);
+      if (record.error) throw *record.error;
+      if (state == WorkState::kPending) {
+        const auto deadline = deadline_after(timeout);
+        if (deadline < record.deadline) {
+          record.deadline = deadline;
+          record.timeout = timeout;
+        }
+      }
+      order_compute_after_locked(record);
+      if (record.error) throw *record.error;
+      return;
+    }
     const auto deadline = deadline_after(timeout);
     auto pause = std::chrono::microseconds(10);
     for (;;) {
@@ -187,10 +373,7 @@ class NcclResources {
         if (record.error) throw *record.error;
         if (record.finished) return;
         if (std::chrono::steady_clock::now() >= deadline) {
-          fail_locked(record, absl::StrCat("did not complete within ", timeout.count(),
-                                           " ms (NCCL reported no error: a peer may not "
-                                           "have issued it, or the compute stream did not "
-                                           "reach it)"));
+          fail_locked(record, timed_out(timeout));
           throw *record.error;
         }
       }
@@ -199,26 +382,84 @@ class NcclResources {
     }
   }
 
-  // Destroys the NCCL communicator if nothing is pending, else aborts it; frees the CUDA
-  // objects. Never waits for a pending collective. Idempotent.
+  // Waits until no collective is pending (each completes, or the watchdog fails it at its
+  // deadline), stops the watchdog, destroys the NCCL communicator (aborts it if something
+  // is still pending), frees the CUDA objects. Idempotent.
   void close() {
+    drain();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      on_failure_ = nullptr;
+      if (closed_) return;
+      closed_ = true;
+    }
+    watch_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
     std::lock_guard<std::mutex> lock(mutex_);
-    on_failure_ = nullptr;
-    if (closed_) return;
-    closed_ = true;
     forget_finished_locked();
     if (!pending_.empty()) {
       abort_locked(absl::StrCat("the communicator was destroyed while ", pending_.size(),
                                 " collective(s) were pending; its NCCL communicator was "
                                 "aborted"));
     } else if (comm_ != nullptr) {
-      best_effort([&] { check_nccl(ncclCommDestroy(comm_), "ncclCommDestroy"); });
-      comm_ = nullptr;
+      destroy_locked();
     }
     free_cuda_objects_locked();
   }
 
  private:
+  // Returns once nothing is pending: without host waits a collective that was waited for
+  // may still run on the device when its communicator goes, and aborting would cut it
+  // short. Bounded by the deadlines the watchdog enforces.
+  void drain() {
+    auto pause = std::chrono::microseconds(10);
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (closed_ || !watchdog_.joinable()) return;
+        forget_finished_locked();
+        if (pending_.empty()) return;
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+
+  static std::string timed_out(std::chrono::milliseconds timeout) {
+    return absl::StrCat("did not complete within ", timeout.count(),
+                        " ms (NCCL reported no error: a peer may not have issued it, or the "
+                        "compute stream did not reach it)");
+  }
+
+  // See Note [The NCCL watchdog].
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!closed_) {
+      if (pending_.empty()) {
+        watch_.wait(lock, [&] { return closed_ || !pending_.empty(); });
+        continue;
+      }
+      check_pending_locked();
+      watch_.wait_for(lock, kWatchdogPeriod);
+    }
+  }
+
+  // One look of the watchdog at the pending works: the first that failed or is past its
+  // deadline fails them all (fail_locked aborts the communicator).
+  void check_pending_locked() {
+    forget_finished_locked();
+    const auto now = std::chrono::steady_clock::now();
+    // A copy: failing a record clears pending_ (abort_locked).
+    const std::vector<std::shared_ptr<WorkRecord>> pending = pending_;
+    for (const std::shared_ptr<WorkRecord>& record : pending) {
+      if (poll_locked(*record) == WorkState::kFailed) return;  // failed them all
+      if (now >= record->deadline) {
+        fail_locked(*record, timed_out(record->timeout));
+        return;
+      }
+    }
+  }
+
   WorkState poll_locked(WorkRecord& record) {
     if (record.error) return WorkState::kFailed;
     if (record.finished) return WorkState::kDone;
@@ -238,11 +479,13 @@ class NcclResources {
     }
   }
 
-  // Orders the compute stream after a finished record.
+  // Orders the caller's compute stream after `record` (a no-op on the device once it
+  // completed).
   void order_compute_after_locked(WorkRecord& record) {
     try {
       DeviceGuard guard(device_);
-      check_cuda(cudaStreamWaitEvent(compute_, record.done, 0), "cudaStreamWaitEvent");
+      check_cuda(cudaStreamWaitEvent(compute_stream_of(compute_, device_), record.done, 0),
+                 "cudaStreamWaitEvent");
     } catch (const NcclCallError& error) {
       record.finished = false;
       fail_locked(record, error.what_without_backtrace());
@@ -288,6 +531,18 @@ class NcclResources {
                    pending_.end());
   }
 
+  // ncclCommFinalize (non-blocking: settled under the timeout), then ncclCommDestroy;
+  // ncclCommAbort if finalizing fails or does not finish in time.
+  void destroy_locked() {
+    const ncclResult_t finalized = settle(comm_, ncclCommFinalize(comm_), deadline_after(timeout_));
+    if (finalized == ncclSuccess) {
+      best_effort([&] { check_nccl(ncclCommDestroy(comm_), "ncclCommDestroy"); });
+    } else {
+      best_effort([&] { check_nccl(ncclCommAbort(comm_), "ncclCommAbort"); });
+    }
+    comm_ = nullptr;
+  }
+
   void free_cuda_objects_locked() {
     if (barrier_buffer_ == nullptr && ready_ == nullptr && streams_[0] == nullptr) return;
     std::optional<DeviceGuard> guard;
@@ -295,6 +550,10 @@ class NcclResources {
     if (barrier_buffer_ != nullptr) {
       best_effort([&] { check_cuda(cudaFree(barrier_buffer_), "cudaFree"); });
       barrier_buffer_ = nullptr;
+    }
+    if (size_check_buffer_ != nullptr) {
+      best_effort([&] { check_cuda(cudaFree(size_check_buffer_), "cudaFree"); });
+      size_check_buffer_ = nullptr;
     }
     if (ready_ != nullptr) {
       best_effort([&] { check_cuda(cudaEventDestroy(ready_), "cudaEventDestroy"); });
@@ -314,31 +573,41 @@ class NcclResources {
 
   const int rank_;
   const int device_;
-  const cudaStream_t compute_;
+  const cudaStream_t compute_;  // nullptr: the caller's current stream
+  const std::chrono::milliseconds timeout_;
   const int global_rank_;
   const std::vector<int> error_group_;
   std::mutex mutex_;
-  ncclComm_t comm_ = nullptr;  // null once aborted or destroyed
+  std::condition_variable watch_;  // wakes the watchdog: a launch, or close()
+  ncclComm_t comm_ = nullptr;      // null once aborted or destroyed
   std::array<cudaStream_t, kNumStreams> streams_{};
   cudaEvent_t ready_ = nullptr;  // re-recorded on the compute stream for every launch
   float* barrier_buffer_ = nullptr;
+  int64_t* size_check_buffer_ = nullptr;              // this rank's record, then every rank's
   std::vector<std::shared_ptr<WorkRecord>> pending_;  // launched, not known to be done
   std::function<void(const CommError&)> on_failure_;
   bool closed_ = false;
+  std::thread watchdog_;  // See Note [The NCCL watchdog]
 };
 
 class NcclWork : public Work {
  public:
   NcclWork(std::shared_ptr<NcclResources> resources, std::shared_ptr<WorkRecord> record,
-           std::chrono::milliseconds default_timeout)
-      : Work(default_timeout), resources_(std::move(resources)), record_(std::move(record)) {}
+           std::chrono::milliseconds default_timeout, bool blocking)
+      : Work(default_timeout),
+        resources_(std::move(resources)),
+        record_(std::move(record)),
+        blocking_(blocking) {}
 
-  void wait(std::chrono::milliseconds timeout) override { resources_->wait(*record_, timeout); }
+  void wait(std::chrono::milliseconds timeout) override {
+    resources_->wait(*record_, timeout, blocking_);
+  }
   bool is_completed() override { return resources_->poll(*record_) != WorkState::kPending; }
 
  private:
   std::shared_ptr<NcclResources> resources_;
   std::shared_ptr<WorkRecord> record_;
+  const bool blocking_;
 };
 
 ncclUniqueId new_unique_id() {
@@ -355,18 +624,27 @@ void check_options(const c10::intrusive_ptr<c10d::Store>& store, const NcclOptio
   TORCH_CHECK(options.timeout().count() > 0,
               "make_nccl_communicator: NcclOptions::timeout must be positive, got ",
               options.timeout().count(), " ms");
+  TORCH_CHECK(options.max_in_flight_all_gathers() >= 0,
+              "make_nccl_communicator: NcclOptions::max_in_flight_all_gathers must be >= 0 (0: "
+              "no bound), got ",
+              options.max_in_flight_all_gathers());
 }
 
 class NcclCommunicator : public Communicator {
  public:
+  // `size_checks`: shared by a root communicator and its subgroups (see
+  // Communicator::set_size_checks); null for a root, which makes it.
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                   NcclOptions options, std::vector<int> global_ranks = {})
+                   NcclOptions options, std::vector<int> global_ranks = {},
+                   std::shared_ptr<std::atomic<bool>> size_checks = nullptr)
       : Communicator(rank, world_size, options.timeout(), std::move(global_ranks)),
         store_(std::move(store)),
         options_(std::move(options)),
+        size_checks_(size_checks ? std::move(size_checks)
+                                 : std::make_shared<std::atomic<bool>>(false)),
         resources_(std::make_shared<NcclResources>(
             rank, options_.device_index(), static_cast<cudaStream_t>(options_.compute_stream()),
-            global_rank(), error_group())) {
+            options_.timeout(), global_rank(), error_group())) {
     try {
       const ncclUniqueId id =
           exchange_unique_id(*store_, unique_id_key(options_.store_prefix()), rank, new_unique_id);
@@ -385,6 +663,9 @@ class NcclCommunicator : public Communicator {
 
   std::string backend_name() const override { return "nccl"; }
 
+  // See Communicator::set_size_checks and Note [NCCL size checks].
+  void set_size_checks(bool enabled) override { *size_checks_ = enabled; }
+
  protected:
   bool supports_device(const c10::Device& device) const override {
     return device.is_cuda() && (!device.has_index() || device.index() == options_.device_index());
@@ -393,8 +674,8 @@ class NcclCommunicator : public Communicator {
   WorkHandle do_all_gather(const CommBuffer& output, const CommBuffer& input,
                            int64_t sequence) override {
     const ncclDataType_t type = to_nccl_dtype(input.dtype);
-    return launch(CollectiveKind::kAllGather, sequence, kAllGatherStream, "ncclAllGather",
-                  [&](ncclComm_t comm, cudaStream_t stream) {
+    return launch(CollectiveKind::kAllGather, sequence, input.numel, kAllGatherStream,
+                  "ncclAllGather", [&](ncclComm_t comm, cudaStream_t stream) {
                     return ncclAllGather(input.data, output.data, static_cast<size_t>(input.numel),
                                          type, comm, stream);
                   });
@@ -404,7 +685,7 @@ class NcclCommunicator : public Communicator {
                                int64_t sequence) override {
     const ncclDataType_t type = to_nccl_dtype(input.dtype);
     const ncclRedOp_t nccl_op = to_nccl_op(op);
-    return launch(CollectiveKind::kReduceScatter, sequence, kReduceScatterStream,
+    return launch(CollectiveKind::kReduceScatter, sequence, input.numel, kReduceScatterStream,
                   "ncclReduceScatter", [&](ncclComm_t comm, cudaStream_t stream) {
                     return ncclReduceScatter(input.data, output.data,
                                              static_cast<size_t>(output.numel), type, nccl_op, comm,
@@ -415,7 +696,7 @@ class NcclCommunicator : public Communicator {
   WorkHandle do_all_reduce(const CommBuffer& tensor, ReduceOp op, int64_t sequence) override {
     const ncclDataType_t type = to_nccl_dtype(tensor.dtype);
     const ncclRedOp_t nccl_op = to_nccl_op(op);
-    return launch(CollectiveKind::kAllReduce, sequence, kOtherStream, "ncclAllReduce",
+    return launch(CollectiveKind::kAllReduce, sequence, tensor.numel, kOtherStream, "ncclAllReduce",
                   [&](ncclComm_t comm, cudaStream_t stream) {
                     return ncclAllReduce(tensor.data, tensor.data,
                                          static_cast<size_t>(tensor.numel), type, nccl_op, comm,
@@ -425,7 +706,7 @@ class NcclCommunicator : public Communicator {
 
   WorkHandle do_broadcast(const CommBuffer& tensor, int root, int64_t sequence) override {
     const ncclDataType_t type = to_nccl_dtype(tensor.dtype);
-    return launch(CollectiveKind::kBroadcast, sequence, kOtherStream, "ncclBroadcast",
+    return launch(CollectiveKind::kBroadcast, sequence, tensor.numel, kOtherStream, "ncclBroadcast",
                   [&](ncclComm_t comm, cudaStream_t stream) {
                     return ncclBroadcast(tensor.data, tensor.data,
                                          static_cast<size_t>(tensor.numel), type, root, comm,
@@ -437,7 +718,7 @@ class NcclCommunicator : public Communicator {
   // on this rank implies that every rank entered the barrier.
   WorkHandle do_barrier(int64_t sequence) override {
     float* buffer = resources_->barrier_buffer();
-    return launch(CollectiveKind::kBarrier, sequence, kOtherStream, "ncclAllReduce",
+    return launch(CollectiveKind::kBarrier, sequence, 0, kOtherStream, "ncclAllReduce",
                   [&](ncclComm_t comm, cudaStream_t stream) {
                     return ncclAllReduce(buffer, buffer, 1, ncclFloat32, ncclSum, comm, stream);
                   });
@@ -448,18 +729,44 @@ class NcclCommunicator : public Communicator {
     options.store_prefix(absl::StrCat(options_.store_prefix(), "/", spec.tag));
     return std::make_shared<NcclCommunicator>(store_, spec.rank,
                                               static_cast<int>(spec.ranks.size()),
-                                              std::move(options), spec.global_ranks);
+                                              std::move(options), spec.global_ranks, size_checks_);
   }
 
  private:
-  WorkHandle launch(CollectiveKind kind, int64_t sequence, StreamIndex which, const char* call_name,
+  // Note [NCCL size checks]
+  // As Gloo's (Note [Mismatched sizes] in gloo.cc): while size checks are on, each
+  // collective is preceded by an all-gather of every rank's (kind, numel), 2 int64 per
+  // rank, on the communicator's other stream (not ordered after the compute stream: it
+  // reads only its own buffer), which the host waits for under the timeout, then copies
+  // back. Ranks that disagree would otherwise hang in NCCL until the timeout, or let NCCL
+  // read or write past a buffer when only the counts differ; instead every rank fails the
+  // collective with a CommError naming each rank's collective and count, and aborts the
+  // NCCL communicator. FSDP turns the checks on for its first iteration (and for every one
+  // with validate_execution_order); they cost a host round trip per collective.
+  //
+  // Issues collective `sequence`: its size check if on, then, for an all-gather, a wait
+  // for a slot (NcclOptions::max_in_flight_all_gathers), then the NCCL call.
+  WorkHandle launch(CollectiveKind kind, int64_t sequence, int64_t numel, StreamIndex which,
+                    const char* call_name,
                     const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call) {
-    return std::make_shared<NcclWork>(
-        resources_, resources_->launch(kind, sequence, which, call_name, call), timeout());
+    std::shared_ptr<WorkRecord> record;
+    if (size_checks_->load()) {
+      record = resources_->check_sizes(kind, sequence, numel, global_ranks(),
+                                       numel + take_size_check_fault());
+    }
+    if (record == nullptr) {
+      if (kind == CollectiveKind::kAllGather) {
+        resources_->wait_for_slot(kind, options_.max_in_flight_all_gathers());
+      }
+      record = resources_->launch(kind, sequence, which, call_name, call);
+    }
+    return std::make_shared<NcclWork>(resources_, std::move(record), timeout(),
+                                      options_.blocking_wait());
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
   NcclOptions options_;
+  std::shared_ptr<std::atomic<bool>> size_checks_;
   std::shared_ptr<NcclResources> resources_;
 };
 

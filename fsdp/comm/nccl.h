@@ -34,18 +34,26 @@
 //   2. launches the NCCL call on the collective's stream and records a completion event.
 // The host does not wait for the device. NCCL itself runs the kernels of one communicator
 // in issue order, whatever their stream, so the streams order collectives against
-// compute, not against each other.
+// compute, not against each other. The compute stream is the caller's current stream at
+// the call unless NcclOptions::compute_stream fixes one.
 //   Work::is_completed() queries the completion event without blocking (true also once
-// the work failed; wait() then throws). Work::wait(timeout) polls the event and
-// ncclCommGetAsyncError until the event fires, NCCL reports an error, or the timeout
-// passes (so, unlike ProcessGroupNCCL's wait, it blocks the host until the collective
-// finished: that is what lets it enforce the deadline); on success it also makes the
-// compute stream wait for the completion event (cudaStreamWaitEvent), so the caller may
-// use the output on the compute stream. On an
-// error or a timeout it aborts the NCCL communicator (ncclCommAbort), which fails every
-// other pending work of this communicator, marks the communicator broken, and throws a
-// CommError naming the collective, its sequence number, this rank and what NCCL (or
-// CUDA) reported. Peers see the failure as an error or a timeout of their own.
+// the work failed; wait() then throws). Work::wait(timeout) makes the compute stream (the
+// caller's current one at the wait) wait for the completion event (cudaStreamWaitEvent)
+// and returns without waiting on the host, as ProcessGroupNCCL's wait does, so the host
+// queues the next kernels while the collective runs; it throws if the work already
+// failed, and moves the work's deadline to now + timeout if that is earlier. The host
+// blocks only to bound the all-gathers in flight (NcclOptions::
+// max_in_flight_all_gathers) and in size checks; with NcclOptions::blocking_wait, wait()
+// blocks until the collective completed. Every buffer a collective touches must be
+// allocated on the compute stream (as FSDP does), so that memory freed after wait() is
+// reused only by work queued behind the collective.
+//   A watchdog thread per communicator polls the pending collectives' events and
+// ncclCommGetAsyncError; on an error or a missed deadline (issue time + timeout) it aborts
+// the NCCL communicator (ncclCommAbort, which also ends the kernels a stream would
+// otherwise wait on forever), fails every pending work of this communicator, and marks
+// the communicator broken: wait(), and any later call, throws a CommError naming the
+// collective, its sequence number, this rank, the group and what NCCL (or CUDA)
+// reported. Peers see the failure as an error or a timeout of their own.
 //   The caller keeps inputs unchanged and outputs unread (on other streams) and every
 // buffer allocated until the work completed, as with c10d.
 //
@@ -77,11 +85,23 @@ struct NcclOptions {
   // Default deadline of Work::wait() and of the blocking calls, > 0 (as GlooOptions'
   // timeout). ProcessGroupNCCL's default is 10 minutes as well.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
-  // The caller's compute stream, a cudaStream_t of device_index; nullptr is the legacy
-  // default stream. Collectives start after the work queued on it before
-  // the call; a successful Work::wait() orders it after the collective. See Note [NCCL
-  // streams and events].
+  // The compute stream, a cudaStream_t of device_index; nullptr (the default): the
+  // calling thread's current CUDA stream of device_index at each call (LibTorch's
+  // c10::cuda::getCurrentCUDAStream, the legacy default stream unless the caller set
+  // another), as ProcessGroupNCCL does. Collectives start after the work queued on it
+  // before the call; Work::wait() orders it after the collective. See Note [NCCL streams
+  // and events].
   TORCH_ARG(CudaStreamHandle, compute_stream) = nullptr;
+  // Work::wait() blocks the host until the collective completed (or failed, or missed
+  // its timeout), as before issue 29; false (the default): it only orders the compute
+  // stream after the collective and returns, and the watchdog enforces the timeout.
+  // PyTorch: TORCH_NCCL_BLOCKING_WAIT=1.
+  TORCH_ARG(bool, blocking_wait) = false;
+  // At most this many all-gathers in flight (issued, not complete on the device): issuing
+  // one more blocks the host until the oldest completes, so the host runs at most that
+  // far ahead of the device. PyTorch FSDP1's limit_all_gathers (two), FSDP2's all-gather
+  // state. >= 0; 0: no bound.
+  TORCH_ARG(int, max_in_flight_all_gathers) = 2;
   // Namespace of this communicator's keys in the store: the NCCL unique id is published
   // under "<store_prefix>/nccl_unique_id", a subgroup's under "<store_prefix>/<tag>/...".
   // Keys are never deleted: every communicator made from one store needs its own prefix.
@@ -92,23 +112,28 @@ struct NcclOptions {
 // ProcessGroupNCCL(store, rank, size)). Collective over the ranks: blocks until all of
 // them called it with the same store, world_size and store_prefix. Rank 0 creates the
 // NCCL unique id (ncclGetUniqueId) and publishes it through `store`; the other ranks
-// wait for it in store->get (under the store's timeout). Then every rank calls
-// ncclCommInitRank on options.device_index.
+// wait for it in store->get (under the store's timeout). Then every rank creates a
+// non-blocking NCCL communicator (ncclCommInitRankConfig, blocking = 0) on
+// options.device_index and polls it until it is ready or options.timeout passed; then it
+// aborts it and throws (a peer that died after the unique-id exchange cannot hang it).
+// Size checks (Communicator::set_size_checks) are supported.
 //
 // new_subgroup() makes a new NCCL communicator among the members (same device, timeout
 // and compute stream, its own streams), exchanging its unique id through the same store
 // under "<store_prefix>/<tag>". Not ncclCommSplit: that is collective over every rank of
 // the parent, while new_subgroup is called by the members only.
 //
-// Destruction never waits for a pending collective: if none is pending and the
-// communicator is not broken it calls ncclCommDestroy, otherwise ncclCommAbort (pending
-// works then throw a CommError from wait()). Then it destroys the streams and events and
+// Destruction first waits until no collective is pending (each completes, or the watchdog
+// fails it at its deadline: Work::wait() does not wait on the host, so a collective may
+// still run on the device), then calls ncclCommFinalize and ncclCommDestroy, or
+// ncclCommAbort if the communicator is broken (pending works then throw a CommError from
+// wait()). Then it destroys the streams and events and
 // frees the barrier buffer (cudaFree may wait for kernels already running on the device).
 //
 // Throws c10::Error if `store` is null, rank/world_size/options are out of range, the id
 // cannot be exchanged (e.g. rank 0 did not publish it within the store's timeout), or a
-// CUDA or NCCL setup call fails (no device, an invalid device index, ncclCommInitRank);
-// the message names the failing call.
+// CUDA or NCCL setup call fails or does not finish within the timeout (no device, an
+// invalid device index, ncclCommInitRankConfig); the message names the failing call.
 std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store> store,
                                                      int rank, int world_size,
                                                      NcclOptions options = {});

@@ -18,10 +18,13 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "fsdp/comm/internal/gpu_testing.h"
 #include "fsdp/comm/internal/nccl_utils.h"
+#include "fsdp/comm/internal/size_checks.h"
 
 namespace fsdp {
 namespace {
@@ -180,6 +183,8 @@ TEST(NcclOptionsTest, DefaultsAndChaining) {
   EXPECT_EQ(options.timeout(), std::chrono::minutes(10));
   EXPECT_EQ(options.compute_stream(), nullptr);
   EXPECT_EQ(options.store_prefix(), "fsdp/nccl");
+  EXPECT_FALSE(options.blocking_wait());
+  EXPECT_EQ(options.max_in_flight_all_gathers(), 2);
   int stream_stand_in = 0;
   options.device_index(3)
       .timeout(std::chrono::milliseconds(50))
@@ -202,8 +207,39 @@ TEST(NcclOptionsTest, BadArgumentsThrowBeforeAnyCudaCall) {
         make_nccl_communicator(store, 0, 1, NcclOptions().timeout(std::chrono::milliseconds(0)));
       },
       ThrowsMessage<c10::Error>(HasSubstr("timeout must be positive, got 0")));
+  EXPECT_THAT(
+      [&] { make_nccl_communicator(store, 0, 1, NcclOptions().max_in_flight_all_gathers(-1)); },
+      ThrowsMessage<c10::Error>(HasSubstr("max_in_flight_all_gathers must be >= 0 (0: no bound), "
+                                          "got -1")));
   EXPECT_THAT([&] { make_nccl_communicator(store, 2, 2); },
               ThrowsMessage<c10::Error>(HasSubstr("rank must be in [0, 2), got 2")));
+}
+
+// The size checks' comparison (Note [NCCL size checks] in nccl.cc, shared with Gloo).
+TEST(SizeChecksTest, DescribesEveryRanksCollectiveWhenOneDisagrees) {
+  const int64_t same[] = {2, 7, 2, 7};
+  EXPECT_EQ(
+      comm_internal::describe_mismatched_collectives(same, {0, 1}, CollectiveKind::kAllReduce, 7),
+      "");
+  const int64_t other[] = {2, 7, 0, 5, 9, 1};
+  EXPECT_EQ(comm_internal::describe_mismatched_collectives(other, {0, 2, 4},
+                                                           CollectiveKind::kAllReduce, 7),
+            "rank 0 runs all_reduce of 7 elements, rank 2 runs all_gather_into_tensor of 5 "
+            "elements, rank 4 runs collective kind 9 of 1 elements: the ranks are not running "
+            "the same units in the same order");
+  // A single rank that published another count than it runs (fault injection) disagrees
+  // with itself.
+  const int64_t injected[] = {2, 10};
+  EXPECT_NE(
+      comm_internal::describe_mismatched_collectives(injected, {0}, CollectiveKind::kAllReduce, 7),
+      "");
+}
+
+TEST(SizeChecksTest, AnInjectedFaultIsTakenOnce) {
+  EXPECT_EQ(comm_internal::take_size_check_fault(), 0);
+  comm_internal::inject_size_check_fault(3);
+  EXPECT_EQ(comm_internal::take_size_check_fault(), 3);
+  EXPECT_EQ(comm_internal::take_size_check_fault(), 0);
 }
 
 // A rank whose device does not exist fails in setup with a c10::Error naming the CUDA
@@ -380,15 +416,16 @@ TEST(NcclGpuValidationTest, CpuAndOtherDeviceBuffersAreRejected) {
 
 void CUDART_CB sleep_300_ms(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
 
-// A collective held back by the compute stream misses a short deadline: the work throws a
-// CommError naming it, the NCCL communicator is aborted, and later calls throw too.
-// Runs last: it aborts an NCCL communicator.
+// With blocking_wait, a collective held back by the compute stream misses a short
+// deadline in wait(): the work throws a CommError naming it, the NCCL communicator is
+// aborted, and later calls throw too. Runs last: it aborts an NCCL communicator.
 TEST(NcclGpuZFailureTest, TimeoutAbortsAndBreaksTheCommunicator) {
   FSDP_SKIP_WITHOUT_GPU();
   cudaStream_t compute = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
   {
-    std::shared_ptr<Communicator> comm = single_rank(NcclOptions().compute_stream(compute));
+    std::shared_ptr<Communicator> comm =
+        single_rank(NcclOptions().compute_stream(compute).blocking_wait(true));
     DeviceBuffer t(at::ones({4}, at::kFloat));
     ASSERT_EQ(cudaLaunchHostFunc(compute, sleep_300_ms, nullptr), cudaSuccess);
     WorkHandle work = comm->all_reduce_async(t.view());
@@ -405,6 +442,127 @@ TEST(NcclGpuZFailureTest, TimeoutAbortsAndBreaksTheCommunicator) {
   }
   EXPECT_EQ(cudaStreamSynchronize(compute), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(compute), cudaSuccess);
+}
+
+// --- issue 29: the compute stream, the host running ahead, the watchdog, size checks ---
+
+// With no compute_stream option the collective is ordered against the caller's current
+// stream (a pool stream here, set as c10's current one), at the call and at the wait.
+TEST(NcclGpuStreamTest, CollectivesFollowTheCallersCurrentStream) {
+  FSDP_SKIP_WITHOUT_GPU();
+  std::shared_ptr<Communicator> comm = single_rank();
+  const c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0);
+  const c10::cuda::CUDAStreamGuard current(stream);
+  const int64_t n = 1 << 20;
+  const at::Tensor values = at::arange(n, at::kFloat);
+  DeviceBuffer input(at::zeros({n}, at::kFloat)), output(at::zeros({n}, at::kFloat));
+  ASSERT_EQ(cudaLaunchHostFunc(stream.stream(), sleep_300_ms, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(input.data(), values.data_ptr(), n * 4, cudaMemcpyHostToDevice,
+                            stream.stream()),
+            cudaSuccess);
+  const auto begin = std::chrono::steady_clock::now();
+  comm->all_gather_into_tensor_async(output.view(), input.view())->wait();
+  // The host did not wait for the collective (held back 300 ms by the stream).
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::milliseconds(200));
+  at::Tensor back = at::empty({n}, at::kFloat);
+  ASSERT_EQ(cudaMemcpyAsync(back.data_ptr(), output.data(), n * 4, cudaMemcpyDeviceToHost,
+                            stream.stream()),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream.stream()), cudaSuccess);
+  EXPECT_TRUE(at::equal(back, values));
+}
+
+// Issuing a third all-gather while two are in flight waits for the oldest on the host;
+// with no bound it returns at once.
+TEST(NcclGpuLimitTest, AThirdAllGatherWaitsForTheFirstToComplete) {
+  FSDP_SKIP_WITHOUT_GPU();
+  for (const int limit : {2, 0}) {
+    cudaStream_t compute = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
+    {
+      std::shared_ptr<Communicator> comm =
+          single_rank(NcclOptions().compute_stream(compute).max_in_flight_all_gathers(limit));
+      DeviceBuffer input(at::ones({4}, at::kFloat)), output(at::zeros({4}, at::kFloat));
+      ASSERT_EQ(cudaLaunchHostFunc(compute, sleep_300_ms, nullptr), cudaSuccess);
+      std::vector<WorkHandle> works;
+      const auto begin = std::chrono::steady_clock::now();
+      for (int i = 0; i < 3; ++i) {
+        works.push_back(comm->all_gather_into_tensor_async(output.view(), input.view()));
+      }
+      const auto issued = std::chrono::steady_clock::now() - begin;
+      if (limit == 2) {
+        EXPECT_GE(issued, std::chrono::milliseconds(200)) << "limit " << limit;
+      } else {
+        EXPECT_LT(issued, std::chrono::milliseconds(200)) << "no limit";
+      }
+      for (const WorkHandle& work : works) work->wait();
+      ASSERT_EQ(cudaStreamSynchronize(compute), cudaSuccess);
+      EXPECT_TRUE(at::equal(output.read(), at::ones({4}, at::kFloat)));
+    }
+    EXPECT_EQ(cudaStreamDestroy(compute), cudaSuccess);
+  }
+}
+
+// Size checks at one rank: they pass for matching records, and a rank that publishes
+// another count (fault injection) fails the collective with a CommError naming it, and
+// breaks the communicator.
+TEST(NcclGpuZFailureTest, SizeChecksNameTheDisagreement) {
+  FSDP_SKIP_WITHOUT_GPU();
+  std::shared_ptr<Communicator> comm = single_rank();
+  comm->set_size_checks(true);
+  DeviceBuffer t(at::full({4}, 2.0, at::kFloat));
+  comm->all_reduce_async(t.view())->wait();
+  EXPECT_TRUE(at::equal(t.read(), at::full({4}, 2.0, at::kFloat)));
+  comm_internal::inject_size_check_fault(3);
+  WorkHandle work = comm->all_reduce_async(t.view());
+  EXPECT_THAT([&] { work->wait(); },
+              ThrowsMessage<CommError>(
+                  AllOf(HasSubstr("all_reduce #1 failed on rank 0"),
+                        HasSubstr("size check: rank 0 runs all_reduce of 7 elements: the ranks are "
+                                  "not running the same units in the same order"))));
+  EXPECT_THROW(comm->barrier(), CommError);
+}
+
+// Without blocking_wait nobody waits on the host: the watchdog fails the collective at
+// its deadline (moved to 20 ms by wait(20 ms)), aborts the NCCL communicator (which
+// releases the stream behind it) and breaks the communicator.
+TEST(NcclGpuZFailureTest, TheWatchdogFailsAStuckCollectiveWithoutAWaiter) {
+  FSDP_SKIP_WITHOUT_GPU();
+  cudaStream_t compute = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
+  {
+    std::shared_ptr<Communicator> comm = single_rank(NcclOptions().compute_stream(compute));
+    DeviceBuffer t(at::ones({4}, at::kFloat));
+    ASSERT_EQ(cudaLaunchHostFunc(compute, sleep_300_ms, nullptr), cudaSuccess);
+    WorkHandle work = comm->all_reduce_async(t.view());
+    work->wait(std::chrono::milliseconds(20));  // returns at once: the stream waits
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    EXPECT_TRUE(work->is_completed());
+    EXPECT_THAT([&] { work->wait(); },
+                ThrowsMessage<CommError>(AllOf(HasSubstr("all_reduce #0 failed on rank 0"),
+                                               HasSubstr("did not complete within 20 ms"),
+                                               HasSubstr("aborted"))));
+    EXPECT_THAT([&] { comm->barrier(); },
+                ThrowsMessage<CommError>(HasSubstr("broken by an earlier failure")));
+  }
+  EXPECT_EQ(cudaStreamSynchronize(compute), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(compute), cudaSuccess);
+}
+
+// A peer that never joins (rank 1 of 2 here) leaves the non-blocking communicator in
+// progress: creation is aborted at the timeout and names the call.
+TEST(NcclGpuZFailureTest, CreationGivesUpAtTheTimeoutWhenAPeerNeverJoins) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const auto begin = std::chrono::steady_clock::now();
+  EXPECT_THAT(
+      [&] {
+        make_nccl_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 2,
+                               NcclOptions().timeout(std::chrono::milliseconds(3000)));
+      },
+      ThrowsMessage<c10::Error>(AllOf(HasSubstr("make_nccl_communicator (rank 0 of 2"),
+                                      HasSubstr("ncclCommInitRankConfig did not finish within "
+                                                "3000 ms"))));
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(20));
 }
 
 }  // namespace

@@ -222,9 +222,14 @@ std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
   c10::intrusive_ptr<c10d::Store> store = connect_store(env, options);
   check_same_backend(*store, env, options.backend(), backend, cuda_devices);
   if (backend == Backend::kNccl) {
+    // PyTorch's switch for ProcessGroupNCCL's blocking wait, read the same way.
+    const char* blocking = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
     return make_nccl_communicator(
         store, env.rank, env.world_size,
-        NcclOptions().device_index(env.local_rank).timeout(options.timeout()));
+        NcclOptions()
+            .device_index(env.local_rank)
+            .timeout(options.timeout())
+            .blocking_wait(blocking != nullptr && std::string(blocking) == "1"));
   }
   GlooOptions gloo;
   gloo.timeout(options.timeout());

@@ -107,10 +107,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
                                               const RendezvousOptions& options = {});
 
 // choose_backend (with this process's CUDA device count), connect_store, then the
-// communicator over all ranks: NCCL on cuda:LOCAL_RANK (NcclOptions with this timeout),
-// or Gloo (bound to loopback when the master is local, else to this host's address, or
-// to GLOO_SOCKET_IFNAME). With kGloo no CUDA call is made. PyTorch:
-// dist.init_process_group(backend, init_method="env://").
+// communicator over all ranks: NCCL on cuda:LOCAL_RANK (NcclOptions with this timeout;
+// blocking_wait when TORCH_NCCL_BLOCKING_WAIT=1, PyTorch's variable), or Gloo (bound to loopback
+// when the master is local, else to this host's address, or to GLOO_SOCKET_IFNAME). With kGloo no
+// CUDA call is made. PyTorch: dist.init_process_group(backend, init_method="env://").
 std::shared_ptr<Communicator> init_from_environment(const RendezvousOptions& options = {});
 std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
                                                 const RendezvousOptions& options = {});

@@ -1,8 +1,12 @@
 #include "fsdp/core/checkpoint_wrapper.h"
 
+#include <algorithm>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -18,11 +22,70 @@ struct Recomputation : torch::CustomClassHolder {
   std::vector<bool> input_requires_grad;
   std::vector<at::Tensor> params;
   at::Tensor rng_state;  // the CPU generator's before the first run, if preserved
+  // Each CUDA device of the inputs and parameters, with its default generator's state
+  // before the first run (if preserved). See Note [Random states of the devices].
+  std::vector<std::pair<c10::Device, at::Tensor>> device_rng_states;
 };
 
 at::CPUGeneratorImpl* cpu_generator() {
   return at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
 }
+
+// Note [Random states of the devices]
+// torch.utils.checkpoint(preserve_rng_state=True) saves the CPU generator's state and the
+// state of the default generator of each device its tensor arguments are on
+// (torch.cuda.get_rng_state), and recomputes under torch.random.fork_rng with those
+// states, so dropout on the device draws the same mask twice. We do the same for the
+// CUDA devices of the forward's tensor arguments and the module's parameters (the
+// parameters' device is the one the forward computes on when the arguments are CPU
+// tensors). Reached through at::globalContext().defaultGenerator, which is in
+// libtorch_cpu (CUDA's hooks), so CPU-only binaries need not link libtorch_cuda. A CUDA
+// generator's state is its seed and Philox offset: saving and setting it queues no work
+// on a stream and needs no synchronisation.
+std::vector<c10::Device> cuda_devices_of(const std::vector<at::Tensor>& inputs,
+                                         const std::vector<at::Tensor>& params) {
+  std::vector<c10::Device> devices;
+  for (const auto* list : {&inputs, &params}) {
+    for (const at::Tensor& t : *list) {
+      if (!t.defined() || !t.device().is_cuda()) continue;
+      const c10::Device device(c10::kCUDA, t.device().has_index() ? t.device().index() : 0);
+      if (std::find(devices.begin(), devices.end(), device) == devices.end()) {
+        devices.push_back(device);
+      }
+    }
+  }
+  return devices;
+}
+
+at::Tensor get_rng_state(at::Generator generator) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_rng_state(at::Generator generator, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+// Sets the saved states of the devices for its life, restoring the current ones after.
+class DeviceRngStates {
+ public:
+  explicit DeviceRngStates(const std::vector<std::pair<c10::Device, at::Tensor>>& saved) {
+    for (const auto& [device, state] : saved) {
+      at::Generator generator = at::globalContext().defaultGenerator(device);
+      resume_.emplace_back(generator, get_rng_state(generator));
+      set_rng_state(generator, state);
+    }
+  }
+  ~DeviceRngStates() {
+    for (const auto& [generator, state] : resume_) set_rng_state(generator, state);
+  }
+  DeviceRngStates(const DeviceRngStates&) = delete;
+  DeviceRngStates& operator=(const DeviceRngStates&) = delete;
+
+ private:
+  std::vector<std::pair<at::Generator, at::Tensor>> resume_;
+};
 
 // Note [Recomputing in backward]
 // The Function's inputs are the forward's tensor arguments followed by the parameters, so
@@ -75,7 +138,10 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
           resume = generator->get_state();
           generator->set_state(*recomputation->rng_state.unsafeGetTensorImpl());
         }
-        output = recomputation->forward(inputs);
+        {
+          const DeviceRngStates devices(recomputation->device_rng_states);
+          output = recomputation->forward(inputs);
+        }
         std::lock_guard<std::mutex> lock(generator->mutex_);
         generator->set_state(*resume);
       } else {
@@ -110,6 +176,12 @@ at::Tensor checkpointed_forward(std::function<at::Tensor(const std::vector<at::T
     at::CPUGeneratorImpl* generator = cpu_generator();
     std::lock_guard<std::mutex> lock(generator->mutex_);
     recomputation->rng_state = at::Tensor(generator->get_state());
+  }
+  if (preserve_rng_state) {
+    for (const c10::Device& device : cuda_devices_of(inputs, params)) {
+      recomputation->device_rng_states.emplace_back(
+          device, get_rng_state(at::globalContext().defaultGenerator(device)));
+    }
   }
   std::vector<at::Tensor> tensors = inputs;
   tensors.insert(tensors.end(), params.begin(), params.end());

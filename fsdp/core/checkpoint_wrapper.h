@@ -22,8 +22,10 @@
 // With grad mode on, forward runs the module without recording a graph and saves only
 // its tensor arguments; backward runs the forward again and back-propagates through it
 // to the arguments and the module's parameters. With preserve_rng_state (the default)
-// the recomputation runs with the CPU random generator's state of the first run, so
-// dropout masks repeat; that saves and sets the process-wide default generator, so ranks
+// the recomputation runs with the random generators' states of the first run: the CPU
+// generator's and the default generator's of each CUDA device that holds an argument or
+// a parameter (torch.utils.checkpoint's get_device_states / fork_rng), so dropout masks
+// repeat on the CPU and on the GPU; that saves and sets process-wide generators, so ranks
 // run as threads of one process (fsdp::FakeWorld) that draw random numbers while another
 // recomputes must turn it off. With grad mode off it is a plain call.
 //

@@ -17,12 +17,15 @@
 #include <ATen/Functions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/utils.h>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
+#include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/internal/cuda_testing.h"
@@ -629,6 +632,48 @@ TEST(CudaParityTest, DeviceIdMovesTheModelAndTrainsAsOneProcessAtW1) {
     EXPECT_TRUE(at::allclose(item.value().cpu(), want.params.at(fqn), /*rtol=*/0, /*atol=*/1e-5))
         << fqn;
   }
+}
+
+// ---- Activation checkpointing with dropout on the device (issue 29 item 5).
+
+struct DropoutBlockImpl : torch::nn::Module {
+  DropoutBlockImpl() { fc = register_module("fc", torch::nn::Linear(64, 64)); }
+  at::Tensor forward(at::Tensor x) { return at::dropout(fc(x), 0.5, /*train=*/true); }
+  torch::nn::Linear fc{nullptr};
+};
+
+// The weight's gradient of sum(block(x)^2) drawn after torch::manual_seed(7) (seeds the
+// CPU and every CUDA generator), through `forward`.
+template <typename Forward>
+at::Tensor weight_grad(DropoutBlockImpl& block, const Forward& forward) {
+  block.zero_grad();
+  torch::manual_seed(7);
+  forward().square().sum().backward();
+  return block.fc->weight.grad().clone();
+}
+
+TEST(CudaCheckpointWrapperTest, RecomputesTheFirstRunsDropoutMaskOnTheDevice) {
+  FSDP_SKIP_WITHOUT_GPU();
+  torch::manual_seed(0);
+  auto block = std::make_shared<DropoutBlockImpl>();
+  block->to(kCudaDevice);
+  const at::Tensor x = at::randn({8, 64}, at::device(kCudaDevice));
+  const at::Tensor plain = weight_grad(*block, [&] { return block->forward(x); });
+  CheckpointWrapperImpl<DropoutBlockImpl> preserved(block);
+  const at::Tensor same = weight_grad(*block, [&] { return preserved.forward(x); });
+  EXPECT_TRUE(at::allclose(same, plain, /*rtol=*/0, /*atol=*/1e-6))
+      << "max difference " << (same - plain).abs().max().item<float>();
+  // Without the device's state the recomputation draws the next mask: another gradient.
+  CheckpointWrapperImpl<DropoutBlockImpl> fresh(block, /*preserve_rng_state=*/false);
+  const at::Tensor other = weight_grad(*block, [&] { return fresh.forward(x); });
+  EXPECT_GT((other - plain).abs().max().item<float>(), 1e-3);
+  // The device's generator resumes where the first run left it: the next draw after a
+  // checkpointed step equals the next draw after a plain step.
+  weight_grad(*block, [&] { return block->forward(x); });
+  const at::Tensor after_plain = at::rand({4}, at::device(kCudaDevice));
+  weight_grad(*block, [&] { return preserved.forward(x); });
+  const at::Tensor after_checkpointed = at::rand({4}, at::device(kCudaDevice));
+  EXPECT_TRUE(at::equal(after_checkpointed, after_plain));
 }
 
 }  // namespace

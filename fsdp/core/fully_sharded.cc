@@ -374,8 +374,7 @@ void check_same_construction(Communicator& comm, c10::Device device,
                            static_cast<int64_t>(unit_names.size()), total};
   const auto on_device = at::TensorOptions().dtype(at::kLong).device(device);
   at::Tensor all = at::empty({4 * comm.world_size()}, on_device);
-  comm.all_gather_into_tensor(
-      all, at::tensor(std::vector<int64_t>(mine, mine + 4), at::kLong).to(device));
+  comm.all_gather_into_tensor(all, at::tensor(std::vector<int64_t>(mine, mine + 4), on_device));
   all = all.cpu();
   const int64_t* a = all.data_ptr<int64_t>();
   for (int r = 0; r < comm.world_size(); ++r) {

@@ -1,5 +1,6 @@
 #include "fsdp/comm/internal/nccl_utils.h"
 
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -129,6 +130,14 @@ ncclUniqueId exchange_unique_id(c10d::Store& store, const std::string& key, int 
   std::memcpy(id.internal, bytes.data(), bytes.size());
   return id;
 }
+
+namespace {
+std::atomic<int64_t> size_check_fault{0};
+}  // namespace
+
+void inject_size_check_fault(int64_t numel_offset) { size_check_fault = numel_offset; }
+
+int64_t take_size_check_fault() { return size_check_fault.exchange(0); }
 
 }  // namespace comm_internal
 }  // namespace fsdp

@@ -7,6 +7,7 @@
 #ifndef FSDP_COMM_INTERNAL_NCCL_UTILS_H_
 #define FSDP_COMM_INTERNAL_NCCL_UTILS_H_
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -72,6 +73,13 @@ std::string unique_id_key(const std::string& prefix);
 // id cannot be fetched or has the wrong size; make_id's errors propagate.
 ncclUniqueId exchange_unique_id(c10d::Store& store, const std::string& key, int rank,
                                 const std::function<ncclUniqueId()>& make_id);
+
+// Fault injection for tests (nccl_test.cc): the next size check of this process
+// publishes numel + `numel_offset` as its element count, as a rank running another
+// collective would (see Note [NCCL size checks] in nccl.cc). take_size_check_fault()
+// returns the offset and clears it (0: none). Thread-safe.
+void inject_size_check_fault(int64_t numel_offset);
+int64_t take_size_check_fault();
 
 }  // namespace comm_internal
 }  // namespace fsdp

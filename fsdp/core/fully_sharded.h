@@ -87,6 +87,21 @@ class IgnoredState {
   at::Tensor parameter_;
 };
 
+// PyTorch: torch.distributed.fsdp.CPUOffload (FSDP2: CPUOffloadPolicy).
+struct CPUOffload {
+  CPUOffload(bool offload_params = false)  // NOLINT: implicit, as cpu_offload(true) reads
+      : offload_params_(offload_params) {}
+  // Keep every unit's sharded flat parameter, its gradient and (as the optimizer makes it
+  // beside the parameter) the optimizer state in host memory, pinned when the compute
+  // device is CUDA; the optimizer steps on the CPU. Each unshard copies the unit's shard
+  // to the device on a side stream before its all-gather (with forward_prefetch or
+  // backward prefetching, while the previous unit computes); each reduced gradient shard
+  // is copied back to the host, and .grad is final when backward() returns. The device
+  // then holds only the unsharded units in flight and their gradients' reductions
+  // (REFERENCE §5 has the bytes). See Note [CPU offload] in flat_param.cc.
+  TORCH_ARG(bool, offload_params);
+};
+
 struct FullyShardedDataParallelOptions {
   explicit FullyShardedDataParallelOptions(std::shared_ptr<Communicator> communicator)
       : communicator_(std::move(communicator)) {}
@@ -166,6 +181,13 @@ struct FullyShardedDataParallelOptions {
   // takes tensors of that device is the communicator's to say (c10d Gloo refuses what it
   // cannot reduce, NCCL takes only CUDA tensors).
   TORCH_ARG(c10::optional<c10::Device>, device_id);
+  // CPU offload of the shards, their gradients and the optimizer state (CPUOffload
+  // above); off by default, as in PyTorch. parameters() then returns host tensors: build
+  // the optimizer from them after construction. With a CPU compute device the host
+  // copies are allocations of their own (same values as without offload). Applies to
+  // every unit, also those EnableWrap sharded on construction (give the scope the same
+  // options).
+  TORCH_ARG(CPUOffload, cpu_offload);
 };
 
 namespace core_internal {

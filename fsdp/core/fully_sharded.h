@@ -38,8 +38,9 @@
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision,
 // mixed_precision.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
 // strategies (unit_sharding_strategies, or fsdp::wrap's per-unit overrides),
-// validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on
-// the root, and deferred initialisation (EnableWrap below).
+// validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), cpu_offload
+// (CPUOffload), clip_grad_norm_ on the root, and deferred initialisation (EnableWrap
+// below).
 //
 // Frozen parameters: a unit whose parameters all have requires_grad=false gets a frozen
 // flat parameter (no gradient, no reduction); a unit mixing requires_grad true and

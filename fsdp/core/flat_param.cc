@@ -306,7 +306,8 @@ void FlatParamHandle::unshard_full_precision() {
 // fsdp/comm/nccl.h); the runtime does not put collectives on DeviceHandle::side_stream.
 // Every buffer is allocated on the compute stream (the caller's current stream): the
 // unsharded flat parameter (DeviceHandle::reallocate_storage), the cast all-gather input,
-// the flat gradient and the reduce-scatter output. Then:
+// the flat gradient and the reduce-scatter output. (With CPU offload the all-gather input
+// is the shard copied in on a side stream instead: Note [CPU offload].) Then:
 // 1. A collective starts after an event recorded on the compute stream when it is issued,
 //    so it runs after every kernel queued before it, including those that last used the
 //    memory the allocator gave its buffers.

@@ -23,8 +23,9 @@
 // starts resharded (that buffer's memory freed), so read them after unshard().
 //
 // NO_SHARD keeps the whole (unpadded) flat parameter on every rank: the sharded flat
-// parameter is the flat buffer itself, unshard/reshard do nothing (with mixed precision:
-// they make and free the low-precision copy), and gradients are all-reduced. The HYBRID
+// parameter is the flat buffer itself, unshard/reshard do nothing (with mixed precision
+// or offload_params: they make and free the low-precision or device copy), and gradients
+// are all-reduced. The HYBRID
 // strategies shard over the handle's communicator (a shard group) and all-reduce the
 // reduced gradient shard over FlatParamOptions::replicate_communicator.
 //
@@ -127,7 +128,8 @@ std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& 
 //   kSharded   --unshard()-->   kUnsharded (prefetch and wait in one)
 //   kUnsharding --reshard()-->  kSharded (waits for the all-gather before freeing)
 //   any state  --unshard_full_precision()-->  kUnshardedFullPrecision  --reshard()-->  kSharded
-// NO_SHARD without mixed precision stays kUnsharded: the flat buffer is the shard.
+// NO_SHARD without mixed precision or offload_params stays kUnsharded: the flat buffer is
+// the shard.
 enum class FlatParamState {
   kSharded,                 // only the shard's memory is held
   kUnsharding,              // prefetch(): an all-gather is writing the unsharded buffer

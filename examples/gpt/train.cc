@@ -107,6 +107,10 @@ ABSL_FLAG(std::string, mixed_precision, "auto",
           "auto (bf16 on CUDA, none on the CPU), bf16 or none; bf16: parameters all-gathered "
           "and run in bfloat16 (param_dtype), gradients reduced in float32 (reduce_dtype), "
           "fp32 master shards and AdamW state");
+ABSL_FLAG(bool, cpu_offload, false,
+          "keep the parameter shards, their gradients and the AdamW state in (pinned, on CUDA) "
+          "host memory and step the optimizer on the CPU (PyTorch's "
+          "CPUOffload(offload_params=True)); the device holds only the units in flight");
 ABSL_FLAG(double, peak_tflops, 0,
           "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU) in the "
           "progress lines; 0: from the device name (H200, H100 SXM: 989.4; A100: 312), else "
@@ -522,7 +526,8 @@ int train() {
           .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
           .hybrid_shard_group_size(hybrid_group_size())
           .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
-          .device_id(device);
+          .device_id(device)
+          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)));
   if (bf16) {
     options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   }

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
@@ -95,6 +96,16 @@ class CudaDeviceHandle : public DeviceHandle {
     auto event = std::make_unique<CudaEvent>();
     event->record(cuda_stream(stream, "record_event"));
     return event;
+  }
+
+  // Pinned through LibTorch's caching host allocator (pinned_memory(true), as
+  // tensor.pin_memory()): a block is reused only after the copies recorded on it
+  // completed, and copies from and to it with non_blocking=true are asynchronous.
+  at::Tensor empty_host(int64_t numel, c10::ScalarType dtype) override {
+    TORCH_CHECK(numel >= 0, "DeviceHandle(", device_, ")::empty_host: expected numel >= 0, got ",
+                numel);
+    return at::empty({numel},
+                     at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(true));
   }
 
   void wait_event(c10::Stream stream, const DeviceEvent& event) override {

@@ -23,6 +23,8 @@
 // - record_event / wait_event: a c10::cuda::CUDAEvent (ATen/cuda/CUDAEvent.h's, without
 //   timing) recorded on the stream / cudaStreamWaitEvent (Stream.record_event,
 //   Stream.wait_event).
+// - empty_host(numel, dtype): a pinned host tensor from LibTorch's caching host allocator
+//   (tensor.pin_memory()), for CPU offload's asynchronous copies.
 //
 // Errors: c10::Error for a device index out of range or no CUDA device (naming
 // c10::cuda::device_count), a tensor, stream or event of another device.

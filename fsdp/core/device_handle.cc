@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include "absl/container/flat_hash_map.h"
@@ -129,6 +130,12 @@ std::shared_ptr<DeviceHandle> DeviceHandle::for_device(c10::Device device) {
   std::shared_ptr<DeviceHandle> handle = factory(device);
   TORCH_INTERNAL_ASSERT(handle != nullptr);
   return handle;
+}
+
+at::Tensor DeviceHandle::empty_host(int64_t numel, c10::ScalarType dtype) {
+  TORCH_CHECK(numel >= 0, "DeviceHandle(", device(), ")::empty_host: expected numel >= 0, got ",
+              numel);
+  return at::empty({numel}, at::TensorOptions().dtype(dtype).device(c10::kCPU));
 }
 
 bool register_device_handle(c10::DeviceType type, DeviceHandleFactory factory) {

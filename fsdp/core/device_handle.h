@@ -67,6 +67,9 @@ class DeviceEvent {
 // _post_backward_stream).
 inline constexpr const char* kUnshardStream = "unshard";
 inline constexpr const char* kPostBackwardStream = "post_backward";
+// The side stream that copies CPU-offloaded shards to the device (PyTorch FSDP1's
+// _pre_unshard_stream; FSDP2's all-gather copy-in stream).
+inline constexpr const char* kOffloadCopyStream = "offload_copy";
 
 class DeviceHandle {
  public:
@@ -128,6 +131,14 @@ class DeviceHandle {
   // Makes `stream` wait for `event` before running work queued after this call; the
   // calling thread does not block. `event` must come from this handle's record_event.
   virtual void wait_event(c10::Stream stream, const DeviceEvent& event) = 0;
+
+  // --- Host memory for CPU offload (FullyShardedDataParallelOptions::cpu_offload).
+  // A new, uninitialised 1-D host (CPU) tensor of `numel` elements of `dtype`, for data
+  // that lives on the host and is copied to and from this device. CUDA: page-locked
+  // (pinned, from LibTorch's caching host allocator, as tensor.pin_memory()), so copies
+  // with non_blocking=true run asynchronously on a stream. CPU (this default): an ordinary
+  // allocation, separate from every device tensor. Errors: c10::Error for numel < 0.
+  virtual at::Tensor empty_host(int64_t numel, c10::ScalarType dtype);
 
  protected:
   DeviceHandle() = default;

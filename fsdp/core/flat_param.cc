@@ -9,6 +9,7 @@
 #include "absl/strings/strip.h"
 #include "fsdp/base/shard_geometry.h"
 #include <ATen/Functions.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -79,7 +80,8 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
       strategy_(strategy),
       device_(options.device_handle()),
       replicate_comm_(options.replicate_communicator()),
-      keep_low_precision_grads_(options.keep_low_precision_grads()) {
+      keep_low_precision_grads_(options.keep_low_precision_grads()),
+      offload_(options.offload_params()) {
   TORCH_CHECK(comm_ != nullptr, "FlatParamHandle: communicator is null");
   TORCH_CHECK(!params.empty(),
               "FlatParamHandle: expected at least one parameter to flatten, "
@@ -136,13 +138,18 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
     flat.narrow(0, infos_[i].offset, infos_[i].numel).copy_(params[i].param.detach().reshape({-1}));
     originals_.push_back(params[i].param);
   }
-  // NO_SHARD: the optimizer updates the flat buffer itself.
-  sharded_ = no_shard ? flat : flat.narrow(0, shard_offset_, shard_numel_).clone();
+  const at::Tensor own_shard = no_shard ? flat : flat.narrow(0, shard_offset_, shard_numel_);
+  if (offload_) {  // See Note [CPU offload].
+    sharded_ = device_->empty_host(shard_numel_, first.scalar_type());
+    sharded_.copy_(own_shard);
+  } else {
+    sharded_ = no_shard ? flat : own_shard.clone();  // NO_SHARD: the optimizer updates `flat`
+  }
   sharded_.set_requires_grad(frozen.empty());
   unsharded_flat_ = uses_mixed_precision()
                         ? at::empty({padded_numel_}, options_of_params.dtype(param_dtype_))
-                    : no_shard ? sharded_.detach()
-                               : flat;
+                    : no_shard && !offload_ ? sharded_.detach()
+                                            : flat;
   use_views_of(unsharded_flat_);
   reshard();  // sharded from the start: only the shard's memory stays allocated
 }
@@ -216,12 +223,18 @@ void FlatParamHandle::prefetch() {
   check_not_in(FlatParamState::kUnshardedFullPrecision, "unshard()");
   if (state_ != FlatParamState::kSharded) return;
   reallocate_unsharded("unsharding");
-  if (strategy_ == ShardingStrategy::kNoShard) {  // mixed precision: a low-precision copy
-    unsharded_flat_.copy_(sharded_.detach());
+  if (strategy_ == ShardingStrategy::kNoShard) {  // a low-precision or offloaded copy
+    if (offload_) {
+      at::Tensor copy = copy_shard_to_device();
+      unsharded_flat_.copy_(copy);
+      release_copied_shard(copy);
+    } else {
+      unsharded_flat_.copy_(sharded_.detach());
+    }
     state_ = FlatParamState::kUnsharded;
     return;
   }
-  gather_input_ = sharded_.detach().to(param_dtype_);
+  gather_input_ = offload_ ? copy_shard_to_device() : sharded_.detach().to(param_dtype_);
   pending_ = comm_->all_gather_into_tensor_async(unsharded_flat_, gather_input_);
   state_ = FlatParamState::kUnsharding;
 }
@@ -230,7 +243,11 @@ void FlatParamHandle::finish_all_gather() {
   TORCH_INTERNAL_ASSERT(state_ == FlatParamState::kUnsharding && pending_);
   pending_->wait();
   pending_ = nullptr;
-  gather_input_ = at::Tensor();
+  if (offload_) {
+    release_copied_shard(gather_input_);
+  } else {
+    gather_input_ = at::Tensor();
+  }
   state_ = FlatParamState::kUnsharded;
 }
 
@@ -243,15 +260,22 @@ void FlatParamHandle::unshard_full_precision() {
   if (!uses_mixed_precision()) return unshard();
   if (state_ == FlatParamState::kUnshardedFullPrecision) return;
   reshard();  // drop a low-precision copy: the views move to the full-precision values
-  if (strategy_ == ShardingStrategy::kNoShard) {
+  if (strategy_ == ShardingStrategy::kNoShard && !offload_) {
     full_precision_flat_ = sharded_.detach();  // edits go straight to the shard
   } else {
     try {
-      full_precision_flat_ = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+      full_precision_flat_ = at::empty({padded_numel_}, device_options(sharded_.scalar_type()));
     } catch (const c10::OutOfMemoryError& error) {
       throw_out_of_memory(error, "unshard_full_precision()", sharded_.scalar_type());
     }
-    comm_->all_gather_into_tensor(full_precision_flat_, sharded_.detach());
+    if (strategy_ == ShardingStrategy::kNoShard) {
+      full_precision_flat_.copy_(sharded_.detach());  // offloaded: from the host
+    } else {
+      // Offloaded: a blocking copy to the device (summon_full_params is not on the hot path).
+      comm_->all_gather_into_tensor(full_precision_flat_,
+                                    sharded_.detach().to(device(), /*non_blocking=*/false,
+                                                         /*copy=*/offload_));
+    }
   }
   use_views_of(full_precision_flat_);
   state_ = FlatParamState::kUnshardedFullPrecision;
@@ -282,7 +306,8 @@ void FlatParamHandle::unshard_full_precision() {
 // fsdp/comm/nccl.h); the runtime does not put collectives on DeviceHandle::side_stream.
 // Every buffer is allocated on the compute stream (the caller's current stream): the
 // unsharded flat parameter (DeviceHandle::reallocate_storage), the cast all-gather input,
-// the flat gradient and the reduce-scatter output. Then:
+// the flat gradient and the reduce-scatter output. (With CPU offload the all-gather input
+// is the shard copied in on a side stream instead: Note [CPU offload].) Then:
 // 1. A collective starts after an event recorded on the compute stream when it is issued,
 //    so it runs after every kernel queued before it, including those that last used the
 //    memory the allocator gave its buffers.
@@ -334,7 +359,7 @@ void FlatParamHandle::reshard() {
       finish_all_gather();  // never free memory an all-gather is writing
       [[fallthrough]];
     case FlatParamState::kUnsharded:
-      if (strategy_ == ShardingStrategy::kNoShard && !uses_mixed_precision()) return;
+      if (strategy_ == ShardingStrategy::kNoShard && !separate_unsharded()) return;
       break;
   }
   device_->free_storage(unsharded_flat_);
@@ -344,8 +369,7 @@ void FlatParamHandle::reshard() {
 at::Tensor FlatParamHandle::flatten_grads(std::vector<at::Tensor>& grads) const {
   TORCH_CHECK(grads.size() == infos_.size(), "FlatParamHandle: expected ", infos_.size(),
               " gradients (one per original parameter), got ", grads.size());
-  at::Tensor flat_grad =
-      at::zeros({padded_numel_}, sharded_.options().dtype(reduce_dtype_).requires_grad(false));
+  at::Tensor flat_grad = at::zeros({padded_numel_}, device_options(reduce_dtype_));
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;
     TORCH_CHECK(grads[i].numel() == infos_[i].numel, "FlatParamHandle: gradient of '",
@@ -370,7 +394,7 @@ void FlatParamHandle::write_back_shard() {
                   (state_ == FlatParamState::kUnsharded && !uses_mixed_precision()),
               "write_back_shard: the flat parameter is not unsharded in full precision; "
               "call unshard_full_precision() first");
-  if (strategy_ == ShardingStrategy::kNoShard) return;  // one buffer: nothing to copy
+  if (strategy_ == ShardingStrategy::kNoShard && !offload_) return;  // one buffer: nothing to copy
   const at::Tensor& full =
       state_ == FlatParamState::kUnshardedFullPrecision ? full_precision_flat_ : unsharded_flat_;
   sharded_.detach().copy_(full.narrow(0, shard_offset_, shard_numel_));
@@ -379,6 +403,7 @@ void FlatParamHandle::write_back_shard() {
 void FlatParamHandle::reduce_grad(std::vector<at::Tensor> grads) {
   start_reduce_grad(std::move(grads));
   finish_reduce_grad();
+  wait_for_offload();
 }
 
 void FlatParamHandle::start_reduce_grad(std::vector<at::Tensor> grads) {
@@ -419,12 +444,83 @@ void FlatParamHandle::finish_reduce_grad() {
   const double postdivide = gradient_postdivide_factor(total_replicas());
   if (postdivide > 1) shard_grad.div_(postdivide);
   if (!keep_low_precision_grads_) shard_grad = shard_grad.to(sharded_.scalar_type());
+  if (!offload_) return add_to_grad(shard_grad);
+  // See Note [CPU offload]: to the host without waiting; wait_for_offload adds it.
+  wait_for_offload();  // an earlier reduction's copy, if nobody waited for it
+  grad_offload_.host = device_->empty_host(shard_numel_, shard_grad.scalar_type());
+  grad_offload_.host.copy_(shard_grad, /*non_blocking=*/true);
+  grad_offload_.done = device_->record_event(device_->current_stream());
+}
+
+void FlatParamHandle::add_to_grad(const at::Tensor& shard_grad) {
   at::Tensor& grad = sharded_.mutable_grad();
   if (grad.defined()) {
     grad.add_(shard_grad);
   } else {
     grad = shard_grad;
   }
+}
+
+// Note [CPU offload]
+// PyTorch's CPUOffload(offload_params=True) (FSDP1) and CPUOffloadPolicy (FSDP2): the
+// sharded flat parameter, its gradient and so the optimizer's state live in host memory
+// (DeviceHandle::empty_host: pinned on CUDA, so copies are asynchronous), and the
+// optimizer steps on the CPU. The device holds only what is in flight: unsharded flat
+// parameters (as without offload), the shard being all-gathered, flat gradients and the
+// reduced shard until its copy to the host has run.
+// - Unshard: copy_shard_to_device copies the shard on the handle's kOffloadCopyStream
+//   side stream into a buffer allocated there (cast to param_dtype there too), records
+//   an event and makes the compute stream wait for it; the all-gather, ordered after the
+//   compute stream (Note [Streams and freeing unsharded memory]), then reads it. A
+//   prefetched unit's copy therefore runs while the previous unit's kernels do. The copy
+//   stream waits for nothing before the copy: the host shard was last written by the CPU
+//   (optimizer, state-dict load) before the copy was issued, and the buffer comes from the
+//   copy stream's own pool. When the all-gather has been waited for, release_copied_shard
+//   makes the copy stream wait for the compute stream (which waited for the all-gather)
+//   before the buffer goes back to that pool, so the next copy cannot overwrite it while
+//   the all-gather may still read it, however the communicator orders its streams.
+// - Reduce: the gradient is flattened, reduced (and for HYBRID all-reduced across groups)
+//   and divided on the device as without offload; finish_reduce_grad then queues the
+//   shard's copy to a new pinned host buffer on the compute stream (non_blocking) and
+//   records an event, without blocking the host in backward. wait_for_offload, which
+//   the runtime calls for every unit at the end of each iteration (before the optimizer
+//   can read a gradient or write a shard), synchronizes on that event and on the last
+//   copy-in event, then adds the host buffer to .grad (or makes it .grad): FSDP1's
+//   end-of-backward stream synchronize, FSDP2's post-reduce event.
+// - summon_full_params, state dicts and full_flat_param copy the shard to the device with
+//   blocking copies (not on the training path).
+// With a CPU device every copy is a separate allocation and every stream and event a
+// no-op, so the same code runs in the CPU tests: the values (and the arithmetic on them)
+// are those of the run without offload, bit for bit.
+at::Tensor FlatParamHandle::copy_shard_to_device() {
+  const c10::Stream copy_stream = device_->side_stream(kOffloadCopyStream);
+  at::Tensor copy;
+  {
+    c10::StreamGuard on_copy_stream(copy_stream);
+    copy = at::empty({shard_numel_}, device_options(sharded_.scalar_type()));
+    copy.copy_(sharded_.detach(), /*non_blocking=*/true);
+    if (param_dtype_ != copy.scalar_type()) copy = copy.to(param_dtype_);
+  }
+  copy_in_done_ = device_->record_event(copy_stream);
+  device_->wait_event(device_->current_stream(), *copy_in_done_);
+  return copy;
+}
+
+void FlatParamHandle::release_copied_shard(at::Tensor& copy) {
+  device_->wait_event(device_->side_stream(kOffloadCopyStream),
+                      *device_->record_event(device_->current_stream()));
+  copy = at::Tensor();
+}
+
+void FlatParamHandle::wait_for_offload() {
+  if (copy_in_done_ != nullptr) {
+    copy_in_done_->synchronize();
+    copy_in_done_ = nullptr;
+  }
+  if (!grad_offload_.host.defined()) return;
+  grad_offload_.done->synchronize();
+  GradOffload done = std::exchange(grad_offload_, GradOffload());
+  add_to_grad(done.host);
 }
 
 void FlatParamHandle::cancel_reduce_grad() {
@@ -442,11 +538,12 @@ void FlatParamHandle::add_fqn_prefix(const std::string& prefix) {
 }
 
 at::Tensor FlatParamHandle::full_flat_param() {
-  at::Tensor full = at::empty({padded_numel_}, sharded_.options().requires_grad(false));
+  at::Tensor full = at::empty({padded_numel_}, device_options(sharded_.scalar_type()));
   if (strategy_ == ShardingStrategy::kNoShard) {
     full.copy_(sharded_.detach());
   } else {
-    comm_->all_gather_into_tensor(full, sharded_.detach());
+    comm_->all_gather_into_tensor(
+        full, sharded_.detach().to(device(), /*non_blocking=*/false, /*copy=*/offload_));
   }
   return full.narrow(0, 0, numel_);
 }

@@ -23,10 +23,16 @@
 // starts resharded (that buffer's memory freed), so read them after unshard().
 //
 // NO_SHARD keeps the whole (unpadded) flat parameter on every rank: the sharded flat
-// parameter is the flat buffer itself, unshard/reshard do nothing (with mixed precision:
-// they make and free the low-precision copy), and gradients are all-reduced. The HYBRID
+// parameter is the flat buffer itself, unshard/reshard do nothing (with mixed precision
+// or offload_params: they make and free the low-precision or device copy), and gradients
+// are all-reduced. The HYBRID
 // strategies shard over the handle's communicator (a shard group) and all-reduce the
 // reduced gradient shard over FlatParamOptions::replicate_communicator.
+//
+// CPU offload (FlatParamOptions::offload_params): the shard, its gradient and so the
+// optimizer state live in host memory (pinned when the device is CUDA); unshard() copies
+// the shard to the device on a side stream before its all-gather, and the reduced
+// gradient shard is copied back to the host (Note [CPU offload] in flat_param.cc).
 //
 // Threading: a handle is used by one thread (its rank's); collectives go through its
 // communicator in call order. Streams: buffers are allocated on the calling thread's current
@@ -122,7 +128,8 @@ std::vector<ShardParamInfo> shard_param_infos(const std::vector<FlatParamInfo>& 
 //   kSharded   --unshard()-->   kUnsharded (prefetch and wait in one)
 //   kUnsharding --reshard()-->  kSharded (waits for the all-gather before freeing)
 //   any state  --unshard_full_precision()-->  kUnshardedFullPrecision  --reshard()-->  kSharded
-// NO_SHARD without mixed precision stays kUnsharded: the flat buffer is the shard.
+// NO_SHARD without mixed precision or offload_params stays kUnsharded: the flat buffer is
+// the shard.
 enum class FlatParamState {
   kSharded,                 // only the shard's memory is held
   kUnsharding,              // prefetch(): an all-gather is writing the unsharded buffer
@@ -147,6 +154,12 @@ struct FlatParamOptions {
   // buffer's storage. Null: DeviceHandle::for_device of the parameters' device. Must be a
   // handle of the parameters' device.
   TORCH_ARG(std::shared_ptr<DeviceHandle>, device_handle);
+  // Keep the sharded flat parameter and its gradient in host memory
+  // (DeviceHandle::empty_host: pinned for CUDA) instead of on the device, so the optimizer
+  // steps on the CPU and the device holds only unsharded buffers in flight. With a CPU
+  // device the host copies are allocations of their own. PyTorch:
+  // CPUOffload(offload_params=True). See Note [CPU offload] in flat_param.cc.
+  TORCH_ARG(bool, offload_params) = false;
 };
 
 class FlatParamHandle {
@@ -181,7 +194,8 @@ class FlatParamHandle {
   std::vector<ShardParamInfo> local_shard_param_infos() const;
 
   // The leaf the optimizer updates: 1-D, shard_numel elements, in the parameters'
-  // original dtype; requires_grad unless the parameters are frozen.
+  // original dtype; requires_grad unless the parameters are frozen. On device(), or on the
+  // CPU with offload_params (as its grad).
   const at::Tensor& sharded_flat_param() const { return sharded_; }
   // The original parameters (views into the unsharded flat buffer), in flattening order.
   const std::vector<at::Tensor>& original_params() const { return originals_; }
@@ -239,6 +253,16 @@ class FlatParamHandle {
   // that threw (Note [A backward that did not finish] in internal/runtime.cc). No-op
   // without one. Throws the collective's error, if any, with the reduction dropped.
   void cancel_reduce_grad();
+  // With offload_params: whether the shard lives in host memory (FlatParamOptions).
+  bool offloads_params() const { return offload_; }
+  // With offload_params, finish_reduce_grad only queues the copy of the reduced gradient
+  // shard to the host (non_blocking, on the compute stream), so the host need not wait
+  // in the middle of backward; this blocks until it and the last copy of the shard to the
+  // device have completed, then adds that gradient to sharded_flat_param().grad(). Call
+  // it before anything reads the gradient or writes the shard on the host (the optimizer
+  // step): the runtime does at the end of every iteration, reduce_grad before it
+  // returns. No-op without offload_params or with nothing in flight.
+  void wait_for_offload();
   bool reduction_pending() const { return reduction_.input.defined(); }
 
   // Inside no_sync: adds the flattened gradients (as for reduce_grad) to an unsharded
@@ -274,7 +298,22 @@ class FlatParamHandle {
   c10::ScalarType reduce_dtype_;
   bool keep_low_precision_grads_;
 
+  bool offload_;
   bool uses_mixed_precision() const { return param_dtype_ != sharded_.scalar_type(); }
+  // Whether the unsharded flat buffer is an allocation of its own (NO_SHARD otherwise
+  // computes on the shard itself).
+  bool separate_unsharded() const { return uses_mixed_precision() || offload_; }
+  // Options of a new buffer on the compute device (the shard may be on the host).
+  at::TensorOptions device_options(c10::ScalarType dtype) const {
+    return at::TensorOptions().dtype(dtype).device(device());
+  }
+  // Adds `shard_grad` to sharded_flat_param().grad() (or makes it the grad).
+  void add_to_grad(const at::Tensor& shard_grad);
+  // offload_params: the shard copied to the device (in param_dtype) on the copy stream,
+  // which the compute stream then waits for; release_copied_shard drops such a copy once
+  // the compute stream's work queued so far is all that reads it (Note [CPU offload]).
+  at::Tensor copy_shard_to_device();
+  void release_copied_shard(at::Tensor& copy);
   // Ranks the gradients are averaged over: the shard group's, times the groups (HYBRID).
   int64_t total_replicas() const;
   void use_views_of(const at::Tensor& flat);
@@ -294,6 +333,14 @@ class FlatParamHandle {
     WorkHandle work;    // null when nothing was sent (NO_SHARD at one rank)
   };
   Reduction reduction_;  // between start_reduce_grad and finish_reduce_grad
+  // offload_params: the last copy of the shard to the device, and the reduced gradient
+  // shard on its way to the host (see wait_for_offload).
+  std::unique_ptr<DeviceEvent> copy_in_done_;
+  struct GradOffload {
+    at::Tensor host;  // undefined when none is in flight
+    std::unique_ptr<DeviceEvent> done;
+  };
+  GradOffload grad_offload_;
   FlatParamState state_ = FlatParamState::kUnsharded;  // the constructor reshards
 
   // kUnsharding -> kUnsharded: waits for the prefetch's all-gather.

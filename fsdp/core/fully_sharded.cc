@@ -262,10 +262,11 @@ bool is_full_precision(const c10::optional<MixedPrecision>& mp, const torch::nn:
   return mp && mp->full_precision_modules() && mp->full_precision_modules()(wrapped);
 }
 
-// The mixed-precision part of a unit's FlatParamOptions.
+// The mixed-precision and offload parts of a unit's FlatParamOptions.
 FlatParamOptions flat_param_options(const c10::optional<MixedPrecision>& mp,
-                                    const torch::nn::Module& wrapped) {
+                                    const torch::nn::Module& wrapped, const CPUOffload& offload) {
   FlatParamOptions flat;
+  flat.offload_params(offload.offload_params());
   if (mp && !is_full_precision(mp, wrapped)) {
     flat.param_dtype(mp->param_dtype())
         .reduce_dtype(mp->reduce_dtype())
@@ -285,6 +286,10 @@ void check_constructed_handle(const FlatParamHandle& handle, const std::string& 
               "; give the scope the root's device_id");
   const c10::ScalarType param_dtype =
       want.param_dtype().value_or(handle.sharded_flat_param().scalar_type());
+  TORCH_CHECK(handle.offloads_params() == want.offload_params(), "FullyShardedDataParallel: unit '",
+              unit_fqn, "' was sharded at construction (EnableWrap) with cpu_offload ",
+              handle.offloads_params() ? "on" : "off", ", but this root has it ",
+              want.offload_params() ? "on" : "off", "; pass the root the options the scope had");
   TORCH_CHECK(handle.strategy() == strategy && handle.param_dtype() == param_dtype &&
                   handle.reduce_dtype() == want.reduce_dtype().value_or(param_dtype) &&
                   &handle.communicator() == &comm,
@@ -588,7 +593,7 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
     const c10::optional<MixedPrecision>& mp = unit_mixed_precision(options, *units[k].unit);
     const bool full_precision = is_full_precision(mp, wrapped);
-    FlatParamOptions unit_options = flat_param_options(mp, wrapped);
+    FlatParamOptions unit_options = flat_param_options(mp, wrapped, options.cpu_offload());
     unit_options.replicate_communicator(groups.replicate);
     unit_options.device_handle(device);
     const ShardingStrategy own = strategies[k];
@@ -765,7 +770,8 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
   }
   if (params.empty()) return nullptr;
   for (const NamedParam& p : params) config.sharded.insert(p.param.unsafeGetTensorImpl());
-  FlatParamOptions flat = flat_param_options(unit_mixed_precision(config.options, unit), wrapped);
+  FlatParamOptions flat = flat_param_options(unit_mixed_precision(config.options, unit), wrapped,
+                                             config.options.cpu_offload());
   if (const c10::optional<c10::Device>& device_id = config.options.device_id()) {
     // See Note [Compute device]: the unit's parameters move before they are flattened.
     flat.device_handle(DeviceHandle::for_device(*device_id));

@@ -38,8 +38,9 @@
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision,
 // mixed_precision.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
 // strategies (unit_sharding_strategies, or fsdp::wrap's per-unit overrides),
-// validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on
-// the root, and deferred initialisation (EnableWrap below).
+// validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), cpu_offload
+// (CPUOffload), clip_grad_norm_ on the root, and deferred initialisation (EnableWrap
+// below).
 //
 // Frozen parameters (requires_grad=false; PyTorch: use_orig_params=True): a unit whose
 // parameters all are frozen gets a frozen flat parameter (no gradient, no reduction). A
@@ -91,6 +92,21 @@ class IgnoredState {
  private:
   const torch::nn::Module* module_ = nullptr;
   at::Tensor parameter_;
+};
+
+// PyTorch: torch.distributed.fsdp.CPUOffload (FSDP2: CPUOffloadPolicy).
+struct CPUOffload {
+  CPUOffload(bool offload_params = false)  // NOLINT: implicit, as cpu_offload(true) reads
+      : offload_params_(offload_params) {}
+  // Keep every unit's sharded flat parameter, its gradient and (as the optimizer makes it
+  // beside the parameter) the optimizer state in host memory, pinned when the compute
+  // device is CUDA; the optimizer steps on the CPU. Each unshard copies the unit's shard
+  // to the device on a side stream before its all-gather (with forward_prefetch or
+  // backward prefetching, while the previous unit computes); each reduced gradient shard
+  // is copied back to the host, and .grad is final when backward() returns. The device
+  // then holds only the unsharded units in flight and their gradients' reductions
+  // (REFERENCE §5 has the bytes). See Note [CPU offload] in flat_param.cc.
+  TORCH_ARG(bool, offload_params);
 };
 
 struct FullyShardedDataParallelOptions {
@@ -172,6 +188,13 @@ struct FullyShardedDataParallelOptions {
   // takes tensors of that device is the communicator's to say (c10d Gloo refuses what it
   // cannot reduce, NCCL takes only CUDA tensors).
   TORCH_ARG(c10::optional<c10::Device>, device_id);
+  // CPU offload of the shards, their gradients and the optimizer state (CPUOffload
+  // above); off by default, as in PyTorch. parameters() then returns host tensors: build
+  // the optimizer from them after construction. With a CPU compute device the host
+  // copies are allocations of their own (same values as without offload). Applies to
+  // every unit, also those EnableWrap sharded on construction (give the scope the same
+  // options).
+  TORCH_ARG(CPUOffload, cpu_offload);
 };
 
 namespace core_internal {

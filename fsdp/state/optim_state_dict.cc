@@ -241,9 +241,12 @@ OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
   const ModelLayout layout = state_internal::model_layout(model, "full_optim_state_dict");
   auto gather = [&](const FlatParamHandle& handle, const at::Tensor& shard) {
     if (handle.strategy() == ShardingStrategy::kNoShard) return shard.detach();
-    at::Tensor full = at::empty({handle.padded_numel()}, shard.options());
+    // On the compute device: with CPU offload the state lives on the host, and NCCL
+    // takes only device tensors.
+    at::Tensor full = at::empty({handle.padded_numel()}, shard.options().device(handle.device()));
     // Over the handle's communicator: for HYBRID strategies, the shard group.
-    handle.communicator().all_gather_into_tensor(full, shard.detach().contiguous());
+    handle.communicator().all_gather_into_tensor(full,
+                                                 shard.detach().to(handle.device()).contiguous());
     return full;
   };
   auto copy = [&](const at::Tensor& tensor) {

@@ -72,15 +72,17 @@ TEST(FullOptimStateDict, EqualsTheSingleProcessAdamState) {
 enum class Kind { kFull, kSharded };
 
 // REFERENCE §7 with the optimizer: after every step, save the model and optimizer state,
-// wipe both, load them back; training keeps matching the reference.
+// wipe both, load them back; training keeps matching the reference. `offload`: with
+// cpu_offload, the optimizer state on the host.
 template <typename Net>
-void expect_round_trips_keep_parity(Kind kind, int world_size, ShardingStrategy strategy,
-                                    bool adam) {
+void expect_round_trips_keep_parity(Kind kind, int world_size, ShardingStrategy strategy, bool adam,
+                                    bool offload = false) {
   const Reference want = reference<Net>(world_size, adam);
   on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
     expect_parity_on<Net>(
-        comm, want, FullyShardedDataParallelOptions(comm).sharding_strategy(strategy), adam,
-        [&](FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer& optimizer) {
+        comm, want,
+        FullyShardedDataParallelOptions(comm).sharding_strategy(strategy).cpu_offload(offload),
+        adam, [&](FullyShardedDataParallelImpl<Net>& model, torch::optim::Optimizer& optimizer) {
           if (kind == Kind::kFull) {
             const OptimStateDict saved = full_optim_state_dict(model, optimizer);
             optimizer.state().clear();
@@ -111,6 +113,15 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(Kind::kFull, Kind::kSharded), ::testing::Values(2, 3),
                        ::testing::Values(ShardingStrategy::kFullShard, ShardingStrategy::kNoShard),
                        ::testing::Bool()));
+
+TEST(CpuOffload, SaveClearLoadEveryStepKeepsParityWithTheStateOnTheHost) {
+  for (Kind kind : {Kind::kFull, Kind::kSharded}) {
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      expect_round_trips_keep_parity<TinyLmImpl>(kind, 3, strategy, /*adam=*/true,
+                                                 /*offload=*/true);
+    }
+  }
+}
 
 TEST(FullOptimStateDict, NoStateBeforeTheFirstStep) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {

@@ -159,6 +159,45 @@ INSTANTIATE_TEST_SUITE_P(KindsStrategies, RoundTripTest,
                                                               ShardingStrategy::kNoShard),
                                             ::testing::Bool()));
 
+// CPU offload (fsdp/core/cpu_offload_test.cc): state dicts read and write the host
+// shards. The full state dict of an offloaded model equals the unwrapped model's, and
+// save -> zero -> load every step keeps parity, optimizer state on the host included.
+TEST(CpuOffload, FullStateDictEqualsTheUnwrappedModel) {
+  const StateDict want = module_state_dict(*make<TinyLmImpl>());
+  for (int w : {1, 2, 3}) {
+    on_ranks(w, [&](std::shared_ptr<Communicator> comm) {
+      FullyShardedDataParallel<TinyLmImpl> model(
+          make<TinyLmImpl>(), FullyShardedDataParallelOptions(comm).cpu_offload(true));
+      const StateDict got = full_state_dict(*model);
+      ASSERT_EQ(got.keys(), want.keys());
+      for (const auto& item : want) {
+        EXPECT_TRUE(at::equal(got[item.key()], item.value())) << item.key() << " W=" << w;
+      }
+    });
+  }
+}
+
+class OffloadRoundTripTest
+    : public ::testing::TestWithParam<std::tuple<Kind, int, ShardingStrategy>> {};
+
+TEST_P(OffloadRoundTripTest, SaveZeroLoadEveryStepKeepsParity) {
+  const auto [kind, w, strategy] = GetParam();
+  const Reference want = reference<TinyLmImpl>(w, /*adam=*/true);
+  on_ranks(w, [&, kind = kind, strategy = strategy](std::shared_ptr<Communicator> comm) {
+    expect_parity_on<TinyLmImpl>(
+        comm, want,
+        FullyShardedDataParallelOptions(comm).sharding_strategy(strategy).cpu_offload(true),
+        /*adam=*/true, save_zero_load<TinyLmImpl>(kind));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(KindsStrategies, OffloadRoundTripTest,
+                         ::testing::Combine(::testing::Values(Kind::kFull, Kind::kSharded,
+                                                              Kind::kLocal),
+                                            ::testing::Values(2, 3),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kNoShard)));
+
 TEST(ShardedStateDict, PiecesAreTheRanksShardOfEachParameter) {
   // NestedImpl at W = 2: unit l1 holds l1.weight (32) + l1.bias (8) = 40 -> 20 per rank.
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {

@@ -221,6 +221,8 @@ void UnitState::reshard() {
 
 void UnitState::finish_iteration() {
   reshard();
+  // CPU offload: gradients reach .grad, and the host shard may be written, only now.
+  if (handle_) handle_->wait_for_offload();
   handle_state_ = HandleTrainingState::kIdle;
   pre_backward_done_ = false;
   sink_installed_ = false;
@@ -492,9 +494,13 @@ at::Tensor RootState::clip_grad_norm(double max_norm, double norm_type) {
   const auto add = [&](at::Tensor& total, const at::Tensor& grad) {
     if (!grad.defined()) return;
     grads.push_back(grad);
-    const at::Tensor g = grad.detach().to(on_device).abs();  // ignored ones may be elsewhere
+    // On the gradient's own device (CPU for offloaded shards and maybe ignored parameters),
+    // then only the partial norm moves to the compute device.
+    const at::Tensor g = grad.detach().to(at::kFloat).abs();
     if (g.numel() == 0) return;
-    total = inf ? at::maximum(total, g.max()) : total + g.pow(norm_type).sum();
+    const at::Tensor part = inf ? g.max() : g.pow(norm_type).sum();
+    total =
+        inf ? at::maximum(total, part.to(device_->device())) : total + part.to(device_->device());
   };
   for (const auto& unit : units_) {
     FlatParamHandle* handle = unit->handle();

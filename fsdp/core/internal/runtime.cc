@@ -221,8 +221,8 @@ void UnitState::reshard() {
 
 void UnitState::finish_iteration() {
   reshard();
-  // CPU offload: gradients reach .grad, and the host shard may be written, only now.
-  if (handle_) handle_->wait_for_offload();
+  // CPU offload: gradients reach .grad, and the host shards may be written, only now.
+  for (FlatParamHandle* handle : handles()) handle->wait_for_offload();
   handle_state_ = HandleTrainingState::kIdle;
   pre_backward_done_ = false;
   sink_installed_ = false;

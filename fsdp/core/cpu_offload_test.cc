@@ -221,6 +221,40 @@ TEST(OffloadFrozen, AFrozenUnitStaysUnchangedAndTrainsTheRestIdentically) {
   }
 }
 
+// Units mixing frozen and trainable parameters (a trainable and a frozen flat parameter
+// each): both offloaded, the frozen one never given a gradient, training bit-identical.
+TEST(OffloadFrozen, UnitsMixingFrozenAndTrainableParametersTrainIdentically) {
+  for (int w : {1, 2, 3}) {
+    on_ranks(w, [&](std::shared_ptr<Communicator> comm) {
+      for (ShardingStrategy strategy :
+           {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+            ShardingStrategy::kNoShard}) {
+        SCOPED_TRACE(::testing::Message() << sharding_strategy_name(strategy) << ", W = " << w);
+        const FullyShardedDataParallelOptions options = options_for(comm, strategy);
+        FullyShardedDataParallelOptions offload = options;
+        offload.cpu_offload(true);
+        const Check<FrozenLmImpl> frozen_offloaded =
+            [](FullyShardedDataParallelImpl<FrozenLmImpl>& m) {
+              expect_offloaded(m);
+              int mixed = 0;
+              for (const auto& unit : m.units()) {
+                const FlatParamHandle* frozen = unit->frozen_handle();
+                if (frozen == nullptr) continue;
+                ++mixed;
+                EXPECT_TRUE(frozen->offloads_params()) << "unit '" << unit->fqn() << "'";
+                EXPECT_TRUE(frozen->sharded_flat_param().device().is_cpu());
+                EXPECT_FALSE(frozen->sharded_flat_param().grad().defined());
+              }
+              EXPECT_EQ(mixed, 3);  // the root and both blocks
+            };
+        const TrainingRun want = train<FrozenLmImpl>(comm, options, /*adam=*/true);
+        const TrainingRun got = train<FrozenLmImpl>(comm, offload, /*adam=*/true, frozen_offloaded);
+        expect_identical(got, want);
+      }
+    });
+  }
+}
+
 // ---- Mixed precision, gradient clipping, no_sync and accumulation.
 
 TEST(OffloadFeatures, MixedPrecisionIsBitIdentical) {

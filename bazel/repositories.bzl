@@ -65,6 +65,7 @@ def fsdp_dependencies(fsdp_path = "", libtorch_path = ""):
     _system_library("com_github_google_benchmark", str(Label("//third_party:benchmark.BUILD")))
     _system_library("gloo", str(Label("//third_party:gloo.BUILD")))
     _system_library("zlib", str(Label("//third_party:zlib.BUILD")))
+    _system_library("nlohmann_json", str(Label("//third_party:nlohmann_json.BUILD")))
 
     # CUDA 13.0 and NCCL headers (the libraries are LibTorch's: third_party/cuda.BUILD).
     _system_library("cuda", str(Label("//third_party:cuda.BUILD")), path = "/usr/local/cuda")

@@ -55,6 +55,7 @@
 #include "examples/gpt/flags.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/run_support.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/device_handle.h"
@@ -202,12 +203,8 @@ int hybrid_group_size() {
 }
 
 double learning_rate(int64_t step) {
-  const double peak = absl::GetFlag(FLAGS_lr);
-  const int64_t warmup = absl::GetFlag(FLAGS_warmup_steps);
-  const int64_t steps = absl::GetFlag(FLAGS_steps);
-  if (step < warmup) return peak * (step + 1) / warmup;
-  const double progress = double(step - warmup) / std::max<int64_t>(1, steps - warmup);
-  return peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+  return cosine_learning_rate(step, absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_warmup_steps),
+                              absl::GetFlag(FLAGS_steps));
 }
 
 // This rank's share of global batch `index` (the same windows whatever the world size).
@@ -222,19 +219,6 @@ std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
   const int64_t local = global / comm.world_size();
   auto [x, y] = windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
   return {x.to(device), y.to(device)};
-}
-
-// The cross-entropy of next-token `logits` (any float dtype) against `targets`, in fp32.
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                              targets.reshape({-1}));
-}
-
-// Mean loss over ranks of `loss` (this rank's mean over an equal share).
-double global_mean(const at::Tensor& loss, Communicator& comm) {
-  at::Tensor value = loss.detach().reshape({1}).clone();
-  comm.all_reduce(value, ReduceOp::kAvg);
-  return value.item<double>();
 }
 
 double validation_loss(Model& model, const Corpus& corpus, Communicator& comm) {
@@ -278,14 +262,6 @@ void plot(const std::string& dir) {
   } else if (std::system(("gnuplot " + script + " 2>/dev/null").c_str()) != 0) {
     std::cout << "gnuplot could not plot " << dir << "/metrics.csv: no loss.png\n";
   }
-}
-
-// This process's resident set size in bytes (Linux), or -1.
-int64_t resident_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t pages = 0, resident = -1;
-  if (!(statm >> pages >> resident)) return -1;
-  return resident * sysconf(_SC_PAGESIZE);
 }
 
 std::string checkpoint_dir() {
@@ -332,39 +308,6 @@ void check_same_flags(Communicator& comm, c10::Device device) {
   }
 }
 
-// One run per out_dir: rank 0 holds an flock on OUT_DIR/.lock (with its pid in it) for
-// the run's life; every rank learns whether it got it. Returns the lock's descriptor.
-int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device) {
-  int fd = -1;
-  int64_t holder = 0;
-  if (comm.rank() == 0) {
-    std::filesystem::create_directories(dir);
-    const std::string path = dir + "/.lock";
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno),
-                "; pass a writable --out_dir");
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      char pid[32] = {};
-      ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
-      holder = n > 0 ? std::max<int64_t>(1, std::atoll(pid)) : 1;
-      ::close(fd);
-      fd = -1;
-    } else {
-      const std::string pid = std::to_string(::getpid()) + "\n";
-      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-        holder = -1;
-      }
-    }
-  }
-  at::Tensor status = at::full({1}, holder, at::dtype(at::kLong).device(device));
-  comm.broadcast(status, /*root=*/0);
-  holder = status.item<int64_t>();
-  TORCH_CHECK(holder == 0, "--out_dir=", dir, " is in use by another run (",
-              holder > 1 ? "pid " + std::to_string(holder) : std::string("see its .lock"),
-              "); wait for it to finish or pass another --out_dir");
-  return fd;
-}
-
 // A new run (no --resume) does not mix its checkpoints with another run's: it refuses, or
 // with --overwrite deletes them (rank 0, before any is written).
 void check_fresh_checkpoints(Communicator& comm) {
@@ -383,20 +326,6 @@ void check_fresh_checkpoints(Communicator& comm) {
     }
   }
   comm.barrier();  // no rank writes a checkpoint before the old ones are gone
-}
-
-// Every communicator the model's collectives use: the root's and, under the HYBRID
-// strategies, the shard and replicate groups (whose traffic the root's counters miss).
-std::vector<Communicator*> communicators_of(Model& model, Communicator& root) {
-  std::vector<Communicator*> all = {&root};
-  for (const auto& unit : model->units()) {
-    if (unit->handle() == nullptr) continue;
-    for (Communicator* c :
-         {&unit->handle()->communicator(), unit->handle()->replicate_communicator()}) {
-      if (c != nullptr && std::find(all.begin(), all.end(), c) == all.end()) all.push_back(c);
-    }
-  }
-  return all;
 }
 
 // Loads the newest checkpoint if --resume; returns the step to start from.
@@ -515,7 +444,7 @@ int train() {
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<Communicator*> communicators = communicators_of(model, *comm);
+  const std::vector<Communicator*> communicators = communicators_of(*model, *comm);
   for (Communicator* c : communicators) c->counters().reset();
   for (int64_t step = first; step < steps; ++step) {
     const double lr = learning_rate(step);

@@ -1,5 +1,10 @@
 #include "examples/llama/hf_checkpoint.h"
 
+#include <filesystem>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include <c10/util/Exception.h>
 
 #include "fsdp/state/checkpoint.h"
@@ -19,6 +24,46 @@ HfWeights load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
   }
   load_full_state_dict(model, converted);
   return weights;
+}
+
+void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
+                    const std::string& out_dir, int64_t max_shard_size) {
+  TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
+  // Interim, until fsdp's safetensors writer lands: one torch.save file (model.pt).
+  const StateDict full = full_state_dict(model, FullStateDictOptions().rank0_only(true));
+  if (model.communicator().rank() != 0) return;
+  std::filesystem::create_directories(out_dir);
+  save_state_dict(full, out_dir + "/model.pt");
+  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
+                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
+    const std::filesystem::path from = std::filesystem::path(from_dir) / name;
+    if (!std::filesystem::exists(from)) continue;
+    std::filesystem::copy_file(from, std::filesystem::path(out_dir) / name,
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+}
+
+int64_t parse_shard_size(const std::string& text) {
+  static const std::pair<const char*, int64_t> kUnits[] = {
+      {"KiB", int64_t{1} << 10}, {"MiB", int64_t{1} << 20},
+      {"GiB", int64_t{1} << 30}, {"KB", 1000},
+      {"MB", 1000 * 1000},       {"GB", 1000 * 1000 * 1000},
+  };
+  std::string number = text;
+  int64_t unit = 1;
+  for (const auto& [suffix, bytes] : kUnits) {
+    if (absl::EndsWith(text, suffix)) {
+      number = text.substr(0, text.size() - std::string(suffix).size());
+      unit = bytes;
+      break;
+    }
+  }
+  int64_t value = 0;
+  TORCH_CHECK(absl::SimpleAtoi(number, &value) && value > 0 && value <= INT64_MAX / unit,
+              "--max_shard_size=", text,
+              ": expected a positive size in bytes, or with KB, MB, GB, KiB, MiB or GiB "
+              "(e.g. 5GB)");
+  return value * unit;
 }
 
 }  // namespace fsdp::llama

@@ -29,6 +29,19 @@ struct HfWeights {
 // Loads the weights of HF folder `dir` into `model` (every rank calls it).
 HfWeights load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
+// Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
+// the weights (split into files of at most `max_shard_size` bytes, with the index, as
+// save_pretrained(max_shard_size=...)) and the other files of `from_dir` that describe the
+// model (config.json, generation_config.json and the tokenizer's files) copied unchanged.
+// Collective: the units are gathered one at a time; rank 0 writes.
+void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
+                    const std::string& out_dir, int64_t max_shard_size);
+
+// A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,
+// MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024): "20KB" is 20000, "2GiB"
+// 2147483648. Throws c10::Error naming the value otherwise.
+int64_t parse_shard_size(const std::string& text);
+
 }  // namespace fsdp::llama
 
 #endif  // FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_

@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
-# Fuzzes the checkpoint reader (fsdp/state:torch_file_fuzzer, clang + libFuzzer + ASan +
-# UBSan) for a bounded time, from a seed corpus of torch.save pickles. A crash, a
-# sanitizer report or a hang fails the run; libFuzzer writes the input to crash-*/
-# timeout-* in the current directory: turn it into a test in checkpoint_test.cc.
-#   bash tools/fuzz.sh [SECONDS]   (default 60)
+# Fuzzes a file reader (clang + libFuzzer + ASan + UBSan) for a bounded time, from a seed
+# corpus: the checkpoint reader (fsdp/state:torch_file_fuzzer, torch.save pickles) or the
+# safetensors reader (fsdp/formats:safetensors_fuzzer, files written by the safetensors
+# library). A crash, a sanitizer report or a hang fails the run; libFuzzer writes the
+# input to crash-*/timeout-* in the current directory: turn it into a test
+# (checkpoint_test.cc, fsdp/formats/safetensors_test.cc).
+#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors]   (default 60 torch_file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
+target=${2:-torch_file}
+python="${FSDP_TORCH_PREFIX:-$HOME/.cache/fsdp/torch-2.11.0}/bin/python3"
 corpus=$(mktemp -d)
 trap 'rm -rf "$corpus"' EXIT
-"${FSDP_TORCH_PREFIX:-$HOME/.cache/fsdp/torch-2.11.0}/bin/python3" tools/fuzz_seeds.py "$corpus"
-bazel run --config=fuzz //fsdp/state:torch_file_fuzzer -- -max_total_time="$seconds" \
+case "$target" in
+  torch_file)
+    "$python" tools/fuzz_seeds.py "$corpus"
+    label=//fsdp/state:torch_file_fuzzer
+    ;;
+  safetensors)
+    "$python" tools/safetensors_fuzz_seeds.py "$corpus"
+    label=//fsdp/formats:safetensors_fuzzer
+    ;;
+  *)
+    echo "fuzz.sh: unknown target '$target'; expected torch_file or safetensors" >&2
+    exit 2
+    ;;
+esac
+bazel run --config=fuzz "$label" -- -max_total_time="$seconds" \
   -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 "$corpus"

@@ -4,7 +4,8 @@
 #   headers, zlib, the data sets, gnuplot, clang with libFuzzer, clang-format, iproute2);
 # - LibTorch 2.11.0: the PyPI wheel torch==2.11.0 (its CUDA 13.0 build) and
 #   torchvision==0.26.0 with every dependency, exactly as tools/requirements.lock pins
-#   them (--require-hashes), into a Python environment outside the work tree:
+#   them (--require-hashes), and for tests only transformers, safetensors, peft and
+#   tokenizers (Hugging Face interop), into a Python environment outside the work tree:
 #   $FSDP_TORCH_PREFIX, by default ~/.cache/fsdp/torch-2.11.0 (about 4.7 GB). Bazel's
 #   @libtorch repository (bazel/libtorch.bzl) finds it there.
 # Checks (does not install) the CUDA 13.0 and NCCL headers in /usr/local/cuda/include that
@@ -36,6 +37,7 @@ readonly REQUIRED=(
   clang-format=14.0
   libclang-rt-14-dev=14.0.6
   iproute2=6.1.0
+  nlohmann-json3-dev=3.11.2
 )
 
 installed_version() {
@@ -76,7 +78,8 @@ done
 # The torch wheel. A venv cannot move, so it is built in place. Setup deletes and remakes
 # only a prefix it made itself: one holding .fsdp-setup (written before the install
 # starts) or .fsdp-lock (the lock's checksum, written last, so an interrupted install is
-# redone; older setups wrote only .fsdp-lock). A missing or empty folder is installed
+# redone; older setups wrote only .fsdp-lock); one from an older lock that already holds
+# the pinned torch is updated in place instead. A missing or empty folder is installed
 # into. Any other folder is the user's and is never touched: it is used as it is if it
 # holds the pinned torch and torchvision, else setup stops with one line.
 lock_sum=$(sha256sum tools/requirements.lock | cut -d' ' -f1)
@@ -88,6 +91,15 @@ made_here=false
 if [[ -e "$PREFIX/.fsdp-setup" || -e "$PREFIX/.fsdp-lock" ]]; then made_here=true; fi
 if [[ "$(cat "$PREFIX/.fsdp-lock" 2>/dev/null)" == "$lock_sum" ]]; then
   :  # installed by this setup from this lock
+elif [[ -e "$PREFIX/.fsdp-lock" && "$(versions)" == "$TORCH_VERSION $TORCHVISION_VERSION" ]]; then
+  # A complete install from an older lock that already holds the pinned torch: pip brings
+  # it to this lock in place (only what changed is downloaded, not torch's 4.7 GB again).
+  echo "setup: updating $PREFIX to tools/requirements.lock" >&2
+  touch "$PREFIX/.fsdp-setup"  # interrupted from here on: remade next time
+  rm -f "$PREFIX/.fsdp-lock"
+  "$PREFIX/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
+    --require-hashes --only-binary=:all: -r tools/requirements.lock
+  echo "$lock_sum" >"$PREFIX/.fsdp-lock"
 elif $made_here || [[ ! -e "$PREFIX" ]] || [[ -d "$PREFIX" && -z "$(ls -A "$PREFIX")" ]]; then
   python=$(command -v python3.11 || command -v python3 || true)
   if [[ -z "$python" ]] ||

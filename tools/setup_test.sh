@@ -134,5 +134,19 @@ for case in old_lock interrupted; do
      installed $prefix"
 done
 
+# 7. Setup's own complete prefix from an older lock that holds the pinned torch (a lock that
+#    gained packages): updated in place by pip, not deleted.
+prefix=$root/older_lock
+mkdir -p "$prefix/bin" "$prefix/lib"
+echo "$pinned_python" >"$prefix/bin/python3"
+printf '#!/bin/sh\necho "pip $*" >>%s\n' "$log" >"$prefix/bin/pip"
+chmod +x "$prefix/bin/python3" "$prefix/bin/pip"
+echo "kept" >"$prefix/lib/kept.py"
+echo 0123 >"$prefix/.fsdp-lock"
+run_setup "$prefix"
+check "setup's own prefix with the pinned torch is updated in place (status $status): $out" \
+  "[[ $status -eq 0 && \"\$out\" == \"setup: updating $prefix to tools/requirements.lock\" &&
+     -e $prefix/lib/kept.py ]] && installed $prefix"
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

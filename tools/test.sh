@@ -3,7 +3,7 @@
 # (the NCCL backend's among them: its GPU tests skip without a GPU), the consumer
 # workspace (examples/consumer: fsdp used from another workspace), the unit tests and a
 # 2-rank training run under ASan + UBSan (--config=asan), the clang-format check of every
-# C++ source, and 60 s of fuzzing the checkpoint reader (tools/fuzz.sh). Prints
+# C++ source, and fuzzing of the checkpoint and safetensors readers (tools/fuzz.sh). Prints
 # "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,16 +28,21 @@ else
   status=1
 fi
 echo "//:clang_format $format_result (clang-format --dry-run -Werror)" | tee -a "$log"
-fuzz_log=$(mktemp)
-if bash tools/fuzz.sh 60 >"$fuzz_log" 2>&1; then
-  fuzz_result="PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"
-else
-  tail -40 "$fuzz_log"
-  fuzz_result=FAILED
-  status=1
-fi
-echo "//fsdp/state:torch_file_fuzzer $fuzz_result" | tee -a "$log"
-rm -f "$fuzz_log"
+# 60 s of the checkpoint reader and 30 s of the safetensors reader.
+for fuzz in "torch_file 60 //fsdp/state:torch_file_fuzzer" \
+  "safetensors 30 //fsdp/formats:safetensors_fuzzer"; do
+  read -r fuzz_target fuzz_seconds fuzz_label <<<"$fuzz"
+  fuzz_log=$(mktemp)
+  if bash tools/fuzz.sh "$fuzz_seconds" "$fuzz_target" >"$fuzz_log" 2>&1; then
+    fuzz_result="PASSED ($(grep -oE 'Done [0-9]+ runs' "$fuzz_log"))"
+  else
+    tail -40 "$fuzz_log"
+    fuzz_result=FAILED
+    status=1
+  fi
+  echo "$fuzz_label $fuzz_result" | tee -a "$log"
+  rm -f "$fuzz_log"
+done
 passed=$(grep -cE '^//[^ ]+( \(asan\))? +PASSED' "$log" || true)
 failed=$(grep -cE '^//[^ ]+( \(asan\))? +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)
 if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # e.g. a build error

@@ -1,0 +1,207 @@
+#include "fsdp/state/safetensors_state_dict.h"
+
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "fsdp/formats/safetensors.h"
+#include "fsdp/state/internal/model_layout.h"
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace fsdp {
+namespace {
+
+using state_internal::Entry;
+using state_internal::ModelLayout;
+
+// Note [Tied tensors in safetensors]
+// A tensor registered under several names (lm_head.weight tied to
+// model.embed_tokens.weight) is one group of entries: saving writes it once, under the
+// group's first name in state-dict order (what transformers and safetensors' save_model
+// keep), and loading needs any one of its names in the files; a file holding several of
+// them is accepted (the first present is read).
+struct Group {
+  std::vector<size_t> entries;     // positions in the entries, state-dict order
+  std::vector<std::string> names;  // their names in the files
+  std::string chosen;              // the name read (load) or written (save)
+};
+
+std::vector<Group> groups_of(const std::vector<Entry>& entries, const SafetensorsRename& rename) {
+  std::vector<Group> groups;
+  absl::flat_hash_map<std::pair<const void*, size_t>, size_t> group_of;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& entry = entries[i];
+    const std::pair<const void*, size_t> key =
+        entry.handle != nullptr
+            ? std::make_pair(static_cast<const void*>(entry.handle), entry.info)
+            : std::make_pair(static_cast<const void*>(entry.tensor.unsafeGetTensorImpl()),
+                             size_t{0});
+    auto [it, added] = group_of.emplace(key, groups.size());
+    if (added) groups.emplace_back();
+    Group& group = groups[it->second];
+    group.entries.push_back(i);
+    group.names.push_back(rename ? rename(entry.fqn) : entry.fqn);
+  }
+  for (Group& group : groups) group.chosen = group.names.front();
+  return groups;
+}
+
+// The entry's shape and dtype in the model.
+std::pair<std::vector<int64_t>, at::ScalarType> model_spec(const Entry& entry) {
+  if (entry.handle == nullptr) return {entry.tensor.sizes().vec(), entry.tensor.scalar_type()};
+  return {entry.handle->param_infos()[entry.info].shape,
+          entry.handle->sharded_flat_param().scalar_type()};
+}
+
+// Picks each group's name in `ckpt` and checks names, shapes and dtypes.
+void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
+           const SafetensorsCheckpoint& ckpt, const std::string& path,
+           const LoadSafetensorsOptions& options, const std::string& what) {
+  std::vector<std::string> expected;
+  absl::flat_hash_set<std::string> known;
+  for (Group& group : groups) {
+    for (const std::string& name : group.names) {
+      known.insert(name);
+      if (ckpt.contains(name) && !ckpt.contains(group.chosen)) group.chosen = name;
+    }
+    expected.push_back(group.chosen);
+  }
+  std::vector<std::string> found;
+  absl::flat_hash_set<std::string> chosen(expected.begin(), expected.end());
+  for (const std::string& name : ckpt.names()) {
+    // A tied alias beside the chosen name is fine; a name the model lacks is unexpected.
+    if (chosen.contains(name) || (!known.contains(name) && !options.allow_unexpected())) {
+      found.push_back(name);
+    }
+  }
+  state_internal::check_same_keys(expected, found, what + ": '" + path + "'");
+  for (const Group& group : groups) {
+    const SafetensorsTensorInfo& info = ckpt.info(group.chosen);
+    const Entry& entry = entries[group.entries.front()];
+    const auto [shape, dtype] = model_spec(entry);
+    const std::string where = absl::StrCat("'", entry.fqn, "' (tensor '", group.chosen, "' in '",
+                                           ckpt.file_of(group.chosen).path(), "')");
+    TORCH_CHECK(info.shape == shape, what, ": size mismatch for ", where, ": the file has shape ",
+                state_internal::shape_string(info.shape), ", the model has ",
+                state_internal::shape_string(shape));
+    TORCH_CHECK(info.dtype == dtype, what, ": dtype mismatch for ", where, ": the file has ",
+                safetensors_dtype_name(info.dtype), ", the model has ", c10::toString(dtype),
+                "; convert one of them first (fsdp does not cast silently)");
+  }
+}
+
+// Reads `name`'s elements [begin, begin + numel) into `out` (any device).
+void read_into(const SafetensorsCheckpoint& ckpt, const std::string& name, int64_t begin,
+               int64_t numel, const at::Tensor& out) {
+  if (out.device().is_cpu() && out.is_contiguous()) {
+    ckpt.read_range_into(name, begin, numel, out);
+  } else {
+    out.copy_(ckpt.read_range(name, begin, numel).view(out.sizes()));
+  }
+}
+
+void load_groups(const std::vector<Entry>& entries, const std::vector<Group>& groups,
+                 const SafetensorsCheckpoint& ckpt) {
+  torch::NoGradGuard no_grad;
+  for (const Group& group : groups) {
+    const Entry& entry = entries[group.entries.front()];
+    if (entry.handle == nullptr) {
+      const at::Tensor target = entry.tensor.detach();
+      read_into(ckpt, group.chosen, 0, target.numel(), target);
+      continue;
+    }
+    const state_internal::ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info);
+    if (slice.numel == 0) continue;
+    const at::Tensor shard =
+        entry.handle->sharded_flat_param().detach().narrow(0, slice.shard_begin, slice.numel);
+    read_into(ckpt, group.chosen, slice.param_begin, slice.numel, shard);
+  }
+}
+
+SafetensorsTensorSpec spec_of(const Group& group, const Entry& entry) {
+  auto [shape, dtype] = model_spec(entry);
+  return {group.chosen, dtype, std::move(shape)};
+}
+
+}  // namespace
+
+void load_safetensors(FullyShardedRoot& model, const std::string& path,
+                      const LoadSafetensorsOptions& options) {
+  static const std::string kWhat = "load_safetensors";
+  const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
+  std::vector<Group> groups = groups_of(layout.entries, options.rename());
+  match(groups, layout.entries, ckpt, path, options, kWhat);
+  load_groups(layout.entries, groups, ckpt);
+}
+
+void load_module_safetensors(torch::nn::Module& module, const std::string& path,
+                             const LoadSafetensorsOptions& options) {
+  static const std::string kWhat = "load_module_safetensors";
+  const std::vector<Entry> entries = state_internal::module_entries(module);
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
+  std::vector<Group> groups = groups_of(entries, options.rename());
+  match(groups, entries, ckpt, path, options, kWhat);
+  load_groups(entries, groups, ckpt);
+}
+
+std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::string& dir,
+                                          const SaveSafetensorsOptions& options) {
+  const ModelLayout layout = state_internal::model_layout(model, "save_safetensors");
+  const std::vector<Group> groups = groups_of(layout.entries, options.rename());
+  // Written in gathering order: tensors outside the units, then each unit's parameters.
+  std::vector<const Group*> order;
+  for (const Group& group : groups) {
+    if (layout.entries[group.entries.front()].handle == nullptr) order.push_back(&group);
+  }
+  for (const state_internal::FlatParam& flat : layout.flat_params) {
+    for (const Group& group : groups) {
+      if (layout.entries[group.entries.front()].handle == flat.handle) order.push_back(&group);
+    }
+  }
+  std::unique_ptr<SafetensorsFolderWriter> writer;
+  if (layout.rank == 0) {
+    std::vector<SafetensorsTensorSpec> specs;
+    for (const Group* group : order) {
+      specs.push_back(spec_of(*group, layout.entries[group->entries.front()]));
+    }
+    writer = std::make_unique<SafetensorsFolderWriter>(
+        dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
+  }
+  size_t next = 0;
+  for (; next < order.size(); ++next) {
+    const Entry& entry = layout.entries[order[next]->entries.front()];
+    if (entry.handle != nullptr) break;
+    if (writer) writer->write(order[next]->chosen, entry.tensor);
+  }
+  // One unit unsharded at a time, in full precision (as full_state_dict).
+  for (const state_internal::FlatParam& flat : layout.flat_params) {
+    flat.handle->unshard_full_precision();
+    for (; next < order.size(); ++next) {
+      const Entry& entry = layout.entries[order[next]->entries.front()];
+      if (entry.handle != flat.handle) break;
+      if (writer) writer->write(order[next]->chosen, flat.handle->original_params()[entry.info]);
+    }
+    flat.handle->reshard();
+  }
+  TORCH_INTERNAL_ASSERT(next == order.size());
+  return writer ? writer->commit() : std::vector<std::string>{};
+}
+
+std::vector<std::string> save_module_safetensors(const torch::nn::Module& module,
+                                                 const std::string& dir,
+                                                 const SaveSafetensorsOptions& options) {
+  const std::vector<Entry> entries = state_internal::module_entries(module);
+  const std::vector<Group> groups = groups_of(entries, options.rename());
+  std::vector<SafetensorsTensorSpec> specs;
+  for (const Group& group : groups) specs.push_back(spec_of(group, entries[group.entries.front()]));
+  SafetensorsFolderWriter writer(
+      dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
+  for (const Group& group : groups)
+    writer.write(group.chosen, entries[group.entries.front()].tensor);
+  return writer.commit();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,81 @@
+// Hugging Face checkpoints (safetensors) in and out of a sharded FSDP model.
+//
+//   fsdp::load_safetensors(*model, "llama/");  // each rank reads only its shards' bytes
+//   fsdp::save_safetensors(*model, "out/hf/", fsdp::SaveSafetensorsOptions()
+//                                                  .max_shard_size(2'000'000'000));
+//
+// Names: a model entry's cleaned FQN (state_dict.h) is looked up in the files as
+// `rename(fqn)` (identity by default; e.g. prepend "model." when the module tree lacks
+// transformers' outer module). Tied parameters (one tensor under several names, e.g.
+// lm_head.weight tied to model.embed_tokens.weight): one name present in the files is
+// enough, as transformers writes them; saving writes only the first name in state-dict
+// order (transformers drops lm_head.weight the same way).
+//
+// PyTorch / Hugging Face: PreTrainedModel.from_pretrained / save_pretrained with
+// safetensors (each rank loading only its shard: FSDP's sharded load of a full checkpoint,
+// e.g. torch.distributed.checkpoint's HF storage reader).
+//
+// Collectives: save_safetensors (one all-gather per unit); load_safetensors communicates
+// nothing. Every rank calls them in the same order. Threading: one call at a time per
+// model. Errors: c10::Error naming the file, the tensor and what was expected (fsdp
+// formats/safetensors.h for a malformed file), tensors missing from the files or that the
+// model lacks (with `allow_unexpected` off), a shape or dtype that differs from the
+// model's (no silent casts: convert the file, or the model, first).
+#ifndef FSDP_STATE_SAFETENSORS_STATE_DICT_H_
+#define FSDP_STATE_SAFETENSORS_STATE_DICT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include "fsdp/core/fully_sharded.h"
+
+namespace fsdp {
+
+// Model FQN -> tensor name in the files.
+using SafetensorsRename = std::function<std::string(const std::string& fqn)>;
+
+struct LoadSafetensorsOptions {
+  TORCH_ARG(SafetensorsRename, rename) = nullptr;
+  // Tensors in the files that the model lacks are skipped instead of an error.
+  TORCH_ARG(bool, allow_unexpected) = false;
+};
+
+// Loads a .safetensors file or a Hugging Face folder (safetensors.h) into `model`: each
+// rank reads with pread only the byte ranges of the parameters' elements in its own
+// flat-parameter shards (straight into the shards, no staging copy), plus whole buffers
+// and parameters FSDP leaves alone. A rank's peak memory rises by at most one such
+// tensor beyond what the model already holds. No communication.
+void load_safetensors(FullyShardedRoot& model, const std::string& path,
+                      const LoadSafetensorsOptions& options = {});
+
+struct SaveSafetensorsOptions {
+  TORCH_ARG(SafetensorsRename, rename) = nullptr;
+  // Bytes per file at most (save_pretrained's max_shard_size; transformers' default).
+  TORCH_ARG(int64_t, max_shard_size) = 50'000'000'000;
+};
+
+// Writes the full model to the folder `dir` as save_pretrained does (safetensors.h:
+// model.safetensors or sharded files with the index, __metadata__ {"format": "pt"},
+// each file atomically). Collective: the units are gathered one at a time, in full
+// precision, and rank 0 writes each unit's tensors before the next is gathered (peak: one
+// unit unsharded); the other ranks write nothing. Returns the file names on rank 0 (empty
+// elsewhere).
+std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::string& dir,
+                                          const SaveSafetensorsOptions& options = {});
+
+// The same for an unwrapped module (PyTorch: safetensors.torch.load_model /
+// save_model, strict): whole tensors, no communication.
+void load_module_safetensors(torch::nn::Module& module, const std::string& path,
+                             const LoadSafetensorsOptions& options = {});
+std::vector<std::string> save_module_safetensors(const torch::nn::Module& module,
+                                                 const std::string& dir,
+                                                 const SaveSafetensorsOptions& options = {});
+
+}  // namespace fsdp
+
+#endif  // FSDP_STATE_SAFETENSORS_STATE_DICT_H_

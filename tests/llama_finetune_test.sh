@@ -23,9 +23,9 @@ common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=32
 
 "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 --lr=3e-3 --warmup_steps=2 \
     --checkpoint_interval=10 --eval_data="$dir/eval.bin" | tee "$dir/out20.log"
-grep -q "^step 20/20 | loss" "$dir/out20.log"
-before=$(sed -n 's/^eval loss before: //p' "$dir/out20.log")
-after=$(sed -n 's/^eval loss after: //p' "$dir/out20.log")
+grep -q "] step 20/20 | loss" "$dir/out20.log"
+before=$(sed -n 's/.*eval loss before: //p' "$dir/out20.log")
+after=$(sed -n 's/.*eval loss after: //p' "$dir/out20.log")
 awk -v b="$before" -v a="$after" 'BEGIN { exit !(a < b) }' || {
   echo "FAIL: eval loss did not fall: $before -> $after"; exit 1; }
 [ "$(wc -l < "$dir/out20/metrics.csv")" -eq 21 ] || { echo "FAIL: metrics.csv rows"; exit 1; }
@@ -42,7 +42,7 @@ fi
 grep -q "holds another run's checkpoints" "$dir/again.err"
 "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=25 --resume | tee "$dir/resume.log"
 grep -q "resumed from .*step_00000020 at step 20" "$dir/resume.log"
-grep -q "^step 25/25 | loss" "$dir/resume.log"
+grep -q "] step 25/25 | loss" "$dir/resume.log"
 
 # Bad flags: one line, status 2.
 set +e

@@ -27,9 +27,10 @@ at::Tensor logits_at(const std::string& dir, const at::Tensor& ids, int world_si
   at::Tensor result;
   FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
+    auto module = std::make_shared<llama::LlamaForCausalLMImpl>(config);
+    module->to(llama::hf_weights_dtype(dir));
     FullyShardedDataParallel<llama::LlamaForCausalLMImpl> model(
-        std::make_shared<llama::LlamaForCausalLMImpl>(config),
-        FullyShardedDataParallelOptions(self));
+        module, FullyShardedDataParallelOptions(self));
     TORCH_CHECK(int64_t(model->units().size()) == config.num_hidden_layers + 1,
                 "expected a unit per decoder layer and the root, got ", model->units().size());
     llama::load_hf_weights(*model, dir);

@@ -262,6 +262,7 @@ int finetune() {
       eval_path.empty() ? at::Tensor() : read_tokens(eval_path, bytes, config.vocab_size);
 
   auto llama = std::make_shared<LlamaForCausalLMImpl>(config);
+  llama->to(hf_weights_dtype(from));  // trained in the dtype the folder holds
   int64_t numel = 0;
   for (const auto& p : llama->parameters()) numel += p.numel();
   Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(

@@ -7,33 +7,38 @@
 #include "absl/strings/numbers.h"
 #include <c10/util/Exception.h>
 
-#include "fsdp/state/checkpoint.h"
-#include "fsdp/state/state_dict.h"
+#include "fsdp/formats/safetensors.h"
+#include "fsdp/state/safetensors_state_dict.h"
 
 namespace fsdp::llama {
 
-HfWeights load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
-  // Interim, until fsdp's safetensors reader lands: the folder's tensors as one torch.save
-  // file (model.pt).
-  const StateDict read = load_state_dict(dir + "/model.pt");
-  HfWeights weights;
-  StateDict converted;
-  for (const auto& item : read) {
-    weights.dtypes[item.key()] = item.value().scalar_type();
-    converted.insert(item.key(), item.value().to(at::kFloat));
+at::ScalarType hf_weights_dtype(const std::string& dir) {
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
+  std::string first;
+  at::ScalarType dtype = at::kFloat;
+  for (const std::string& name : checkpoint.names()) {
+    const at::ScalarType found = checkpoint.info(name).dtype;
+    if (!c10::isFloatingType(found)) continue;
+    if (first.empty()) {
+      first = name;
+      dtype = found;
+    }
+    TORCH_CHECK(found == dtype, dir, ": tensor ", name, " is ", found, " but ", first, " is ",
+                dtype, "; examples/llama trains one dtype (convert the folder first)");
   }
-  load_full_state_dict(model, converted);
-  return weights;
+  return dtype;
+}
+
+void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
+  load_safetensors(model, dir);
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
-  // Interim, until fsdp's safetensors writer lands: one torch.save file (model.pt).
-  const StateDict full = full_state_dict(model, FullStateDictOptions().rank0_only(true));
+  if (model.communicator().rank() == 0) std::filesystem::create_directories(out_dir);
+  save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
   if (model.communicator().rank() != 0) return;
-  std::filesystem::create_directories(out_dir);
-  save_state_dict(full, out_dir + "/model.pt");
   for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
                            "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
     const std::filesystem::path from = std::filesystem::path(from_dir) / name;

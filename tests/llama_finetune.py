@@ -5,7 +5,8 @@
                                      BPE tokenizer trained on TEXT files; DIR/train.txt and
                                      DIR/eval.txt
     llama_finetune.py same DIR A B   every tensor of HF folder B equals A's, bit for bit
-    llama_finetune.py differ DIR A B every tensor of B differs from A's (training moved it)
+    llama_finetune.py differ DIR A B every tensor of B differs from A's (training moved it),
+                                     in the same dtype and shape
     llama_finetune.py eval DIR HF CONTEXT LOG
                                      transformers' mean next-token loss over DIR/eval.bin in
                                      consecutive windows of CONTEXT + 1 tokens equals the
@@ -68,6 +69,10 @@ def make(root, texts):
     )
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="30KB")
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    # A bfloat16 folder with tied embeddings, as many released checkpoints are.
+    config.tie_word_embeddings = True
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
+        os.path.join(root, "model_bf16"), max_shard_size="30KB")
     ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     torch.save({"ids": ids}, os.path.join(root, "ids.pt"))
     print(f"{folder}: vocabulary {config.vocab_size}, "
@@ -87,6 +92,8 @@ def same(a, b):
 def differ(a, b):
     ta, tb = tensors(a), tensors(b)
     assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and ta[name].shape == tb[name].shape, name
     unchanged = [n for n in ta if torch.equal(ta[n], tb[n])]
     assert not unchanged, f"not trained: {unchanged}"
     print(f"{b}: all {len(ta)} tensors moved by training")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # examples/llama:finetune end to end against transformers: a random tiny Llama folder
 # with a BPE tokenizer trained on Debian's fortunes; tokenize.py makes the token files;
-# finetune at W = 2 with --steps=0 writes the weights it read bit for bit; 20 steps of
+# finetune at W = 2 with --steps=0 writes the weights it read bit for bit (and at W = 3
+# for a bfloat16 folder with tied embeddings, which then trains in bf16); 20 steps of
 # full fine-tuning lower the eval loss, and the folder it writes loads in transformers'
 # from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's.
 #   llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON
@@ -20,6 +21,13 @@ common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=32
         --batch_size=4 --max_shard_size=30KB)
 "$finetune" "${common[@]}" --out_dir="$dir/out0" --steps=0 | tee "$dir/out0.log"
 "$python" "$script" same "$dir" "$dir/model" "$dir/out0/hf"
+# bfloat16 weights and tied embeddings, at W = 3: kept bit for bit, then trained in bf16.
+bf16=(--from="$dir/model_bf16" --data="$dir/train.bin" --world_size=3 --context=32
+      --batch_size=3 --max_shard_size=30KB)
+"$finetune" "${bf16[@]}" --out_dir="$dir/bf16_0" --steps=0
+"$python" "$script" same "$dir" "$dir/model_bf16" "$dir/bf16_0/hf"
+"$finetune" "${bf16[@]}" --out_dir="$dir/bf16_3" --steps=3 --lr=1e-2 --warmup_steps=0
+"$python" "$script" differ "$dir" "$dir/model_bf16" "$dir/bf16_3/hf"
 
 "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 --lr=3e-3 --warmup_steps=2 \
     --checkpoint_interval=10 --eval_data="$dir/eval.bin" | tee "$dir/out20.log"

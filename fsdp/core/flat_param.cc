@@ -110,8 +110,8 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
               "FlatParamHandle: a unit's parameters must "
               "agree on requires_grad (one flat parameter has one), but [",
               absl::StrJoin(trained, ", "), "] require grad and [", absl::StrJoin(frozen, ", "),
-              "] do not; make the frozen modules a unit of their own (fsdp::Unit) or pass "
-              "them in ignored_modules");
+              "] do not; make one handle per kind (FullyShardedDataParallel does so for a "
+              "unit that mixes them: FullyShardedUnit::frozen_handle)");
   if (device_ == nullptr) device_ = DeviceHandle::for_device(first.device());
   TORCH_CHECK(device_->device() == first.device(), "FlatParamHandle: the device handle is ",
               device_->device(), "'s but the parameters (e.g. '", params.front().fqn, "') are on ",

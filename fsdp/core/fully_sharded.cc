@@ -549,6 +549,26 @@ ShardGroups shard_groups(const FullyShardedDataParallelOptions& options,
   return {groups.shard_group, groups.replicate_group};
 }
 
+// A unit's parameters, trainable and frozen apart (order kept in each), for two flat
+// parameters; a unit whose parameters all agree keeps them all in `trainable`.
+struct SplitParams {
+  std::vector<NamedParam> trainable;
+  std::vector<NamedParam> frozen;
+};
+
+// See Note [Frozen parameters in a unit] in internal/runtime.cc: the trainable parameters
+// get the unit's flat parameter, the frozen ones a second flat parameter that is gathered
+// beside it and never reduced (PyTorch's use_orig_params=True, without the frozen
+// elements' share of the gradient and its reduce-scatter).
+SplitParams split_frozen(std::vector<NamedParam> params) {
+  SplitParams split;
+  for (NamedParam& p : params) {
+    (p.param.requires_grad() ? split.trainable : split.frozen).push_back(std::move(p));
+  }
+  if (split.trainable.empty()) std::swap(split.trainable, split.frozen);
+  return split;
+}
+
 // Makes each unit's flat parameter (or takes the one made at construction) and runtime
 // state, binds the unit and adds it to `root_state`. Returns the wrapped modules that
 // stay in full precision.
@@ -574,14 +594,20 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     unit_options.device_handle(device);
     const ShardingStrategy own = strategies[k];
     std::unique_ptr<FlatParamHandle> handle = std::move(params.constructed[k]);
+    std::unique_ptr<FlatParamHandle> frozen_handle;
     if (handle != nullptr) {
       check_constructed_handle(*handle, units[k].fqn, own, unit_options, *groups.shard);
     } else if (!params.to_flatten[k].empty()) {
-      handle =
-          std::make_unique<FlatParamHandle>(params.to_flatten[k], groups.shard, own, unit_options);
+      SplitParams split = split_frozen(std::move(params.to_flatten[k]));
+      handle = std::make_unique<FlatParamHandle>(std::move(split.trainable), groups.shard, own,
+                                                 unit_options);
+      if (!split.frozen.empty()) {
+        frozen_handle = std::make_unique<FlatParamHandle>(std::move(split.frozen), groups.shard,
+                                                          own, unit_options);
+      }
     }
-    auto state = std::make_shared<core_internal::UnitState>(units[k].fqn, k == 0, &root_state,
-                                                            std::move(handle));
+    auto state = std::make_shared<core_internal::UnitState>(
+        units[k].fqn, k == 0, &root_state, std::move(handle), std::move(frozen_handle));
     if (full_precision) {
       full_precision_modules.push_back(&wrapped);
       if (state->handle() != nullptr) {
@@ -791,6 +817,13 @@ FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParalle
     : root_(&root), state_(bind_fully_sharded(root, options)) {}
 
 FullyShardedRoot::~FullyShardedRoot() = default;
+
+std::vector<FlatParamHandle*> FullyShardedUnit::handles() const {
+  std::vector<FlatParamHandle*> result;
+  if (handle_ != nullptr) result.push_back(handle_.get());
+  if (frozen_handle_ != nullptr) result.push_back(frozen_handle_.get());
+  return result;
+}
 
 std::vector<at::Tensor> FullyShardedRoot::parameters(bool /*recurse*/) const {
   std::vector<at::Tensor> params;

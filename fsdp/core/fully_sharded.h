@@ -41,10 +41,16 @@
 // validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), clip_grad_norm_ on
 // the root, and deferred initialisation (EnableWrap below).
 //
-// Frozen parameters: a unit whose parameters all have requires_grad=false gets a frozen
-// flat parameter (no gradient, no reduction); a unit mixing requires_grad true and
-// false is an error at construction naming both kinds of FQNs, as PyTorch's
-// use_orig_params=False: make the frozen ones a unit of their own, or ignore them.
+// Frozen parameters (requires_grad=false; PyTorch: use_orig_params=True): a unit whose
+// parameters all are frozen gets a frozen flat parameter (no gradient, no reduction). A
+// unit mixing frozen and trainable parameters (LoRA, a frozen embedding beside trained
+// layers) gets two flat parameters: handle() holds the trainable ones, frozen_handle()
+// the frozen ones. Both are gathered and freed together (the frozen one by its own
+// all-gather, issued right after the trainable one's); only the trainable one has a
+// gradient and is reduced, so reduce-scatter bytes and gradient memory count trainable
+// elements only, and parameters() (the optimizer's list) leaves the frozen one out. A
+// unit sharded at construction (EnableWrap) cannot mix them (its handle is made before
+// the root splits units). See Note [Frozen parameters in a unit] in internal/runtime.cc.
 //
 // Threading: one root per rank, used by that rank's thread. Errors: c10::Error.
 #ifndef FSDP_CORE_FULLY_SHARDED_H_
@@ -254,17 +260,28 @@ class FullyShardedUnit {
 
   const std::string& fqn() const { return fqn_; }  // cleaned; "" for the root
   bool is_root() const { return is_root_; }
-  // The unit's flat parameter; null for a unit that owns no parameters.
+  // The unit's flat parameter: its trainable parameters (all of them, frozen, if none
+  // requires grad); null for a unit that owns no parameters.
   FlatParamHandle* handle() const { return handle_.get(); }
+  // The frozen parameters of a unit that also has trainable ones (their flat parameter
+  // never requires grad); null otherwise.
+  FlatParamHandle* frozen_handle() const { return frozen_handle_.get(); }
+  // handle() then frozen_handle(), those that are set: every flat parameter of the unit.
+  std::vector<FlatParamHandle*> handles() const;
   HandleTrainingState handle_state() const { return handle_state_; }
 
  protected:
-  FullyShardedUnit(std::string fqn, bool is_root, std::unique_ptr<FlatParamHandle> handle)
-      : fqn_(std::move(fqn)), is_root_(is_root), handle_(std::move(handle)) {}
+  FullyShardedUnit(std::string fqn, bool is_root, std::unique_ptr<FlatParamHandle> handle,
+                   std::unique_ptr<FlatParamHandle> frozen_handle = nullptr)
+      : fqn_(std::move(fqn)),
+        is_root_(is_root),
+        handle_(std::move(handle)),
+        frozen_handle_(std::move(frozen_handle)) {}
 
   std::string fqn_;
   bool is_root_;
   std::unique_ptr<FlatParamHandle> handle_;
+  std::unique_ptr<FlatParamHandle> frozen_handle_;
   HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
 };
 
@@ -278,8 +295,8 @@ class FullyShardedRoot {
   FullyShardedRoot(const FullyShardedRoot&) = delete;
   FullyShardedRoot& operator=(const FullyShardedRoot&) = delete;
 
-  // The sharded flat parameters of every unit, in pre-order, then the ignored parameters
-  // that require grad: what the optimizer updates.
+  // The sharded flat parameters of every unit (handle(), not a frozen_handle()), in
+  // pre-order, then the ignored parameters that require grad: what the optimizer updates.
   std::vector<at::Tensor> parameters(bool recurse = true) const;
 
   // While the returned scope lives, backward passes accumulate gradients unsharded on

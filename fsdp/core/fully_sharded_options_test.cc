@@ -436,18 +436,6 @@ TEST(FrozenParametersTest, AFrozenUnitTrainsNothingAndIsNotReduced) {
   });
 }
 
-TEST(FrozenParametersTest, AUnitMixingFrozenAndTrainedParametersIsNamed) {
-  auto world = FakeWorld::create(1);
-  auto net = make_net();
-  net->l2->module()->bias.set_requires_grad(false);
-  EXPECT_THAT(
-      [&] {
-        FullyShardedDataParallel<NetImpl> model(
-            net, FullyShardedDataParallelOptions(world->communicator(0)));
-      },
-      ThrowsMessage<c10::Error>(HasSubstr("[l2.weight] require grad and [l2.bias] do not")));
-}
-
 // ---- device_id (Note [Compute device]); the CUDA cases are in cuda_parity_test ----
 
 TEST(DeviceIdTest, UnsetTheParametersDeviceIsUsed) {

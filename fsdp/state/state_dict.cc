@@ -152,9 +152,9 @@ namespace {
 std::vector<std::pair<std::string, at::Tensor>> local_targets(const ModelLayout& layout) {
   std::vector<std::pair<std::string, at::Tensor>> targets;
   for (const state_internal::FlatParam& flat : layout.flat_params) {
-    targets.emplace_back(
-        flat.unit_fqn.empty() ? kFlatParamName : absl::StrCat(flat.unit_fqn, ".", kFlatParamName),
-        flat.handle->sharded_flat_param().detach());
+    const char* name = flat.frozen ? kFrozenFlatParamName : kFlatParamName;
+    targets.emplace_back(flat.unit_fqn.empty() ? name : absl::StrCat(flat.unit_fqn, ".", name),
+                         flat.handle->sharded_flat_param().detach());
   }
   for (const Entry& entry : layout.entries) {
     if (entry.handle == nullptr) targets.emplace_back(entry.fqn, entry.tensor.detach());

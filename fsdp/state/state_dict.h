@@ -58,7 +58,8 @@ using ShardedStateDict = torch::OrderedDict<std::string, ShardedTensor>;
 
 // The flat shards as stored, valid only at the world size and rank that made them.
 // Keys: "<unit FQN>._flat_param" ("_flat_param" for the root unit) -> the unit's sharded
-// flat parameter (1-D, shard_numel elements, padding included), plus the buffers and
+// flat parameter (1-D, shard_numel elements, padding included), "<unit
+// FQN>._frozen_flat_param" -> its frozen one if it has one, plus the buffers and
 // the parameters FSDP leaves alone under their FQNs.
 struct LocalStateDict {
   int world_size = 0;
@@ -68,6 +69,9 @@ struct LocalStateDict {
 
 // Key suffix of a unit's flat parameter in a LocalStateDict (PyTorch: FLAT_PARAM).
 inline constexpr char kFlatParamName[] = "_flat_param";
+// ... and of the frozen flat parameter of a unit that mixes frozen and trainable
+// parameters (FullyShardedUnit::frozen_handle).
+inline constexpr char kFrozenFlatParamName[] = "_frozen_flat_param";
 
 struct FullStateDictOptions {
   // Only rank 0 receives the state dict; the others get an empty one and never hold a

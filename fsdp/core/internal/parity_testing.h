@@ -23,6 +23,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
@@ -398,6 +399,45 @@ struct EmbeddingUnitLmImpl : torch::nn::Module {
   Unit<torch::nn::EmbeddingImpl> embedding{nullptr};
   Unit<BlockImpl> block{nullptr};
   std::shared_ptr<TiedLinearImpl> head;
+  int step = 0;
+};
+
+// Frozen and trainable parameters in the same units (Note [Frozen parameters in a unit]
+// in internal/runtime.cc): TinyLmImpl's blocks with each block's norm and up.weight
+// frozen, and a frozen final norm (random, so its values matter) in the root beside the
+// trained tied embedding. Flat numels: root 88 trainable + 16 frozen; each block 152
+// trainable (up.bias, down.weight, down.bias) + 144 frozen (norm.weight, norm.bias,
+// up.weight).
+struct FrozenLmImpl : torch::nn::Module {
+  FrozenLmImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) blocks->push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+    final_norm =
+        register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+    torch::NoGradGuard no_grad;
+    final_norm->weight.copy_(1 + 0.5 * at::randn({8}));
+    final_norm->bias.copy_(0.1 * at::randn({8}));
+    std::vector<at::Tensor> frozen = final_norm->parameters();
+    for (const auto& block : *blocks) {
+      auto& inner = *block->as<UnitImpl<BlockImpl>>()->module();
+      for (const at::Tensor& p : inner.norm->parameters()) frozen.push_back(p);
+      frozen.push_back(inner.up->weight);
+    }
+    for (at::Tensor& p : frozen) p.set_requires_grad(false);
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    at::Tensor x = embedding(tokens);
+    for (const auto& block : *blocks) x = block->as<UnitImpl<BlockImpl>>()->forward(x);
+    return at::matmul(final_norm(x), embedding->weight.t());
+  }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm final_norm{nullptr};
   int step = 0;
 };
 

@@ -51,8 +51,28 @@ class GradientSink : public torch::autograd::Node {
 }  // namespace
 
 UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
-                     std::unique_ptr<FlatParamHandle> handle)
-    : FullyShardedUnit(std::move(fqn), is_root, std::move(handle)), root_(root) {}
+                     std::unique_ptr<FlatParamHandle> handle,
+                     std::unique_ptr<FlatParamHandle> frozen_handle)
+    : FullyShardedUnit(std::move(fqn), is_root, std::move(handle), std::move(frozen_handle)),
+      root_(root) {
+  TORCH_INTERNAL_ASSERT(frozen_handle_ == nullptr ||
+                        (handle_ != nullptr && handle_->sharded_flat_param().requires_grad() &&
+                         !frozen_handle_->sharded_flat_param().requires_grad()));
+}
+
+// Note [Frozen parameters in a unit]
+// A unit's frozen flat parameter (frozen_handle) follows its trainable one through every
+// transition: gathered right after it (its own all-gather, in the same order on every
+// rank), freed with it. It is no input of the gradient sink, so it is never reduced and
+// holds no gradient. It is freed when the sink runs (the trainable gradients are
+// complete): by Note [Gradient sinks], every backward op of the unit that is ready runs
+// before the sink, including those that read the frozen parameters (a LoRA layer's
+// frozen weight for its input gradient), the same guarantee the trainable parameters
+// rely on.
+void UnitState::unshard() {
+  handle_->unshard();
+  if (frozen_handle_) frozen_handle_->unshard();
+}
 
 // Note [Gradient sinks]
 // The autograd engine runs ready nodes in decreasing sequence number (creation order).
@@ -81,7 +101,7 @@ void UnitState::pre_forward() {
     install_gradient_sink();
     sink_installed_ = true;
   }
-  handle_->unshard();
+  unshard();
   handle_state_ = HandleTrainingState::kForward;
   root_->prefetch_for_forward_after(this);
 }
@@ -160,7 +180,7 @@ void UnitState::pre_backward() {
   root_->ensure_end_of_backward_callback();
   if (!first) return;
   pre_backward_done_ = true;
-  handle_->unshard();
+  unshard();
   handle_state_ = HandleTrainingState::kBackwardPre;
   root_->prefetch_for_backward_after(this, BackwardPrefetch::kBackwardPre);
 }
@@ -180,19 +200,23 @@ void UnitState::post_backward(std::vector<at::Tensor> grads) {
 }
 
 void UnitState::prefetch() {
-  if (handle_ && handle_state_ == HandleTrainingState::kIdle) handle_->prefetch();
+  if (!handle_ || handle_state_ != HandleTrainingState::kIdle) return;
+  handle_->prefetch();
+  if (frozen_handle_) frozen_handle_->prefetch();
 }
 
 void UnitState::summon(bool keep) {
   if (!handle_) return;
   assert_handle_in({HandleTrainingState::kIdle}, "summon_full_params");
   handle_->unshard_full_precision();
+  if (frozen_handle_) frozen_handle_->unshard_full_precision();
   handle_state_ = HandleTrainingState::kSummonFullParams;
   if (!keep) reshard();
 }
 
 void UnitState::reshard() {
-  if (handle_) handle_->reshard();  // NO_SHARD: frees only a mixed-precision copy
+  // NO_SHARD: frees only a mixed-precision copy.
+  for (FlatParamHandle* handle : handles()) handle->reshard();
 }
 
 void UnitState::finish_iteration() {
@@ -227,9 +251,9 @@ void RootState::begin_summon(bool writeback, bool rank0_only) {
 
 void RootState::end_summon() {
   for (const auto& unit : units_) {
-    FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
-    if (summon_writeback_ && handle->is_unsharded()) handle->write_back_shard();
+    for (FlatParamHandle* handle : unit->handles()) {
+      if (summon_writeback_ && handle->is_unsharded()) handle->write_back_shard();
+    }
     unit->finish_iteration();
   }
   training_state_ = TrainingState::kIdle;

@@ -33,9 +33,10 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit);
 // A bound unit: FullyShardedUnit's fields (fqn, handle, handle state) plus the hooks.
 class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<UnitState> {
  public:
-  // `handle` may be null (a unit that owns no parameters).
-  UnitState(std::string fqn, bool is_root, RootState* root,
-            std::unique_ptr<FlatParamHandle> handle);
+  // `handle` may be null (a unit that owns no parameters); `frozen_handle` is set only
+  // beside a trainable `handle` (see FullyShardedUnit::frozen_handle).
+  UnitState(std::string fqn, bool is_root, RootState* root, std::unique_ptr<FlatParamHandle> handle,
+            std::unique_ptr<FlatParamHandle> frozen_handle = nullptr);
 
   RootState& root() const { return *root_; }
 
@@ -79,6 +80,8 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
   bool pre_backward_done_ = false;
   bool sink_installed_ = false;  // this iteration's sink exists
+
+  void unshard();  // every flat parameter of the unit (handles())
 
   // Throws the seed's _assert_in_training_states message for the handle's state.
   void assert_handle_in(std::initializer_list<HandleTrainingState> states, const char* what) const;

@@ -36,12 +36,12 @@ ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
   layout.world_size = model.communicator().world_size();
   absl::flat_hash_map<const c10::TensorImpl*, std::pair<FlatParamHandle*, size_t>> owner;
   for (const auto& unit : model.units()) {
-    FlatParamHandle* handle = unit->handle();
-    if (handle == nullptr) continue;
-    layout.flat_params.push_back({unit->fqn(), handle});
-    const std::vector<at::Tensor>& originals = handle->original_params();
-    for (size_t i = 0; i < originals.size(); ++i) {
-      owner.emplace(originals[i].unsafeGetTensorImpl(), std::make_pair(handle, i));
+    for (FlatParamHandle* handle : unit->handles()) {
+      layout.flat_params.push_back({unit->fqn(), handle, handle == unit->frozen_handle()});
+      const std::vector<at::Tensor>& originals = handle->original_params();
+      for (size_t i = 0; i < originals.size(); ++i) {
+        owner.emplace(originals[i].unsafeGetTensorImpl(), std::make_pair(handle, i));
+      }
     }
   }
   layout.entries = module_entries(model.root_module());

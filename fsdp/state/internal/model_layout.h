@@ -30,6 +30,7 @@ struct Entry {
 struct FlatParam {
   std::string unit_fqn;  // cleaned; "" for the root
   FlatParamHandle* handle = nullptr;
+  bool frozen = false;  // the unit's frozen_handle()
 };
 
 // The entries of any module (all with `tensor` set), in the order of PyTorch's
@@ -42,7 +43,7 @@ struct ModelLayout {
   int rank = 0;
   int world_size = 1;
   std::vector<Entry> entries;          // module_entries, parameters resolved to handles
-  std::vector<FlatParam> flat_params;  // units with parameters, pre-order
+  std::vector<FlatParam> flat_params;  // units' handles(), pre-order
 };
 
 // The layout of `model`; `what` names the calling function in errors. Throws c10::Error

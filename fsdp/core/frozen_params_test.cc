@@ -1,0 +1,156 @@
+// Frozen and trainable parameters in one unit (Note [Frozen parameters in a unit] in
+// internal/runtime.cc), on ranks as threads (the fake communicator): the two flat
+// parameters of a unit, exact collective counts and bytes, gradients only for trainable
+// elements, and parity with one process with the same parameters frozen, every strategy,
+// W = 1, 2, 3.
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <c10/util/Exception.h>
+
+#include "fsdp/comm/fake.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/internal/parity_testing.h"
+
+namespace fsdp {
+namespace {
+
+using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
+using ::testing::ElementsAre;
+
+std::vector<std::string> fqns_of(const FlatParamHandle& handle) {
+  std::vector<std::string> fqns;
+  for (const FlatParamInfo& info : handle.param_infos()) fqns.push_back(info.fqn);
+  return fqns;
+}
+
+TEST(FrozenParamsTest, AMixedUnitHasATrainableAndAFrozenFlatParameter) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<FrozenLmImpl> model(make<FrozenLmImpl>(),
+                                                 FullyShardedDataParallelOptions(comm));
+    const auto& units = model->units();
+    ASSERT_EQ(units.size(), 3u);
+    const FullyShardedUnit& root = *units[0];
+    const FullyShardedUnit& block = *units[1];
+    EXPECT_THAT(fqns_of(*root.handle()), ElementsAre("embedding.weight"));
+    EXPECT_THAT(fqns_of(*root.frozen_handle()),
+                ElementsAre("final_norm.weight", "final_norm.bias"));
+    EXPECT_THAT(fqns_of(*block.handle()),
+                ElementsAre("blocks.0.up.bias", "blocks.0.down.weight", "blocks.0.down.bias"));
+    EXPECT_THAT(fqns_of(*block.frozen_handle()),
+                ElementsAre("blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.0.up.weight"));
+    EXPECT_EQ(root.handle()->numel(), 88);
+    EXPECT_EQ(root.frozen_handle()->numel(), 16);
+    EXPECT_EQ(block.handle()->numel(), 152);
+    EXPECT_EQ(block.frozen_handle()->numel(), 144);
+    EXPECT_EQ(block.handles(),
+              (std::vector<FlatParamHandle*>{block.handle(), block.frozen_handle()}));
+    EXPECT_TRUE(block.handle()->sharded_flat_param().requires_grad());
+    EXPECT_FALSE(block.frozen_handle()->sharded_flat_param().requires_grad());
+    // The optimizer's list: the trainable flat parameters only.
+    const std::vector<at::Tensor> params = model->parameters();
+    ASSERT_EQ(params.size(), 3u);
+    for (size_t k = 0; k < 3; ++k) {
+      EXPECT_TRUE(params[k].is_same(units[k]->handle()->sharded_flat_param()));
+    }
+  });
+}
+
+// One FULL_SHARD iteration at W = 2 and 3: the frozen flat parameters are all-gathered
+// beside the trainable ones (n + m all-gathers in forward, (n - 1) + (m - 1) in
+// backward: the root stays gathered; n = m = 3 here) but never reduce-scattered, and
+// the gradients (the reduce-scatter's input and .grad) cover the trainable elements only.
+TEST(FrozenParamsTest, OnlyTrainableElementsAreReducedAndHoldGradients) {
+  for (int world_size : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "W = " << world_size);
+    on_ranks(world_size, [world_size](std::shared_ptr<Communicator> comm) {
+      FullyShardedDataParallel<FrozenLmImpl> model(make<FrozenLmImpl>(),
+                                                   FullyShardedDataParallelOptions(comm));
+      const Batch batch = FrozenLmImpl::batch(0, 2);
+      comm->counters().reset();
+      FrozenLmImpl::loss(model->forward(batch.input), batch.target).backward();
+      // Trainable shard numels: root ceil(88 / W), blocks ceil(152 / W).
+      const int64_t root_shard = world_size == 2 ? 44 : 30;
+      const int64_t block_shard = world_size == 2 ? 76 : 51;
+      const CollectiveTraffic reduced = comm->counters().get(CollectiveKind::kReduceScatter);
+      EXPECT_EQ(reduced.calls, 3);
+      // Ring reduce-scatter: each rank sends (W - 1) chunks of its flat gradient.
+      EXPECT_EQ(reduced.bytes_sent, (world_size - 1) * (root_shard + 2 * block_shard) * 4);
+      EXPECT_EQ(comm->counters().get(CollectiveKind::kAllGather).calls, 6 + 4);
+      EXPECT_EQ(comm->counters().get(CollectiveKind::kAllReduce).calls, 0);
+      for (const auto& unit : model->units()) {
+        const at::Tensor& grad = unit->handle()->sharded_flat_param().grad();
+        ASSERT_TRUE(grad.defined()) << unit->fqn();
+        EXPECT_EQ(grad.numel(), unit->is_root() ? root_shard : block_shard);
+        EXPECT_FALSE(unit->frozen_handle()->sharded_flat_param().grad().defined());
+        for (const at::Tensor& p : unit->frozen_handle()->original_params()) {
+          EXPECT_FALSE(p.grad().defined());
+          EXPECT_FALSE(p.requires_grad());
+        }
+        EXPECT_EQ(unit->frozen_handle()->state(), FlatParamState::kSharded);
+        EXPECT_EQ(unit->handle()->state(), FlatParamState::kSharded);
+      }
+      EXPECT_EQ(model->training_state(), TrainingState::kIdle);
+    });
+  }
+}
+
+// The same model trained with FSDP and in one process, with the same parameters frozen:
+// the losses every step and every parameter at the end (the frozen ones unchanged).
+TEST(FrozenParamsTest, ParityWithOneProcessEveryStrategy) {
+  for (int world_size : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "W = " << world_size);
+    on_ranks(world_size, [](std::shared_ptr<Communicator> comm) {
+      expect_parity_for_all_strategies<FrozenLmImpl>(comm);
+    });
+  }
+}
+
+TEST(FrozenParamsTest, ParityWithOneProcessHybridStrategies) {
+  for (int world_size : {2, 3}) {
+    on_ranks(world_size, [world_size](std::shared_ptr<Communicator> comm) {
+      const Reference want = reference<FrozenLmImpl>(world_size, /*adam=*/true);
+      for (ShardingStrategy strategy :
+           {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+        for (int group : {1, world_size}) {
+          SCOPED_TRACE(::testing::Message() << sharding_strategy_name(strategy)
+                                            << " W = " << world_size << " F = " << group);
+          expect_parity_on<FrozenLmImpl>(comm, want,
+                                         FullyShardedDataParallelOptions(comm)
+                                             .sharding_strategy(strategy)
+                                             .hybrid_shard_group_size(group),
+                                         /*adam=*/true);
+        }
+      }
+    });
+  }
+}
+
+// no_sync accumulates the trainable gradients only; the next backward reduces their sum.
+TEST(FrozenParamsTest, NoSyncAndSummonCoverBothFlatParameters) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    auto net = make<FrozenLmImpl>();
+    const at::Tensor final_weight = net->final_norm->weight.detach().clone();
+    FullyShardedDataParallel<FrozenLmImpl> model(net, FullyShardedDataParallelOptions(comm));
+    const Batch batch = FrozenLmImpl::batch(0, 2);
+    {
+      auto scope = model->no_sync();
+      FrozenLmImpl::loss(model->forward(batch.input), batch.target).backward();
+    }
+    for (const auto& unit : model->units()) {
+      EXPECT_TRUE(unit->handle()->has_accumulated_grad());
+      EXPECT_FALSE(unit->frozen_handle()->has_accumulated_grad());
+    }
+    comm->counters().reset();
+    FrozenLmImpl::loss(model->forward(batch.input), batch.target).backward();
+    EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 3);
+    auto summon = model->summon_full_params(/*writeback=*/false);
+    EXPECT_TRUE(at::equal(net->final_norm->weight, final_weight));
+    EXPECT_EQ(model->units()[1]->frozen_handle()->state(), FlatParamState::kUnsharded);
+  });
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,176 @@
+#include "fsdp/lora/lora.h"
+
+#include <cmath>
+#include <ostream>
+#include <regex>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "fsdp/base/names.h"
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+namespace fsdp::lora {
+
+LoraLinearImpl::LoraLinearImpl(const torch::nn::LinearOptions& options_) : options(options_) {
+  // torch::nn::Linear's parameters and initialisation (LinearImpl::reset_parameters).
+  weight = register_parameter("weight", at::empty({options.out_features(), options.in_features()}));
+  if (options.bias()) bias = register_parameter("bias", at::empty({options.out_features()}));
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    const double bound = options.in_features() > 0 ? 1.0 / std::sqrt(options.in_features()) : 0;
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+at::Tensor LoraLinearImpl::forward(const at::Tensor& input) {
+  at::Tensor output = torch::nn::functional::linear(input, weight, bias);
+  if (!has_adapter()) return output;
+  // PEFT's Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling.
+  return output + lora_B(lora_A(lora_dropout(input))) * scaling_;
+}
+
+void LoraLinearImpl::add_adapter(const LoraConfig& config) {
+  TORCH_CHECK(!has_adapter(), "LoraLinear: the layer has an adapter already; add one adapter");
+  TORCH_CHECK(config.r() >= 1, "LoraLinear: expected LoRA rank r >= 1, got ", config.r());
+  TORCH_CHECK(config.lora_dropout() >= 0 && config.lora_dropout() < 1,
+              "LoraLinear: expected lora_dropout in [0, 1), got ", config.lora_dropout());
+  const auto like_weight = weight.options().requires_grad(false);
+  lora_dropout = register_module(
+      "lora_dropout", torch::nn::Dropout(torch::nn::DropoutOptions(config.lora_dropout())));
+  lora_A = register_module(
+      "lora_A",
+      torch::nn::Linear(torch::nn::LinearOptions(options.in_features(), config.r()).bias(false)));
+  lora_B = register_module(
+      "lora_B",
+      torch::nn::Linear(torch::nn::LinearOptions(config.r(), options.out_features()).bias(false)));
+  {
+    torch::NoGradGuard no_grad;
+    // PEFT's reset_lora_parameters with init_lora_weights=True.
+    lora_A->weight.set_data(at::empty(lora_A->weight.sizes(), like_weight));
+    torch::nn::init::kaiming_uniform_(lora_A->weight, std::sqrt(5.0));
+    lora_B->weight.set_data(at::zeros(lora_B->weight.sizes(), like_weight));
+  }
+  weight.set_requires_grad(false);
+  if (bias.defined()) bias.set_requires_grad(false);
+  scaling_ = config.scaling();
+}
+
+at::Tensor LoraLinearImpl::delta_weight() const {
+  TORCH_CHECK(has_adapter(), "LoraLinear::delta_weight: the layer has no adapter");
+  return at::matmul(lora_B->weight, lora_A->weight) * scaling_;
+}
+
+void LoraLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "fsdp::lora::LoraLinear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << options.bias();
+  if (has_adapter()) stream << ", r=" << lora_A->options.out_features() << ", scaling=" << scaling_;
+  stream << ")";
+}
+
+bool is_target(const std::string& fqn, const LoraConfig& config) {
+  const bool by_names = !config.target_modules().empty();
+  TORCH_CHECK(by_names != !config.target_regex().empty(),
+              "LoraConfig: give target_modules (module names, e.g. {\"q_proj\", \"v_proj\"}) "
+              "or target_regex, exactly one; got ",
+              by_names ? "both" : "neither");
+  if (!by_names) return std::regex_match(fqn, std::regex(config.target_regex()));
+  for (const std::string& name : config.target_modules()) {
+    if (fqn == name || absl::EndsWith(fqn, "." + name)) return true;
+  }
+  return false;
+}
+
+std::vector<std::string> apply_lora(torch::nn::Module& model, const LoraConfig& config) {
+  std::vector<std::string> adapted, candidates;
+  std::vector<LoraLinearImpl*> targets;
+  // The model itself too (named_modules() lists it only through a shared_ptr, which a
+  // module applying LoRA in its constructor does not have yet).
+  std::vector<std::pair<std::string, torch::nn::Module*>> modules = {{"", &model}};
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    modules.emplace_back(clean_tensor_name(item.key()), item.value().get());
+  }
+  for (const auto& [fqn, module] : modules) {
+    auto* lora = dynamic_cast<LoraLinearImpl*>(module);
+    if (lora != nullptr) candidates.push_back(fqn);
+    // Modules inside an adapter (lora_A, lora_B) are never targets.
+    if (absl::StrContains(fqn, ".lora_A") || absl::StrContains(fqn, ".lora_B")) continue;
+    if (!is_target(fqn, config)) continue;
+    TORCH_CHECK(dynamic_cast<torch::nn::LinearImpl*>(module) == nullptr, "apply_lora: '", fqn,
+                "' is a target but a torch::nn::Linear, which cannot carry an "
+                "adapter; hold an fsdp::lora::LoraLinear there instead (the same parameters "
+                "and names)");
+    if (lora == nullptr) continue;  // a parent module whose name matches, as PEFT skips
+    TORCH_CHECK(!lora->has_adapter(), "apply_lora: '", fqn, "' has an adapter already");
+    targets.push_back(lora);
+    adapted.push_back(fqn);
+  }
+  TORCH_CHECK(!targets.empty(), "apply_lora: no LoraLinear matches ",
+              config.target_modules().empty()
+                  ? "target_regex '" + config.target_regex() + "'"
+                  : "target_modules [" + absl::StrJoin(config.target_modules(), ", ") + "]",
+              "; the model's LoraLinear modules are [", absl::StrJoin(candidates, ", "), "]");
+  for (at::Tensor& p : model.parameters()) p.set_requires_grad(false);
+  for (LoraLinearImpl* lora : targets) lora->add_adapter(config);
+  return adapted;
+}
+
+namespace {
+
+constexpr char kPeftPrefix[] = "base_model.model.";
+constexpr char kLoraA[] = ".lora_A.weight";
+constexpr char kLoraB[] = ".lora_B.weight";
+
+std::string shape_of(const at::Tensor& t) { return "[" + absl::StrJoin(t.sizes(), ", ") + "]"; }
+
+}  // namespace
+
+bool is_adapter_key(const std::string& key) {
+  return absl::EndsWith(key, kLoraA) || absl::EndsWith(key, kLoraB);
+}
+
+StateDict adapter_state_dict(const StateDict& state_dict) {
+  StateDict adapter;
+  for (const auto& item : state_dict) {
+    if (is_adapter_key(item.key())) adapter.insert(kPeftPrefix + item.key(), item.value());
+  }
+  TORCH_CHECK(!adapter.is_empty(),
+              "adapter_state_dict: the state dict has no adapter entries "
+              "('<module>.lora_A.weight', '<module>.lora_B.weight'); call apply_lora on the "
+              "model before training and pass its full state dict");
+  return adapter;
+}
+
+StateDict merged_state_dict(const StateDict& state_dict, const LoraConfig& config) {
+  StateDict merged;
+  for (const auto& item : state_dict) {
+    if (!is_adapter_key(item.key())) merged.insert(item.key(), item.value());
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& item : state_dict) {
+    if (!absl::EndsWith(item.key(), kLoraA)) continue;
+    const std::string module = item.key().substr(0, item.key().size() - sizeof(kLoraA) + 1);
+    const at::Tensor* b = state_dict.find(module + kLoraB);
+    at::Tensor* weight = merged.find(module + ".weight");
+    TORCH_CHECK(b != nullptr && weight != nullptr, "merged_state_dict: '", item.key(), "' needs '",
+                module, kLoraB, "' and '", module,
+                ".weight' beside it in the state dict; pass the model's full state dict");
+    const at::Tensor& a = item.value();
+    TORCH_CHECK(
+        a.dim() == 2 && b->dim() == 2 && a.size(0) == config.r() && b->size(1) == config.r() &&
+            weight->dim() == 2 && weight->size(0) == b->size(0) && weight->size(1) == a.size(1),
+        "merged_state_dict: for '", module, "' expected lora_A [r, in], lora_B [out, r] ",
+        "and weight [out, in] with r = ", config.r(), ", got ", shape_of(a), ", ", shape_of(*b),
+        " and ", shape_of(*weight), "; pass the LoraConfig the adapters were made with");
+    const at::Tensor delta = at::matmul(b->to(at::kFloat), a.to(at::kFloat)) * config.scaling();
+    *weight = (weight->to(at::kFloat) + delta.to(weight->device())).to(weight->scalar_type());
+  }
+  return merged;
+}
+
+}  // namespace fsdp::lora

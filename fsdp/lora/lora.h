@@ -1,0 +1,147 @@
+// LoRA (Hu et al., 2021) for LibTorch models, as Hugging Face PEFT's LoraModel does it:
+// a low-rank update lora_B(lora_A(dropout(x))) x (lora_alpha / r) added to chosen
+// Linear layers, whose base weights are frozen, so that only the adapters train. Works
+// with FullyShardedDataParallel: a unit then mixes frozen and trainable parameters
+// (fully_sharded.h, "Frozen parameters"), and only the adapters are reduced and stepped.
+// Saving (adapter_file.h) writes PEFT's layout (adapter_model.safetensors +
+// adapter_config.json), which peft.PeftModel.from_pretrained loads, and merging gives
+// the full model's weights.
+//
+//   // The model holds fsdp::lora::LoraLinear where it would hold torch::nn::Linear
+//   // (same parameters and names: a plain Linear until an adapter is added).
+//   auto net = std::make_shared<MyLlama>(config);           // q_proj, v_proj: LoraLinear
+//   fsdp::lora::LoraConfig lora;
+//   lora.r(8).lora_alpha(16).target_modules({"q_proj", "v_proj"});
+//   fsdp::lora::apply_lora(*net, lora);                     // adds adapters, freezes the rest
+//   fsdp::FullyShardedDataParallel<MyLlama> model(net, options);
+//   ... train with model->parameters() (the adapters' flat shards) ...
+//   fsdp::StateDict full = fsdp::full_state_dict(*model, {});  // every rank calls it
+//   if (rank == 0) fsdp::lora::save_adapter(full, lora, "out/adapter");  // adapter_file.h
+//   fsdp::StateDict merged = fsdp::lora::merged_state_dict(full, lora);  // W + s B A
+//
+// Names. A LoraLinear's base parameters keep a Linear's names ("<fqn>.weight",
+// "<fqn>.bias"); its adapter adds "<fqn>.lora_A.weight" (r x in_features) and
+// "<fqn>.lora_B.weight" (out_features x r). In the adapter file they are
+// "base_model.model.<fqn>.lora_A.weight" / "...lora_B.weight", as PEFT's save_pretrained
+// writes them (PeftModel's own names carry the adapter name "default" and
+// "base_layer"; the saved file has neither).
+//
+// Threading: none of its own; modules follow LibTorch's rules. Errors: c10::Error saying
+// what was expected, what was found and what to do.
+#ifndef FSDP_LORA_LORA_H_
+#define FSDP_LORA_LORA_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/ordered_dict.h>
+
+namespace fsdp::lora {
+
+// Cleaned FQN -> tensor (the same type as fsdp::StateDict in fsdp/state/state_dict.h).
+using StateDict = torch::OrderedDict<std::string, at::Tensor>;
+
+// PyTorch PEFT: peft.LoraConfig (the fields it saves that this implementation uses;
+// bias "none", no rsLoRA, no DoRA, fan_in_fan_out false).
+struct LoraConfig {
+  // The rank r of the update (>= 1).
+  TORCH_ARG(int64_t, r) = 8;
+  // The update is scaled by lora_alpha / r (PEFT: scaling).
+  TORCH_ARG(double, lora_alpha) = 8;
+  // Dropout on the adapter's input, in [0, 1); only in training mode.
+  TORCH_ARG(double, lora_dropout) = 0.0;
+  // Module names: a LoraLinear is adapted if its FQN equals one of them or ends with
+  // "." + one of them (PEFT's matching of a list: "q_proj" adapts
+  // "model.layers.0.self_attn.q_proj").
+  TORCH_ARG(std::vector<std::string>, target_modules);
+  // Instead of target_modules: a regular expression (ECMAScript) the whole FQN must
+  // match (PEFT: target_modules given as one string, re.fullmatch).
+  TORCH_ARG(std::string, target_regex);
+  // Written to adapter_config.json (PEFT uses it to find the base model).
+  TORCH_ARG(std::string, base_model_name_or_path);
+  // adapter_config.json's task_type ("CAUSAL_LM" makes PEFT build a
+  // PeftModelForCausalLM; empty: null).
+  TORCH_ARG(std::string, task_type) = "CAUSAL_LM";
+
+ public:
+  double scaling() const { return lora_alpha_ / static_cast<double>(r_); }
+};
+
+// A Linear layer (y = x W^T + b; W: out_features x in_features) that can carry one LoRA
+// adapter: then y = x W^T + b + lora_B(lora_A(lora_dropout(x))) x scaling. Without an
+// adapter it is exactly torch::nn::Linear, with the same parameter names and
+// initialisation. PyTorch PEFT: peft.tuners.lora.Linear around an nn.Linear.
+class LoraLinearImpl : public torch::nn::Module {
+ public:
+  LoraLinearImpl(int64_t in_features, int64_t out_features)
+      : LoraLinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+  explicit LoraLinearImpl(const torch::nn::LinearOptions& options);
+
+  // input: (*, in_features); output: (*, out_features).
+  at::Tensor forward(const at::Tensor& input);
+
+  // Adds the adapter: lora_A (r x in_features, kaiming_uniform_ with a = sqrt(5), as
+  // PEFT's init_lora_weights=True), lora_B (out_features x r, zeros: the layer's output
+  // is unchanged until it trains), both on the base weight's device and dtype and
+  // requiring grad; freezes weight and bias. Draws from the default generator. Throws if
+  // the layer has an adapter already, r < 1, or lora_dropout is outside [0, 1).
+  void add_adapter(const LoraConfig& config);
+  bool has_adapter() const { return !lora_A.is_empty(); }
+  // lora_alpha / r of the adapter (0 without one).
+  double scaling() const { return scaling_; }
+  // The update the adapter adds to the weight: lora_B.weight @ lora_A.weight x scaling
+  // (out_features x in_features). Throws without an adapter.
+  at::Tensor delta_weight() const;
+
+  void pretty_print(std::ostream& stream) const override;
+
+  torch::nn::LinearOptions options;
+  at::Tensor weight;  // out_features x in_features
+  at::Tensor bias;    // out_features, or undefined (options.bias(false))
+  torch::nn::Linear lora_A{nullptr};
+  torch::nn::Linear lora_B{nullptr};
+  torch::nn::Dropout lora_dropout{nullptr};
+
+ private:
+  double scaling_ = 0;
+};
+TORCH_MODULE(LoraLinear);
+
+// Whether `fqn` (a module's cleaned FQN) is a target of `config` (see target_modules and
+// target_regex). Throws if the config gives both or neither.
+bool is_target(const std::string& fqn, const LoraConfig& config);
+
+// PEFT's get_peft_model for LoRA: adds an adapter (LoraLinearImpl::add_adapter) to every
+// LoraLinear in `model` whose cleaned FQN is a target, and freezes every other parameter
+// of `model` (requires_grad = false). Call it before wrapping the model in FSDP. Returns
+// the adapted modules' FQNs in pre-order. Throws, naming the FQN, if a target is a
+// torch::nn::Linear (it cannot take an adapter: use LoraLinear in the model) or already
+// has an adapter; throws if nothing matches, listing the model's LoraLinear FQNs.
+std::vector<std::string> apply_lora(torch::nn::Module& model, const LoraConfig& config);
+
+// Whether a state-dict key is an adapter parameter ("...lora_A.weight",
+// "...lora_B.weight").
+bool is_adapter_key(const std::string& key);
+
+// The adapter entries of a full state dict of the model (full_state_dict, or
+// module_state_dict of an unwrapped model) under the names PEFT saves:
+// "base_model.model." + key. The tensors are shared, not copied. Throws if there is none.
+StateDict adapter_state_dict(const StateDict& state_dict);
+
+// The model's full state dict with every adapter merged into its base weight
+// (weight + lora_B.weight @ lora_A.weight x config.scaling(), computed in float32 and
+// cast back to the weight's dtype; PEFT: merge_and_unload) and the adapter entries
+// dropped: the keys of the model without adapters. Throws if a lora_A has no lora_B or
+// base weight beside it, or the shapes disagree with config.r().
+StateDict merged_state_dict(const StateDict& state_dict, const LoraConfig& config);
+
+}  // namespace fsdp::lora
+
+#endif  // FSDP_LORA_LORA_H_

@@ -1,0 +1,230 @@
+// LoRA layers, targeting, merging and PEFT names; LoRA under FSDP trained against one
+// process (ranks as threads, the fake communicator).
+#include "fsdp/lora/lora.h"
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "absl/strings/match.h"
+#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/state/state_dict.h"
+
+namespace fsdp {
+namespace {
+
+using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
+using lora::LoraConfig;
+using lora::LoraLinear;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+// An attention-like block: q_proj, v_proj and o_proj LoraLinears, an MLP Linear.
+struct AttnBlockImpl : torch::nn::Module {
+  AttnBlockImpl() {
+    q_proj = register_module("q_proj", LoraLinear(8, 8));
+    v_proj = register_module(
+        "v_proj", LoraLinear(lora::LoraLinearImpl(torch::nn::LinearOptions(8, 8).bias(false))));
+    o_proj = register_module("o_proj", LoraLinear(8, 8));
+    mlp = register_module("mlp", torch::nn::Linear(8, 8));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = x + o_proj(torch::tanh(q_proj(x)) * v_proj(x));
+    return h + mlp(torch::relu(h));
+  }
+  LoraLinear q_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  torch::nn::Linear mlp{nullptr};
+};
+
+LoraConfig qv_config() {
+  LoraConfig config;
+  config.r(2).lora_alpha(6).target_modules({"q_proj", "v_proj"});
+  return config;
+}
+
+// A tiny LM whose two blocks are FSDP units, LoRA on q_proj and v_proj: every unit mixes
+// frozen base weights and trainable adapters; the embedding (the root) is frozen too.
+struct LoraLmImpl : torch::nn::Module {
+  LoraLmImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) {
+      blocks->push_back(Unit<AttnBlockImpl>(std::make_shared<AttnBlockImpl>()));
+    }
+    lora::apply_lora(*this, qv_config());
+    // Nonzero B, so that the adapters change the output from the first step.
+    torch::NoGradGuard no_grad;
+    for (const auto& item : named_parameters()) {
+      if (absl::EndsWith(item.key(), "lora_B.weight")) item.value().normal_(0, 0.1);
+    }
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    at::Tensor x = embedding(tokens);
+    for (const auto& block : *blocks) x = block->as<UnitImpl<AttnBlockImpl>>()->forward(x);
+    return at::matmul(x, embedding->weight.t());
+  }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  int step = 0;
+};
+
+TEST(LoraLinearTest, WithoutAnAdapterItIsALinear) {
+  torch::manual_seed(3);
+  torch::nn::Linear plain(5, 4);
+  torch::manual_seed(3);
+  LoraLinear lora(5, 4);
+  EXPECT_TRUE(at::equal(plain->weight, lora->weight));
+  EXPECT_TRUE(at::equal(plain->bias, lora->bias));
+  std::vector<std::string> names;
+  for (const auto& item : lora->named_parameters()) names.push_back(item.key());
+  EXPECT_THAT(names, ElementsAre("weight", "bias"));
+  const at::Tensor x = at::randn({3, 5});
+  EXPECT_TRUE(at::equal(plain(x), lora(x)));
+}
+
+TEST(LoraLinearTest, AnAdapterStartsAtZeroAndAddsScaledLowRankUpdate) {
+  LoraLinear lora(5, 4);
+  LoraConfig config;
+  config.r(3).lora_alpha(12).target_modules({"x"});
+  const at::Tensor x = at::randn({2, 5});
+  const at::Tensor before = lora(x).detach();
+  lora->add_adapter(config);
+  std::vector<std::string> names;
+  for (const auto& item : lora->named_parameters()) names.push_back(item.key());
+  EXPECT_THAT(names, ElementsAre("weight", "bias", "lora_A.weight", "lora_B.weight"));
+  EXPECT_EQ(lora->lora_A->weight.sizes(), (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(lora->lora_B->weight.sizes(), (std::vector<int64_t>{4, 3}));
+  EXPECT_FALSE(lora->weight.requires_grad());
+  EXPECT_FALSE(lora->bias.requires_grad());
+  EXPECT_TRUE(lora->lora_A->weight.requires_grad());
+  EXPECT_TRUE(lora->lora_B->weight.requires_grad());
+  EXPECT_EQ(lora->scaling(), 4.0);
+  // kaiming_uniform_(a = sqrt(5)) on fan_in 5: U(-1/sqrt(5), 1/sqrt(5)).
+  EXPECT_LE(lora->lora_A->weight.abs().max().item<float>(), 1 / std::sqrt(5.0f));
+  EXPECT_GT(lora->lora_A->weight.abs().max().item<float>(), 0);
+  EXPECT_EQ(lora->lora_B->weight.abs().max().item<float>(), 0);
+  EXPECT_TRUE(at::equal(lora(x), before));
+  {
+    torch::NoGradGuard no_grad;
+    lora->lora_B->weight.fill_(0.5);
+  }
+  const at::Tensor want =
+      before + at::matmul(at::matmul(x, lora->lora_A->weight.t()), lora->lora_B->weight.t()) * 4.0;
+  EXPECT_TRUE(at::allclose(lora(x), want, 0, 1e-6));
+  EXPECT_TRUE(at::allclose(lora->delta_weight(),
+                           at::matmul(lora->lora_B->weight, lora->lora_A->weight) * 4.0, 0, 0));
+  EXPECT_THAT([&] { lora->add_adapter(config); },
+              ThrowsMessage<c10::Error>(HasSubstr("has an adapter already")));
+}
+
+TEST(ApplyLoraTest, TargetsByNameSuffixOrRegexAndFreezesTheRest) {
+  auto block = std::make_shared<AttnBlockImpl>();
+  EXPECT_THAT(lora::apply_lora(*block, qv_config()), ElementsAre("q_proj", "v_proj"));
+  std::vector<std::string> trainable;
+  for (const auto& item : block->named_parameters()) {
+    if (item.value().requires_grad()) trainable.push_back(item.key());
+  }
+  EXPECT_THAT(trainable, ElementsAre("q_proj.lora_A.weight", "q_proj.lora_B.weight",
+                                     "v_proj.lora_A.weight", "v_proj.lora_B.weight"));
+  EXPECT_FALSE(block->o_proj->has_adapter());
+
+  LoraConfig regex;
+  regex.target_regex("blocks\\.1\\.(q|o)_proj");
+  LoraLmImpl lm;  // q_proj and v_proj adapted already
+  EXPECT_THAT([&] { lora::apply_lora(lm, regex); },
+              ThrowsMessage<c10::Error>(HasSubstr("'blocks.1.q_proj' has an adapter already")));
+  regex.target_regex("blocks\\.1\\.o_proj");
+  EXPECT_THAT(lora::apply_lora(lm, regex), ElementsAre("blocks.1.o_proj"));
+  EXPECT_TRUE(lora::is_target("model.layers.0.self_attn.q_proj", qv_config()));
+  EXPECT_FALSE(lora::is_target("model.layers.0.self_attn.qq_proj", qv_config()));
+}
+
+TEST(ApplyLoraTest, ErrorsNameWhatToDo) {
+  auto block = std::make_shared<AttnBlockImpl>();
+  LoraConfig config;
+  config.target_modules({"mlp"});
+  EXPECT_THAT([&] { lora::apply_lora(*block, config); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "'mlp' is a target but a torch::nn::Linear, which cannot carry an adapter; "
+                  "hold an fsdp::lora::LoraLinear there instead")));
+  config.target_modules({"k_proj"});
+  EXPECT_THAT([&] { lora::apply_lora(*block, config); },
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("no LoraLinear matches target_modules [k_proj]; the model's LoraLinear "
+                            "modules are [q_proj, v_proj, o_proj]")));
+  config.target_regex("q_proj");
+  EXPECT_THAT([&] { lora::apply_lora(*block, config); },
+              ThrowsMessage<c10::Error>(HasSubstr("exactly one; got both")));
+  config.target_modules({}).target_regex("q_proj").r(0);
+  EXPECT_THAT([&] { lora::apply_lora(*block, config); },
+              ThrowsMessage<c10::Error>(HasSubstr("expected LoRA rank r >= 1, got 0")));
+}
+
+TEST(LoraStateDictTest, AdapterNamesArePeftsAndMergingFoldsTheUpdateIn) {
+  auto lm = make<LoraLmImpl>();
+  const StateDict full = module_state_dict(*lm);
+  const lora::StateDict adapter = lora::adapter_state_dict(full);
+  EXPECT_THAT(adapter.keys(), ElementsAre("base_model.model.blocks.0.q_proj.lora_A.weight",
+                                          "base_model.model.blocks.0.q_proj.lora_B.weight",
+                                          "base_model.model.blocks.0.v_proj.lora_A.weight",
+                                          "base_model.model.blocks.0.v_proj.lora_B.weight",
+                                          "base_model.model.blocks.1.q_proj.lora_A.weight",
+                                          "base_model.model.blocks.1.q_proj.lora_B.weight",
+                                          "base_model.model.blocks.1.v_proj.lora_A.weight",
+                                          "base_model.model.blocks.1.v_proj.lora_B.weight"));
+  const lora::StateDict merged = lora::merged_state_dict(full, qv_config());
+  // The merged weights in a model without adapters give the adapted model's output.
+  struct PlainLmImpl : torch::nn::Module {
+    PlainLmImpl() {
+      embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
+      blocks = register_module("blocks", torch::nn::ModuleList());
+      for (int i = 0; i < 2; ++i) {
+        blocks->push_back(Unit<AttnBlockImpl>(std::make_shared<AttnBlockImpl>()));
+      }
+    }
+    torch::nn::Embedding embedding{nullptr};
+    torch::nn::ModuleList blocks{nullptr};
+  };
+  PlainLmImpl plain;
+  EXPECT_EQ(merged.keys(), module_state_dict(plain).keys());
+  load_module_state_dict(plain, merged);
+  const at::Tensor& a = full["blocks.1.v_proj.lora_A.weight"];
+  const at::Tensor& b = full["blocks.1.v_proj.lora_B.weight"];
+  EXPECT_TRUE(at::allclose(merged["blocks.1.v_proj.weight"],
+                           full["blocks.1.v_proj.weight"] + at::matmul(b, a) * 3.0, 0, 1e-7));
+  at::Tensor x = at::randn({3, 8});
+  at::Tensor want = x, got = x;
+  for (int i = 0; i < 2; ++i) {
+    want = lm->blocks[i]->as<UnitImpl<AttnBlockImpl>>()->module()->forward(want);
+    got = plain.blocks[i]->as<UnitImpl<AttnBlockImpl>>()->module()->forward(got);
+  }
+  EXPECT_TRUE(at::allclose(got, want, 0, 1e-5));
+  EXPECT_THAT([&] { lora::merged_state_dict(full, LoraConfig().r(4).target_modules({"q_proj"})); },
+              ThrowsMessage<c10::Error>(HasSubstr("with r = 4, got [2, 8], [8, 2] and [8, 8]")));
+}
+
+// LoRA under FSDP: every unit mixes frozen base weights and trainable adapters; training
+// matches one process with the same adapters, every strategy, W = 1, 2, 3.
+TEST(LoraFsdpTest, TrainsLikeOneProcessEveryStrategy) {
+  for (int world_size : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "W = " << world_size);
+    on_ranks(world_size, [](std::shared_ptr<Communicator> comm) {
+      expect_parity_for_all_strategies<LoraLmImpl>(comm);
+    });
+  }
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -7,6 +7,8 @@
     llama_finetune.py same DIR A B   every tensor of HF folder B equals A's, bit for bit
     llama_finetune.py differ DIR A B every tensor of B differs from A's (training moved it),
                                      in the same dtype and shape
+    llama_finetune.py lora DIR A B   B (LoRA on q_proj, v_proj, merged) keeps every other
+                                     tensor of A bit for bit and changes every q_proj, v_proj
     llama_finetune.py eval DIR HF CONTEXT LOG
                                      transformers' mean next-token loss over DIR/eval.bin in
                                      consecutive windows of CONTEXT + 1 tokens equals the
@@ -99,6 +101,18 @@ def differ(a, b):
     print(f"{b}: all {len(ta)} tensors moved by training")
 
 
+def lora(a, b):
+    ta, tb = tensors(a), tensors(b)
+    assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
+    targets = [n for n in ta if ".q_proj." in n or ".v_proj." in n]
+    assert targets
+    for name in ta:
+        equal = torch.equal(ta[name], tb[name])
+        assert equal != (name in targets), f"{name}: {'unchanged' if equal else 'changed'}"
+    print(f"{b}: {len(targets)} adapted weights changed, {len(ta) - len(targets)} frozen "
+          "ones kept bit for bit")
+
+
 def model_of(folder):
     from transformers import LlamaForCausalLM
 
@@ -143,6 +157,8 @@ if __name__ == "__main__":
         same(sys.argv[3], sys.argv[4])
     elif command == "differ":
         differ(sys.argv[3], sys.argv[4])
+    elif command == "lora":
+        lora(sys.argv[3], sys.argv[4])
     elif command == "eval":
         eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif command == "logits":

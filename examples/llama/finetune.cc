@@ -40,6 +40,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -56,7 +57,10 @@
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
+#include "fsdp/lora/lora.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/safetensors_state_dict.h"
+#include "fsdp/state/state_dict.h"
 
 ABSL_FLAG(std::string, from, "", "Hugging Face model folder (config.json + safetensors)");
 ABSL_FLAG(std::string, data, "", "training tokens: a flat little-endian array of token ids");
@@ -80,6 +84,14 @@ ABSL_FLAG(std::string, max_shard_size, "5GB",
           "save_pretrained's max_shard_size");
 ABSL_FLAG(int64_t, timeout_s, 300, "seconds to wait for every rank in each collective");
 ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in OUT_DIR/checkpoints");
+ABSL_FLAG(int64_t, lora_rank, 0,
+          "0: full fine-tuning; R > 0: LoRA adapters of rank R on --lora_target_modules, "
+          "every other weight frozen");
+ABSL_FLAG(double, lora_alpha, 16, "LoRA's alpha: the update is scaled by alpha / rank");
+ABSL_FLAG(double, lora_dropout, 0.0, "dropout on the LoRA adapters' input, in [0, 1)");
+ABSL_FLAG(std::string, lora_target_modules, "q_proj,v_proj",
+          "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+          "gate_proj, up_proj, down_proj)");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 
@@ -189,6 +201,14 @@ std::string flag_error() {
                         ": expected full_shard, shard_grad_op or no_shard");
   }
   if (absl::GetFlag(FLAGS_steps) < 0) return "--steps: expected 0 or more";
+  if (absl::GetFlag(FLAGS_lora_rank) < 0) {
+    return "--lora_rank: expected 0 (full fine-tuning) or a rank >= 1";
+  }
+  const double dropout = absl::GetFlag(FLAGS_lora_dropout);
+  if (!(dropout >= 0 && dropout < 1)) {
+    return absl::StrCat("--lora_dropout=", dropout, ": expected a value in [0, 1)");
+  }
+  if (!(absl::GetFlag(FLAGS_lora_alpha) > 0)) return "--lora_alpha: expected a positive number";
   if (!(absl::GetFlag(FLAGS_lr) >= 0) || !std::isfinite(absl::GetFlag(FLAGS_lr))) {
     return "--lr: expected a finite number >= 0";
   }
@@ -198,6 +218,19 @@ std::string flag_error() {
     return "--checkpoint_interval: expected 0 (none) or more";
   }
   return "";
+}
+
+// The LoRA adapters of --lora_rank (PEFT's LoraConfig).
+lora::LoraConfig lora_config() {
+  const std::vector<std::string> targets =
+      absl::StrSplit(absl::GetFlag(FLAGS_lora_target_modules), ',', absl::SkipWhitespace());
+  lora::LoraConfig config;
+  config.r(absl::GetFlag(FLAGS_lora_rank))
+      .lora_alpha(absl::GetFlag(FLAGS_lora_alpha))
+      .lora_dropout(absl::GetFlag(FLAGS_lora_dropout))
+      .target_modules(targets)
+      .base_model_name_or_path(absl::GetFlag(FLAGS_from));
+  return config;
 }
 
 // This rank's share of global batch `index`: random windows of --context + 1 tokens, the
@@ -263,19 +296,31 @@ int finetune() {
 
   auto llama = std::make_shared<LlamaForCausalLMImpl>(config);
   llama->to(hf_weights_dtype(from));  // trained in the dtype the folder holds
-  int64_t numel = 0;
-  for (const auto& p : llama->parameters()) numel += p.numel();
+  const bool lora = absl::GetFlag(FLAGS_lora_rank) > 0;
+  if (lora) {
+    // Adapters are added before FSDP wraps the model, so the base weights are read
+    // first, whole, into the plain module; the same seed gives every rank the same A.
+    load_module_safetensors(*llama, from);
+    at::manual_seed(absl::GetFlag(FLAGS_seed));
+    const std::vector<std::string> adapted = lora::apply_lora(*llama, lora_config());
+    if (comm->rank() == 0) std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
+  }
+  int64_t numel = 0, trainable = 0;
+  for (const auto& p : llama->parameters()) {
+    numel += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
   Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(
                          *parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy))));
-  load_hf_weights(*model, from);
+  if (!lora) load_hf_weights(*model, from);  // each rank reads only its shards' bytes
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
                                 .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
   if (lead) {
     std::cout << absl::StrFormat(
-        "model: %s, %d parameters (%d layers, %d heads, %d key/value heads) in %d units over "
-        "%d ranks (%s)\ndata: %d training tokens%s\n",
-        from, numel, config.num_hidden_layers, config.num_attention_heads,
+        "model: %s, %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "
+        "%d units over %d ranks (%s)\ndata: %d training tokens%s\n",
+        from, numel, trainable, config.num_hidden_layers, config.num_attention_heads,
         config.num_key_value_heads, model->units().size(), comm->world_size(),
         sharding_strategy_name(model->sharding_strategy()), train_tokens.numel(),
         eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
@@ -333,7 +378,16 @@ int finetune() {
     if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
   }
   const std::string hf = dir + "/hf";
-  save_hf_folder(*model, from, hf, parse_shard_size(absl::GetFlag(FLAGS_max_shard_size)));
+  const int64_t shard_size = parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
+  if (!lora) {
+    save_hf_folder(*model, from, hf, shard_size);  // one unit gathered at a time
+  } else {
+    // The adapters merged into the base weights (PEFT's merge_and_unload), gathered to
+    // rank 0.
+    const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+    if (lead)
+      save_hf_state_dict(lora::merged_state_dict(full, lora_config()), from, hf, shard_size);
+  }
   if (lead) {
     std::cout << absl::StrFormat("peak memory (rank 0): %.1f MB tracked, %.1f MB resident\n",
                                  model->device_handle().max_memory_allocated() / 1e6,

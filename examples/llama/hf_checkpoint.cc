@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -11,6 +12,20 @@
 #include "fsdp/state/safetensors_state_dict.h"
 
 namespace fsdp::llama {
+namespace {
+
+// The files of an HF folder that describe the model besides its weights.
+void copy_model_files(const std::string& from_dir, const std::string& out_dir) {
+  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
+                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
+    const std::filesystem::path from = std::filesystem::path(from_dir) / name;
+    if (!std::filesystem::exists(from)) continue;
+    std::filesystem::copy_file(from, std::filesystem::path(out_dir) / name,
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+}
+
+}  // namespace
 
 at::ScalarType hf_weights_dtype(const std::string& dir) {
   const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
@@ -38,14 +53,22 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   if (model.communicator().rank() == 0) std::filesystem::create_directories(out_dir);
   save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
-  if (model.communicator().rank() != 0) return;
-  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
-                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
-    const std::filesystem::path from = std::filesystem::path(from_dir) / name;
-    if (!std::filesystem::exists(from)) continue;
-    std::filesystem::copy_file(from, std::filesystem::path(out_dir) / name,
-                               std::filesystem::copy_options::overwrite_existing);
+  if (model.communicator().rank() == 0) copy_model_files(from_dir, out_dir);
+}
+
+void save_hf_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state_dict,
+                        const std::string& from_dir, const std::string& out_dir,
+                        int64_t max_shard_size) {
+  TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
+  std::vector<SafetensorsTensorSpec> specs;
+  for (const auto& item : state_dict) {
+    specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
   }
+  SafetensorsFolderWriter writer(out_dir, specs,
+                                 SafetensorsWriteOptions().max_shard_size(max_shard_size));
+  for (const auto& item : state_dict) writer.write(item.key(), item.value());
+  writer.commit();
+  copy_model_files(from_dir, out_dir);
 }
 
 int64_t parse_shard_size(const std::string& text) {

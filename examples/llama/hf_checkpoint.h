@@ -19,7 +19,9 @@
 #include <cstdint>
 #include <string>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
+#include <torch/ordered_dict.h>
 
 #include "fsdp/core/fully_sharded.h"
 
@@ -41,6 +43,13 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 // copied unchanged. Collective: the units are gathered one at a time; rank 0 writes.
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);
+
+// The same from a full state dict on rank 0 (e.g. LoRA adapters merged into the base
+// weights, fsdp/lora/lora.h): rank 0 writes `state_dict` (in its order and dtypes) and
+// the model files of `from_dir`; other ranks do nothing. Not collective.
+void save_hf_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state_dict,
+                        const std::string& from_dir, const std::string& out_dir,
+                        int64_t max_shard_size);
 
 // A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,
 // MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024): "20KB" is 20000, "2GiB"

@@ -10,8 +10,8 @@
 namespace fsdp::llama {
 namespace {
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+lora::LoraLinear linear(int64_t in, int64_t out) {
+  return lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
 // HF's rotate_half: [-x2, x1] with x1, x2 the two halves of the last dimension.
@@ -46,7 +46,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
                                        const at::Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1);
   // [batch, heads, time, head_dim], rotated (cos, sin broadcast over batch and heads).
-  const auto project = [&](torch::nn::Linear& proj, int64_t n) {
+  const auto project = [&](lora::LoraLinear& proj, int64_t n) {
     return proj(x).view({b, t, n, head_dim}).transpose(1, 2);
   };
   at::Tensor q = project(q_proj, heads), k = project(k_proj, kv_heads);
@@ -125,7 +125,10 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config) : config(config) {
   model = register_module("model", LlamaModel(config));
   if (!config.tie_word_embeddings) {
-    lm_head = register_module("lm_head", linear(config.hidden_size, config.vocab_size));
+    lm_head = register_module(
+        "lm_head",
+        torch::nn::Linear(
+            torch::nn::LinearOptions(config.hidden_size, config.vocab_size).bias(false)));
   }
 }
 

@@ -22,7 +22,9 @@
 // pre-norm: x + attention(rms_norm(x)), then x + mlp(rms_norm(x)); RMSNorm in fp32 with
 // rms_norm_eps; rotary embeddings with rope_theta in HF's rotate_half convention;
 // grouped-query attention through at::scaled_dot_product_attention (causal, enable_gqa);
-// SwiGLU MLP down(silu(gate(x)) * up(x)). No bias anywhere, no dropout, no KV cache.
+// SwiGLU MLP down(silu(gate(x)) * up(x)). No bias anywhere, no dropout, no KV cache. The
+// projections of attention and MLP are fsdp::lora::LoraLinear (a plain Linear until
+// fsdp::lora::apply_lora adds an adapter, e.g. to "q_proj" and "v_proj").
 // Threading: as any LibTorch module (one forward at a time per instance).
 #ifndef FSDP_EXAMPLES_LLAMA_MODEL_H_
 #define FSDP_EXAMPLES_LLAMA_MODEL_H_
@@ -36,6 +38,7 @@
 
 #include "examples/llama/config.h"
 #include "fsdp/core/unit.h"
+#include "fsdp/lora/lora.h"
 
 namespace fsdp::llama {
 
@@ -56,7 +59,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
   int64_t heads, kv_heads, head_dim;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -64,7 +67,7 @@ struct LlamaMLPImpl : torch::nn::Module {
   explicit LlamaMLPImpl(const LlamaConfig& config);
   at::Tensor forward(const at::Tensor& x);
 
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(LlamaMLP);
 

@@ -9,6 +9,9 @@
                                      in the same dtype and shape
     llama_finetune.py lora DIR A B   B (LoRA on q_proj, v_proj, merged) keeps every other
                                      tensor of A bit for bit and changes every q_proj, v_proj
+    llama_finetune.py peft DIR BASE ADAPTER HF
+                                     PEFT's PeftModel.from_pretrained(BASE, ADAPTER) gives
+                                     logits within 1e-5 of transformers' on the merged HF
     llama_finetune.py eval DIR HF CONTEXT LOG
                                      transformers' mean next-token loss over DIR/eval.bin in
                                      consecutive windows of CONTEXT + 1 tokens equals the
@@ -113,6 +116,18 @@ def lora(a, b):
           "ones kept bit for bit")
 
 
+def peft_check(root, base, adapter, merged):
+    from peft import PeftModel
+
+    ids = torch.load(os.path.join(root, "ids.pt"))["ids"]
+    with torch.no_grad():
+        ours = PeftModel.from_pretrained(model_of(base), adapter).eval()(input_ids=ids).logits
+        expected = model_of(merged)(input_ids=ids).logits
+    diff = (ours - expected).abs().max().item()
+    print(f"{adapter} on {base} in PEFT against {merged}: max |logits difference| = {diff:.3g}")
+    assert diff <= TOLERANCE, diff
+
+
 def model_of(folder):
     from transformers import LlamaForCausalLM
 
@@ -159,6 +174,8 @@ if __name__ == "__main__":
         differ(sys.argv[3], sys.argv[4])
     elif command == "lora":
         lora(sys.argv[3], sys.argv[4])
+    elif command == "peft":
+        peft_check(root, sys.argv[3], sys.argv[4], sys.argv[5])
     elif command == "eval":
         eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif command == "logits":

@@ -44,13 +44,15 @@ ls "$dir/out20/checkpoints/step_00000020/metadata.pt" > /dev/null
 "$python" "$script" logits "$dir" "$dir/out20/hf" "$dir/out20_logits.pt"
 
 # LoRA (rank 4 on q_proj and v_proj, the rest frozen): OUT/hf holds the merged weights,
-# which from_pretrained loads with the eval loss fsdp printed.
+# which from_pretrained loads with the eval loss fsdp printed; OUT/adapter loads in PEFT
+# onto the base model with the merged model's logits.
 "$finetune" "${common[@]}" --out_dir="$dir/lora" --steps=10 --lr=1e-2 --warmup_steps=0 \
     --lora_rank=4 --eval_data="$dir/eval.bin" | tee "$dir/lora.log"
 grep -q "LoRA: adapters on 4 modules" "$dir/lora.log"
 grep -q "38688 parameters (896 trainable;" "$dir/lora.log"
 "$python" "$script" lora "$dir" "$dir/model" "$dir/lora/hf"
 "$python" "$script" eval "$dir" "$dir/lora/hf" 32 "$dir/lora.log"
+"$python" "$script" peft "$dir" "$dir/model" "$dir/lora/adapter" "$dir/lora/hf"
 
 # A second run in the same folder needs --resume (or --overwrite); --resume continues.
 if "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 2> "$dir/again.err"; then

@@ -19,8 +19,10 @@
 // windows of --context + 1 tokens (no overlap, the remainder dropped). At the end it
 // writes OUT/hf/ (config.json and the weights, in files of at most --max_shard_size) that
 // transformers' LlamaForCausalLM.from_pretrained loads; --steps=0 writes the weights it
-// read, bit for bit. Without RANK in its environment it starts --world_size ranks of
-// itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is
+// read, bit for bit. With --lora_rank it trains LoRA adapters only (fsdp/lora), writes
+// them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and OUT/hf/
+// holds them merged into the base weights. Without RANK in its environment it starts --world_size
+// ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is
 // one line on stderr and exit status 2.
 #include <algorithm>
 #include <chrono>
@@ -57,6 +59,7 @@
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
+#include "fsdp/lora/adapter_file.h"
 #include "fsdp/lora/lora.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/safetensors_state_dict.h"
@@ -385,8 +388,10 @@ int finetune() {
     // The adapters merged into the base weights (PEFT's merge_and_unload), gathered to
     // rank 0.
     const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
-    if (lead)
+    if (lead) {
       save_hf_state_dict(lora::merged_state_dict(full, lora_config()), from, hf, shard_size);
+      lora::save_adapter(full, lora_config(), dir + "/adapter");  // PEFT's layout
+    }
   }
   if (lead) {
     std::cout << absl::StrFormat("peak memory (rank 0): %.1f MB tracked, %.1f MB resident\n",

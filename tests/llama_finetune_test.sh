@@ -59,9 +59,13 @@ if "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 2> "$dir/again.e
   echo "FAIL: a rerun over another run's checkpoints was accepted"; exit 1
 fi
 grep -q "holds another run's checkpoints" "$dir/again.err"
-"$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=25 --resume | tee "$dir/resume.log"
+"$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=25 --resume --max_shard_size=1GB \
+    | tee "$dir/resume.log"
 grep -q "resumed from .*step_00000020 at step 20" "$dir/resume.log"
 grep -q "] step 25/25 | loss" "$dir/resume.log"
+# That run wrote OUT/hf again in one file (no --max_shard_size): no old shard is left.
+[ "$(ls "$dir/out20/hf" | grep -c safetensors)" -eq 1 ] || {
+  echo "FAIL: stale files in out20/hf: $(ls "$dir/out20/hf")"; exit 1; }
 
 # Bad flags: one line, status 2.
 set +e

@@ -25,6 +25,18 @@ void copy_model_files(const std::string& from_dir, const std::string& out_dir) {
   }
 }
 
+// Removes the weight files a previous save left in `out_dir` (other shard counts would
+// stay beside the new files, and a stale index would win over a new model.safetensors).
+void remove_old_weights(const std::string& out_dir) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(out_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (absl::EndsWith(name, ".safetensors") || name == kSafetensorsIndexName) {
+      std::filesystem::remove(entry.path());
+    }
+  }
+}
+
 }  // namespace
 
 at::ScalarType hf_weights_dtype(const std::string& dir) {
@@ -51,7 +63,10 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
-  if (model.communicator().rank() == 0) std::filesystem::create_directories(out_dir);
+  if (model.communicator().rank() == 0) {
+    std::filesystem::create_directories(out_dir);
+    remove_old_weights(out_dir);
+  }
   save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
   if (model.communicator().rank() == 0) copy_model_files(from_dir, out_dir);
 }
@@ -64,6 +79,8 @@ void save_hf_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state
   for (const auto& item : state_dict) {
     specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
   }
+  std::filesystem::create_directories(out_dir);
+  remove_old_weights(out_dir);
   SafetensorsFolderWriter writer(out_dir, specs,
                                  SafetensorsWriteOptions().max_shard_size(max_shard_size));
   for (const auto& item : state_dict) writer.write(item.key(), item.value());

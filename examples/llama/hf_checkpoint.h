@@ -40,7 +40,8 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 // the weights in their dtype (split into files of at most `max_shard_size` bytes, with the
 // index, as save_pretrained(max_shard_size=...)) and the other files of `from_dir` that
 // describe the model (config.json, generation_config.json and the tokenizer's files)
-// copied unchanged. Collective: the units are gathered one at a time; rank 0 writes.
+// copied unchanged; weight files an earlier save left there are removed first.
+// Collective: the units are gathered one at a time; rank 0 writes.
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);
 

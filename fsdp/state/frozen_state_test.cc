@@ -15,6 +15,7 @@
 #include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"
+#include "fsdp/state/safetensors_state_dict.h"
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp {
@@ -140,6 +141,24 @@ TEST(FrozenStateTest, ShardedCheckpointReshardsFromTwoRanksToThree) {
     ASSERT_EQ(full.keys(), saved.keys());
     for (const auto& item : saved) EXPECT_TRUE(at::equal(full[item.key()], item.value()));
     EXPECT_EQ(full_optim_state_dict(*model, adam).size(), 7u);
+  });
+}
+
+// Hugging Face safetensors out of and into models with mixed units: every parameter
+// under its own name, each rank reading its shards of both flat parameters.
+TEST(FrozenStateTest, SafetensorsRoundTripAcrossWorldSizes) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir =
+      (std::filesystem::path(tmp != nullptr ? tmp : "/tmp") / "frozen_safetensors").string();
+  const StateDict want = module_state_dict(*make<FrozenLmImpl>());
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) { save_safetensors(*wrap(comm), dir); });
+  on_ranks(3, [&](std::shared_ptr<Communicator> comm) {
+    auto model = wrap(comm);
+    zero_every_flat_param(*model);
+    load_safetensors(*model, dir);
+    const StateDict full = full_state_dict(*model);
+    ASSERT_EQ(full.keys(), want.keys());
+    for (const auto& item : want) EXPECT_TRUE(at::equal(full[item.key()], item.value()));
   });
 }
 

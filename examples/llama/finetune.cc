@@ -389,7 +389,8 @@ int finetune() {
     // rank 0.
     const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
     if (lead) {
-      save_hf_state_dict(lora::merged_state_dict(full, lora_config()), from, hf, shard_size);
+      prepare_hf_folder(from, hf);
+      lora::save_merged(full, lora_config(), hf, shard_size);
       lora::save_adapter(full, lora_config(), dir + "/adapter");  // PEFT's layout
     }
   }

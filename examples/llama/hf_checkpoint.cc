@@ -2,7 +2,6 @@
 
 #include <filesystem>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -63,28 +62,13 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
-  if (model.communicator().rank() == 0) {
-    std::filesystem::create_directories(out_dir);
-    remove_old_weights(out_dir);
-  }
+  if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
   save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
-  if (model.communicator().rank() == 0) copy_model_files(from_dir, out_dir);
 }
 
-void save_hf_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state_dict,
-                        const std::string& from_dir, const std::string& out_dir,
-                        int64_t max_shard_size) {
-  TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
-  std::vector<SafetensorsTensorSpec> specs;
-  for (const auto& item : state_dict) {
-    specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
-  }
+void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir) {
   std::filesystem::create_directories(out_dir);
   remove_old_weights(out_dir);
-  SafetensorsFolderWriter writer(out_dir, specs,
-                                 SafetensorsWriteOptions().max_shard_size(max_shard_size));
-  for (const auto& item : state_dict) writer.write(item.key(), item.value());
-  writer.commit();
   copy_model_files(from_dir, out_dir);
 }
 

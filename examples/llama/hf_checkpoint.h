@@ -19,9 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
-#include <torch/ordered_dict.h>
 
 #include "fsdp/core/fully_sharded.h"
 
@@ -45,12 +43,10 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);
 
-// The same from a full state dict on rank 0 (e.g. LoRA adapters merged into the base
-// weights, fsdp/lora/lora.h): rank 0 writes `state_dict` (in its order and dtypes) and
-// the model files of `from_dir`; other ranks do nothing. Not collective.
-void save_hf_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state_dict,
-                        const std::string& from_dir, const std::string& out_dir,
-                        int64_t max_shard_size);
+// Readies `out_dir` for a model's weights written by other means (e.g. fsdp::lora::
+// save_merged): makes it, removes weight files an earlier save left there, and copies the
+// files of `from_dir` that describe the model, as save_hf_folder does. Call on one rank.
+void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir);
 
 // A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,
 // MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024): "20KB" is 20000, "2GiB"

@@ -58,6 +58,7 @@
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/run_support.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/device_handle.h"
@@ -209,12 +210,8 @@ int hybrid_group_size() {
 }
 
 double learning_rate(int64_t step) {
-  const double peak = absl::GetFlag(FLAGS_lr);
-  const int64_t warmup = absl::GetFlag(FLAGS_warmup_steps);
-  const int64_t steps = absl::GetFlag(FLAGS_steps);
-  if (step < warmup) return peak * (step + 1) / warmup;
-  const double progress = double(step - warmup) / std::max<int64_t>(1, steps - warmup);
-  return peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+  return cosine_learning_rate(step, absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_warmup_steps),
+                              absl::GetFlag(FLAGS_steps));
 }
 
 // This rank's share of global batch `index` (the same windows whatever the world size).
@@ -229,19 +226,6 @@ std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
   const int64_t local = global / comm.world_size();
   auto [x, y] = windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
   return {x.to(device), y.to(device)};
-}
-
-// The cross-entropy of next-token `logits` (any float dtype) against `targets`, in fp32.
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                              targets.reshape({-1}));
-}
-
-// Mean loss over ranks of `loss` (this rank's mean over an equal share).
-double global_mean(const at::Tensor& loss, Communicator& comm) {
-  at::Tensor value = loss.detach().reshape({1}).clone();
-  comm.all_reduce(value, ReduceOp::kAvg);
-  return value.item<double>();
 }
 
 double validation_loss(Model& model, const Corpus& corpus, Communicator& comm) {
@@ -311,14 +295,6 @@ void plot(const std::string& dir) {
   }
 }
 
-// This process's resident set size in bytes (Linux), or -1.
-int64_t resident_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t pages = 0, resident = -1;
-  if (!(statm >> pages >> resident)) return -1;
-  return resident * sysconf(_SC_PAGESIZE);
-}
-
 std::string checkpoint_dir() {
   const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
   return dir.empty() ? absl::GetFlag(FLAGS_out_dir) + "/checkpoints" : dir;
@@ -360,120 +336,6 @@ void check_same_flags(Communicator& comm, c10::Device device) {
                   "=", got[r * n + i], " but rank 0 with --", values[i].first, "=", got[i],
                   "; start every rank with the same flags");
     }
-  }
-}
-
-// One run per out_dir: rank 0 holds an flock on OUT_DIR/.lock (with its pid in it) for
-// the run's life; every rank learns whether it got it. Returns the lock's descriptor.
-int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device) {
-  int fd = -1;
-  int64_t holder = 0;
-  if (comm.rank() == 0) {
-    std::filesystem::create_directories(dir);
-    const std::string path = dir + "/.lock";
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno),
-                "; pass a writable --out_dir");
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      char pid[32] = {};
-      ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
-      holder = n > 0 ? std::max<int64_t>(1, std::atoll(pid)) : 1;
-      ::close(fd);
-      fd = -1;
-    } else {
-      // The pid is for people and for the message above; the flock is the lock. A full
-      // disk may refuse to write it: that must not read as another run's lock.
-      const std::string pid = std::to_string(::getpid()) + "\n";
-      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-        std::cerr << "note: cannot write the pid to " << path << ": " << std::strerror(errno)
-                  << "\n";
-      }
-    }
-  }
-  at::Tensor status = at::full({1}, holder, at::dtype(at::kLong).device(device));
-  comm.broadcast(status, /*root=*/0);
-  holder = status.item<int64_t>();
-  TORCH_CHECK(holder == 0, "--out_dir=", dir, " is in use by another run (",
-              holder > 1 ? "pid " + std::to_string(holder) : std::string("see its .lock"),
-              "); wait for it to finish or pass another --out_dir");
-  return fd;
-}
-
-// A new run (no --resume) does not mix its checkpoints with another run's: it refuses, or
-// with --overwrite deletes them (rank 0, before any is written).
-void check_fresh_checkpoints(Communicator& comm) {
-  if (absl::GetFlag(FLAGS_resume)) return;
-  const std::optional<std::string> old = latest_checkpoint(checkpoint_dir());
-  TORCH_CHECK(!old || absl::GetFlag(FLAGS_overwrite), "'", checkpoint_dir(),
-              "' holds another run's checkpoints (newest ", old.value_or(""),
-              "); continue that run with --resume, or start over with --overwrite (deletes "
-              "them)");
-  if (old && comm.rank() == 0) {
-    for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir())) {
-      const std::string name = entry.path().filename().string();
-      if (absl::StartsWith(name, "step_") || absl::StartsWith(name, ".step_")) {
-        std::filesystem::remove_all(entry.path());
-      }
-    }
-  }
-  comm.barrier();  // no rank writes a checkpoint before the old ones are gone
-}
-
-// Every communicator the model's collectives use: the root's and, under the HYBRID
-// strategies, the shard and replicate groups (whose traffic the root's counters miss).
-std::vector<Communicator*> communicators_of(Model& model, Communicator& root) {
-  std::vector<Communicator*> all = {&root};
-  for (const auto& unit : model->units()) {
-    if (unit->handle() == nullptr) continue;
-    for (Communicator* c :
-         {&unit->handle()->communicator(), unit->handle()->replicate_communicator()}) {
-      if (c != nullptr && std::find(all.begin(), all.end(), c) == all.end()) all.push_back(c);
-    }
-  }
-  return all;
-}
-
-// Loads the newest checkpoint that every rank can read if --resume; returns the step to
-// start from. The ranks agree before any prints or writes anything (Note [A resume that
-// fails changes nothing] in fsdp/state/checkpoint.cc): a damaged newest checkpoint is
-// named and the newest complete one is used; when none loads, every rank stops and every
-// file is as it was.
-int64_t maybe_resume(Model& model, torch::optim::Optimizer& optimizer, bool lead) {
-  if (!absl::GetFlag(FLAGS_resume)) return 0;
-  const std::string root = checkpoint_dir();
-  std::optional<LoadedCheckpoint> loaded;
-  try {
-    loaded = load_latest_sharded_checkpoint(*model, &optimizer, root);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "--resume: ", e.what_without_backtrace(),
-                "; every file is as it was: restore a checkpoint or start a new run with "
-                "--overwrite");
-  }
-  int64_t step = 0;
-  TORCH_CHECK(
-      loaded &&
-          absl::SimpleAtoi(std::filesystem::path(loaded->dir).filename().string().substr(5), &step),
-      "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", root,
-      "'; pass the --checkpoint_dir of the run to continue, or start "
-      "a new run without --resume");
-  if (!lead) return step;
-  for (const std::string& skipped : loaded->skipped) {
-    std::cout << "--resume: skipped " << skipped << "\n";
-  }
-  std::cout << "resumed from " << loaded->dir << " at step " << step
-            << (loaded->skipped.empty() ? "" : " (the newest checkpoint that loads)") << "\n";
-  return step;
-}
-
-// Rank 0 removes the partial checkpoints a killed save left (Note [A failed save leaves
-// nothing] in fsdp/state/checkpoint.cc), under the out_dir's lock, and says so.
-void remove_leftovers(bool lead) {
-  if (!lead) return;
-  const std::vector<std::string> removed = remove_partial_checkpoints(checkpoint_dir());
-  if (!removed.empty()) {
-    std::cout << "removed " << removed.size()
-              << " partial checkpoint(s) an interrupted save left: " << absl::StrJoin(removed, ", ")
-              << "\n";
   }
 }
 
@@ -556,10 +418,12 @@ int train() {
     }
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
-  const int64_t first = maybe_resume(model, adamw, lead);  // before anything is written
-  check_fresh_checkpoints(*comm);
+  const bool resume = absl::GetFlag(FLAGS_resume);
+  const int64_t first =  // before anything is written
+      resume_step(*model, adamw, checkpoint_dir(), resume, lead);
+  check_fresh_checkpoints(*comm, checkpoint_dir(), resume, absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());
-  remove_leftovers(lead);
+  remove_leftover_checkpoints(checkpoint_dir(), lead);
   std::ofstream csv;
   if (lead) {
     std::string warning;
@@ -575,7 +439,7 @@ int train() {
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<Communicator*> communicators = communicators_of(model, *comm);
+  const std::vector<Communicator*> communicators = communicators_of(*model, *comm);
   for (Communicator* c : communicators) c->counters().reset();
   for (int64_t step = first; step < steps; ++step) {
     const double lr = learning_rate(step);

@@ -1,0 +1,154 @@
+#include "examples/gpt/run_support.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/loss.h>
+
+#include "fsdp/core/flat_param.h"
+#include "fsdp/state/checkpoint.h"
+
+namespace fsdp::examples {
+
+int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device) {
+  int fd = -1;
+  int64_t holder = 0;
+  if (comm.rank() == 0) {
+    std::filesystem::create_directories(dir);
+    const std::string path = dir + "/.lock";
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno),
+                "; pass a writable --out_dir");
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char pid[32] = {};
+      ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+      holder = n > 0 ? std::max<int64_t>(1, std::atoll(pid)) : 1;
+      ::close(fd);
+      fd = -1;
+    } else {
+      // The pid is for people and for the message above; the flock is the lock. A full
+      // disk may refuse to write it: that must not read as another run's lock.
+      const std::string pid = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+        std::cerr << "note: cannot write the pid to " << path << ": " << std::strerror(errno)
+                  << "\n";
+      }
+    }
+  }
+  at::Tensor status = at::full({1}, holder, at::dtype(at::kLong).device(device));
+  comm.broadcast(status, /*root=*/0);
+  holder = status.item<int64_t>();
+  TORCH_CHECK(holder == 0, "--out_dir=", dir, " is in use by another run (",
+              holder > 1 ? "pid " + std::to_string(holder) : std::string("see its .lock"),
+              "); wait for it to finish or pass another --out_dir");
+  return fd;
+}
+
+void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_dir, bool resume,
+                             bool overwrite) {
+  if (resume) return;
+  const std::optional<std::string> old = latest_checkpoint(checkpoint_dir);
+  TORCH_CHECK(!old || overwrite, "'", checkpoint_dir, "' holds another run's checkpoints (newest ",
+              old.value_or(""),
+              "); continue that run with --resume, or start over with --overwrite (deletes "
+              "them)");
+  if (old && comm.rank() == 0) {
+    for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir)) {
+      const std::string name = entry.path().filename().string();
+      if (absl::StartsWith(name, "step_") || absl::StartsWith(name, ".step_")) {
+        std::filesystem::remove_all(entry.path());
+      }
+    }
+  }
+  comm.barrier();  // no rank writes a checkpoint before the old ones are gone
+}
+
+int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                    const std::string& checkpoint_dir, bool resume, bool lead) {
+  if (!resume) return 0;
+  std::optional<LoadedCheckpoint> loaded;
+  try {
+    loaded = load_latest_sharded_checkpoint(model, &optimizer, checkpoint_dir);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--resume: ", e.what_without_backtrace(),
+                "; every file is as it was: restore a checkpoint or start a new run with "
+                "--overwrite");
+  }
+  int64_t step = 0;
+  TORCH_CHECK(
+      loaded &&
+          absl::SimpleAtoi(std::filesystem::path(loaded->dir).filename().string().substr(5), &step),
+      "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", checkpoint_dir,
+      "'; pass the --checkpoint_dir of the run to continue, or start "
+      "a new run without --resume");
+  if (!lead) return step;
+  for (const std::string& skipped : loaded->skipped) {
+    std::cout << "--resume: skipped " << skipped << "\n";
+  }
+  std::cout << "resumed from " << loaded->dir << " at step " << step
+            << (loaded->skipped.empty() ? "" : " (the newest checkpoint that loads)") << "\n";
+  return step;
+}
+
+void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead) {
+  if (!lead) return;
+  const std::vector<std::string> removed = remove_partial_checkpoints(checkpoint_dir);
+  if (!removed.empty()) {
+    std::cout << "removed " << removed.size()
+              << " partial checkpoint(s) an interrupted save left: " << absl::StrJoin(removed, ", ")
+              << "\n";
+  }
+}
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                              targets.reshape({-1}));
+}
+
+double global_mean(const at::Tensor& value, Communicator& comm) {
+  at::Tensor mean = value.detach().reshape({1}).clone();
+  comm.all_reduce(mean, ReduceOp::kAvg);
+  return mean.item<double>();
+}
+
+double cosine_learning_rate(int64_t step, double peak, int64_t warmup, int64_t steps) {
+  if (step < warmup) return peak * (step + 1) / warmup;
+  const double progress = double(step - warmup) / std::max<int64_t>(1, steps - warmup);
+  return peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = -1;
+  if (!(statm >> pages >> resident)) return -1;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+std::vector<Communicator*> communicators_of(FullyShardedRoot& model, Communicator& root) {
+  std::vector<Communicator*> all = {&root};
+  for (const auto& unit : model.units()) {
+    if (unit->handle() == nullptr) continue;
+    for (Communicator* c :
+         {&unit->handle()->communicator(), unit->handle()->replicate_communicator()}) {
+      if (c != nullptr && std::find(all.begin(), all.end(), c) == all.end()) all.push_back(c);
+    }
+  }
+  return all;
+}
+
+}  // namespace fsdp::examples

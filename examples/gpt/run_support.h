@@ -1,0 +1,73 @@
+// Pieces of an FSDP training run that the example trainers share (the GPT trainer,
+// train.cc, and the Llama fine-tuner, examples/llama/finetune.cc): the run folder's lock,
+// fresh or resumed sharded checkpoints, metrics.csv, the next-token loss, means over
+// ranks, the learning-rate schedule and per-rank figures.
+//
+//   const int lock = fsdp::examples::lock_out_dir(*comm, out_dir, device);
+//   fsdp::examples::check_fresh_checkpoints(*comm, ckpt_dir, resume, overwrite);
+//   const int64_t first = fsdp::examples::resume_step(*model, &adamw, ckpt_dir, resume, lead);
+//   fsdp::examples::remove_leftover_checkpoints(ckpt_dir, lead);
+//
+// Collective functions (every rank calls them in the same order) say so. Errors:
+// c10::Error, one line naming the folder or file and what to do.
+#ifndef FSDP_EXAMPLES_GPT_RUN_SUPPORT_H_
+#define FSDP_EXAMPLES_GPT_RUN_SUPPORT_H_
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/optim/optimizer.h>
+
+#include "fsdp/comm/communicator.h"
+#include "fsdp/core/fully_sharded.h"
+
+namespace fsdp::examples {
+
+// One run per out_dir: rank 0 makes `dir` and holds an flock on dir/.lock (with its pid in
+// it) for the run's life; every rank learns whether it got it (raises on every rank naming
+// the holder if not). Returns the lock's descriptor on rank 0 (-1 elsewhere). Collective
+// (one broadcast on `device`).
+int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device);
+
+// A new run (resume false) does not mix its checkpoints with another run's in
+// `checkpoint_dir`: it raises, or with `overwrite` deletes them (rank 0, before any is
+// written). Collective (a barrier).
+void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_dir, bool resume,
+                             bool overwrite);
+
+// With `resume`, loads the newest checkpoint (step_NNNNNNNN) of `checkpoint_dir` that every
+// rank can read into `model` and `optimizer` and returns its step; else 0. The ranks agree
+// before any prints or writes anything (load_latest_sharded_checkpoint): a damaged newest
+// checkpoint is named and skipped (printed when `lead`); when none loads, every rank raises
+// and every file is as it was. Collective.
+int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                    const std::string& checkpoint_dir, bool resume, bool lead);
+
+// Rank 0 (`lead`) removes the partial checkpoints a killed save left in `checkpoint_dir`
+// (remove_partial_checkpoints) and says so. Call it while holding the out_dir's lock.
+void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead);
+
+// Mean next-token cross-entropy (nats) of `logits` [..., vocab] (any float dtype, taken in
+// fp32) against `targets` [...] (int64).
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+// The mean over ranks of `value` (each rank's mean over an equal share). Collective.
+double global_mean(const at::Tensor& value, Communicator& comm);
+
+// Linear warm-up over `warmup` steps to `peak`, then cosine decay to peak / 10 at `steps`.
+double cosine_learning_rate(int64_t step, double peak, int64_t warmup, int64_t steps);
+
+// This process's resident set size in bytes (Linux), or -1.
+int64_t resident_bytes();
+
+// Every communicator the model's collectives use: `root`'s and, under the HYBRID
+// strategies, the shard and replicate groups (whose traffic the root's counters miss).
+std::vector<Communicator*> communicators_of(FullyShardedRoot& model, Communicator& root);
+
+}  // namespace fsdp::examples
+
+#endif  // FSDP_EXAMPLES_GPT_RUN_SUPPORT_H_

@@ -1,0 +1,430 @@
+// Fine-tunes a Llama-family Hugging Face model folder with FSDP and writes the result back
+// as a Hugging Face folder.
+//
+//   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
+//       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
+//
+// The model is fsdp::llama::LlamaForCausalLMImpl (model.h) built from HF_DIR/config.json,
+// each decoder layer an FSDP unit (FULL_SHARD by default), its weights read from HF_DIR
+// (hf_checkpoint.h), trained with AdamW on random windows of --context + 1 tokens of
+// --data (the same windows at any world size). A token file is a flat little-endian array
+// of token ids (nanoGPT / llm.c): uint16 when the vocabulary fits, else uint32
+// (--data_dtype; examples/llama/tokenize.py makes one with the folder's tokenizer).
+//
+// Rank 0 prints a progress line per --log_interval steps (loss, lr, tokens/s, ETA) and
+// writes OUT/metrics.csv (a row per step, flushed); every --checkpoint_interval steps the
+// ranks write a sharded checkpoint (model and AdamW) under OUT/checkpoints, and --resume
+// continues from the newest. With --eval_data it prints `eval loss before: X` and `eval
+// loss after: Y`: the mean next-token cross-entropy over the file cut into consecutive
+// windows of --context + 1 tokens (no overlap, the remainder dropped). At the end it
+// writes OUT/hf/ (config.json and the weights, in files of at most --max_shard_size) that
+// transformers' LlamaForCausalLM.from_pretrained loads; --steps=0 writes the weights it
+// read, bit for bit. With --lora_rank it trains LoRA adapters only (fsdp/lora), writes
+// them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and OUT/hf/
+// holds them merged into the base weights. Without RANK in its environment it starts --world_size
+// ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is
+// one line on stderr and exit status 2.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include "examples/gpt/corpus.h"
+#include "examples/gpt/metrics.h"
+#include "examples/gpt/run_support.h"
+#include "examples/llama/config.h"
+#include "examples/llama/hf_checkpoint.h"
+#include "examples/llama/model.h"
+#include "fsdp/comm/launcher.h"
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/flat_param.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/tracking_allocator.h"
+#include "fsdp/lora/adapter_file.h"
+#include "fsdp/lora/lora.h"
+#include "fsdp/state/checkpoint.h"
+#include "fsdp/state/safetensors_state_dict.h"
+#include "fsdp/state/state_dict.h"
+
+ABSL_FLAG(std::string, from, "", "Hugging Face model folder (config.json + safetensors)");
+ABSL_FLAG(std::string, data, "", "training tokens: a flat little-endian array of token ids");
+ABSL_FLAG(std::string, eval_data, "", "evaluation tokens (same format); none if empty");
+ABSL_FLAG(std::string, data_dtype, "auto",
+          "uint16, uint32, or auto: uint16 when the vocabulary fits (<= 65536), else uint32");
+ABSL_FLAG(std::string, out_dir, "", "where metrics.csv, checkpoints/ and hf/ go");
+ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
+ABSL_FLAG(std::string, sharding_strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
+ABSL_FLAG(int64_t, steps, 100, "training steps (0: write the weights read, unchanged)");
+ABSL_FLAG(int64_t, context, 128, "tokens per training window (<= max_position_embeddings)");
+ABSL_FLAG(int64_t, batch_size, 8, "global batch (windows), split evenly across ranks");
+ABSL_FLAG(double, lr, 1e-4, "peak learning rate (AdamW)");
+ABSL_FLAG(double, weight_decay, 0.0, "AdamW's decoupled weight decay");
+ABSL_FLAG(int64_t, warmup_steps, 10, "linear warm-up steps, then cosine decay to lr / 10");
+ABSL_FLAG(int64_t, seed, 1234, "seed of the data order");
+ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
+ABSL_FLAG(int64_t, checkpoint_interval, 50, "steps between sharded checkpoints (0: none)");
+ABSL_FLAG(std::string, max_shard_size, "5GB",
+          "largest safetensors file of OUT/hf (bytes, or KB/MB/GB/KiB/MiB/GiB), as "
+          "save_pretrained's max_shard_size");
+ABSL_FLAG(int64_t, timeout_s, 300, "seconds to wait for every rank in each collective");
+ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in OUT_DIR/checkpoints");
+ABSL_FLAG(int64_t, lora_rank, 0,
+          "0: full fine-tuning; R > 0: LoRA adapters of rank R on --lora_target_modules, "
+          "every other weight frozen");
+ABSL_FLAG(double, lora_alpha, 16, "LoRA's alpha: the update is scaled by alpha / rank");
+ABSL_FLAG(double, lora_dropout, 0.0, "dropout on the LoRA adapters' input, in [0, 1)");
+ABSL_FLAG(std::string, lora_target_modules, "q_proj,v_proj",
+          "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+          "gate_proj, up_proj, down_proj)");
+ABSL_FLAG(bool, overwrite, false,
+          "start over in an --out_dir that holds another run's checkpoints (deletes them)");
+
+namespace fsdp::llama {
+namespace {
+
+using examples::global_mean;
+using examples::next_token_loss;
+using Model = FullyShardedDataParallel<LlamaForCausalLMImpl>;
+
+std::string checkpoint_dir() { return absl::GetFlag(FLAGS_out_dir) + "/checkpoints"; }
+
+// Bytes per token id of a token file under --data_dtype for `vocab_size`.
+int64_t token_bytes(const std::string& data_dtype, int64_t vocab_size) {
+  if (data_dtype == "uint16") return 2;
+  if (data_dtype == "uint32") return 4;
+  return vocab_size <= 65536 ? 2 : 4;
+}
+
+// The token ids of `path` as int64 [n]; throws naming the file and the first id that is
+// not below vocab_size.
+at::Tensor read_tokens(const std::string& path, int64_t bytes, int64_t vocab_size) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "cannot open ", path);
+  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const int64_t n = static_cast<int64_t>(raw.size()) / bytes;
+  at::Tensor ids = at::empty({n}, at::kLong);
+  int64_t* out = ids.data_ptr<int64_t>();
+  const auto* data = reinterpret_cast<const unsigned char*>(raw.data());
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t id = 0;  // little-endian
+    for (int64_t b = bytes - 1; b >= 0; --b) id = (id << 8) | data[i * bytes + b];
+    TORCH_CHECK(int64_t(id) < vocab_size, path, ": token ", i, " is ", id,
+                ", not below the model's vocab_size ", vocab_size,
+                "; was it made with another tokenizer, or with the other --data_dtype?");
+    out[i] = int64_t(id);
+  }
+  return ids;
+}
+
+// "" if a token file flag is usable, else why not.
+std::string token_file_error(const char* flag, const std::string& path, int64_t bytes,
+                             int64_t min_tokens) {
+  std::error_code error;
+  const auto size = std::filesystem::file_size(path, error);
+  if (error || !std::filesystem::is_regular_file(path)) {
+    return absl::StrCat("--", flag, "=", path, ": expected a readable token file (",
+                        error ? error.message() : "not a regular file", ")");
+  }
+  if (size % bytes != 0) {
+    return absl::StrCat("--", flag, "=", path, ": ", size, " bytes is not a whole number of ",
+                        bytes, "-byte token ids; check --data_dtype");
+  }
+  if (int64_t(size) / bytes < min_tokens) {
+    return absl::StrCat("--", flag, "=", path, ": ", size / bytes, " tokens, fewer than ",
+                        min_tokens, " (one window of --context + 1 = ", min_tokens, ")");
+  }
+  return "";
+}
+
+// Every flag checked before a rank starts or a file is touched: "" or one line.
+std::string flag_error() {
+  const std::string from = absl::GetFlag(FLAGS_from);
+  if (from.empty()) return "--from: expected a Hugging Face model folder (config.json)";
+  LlamaConfig config;
+  try {
+    config = load_llama_config(from + "/config.json");
+    parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  const std::string dtype = absl::GetFlag(FLAGS_data_dtype);
+  if (dtype != "auto" && dtype != "uint16" && dtype != "uint32") {
+    return absl::StrCat("--data_dtype=", dtype, ": expected auto, uint16 or uint32");
+  }
+  if (dtype == "uint16" && config.vocab_size > 65536) {
+    return absl::StrCat("--data_dtype=uint16: the vocabulary of ", config.vocab_size,
+                        " tokens does not fit; use uint32");
+  }
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  if (context < 1 || context > config.max_position_embeddings) {
+    return absl::StrCat("--context=", context, ": expected 1 to max_position_embeddings = ",
+                        config.max_position_embeddings);
+  }
+  const int64_t bytes = token_bytes(dtype, config.vocab_size);
+  if (absl::GetFlag(FLAGS_data).empty()) return "--data: expected a token file";
+  std::string error = token_file_error("data", absl::GetFlag(FLAGS_data), bytes, context + 2);
+  if (error.empty() && !absl::GetFlag(FLAGS_eval_data).empty()) {
+    error = token_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), bytes, context + 1);
+  }
+  if (!error.empty()) return error;
+  if (absl::GetFlag(FLAGS_out_dir).empty()) return "--out_dir: expected a folder";
+  const char* launched = std::getenv("RANK") != nullptr ? std::getenv("WORLD_SIZE") : nullptr;
+  const int world = launched != nullptr ? std::atoi(launched) : absl::GetFlag(FLAGS_world_size);
+  if (world < 1 || world > max_ranks_per_node()) {
+    return absl::StrCat("--world_size=", world, ": expected 1 to ", max_ranks_per_node(),
+                        " on this machine");
+  }
+  const int64_t batch = absl::GetFlag(FLAGS_batch_size);
+  if (batch < 1 || batch % world != 0) {
+    return absl::StrCat("--batch_size=", batch, ": expected a positive multiple of the world size ",
+                        world);
+  }
+  const auto strategy = parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy));
+  if (!strategy || is_hybrid(*strategy)) {
+    return absl::StrCat("--sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy),
+                        ": expected full_shard, shard_grad_op or no_shard");
+  }
+  if (absl::GetFlag(FLAGS_steps) < 0) return "--steps: expected 0 or more";
+  if (absl::GetFlag(FLAGS_lora_rank) < 0) {
+    return "--lora_rank: expected 0 (full fine-tuning) or a rank >= 1";
+  }
+  const double dropout = absl::GetFlag(FLAGS_lora_dropout);
+  if (!(dropout >= 0 && dropout < 1)) {
+    return absl::StrCat("--lora_dropout=", dropout, ": expected a value in [0, 1)");
+  }
+  if (!(absl::GetFlag(FLAGS_lora_alpha) > 0)) return "--lora_alpha: expected a positive number";
+  if (!(absl::GetFlag(FLAGS_lr) >= 0) || !std::isfinite(absl::GetFlag(FLAGS_lr))) {
+    return "--lr: expected a finite number >= 0";
+  }
+  if (absl::GetFlag(FLAGS_log_interval) < 1) return "--log_interval: expected 1 or more";
+  if (absl::GetFlag(FLAGS_warmup_steps) < 0) return "--warmup_steps: expected 0 or more";
+  if (absl::GetFlag(FLAGS_checkpoint_interval) < 0) {
+    return "--checkpoint_interval: expected 0 (none) or more";
+  }
+  return "";
+}
+
+// The LoRA adapters of --lora_rank (PEFT's LoraConfig).
+lora::LoraConfig lora_config() {
+  const std::vector<std::string> targets =
+      absl::StrSplit(absl::GetFlag(FLAGS_lora_target_modules), ',', absl::SkipWhitespace());
+  lora::LoraConfig config;
+  config.r(absl::GetFlag(FLAGS_lora_rank))
+      .lora_alpha(absl::GetFlag(FLAGS_lora_alpha))
+      .lora_dropout(absl::GetFlag(FLAGS_lora_dropout))
+      .target_modules(targets)
+      .base_model_name_or_path(absl::GetFlag(FLAGS_from));
+  return config;
+}
+
+// This rank's share of global batch `index`: random windows of --context + 1 tokens, the
+// same whatever the world size.
+std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
+                                        Communicator& comm) {
+  const int64_t global = absl::GetFlag(FLAGS_batch_size);
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  at::manual_seed(absl::GetFlag(FLAGS_seed) * 1000003 + index);
+  const at::Tensor starts = at::randint(tokens.numel() - context - 1, {global}, at::kLong);
+  const int64_t local = global / comm.world_size();
+  return examples::windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+}
+
+// Mean next-token cross-entropy over `tokens` cut into consecutive windows of context + 1
+// (the remainder dropped), every target counted once. Windows go to the ranks in rounds
+// of --batch_size; a rank with none left in the last round runs window 0 and counts
+// nothing, so every rank runs the same units.
+double eval_loss(Model& model, const at::Tensor& tokens, Communicator& comm) {
+  torch::NoGradGuard no_grad;
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  const int64_t windows = tokens.numel() / (context + 1);
+  const int64_t local = absl::GetFlag(FLAGS_batch_size) / comm.world_size();
+  const int64_t per_round = local * comm.world_size();
+  at::Tensor sums = at::zeros({2}, at::kDouble);  // loss sum, targets
+  for (int64_t round = 0; round * per_round < windows; ++round) {
+    const int64_t first = std::min(windows, round * per_round + comm.rank() * local);
+    const int64_t count = std::min(windows, first + local) - first;
+    const at::Tensor starts =
+        at::arange(count > 0 ? first : 0, count > 0 ? first + count : 1, at::kLong) * (context + 1);
+    auto [x, y] = examples::windows(tokens, starts, context);
+    const at::Tensor logits = model->forward(x);
+    if (count == 0) continue;
+    sums[0] += torch::nn::functional::cross_entropy(
+                   logits.reshape({-1, logits.size(-1)}).to(at::kFloat), y.reshape({-1}),
+                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                   .to(at::kDouble);
+    sums[1] += double(y.numel());
+  }
+  comm.all_reduce(sums, ReduceOp::kSum);
+  return sums[0].item<double>() / sums[1].item<double>();
+}
+
+int finetune() {
+  std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
+  at::set_num_threads(1);
+  MemoryTracker memory;
+  const c10::Device device(c10::kCPU);
+  std::shared_ptr<Communicator> comm =
+      init_from_environment(RendezvousOptions()
+                                .timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)))
+                                .backend(Backend::kGloo));
+  const bool lead = comm->rank() == 0;
+  const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  const int lock = examples::lock_out_dir(*comm, dir, device);
+  const std::string from = absl::GetFlag(FLAGS_from);
+  const LlamaConfig config = load_llama_config(from + "/config.json");
+  const int64_t bytes = token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size);
+  const at::Tensor train_tokens = read_tokens(absl::GetFlag(FLAGS_data), bytes, config.vocab_size);
+  const std::string eval_path = absl::GetFlag(FLAGS_eval_data);
+  const at::Tensor eval_tokens =
+      eval_path.empty() ? at::Tensor() : read_tokens(eval_path, bytes, config.vocab_size);
+
+  auto llama = std::make_shared<LlamaForCausalLMImpl>(config);
+  llama->to(hf_weights_dtype(from));  // trained in the dtype the folder holds
+  const bool lora = absl::GetFlag(FLAGS_lora_rank) > 0;
+  if (lora) {
+    // Adapters are added before FSDP wraps the model, so the base weights are read
+    // first, whole, into the plain module; the same seed gives every rank the same A.
+    load_module_safetensors(*llama, from);
+    at::manual_seed(absl::GetFlag(FLAGS_seed));
+    const std::vector<std::string> adapted = lora::apply_lora(*llama, lora_config());
+    if (comm->rank() == 0) std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
+  }
+  int64_t numel = 0, trainable = 0;
+  for (const auto& p : llama->parameters()) {
+    numel += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(
+                         *parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy))));
+  if (!lora) load_hf_weights(*model, from);  // each rank reads only its shards' bytes
+  torch::optim::AdamW adamw(model->parameters(),
+                            torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
+                                .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
+  if (lead) {
+    std::cout << absl::StrFormat(
+        "model: %s, %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "
+        "%d units over %d ranks (%s)\ndata: %d training tokens%s\n",
+        from, numel, trainable, config.num_hidden_layers, config.num_attention_heads,
+        config.num_key_value_heads, model->units().size(), comm->world_size(),
+        sharding_strategy_name(model->sharding_strategy()), train_tokens.numel(),
+        eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
+                              : std::string());
+  }
+  const bool resume = absl::GetFlag(FLAGS_resume);
+  const int64_t first =
+      examples::resume_step(*model, adamw, checkpoint_dir(), resume, lead);  // before writing
+  examples::check_fresh_checkpoints(*comm, checkpoint_dir(), resume,
+                                    absl::GetFlag(FLAGS_overwrite));
+  if (lead) std::filesystem::create_directories(checkpoint_dir());
+  examples::remove_leftover_checkpoints(checkpoint_dir(), lead);
+  std::ofstream csv;
+  if (lead) {
+    std::string warning;
+    csv = examples::open_metrics(dir + "/metrics.csv", first, &warning);
+    if (!warning.empty()) std::cout << warning << "\n";
+  }
+  if (eval_tokens.defined()) {
+    const double before = eval_loss(model, eval_tokens, *comm);
+    if (lead) std::cout << absl::StrFormat("eval loss before: %.6f\n", before);
+  }
+
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
+  const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t step = first; step < steps; ++step) {
+    const double lr = examples::cosine_learning_rate(step, absl::GetFlag(FLAGS_lr),
+                                                     absl::GetFlag(FLAGS_warmup_steps), steps);
+    for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
+    auto [x, y] = batch(train_tokens, step, *comm);
+    adamw.zero_grad();
+    at::Tensor loss = next_token_loss(model->forward(x), y);
+    loss.backward();
+    adamw.step();
+    const double train_loss = global_mean(loss, *comm);
+    if (interval > 0 && (step + 1) % interval == 0) {
+      const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
+      save_sharded_checkpoint(*model, &adamw, path);
+      if (lead) std::cout << "checkpoint: " << path << "\n";
+    }
+    if (!lead) continue;
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double tokens_per_s = tokens_per_step * (step + 1 - first) / seconds;
+    csv << absl::StrFormat("%d,%.7f,,%.6f,%.0f\n", step + 1, train_loss, lr, tokens_per_s)
+        << std::flush;  // a killed run keeps every row
+    if ((step + 1) % absl::GetFlag(FLAGS_log_interval) == 0 || step + 1 == steps) {
+      std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | ETA %.0f s\n",
+                                   step + 1, steps, train_loss, lr, tokens_per_s,
+                                   seconds / (step + 1 - first) * (steps - step - 1));
+    }
+  }
+  if (eval_tokens.defined()) {
+    const double after = eval_loss(model, eval_tokens, *comm);
+    if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
+  }
+  const std::string hf = dir + "/hf";
+  const int64_t shard_size = parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
+  if (!lora) {
+    save_hf_folder(*model, from, hf, shard_size);  // one unit gathered at a time
+  } else {
+    // The adapters merged into the base weights (PEFT's merge_and_unload), gathered to
+    // rank 0.
+    const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+    if (lead) {
+      prepare_hf_folder(from, hf);
+      lora::save_merged(full, lora_config(), hf, shard_size);
+      lora::save_adapter(full, lora_config(), dir + "/adapter");  // PEFT's layout
+    }
+  }
+  if (lead) {
+    std::cout << absl::StrFormat("peak memory (rank 0): %.1f MB tracked, %.1f MB resident\n",
+                                 model->device_handle().max_memory_allocated() / 1e6,
+                                 examples::resident_bytes() / 1e6);
+    std::cout << "metrics: " << dir << "/metrics.csv, model: " << hf << "/\n";
+  }
+  if (lock >= 0) ::close(lock);
+  return 0;
+}
+
+}  // namespace
+}  // namespace fsdp::llama
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const std::string error = fsdp::llama::flag_error();
+  if (!error.empty()) {
+    std::cerr << "finetune: " << error << "\n";
+    return 2;
+  }
+  if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
+    return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
+  }
+  try {
+    return fsdp::llama::finetune();
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    std::cerr << "finetune: " << what.substr(0, what.find('\n')) << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,98 @@
+#include "examples/llama/hf_checkpoint.h"
+
+#include <filesystem>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include <c10/util/Exception.h>
+
+#include "fsdp/formats/safetensors.h"
+#include "fsdp/state/safetensors_state_dict.h"
+
+namespace fsdp::llama {
+namespace {
+
+// The files of an HF folder that describe the model besides its weights.
+void copy_model_files(const std::string& from_dir, const std::string& out_dir) {
+  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
+                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
+    const std::filesystem::path from = std::filesystem::path(from_dir) / name;
+    if (!std::filesystem::exists(from)) continue;
+    std::filesystem::copy_file(from, std::filesystem::path(out_dir) / name,
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+}
+
+// Removes the weight files a previous save left in `out_dir` (other shard counts would
+// stay beside the new files, and a stale index would win over a new model.safetensors).
+void remove_old_weights(const std::string& out_dir) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(out_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (absl::EndsWith(name, ".safetensors") || name == kSafetensorsIndexName) {
+      std::filesystem::remove(entry.path());
+    }
+  }
+}
+
+}  // namespace
+
+at::ScalarType hf_weights_dtype(const std::string& dir) {
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
+  std::string first;
+  at::ScalarType dtype = at::kFloat;
+  for (const std::string& name : checkpoint.names()) {
+    const at::ScalarType found = checkpoint.info(name).dtype;
+    if (!c10::isFloatingType(found)) continue;
+    if (first.empty()) {
+      first = name;
+      dtype = found;
+    }
+    TORCH_CHECK(found == dtype, dir, ": tensor ", name, " is ", found, " but ", first, " is ",
+                dtype, "; examples/llama trains one dtype (convert the folder first)");
+  }
+  return dtype;
+}
+
+void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
+  load_safetensors(model, dir);
+}
+
+void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
+                    const std::string& out_dir, int64_t max_shard_size) {
+  TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
+  if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
+  save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
+}
+
+void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir) {
+  std::filesystem::create_directories(out_dir);
+  remove_old_weights(out_dir);
+  copy_model_files(from_dir, out_dir);
+}
+
+int64_t parse_shard_size(const std::string& text) {
+  static const std::pair<const char*, int64_t> kUnits[] = {
+      {"KiB", int64_t{1} << 10}, {"MiB", int64_t{1} << 20},
+      {"GiB", int64_t{1} << 30}, {"KB", 1000},
+      {"MB", 1000 * 1000},       {"GB", 1000 * 1000 * 1000},
+  };
+  std::string number = text;
+  int64_t unit = 1;
+  for (const auto& [suffix, bytes] : kUnits) {
+    if (absl::EndsWith(text, suffix)) {
+      number = text.substr(0, text.size() - std::string(suffix).size());
+      unit = bytes;
+      break;
+    }
+  }
+  int64_t value = 0;
+  TORCH_CHECK(absl::SimpleAtoi(number, &value) && value > 0 && value <= INT64_MAX / unit,
+              "--max_shard_size=", text,
+              ": expected a positive size in bytes, or with KB, MB, GB, KiB, MiB or GiB "
+              "(e.g. 5GB)");
+  return value * unit;
+}
+
+}  // namespace fsdp::llama

@@ -1,0 +1,58 @@
+// A Hugging Face model folder in and out of an FSDP-wrapped LlamaForCausalLM (model.h).
+//
+//   const std::string dir = "/models/tiny";
+//   fsdp::llama::LlamaConfig config = fsdp::llama::load_llama_config(dir + "/config.json");
+//   auto llama = std::make_shared<fsdp::llama::LlamaForCausalLMImpl>(config);
+//   llama->to(fsdp::llama::hf_weights_dtype(dir));   // the dtype the files hold
+//   fsdp::FullyShardedDataParallel<fsdp::llama::LlamaForCausalLMImpl> model(llama, options);
+//   fsdp::llama::load_hf_weights(*model, dir);         // each rank reads its shards' bytes
+//   fsdp::llama::save_hf_folder(*model, dir, "/out/hf", 5'000'000'000);
+//
+// The folder's tensors carry the model's own names (model.h), so no renaming happens
+// (fsdp/state/safetensors_state_dict.h does the reading and writing). PyTorch /
+// transformers: LlamaForCausalLM.from_pretrained / save_pretrained(max_shard_size=...).
+// Errors: c10::Error naming the file and the tensor (missing, unexpected, another shape
+// or dtype, a malformed file).
+#ifndef FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_
+#define FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+#include "fsdp/core/fully_sharded.h"
+
+namespace fsdp::llama {
+
+// The dtype of the floating tensors of HF folder `dir` (headers only are read). Throws
+// naming two tensors when they differ.
+at::ScalarType hf_weights_dtype(const std::string& dir);
+
+// Loads the weights of HF folder `dir` (model.safetensors, or the shards of
+// model.safetensors.index.json) into `model`: each rank reads only the bytes of its own
+// flat-parameter shards. No communication; every rank calls it.
+void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
+
+// Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
+// the weights in their dtype (split into files of at most `max_shard_size` bytes, with the
+// index, as save_pretrained(max_shard_size=...)) and the other files of `from_dir` that
+// describe the model (config.json, generation_config.json and the tokenizer's files)
+// copied unchanged; weight files an earlier save left there are removed first.
+// Collective: the units are gathered one at a time; rank 0 writes.
+void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
+                    const std::string& out_dir, int64_t max_shard_size);
+
+// Readies `out_dir` for a model's weights written by other means (e.g. fsdp::lora::
+// save_merged): makes it, removes weight files an earlier save left there, and copies the
+// files of `from_dir` that describe the model, as save_hf_folder does. Call on one rank.
+void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir);
+
+// A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,
+// MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024): "20KB" is 20000, "2GiB"
+// 2147483648. Throws c10::Error naming the value otherwise.
+int64_t parse_shard_size(const std::string& text);
+
+}  // namespace fsdp::llama
+
+#endif  // FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_

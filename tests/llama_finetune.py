@@ -1,0 +1,184 @@
+"""The Python half of llama_finetune_test.sh (examples/llama:finetune against transformers).
+
+    llama_finetune.py make DIR       a random tiny Llama folder (DIR/model, grouped-query
+                                     attention, untied embeddings) whose tokenizer.json is a
+                                     BPE tokenizer trained on TEXT files; DIR/train.txt and
+                                     DIR/eval.txt
+    llama_finetune.py same DIR A B   every tensor of HF folder B equals A's, bit for bit
+    llama_finetune.py differ DIR A B every tensor of B differs from A's (training moved it),
+                                     in the same dtype and shape
+    llama_finetune.py lora DIR A B   B (LoRA on q_proj, v_proj, merged) keeps every other
+                                     tensor of A bit for bit and changes every q_proj, v_proj
+    llama_finetune.py peft DIR BASE ADAPTER HF
+                                     PEFT's PeftModel.from_pretrained(BASE, ADAPTER) gives
+                                     logits within 1e-5 of transformers' on the merged HF
+    llama_finetune.py eval DIR HF CONTEXT LOG
+                                     transformers' mean next-token loss over DIR/eval.bin in
+                                     consecutive windows of CONTEXT + 1 tokens equals the
+                                     `eval loss after` line of LOG (relative 1e-5)
+    llama_finetune.py logits DIR HF LOGITS
+                                     transformers' logits on DIR/ids.pt (HF loaded by
+                                     from_pretrained) within 1e-5 of LOGITS' (fsdp's)
+"""
+import glob
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+
+TOLERANCE = 1e-5
+
+
+def tensors(folder):
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    assert files, f"{folder}: no safetensors files"
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def make(root, texts):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    text = ""
+    for name in texts:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            text += f.read()
+    text = text[:200_000]
+    cut = len(text) * 9 // 10
+    with open(os.path.join(root, "train.txt"), "w", encoding="utf-8") as f:
+        f.write(text[:cut])
+    with open(os.path.join(root, "eval.txt"), "w", encoding="utf-8") as f:
+        f.write(text[cut:])
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator([text[:cut]], trainer)
+    folder = os.path.join(root, "model")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="30KB")
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    # A bfloat16 folder with tied embeddings, as many released checkpoints are.
+    config.tie_word_embeddings = True
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
+        os.path.join(root, "model_bf16"), max_shard_size="30KB")
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    torch.save({"ids": ids}, os.path.join(root, "ids.pt"))
+    print(f"{folder}: vocabulary {config.vocab_size}, "
+          f"{len(glob.glob(os.path.join(folder, '*.safetensors')))} safetensors files")
+
+
+def same(a, b):
+    ta, tb = tensors(a), tensors(b)
+    assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and ta[name].shape == tb[name].shape, name
+        assert torch.equal(ta[name].view(-1).view(torch.uint8), tb[name].view(-1).view(torch.uint8)), (
+            f"{name} differs")
+    print(f"{b}: {len(ta)} tensors equal to {a}'s bit for bit")
+
+
+def differ(a, b):
+    ta, tb = tensors(a), tensors(b)
+    assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and ta[name].shape == tb[name].shape, name
+    unchanged = [n for n in ta if torch.equal(ta[n], tb[n])]
+    assert not unchanged, f"not trained: {unchanged}"
+    print(f"{b}: all {len(ta)} tensors moved by training")
+
+
+def lora(a, b):
+    ta, tb = tensors(a), tensors(b)
+    assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
+    targets = [n for n in ta if ".q_proj." in n or ".v_proj." in n]
+    assert targets
+    for name in ta:
+        equal = torch.equal(ta[name], tb[name])
+        assert equal != (name in targets), f"{name}: {'unchanged' if equal else 'changed'}"
+    print(f"{b}: {len(targets)} adapted weights changed, {len(ta) - len(targets)} frozen "
+          "ones kept bit for bit")
+
+
+def peft_check(root, base, adapter, merged):
+    from peft import PeftModel
+
+    ids = torch.load(os.path.join(root, "ids.pt"))["ids"]
+    with torch.no_grad():
+        ours = PeftModel.from_pretrained(model_of(base), adapter).eval()(input_ids=ids).logits
+        expected = model_of(merged)(input_ids=ids).logits
+    diff = (ours - expected).abs().max().item()
+    print(f"{adapter} on {base} in PEFT against {merged}: max |logits difference| = {diff:.3g}")
+    assert diff <= TOLERANCE, diff
+
+
+def model_of(folder):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def eval_loss(root, folder, context, log):
+    bytes_ = os.path.getsize(os.path.join(root, "eval.bin"))
+    ids = torch.from_numpy(np.fromfile(os.path.join(root, "eval.bin"), dtype="<u2").astype(np.int64))
+    assert ids.numel() * 2 == bytes_
+    n = ids.numel() // (context + 1)
+    windows = ids[: n * (context + 1)].view(n, context + 1)
+    with torch.no_grad():
+        logits = model_of(folder)(input_ids=windows[:, :-1]).logits
+        expected = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+    with open(log) as f:
+        ours = float(re.search(r"eval loss after: ([0-9.]+)", f.read()).group(1))
+    gap = abs(ours - expected) / expected
+    print(f"eval loss after: fsdp {ours:.6f}, transformers {expected:.6f} "
+          f"({n} windows), relative gap {gap:.2g}")
+    assert gap <= TOLERANCE, gap
+
+
+def logits(root, folder, path):
+    ids = torch.load(os.path.join(root, "ids.pt"))["ids"]
+    with torch.no_grad():
+        expected = model_of(folder)(input_ids=ids).logits
+    failed = 0
+    for key, value in torch.load(path).items():
+        diff = (value - expected).abs().max().item()
+        print(f"{folder} {key}: max |fsdp - transformers| = {diff:.3g}")
+        failed += diff > TOLERANCE
+    assert not failed
+
+
+if __name__ == "__main__":
+    command, root = sys.argv[1], sys.argv[2]
+    if command == "make":
+        make(root, sys.argv[3:])
+    elif command == "same":
+        same(sys.argv[3], sys.argv[4])
+    elif command == "differ":
+        differ(sys.argv[3], sys.argv[4])
+    elif command == "lora":
+        lora(sys.argv[3], sys.argv[4])
+    elif command == "peft":
+        peft_check(root, sys.argv[3], sys.argv[4], sys.argv[5])
+    elif command == "eval":
+        eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    elif command == "logits":
+        logits(root, sys.argv[3], sys.argv[4])
+    else:
+        sys.exit(f"unknown command {command}")

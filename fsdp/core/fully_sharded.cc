@@ -29,9 +29,25 @@ namespace {
 // the tree shows the module it wraps). Its factory changes nothing; its replace_child
 // makes each picked module a unit where its parent calls it: a Unit<T> around it is
 // activated; a torch::nn::Sequential child is swapped, in the Sequential's own AnyModule
-// list and its registered children, for an AnyUnitImpl around it; any other parent calls
-// the module directly (a typed member, a ModuleList the parent casts from), which no
-// wrapper can intercept, so that is an error naming the FQN and how to annotate it.
+// list and its registered children, for an AnyUnitImpl around it; any other parent (a
+// ModuleList the parent casts from, a typed member) keeps calling the module itself, so
+// a HeldModuleUnit around it takes its place among the parent's registered children only
+// (names and state dicts as PyTorch's) and the parent's calls reach it through
+// fsdp::forward_as; a direct call is an error naming the unit (Note [A unit's module
+// called directly] in unit.cc).
+
+// A unit around a module its parent holds and calls itself (see the Note): it has no
+// forward of its own; fsdp::forward_as runs the module through it.
+class HeldModuleUnit : public UnitBase {
+ public:
+  explicit HeldModuleUnit(std::shared_ptr<torch::nn::Module> module)
+      : UnitBase(UnitAnnotation{}),
+        module_(register_module(std::string(kFsdpWrappedModule), std::move(module))) {}
+  std::shared_ptr<torch::nn::Module> wrapped_module() const override { return module_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+};
 
 // recursive_wrap's replace_child for FSDP (see the Note): makes the picked `child` a unit
 // where `parent` calls it and adds it to `picked`.
@@ -52,11 +68,9 @@ void make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
       return;
     }
   }
-  TORCH_CHECK(false, "FullyShardedDataParallel: auto_wrap_policy picked '", child.fqn, "' (",
-              c10::demangle(typeid(*registered).name()),
-              "), but its parent calls it directly, so FSDP cannot intercept its forward; "
-              "annotate it where the parent holds it (fsdp::Unit<T> / fsdp::wrap), or "
-              "hold it in a torch::nn::Sequential");
+  auto unit = std::make_shared<HeldModuleUnit>(std::move(registered));
+  parent.replace_module(child.name, unit);
+  picked.insert(unit.get());
 }
 
 // What FSDP leaves alone: ignored_modules or ignored_states, resolved.
@@ -590,7 +604,12 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     } else if (mp && (k == 0 ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs())) {
       state->set_input_casting(mp->param_dtype(), /*restore_output_dtype=*/false);
     }
+    if (dynamic_cast<const HeldModuleUnit*>(units[k].unit) != nullptr) {
+      state->set_parent_holds_module(c10::demangle(typeid(wrapped).name()));
+    }
     units[k].unit->bind(state);
+    // See Note [Original parameters are not leaves].
+    state->install_gradient_sink();
     root_state.add_unit(std::move(state));
   }
   return full_precision_modules;
@@ -663,6 +682,16 @@ void move_to_device(torch::nn::Module& root, c10::Device device, const Ignored& 
   for (const auto& item : root.named_parameters()) move(item.key(), item.value());
   for (const auto& item : root.named_buffers()) move(item.key(), item.value());
 }
+
+// Note [Original parameters are not leaves]
+// A bound unit's original parameters stay registered (names and state dicts equal the
+// unwrapped model's), so Module::parameters() through any torch::nn::Module& still lists
+// them; it is not virtual, so the root's parameters() (the sharded flat parameters)
+// cannot replace it there. An optimizer over them would train nothing. So each unit's
+// gradient sink (Note [Gradient sinks] in internal/runtime.cc) is connected at
+// construction, not only at the first forward: the original parameters are never leaves,
+// and LibTorch's optimizers refuse them ("can't optimize a non-leaf Tensor"). Each
+// iteration's first forward still makes the sink that backward uses.
 
 // Binds `root` and every Unit inside it; returns the root's runtime state.
 std::shared_ptr<core_internal::RootState> bind_fully_sharded(
@@ -792,10 +821,11 @@ FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParalle
 
 FullyShardedRoot::~FullyShardedRoot() = default;
 
-std::vector<at::Tensor> FullyShardedRoot::parameters(bool /*recurse*/) const {
+std::vector<at::Tensor> FullyShardedRoot::parameters(bool recurse) const {
   std::vector<at::Tensor> params;
   for (const auto& unit : state_->units()) {
     if (unit->handle() != nullptr) params.push_back(unit->handle()->sharded_flat_param());
+    if (!recurse) return params;  // the root's own
   }
   const std::vector<at::Tensor>& ignored = state_->ignored_params();
   params.insert(params.end(), ignored.begin(), ignored.end());

@@ -30,10 +30,12 @@
 //
 // Parameters: parameters() of the root gives the optimizer the sharded flat parameters,
 // then the ignored parameters that require grad, as PyTorch's does. Call it on the
-// FullyShardedDataParallelImpl, not through a Module&, which still lists the original
-// parameters: those stay registered so names and state-dict keys equal the unwrapped
-// model's. PyTorch: torch.distributed.fsdp.FullyShardedDataParallel
-// (use_orig_params=False).
+// FullyShardedDataParallelImpl (model->parameters()). Through a torch::nn::Module&,
+// parameters() lists the original parameters (they stay registered so names and
+// state-dict keys equal the unwrapped model's); those are not leaves once bound, so an
+// optimizer built from them fails at construction with LibTorch's "can't optimize a
+// non-leaf Tensor" instead of training nothing. PyTorch:
+// torch.distributed.fsdp.FullyShardedDataParallel (use_orig_params=False).
 //
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision,
 // mixed_precision.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
@@ -279,7 +281,9 @@ class FullyShardedRoot {
   FullyShardedRoot& operator=(const FullyShardedRoot&) = delete;
 
   // The sharded flat parameters of every unit, in pre-order, then the ignored parameters
-  // that require grad: what the optimizer updates.
+  // that require grad: what the optimizer updates. With recurse = false, the root's own
+  // flat parameter only (none if the root owns no parameters), as PyTorch's
+  // parameters(recurse=False) on the root FSDP instance.
   std::vector<at::Tensor> parameters(bool recurse = true) const;
 
   // While the returned scope lives, backward passes accumulate gradients unsharded on

@@ -843,18 +843,23 @@ TEST(AutoWrapTest, AnnotatedUnitsAreActiveOnlyWhenPicked) {
   EXPECT_FALSE(model->module()->block->is_bound());  // annotated, not picked
 }
 
-TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnError) {
+// Note [Auto-wrapping]: typed members the policy picks (block.up, block.down, head)
+// become units in the module tree while their parents keep calling the modules
+// themselves; called directly, as StackImpl and BlockImpl do, the root's forward stops
+// naming the first such unit (here at W = 1, where no parameter is freed: the unit did
+// not run).
+TEST(AutoWrapTest, PickingAModuleItsParentCallsDirectlyIsAnErrorAtItsForward) {
   auto world = FakeWorld::create(1);
-  EXPECT_THAT(
-      [&] {
-        FullyShardedDataParallel<StackImpl> model(
-            make<StackImpl>(), FullyShardedDataParallelOptions(world->communicator(0))
-                                   .auto_wrap_policy(transformer_auto_wrap_policy(
-                                       {ModuleType::of<torch::nn::LinearImpl>()})));
-      },
-      ThrowsMessage<c10::Error>(HasSubstr("auto_wrap_policy picked 'block.up' "
-                                          "(torch::nn::LinearImpl), but its parent calls it "
-                                          "directly")));
+  FullyShardedDataParallel<StackImpl> model(make<StackImpl>(),
+                                            FullyShardedDataParallelOptions(world->communicator(0))
+                                                .auto_wrap_policy(transformer_auto_wrap_policy(
+                                                    {ModuleType::of<torch::nn::LinearImpl>()})));
+  EXPECT_THAT(unit_fqns(*model), ElementsAre("", "layers.0", "layers.2", "layers.3", "block.up",
+                                             "block.down", "head"));
+  EXPECT_THAT([&] { model->forward(inputs(0, 2)); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "the forward called the module of unit 'block.up' (torch::nn::LinearImpl) "
+                  "directly, bypassing the unit")));
 }
 
 // Identity in forward; its backward throws while `fail` was set in forward.

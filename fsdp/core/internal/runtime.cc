@@ -125,6 +125,7 @@ at::Tensor UnitState::cast_output(const at::Tensor& output) {
 }
 
 void UnitState::post_forward(bool hooked) {
+  if (is_root_) root_->check_units_ran();
   if (handle_) {
     handle_state_ = HandleTrainingState::kIdle;
     // The root keeps its parameters for backward (saves an all-gather); a unit whose
@@ -233,6 +234,39 @@ void RootState::end_summon() {
     unit->finish_iteration();
   }
   training_state_ = TrainingState::kIdle;
+}
+
+std::string called_directly_message(const UnitState& unit) {
+  const std::string& type = unit.module_type_name();
+  return absl::StrCat(
+      "FullyShardedDataParallel: the forward called the module of unit '", unit.fqn(), "' (", type,
+      ") directly, bypassing the unit, so its parameters were not gathered for it; "
+      "call it through its unit with fsdp::forward_as, e.g. `x = fsdp::forward_as<",
+      type, ">(m, x);` instead of `x = m->as<", type,
+      ">()->forward(x);` (m: the ModuleList entry or typed member; works without FSDP too)");
+}
+
+const UnitState* RootState::unit_called_directly() const {
+  for (const std::shared_ptr<UnitState>& unit : units_) {
+    if (!unit->parent_holds_module() || unit->handle() == nullptr) continue;
+    if (unit->handle()->is_unsharded()) continue;
+    if (std::find(forward_order_.begin(), forward_order_.end(), unit.get()) ==
+        forward_order_.end()) {
+      return unit.get();
+    }
+  }
+  return nullptr;
+}
+
+void RootState::check_units_ran() const {
+  for (const std::shared_ptr<UnitState>& unit : units_) {
+    if (!unit->parent_holds_module() || unit->handle() == nullptr) continue;
+    TORCH_CHECK(
+        std::find(forward_order_.begin(), forward_order_.end(), unit.get()) != forward_order_.end(),
+        called_directly_message(*unit),
+        " (the unit did not run in this forward; a unit FSDP made around a module its "
+        "parent holds must run through fsdp::forward_as in every forward)");
+  }
 }
 
 // Note [Prefetching]

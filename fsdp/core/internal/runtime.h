@@ -39,6 +39,16 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
   RootState& root() const { return *root_; }
 
+  // Whether the unit's parent holds (and may call) the wrapped module itself: an
+  // auto_wrap_policy picked a ModuleList entry or a typed member (see Note [A unit's
+  // module called directly] in unit.cc). `type_name`: the module's C++ type.
+  void set_parent_holds_module(std::string type_name) {
+    parent_holds_module_ = true;
+    module_type_name_ = std::move(type_name);
+  }
+  bool parent_holds_module() const { return parent_holds_module_; }
+  const std::string& module_type_name() const { return module_type_name_; }
+
   // Connects the original parameters to a new gradient sink (see Note [Gradient sinks]).
   void install_gradient_sink();
 
@@ -74,6 +84,8 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
  private:
   RootState* root_;
+  bool parent_holds_module_ = false;
+  std::string module_type_name_;
   c10::optional<c10::ScalarType> cast_inputs_to_;
   bool restore_output_dtype_ = false;
   c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
@@ -86,6 +98,10 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
  public:
   bool pre_backward_done() const { return pre_backward_done_; }
 };
+
+// The error for a unit whose module its parent called directly (Note [A unit's module
+// called directly] in unit.cc): names the unit and shows the call that goes through it.
+std::string called_directly_message(const UnitState& unit);
 
 class RootState {
  public:
@@ -110,6 +126,14 @@ class RootState {
     unit_views_.push_back(unit);
     units_.push_back(std::move(unit));
   }
+
+  // See Note [A unit's module called directly] in unit.cc. The first unit (pre-order)
+  // whose parent holds its module, that has not run in this forward and is sharded; null
+  // if none.
+  const UnitState* unit_called_directly() const;
+  // At the root's post-forward: throws called_directly_message for the first unit whose
+  // parent holds its module that did not run in this forward.
+  void check_units_ran() const;
 
   // The seed's _assert_in_training_states: throws c10::Error with its message.
   void assert_in_states(std::initializer_list<TrainingState> states, const char* what) const;

@@ -21,6 +21,24 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp {
+namespace core_internal {
+
+struct UnitBinder {
+  static void bind(UnitBase& unit, std::shared_ptr<UnitState> state) {
+    unit.bind(std::move(state));
+  }
+  // CustomPolicy's overrides for a unit it picked.
+  static void override_options(UnitBase& unit, const UnitOptions& options) {
+    if (options.sharding_strategy()) {
+      unit.annotation_.options.sharding_strategy(options.sharding_strategy());
+    }
+    if (options.mixed_precision()) {
+      unit.annotation_.options.mixed_precision(options.mixed_precision());
+    }
+  }
+};
+
+}  // namespace core_internal
 namespace {
 
 // Note [Auto-wrapping]
@@ -51,12 +69,12 @@ class HeldModuleUnit : public UnitBase {
 
 // recursive_wrap's replace_child for FSDP (see the Note): makes the picked `child` a unit
 // where `parent` calls it and adds it to `picked`.
-void make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
-                      std::shared_ptr<torch::nn::Module> registered,
-                      absl::flat_hash_set<const UnitBase*>& picked) {
+UnitBase* make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
+                           std::shared_ptr<torch::nn::Module> registered,
+                           absl::flat_hash_set<const UnitBase*>& picked) {
   if (auto* unit = dynamic_cast<UnitBase*>(registered.get())) {
     picked.insert(unit);
-    return;
+    return unit;
   }
   if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
     for (auto it = sequential->begin(); it != sequential->end(); ++it) {
@@ -65,12 +83,13 @@ void make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
       *it = torch::nn::AnyModule(unit);
       sequential->replace_module(child.name, unit);
       picked.insert(unit.get());
-      return;
+      return unit.get();
     }
   }
   auto unit = std::make_shared<HeldModuleUnit>(std::move(registered));
   parent.replace_module(child.name, unit);
   picked.insert(unit.get());
+  return unit.get();
 }
 
 // What FSDP leaves alone: ignored_modules or ignored_states, resolved.
@@ -143,11 +162,20 @@ absl::flat_hash_set<const UnitBase*> apply_policy(UnitBase& root,
     return unit == nullptr ? nullptr : unit->wrapped_module().get();
   });
   absl::flat_hash_set<const UnitBase*> picked = {&root};
-  wrap_options.replace_child([&picked](torch::nn::Module& parent, const ModuleNode& child,
-                                       std::shared_ptr<torch::nn::Module> registered) {
-    make_picked_unit(parent, child, std::move(registered), picked);
-  });
   AutoWrapPolicy policy = wrap_policy(options);
+  // A copy: `policy` may be wrapped in an or_policy below.
+  std::shared_ptr<const CustomPolicy> custom;
+  if (const auto* given = policy.target<CustomPolicy>()) {
+    custom = std::make_shared<const CustomPolicy>(*given);
+  }
+  wrap_options.replace_child([&picked, custom](torch::nn::Module& parent, const ModuleNode& child,
+                                               std::shared_ptr<torch::nn::Module> registered) {
+    UnitBase* unit = make_picked_unit(parent, child, std::move(registered), picked);
+    if (custom == nullptr) return;
+    if (c10::optional<UnitOptions> own = custom->unit_options(child)) {
+      core_internal::UnitBinder::override_options(*unit, *own);
+    }
+  });
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
     // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
     // _wrap_module_cls_individually over _module_classes_to_ignore.
@@ -607,7 +635,7 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     if (dynamic_cast<const HeldModuleUnit*>(units[k].unit) != nullptr) {
       state->set_parent_holds_module(c10::demangle(typeid(wrapped).name()));
     }
-    units[k].unit->bind(state);
+    core_internal::UnitBinder::bind(*units[k].unit, state);
     // See Note [Original parameters are not leaves].
     state->install_gradient_sink();
     root_state.add_unit(std::move(state));
@@ -789,7 +817,19 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
 
 }  // namespace core_internal
 
-EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options, bool shard_on_construction) {
+c10::optional<UnitOptions> CustomPolicy::unit_options(const ModuleNode& module) const {
+  const Result result = lambda_fn_(module);
+  if (const bool* wrap = std::get_if<bool>(&result)) {
+    return *wrap ? c10::optional<UnitOptions>(UnitOptions()) : c10::nullopt;
+  }
+  const UnitOptions& options = std::get<UnitOptions>(result);
+  if (!options.sharding_strategy() && !options.mixed_precision()) return c10::nullopt;
+  return options;
+}
+
+EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options,
+                       const EnableWrapOptions& wrap_options) {
+  const bool shard_on_construction = wrap_options.shard_on_construction();
   TORCH_CHECK(options.communicator() != nullptr, "EnableWrap: options.communicator is null");
   TORCH_CHECK(!shard_on_construction ||
                   (!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr),
@@ -803,18 +843,18 @@ EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options, bool shar
 
 EnableWrap::~EnableWrap() = default;
 
-NoSyncScope::NoSyncScope(core_internal::RootState& root)
-    : root_(root), previous_(root.sync_gradients()) {
-  root_.set_sync_gradients(false);
+NoSyncScope::NoSyncScope(FullyShardedRoot& root)
+    : root_(root), previous_(root.state_->sync_gradients()) {
+  root_.state_->set_sync_gradients(false);
 }
-NoSyncScope::~NoSyncScope() { root_.set_sync_gradients(previous_); }
+NoSyncScope::~NoSyncScope() { root_.state_->set_sync_gradients(previous_); }
 
-SummonFullParamsScope::SummonFullParamsScope(core_internal::RootState& root, bool writeback,
-                                             bool rank0_only)
+SummonFullParamsScope::SummonFullParamsScope(FullyShardedRoot& root,
+                                             const SummonFullParamsOptions& options)
     : root_(root) {
-  root_.begin_summon(writeback, rank0_only);
+  root_.state_->begin_summon(options);
 }
-SummonFullParamsScope::~SummonFullParamsScope() { root_.end_summon(); }
+SummonFullParamsScope::~SummonFullParamsScope() { root_.state_->end_summon(); }
 
 FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParallelOptions& options)
     : root_(&root), state_(bind_fully_sharded(root, options)) {}
@@ -830,15 +870,6 @@ std::vector<at::Tensor> FullyShardedRoot::parameters(bool recurse) const {
   const std::vector<at::Tensor>& ignored = state_->ignored_params();
   params.insert(params.end(), ignored.begin(), ignored.end());
   return params;
-}
-
-std::unique_ptr<NoSyncScope> FullyShardedRoot::no_sync() {
-  return std::make_unique<NoSyncScope>(*state_);
-}
-
-std::unique_ptr<SummonFullParamsScope> FullyShardedRoot::summon_full_params(bool writeback,
-                                                                            bool rank0_only) {
-  return std::make_unique<SummonFullParamsScope>(*state_, writeback, rank0_only);
 }
 
 at::Tensor FullyShardedRoot::clip_grad_norm_(double max_norm, double norm_type) {

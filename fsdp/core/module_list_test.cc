@@ -120,6 +120,7 @@ TEST(ModuleListTest, ForwardAsIsThePlainCallWithoutFsdp) {
   const at::Tensor x = at::randn({2, kContext, kWidth});
   Unit<GptBlockImpl> unit(block);
   EXPECT_TRUE(at::equal(fsdp::forward_as<GptBlockImpl>(unit.ptr(), x), block->forward(x)));
+  EXPECT_TRUE(at::equal(fsdp::forward_as(unit, x), block->forward(x)));
   EXPECT_THAT([&] { fsdp::forward_as<torch::nn::LinearImpl>(block, x); },
               ::testing::ThrowsMessage<c10::Error>(HasSubstr(
                   "fsdp::forward_as: expected a torch::nn::LinearImpl (or a unit around one), "
@@ -187,6 +188,51 @@ TEST(ModuleListTest, CallingABlockDirectlyIsAnErrorNamingTheUnit) {
               "namespace)::GptBlockImpl>(m, x);`")));
     }
   });
+}
+
+// PyTorch's CustomPolicy: per-unit overrides returned by the policy (blocks.1 NO_SHARD
+// under a FULL_SHARD root), an empty UnitOptions is not a unit (blocks.2); training
+// matches one process.
+TEST(PolicyTest, CustomPolicyGivesUnitsTheirOwnSettings) {
+  const CustomPolicy policy([](const ModuleNode& node) -> CustomPolicy::Result {
+    if (node.cpp_module == nullptr ||
+        dynamic_cast<const GptBlockImpl*>(node.cpp_module) == nullptr) {
+      return false;
+    }
+    if (node.fqn == "blocks.1") return UnitOptions().sharding_strategy(ShardingStrategy::kNoShard);
+    if (node.fqn == "blocks.2") return UnitOptions();
+    return true;
+  });
+  const core_testing::Reference sgd = core_testing::reference<ThroughUnitGptImpl>(2, false);
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    const auto options = FullyShardedDataParallelOptions(comm).auto_wrap_policy(policy);
+    FullyShardedDataParallel<ThroughUnitGptImpl> model(make<ThroughUnitGptImpl>(), options);
+    std::vector<std::string> fqns;
+    std::vector<ShardingStrategy> strategies;
+    for (const auto& unit : model->units()) {
+      fqns.push_back(unit->fqn());
+      strategies.push_back(unit->handle()->strategy());
+    }
+    EXPECT_THAT(fqns, ElementsAre("", "blocks.0", "blocks.1"));
+    EXPECT_THAT(strategies, ElementsAre(ShardingStrategy::kFullShard, ShardingStrategy::kFullShard,
+                                        ShardingStrategy::kNoShard));
+    core_testing::expect_parity_on<ThroughUnitGptImpl>(comm, sgd, options, /*adam=*/false);
+  });
+}
+
+// PyTorch's ModuleWrapPolicy: every module of its types, nested ones too.
+TEST(PolicyTest, ModuleWrapPolicyPicksEveryModuleOfItsTypes) {
+  auto world = FakeWorld::create(1);
+  FullyShardedDataParallel<ThroughUnitGptImpl> model(
+      make<ThroughUnitGptImpl>(),
+      FullyShardedDataParallelOptions(world->communicator(0))
+          .auto_wrap_policy(ModuleWrapPolicy(
+              {ModuleType::of<GptBlockImpl>(), ModuleType::of<torch::nn::LayerNormImpl>()})));
+  std::vector<std::string> fqns;
+  for (const auto& unit : model->units()) fqns.push_back(unit->fqn());
+  EXPECT_THAT(
+      fqns, ElementsAre("", "blocks.0", "blocks.0.ln1", "blocks.0.ln2", "blocks.1", "blocks.1.ln1",
+                        "blocks.1.ln2", "blocks.2", "blocks.2.ln1", "blocks.2.ln2", "ln_f"));
 }
 
 // Issue 25, item 2: an optimizer over parameters() reached through a torch::nn::Module&

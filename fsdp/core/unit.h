@@ -24,10 +24,10 @@
 // cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
 // FullyShardedDataParallel instance.
 //
-// fsdp::wrap(module) is the seed's wrap(): inside an EnableWrap scope (fully_sharded.h)
+// fsdp::wrap(module) is PyTorch's wrap(): inside an EnableWrap scope (fully_sharded.h)
 // it makes a unit with the scope's settings and per-unit overrides; outside any scope the
 // unit it returns stays a pass-through that no root binds unless an auto_wrap_policy
-// picks it (the seed returns the module itself there; C++ needs one return type):
+// picks it (PyTorch's `wrap` returns the module itself there; C++ needs one return type):
 //
 //   block1 = register_module("block1", fsdp::wrap(Block(64), fsdp::UnitOptions().sharding_strategy(
 //                                                                fsdp::ShardingStrategy::kNoShard)));
@@ -56,7 +56,7 @@
 
 namespace fsdp {
 
-// Settings of one unit that differ from its root's: the seed's wrap() overrides (PyTorch:
+// Settings of one unit that differ from its root's: PyTorch's wrap() overrides (PyTorch:
 // the arguments of a nested FullyShardedDataParallel). Unset: the root's.
 struct UnitOptions {
   // FULL_SHARD, SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root; under a HYBRID root
@@ -75,7 +75,8 @@ struct UnitAnnotation {
 };
 
 namespace core_internal {
-class UnitState;  // the runtime state of a bound unit (internal/runtime.h)
+class UnitState;    // the runtime state of a bound unit (internal/runtime.h)
+struct UnitBinder;  // how a FullyShardedDataParallel root binds units (fully_sharded.cc)
 
 // What fsdp::wrap makes (see EnableWrap in fully_sharded.h): annotated, with the active
 // scope's settings edited by `overrides`; outside any scope, not annotated.
@@ -95,8 +96,6 @@ class UnitBase : public torch::nn::Module {
   virtual std::shared_ptr<torch::nn::Module> wrapped_module() const = 0;
   // Whether a FullyShardedDataParallel root has bound this unit (a unit binds once).
   bool is_bound() const { return state_ != nullptr; }
-  // Called by the binding FullyShardedDataParallel root.
-  void bind(std::shared_ptr<core_internal::UnitState> state);
   // The bound unit that wraps `module`, or null (`module` is in no unit, or its unit is
   // not bound). Thread-safe. See fsdp::forward_as.
   static UnitBase* bound_unit_of(const torch::nn::Module& module);
@@ -193,6 +192,10 @@ class UnitBase : public torch::nn::Module {
     }
   }
 
+  friend struct core_internal::UnitBinder;
+  // Called by the binding FullyShardedDataParallel root.
+  void bind(std::shared_ptr<core_internal::UnitState> state);
+
   UnitAnnotation annotation_;
   std::shared_ptr<core_internal::UnitState> state_;
   const torch::nn::Module* registered_ = nullptr;  // bound_unit_of's key, once bound
@@ -283,6 +286,10 @@ template <typename Module, typename... Args>
 decltype(auto) forward_as(const torch::nn::ModuleHolder<Module>& module, Args&&... args) {
   return forward_as<Module>(module.ptr(), std::forward<Args>(args)...);
 }
+template <typename Module, typename... Args>
+decltype(auto) forward_as(const Unit<Module>& unit, Args&&... args) {
+  return forward_as<Module>(unit.ptr(), std::forward<Args>(args)...);
+}
 
 // Unit<T> for a module holder: fsdp::make_unit(torch::nn::Linear(5, 5)).
 template <typename Contained>
@@ -290,7 +297,7 @@ Unit<Contained> make_unit(const torch::nn::ModuleHolder<Contained>& module) {
   return Unit<Contained>(module.ptr());
 }
 
-// The seed's wrap(module, **overrides): inside an EnableWrap scope on this thread, a unit
+// PyTorch's wrap(module, **overrides): inside an EnableWrap scope on this thread, a unit
 // with the scope's sharding_strategy and mixed_precision, each replaced by `overrides`
 // where set (and sharded at once if the scope shards on construction); outside any
 // scope, a pass-through unit (see the file comment). PyTorch:

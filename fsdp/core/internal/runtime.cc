@@ -215,24 +215,81 @@ void RootState::assert_in_states(std::initializer_list<TrainingState> states,
               training_state_name(training_state_));
 }
 
-void RootState::begin_summon(bool writeback, bool rank0_only) {
+// Note [Summoning full parameters]
+// PyTorch's summon_full_params with use_orig_params=False. Each unit summoned (the root
+// only without recurse) gathers its full-precision flat parameter, whose views the
+// original parameters are; with rank0_only the other ranks reshard at once. with_grads
+// all-gathers each sharded unit's shard gradient into a full flat gradient (one
+// all-gather per unit, in the unit's shard group) and gives each original parameter its
+// view as grad (NO_SHARD gradients are full already); the grads are dropped at the end.
+// offload_to_cpu points each original parameter of a sharded unit at a CPU copy of its
+// view (set_data) and back at the end, copying the CPU values into the view first under
+// writeback, so the shard written back holds the edits. The scope ends by writing back
+// (writeback) and resharding every unit it summoned.
+void RootState::begin_summon(const SummonFullParamsOptions& options) {
   assert_in_states({TrainingState::kIdle}, "summon_full_params");
-  TORCH_CHECK(!(writeback && rank0_only),
+  TORCH_CHECK(!(options.writeback() && options.rank0_only()),
               "summon_full_params: writeback=true with "
               "rank0_only=true is not supported (the other ranks hold no full copy to write "
               "back); pass writeback=false");
+  TORCH_CHECK(!(options.with_grads() && options.offload_to_cpu()),
+              "summon_full_params: with_grads=true with offload_to_cpu=true is not supported "
+              "(as in PyTorch); pass one of them");
   training_state_ = TrainingState::kSummonFullParams;
-  summon_writeback_ = writeback;
-  for (const auto& unit : units_) unit->summon(/*keep=*/!rank0_only || comm_->rank() == 0);
+  summon_writeback_ = options.writeback();
+  const bool keep = !options.rank0_only() || comm_->rank() == 0;
+  for (const auto& unit : units_) {
+    if (!options.recurse() && !unit->is_root()) continue;
+    if (options.with_grads()) summon_grads(*unit);  // before the unit's own collectives
+    unit->summon(keep);
+    summoned_.push_back(unit.get());
+    FlatParamHandle* handle = unit->handle();
+    if (options.offload_to_cpu() && keep && handle != nullptr &&
+        handle->strategy() != ShardingStrategy::kNoShard && !handle->device().is_cpu()) {
+      at::NoGradGuard no_grad;
+      for (const at::Tensor& p : handle->original_params()) {
+        offloaded_.emplace_back(p, p.detach());
+        p.set_data(p.detach().to(at::kCPU));
+      }
+    }
+  }
+}
+
+void RootState::summon_grads(UnitState& unit) {
+  FlatParamHandle* handle = unit.handle();
+  if (handle == nullptr) return;
+  const at::Tensor& shard_grad = handle->sharded_flat_param().grad();
+  // Every rank of the unit's shard group has a gradient or none (one backward).
+  if (!shard_grad.defined()) return;
+  at::Tensor full = shard_grad;
+  if (handle->padded_numel() != handle->shard_numel()) {
+    full = at::empty({handle->padded_numel()}, shard_grad.options());
+    handle->communicator().all_gather_into_tensor(full, shard_grad.contiguous());
+  }
+  for (size_t i = 0; i < handle->param_infos().size(); ++i) {
+    const FlatParamInfo& info = handle->param_infos()[i];
+    const at::Tensor& p = handle->original_params()[i];
+    p.mutable_grad() = full.narrow(0, info.offset, info.numel).view(info.shape);
+    summoned_grads_.push_back(p);
+  }
 }
 
 void RootState::end_summon() {
-  for (const auto& unit : units_) {
+  at::NoGradGuard no_grad;
+  for (auto& [param, device_view] : offloaded_) {
+    if (summon_writeback_) device_view.copy_(param.detach());
+    param.set_data(device_view);
+  }
+  offloaded_.clear();
+  for (at::Tensor& p : summoned_grads_) p.mutable_grad() = at::Tensor();
+  summoned_grads_.clear();
+  for (UnitState* unit : summoned_) {
     FlatParamHandle* handle = unit->handle();
     if (handle == nullptr) continue;
     if (summon_writeback_ && handle->is_unsharded()) handle->write_back_shard();
     unit->finish_iteration();
   }
+  summoned_.clear();
   training_state_ = TrainingState::kIdle;
 }
 

@@ -92,7 +92,7 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   bool pre_backward_done_ = false;
   bool sink_installed_ = false;  // this iteration's sink exists
 
-  // Throws the seed's _assert_in_training_states message for the handle's state.
+  // Throws PyTorch's _assert_in_training_states message for the handle's state.
   void assert_handle_in(std::initializer_list<HandleTrainingState> states, const char* what) const;
 
  public:
@@ -135,17 +135,20 @@ class RootState {
   // parent holds its module that did not run in this forward.
   void check_units_ran() const;
 
-  // The seed's _assert_in_training_states: throws c10::Error with its message.
+  // PyTorch's _assert_in_training_states: throws c10::Error with its message.
   void assert_in_states(std::initializer_list<TrainingState> states, const char* what) const;
 
   // Gradient synchronization (off inside no_sync).
   bool sync_gradients() const { return sync_gradients_; }
   void set_sync_gradients(bool sync) { sync_gradients_ = sync; }
 
-  // summon_full_params: gathers every unit (rank 0 only if rank0_only); end_summon
-  // writes edits back to the shards if writeback, then reshards.
-  void begin_summon(bool writeback, bool rank0_only);
+  // summon_full_params (SummonFullParamsOptions in fully_sharded.h): gathers the units
+  // (rank 0 only keeps them if rank0_only); end_summon writes edits back to the shards if
+  // writeback, then reshards. See Note [Summoning full parameters] in runtime.cc.
+  void begin_summon(const SummonFullParamsOptions& options);
   void end_summon();
+  // with_grads: `unit`'s full gradient as its original parameters' grads.
+  void summon_grads(UnitState& unit);
 
   // Buffers cast to another dtype while the model runs forward and backward, and back to
   // their own dtype at the end of each iteration (mixed precision's buffer_dtype).
@@ -206,7 +209,11 @@ class RootState {
   FlatParamHandle* reducing_ = nullptr;  // its reduction is in flight
   bool sync_gradients_ = true;
   bool summon_writeback_ = false;
-  std::vector<std::shared_ptr<UnitState>> units_;              // pre-order
+  std::vector<UnitState*> summoned_;  // the units begin_summon gathered
+  // offload_to_cpu: each offloaded original parameter and its view on the device.
+  std::vector<std::pair<at::Tensor, at::Tensor>> offloaded_;
+  std::vector<at::Tensor> summoned_grads_;         // with_grads: parameters given a full grad
+  std::vector<std::shared_ptr<UnitState>> units_;  // pre-order
   std::vector<std::shared_ptr<FullyShardedUnit>> unit_views_;  // the same
 };
 

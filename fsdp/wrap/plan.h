@@ -11,7 +11,7 @@
 // See Note [Wrap planning] in plan.cc for how PyTorch's numbers are reproduced in
 // O(modules + parameters) instead of `_recursive_wrap`'s O(modules x depth).
 //
-// Threading: pure; the policy is called from the calling thread only, in the seed's
+// Threading: pure; the policy is called from the calling thread only, in `_recursive_wrap`'s
 // order (recurse = true on the way down, recurse = false on the way up).
 #ifndef FSDP_WRAP_PLAN_H_
 #define FSDP_WRAP_PLAN_H_
@@ -52,7 +52,7 @@ struct PlannedUnit {
 
 struct WrapPlan {
   std::vector<PlannedUnit> units;  // in pre-order of the tree
-  // Indices into `units` in the order the seed creates the wrappers: post-order
+  // Indices into `units` in the order `_recursive_wrap` creates the wrappers: post-order
   // (children before parents, earlier siblings first).
   std::vector<int> wrap_order;
   int64_t total_numel = 0;    // distinct, non-ignored parameters of the tree

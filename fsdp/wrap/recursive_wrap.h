@@ -7,7 +7,7 @@
 //       model.ptr(), fsdp::always_wrap_policy(), factory,
 //       fsdp::RecursiveWrapOptions().only_wrap_children(true));
 //
-// Decisions come from plan_recursive_wrap (plan.h), so the units are exactly the seed's;
+// Decisions come from plan_recursive_wrap (plan.h), so the units are exactly `_recursive_wrap`'s;
 // wrappers are created in PyTorch's order (children before parents). fsdp/wrap knows
 // nothing of sharding: what a wrapper does is the factory's business.
 //

@@ -4,7 +4,7 @@ A consumer's WORKSPACE:
 
     local_repository(name = "fsdp", path = "/path/to/fsdp")
     load("@fsdp//bazel:repositories.bzl", "fsdp_dependencies")
-    fsdp_dependencies(fsdp_path = "/path/to/fsdp/")
+    fsdp_dependencies(fsdp_path = "/path/to/fsdp")   # a trailing "/" is optional
 
 Everything is local (Debian packages, the pinned torch wheel installed by
 tools/setup.sh, and this tree): nothing is downloaded. Repositories the consumer already
@@ -34,21 +34,22 @@ def fsdp_dependencies(fsdp_path = "", libtorch_path = ""):
     """Declares fsdp's repositories.
 
     Args:
-      fsdp_path: fsdp's root ("" inside fsdp itself).
+      fsdp_path: fsdp's root, with or without a trailing "/" ("" inside fsdp itself).
       libtorch_path: optional folder with LibTorch 2.11's include/ and lib/ (see above).
     """
+    prefix = fsdp_path if fsdp_path == "" or fsdp_path.endswith("/") else fsdp_path + "/"
 
     # Bazel's rule sets as Debian ships them; rules_cc forwards to the native rules
     # (Debian's bazel-rules-cc is too new for Bazel 4.2.3).
     _add(native.local_repository, "platforms", path = "/usr/share/bazel/platforms")
     _add(native.local_repository, "rules_java", path = "/usr/share/bazel/rules/java")
-    _add(native.local_repository, "rules_cc", path = fsdp_path + "third_party/rules_cc")
+    _add(native.local_repository, "rules_cc", path = prefix + "third_party/rules_cc")
 
     # `bazel test` asks for these even without --collect_code_coverage.
     _add(
         native.local_repository,
         "remote_coverage_tools",
-        path = fsdp_path + "third_party/remote_coverage_tools",
+        path = prefix + "third_party/remote_coverage_tools",
     )
 
     _add(

@@ -8,7 +8,7 @@ can be compared against it.
 
 Subcommands:
   make-models OUT_DIR   script + save every model as OUT_DIR/NAME.pt
-  oracle --model NAME --policy size|always|transformer
+  oracle --model NAME --policy size|always|transformer|module
          [--min_num_params N] [--layer_cls PY.CLASS.PATH ...] [--world_size W]
                         print {"total_numel": N, "units": [...]} as JSON
   selfcheck             check the wrap emulation on a tiny model
@@ -161,6 +161,10 @@ def make_policy(args):
     if args.policy == "size":
         return functools.partial(torch_wrap.size_based_auto_wrap_policy,
                                  min_num_params=args.min_num_params)
+    if args.policy == "module":
+        if not args.layer_cls:
+            sys.exit("plan_oracle: --policy=module needs --layer_cls")
+        return torch_wrap.ModuleWrapPolicy({resolve_class(c) for c in args.layer_cls})
     if args.policy == "transformer":
         if not args.layer_cls:
             sys.exit("plan_oracle: --policy=transformer needs --layer_cls")
@@ -175,11 +179,17 @@ def plan(model: nn.Module, policy, world_size: int) -> dict:
     orig_names = {id(m): n for n, m in model.named_modules()}
     total = total_numel(model)
 
-    # FSDP.__init__: wrap the children per the policy, then the root, always.
+    # FSDP.__init__ (_auto_wrap): wrap the children per the policy, then the root, always.
     Wrapper.created = []
-    torch_wrap._recursive_wrap(model, policy, wrapper_cls=Wrapper,
-                         ignored_modules=set(), ignored_params=set(),
-                         only_wrap_children=True)
+    if isinstance(policy, torch_wrap._Policy):
+        # A _Policy (ModuleWrapPolicy) picks its modules at once, wrapped in post-order.
+        targets = policy._run_policy(model, set(), {})
+        torch_wrap._post_order_apply(
+            model, torch_wrap._construct_wrap_fn(model, targets, Wrapper))
+    else:
+        torch_wrap._recursive_wrap(model, policy, wrapper_cls=Wrapper,
+                                   ignored_modules=set(), ignored_params=set(),
+                                   only_wrap_children=True)
     root = Wrapper(model)
 
     # Each unit flattens the not-yet-claimed params of its subtree; units are
@@ -249,7 +259,7 @@ def main() -> None:
     orc = sub.add_parser("oracle", help="print torch's wrap plan as JSON")
     orc.add_argument("--model", required=True, choices=sorted(MODELS))
     orc.add_argument("--policy", required=True,
-                     choices=["size", "always", "transformer"])
+                     choices=["size", "always", "transformer", "module"])
     orc.add_argument("--min_num_params", type=int, default=int(1e8))
     # Repeatable and/or comma-separated, like fsdp_plan's --layer_cls.
     orc.add_argument("--layer_cls", nargs="+", action="extend", default=[],

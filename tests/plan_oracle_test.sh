@@ -46,12 +46,15 @@ CASES=(
   "encoder_size_1e5_w3             transformer_encoder 3 --policy=size --min_num_params=100000"
   "encoder_transformer_w8          transformer_encoder 8 --policy=transformer --layer_cls=$LAYER"
   "encoder_always_w3               transformer_encoder 3 --policy=always"
+  "encoder_module_w8               transformer_encoder 8 --policy=module --layer_cls=$LAYER"
   "transformer_size_1e4_w2         transformer         2 --policy=size --min_num_params=10000"
   "transformer_decoder_layer_w4    transformer         4 --policy=transformer --layer_cls=$DECODER_LAYER"
   "transformer_always_w3           transformer         3 --policy=always"
   "tied_lm_transformer_w2          tied_lm             2 --policy=transformer --layer_cls=$LAYER"
   "tied_lm_size_1e3_w3             tied_lm             3 --policy=size --min_num_params=1000"
   "tied_lm_always_w8               tied_lm             8 --policy=always"
+  "tied_lm_module_w2               tied_lm             2 --policy=module --layer_cls=$LAYER"
+  "transformer_module_w4           transformer         4 --policy=module --layer_cls=$LAYER,$DECODER_LAYER"
 )
 
 # Compares total_numel and units (fqn, numel, shard_numel, padding, in

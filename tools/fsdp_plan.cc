@@ -36,7 +36,8 @@
 #include <caffe2/serialize/inline_container.h>
 
 ABSL_FLAG(std::string, model, "", "TorchScript file of the model (required)");
-ABSL_FLAG(std::string, policy, "size", "auto-wrap policy: size, always or transformer");
+ABSL_FLAG(std::string, policy, "size",
+          "auto-wrap policy: size, always, transformer or module (ModuleWrapPolicy)");
 ABSL_FLAG(std::string, min_num_params, "1e8",
           "size policy: a module is large iff its unwrapped numel >= this (elements; "
           "an integer, also written like 1e8)");
@@ -171,14 +172,20 @@ std::vector<ModuleType> class_paths(const ModuleTree& tree, const char* flag,
 
 fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
   const std::string policy = absl::GetFlag(FLAGS_policy);
-  if (policy != "transformer" && !absl::GetFlag(FLAGS_layer_cls).empty()) {
-    fail("--layer_cls is used by --policy=transformer only");
+  if (policy != "transformer" && policy != "module" && !absl::GetFlag(FLAGS_layer_cls).empty()) {
+    fail("--layer_cls is used by --policy=transformer and --policy=module only");
   }
   if (policy != "size" &&
       (!absl::GetFlag(FLAGS_force_leaf).empty() || !absl::GetFlag(FLAGS_exclude).empty())) {
     fail("--force_leaf and --exclude are used by --policy=size only");
   }
   if (policy == "always") return fsdp::always_wrap_policy();
+  if (policy == "module") {
+    if (absl::GetFlag(FLAGS_layer_cls).empty()) {
+      fail("--policy=module needs --layer_cls=PY.CLASS.PATH[,...]");
+    }
+    return fsdp::ModuleWrapPolicy(class_paths(tree, "layer_cls", absl::GetFlag(FLAGS_layer_cls)));
+  }
   if (policy == "transformer") {
     if (absl::GetFlag(FLAGS_layer_cls).empty()) {
       fail("--policy=transformer needs --layer_cls=PY.CLASS.PATH[,...]");
@@ -199,7 +206,8 @@ fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
     }
     return fsdp::size_based_auto_wrap_policy(options);
   }
-  fail(absl::StrCat("unknown --policy '", policy, "': expected size, always or transformer"));
+  fail(absl::StrCat("unknown --policy '", policy,
+                    "': expected size, always, transformer or module"));
 }
 
 int run() {

@@ -95,7 +95,7 @@ expect_error huge_world_size "--world_size must be an integer in [1, 1048576], g
 expect_error text_world_size "got 'abc'" --model="$tmp/model.pt" --world_size=abc
 expect_error trailing_comma "--ignored_modules has an empty entry" --model="$tmp/model.pt" \
   --ignored_modules=0,
-expect_error layer_cls_with_size "--layer_cls is used by --policy=transformer only" \
+expect_error layer_cls_with_size "--layer_cls is used by --policy=transformer and --policy=module only" \
   --model="$tmp/model.pt" --layer_cls=torch.nn.modules.linear.Linear
 expect_error scripted_function "holds a scripted function, not a module" --model="$tmp/function.pt"
 expect_error unknown_class "unknown class path 'torch.nn.modules.linear.Linearr'" \

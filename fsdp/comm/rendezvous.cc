@@ -1,6 +1,11 @@
 #include "fsdp/comm/rendezvous.h"
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -242,7 +247,49 @@ std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
 }
 
 std::shared_ptr<Communicator> init_from_environment(const RendezvousOptions& options) {
-  return init_communicator(read_launch_environment(), options);
+  const LaunchEnvironment env = read_launch_environment();
+  std::shared_ptr<Communicator> comm = init_communicator(env, options);
+  report_uncaught_errors(env.rank);  // after the backend's own handler (gloo.h)
+  return comm;
+}
+
+namespace {
+
+// Note [Uncaught errors on a rank]
+// A user's main that lets a c10::Error escape (a bad model at construction, a damaged
+// checkpoint) would end in libstdc++'s terminate handler: "terminate called after
+// throwing an instance of 'c10::Error'", the message and a 20-frame C++ backtrace, from
+// every rank, then SIGABRT. Python programs under torchrun print the error once and exit
+// with status 1, so this handler does the same for c10::Error; the backtrace stays
+// behind PyTorch's TORCH_SHOW_CPP_STACKTRACES=1.
+std::atomic<int> g_uncaught_rank{-1};
+std::terminate_handler g_replaced_handler = nullptr;
+
+void report_uncaught_error() {
+  if (std::exception_ptr current = std::current_exception()) {
+    try {
+      std::rethrow_exception(current);
+    } catch (const c10::Error& error) {
+      const char* show = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+      const bool backtrace = show != nullptr && std::string(show) == "1";
+      std::fflush(stdout);
+      std::fprintf(stderr, "fsdp: rank %d failed: %s\n", g_uncaught_rank.load(),
+                   backtrace ? error.what() : error.what_without_backtrace());
+      std::fflush(stderr);
+      std::_Exit(1);
+    } catch (...) {
+    }
+  }
+  if (g_replaced_handler != nullptr) g_replaced_handler();
+  std::abort();
+}
+
+}  // namespace
+
+void report_uncaught_errors(int rank) {
+  g_uncaught_rank.store(rank);
+  static std::once_flag once;
+  std::call_once(once, [] { g_replaced_handler = std::set_terminate(report_uncaught_error); });
 }
 
 }  // namespace fsdp

@@ -111,9 +111,20 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
 // blocking_wait when TORCH_NCCL_BLOCKING_WAIT=1, PyTorch's variable), or Gloo (bound to loopback
 // when the master is local, else to this host's address, or to GLOO_SOCKET_IFNAME). With kGloo no
 // CUDA call is made. PyTorch: dist.init_process_group(backend, init_method="env://").
+// It also reports uncaught errors as report_uncaught_errors(env.rank) does.
 std::shared_ptr<Communicator> init_from_environment(const RendezvousOptions& options = {});
 std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
                                                 const RendezvousOptions& options = {});
+
+// Makes a c10::Error (CommError among them) that no catch handles end this process with
+// one line on stderr, "fsdp: rank R failed: <the error without its C++ backtrace>", and
+// exit status 1, instead of libstdc++'s "terminate called after throwing an instance of
+// 'c10::Error'" with the backtrace and SIGABRT; with TORCH_SHOW_CPP_STACKTRACES=1 (PyTorch's
+// variable) the line carries the backtrace. Other exceptions go to the terminate handler
+// it replaced (Gloo's: Note [Gloo terminations] in gloo.cc). The launcher's summary then
+// names the rank ("rank R (pid P) exited with status 1"). Idempotent; the rank of the last
+// call is printed. Threading: any thread. PyTorch: torchrun's per-rank error summary.
+void report_uncaught_errors(int rank);
 
 }  // namespace fsdp
 

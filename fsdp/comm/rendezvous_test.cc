@@ -9,6 +9,7 @@
 
 #include <map>
 #include <string>
+#include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -318,3 +319,28 @@ TEST(DISABLED_RendezvousWorker, JoinThroughFile) {
 
 }  // namespace
 }  // namespace fsdp
+
+// Note [Uncaught errors on a rank]: an uncaught c10::Error is one line naming the rank,
+// without libstdc++'s terminate message or the C++ backtrace, and exit status 1; with
+// TORCH_SHOW_CPP_STACKTRACES=1 the backtrace is there.
+TEST(ReportUncaughtErrorsTest, OneLineNamingTheRankAndStatusOne) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto throw_uncaught = [] {
+    fsdp::report_uncaught_errors(3);
+    std::thread([] { TORCH_CHECK(false, "the checkpoint is damaged; use another one"); }).join();
+  };
+  EXPECT_EXIT(
+      throw_uncaught(), ::testing::ExitedWithCode(1),
+      ::testing::AllOf(::testing::HasSubstr("fsdp: rank 3 failed: the checkpoint is damaged; use "
+                                            "another one\n"),
+                       ::testing::Not(::testing::HasSubstr("terminate called")),
+                       ::testing::Not(::testing::HasSubstr("Exception raised from"))));
+  EXPECT_EXIT(
+      {
+        setenv("TORCH_SHOW_CPP_STACKTRACES", "1", 1);
+        throw_uncaught();
+      },
+      ::testing::ExitedWithCode(1),
+      ::testing::AllOf(::testing::HasSubstr("fsdp: rank 3 failed: the checkpoint is damaged"),
+                       ::testing::HasSubstr("Exception raised from")));
+}

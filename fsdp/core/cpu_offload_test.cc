@@ -69,7 +69,7 @@ TrainingRun train(const std::shared_ptr<Communicator>& comm,
     optimizer->step();
     run.losses.push_back(loss.detach().clone());
   }
-  auto summon = model->summon_full_params(/*writeback=*/false);
+  auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
   for (const auto& item : model->named_parameters()) {
     run.params[clean_tensor_name(item.key())] = item.value().detach().clone();
   }
@@ -184,7 +184,7 @@ TEST(OffloadParity, NoShardComputesOnADeviceCopyNotOnTheHostShard) {
                                                      .cpu_offload(CPUOffload(offload)));
       const FlatParamHandle& handle = *model->units()[1]->handle();
       EXPECT_EQ(handle.state(), offload ? FlatParamState::kSharded : FlatParamState::kUnsharded);
-      auto summon = model->summon_full_params(/*writeback=*/false);
+      auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
       EXPECT_EQ(handle.original_params()[0].is_alias_of(handle.sharded_flat_param()), !offload);
     }
   });
@@ -332,7 +332,7 @@ TEST(OffloadErrors, AUnitShardedOnConstructionWithoutOffloadIsNamed) {
     const FullyShardedDataParallelOptions scope_options(comm);
     std::shared_ptr<NestedImpl> net;
     {
-      EnableWrap scope(scope_options, /*shard_on_construction=*/true);
+      EnableWrap scope(scope_options, EnableWrapOptions().shard_on_construction(true));
       net = make<NestedImpl>();
     }
     EXPECT_THAT(

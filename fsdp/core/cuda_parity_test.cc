@@ -314,7 +314,7 @@ TEST_P(CudaShardOnConstructionTest, UnitsShardedAsTheyAreBuiltTrainLikeTheRefere
       std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
       torch::manual_seed(0);
       EnableWrap scope(FullyShardedDataParallelOptions(comm).device_id(kCudaDevice),
-                       /*shard_on_construction=*/true);
+                       EnableWrapOptions().shard_on_construction(true));
       return std::make_shared<NestedImpl>();
     };
     const AfterStep<NestedImpl> on_device = [](FullyShardedDataParallelImpl<NestedImpl>& model,
@@ -461,14 +461,15 @@ TEST(CudaSummonFullParamsTest, WritebackEditsTheShardsOnTheDevice) {
       EXPECT_TRUE(at::equal(unit->handle()->full_flat_param(), filled(*unit->handle(), 0.5)));
     }
     {
-      auto read_only = model->summon_full_params(/*writeback=*/false);
+      auto read_only = model->summon_full_params(SummonFullParamsOptions().writeback(false));
       torch::NoGradGuard no_grad;
       for (const auto& item : model->named_parameters()) item.value().fill_(2.0);
     }
     for (const auto& unit : model->units()) {
       EXPECT_TRUE(at::equal(unit->handle()->full_flat_param(), filled(*unit->handle(), 0.5)));
     }
-    auto rank0 = model->summon_full_params(/*writeback=*/false, /*rank0_only=*/true);
+    auto rank0 =
+        model->summon_full_params(SummonFullParamsOptions().writeback(false).rank0_only(true));
     for (const auto& unit : model->units()) {
       EXPECT_EQ(unit->handle()->is_unsharded(), comm->rank() == 0);
     }
@@ -625,7 +626,7 @@ TEST(CudaParityTest, DeviceIdMovesTheModelAndTrainsAsOneProcessAtW1) {
     // GPU kernels sum in another order than the CPU reference.
     EXPECT_NEAR(loss.item<float>(), want.losses[step], 1e-5) << "step " << step;
   }
-  auto summon = model->summon_full_params(/*writeback=*/false);
+  auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
   for (const auto& item : model->named_parameters()) {
     const std::string fqn = clean_tensor_name(item.key());
     EXPECT_EQ(item.value().device(), kCudaDevice) << fqn;

@@ -1,4 +1,4 @@
-// EnableWrap and fsdp::wrap (the seed's enable_wrap / wrap): units made in the scope with
+// EnableWrap and fsdp::wrap (PyTorch's enable_wrap / wrap): units made in the scope with
 // per-unit overrides train like one process; deferred initialisation (shard on
 // construction) trains exactly like a model built whole, and on W = 4 real processes its
 // construction peaks near the sharded size instead of the full model's.
@@ -53,7 +53,7 @@ Trained train(Communicator& comm, bool shard_on_construction) {
     std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
     torch::manual_seed(0);
     if (shard_on_construction) {
-      EnableWrap scope(options, /*shard_on_construction=*/true);
+      EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
       net = std::make_shared<NestedImpl>();
     } else {
       net = std::make_shared<NestedImpl>();
@@ -76,7 +76,7 @@ Trained train(Communicator& comm, bool shard_on_construction) {
     sgd.step();
     trained.losses.push_back(loss.item<float>());
   }
-  auto summon = model->summon_full_params(/*writeback=*/false);
+  auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
   for (const auto& item : model->named_parameters()) {
     trained.params[clean_tensor_name(item.key())] = item.value().clone();
   }
@@ -99,7 +99,8 @@ TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
 
 TEST(ShardOnConstructionTest, UnitsAreShardedAsTheyAreBuilt) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
-    EnableWrap scope(FullyShardedDataParallelOptions(borrow(comm)), /*shard_on_construction=*/true);
+    EnableWrap scope(FullyShardedDataParallelOptions(borrow(comm)),
+                     EnableWrapOptions().shard_on_construction(true));
     auto l1 = make_unit(torch::nn::Linear(4, 8));
     ASSERT_NE(l1->constructed_handle(), nullptr);
     EXPECT_EQ(l1->constructed_handle()->shard_numel(), 20);
@@ -111,18 +112,18 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
   auto world = FakeWorld::create(1);
   const FullyShardedDataParallelOptions options(world->communicator(0));
   {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     EXPECT_THAT([&] { EnableWrap nested(options); },
                 ThrowsMessage<c10::Error>(HasSubstr("nested wrap scopes are not supported")));
   }
   auto hybrid =
       FullyShardedDataParallelOptions(options).sharding_strategy(ShardingStrategy::kHybridShard);
-  EXPECT_THAT([&] { EnableWrap scope(hybrid, /*shard_on_construction=*/true); },
+  EXPECT_THAT([&] { EnableWrap scope(hybrid, EnableWrapOptions().shard_on_construction(true)); },
               ThrowsMessage<c10::Error>(HasSubstr("HYBRID strategies and auto_wrap_policy are "
                                                   "not supported")));
   std::shared_ptr<NetImpl> net;
   {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     net = std::make_shared<NetImpl>();
   }
   const torch::nn::Module* l1 = net->l1->module().get();
@@ -136,7 +137,7 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
                                           "module")));
   std::shared_ptr<TinyLmImpl> lm;
   {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     lm = std::make_shared<TinyLmImpl>();
   }
   const torch::nn::Module* up = lm->blocks->ptr<UnitImpl<BlockImpl>>(0)->module()->up.get();
@@ -154,7 +155,7 @@ TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {
     const FullyShardedDataParallelOptions options(borrow(comm));
     std::shared_ptr<NetImpl> net;
     {
-      EnableWrap scope(options, /*shard_on_construction=*/true);
+      EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
       net = std::make_shared<NetImpl>();
     }
     EXPECT_THAT(
@@ -238,7 +239,7 @@ TEST(ShardOnConstructionTest, SharedParametersOutsideTheUnitThatTookThemAreNamed
   // embedding unit sharded it already.
   std::shared_ptr<EmbeddingUnitLmImpl> lm;
   {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     lm = std::make_shared<EmbeddingUnitLmImpl>();
   }
   EXPECT_EQ(error_of([&] { FullyShardedDataParallel<EmbeddingUnitLmImpl>(lm, options); }),
@@ -249,7 +250,7 @@ TEST(ShardOnConstructionTest, SharedParametersOutsideTheUnitThatTookThemAreNamed
   // A child unit built before its parent took the bias they share; the parent owns it.
   std::shared_ptr<SharedBiasImpl> nested;
   {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     nested = std::make_shared<SharedBiasImpl>();
   }
   EXPECT_EQ(error_of([&] { FullyShardedDataParallel<SharedBiasImpl>(nested, options); }),
@@ -259,14 +260,14 @@ TEST(ShardOnConstructionTest, SharedParametersOutsideTheUnitThatTookThemAreNamed
             "one unit: build every module that uses it inside one unit");
   // Sibling units: the second one's construction fails (the FQNs are not known yet, so
   // the name is the one inside the unit being built).
-  EnableWrap scope(options, /*shard_on_construction=*/true);
+  EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
   EXPECT_EQ(error_of([] { std::make_shared<TiedUnitsImpl>(); }),
             "EnableWrap: parameter 'weight' of a unit being built was already sharded by "
             "another unit built before it and not inside it; a shared parameter must live in "
             "one unit: build both users inside one unit");
 }
 
-// ---- fsdp::wrap: the seed's enable_wrap / wrap with per-unit overrides. ----
+// ---- fsdp::wrap: PyTorch's enable_wrap / wrap with per-unit overrides. ----
 
 // NetImpl's layers, annotated with fsdp::wrap: l2 asks for NO_SHARD.
 struct WrappedNetImpl : torch::nn::Module {
@@ -323,7 +324,7 @@ TEST(WrapTest, ModelBuiltInsideTheScopeWithOverridesTrainsLikeOneProcess) {
     on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
       const FullyShardedDataParallelOptions options(comm);
       auto build_in_scope = [&] {
-        EnableWrap scope(options, shard_on_construction);
+        EnableWrap scope(options, EnableWrapOptions().shard_on_construction(shard_on_construction));
         auto net = make<WrappedNetImpl>();
         EXPECT_TRUE(net->l1->annotated());
         EXPECT_EQ(net->l1->unit_options().sharding_strategy(), ShardingStrategy::kFullShard);
@@ -441,7 +442,7 @@ ConstructionMemory build(const std::shared_ptr<Communicator>& comm, bool shard_o
   reset_peak_memory_stats(kTag);
   torch::manual_seed(0);
   if (shard_on_construction) {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     *net = std::make_shared<MlpModel>(kDim, kBlocks, 10);
   } else {
     *net = std::make_shared<MlpModel>(kDim, kBlocks, 10);

@@ -146,7 +146,7 @@ TEST(FrozenParamsTest, NoSyncAndSummonCoverBothFlatParameters) {
     comm->counters().reset();
     FrozenLmImpl::loss(model->forward(batch.input), batch.target).backward();
     EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 3);
-    auto summon = model->summon_full_params(/*writeback=*/false);
+    auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
     EXPECT_TRUE(at::equal(net->final_norm->weight, final_weight));
     EXPECT_EQ(model->units()[1]->frozen_handle()->state(), FlatParamState::kUnsharded);
   });

@@ -21,6 +21,24 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp {
+namespace core_internal {
+
+struct UnitBinder {
+  static void bind(UnitBase& unit, std::shared_ptr<UnitState> state) {
+    unit.bind(std::move(state));
+  }
+  // CustomPolicy's overrides for a unit it picked.
+  static void override_options(UnitBase& unit, const UnitOptions& options) {
+    if (options.sharding_strategy()) {
+      unit.annotation_.options.sharding_strategy(options.sharding_strategy());
+    }
+    if (options.mixed_precision()) {
+      unit.annotation_.options.mixed_precision(options.mixed_precision());
+    }
+  }
+};
+
+}  // namespace core_internal
 namespace {
 
 // Note [Auto-wrapping]
@@ -29,18 +47,34 @@ namespace {
 // the tree shows the module it wraps). Its factory changes nothing; its replace_child
 // makes each picked module a unit where its parent calls it: a Unit<T> around it is
 // activated; a torch::nn::Sequential child is swapped, in the Sequential's own AnyModule
-// list and its registered children, for an AnyUnitImpl around it; any other parent calls
-// the module directly (a typed member, a ModuleList the parent casts from), which no
-// wrapper can intercept, so that is an error naming the FQN and how to annotate it.
+// list and its registered children, for an AnyUnitImpl around it; any other parent (a
+// ModuleList the parent casts from, a typed member) keeps calling the module itself, so
+// a HeldModuleUnit around it takes its place among the parent's registered children only
+// (names and state dicts as PyTorch's) and the parent's calls reach it through
+// fsdp::forward_as; a direct call is an error naming the unit (Note [A unit's module
+// called directly] in unit.cc).
+
+// A unit around a module its parent holds and calls itself (see the Note): it has no
+// forward of its own; fsdp::forward_as runs the module through it.
+class HeldModuleUnit : public UnitBase {
+ public:
+  explicit HeldModuleUnit(std::shared_ptr<torch::nn::Module> module)
+      : UnitBase(UnitAnnotation{}),
+        module_(register_module(std::string(kFsdpWrappedModule), std::move(module))) {}
+  std::shared_ptr<torch::nn::Module> wrapped_module() const override { return module_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+};
 
 // recursive_wrap's replace_child for FSDP (see the Note): makes the picked `child` a unit
 // where `parent` calls it and adds it to `picked`.
-void make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
-                      std::shared_ptr<torch::nn::Module> registered,
-                      absl::flat_hash_set<const UnitBase*>& picked) {
+UnitBase* make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
+                           std::shared_ptr<torch::nn::Module> registered,
+                           absl::flat_hash_set<const UnitBase*>& picked) {
   if (auto* unit = dynamic_cast<UnitBase*>(registered.get())) {
     picked.insert(unit);
-    return;
+    return unit;
   }
   if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
     for (auto it = sequential->begin(); it != sequential->end(); ++it) {
@@ -49,14 +83,13 @@ void make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
       *it = torch::nn::AnyModule(unit);
       sequential->replace_module(child.name, unit);
       picked.insert(unit.get());
-      return;
+      return unit.get();
     }
   }
-  TORCH_CHECK(false, "FullyShardedDataParallel: auto_wrap_policy picked '", child.fqn, "' (",
-              c10::demangle(typeid(*registered).name()),
-              "), but its parent calls it directly, so FSDP cannot intercept its forward; "
-              "annotate it where the parent holds it (fsdp::Unit<T> / fsdp::wrap), or "
-              "hold it in a torch::nn::Sequential");
+  auto unit = std::make_shared<HeldModuleUnit>(std::move(registered));
+  parent.replace_module(child.name, unit);
+  picked.insert(unit.get());
+  return unit.get();
 }
 
 // What FSDP leaves alone: ignored_modules or ignored_states, resolved.
@@ -129,11 +162,20 @@ absl::flat_hash_set<const UnitBase*> apply_policy(UnitBase& root,
     return unit == nullptr ? nullptr : unit->wrapped_module().get();
   });
   absl::flat_hash_set<const UnitBase*> picked = {&root};
-  wrap_options.replace_child([&picked](torch::nn::Module& parent, const ModuleNode& child,
-                                       std::shared_ptr<torch::nn::Module> registered) {
-    make_picked_unit(parent, child, std::move(registered), picked);
-  });
   AutoWrapPolicy policy = wrap_policy(options);
+  // A copy: `policy` may be wrapped in an or_policy below.
+  std::shared_ptr<const CustomPolicy> custom;
+  if (const auto* given = policy.target<CustomPolicy>()) {
+    custom = std::make_shared<const CustomPolicy>(*given);
+  }
+  wrap_options.replace_child([&picked, custom](torch::nn::Module& parent, const ModuleNode& child,
+                                               std::shared_ptr<torch::nn::Module> registered) {
+    UnitBase* unit = make_picked_unit(parent, child, std::move(registered), picked);
+    if (custom == nullptr) return;
+    if (c10::optional<UnitOptions> own = custom->unit_options(child)) {
+      core_internal::UnitBinder::override_options(*unit, *own);
+    }
+  });
   if (options.mixed_precision() && options.mixed_precision()->full_precision_modules()) {
     // See Note [Mixed precision] in internal/runtime.cc: as PyTorch's _or_policy with
     // _wrap_module_cls_individually over _module_classes_to_ignore.
@@ -620,7 +662,12 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     } else if (mp && (k == 0 ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs())) {
       state->set_input_casting(mp->param_dtype(), /*restore_output_dtype=*/false);
     }
-    units[k].unit->bind(state);
+    if (dynamic_cast<const HeldModuleUnit*>(units[k].unit) != nullptr) {
+      state->set_parent_holds_module(c10::demangle(typeid(wrapped).name()));
+    }
+    core_internal::UnitBinder::bind(*units[k].unit, state);
+    // See Note [Original parameters are not leaves].
+    state->install_gradient_sink();
     root_state.add_unit(std::move(state));
   }
   return full_precision_modules;
@@ -693,6 +740,16 @@ void move_to_device(torch::nn::Module& root, c10::Device device, const Ignored& 
   for (const auto& item : root.named_parameters()) move(item.key(), item.value());
   for (const auto& item : root.named_buffers()) move(item.key(), item.value());
 }
+
+// Note [Original parameters are not leaves]
+// A bound unit's original parameters stay registered (names and state dicts equal the
+// unwrapped model's), so Module::parameters() through any torch::nn::Module& still lists
+// them; it is not virtual, so the root's parameters() (the sharded flat parameters)
+// cannot replace it there. An optimizer over them would train nothing. So each unit's
+// gradient sink (Note [Gradient sinks] in internal/runtime.cc) is connected at
+// construction, not only at the first forward: the original parameters are never leaves,
+// and LibTorch's optimizers refuse them ("can't optimize a non-leaf Tensor"). Each
+// iteration's first forward still makes the sink that backward uses.
 
 // Binds `root` and every Unit inside it; returns the root's runtime state.
 std::shared_ptr<core_internal::RootState> bind_fully_sharded(
@@ -791,7 +848,19 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
 
 }  // namespace core_internal
 
-EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options, bool shard_on_construction) {
+c10::optional<UnitOptions> CustomPolicy::unit_options(const ModuleNode& module) const {
+  const Result result = lambda_fn_(module);
+  if (const bool* wrap = std::get_if<bool>(&result)) {
+    return *wrap ? c10::optional<UnitOptions>(UnitOptions()) : c10::nullopt;
+  }
+  const UnitOptions& options = std::get<UnitOptions>(result);
+  if (!options.sharding_strategy() && !options.mixed_precision()) return c10::nullopt;
+  return options;
+}
+
+EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options,
+                       const EnableWrapOptions& wrap_options) {
+  const bool shard_on_construction = wrap_options.shard_on_construction();
   TORCH_CHECK(options.communicator() != nullptr, "EnableWrap: options.communicator is null");
   TORCH_CHECK(!shard_on_construction ||
                   (!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr),
@@ -805,18 +874,18 @@ EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options, bool shar
 
 EnableWrap::~EnableWrap() = default;
 
-NoSyncScope::NoSyncScope(core_internal::RootState& root)
-    : root_(root), previous_(root.sync_gradients()) {
-  root_.set_sync_gradients(false);
+NoSyncScope::NoSyncScope(FullyShardedRoot& root)
+    : root_(root), previous_(root.state_->sync_gradients()) {
+  root_.state_->set_sync_gradients(false);
 }
-NoSyncScope::~NoSyncScope() { root_.set_sync_gradients(previous_); }
+NoSyncScope::~NoSyncScope() { root_.state_->set_sync_gradients(previous_); }
 
-SummonFullParamsScope::SummonFullParamsScope(core_internal::RootState& root, bool writeback,
-                                             bool rank0_only)
+SummonFullParamsScope::SummonFullParamsScope(FullyShardedRoot& root,
+                                             const SummonFullParamsOptions& options)
     : root_(root) {
-  root_.begin_summon(writeback, rank0_only);
+  root_.state_->begin_summon(options);
 }
-SummonFullParamsScope::~SummonFullParamsScope() { root_.end_summon(); }
+SummonFullParamsScope::~SummonFullParamsScope() { root_.state_->end_summon(); }
 
 FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParallelOptions& options)
     : root_(&root), state_(bind_fully_sharded(root, options)) {}
@@ -830,23 +899,15 @@ std::vector<FlatParamHandle*> FullyShardedUnit::handles() const {
   return result;
 }
 
-std::vector<at::Tensor> FullyShardedRoot::parameters(bool /*recurse*/) const {
+std::vector<at::Tensor> FullyShardedRoot::parameters(bool recurse) const {
   std::vector<at::Tensor> params;
   for (const auto& unit : state_->units()) {
     if (unit->handle() != nullptr) params.push_back(unit->handle()->sharded_flat_param());
+    if (!recurse) return params;  // the root's own
   }
   const std::vector<at::Tensor>& ignored = state_->ignored_params();
   params.insert(params.end(), ignored.begin(), ignored.end());
   return params;
-}
-
-std::unique_ptr<NoSyncScope> FullyShardedRoot::no_sync() {
-  return std::make_unique<NoSyncScope>(*state_);
-}
-
-std::unique_ptr<SummonFullParamsScope> FullyShardedRoot::summon_full_params(bool writeback,
-                                                                            bool rank0_only) {
-  return std::make_unique<SummonFullParamsScope>(*state_, writeback, rank0_only);
 }
 
 at::Tensor FullyShardedRoot::clip_grad_norm_(double max_norm, double norm_type) {

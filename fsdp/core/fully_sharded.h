@@ -30,10 +30,12 @@
 //
 // Parameters: parameters() of the root gives the optimizer the sharded flat parameters,
 // then the ignored parameters that require grad, as PyTorch's does. Call it on the
-// FullyShardedDataParallelImpl, not through a Module&, which still lists the original
-// parameters: those stay registered so names and state-dict keys equal the unwrapped
-// model's. PyTorch: torch.distributed.fsdp.FullyShardedDataParallel
-// (use_orig_params=False).
+// FullyShardedDataParallelImpl (model->parameters()). Through a torch::nn::Module&,
+// parameters() lists the original parameters (they stay registered so names and
+// state-dict keys equal the unwrapped model's); those are not leaves once bound, so an
+// optimizer built from them fails at construction with LibTorch's "can't optimize a
+// non-leaf Tensor" instead of training nothing. PyTorch:
+// torch.distributed.fsdp.FullyShardedDataParallel (use_orig_params=False).
 //
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision,
 // mixed_precision.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
@@ -61,6 +63,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include <c10/util/Optional.h>
@@ -76,6 +79,29 @@
 #include "fsdp/wrap/wrap_context.h"
 
 namespace fsdp {
+
+// PyTorch's CustomPolicy(lambda_fn) (torch.distributed.fsdp.wrap), given as
+// FullyShardedDataParallelOptions::auto_wrap_policy: every module below the root that is
+// not ignored (nested ones too) is asked; lambda_fn returns false (not a unit), true (a
+// unit with the root's settings) or UnitOptions, a unit whose set fields override the
+// root's (an empty UnitOptions is false, as PyTorch's empty dict). Overrides replace
+// those a Unit<T> got from fsdp::wrap. lambda_fn must be pure (it is asked again for the
+// units' settings). Threading: the constructing thread.
+class CustomPolicy {
+ public:
+  using Result = std::variant<bool, UnitOptions>;
+  explicit CustomPolicy(std::function<Result(const ModuleNode&)> lambda_fn)
+      : lambda_fn_(std::move(lambda_fn)) {}
+  // As an AutoWrapPolicy: recurse into everything, wrap iff unit_options has a value.
+  bool operator()(const ModuleNode& module, bool recurse, int64_t /*nonwrapped_numel*/) const {
+    return recurse || unit_options(module).has_value();
+  }
+  // `module`'s unit settings (empty: the root's), or nullopt if it is not a unit.
+  c10::optional<UnitOptions> unit_options(const ModuleNode& module) const;
+
+ private:
+  std::function<Result(const ModuleNode&)> lambda_fn_;
+};
 
 // (the unit's wrapped module or the Unit<T> itself, its strategy) pairs.
 using UnitShardingStrategies = std::vector<std::pair<const torch::nn::Module*, ShardingStrategy>>;
@@ -201,10 +227,10 @@ namespace core_internal {
 struct WrapConfig;  // the scope's settings and what it sharded (fully_sharded.cc)
 }  // namespace core_internal
 
-// The seed's enable_wrap(wrapper_cls=FullyShardedDataParallel, **options) as an RAII
+// PyTorch's enable_wrap(wrapper_cls=FullyShardedDataParallel, **options) as an RAII
 // scope: while it lives on a thread, fsdp::wrap (unit.h) called on that thread makes
 // units with these options' sharding_strategy and mixed_precision, each overridable per
-// call (the seed's wrap overrides). The root that binds them later takes everything else
+// call (PyTorch's wrap overrides). The root that binds them later takes everything else
 // (communicator, prefetching, ...) from its own options.
 //
 //   fsdp::FullyShardedDataParallelOptions options(comm);
@@ -232,10 +258,17 @@ struct WrapConfig;  // the scope's settings and what it sharded (fully_sharded.c
 //
 // Errors: c10::Error (also when a scope is already active on the thread: scopes do not
 // nest). One per thread (ranks may be threads).
+// How an EnableWrap scope makes units, beyond the root's options.
+struct EnableWrapOptions {
+  // Each unit built in the scope shards its parameters at once (see Deferred
+  // initialisation above).
+  TORCH_ARG(bool, shard_on_construction) = false;
+};
+
 class [[nodiscard]] EnableWrap {
  public:
   explicit EnableWrap(const FullyShardedDataParallelOptions& options,
-                      bool shard_on_construction = false);
+                      const EnableWrapOptions& wrap_options = {});
   ~EnableWrap();
   EnableWrap(const EnableWrap&) = delete;
   EnableWrap& operator=(const EnableWrap&) = delete;
@@ -248,28 +281,58 @@ namespace core_internal {
 class RootState;  // the runtime state of a bound root (internal/runtime.h)
 }  // namespace core_internal
 
-// RAII scopes returned by FullyShardedRoot::no_sync / summon_full_params.
+class FullyShardedRoot;
+
+// What FullyShardedRoot::summon_full_params gathers and how. PyTorch: the arguments of
+// FullyShardedDataParallel.summon_full_params (use_orig_params=False), same defaults.
+struct SummonFullParamsOptions {
+  // Units below the root too (false: the root's own parameters only; the other units'
+  // original parameters stay sharded and must not be read).
+  TORCH_ARG(bool, recurse) = true;
+  // Edits made to the full parameters are copied back into the shards when the scope
+  // ends (to the original parameters' values: also with offload_to_cpu).
+  TORCH_ARG(bool, writeback) = true;
+  // Only rank 0 keeps the full values: the other ranks' original parameters must not be
+  // read (their memory is freed). Not with writeback.
+  TORCH_ARG(bool, rank0_only) = false;
+  // The full parameters are CPU tensors while the scope lives: each original parameter
+  // is a CPU copy, and the compute device holds only the shards. As in PyTorch, only
+  // sharded units offload (not NO_SHARD, nor world size 1), and a CPU compute device has
+  // nothing to move. Best with rank0_only, so one rank holds the copy.
+  TORCH_ARG(bool, offload_to_cpu) = false;
+  // Each original parameter's grad() is its full gradient (all-gathered from the shards'
+  // gradients; undefined where the shard has none) while the scope lives; gradients are
+  // not written back. Not with offload_to_cpu (as in PyTorch).
+  TORCH_ARG(bool, with_grads) = false;
+};
+
+// While it lives, backward passes accumulate gradients unsharded on each rank with no
+// communication (FullyShardedRoot::no_sync). Not copyable or movable: keep it in a local
+// (`auto scope = model->no_sync();`).
 class [[nodiscard]] NoSyncScope {
  public:
-  explicit NoSyncScope(core_internal::RootState& root);
+  explicit NoSyncScope(FullyShardedRoot& root);
   ~NoSyncScope();
   NoSyncScope(const NoSyncScope&) = delete;
   NoSyncScope& operator=(const NoSyncScope&) = delete;
 
  private:
-  core_internal::RootState& root_;
+  FullyShardedRoot& root_;
   bool previous_;
 };
 
+// While it lives, the original parameters hold their full values
+// (FullyShardedRoot::summon_full_params). Not copyable or movable.
 class [[nodiscard]] SummonFullParamsScope {
  public:
-  SummonFullParamsScope(core_internal::RootState& root, bool writeback, bool rank0_only);
+  explicit SummonFullParamsScope(FullyShardedRoot& root,
+                                 const SummonFullParamsOptions& options = {});
   ~SummonFullParamsScope();
   SummonFullParamsScope(const SummonFullParamsScope&) = delete;
   SummonFullParamsScope& operator=(const SummonFullParamsScope&) = delete;
 
  private:
-  core_internal::RootState& root_;
+  FullyShardedRoot& root_;
 };
 
 // One unit of a bound model, as the root lists it (FullyShardedRoot::units()): its FQN,
@@ -291,7 +354,9 @@ class FullyShardedUnit {
   FlatParamHandle* frozen_handle() const { return frozen_handle_.get(); }
   // handle() then frozen_handle(), those that are set: every flat parameter of the unit.
   std::vector<FlatParamHandle*> handles() const;
-  HandleTrainingState handle_state() const { return handle_state_; }
+  // The unit's place in the pass (PyTorch: _handle._training_state); the flat
+  // parameter's own memory state is handle()->state().
+  HandleTrainingState handle_training_state() const { return handle_state_; }
 
  protected:
   FullyShardedUnit(std::string fqn, bool is_root, std::unique_ptr<FlatParamHandle> handle,
@@ -320,22 +385,25 @@ class FullyShardedRoot {
 
   // The sharded flat parameters of every unit (handle(), not a frozen_handle()), in
   // pre-order, then the ignored parameters that require grad: what the optimizer updates.
+  // With recurse = false, the root's own flat parameter only (none if the root owns no
+  // parameters), as PyTorch's parameters(recurse=False) on the root FSDP instance.
   std::vector<at::Tensor> parameters(bool recurse = true) const;
 
   // While the returned scope lives, backward passes accumulate gradients unsharded on
   // each rank with no communication (no reduce-scatter, no all-reduce); the first
   // backward after it reduces the sum. Every rank must use it the same way. PyTorch:
   // FullyShardedDataParallel.no_sync().
-  [[nodiscard]] std::unique_ptr<NoSyncScope> no_sync();
+  [[nodiscard]] NoSyncScope no_sync() { return NoSyncScope(*this); }
 
   // While the returned scope lives, every original parameter holds its full value (one
-  // all-gather per unit, on every rank). With writeback, edits made to them are copied
-  // back into the shards when the scope ends. With rank0_only, only rank 0 keeps the full
-  // values: the other ranks' original parameters must not be read (their memory is
-  // freed). Needs the model idle (not inside forward/backward); writeback with
-  // rank0_only is an error. PyTorch: FullyShardedDataParallel.summon_full_params().
-  [[nodiscard]] std::unique_ptr<SummonFullParamsScope> summon_full_params(bool writeback = true,
-                                                                          bool rank0_only = false);
+  // all-gather per unit, on every rank; see SummonFullParamsOptions for what else).
+  // Needs the model idle (not inside forward/backward); writeback with rank0_only, and
+  // with_grads with offload_to_cpu, are errors. Every rank calls it. PyTorch:
+  // FullyShardedDataParallel.summon_full_params().
+  [[nodiscard]] SummonFullParamsScope summon_full_params(
+      const SummonFullParamsOptions& options = {}) {
+    return SummonFullParamsScope(*this, options);
+  }
 
   // Scales every gradient (the flat shards' and the ignored modules' parameters') by
   // min(1, max_norm / (total_norm + 1e-6)), where total_norm is the norm of all of them
@@ -370,6 +438,8 @@ class FullyShardedRoot {
   FullyShardedRoot(UnitBase& root, const FullyShardedDataParallelOptions& options);
 
  private:
+  friend class NoSyncScope;
+  friend class SummonFullParamsScope;
   UnitBase* root_;
   std::shared_ptr<core_internal::RootState> state_;
 };

@@ -230,7 +230,7 @@ TEST(SyncModuleStatesTest, RanksSeededDifferentlyEndWithRankZerosParametersAndBu
       const bool same_buffer =
           at::equal(net->norm->module()->running_mean, rank0->norm->module()->running_mean);
       EXPECT_EQ(same_buffer, sync || comm.rank() == 0);
-      auto summon = model->summon_full_params(/*writeback=*/false);
+      auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
       const std::map<std::string, at::Tensor> want = by_fqn(*rank0);
       // Without sync the gathered parameters mix every rank's own initialisation (rank 0
       // included); BatchNorm's weight and bias start as ones and zeros everywhere.
@@ -460,7 +460,7 @@ TEST(DeviceIdTest, UnitsShardedAtConstructionUseTheDeviceId) {
   const auto options = FullyShardedDataParallelOptions(world->communicator(0)).device_id(c10::kCPU);
   std::shared_ptr<NetImpl> net;
   {
-    EnableWrap scope(options, /*shard_on_construction=*/true);
+    EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
     net = make_net();
   }
   FullyShardedDataParallel<NetImpl> model(net, options);

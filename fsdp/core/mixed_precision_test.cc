@@ -102,7 +102,7 @@ TEST(MixedPrecisionTest, LowPrecisionInsideForwardFullPrecisionOutside) {
     EXPECT_EQ(comm.counters().get(CollectiveKind::kReduceScatter).bytes_sent, want_reduce_bytes);
     EXPECT_EQ(comm.counters().get(CollectiveKind::kAllGather).bytes_sent, want_gather_bytes);
     // summon_full_params shows the float32 master values.
-    auto summon = model->summon_full_params(/*writeback=*/false);
+    auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
     EXPECT_EQ(net->l1->module()->weight.scalar_type(), at::kFloat);
   });
 }

@@ -24,10 +24,10 @@
 // cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
 // FullyShardedDataParallel instance.
 //
-// fsdp::wrap(module) is the seed's wrap(): inside an EnableWrap scope (fully_sharded.h)
+// fsdp::wrap(module) is PyTorch's wrap(): inside an EnableWrap scope (fully_sharded.h)
 // it makes a unit with the scope's settings and per-unit overrides; outside any scope the
 // unit it returns stays a pass-through that no root binds unless an auto_wrap_policy
-// picks it (the seed returns the module itself there; C++ needs one return type):
+// picks it (PyTorch's `wrap` returns the module itself there; C++ needs one return type):
 //
 //   block1 = register_module("block1", fsdp::wrap(Block(64), fsdp::UnitOptions().sharding_strategy(
 //                                                                fsdp::ShardingStrategy::kNoShard)));
@@ -46,6 +46,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/core/flat_param.h"
@@ -54,7 +56,7 @@
 
 namespace fsdp {
 
-// Settings of one unit that differ from its root's: the seed's wrap() overrides (PyTorch:
+// Settings of one unit that differ from its root's: PyTorch's wrap() overrides (PyTorch:
 // the arguments of a nested FullyShardedDataParallel). Unset: the root's.
 struct UnitOptions {
   // FULL_SHARD, SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root; under a HYBRID root
@@ -73,7 +75,8 @@ struct UnitAnnotation {
 };
 
 namespace core_internal {
-class UnitState;  // the runtime state of a bound unit (internal/runtime.h)
+class UnitState;    // the runtime state of a bound unit (internal/runtime.h)
+struct UnitBinder;  // how a FullyShardedDataParallel root binds units (fully_sharded.cc)
 
 // What fsdp::wrap makes (see EnableWrap in fully_sharded.h): annotated, with the active
 // scope's settings edited by `overrides`; outside any scope, not annotated.
@@ -93,8 +96,21 @@ class UnitBase : public torch::nn::Module {
   virtual std::shared_ptr<torch::nn::Module> wrapped_module() const = 0;
   // Whether a FullyShardedDataParallel root has bound this unit (a unit binds once).
   bool is_bound() const { return state_ != nullptr; }
-  // Called by the binding FullyShardedDataParallel root.
-  void bind(std::shared_ptr<core_internal::UnitState> state);
+  // The bound unit that wraps `module`, or null (`module` is in no unit, or its unit is
+  // not bound). Thread-safe. See fsdp::forward_as.
+  static UnitBase* bound_unit_of(const torch::nn::Module& module);
+
+  // Runs the wrapped module's forward, as a `Module` (its C++ type), with the FSDP steps
+  // around it: what fsdp::forward_as does for a unit. Errors: c10::Error if the wrapped
+  // module is not a `Module`.
+  template <typename Module, typename... Args>
+  decltype(auto) forward_wrapped_as(Args&&... args) {
+    auto* module = dynamic_cast<Module*>(wrapped_module().get());
+    if (module == nullptr) throw_not_a(typeid(Module).name());
+    return run([&]() -> decltype(auto) {
+      return module->forward(cast_input(std::forward<Args>(args))...);
+    });
+  }
   // The flat parameter made when this unit was built inside an EnableWrap scope that shards on
   // construction (FQNs relative to the wrapped module), until the binding root takes it.
   const FlatParamHandle* constructed_handle() const { return constructed_handle_.get(); }
@@ -108,12 +124,20 @@ class UnitBase : public torch::nn::Module {
   // shards on construction.
   void shard_if_constructing();
 
+  ~UnitBase() override;
+
   // Runs `forward` (the wrapped module's) with the FSDP steps around it.
   template <typename Forward>
   auto run(Forward&& forward) -> decltype(forward()) {
     if (!state_) return forward();
     pre_forward();
-    auto output = forward();
+    auto output = [&]() -> decltype(forward()) {
+      try {
+        return forward();
+      } catch (const c10::Error&) {
+        rethrow_forward_error();  // See Note [A unit's module called directly] in unit.cc.
+      }
+    }();
     if constexpr (std::is_same_v<std::decay_t<decltype(output)>, at::Tensor>) {
       output = cast_output(output);
     }
@@ -139,6 +163,10 @@ class UnitBase : public torch::nn::Module {
   at::Tensor cast_output(const at::Tensor& output);
   bool hook_output(const at::Tensor& output);
   void post_forward(bool hooked);
+  // Inside a catch block: rethrows the error, or one naming the unit whose module the
+  // forward called directly (the root only).
+  [[noreturn]] void rethrow_forward_error() const;
+  [[noreturn]] void throw_not_a(const char* type_name) const;
 
   bool hook_outputs(const at::Tensor& output) { return hook_output(output); }
   bool hook_outputs(const std::vector<at::Tensor>& outputs) {
@@ -164,8 +192,13 @@ class UnitBase : public torch::nn::Module {
     }
   }
 
+  friend struct core_internal::UnitBinder;
+  // Called by the binding FullyShardedDataParallel root.
+  void bind(std::shared_ptr<core_internal::UnitState> state);
+
   UnitAnnotation annotation_;
   std::shared_ptr<core_internal::UnitState> state_;
+  const torch::nn::Module* registered_ = nullptr;  // bound_unit_of's key, once bound
   std::unique_ptr<FlatParamHandle> constructed_handle_;
 };
 
@@ -224,13 +257,47 @@ class AnyUnitImpl : public UnitBase {
   std::shared_ptr<torch::nn::Module> wrapped_;
 };
 
+// Calls `module`'s forward as a `Module` (its C++ type), through the FSDP unit that
+// wraps it if there is one, else directly: in a model whose parent holds its blocks
+// itself (a torch::nn::ModuleList, a typed member), write
+//
+//   for (auto& m : *blocks) x = fsdp::forward_as<BlockImpl>(m, x);
+//   // instead of: for (auto& m : *blocks) x = m->as<BlockImpl>()->forward(x);
+//
+// and an auto_wrap_policy can make the blocks units (fully_sharded.h). `module` may be
+// the module itself (what a ModuleList holds), a ModuleHolder of it (a typed member:
+// fsdp::forward_as(block, x)), or a Unit<T> around it. Without FSDP it is the plain
+// call. Errors: c10::Error if `module` is null or not a `Module`. Threading: the rank's.
+template <typename Module, typename Pointee, typename... Args>
+decltype(auto) forward_as(const std::shared_ptr<Pointee>& module, Args&&... args) {
+  TORCH_CHECK(module != nullptr, "fsdp::forward_as: the module is null");
+  const std::shared_ptr<torch::nn::Module> base = module;
+  UnitBase* unit = dynamic_cast<UnitBase*>(base.get());
+  if (unit == nullptr) unit = UnitBase::bound_unit_of(*base);
+  if (unit != nullptr) {
+    return unit->template forward_wrapped_as<Module>(std::forward<Args>(args)...);
+  }
+  auto* typed = dynamic_cast<Module*>(base.get());
+  TORCH_CHECK(typed != nullptr, "fsdp::forward_as: expected a ", c10::demangle_type<Module>(),
+              " (or a unit around one), but the module is a ", c10::demangle(typeid(*base).name()));
+  return typed->forward(std::forward<Args>(args)...);
+}
+template <typename Module, typename... Args>
+decltype(auto) forward_as(const torch::nn::ModuleHolder<Module>& module, Args&&... args) {
+  return forward_as<Module>(module.ptr(), std::forward<Args>(args)...);
+}
+template <typename Module, typename... Args>
+decltype(auto) forward_as(const Unit<Module>& unit, Args&&... args) {
+  return forward_as<Module>(unit.ptr(), std::forward<Args>(args)...);
+}
+
 // Unit<T> for a module holder: fsdp::make_unit(torch::nn::Linear(5, 5)).
 template <typename Contained>
 Unit<Contained> make_unit(const torch::nn::ModuleHolder<Contained>& module) {
   return Unit<Contained>(module.ptr());
 }
 
-// The seed's wrap(module, **overrides): inside an EnableWrap scope on this thread, a unit
+// PyTorch's wrap(module, **overrides): inside an EnableWrap scope on this thread, a unit
 // with the scope's sharding_strategy and mixed_precision, each replaced by `overrides`
 // where set (and sharded at once if the scope shards on construction); outside any
 // scope, a pass-through unit (see the file comment). PyTorch:

@@ -321,7 +321,7 @@ TEST(Errors, OnlyTheIdleRootHasAStateDict) {
     using Unit = std::remove_reference_t<decltype(*model->module()->l1)>;
     static_assert(std::is_convertible_v<Root&, FullyShardedRoot&>);
     static_assert(!std::is_convertible_v<Unit&, FullyShardedRoot&>);
-    auto summon = model->summon_full_params(/*writeback=*/false);
+    auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
     EXPECT_THAT([&] { sharded_state_dict(*model); },
                 ::testing::ThrowsMessage<c10::Error>(HasSubstr("sharded_state_dict")));
   });

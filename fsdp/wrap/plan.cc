@@ -9,14 +9,14 @@ namespace fsdp {
 namespace {
 
 // Note [Wrap planning]
-// The seed recounts `module.parameters()` at every level of the recursion, which costs
-// O(modules x depth). We count each subtree's distinct parameters once for the whole tree:
+// PyTorch's `_recursive_wrap` recounts `module.parameters()` at every level of the recursion, which
+// costs O(modules x depth). We count each subtree's distinct parameters once for the whole tree:
 // every occurrence of a parameter adds its numel at its node, and every later occurrence
 // (in pre-order) also subtracts it at the lowest common ancestor with the previous one,
 // so a subtree sum counts a shared parameter exactly once (the usual distinct-count trick
 // on trees). Parameter identity was resolved when the ModuleTree was built (dense slots),
 // so planning needs no hashing. The decisions are then replayed with an explicit stack,
-// calling the policy in the seed's order, and the same numbers reach it.
+// calling the policy in PyTorch's order, and the same numbers reach it.
 
 struct TreeFacts {
   std::vector<bool> ignored;           // node is in an ignored subtree
@@ -87,7 +87,7 @@ void check_not_wrapped(const ModuleTree& tree, const TreeFacts& facts) {
   }
 }
 
-// Replays the seed's recursion as one scan in pre-order: a module is entered (recurse?)
+// Replays `_recursive_wrap`'s recursion as one scan in pre-order: a module is entered (recurse?)
 // when the scan reaches it and left (wrap?) when the scan passes its subtree; a subtree
 // the policy does not recurse into is skipped whole. Returns is_unit per node.
 std::vector<bool> decide_units(const ModuleTree& tree, const AutoWrapPolicy& policy,
@@ -100,7 +100,7 @@ std::vector<bool> decide_units(const ModuleTree& tree, const AutoWrapPolicy& pol
   auto leave = [&](int v) {
     const int64_t rest = facts.subtree_numel[v] - wrapped_below[v];
     const bool may_wrap = !(only_wrap_children && v == 0);
-    int64_t returned = wrapped_below[v];  // the seed's second return value
+    int64_t returned = wrapped_below[v];  // `_recursive_wrap`'s second return value
     if (may_wrap && policy(tree.node(v), /*recurse=*/false, rest)) {
       is_unit[v] = true;
       (*remainder)[v] = rest;

@@ -8,10 +8,10 @@
 //                 fsdp::SizeBasedPolicyOptions().min_num_params(40)));
 //   for (const fsdp::PlannedUnit& unit : plan.units) { unit.fqn; unit.numel; }
 //
-// See Note [Wrap planning] in plan.cc for how the seed's numbers are reproduced in
-// O(modules + parameters) instead of the seed's O(modules x depth).
+// See Note [Wrap planning] in plan.cc for how PyTorch's numbers are reproduced in
+// O(modules + parameters) instead of `_recursive_wrap`'s O(modules x depth).
 //
-// Threading: pure; the policy is called from the calling thread only, in the seed's
+// Threading: pure; the policy is called from the calling thread only, in `_recursive_wrap`'s
 // order (recurse = true on the way down, recurse = false on the way up).
 #ifndef FSDP_WRAP_PLAN_H_
 #define FSDP_WRAP_PLAN_H_
@@ -33,8 +33,8 @@ struct WrapPlanOptions {
   TORCH_ARG(std::vector<int>, ignored_modules);
   // Further parameters (by ParamEntry::key) not to count anywhere.
   TORCH_ARG(std::vector<const void*>, ignored_params);
-  // Offer the root's children but not the root itself (the seed's only_wrap_children;
-  // it applies to the root only, as in the seed).
+  // Offer the root's children but not the root itself (PyTorch's only_wrap_children;
+  // it applies to the root only, as in PyTorch).
   TORCH_ARG(bool, only_wrap_children) = false;
 };
 
@@ -45,18 +45,18 @@ struct PlannedUnit {
   // unit inside it; a parameter shared by several units belongs to the first one that
   // wraps (children before parents, earlier siblings first), as in PyTorch. Elements.
   int64_t numel = 0;
-  // The seed's `remainder` offered to the policy with recurse = false (elements). Equals
+  // `_recursive_wrap`'s `remainder` offered to the policy with recurse = false (elements). Equals
   // `numel` unless parameters are shared across units.
   int64_t remainder = 0;
 };
 
 struct WrapPlan {
   std::vector<PlannedUnit> units;  // in pre-order of the tree
-  // Indices into `units` in the order the seed creates the wrappers: post-order
+  // Indices into `units` in the order `_recursive_wrap` creates the wrappers: post-order
   // (children before parents, earlier siblings first).
   std::vector<int> wrap_order;
   int64_t total_numel = 0;    // distinct, non-ignored parameters of the tree
-  int64_t wrapped_numel = 0;  // the seed's second return value for the root
+  int64_t wrapped_numel = 0;  // `_recursive_wrap`'s second return value for the root
 };
 
 // PyTorch's `_recursive_wrap(root, policy, wrapper_cls, ignored_modules, ignored_params,

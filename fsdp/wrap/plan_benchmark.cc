@@ -1,7 +1,7 @@
 // Wrap planning time on synthetic trees of 1k, 10k and 100k modules, wide and deep:
 // time per module must stay flat as the tree grows. After the Google Benchmark runs, the
 // same trees are planned by PyTorch's own `_recursive_wrap` (the pinned torch 2.11's
-// torch.distributed.fsdp.wrap, the seed's semantics; torch_plan_timing.py)
+// torch.distributed.fsdp.wrap's semantics; torch_plan_timing.py)
 // and the ratio is printed.
 //
 //   bazel run -c opt //fsdp/wrap:plan_benchmark

@@ -1,4 +1,4 @@
-// Every row of REFERENCE §1 with its exact unit set, plus the seed's remainder logic,
+// Every row of REFERENCE §1 with its exact unit set, plus `_recursive_wrap`'s remainder logic,
 // shared parameters, ignored modules and errors.
 #include "fsdp/wrap/plan.h"
 
@@ -206,8 +206,8 @@ TEST(PlanTest, SharedParametersAreCountedOnceAndOwnedByTheFirstUnitToWrap) {
   const WrapPlan plan = plan_fsdp_units(ModuleTree::from_module(*model), always_wrap_policy());
   EXPECT_EQ(plan.total_numel, 95);
   EXPECT_THAT(unit_fqns(plan), ElementsAre("", "0", "1", "2", "2.0", "2.1"));
-  // "0" wraps before "2.0", so it owns the shared weight; the seed still offers 2.0 its
-  // full 30 elements.
+  // "0" wraps before "2.0", so it owns the shared weight; PyTorch's `_recursive_wrap` still
+  // offers 2.0 its full 30 elements.
   EXPECT_THAT(unit_numels(plan), ElementsAre(0, 30, 30, 0, 5, 30));
   EXPECT_EQ(plan.units[4].remainder, 30);
 }

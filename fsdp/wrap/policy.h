@@ -88,6 +88,26 @@ AutoWrapPolicy lambda_auto_wrap_policy(std::function<bool(const ModuleNode&)> la
 // transformer_auto_wrap_policy).
 AutoWrapPolicy transformer_auto_wrap_policy(std::vector<ModuleType> transformer_layer_cls);
 
+// PyTorch's ModuleWrapPolicy(module_classes): every module of these types becomes a
+// unit, nested ones too, except the root and ignored modules; nonwrapped_numel is not
+// used. PyTorch's FSDP runs it over all modules at once (_Policy._run_policy); as a
+// recursive policy it is its __call__ (_module_wrap_policy: recurse into everything, wrap
+// iff the type matches), which picks the same modules. tests/plan_oracle_test.sh checks
+// fsdp_plan --policy=module against torch 2.11's ModuleWrapPolicy. A callable value: give
+// it wherever an AutoWrapPolicy goes.
+class ModuleWrapPolicy {
+ public:
+  explicit ModuleWrapPolicy(std::vector<ModuleType> module_classes)
+      : module_classes_(std::move(module_classes)) {}
+  bool operator()(const ModuleNode& module, bool recurse, int64_t /*nonwrapped_numel*/) const {
+    return recurse || matches_any(module_classes_, module);
+  }
+  const std::vector<ModuleType>& module_classes() const { return module_classes_; }
+
+ private:
+  std::vector<ModuleType> module_classes_;
+};
+
 // Recurses always; wraps every BatchNorm (1d/2d/3d, SyncBatchNorm) (PyTorch:
 // _wrap_batchnorm_individually).
 AutoWrapPolicy wrap_batchnorm_individually();

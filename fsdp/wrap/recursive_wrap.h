@@ -7,8 +7,8 @@
 //       model.ptr(), fsdp::always_wrap_policy(), factory,
 //       fsdp::RecursiveWrapOptions().only_wrap_children(true));
 //
-// Decisions come from plan_recursive_wrap (plan.h), so the units are exactly the seed's;
-// wrappers are created in the seed's order (children before parents). fsdp/wrap knows
+// Decisions come from plan_recursive_wrap (plan.h), so the units are exactly `_recursive_wrap`'s;
+// wrappers are created in PyTorch's order (children before parents). fsdp/wrap knows
 // nothing of sharding: what a wrapper does is the factory's business.
 //
 // Threading: mutates the model; call it from one thread while nothing else uses the model.
@@ -52,7 +52,7 @@ struct RecursiveWrapOptions {
   TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);
   // Further parameters not to count.
   TORCH_ARG(std::vector<at::Tensor>, ignored_params);
-  // Wrap the root's children but never the root (the seed's only_wrap_children).
+  // Wrap the root's children but never the root (PyTorch's only_wrap_children).
   TORCH_ARG(bool, only_wrap_children) = false;
   TORCH_ARG(ReplaceChildFn, replace_child) = replace_registered_child;
   // Wrappers to see through (ModuleTree::from_module): the policy sees the module such a
@@ -63,7 +63,7 @@ struct RecursiveWrapOptions {
 struct RecursiveWrapResult {
   // The root, or its wrapper if the policy wrapped the root itself.
   std::shared_ptr<torch::nn::Module> module;
-  // The seed's second return value: parameters now inside wrappers (elements).
+  // `_recursive_wrap`'s second return value: parameters now inside wrappers (elements).
   int64_t wrapped_numel = 0;
   // FQNs (before wrapping) of the wrapped modules, in pre-order.
   std::vector<std::string> wrapped_fqns;

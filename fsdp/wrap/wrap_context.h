@@ -13,7 +13,7 @@
 //
 // Threading: a scope is active on the thread that created it, until it is destroyed (the
 // seed's context is process-wide; per-thread scopes let ranks run as threads). Nesting
-// scopes on one thread, of any Config type, throws c10::Error, as the seed raises.
+// scopes on one thread, of any Config type, throws c10::Error, as PyTorch's `enable_wrap` raises.
 #ifndef FSDP_WRAP_WRAP_CONTEXT_H_
 #define FSDP_WRAP_WRAP_CONTEXT_H_
 

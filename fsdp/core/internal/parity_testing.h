@@ -182,7 +182,7 @@ void expect_parity_on(const std::shared_ptr<Communicator>& comm, const Reference
     EXPECT_NEAR(global.item<float>(), want.losses[step], tolerance) << "step " << step;
     EXPECT_EQ(model->training_state(), TrainingState::kIdle);
   }
-  auto summon = model->summon_full_params(/*writeback=*/false);
+  auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
   for (const auto& item : model->named_parameters()) {
     const std::string fqn = clean_tensor_name(item.key());
     EXPECT_EQ(item.value().device(), model->device_handle().device()) << fqn;

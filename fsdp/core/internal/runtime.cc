@@ -145,6 +145,7 @@ at::Tensor UnitState::cast_output(const at::Tensor& output) {
 }
 
 void UnitState::post_forward(bool hooked) {
+  if (is_root_) root_->check_units_ran();
   if (handle_) {
     handle_state_ = HandleTrainingState::kIdle;
     // The root keeps its parameters for backward (saves an all-gather); a unit whose
@@ -240,25 +241,115 @@ void RootState::assert_in_states(std::initializer_list<TrainingState> states,
               training_state_name(training_state_));
 }
 
-void RootState::begin_summon(bool writeback, bool rank0_only) {
+// Note [Summoning full parameters]
+// PyTorch's summon_full_params with use_orig_params=False. Each unit summoned (the root
+// only without recurse) gathers its full-precision flat parameter, whose views the
+// original parameters are; with rank0_only the other ranks reshard at once. with_grads
+// all-gathers each sharded unit's shard gradient into a full flat gradient (one
+// all-gather per unit, in the unit's shard group) and gives each original parameter its
+// view as grad (NO_SHARD gradients are full already); the grads are dropped at the end.
+// offload_to_cpu points each original parameter of a sharded unit at a CPU copy of its
+// view (set_data) and back at the end, copying the CPU values into the view first under
+// writeback, so the shard written back holds the edits. The scope ends by writing back
+// (writeback) and resharding every unit it summoned.
+void RootState::begin_summon(const SummonFullParamsOptions& options) {
   assert_in_states({TrainingState::kIdle}, "summon_full_params");
-  TORCH_CHECK(!(writeback && rank0_only),
+  TORCH_CHECK(!(options.writeback() && options.rank0_only()),
               "summon_full_params: writeback=true with "
               "rank0_only=true is not supported (the other ranks hold no full copy to write "
               "back); pass writeback=false");
+  TORCH_CHECK(!(options.with_grads() && options.offload_to_cpu()),
+              "summon_full_params: with_grads=true with offload_to_cpu=true is not supported "
+              "(as in PyTorch); pass one of them");
   training_state_ = TrainingState::kSummonFullParams;
-  summon_writeback_ = writeback;
-  for (const auto& unit : units_) unit->summon(/*keep=*/!rank0_only || comm_->rank() == 0);
+  summon_writeback_ = options.writeback();
+  const bool keep = !options.rank0_only() || comm_->rank() == 0;
+  for (const auto& unit : units_) {
+    if (!options.recurse() && !unit->is_root()) continue;
+    if (options.with_grads()) summon_grads(*unit);  // before the unit's own collectives
+    unit->summon(keep);
+    summoned_.push_back(unit.get());
+    if (!options.offload_to_cpu() || !keep) continue;
+    for (FlatParamHandle* handle : unit->handles()) {
+      if (handle->strategy() == ShardingStrategy::kNoShard || handle->device().is_cpu()) continue;
+      at::NoGradGuard no_grad;
+      for (const at::Tensor& p : handle->original_params()) {
+        offloaded_.emplace_back(p, p.detach());
+        p.set_data(p.detach().to(at::kCPU));
+      }
+    }
+  }
+}
+
+void RootState::summon_grads(UnitState& unit) {
+  FlatParamHandle* handle = unit.handle();
+  if (handle == nullptr) return;
+  const at::Tensor& shard_grad = handle->sharded_flat_param().grad();
+  // Every rank of the unit's shard group has a gradient or none (one backward).
+  if (!shard_grad.defined()) return;
+  at::Tensor full = shard_grad;
+  if (handle->padded_numel() != handle->shard_numel()) {
+    full = at::empty({handle->padded_numel()}, shard_grad.options());
+    handle->communicator().all_gather_into_tensor(full, shard_grad.contiguous());
+  }
+  for (size_t i = 0; i < handle->param_infos().size(); ++i) {
+    const FlatParamInfo& info = handle->param_infos()[i];
+    const at::Tensor& p = handle->original_params()[i];
+    p.mutable_grad() = full.narrow(0, info.offset, info.numel).view(info.shape);
+    summoned_grads_.push_back(p);
+  }
 }
 
 void RootState::end_summon() {
-  for (const auto& unit : units_) {
+  at::NoGradGuard no_grad;
+  for (auto& [param, device_view] : offloaded_) {
+    if (summon_writeback_) device_view.copy_(param.detach());
+    param.set_data(device_view);
+  }
+  offloaded_.clear();
+  for (at::Tensor& p : summoned_grads_) p.mutable_grad() = at::Tensor();
+  summoned_grads_.clear();
+  for (UnitState* unit : summoned_) {
     for (FlatParamHandle* handle : unit->handles()) {
       if (summon_writeback_ && handle->is_unsharded()) handle->write_back_shard();
     }
     unit->finish_iteration();
   }
+  summoned_.clear();
   training_state_ = TrainingState::kIdle;
+}
+
+std::string called_directly_message(const UnitState& unit) {
+  const std::string& type = unit.module_type_name();
+  return absl::StrCat(
+      "FullyShardedDataParallel: the forward called the module of unit '", unit.fqn(), "' (", type,
+      ") directly, bypassing the unit, so its parameters were not gathered for it; "
+      "call it through its unit with fsdp::forward_as, e.g. `x = fsdp::forward_as<",
+      type, ">(m, x);` instead of `x = m->as<", type,
+      ">()->forward(x);` (m: the ModuleList entry or typed member; works without FSDP too)");
+}
+
+const UnitState* RootState::unit_called_directly() const {
+  for (const std::shared_ptr<UnitState>& unit : units_) {
+    if (!unit->parent_holds_module() || unit->handle() == nullptr) continue;
+    if (unit->handle()->is_unsharded()) continue;
+    if (std::find(forward_order_.begin(), forward_order_.end(), unit.get()) ==
+        forward_order_.end()) {
+      return unit.get();
+    }
+  }
+  return nullptr;
+}
+
+void RootState::check_units_ran() const {
+  for (const std::shared_ptr<UnitState>& unit : units_) {
+    if (!unit->parent_holds_module() || unit->handle() == nullptr) continue;
+    TORCH_CHECK(
+        std::find(forward_order_.begin(), forward_order_.end(), unit.get()) != forward_order_.end(),
+        called_directly_message(*unit),
+        " (the unit did not run in this forward; a unit FSDP made around a module its "
+        "parent holds must run through fsdp::forward_as in every forward)");
+  }
 }
 
 // Note [Prefetching]

@@ -40,6 +40,16 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
   RootState& root() const { return *root_; }
 
+  // Whether the unit's parent holds (and may call) the wrapped module itself: an
+  // auto_wrap_policy picked a ModuleList entry or a typed member (see Note [A unit's
+  // module called directly] in unit.cc). `type_name`: the module's C++ type.
+  void set_parent_holds_module(std::string type_name) {
+    parent_holds_module_ = true;
+    module_type_name_ = std::move(type_name);
+  }
+  bool parent_holds_module() const { return parent_holds_module_; }
+  const std::string& module_type_name() const { return module_type_name_; }
+
   // Connects the original parameters to a new gradient sink (see Note [Gradient sinks]).
   void install_gradient_sink();
 
@@ -75,6 +85,8 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
  private:
   RootState* root_;
+  bool parent_holds_module_ = false;
+  std::string module_type_name_;
   c10::optional<c10::ScalarType> cast_inputs_to_;
   bool restore_output_dtype_ = false;
   c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
@@ -83,12 +95,16 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
   void unshard();  // every flat parameter of the unit (handles())
 
-  // Throws the seed's _assert_in_training_states message for the handle's state.
+  // Throws PyTorch's _assert_in_training_states message for the handle's state.
   void assert_handle_in(std::initializer_list<HandleTrainingState> states, const char* what) const;
 
  public:
   bool pre_backward_done() const { return pre_backward_done_; }
 };
+
+// The error for a unit whose module its parent called directly (Note [A unit's module
+// called directly] in unit.cc): names the unit and shows the call that goes through it.
+std::string called_directly_message(const UnitState& unit);
 
 class RootState {
  public:
@@ -114,17 +130,28 @@ class RootState {
     units_.push_back(std::move(unit));
   }
 
-  // The seed's _assert_in_training_states: throws c10::Error with its message.
+  // See Note [A unit's module called directly] in unit.cc. The first unit (pre-order)
+  // whose parent holds its module, that has not run in this forward and is sharded; null
+  // if none.
+  const UnitState* unit_called_directly() const;
+  // At the root's post-forward: throws called_directly_message for the first unit whose
+  // parent holds its module that did not run in this forward.
+  void check_units_ran() const;
+
+  // PyTorch's _assert_in_training_states: throws c10::Error with its message.
   void assert_in_states(std::initializer_list<TrainingState> states, const char* what) const;
 
   // Gradient synchronization (off inside no_sync).
   bool sync_gradients() const { return sync_gradients_; }
   void set_sync_gradients(bool sync) { sync_gradients_ = sync; }
 
-  // summon_full_params: gathers every unit (rank 0 only if rank0_only); end_summon
-  // writes edits back to the shards if writeback, then reshards.
-  void begin_summon(bool writeback, bool rank0_only);
+  // summon_full_params (SummonFullParamsOptions in fully_sharded.h): gathers the units
+  // (rank 0 only keeps them if rank0_only); end_summon writes edits back to the shards if
+  // writeback, then reshards. See Note [Summoning full parameters] in runtime.cc.
+  void begin_summon(const SummonFullParamsOptions& options);
   void end_summon();
+  // with_grads: `unit`'s full gradient as its original parameters' grads.
+  void summon_grads(UnitState& unit);
 
   // Buffers cast to another dtype while the model runs forward and backward, and back to
   // their own dtype at the end of each iteration (mixed precision's buffer_dtype).
@@ -185,7 +212,11 @@ class RootState {
   FlatParamHandle* reducing_ = nullptr;  // its reduction is in flight
   bool sync_gradients_ = true;
   bool summon_writeback_ = false;
-  std::vector<std::shared_ptr<UnitState>> units_;              // pre-order
+  std::vector<UnitState*> summoned_;  // the units begin_summon gathered
+  // offload_to_cpu: each offloaded original parameter and its view on the device.
+  std::vector<std::pair<at::Tensor, at::Tensor>> offloaded_;
+  std::vector<at::Tensor> summoned_grads_;         // with_grads: parameters given a full grad
+  std::vector<std::shared_ptr<UnitState>> units_;  // pre-order
   std::vector<std::shared_ptr<FullyShardedUnit>> unit_views_;  // the same
 };
 

@@ -311,11 +311,11 @@ void FlatParamHandle::unshard_full_precision() {
 // 1. A collective starts after an event recorded on the compute stream when it is issued,
 //    so it runs after every kernel queued before it, including those that last used the
 //    memory the allocator gave its buffers.
-// 2. Work::wait() blocks the host until the collective has completed, then makes the
-//    compute stream wait for it. No buffer a collective touches is freed before its wait:
-//    reshard() of a unit still unsharding waits first (finish_all_gather), the all-gather
-//    input goes in finish_all_gather, the flat gradient in finish_reduce_grad. So memory is
-//    freed after its collective's event, FSDP2's choice, with no record_stream.
+// 2. Work::wait() makes the compute stream wait for the collective (NCCL: without a host
+//    wait; Gloo and the fake backend finish it on the host). No buffer a collective touches
+//    is freed before its wait: reshard() of a unit still unsharding waits first, the
+//    all-gather input goes in finish_all_gather, the flat gradient in finish_reduce_grad. So
+//    memory is freed after its collective's event, FSDP2's choice, with no record_stream.
 // This is safe with the CUDA caching allocator: a freed block returns to the pool of the
 // stream it was allocated on, the compute stream, and is handed out again only to
 // allocations on that stream, whose kernels are queued after those that read the old
@@ -324,17 +324,17 @@ void FlatParamHandle::unshard_full_precision() {
 // work queued on it, which (2) rules out.
 //
 // The bound. Prefetching is one unit ahead (Note [Prefetching] in
-// fsdp/core/internal/runtime.cc), and each unshard() waits on the host for its all-gather,
-// so the host cannot issue a unit's all-gather before the previous one has completed and
-// the unit before that has been resharded. Under FULL_SHARD (and HYBRID_SHARD) at most three
-// flat parameters are unsharded or unsharding at once: the root's (kept from forward to
+// fsdp/core/internal/runtime.cc) and a unit is resharded on the host before the unit after
+// the next is unsharded, so freed blocks are reused in compute-stream order; NCCL also makes
+// the host wait for the oldest all-gather before issuing a third (NcclOptions::
+// max_in_flight_all_gathers). Under FULL_SHARD (and HYBRID_SHARD) at most three flat
+// parameters are unsharded or unsharding at once: the root's (kept from forward to
 // backward), the unit computing and the unit prefetched, i.e. two units besides the root:
 // PyTorch's limit_all_gathers with two all-gathers in flight, always on (there is no
 // option). fully_sharded_test's GatheredUnitsTest counts it. SHARD_GRAD_OP keeps every
-// unit gathered from forward to backward by design, as in PyTorch. The price of blocking
-// the host is that it cannot queue kernels while it waits; the overlap of communication
-// with computation comes from the prefetched all-gather, issued before the current unit's
-// kernels are queued.
+// unit gathered from forward to backward by design, as in PyTorch. Under NCCL the host
+// runs ahead of the device (it queues the next unit's kernels while an all-gather runs);
+// over Gloo each wait finishes the collective on the host.
 
 // Note [Freeing the unsharded flat parameter]
 // The original parameters, and tensors autograd saved from them, are views of

@@ -18,8 +18,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
 namespace fsdp {
@@ -29,6 +31,19 @@ using state_internal::ModelLayout;
 using state_internal::ParamSlice;
 
 constexpr char kStep[] = "step";
+constexpr char kSupported[] = "torch::optim::SGD, Adam, AdamW, Adagrad and RMSprop";
+
+// Raises unless fsdp translates `optimizer`'s state (see kSupported).
+void check_supported(const torch::optim::Optimizer& optimizer) {
+  const bool supported = dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr ||
+                         dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
+                         dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr ||
+                         dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr ||
+                         dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr;
+  TORCH_CHECK(supported, "optimizer ", c10::demangle(typeid(optimizer).name()),
+              " is not supported; fsdp translates the state of ", kSupported,
+              ": use one of them, or save this optimizer's state yourself");
+}
 
 // A parameter the optimizer may hold state for, under its first FQN in pre-order.
 struct Param {
@@ -53,10 +68,13 @@ std::vector<Param> params_of(const ModelLayout& layout) {
 }
 
 // The optimizer state of one optimizer parameter (a flat shard or a parameter outside
-// FSDP): element-wise tensors shaped like it, and Adam's step count.
+// FSDP): element-wise tensors shaped like it, and the step count of the optimizers that
+// keep one, as a 0-dim tensor of `step_dtype` (PyTorch's Adagrad and RMSprop keep a
+// float32 one; fsdp's Adam and AdamW state keeps its int64 step).
 struct State {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   std::optional<int64_t> step;
+  at::ScalarType step_dtype = at::kLong;
 };
 
 template <typename AdamState>
@@ -77,8 +95,19 @@ std::optional<State> read_state(const torch::optim::Optimizer& optimizer, const 
   if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(s)) return adam_state(*adam);
   if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(s))
     return adam_state(*adamw);
+  if (auto* adagrad = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
+    return State{{{"sum", adagrad->sum()}}, adagrad->step(), at::kFloat};
+  }
+  if (auto* rmsprop = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
+    // As PyTorch's RMSprop: "momentum_buffer" with momentum > 0, "grad_avg" when centered.
+    State state{{{"square_avg", rmsprop->square_avg()}}, rmsprop->step(), at::kFloat};
+    if (rmsprop->momentum_buffer().defined())
+      state.tensors.emplace_back("momentum_buffer", rmsprop->momentum_buffer());
+    if (rmsprop->grad_avg().defined()) state.tensors.emplace_back("grad_avg", rmsprop->grad_avg());
+    return state;
+  }
   TORCH_CHECK(false, "optimizer state of type ", c10::demangle(typeid(*s).name()),
-              " is not supported; fsdp translates the state of torch::optim::SGD, Adam and AdamW");
+              " is not supported; fsdp translates the state of ", kSupported);
 }
 
 // Where a loader takes a parameter's state from: the state names it has (empty: none),
@@ -104,35 +133,81 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_adam_state(
   return s;
 }
 
+// The options of the param group of `optimizer` that holds `param`.
+template <typename Options>
+const Options& group_options(const torch::optim::Optimizer& optimizer, const at::Tensor& param) {
+  for (const torch::optim::OptimizerParamGroup& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      if (p.is_same(param)) return static_cast<const Options&>(group.options());
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "a parameter of the model is in no param group of the optimizer");
+}
+
+// A parameter's state for `optimizer`, from its tensors given by name.
+std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+    const torch::optim::Optimizer& optimizer, const at::Tensor& param, const std::string& fqn,
+    const absl::flat_hash_map<std::string, at::Tensor>& tensors, const Source& source) {
+  auto require = [&](std::initializer_list<const char*> names, const char* why) {
+    for (const char* name : names) {
+      TORCH_CHECK(tensors.contains(name), "the optimizer state of '", fqn, "' has no '", name,
+                  "'; ", why);
+    }
+  };
+  constexpr char kOther[] = "it was made by another kind of optimizer";
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr) {
+    require({"momentum_buffer"}, kOther);
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(tensors.at("momentum_buffer"));
+    return s;
+  }
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
+    require({"exp_avg", "exp_avg_sq"}, kOther);
+    return make_adam_state<torch::optim::AdamParamState>(tensors, source.step(fqn));
+  }
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
+    require({"exp_avg", "exp_avg_sq"}, kOther);
+    return make_adam_state<torch::optim::AdamWParamState>(tensors, source.step(fqn));
+  }
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr) {
+    require({"sum"}, kOther);
+    auto s = std::make_unique<torch::optim::AdagradParamState>();
+    s->step(source.step(fqn));
+    s->sum(tensors.at("sum"));
+    return s;
+  }
+  TORCH_INTERNAL_ASSERT(dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr);
+  require({"square_avg"}, kOther);
+  const auto& options = group_options<torch::optim::RMSpropOptions>(optimizer, param);
+  if (options.momentum() > 0) {
+    require({"momentum_buffer"},
+            "the RMSprop optimizer has momentum > 0; the state was made without momentum: "
+            "build the optimizer with the options it was saved with");
+  }
+  if (options.centered()) {
+    require({"grad_avg"},
+            "the RMSprop optimizer is centered; the state was made by an RMSprop that is not: "
+            "build the optimizer with the options it was saved with");
+  }
+  auto s = std::make_unique<torch::optim::RMSpropParamState>();
+  s->step(source.step(fqn));
+  s->square_avg(tensors.at("square_avg"));
+  if (tensors.contains("momentum_buffer")) s->momentum_buffer(tensors.at("momentum_buffer"));
+  if (tensors.contains("grad_avg")) s->grad_avg(tensors.at("grad_avg"));
+  return s;
+}
+
 // Installs a parameter's state, its tensors given by name.
 void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
                    const std::string& fqn, absl::flat_hash_map<std::string, at::Tensor> tensors,
                    const Source& source) {
-  const bool sgd = dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr;
-  const bool adam = dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr;
-  const bool adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr;
-  TORCH_CHECK(sgd || adam || adamw, "optimizer ", c10::demangle(typeid(optimizer).name()),
-              " is not supported; fsdp translates the state of torch::optim::SGD, Adam and AdamW");
-  for (const char* name : sgd ? std::vector<const char*>{"momentum_buffer"}
-                              : std::vector<const char*>{"exp_avg", "exp_avg_sq"}) {
-    TORCH_CHECK(tensors.contains(name), "the optimizer state of '", fqn, "' has no '", name,
-                "'; it was made by another kind of optimizer");
-  }
-  std::unique_ptr<torch::optim::OptimizerParamState> state;
-  if (sgd) {
-    auto s = std::make_unique<torch::optim::SGDParamState>();
-    s->momentum_buffer(tensors.at("momentum_buffer"));
-    state = std::move(s);
-  } else if (adam) {
-    state = make_adam_state<torch::optim::AdamParamState>(tensors, source.step(fqn));
-  } else {
-    state = make_adam_state<torch::optim::AdamWParamState>(tensors, source.step(fqn));
-  }
-  optimizer.state()[compat::optimizer_state_key(param)] = std::move(state);
+  optimizer.state()[compat::optimizer_state_key(param)] =
+      make_state(optimizer, param, fqn, tensors, source);
 }
 
 void load(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
           const std::vector<std::string>& keys, const Source& source, const char* what) {
+  check_supported(optimizer);
   const ModelLayout layout = state_internal::model_layout(model, what);
   const std::vector<Param> params = params_of(layout);
   absl::flat_hash_set<std::string> known;
@@ -206,6 +281,7 @@ torch::OrderedDict<std::string, torch::OrderedDict<std::string, Value>> collect(
     const std::function<at::Tensor(const FlatParamHandle&, const at::Tensor&)>& prepare,
     const std::function<Value(const Param&, const at::Tensor&)>& view,
     const std::function<Value(const at::Tensor&)>& whole, bool keep) {
+  check_supported(optimizer);
   absl::flat_hash_map<const FlatParamHandle*, State> flat_states;
   for (const state_internal::FlatParam& flat : layout.flat_params) {
     std::optional<State> state = read_state(optimizer, flat.handle->sharded_flat_param());
@@ -227,7 +303,7 @@ torch::OrderedDict<std::string, torch::OrderedDict<std::string, Value>> collect(
     for (const auto& [name, tensor] : state->tensors) {
       entry.insert(name, param.handle == nullptr ? whole(tensor.detach()) : view(param, tensor));
     }
-    if (state->step) entry.insert(kStep, whole(at::scalar_tensor(*state->step, at::kLong)));
+    if (state->step) entry.insert(kStep, whole(at::scalar_tensor(*state->step, state->step_dtype)));
     result.insert(param.fqn, std::move(entry));
   }
   return result;

@@ -10,8 +10,12 @@
 //
 // State names, as PyTorch's optimizers name them: SGD "momentum_buffer"; Adam and AdamW
 // "step" (0-dim int64 tensor), "exp_avg", "exp_avg_sq" and, with amsgrad,
-// "max_exp_avg_sq". Other optimizers are an error. A parameter the optimizer has not
-// stepped yet has no entry. A tied parameter is keyed by its first FQN in pre-order.
+// "max_exp_avg_sq"; Adagrad "step" (0-dim float32 tensor, as PyTorch's) and "sum";
+// RMSprop "step" (0-dim float32), "square_avg", "momentum_buffer" when momentum > 0 and
+// "grad_avg" when centered. Loading takes a one-element step of any dtype. Any other
+// optimizer is an error naming its C++ type and the supported ones. A parameter the
+// optimizer has not stepped yet has no entry (LibTorch's Adagrad makes its state when it
+// is built, so it has one from the start). A tied parameter is keyed by its first FQN in pre-order.
 // Parameters outside FSDP (ignored modules) given to the same optimizer are included,
 // replicated. Hyper-parameters (param_groups) are not part of the state: build the
 // optimizer with the same options before loading.

@@ -4,10 +4,13 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/rmsprop.h>
 
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/state/state_dict.h"
 
 namespace fsdp {
 namespace {
@@ -159,12 +162,133 @@ TEST(Errors, UnexpectedKeysWrongOptimizerAndUnsupportedOptimizer) {
                 ::testing::ThrowsMessage<c10::Error>(HasSubstr(
                     "are in one flat parameter (unit 'l1') but have different optimizer state "
                     "names")));
-    torch::optim::RMSprop rmsprop(model->parameters(), torch::optim::RMSpropOptions(0.1));
-    train_step(model, rmsprop, 1, comm->rank(), 2);
-    EXPECT_THAT([&] { full_optim_state_dict(*model, rmsprop); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "is not supported; fsdp translates the state of torch::optim::SGD, Adam and "
-                    "AdamW")));
+    torch::optim::LBFGS lbfgs(model->parameters(), torch::optim::LBFGSOptions(0.1));
+    const auto unsupported = ::testing::ThrowsMessage<c10::Error>(
+        HasSubstr("optimizer torch::optim::LBFGS is not supported; fsdp translates the state of "
+                  "torch::optim::SGD, Adam, AdamW, Adagrad and RMSprop"));
+    EXPECT_THAT([&] { full_optim_state_dict(*model, lbfgs); }, unsupported);
+    EXPECT_THAT([&] { sharded_optim_state_dict(*model, lbfgs); }, unsupported);
+    EXPECT_THAT([&] { load_full_optim_state_dict(*model, lbfgs, saved); }, unsupported);
+  });
+}
+
+// Adagrad and RMSprop (momentum, centered): an optimizer over `params`, named for messages.
+struct OptimizerCase {
+  const char* name;
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make;
+  std::vector<std::string> state_names;  // as PyTorch's optimizer.state_dict() has them
+};
+
+std::vector<OptimizerCase> adagrad_rmsprop_cases() {
+  return {
+      {"Adagrad",
+       [](std::vector<at::Tensor> params) {
+         return std::make_unique<torch::optim::Adagrad>(
+             params, torch::optim::AdagradOptions(0.05).initial_accumulator_value(0.1));
+       },
+       {"sum", "step"}},
+      {"RMSprop",
+       [](std::vector<at::Tensor> params) {
+         return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(0.01));
+       },
+       {"square_avg", "step"}},
+      {"RMSprop(momentum, centered)",
+       [](std::vector<at::Tensor> params) {
+         return std::make_unique<torch::optim::RMSprop>(
+             params, torch::optim::RMSpropOptions(0.01).momentum(0.9).centered(true));
+       },
+       {"square_avg", "momentum_buffer", "grad_avg", "step"}},
+  };
+}
+
+// The reference: TinyLm trained `steps` steps on the global batch of `world_size` ranks.
+void train_reference(torch::optim::Optimizer& optimizer, const std::shared_ptr<TinyLmImpl>& net,
+                     int steps, int world_size) {
+  for (int step = 0; step < steps; ++step) {
+    const Batch batch = TinyLmImpl::batch(step, kBatchPerRank * world_size);
+    optimizer.zero_grad();
+    at::Tensor loss = at::zeros({});
+    for (int r = 0; r < world_size; ++r) {
+      loss = loss +
+             TinyLmImpl::loss(net->forward(batch.input.narrow(0, r * kBatchPerRank, kBatchPerRank)),
+                              batch.target.narrow(0, r * kBatchPerRank, kBatchPerRank));
+    }
+    (loss / world_size).backward();
+    optimizer.step();
+  }
+}
+
+TEST(AdagradRmsprop, StateEqualsTheSingleProcessOneAndRoundTripsKeepTraining) {
+  constexpr int kWorld = 3;
+  constexpr int kSteps = 3;
+  for (const OptimizerCase& c : adagrad_rmsprop_cases()) {
+    SCOPED_TRACE(c.name);
+    std::shared_ptr<TinyLmImpl> net = make<TinyLmImpl>();
+    std::unique_ptr<torch::optim::Optimizer> reference = c.make(net->parameters());
+    train_reference(*reference, net, kSteps, kWorld);
+    on_ranks(kWorld, [&](std::shared_ptr<Communicator> comm) {
+      FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                                 FullyShardedDataParallelOptions(comm));
+      std::unique_ptr<torch::optim::Optimizer> optimizer = c.make(model->parameters());
+      // Step 0, a full round trip, step 1, a sharded round trip, step 2.
+      train_step(model, *optimizer, 0, comm->rank(), kWorld);
+      const OptimStateDict full = full_optim_state_dict(*model, *optimizer);
+      optimizer->state().clear();
+      load_full_optim_state_dict(*model, *optimizer, full);
+      train_step(model, *optimizer, 1, comm->rank(), kWorld);
+      const ShardedOptimStateDict sharded = sharded_optim_state_dict(*model, *optimizer);
+      optimizer->state().clear();
+      load_sharded_optim_state_dict(*model, *optimizer, sharded);
+      train_step(model, *optimizer, 2, comm->rank(), kWorld);
+
+      const OptimStateDict got = full_optim_state_dict(*model, *optimizer);
+      EXPECT_EQ(got.size(), net->parameters().size());
+      const StateDict params = full_state_dict(*model);
+      for (const auto& item : net->named_parameters()) {
+        const std::string fqn = clean_tensor_name(item.key());
+        const ParamOptimState& state = got[fqn];
+        EXPECT_EQ(state.keys(), c.state_names) << fqn;
+        // PyTorch's Adagrad and RMSprop keep the step as a 0-dim float32 tensor.
+        EXPECT_EQ(state["step"].dim(), 0);
+        EXPECT_EQ(state["step"].scalar_type(), at::kFloat);
+        EXPECT_EQ(state["step"].item<float>(), kSteps);
+        const torch::optim::OptimizerParamState& want =
+            *reference->state().at(compat::optimizer_state_key(item.value()));
+        std::vector<std::pair<std::string, at::Tensor>> tensors;
+        if (auto* adagrad = dynamic_cast<const torch::optim::AdagradParamState*>(&want)) {
+          tensors = {{"sum", adagrad->sum()}};
+        } else {
+          const auto& rms = static_cast<const torch::optim::RMSpropParamState&>(want);
+          tensors = {{"square_avg", rms.square_avg()},
+                     {"momentum_buffer", rms.momentum_buffer()},
+                     {"grad_avg", rms.grad_avg()}};
+        }
+        for (const auto& [name, tensor] : tensors) {
+          if (!tensor.defined()) continue;
+          EXPECT_TRUE(at::allclose(state[name], tensor, 1e-4, 1e-6)) << fqn << " " << name;
+        }
+        EXPECT_TRUE(at::allclose(params[fqn], item.value(), 1e-4, 1e-6)) << fqn;
+      }
+    });
+  }
+}
+
+TEST(AdagradRmsprop, RmspropStateWithoutTheMomentumTheOptimizerNeedsIsAnError) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::RMSprop plain(model->parameters(), torch::optim::RMSpropOptions(0.01));
+    train_step(model, plain, 0, comm->rank(), 2);
+    const OptimStateDict saved = full_optim_state_dict(*model, plain);
+    torch::optim::RMSprop momentum(model->parameters(),
+                                   torch::optim::RMSpropOptions(0.01).momentum(0.9));
+    EXPECT_THAT([&] { load_full_optim_state_dict(*model, momentum, saved); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("has no 'momentum_buffer'; the RMSprop optimizer has momentum > 0")));
+    torch::optim::Adagrad adagrad(model->parameters(), torch::optim::AdagradOptions(0.01));
+    EXPECT_THAT([&] { load_full_optim_state_dict(*model, adagrad, saved); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("has no 'sum'; it was made by another kind of optimizer")));
   });
 }
 

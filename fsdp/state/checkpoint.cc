@@ -43,6 +43,8 @@ constexpr int64_t kVersion = 1;
 constexpr char kMetadata[] = "metadata.pt";
 constexpr char kModelPrefix[] = "model/";
 constexpr char kOptimPrefix[] = "optim/";
+constexpr char kSchedulerLastEpoch[] = "scheduler/last_epoch";
+constexpr char kSchedulerLastLr[] = "scheduler/last_lr";
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -233,6 +235,37 @@ std::vector<Item> items_of(FullyShardedRoot& model, const ShardedStateDict& mode
   return items;
 }
 
+// The staged form of `piece`: on the host (in pinned memory if `pin`) where this rank
+// writes it, else a 0-element tensor of its dtype. A piece already on the CPU is a copy
+// (sharded_state_dict, sharded_optim_state_dict) and is taken as it is.
+ShardedTensor staged_piece(const ShardedTensor& piece, bool written, bool pin) {
+  ShardedTensor staged{piece.global_shape, piece.offset, at::Tensor(), piece.replicated};
+  if (!written) {
+    staged.local = at::empty({0}, at::dtype(piece.local.scalar_type()));
+  } else if (piece.local.is_cpu()) {
+    staged.local = piece.local;
+  } else {
+    staged.local =
+        at::empty(piece.local.sizes(), piece.local.options().device(at::kCPU).pinned_memory(pin));
+    staged.local.copy_(piece.local);
+  }
+  return staged;
+}
+
+// The scheduler's entries (replicated: rank 0 writes them).
+void stage_scheduler(const SchedulerState& scheduler, int rank, StagedShardedCheckpoint& staged) {
+  at::Tensor last_epoch = at::scalar_tensor(scheduler.last_epoch, at::kLong).reshape({1});
+  at::Tensor last_lr = at::empty({static_cast<int64_t>(scheduler.last_lr.size())}, at::kDouble);
+  std::copy(scheduler.last_lr.begin(), scheduler.last_lr.end(), last_lr.data_ptr<double>());
+  const bool written = rank == 0;
+  staged.entries.push_back(
+      {kSchedulerLastEpoch, staged_piece({{}, 0, last_epoch, true}, written, false), written});
+  staged.entries.push_back({kSchedulerLastLr,
+                            staged_piece({last_lr.sizes().vec(), 0, last_lr, true},
+                                         written && last_lr.numel() > 0, false),
+                            written && last_lr.numel() > 0});
+}
+
 // The dtype c10::toString names `name` ("Float", "Long", ...).
 at::ScalarType dtype_named(const std::string& name, const std::string& where) {
   for (at::ScalarType t : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
@@ -403,6 +436,23 @@ class CheckpointReader {
   absl::flat_hash_map<int, StateDict> loaded_;
 };
 
+// The scheduler state a checkpoint holds, if it has one.
+std::optional<SchedulerState> read_scheduler(CheckpointReader& reader) {
+  if (!reader.has(kSchedulerLastEpoch)) return std::nullopt;
+  SchedulerState scheduler;
+  at::Tensor last_epoch = at::empty({1}, at::kLong);
+  reader.read(kSchedulerLastEpoch, 0, last_epoch);
+  scheduler.last_epoch = last_epoch.item<int64_t>();
+  if (reader.has(kSchedulerLastLr)) {
+    int64_t numel = 1;
+    for (int64_t d : reader.meta(kSchedulerLastLr).shape) numel *= d;
+    at::Tensor last_lr = at::empty({numel}, at::kDouble);
+    reader.read(kSchedulerLastLr, 0, last_lr);
+    scheduler.last_lr.assign(last_lr.data_ptr<double>(), last_lr.data_ptr<double>() + numel);
+  }
+  return scheduler;
+}
+
 // Note [A failed save leaves nothing]
 // A save that fails for any reason (a full disk, a permission, an exception or a lost
 // rank in a collective) removes its partial directory on every rank that is still alive
@@ -523,15 +573,37 @@ OptimStateDict load_optim_state_dict(const std::string& path) {
 }
 
 void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer* optimizer,
-                             const std::string& dir) {
+                             const std::string& dir, const SchedulerState* scheduler) {
+  write_sharded_checkpoint(stage_sharded_checkpoint(model, optimizer, scheduler), dir,
+                           model.communicator());
+}
+
+StagedShardedCheckpoint stage_sharded_checkpoint(FullyShardedRoot& model,
+                                                 const torch::optim::Optimizer* optimizer,
+                                                 const SchedulerState* scheduler) {
   const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
   const ShardedOptimStateDict optim_state =
       optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
-  Communicator& comm = model.communicator();
+  StagedShardedCheckpoint staged;
+  staged.device = model.device_handle().device();
+  for (const Item& item : items_of(model, model_state, optim_state)) {
+    staged.entries.push_back({item.key,
+                              staged_piece(*item.tensor, item.written, staged.device.is_cuda()),
+                              item.written});
+  }
+  if (scheduler != nullptr) stage_scheduler(*scheduler, model.communicator().rank(), staged);
+  return staged;
+}
+
+void write_sharded_checkpoint(const StagedShardedCheckpoint& staged, const std::string& dir,
+                              Communicator& comm) {
+  std::vector<Item> items;
+  for (const StagedShardedCheckpoint::Entry& entry : staged.entries) {
+    items.push_back({entry.key, &entry.piece, entry.written});
+  }
   // The bookkeeping collectives below run on the compute device (NCCL takes only CUDA
   // tensors); their results are read on the CPU.
-  const at::TensorOptions on_device = at::dtype(at::kLong).device(model.device_handle().device());
-  const std::vector<Item> items = items_of(model, model_state, optim_state);
+  const at::TensorOptions on_device = at::dtype(at::kLong).device(staged.device);
   const fs::path target = fs::absolute(dir).lexically_normal();
   // A partial directory of this save's own (rank 0's pid and save count), so that saves
   // running at once into one directory never mix their files: each publishes a complete
@@ -551,8 +623,9 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
   }
 }
 
-void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
-                             const std::string& dir) {
+std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
+                                                      torch::optim::Optimizer* optimizer,
+                                                      const std::string& dir) {
   static const std::string kWhat = "load_sharded_checkpoint";
   ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
   CheckpointReader reader(dir);
@@ -598,6 +671,7 @@ void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* o
     load_sharded_optim_state_dict(model, *optimizer, optim_state);
   }
   load_sharded_state_dict(model, model_state);
+  return read_scheduler(reader);
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root) {
@@ -722,7 +796,7 @@ std::optional<LoadedCheckpoint> load_latest_sharded_checkpoint(FullyShardedRoot&
     std::string error;
     if (!name.empty()) {
       try {
-        load_sharded_checkpoint(model, optimizer, dir);
+        loaded.scheduler = load_sharded_checkpoint(model, optimizer, dir);
       } catch (const std::exception& e) {
         error = message_of(e);
       }

@@ -66,16 +66,66 @@ StateDict load_state_dict(const std::string& path);
 void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& path);
 OptimStateDict load_optim_state_dict(const std::string& path);
 
-// Writes the model's (and, if not null, the optimizer's) sharded state to directory
-// `dir` (its parent must exist; an existing `dir` is replaced). Collective.
+// A learning-rate scheduler's state, as torch.optim.lr_scheduler's state_dict() holds it:
+// `last_epoch` (scheduler steps taken; PyTorch's counts from 0 after its first step) and
+// `_last_lr` (the learning rate of each param group, in group order). It rides along in
+// a sharded checkpoint (keys "scheduler/last_epoch", 0-dim int64, and
+// "scheduler/last_lr", 1-D float64, written by rank 0); LibTorch has no scheduler state
+// of its own to take it from, so the caller fills it. Pass the same value on every rank.
+struct SchedulerState {
+  int64_t last_epoch = 0;
+  std::vector<double> last_lr;
+  bool operator==(const SchedulerState& other) const {
+    return last_epoch == other.last_epoch && last_lr == other.last_lr;
+  }
+};
+
+// Writes the model's (and, if not null, the optimizer's and the scheduler's) sharded
+// state to directory `dir` (its parent must exist; an existing `dir` is replaced).
+// Collective: stage_sharded_checkpoint, then write_sharded_checkpoint over the model's
+// communicator.
 void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer* optimizer,
-                             const std::string& dir);
+                             const std::string& dir, const SchedulerState* scheduler = nullptr);
+
+// This rank's part of a sharded checkpoint, copied off the model: every entry of the
+// checkpoint in the same order on every rank ("model/<FQN>", "optim/<FQN>/<state name>",
+// "scheduler/..."), its piece on this rank's CPU (in pinned memory when the model is on
+// a GPU) where this rank's file holds it (`written`), else a 0-element tensor of its
+// dtype. It shares nothing with the model: training may go on while it is written.
+struct StagedShardedCheckpoint {
+  struct Entry {
+    std::string key;
+    ShardedTensor piece;
+    bool written = false;
+  };
+  std::vector<Entry> entries;
+  // Where the writer's bookkeeping collectives run (the model's compute device: NCCL
+  // takes only CUDA tensors).
+  c10::Device device = c10::kCPU;
+};
+
+// Copies this rank's shards (and the optimizer's, if not null, and `scheduler`) to host
+// memory: the only part of a save that must stop training. No communication. Raises as
+// sharded_state_dict and sharded_optim_state_dict do.
+StagedShardedCheckpoint stage_sharded_checkpoint(FullyShardedRoot& model,
+                                                 const torch::optim::Optimizer* optimizer,
+                                                 const SchedulerState* scheduler = nullptr);
+
+// Writes a staged checkpoint to `dir` as save_sharded_checkpoint does (the same files,
+// crash safety and errors), its bookkeeping collectives over `comm` (the model's
+// communicator, or another one over the same ranks in the same order: see
+// async_checkpoint.h). Collective over `comm`; touches no model. Threading: may run on
+// any thread, one write per communicator at a time.
+void write_sharded_checkpoint(const StagedShardedCheckpoint& staged, const std::string& dir,
+                              Communicator& comm);
 
 // Loads a sharded checkpoint saved at any world size into `model` (and `optimizer`, if
 // not null: its state becomes the checkpoint's). Strict: the checkpoint's model keys,
-// shapes and dtypes must be the model's. Reads files only; no communication.
-void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
-                             const std::string& dir);
+// shapes and dtypes must be the model's. Returns the scheduler state it holds (nullopt if
+// it was saved without one). Reads files only; no communication.
+std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
+                                                      torch::optim::Optimizer* optimizer,
+                                                      const std::string& dir);
 
 // The complete sharded checkpoint under `root` whose directory name sorts last (name
 // them so that they sort by step, e.g. step_00000200), or nullopt if there is none.
@@ -84,7 +134,8 @@ std::optional<std::string> latest_checkpoint(const std::string& root);
 
 // What load_latest_sharded_checkpoint loaded, and the newer checkpoints it skipped.
 struct LoadedCheckpoint {
-  std::string dir;  // ROOT/<name> of the checkpoint loaded
+  std::string dir;                          // ROOT/<name> of the checkpoint loaded
+  std::optional<SchedulerState> scheduler;  // the scheduler state it holds, if any
   // One line per skipped checkpoint: "'ROOT/<name>': rank 1: checkpoint file '...' has
   // 100 bytes, the metadata says 129047: it is truncated or damaged; ...".
   std::vector<std::string> skipped;

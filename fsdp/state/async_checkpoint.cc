@@ -1,0 +1,162 @@
+#include "fsdp/state/async_checkpoint.h"
+
+#include <atomic>
+#include <exception>
+#include <future>
+#include <iostream>
+#include <mutex>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+struct AsyncSave::State {
+  std::shared_future<void> done;
+  // Whether a wait() has raised (or returned) the outcome: the next save and
+  // wait_for_async_saves rethrow an error only when nobody saw it.
+  std::atomic<bool> observed{false};
+};
+
+void AsyncSave::wait() const {
+  if (state_ == nullptr) return;
+  state_->observed = true;
+  state_->done.get();
+}
+
+bool AsyncSave::ready() const {
+  return state_ == nullptr ||
+         state_->done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+namespace {
+
+// The asynchronous save in flight on one communicator (one per process, except where
+// ranks are threads of one process: then one per rank, so that no rank waits for
+// another's save).
+class Slot {
+ public:
+  // Waits for the save in flight; rethrows its error unless a wait() saw it.
+  void finish() {
+    std::shared_ptr<AsyncSave::State> last = std::exchange(last_, nullptr);
+    if (last == nullptr) return;
+    last->done.wait();
+    if (!last->observed.exchange(true)) last->done.get();
+  }
+  void start(std::shared_ptr<AsyncSave::State> state) { last_ = std::move(state); }
+  std::mutex& mutex() { return mutex_; }
+
+ private:
+  std::mutex mutex_;  // held from a save's wait for the previous one to its start
+  std::shared_ptr<AsyncSave::State> last_;
+};
+
+// Every slot of the process, by communicator. Its destructor (at exit) waits for them.
+// A slot outlives its communicator: it holds only the future, and the write holds its
+// own communicator.
+class Registry {
+ public:
+  static Registry& get() {
+    static Registry registry;
+    return registry;
+  }
+
+  ~Registry() {
+    for (const std::shared_ptr<Slot>& slot : slots()) {
+      try {
+        std::lock_guard<std::mutex> lock(slot->mutex());
+        slot->finish();
+      } catch (const std::exception& e) {
+        const auto* error = dynamic_cast<const c10::Error*>(&e);
+        std::cerr << "fsdp: an asynchronous checkpoint save in flight at exit failed: "
+                  << (error != nullptr ? error->what_without_backtrace() : e.what()) << std::endl;
+      }
+    }
+  }
+
+  std::shared_ptr<Slot> slot(const Communicator& comm) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::shared_ptr<Slot>& slot = slots_[&comm];
+    if (slot == nullptr) slot = std::make_shared<Slot>();
+    return slot;
+  }
+
+  std::vector<std::shared_ptr<Slot>> slots() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::shared_ptr<Slot>> all;
+    for (const auto& item : slots_) all.push_back(item.second);
+    return all;
+  }
+
+ private:
+  std::mutex mutex_;
+  absl::flat_hash_map<const Communicator*, std::shared_ptr<Slot>> slots_;
+};
+
+}  // namespace
+
+// Note [A communicator for checkpoint I/O]
+// The background write runs collectives (the partial directory's token, "every rank
+// wrote its file", the metadata records) while the training loop runs its own. On one
+// communicator the two streams of collectives would interleave in a different order on
+// different ranks, and a collective of one rank would meet another kind of collective
+// (or another size) of its peer: a hang, corrupt data, or Gloo terminating the process.
+// So each asynchronous save writes over a communicator of its own: new_subgroup over
+// every rank of the model's communicator (for Gloo a second c10d process group over the
+// same store under its own prefix, as dist.new_group makes one; PyTorch's
+// dcp.async_save also writes over a separate process group). It is made on the caller's
+// thread, at the same point on every rank (the save call), so every rank makes the same
+// subgroups in the same order, and it is dropped when the write ends. A store-only
+// commit protocol was the other choice; it would duplicate the sync save's protocol
+// (agreement on failure, the metadata gather), whereas this way the background thread
+// runs exactly the code of save_sharded_checkpoint. Saves never overlap each other
+// (a save waits for the previous one), so at most one such communicator exists at a
+// time. A rank lost during the write fails the write's collectives like the training
+// loop's (the communicators of one family fail together).
+
+AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>& stage) {
+  const std::shared_ptr<Slot> slot = Registry::get().slot(comm);
+  std::lock_guard<std::mutex> lock(slot->mutex());
+  slot->finish();
+  CheckpointWrite write = stage();
+  TORCH_CHECK(write, "async_save: the stage function returned no write");
+  std::vector<int> ranks(comm.world_size());
+  std::iota(ranks.begin(), ranks.end(), 0);
+  // See Note [A communicator for checkpoint I/O].
+  std::shared_ptr<Communicator> own = comm.new_subgroup(ranks);
+  auto state = std::make_shared<AsyncSave::State>();
+  state->done = std::async(std::launch::async, [write = std::move(write), own]() mutable {
+                  write(*own);
+                  own.reset();
+                }).share();
+  slot->start(state);
+  return AsyncSave(state);
+}
+
+AsyncSave async_save_sharded_checkpoint(FullyShardedRoot& model,
+                                        const torch::optim::Optimizer* optimizer,
+                                        const std::string& dir, const SchedulerState* scheduler) {
+  return async_save(model.communicator(), [&]() -> CheckpointWrite {
+    auto staged = std::make_shared<const StagedShardedCheckpoint>(
+        stage_sharded_checkpoint(model, optimizer, scheduler));
+    return [staged, dir](Communicator& comm) { write_sharded_checkpoint(*staged, dir, comm); };
+  });
+}
+
+void wait_for_async_saves() {
+  std::exception_ptr first_error;
+  for (const std::shared_ptr<Slot>& slot : Registry::get().slots()) {
+    try {
+      std::lock_guard<std::mutex> lock(slot->mutex());
+      slot->finish();
+    } catch (...) {
+      if (first_error == nullptr) first_error = std::current_exception();
+    }
+  }
+  if (first_error != nullptr) std::rethrow_exception(first_error);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,207 @@
+// Asynchronous saves on ranks as threads: what is written is what was staged while
+// training goes on, saves are ordered, errors reach the caller once, exit waits. The
+// crash safety of a save killed mid-write is tested with real processes in
+// tests/async_save_kill_test.sh.
+#include "fsdp/state/async_checkpoint.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adagrad.h>
+
+#include "fsdp/core/internal/parity_testing.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+fs::path scratch(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  fs::path dir = fs::path(tmp != nullptr ? tmp : "/tmp") / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void train(FullyShardedDataParallel<TinyLmImpl>& model, torch::optim::Optimizer& optimizer,
+           int first_step, int steps, const Communicator& comm) {
+  for (int step = first_step; step < first_step + steps; ++step) {
+    const Batch batch = TinyLmImpl::batch(step, kBatchPerRank * comm.world_size());
+    optimizer.zero_grad();
+    TinyLmImpl::loss(
+        model->forward(batch.input.narrow(0, kBatchPerRank * comm.rank(), kBatchPerRank)),
+        batch.target.narrow(0, kBatchPerRank * comm.rank(), kBatchPerRank))
+        .backward();
+    optimizer.step();
+  }
+}
+
+void expect_equal(const StateDict& got, const StateDict& want) {
+  ASSERT_EQ(got.keys(), want.keys());
+  for (const auto& item : want) EXPECT_TRUE(got[item.key()].equal(item.value())) << item.key();
+}
+
+TEST(AsyncSave, WritesWhatWasStagedWhileTrainingGoesOnAndLoadsAtOtherWorldSizes) {
+  const fs::path root = scratch("async_staged");
+  const std::string dir = (root / "step_00000002").string();
+  const SchedulerState scheduler{2, {0.01, 0.005}};
+  StateDict want_model;
+  OptimStateDict want_optim;
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::Adagrad adagrad(model->parameters(), torch::optim::AdagradOptions(0.05));
+    train(model, adagrad, 0, 2, *comm);
+    const StateDict full = full_state_dict(*model);
+    const OptimStateDict optim = full_optim_state_dict(*model, adagrad);
+    if (comm->rank() == 0) {
+      want_model = full;
+      want_optim = optim;
+    }
+    AsyncSave save = async_save_sharded_checkpoint(*model, &adagrad, dir, &scheduler);
+    train(model, adagrad, 2, 2, *comm);  // changes the model while the write may run
+    save.wait();
+    EXPECT_TRUE(save.ready());
+    EXPECT_FALSE(full_state_dict(*model)["embedding.weight"].equal(full["embedding.weight"]));
+  });
+  EXPECT_EQ(std::distance(fs::directory_iterator(root), fs::directory_iterator()), 1)
+      << "no partial directory left";
+  for (int w : {3, 1}) {
+    on_ranks(w, [&](std::shared_ptr<Communicator> comm) {
+      FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                                 FullyShardedDataParallelOptions(comm));
+      torch::optim::Adagrad adagrad(model->parameters(), torch::optim::AdagradOptions(0.05));
+      const std::optional<SchedulerState> loaded = load_sharded_checkpoint(*model, &adagrad, dir);
+      ASSERT_TRUE(loaded.has_value());
+      EXPECT_EQ(*loaded, scheduler);
+      expect_equal(full_state_dict(*model), want_model);
+      const OptimStateDict optim = full_optim_state_dict(*model, adagrad);
+      ASSERT_EQ(optim.keys(), want_optim.keys());
+      for (const auto& item : want_optim) expect_equal(optim[item.key()], item.value());
+    });
+  }
+}
+
+TEST(AsyncSave, SchedulerStateIsOptionalAndLoadLatestReturnsIt) {
+  const fs::path root = scratch("async_scheduler");
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    save_sharded_checkpoint(*model, nullptr, (root / "a").string());
+    EXPECT_FALSE(load_sharded_checkpoint(*model, nullptr, (root / "a").string()).has_value());
+    const SchedulerState scheduler{7, {}};  // no param groups: no "scheduler/last_lr" piece
+    save_sharded_checkpoint(*model, nullptr, (root / "b").string(), &scheduler);
+    const std::optional<LoadedCheckpoint> latest =
+        load_latest_sharded_checkpoint(*model, nullptr, root.string());
+    ASSERT_TRUE(latest.has_value());
+    EXPECT_EQ(latest->dir, (root / "b").string());
+    ASSERT_TRUE(latest->scheduler.has_value());
+    EXPECT_EQ(*latest->scheduler, scheduler);
+  });
+}
+
+TEST(AsyncSave, ASecondSaveWaitsForTheFirstAndWritesRunOffTheCallersThread) {
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    std::atomic<bool> first_written{false};
+    const std::thread::id caller = std::this_thread::get_id();
+    AsyncSave first = async_save(*comm, [&]() -> CheckpointWrite {
+      return [&](Communicator& own) {
+        EXPECT_NE(std::this_thread::get_id(), caller);
+        EXPECT_NE(&own, comm.get());
+        EXPECT_EQ(own.world_size(), 2);
+        EXPECT_EQ(own.rank(), comm->rank());
+        // Collectives of the write's own communicator run beside the caller's.
+        at::Tensor x = at::ones({3});
+        own.all_reduce(x);
+        EXPECT_TRUE(x.equal(at::full({3}, 2.0)));
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        first_written = true;
+      };
+    });
+    at::Tensor y = at::ones({2});
+    comm->all_reduce(y);  // the training loop's collectives go on meanwhile
+    EXPECT_TRUE(y.equal(at::full({2}, 2.0)));
+    EXPECT_FALSE(first.ready());
+    bool staged_after_first = false;
+    AsyncSave second = async_save(*comm, [&]() -> CheckpointWrite {
+      staged_after_first = first_written && first.ready();
+      return [](Communicator&) {};
+    });
+    EXPECT_TRUE(staged_after_first);
+    second.wait();
+  });
+}
+
+TEST(AsyncSave, AnErrorIsRethrownByWaitOrElseByTheNextSave) {
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto failing = []() -> CheckpointWrite {
+      return [](Communicator&) { TORCH_CHECK(false, "no space left on device"); };
+    };
+    AsyncSave seen = async_save(*comm, failing);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_THAT([&] { seen.wait(); },
+                  ThrowsMessage<c10::Error>(HasSubstr("no space left on device")));
+    }
+    // Seen by a wait(): the next save goes ahead.
+    async_save(*comm, [] { return CheckpointWrite([](Communicator&) {}); }).wait();
+    // Not seen: the next save raises it and starts nothing.
+    AsyncSave unseen = async_save(*comm, failing);
+    bool staged = false;
+    EXPECT_THAT(
+        [&] {
+          AsyncSave next = async_save(*comm, [&] {
+            staged = true;
+            return CheckpointWrite([](Communicator&) {});
+          });
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("no space left on device")));
+    EXPECT_FALSE(staged);
+  });
+  wait_for_async_saves();  // nothing left in flight, no error left unseen
+}
+
+TEST(AsyncSave, AFailedSaveRaisesOnEveryRankAndLeavesNothing) {
+  const fs::path root = scratch("async_failed");
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    AsyncSave save =
+        async_save_sharded_checkpoint(*model, nullptr, (root / "missing" / "step_1").string());
+    EXPECT_THAT([&] { save.wait(); },
+                ThrowsMessage<c10::Error>(HasSubstr("save_sharded_checkpoint: creating '")));
+  });
+  EXPECT_EQ(std::distance(fs::directory_iterator(root), fs::directory_iterator()), 0);
+}
+
+TEST(AsyncSaveDeathTest, ExitWaitsForTheWrite) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const fs::path root = scratch("async_exit");
+  const fs::path file = root / "written";
+  EXPECT_EXIT(
+      {
+        on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+          AsyncSave save = async_save(*comm, [&]() -> CheckpointWrite {
+            return [&](Communicator&) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(300));
+              std::ofstream(file) << "done";
+            };
+          });
+        });
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_TRUE(fs::exists(file)) << "exit did not wait for the write";
+}
+
+}  // namespace
+}  // namespace fsdp

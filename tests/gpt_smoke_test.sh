@@ -2,7 +2,8 @@
 # A short run of the GPT example on 2 ranks: it must finish, write its metrics, a
 # checkpoint every 20 steps and model.pt (which torch.load reads), print a sample, and
 # end with a validation loss below the starting one. Then the processes restart from
-# the step-20 checkpoint: steps 21-40 must repeat the uninterrupted run's losses exactly.
+# the step-20 checkpoint (written in the background, the default --async_save): steps
+# 21-40 must repeat the uninterrupted run's losses and learning rates exactly.
 #   gpt_smoke_test.sh PATH/TO/examples/gpt/train PATH/TO/python3 (with torch 2.11)
 set -uo pipefail
 train=${1:?usage: gpt_smoke_test.sh TRAIN PYTHON}
@@ -39,6 +40,9 @@ check checkpoints_written "[[ -f '$out/checkpoints/step_00000020/metadata.pt' ]]
 check model_loads_in_pytorch "'$python' -c \"import torch, sys; sd = torch.load('$out/model.pt'); sys.exit(len(sd) != 28)\""
 check resumed_exit_status "[[ $resumed_status -eq 0 ]]"
 check resumed_from_step_20 "grep -q 'resumed from .*step_00000020 at step 20' <<<\"\$resumed_log\""
-check resumed_losses_equal "diff <(cut -d, -f1-3 '$out/uninterrupted.csv') <(cut -d, -f1-3 '$out/metrics.csv')"
+check resumed_losses_and_lrs_equal "diff <(cut -d, -f1-4 '$out/uninterrupted.csv') <(cut -d, -f1-4 '$out/metrics.csv')"
+# The checkpoint carries the LR schedule's position (scheduler/last_epoch and last_lr,
+# as torch.optim.lr_scheduler's state_dict holds last_epoch and _last_lr).
+check checkpoint_holds_the_schedule "'$python' -c \"import torch, sys; d = torch.load('$out/checkpoints/step_00000020/rank_00000.pt'); sys.exit(not (d['scheduler/last_epoch'].item() == 20 and d['scheduler/last_lr'].numel() == 1))\""
 echo "$((checks - failed)) passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -79,7 +79,8 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
 }
 
 int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                    const std::string& checkpoint_dir, bool resume, bool lead) {
+                    const std::string& checkpoint_dir, bool resume, bool lead,
+                    SchedulerState* scheduler) {
   if (!resume) return 0;
   std::optional<LoadedCheckpoint> loaded;
   try {
@@ -96,6 +97,7 @@ int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
       "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", checkpoint_dir,
       "'; pass the --checkpoint_dir of the run to continue, or start "
       "a new run without --resume");
+  if (scheduler != nullptr && loaded->scheduler) *scheduler = *loaded->scheduler;
   if (!lead) return step;
   for (const std::string& skipped : loaded->skipped) {
     std::cout << "--resume: skipped " << skipped << "\n";

@@ -24,6 +24,7 @@
 
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/state/checkpoint.h"
 
 namespace fsdp::examples {
 
@@ -43,9 +44,11 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
 // rank can read into `model` and `optimizer` and returns its step; else 0. The ranks agree
 // before any prints or writes anything (load_latest_sharded_checkpoint): a damaged newest
 // checkpoint is named and skipped (printed when `lead`); when none loads, every rank raises
-// and every file is as it was. Collective.
+// and every file is as it was. If `scheduler` is not null, it receives the scheduler
+// state the checkpoint holds (left as it is when the checkpoint has none). Collective.
 int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                    const std::string& checkpoint_dir, bool resume, bool lead);
+                    const std::string& checkpoint_dir, bool resume, bool lead,
+                    SchedulerState* scheduler = nullptr);
 
 // Rank 0 (`lead`) removes the partial checkpoints a killed save left in `checkpoint_dir`
 // (remove_partial_checkpoints) and says so. Call it while holding the out_dir's lock.

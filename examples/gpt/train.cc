@@ -10,7 +10,10 @@
 // steps, per-rank peak memory and traffic at the end, and a text sample; it writes
 // metrics.csv, loss.png (gnuplot) and model.pt (the full state dict, which torch.load
 // reads) into --out_dir. Every --checkpoint_interval steps the ranks write a sharded
-// checkpoint (model and optimizer) to --checkpoint_dir/step_NNNNNNNN; --resume continues
+// checkpoint (model, optimizer and the LR schedule's position) to
+// --checkpoint_dir/step_NNNNNNNN, by default asynchronously (--async_save: training stops
+// only while the shards are copied to host memory; the files are written in the
+// background, and the run waits for the last write before it ends); --resume continues
 // from the newest complete one, on the same loss curve. Each rank logs its resident
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
@@ -65,6 +68,7 @@
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
+#include "fsdp/state/async_checkpoint.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/wrap/policy.h"
 
@@ -92,6 +96,9 @@ ABSL_FLAG(int64_t, sample_length, 300, "characters to sample at the end (0: none
 ABSL_FLAG(std::string, out_dir, "/tmp/fsdp_gpt", "where metrics.csv, loss.png, model.pt go");
 ABSL_FLAG(std::string, checkpoint_dir, "", "sharded checkpoints (default: OUT_DIR/checkpoints)");
 ABSL_FLAG(int64_t, checkpoint_interval, 200, "steps between checkpoints (0: none)");
+ABSL_FLAG(bool, async_save, true,
+          "write checkpoints in the background (training stops only for the copy to host "
+          "memory); false: training waits for each write");
 ABSL_FLAG(int64_t, timeout_s, 300,
           "seconds to wait for every rank at start-up and in each collective; a rank that "
           "died is usually noticed at once (its connections close)");
@@ -320,6 +327,7 @@ void check_same_flags(Communicator& comm, c10::Device device) {
       {"checkpoint_interval", double(f.checkpoint_interval)},
       {"seed", double(absl::GetFlag(FLAGS_seed))},
       {"resume", double(absl::GetFlag(FLAGS_resume))},
+      {"async_save", double(absl::GetFlag(FLAGS_async_save))},
       {"cuda", double(f.device == "cuda")},
       {"bf16", double(f.mixed_precision == "bf16")},
   };
@@ -419,8 +427,16 @@ int train() {
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
   const bool resume = absl::GetFlag(FLAGS_resume);
+  // The LR schedule's position, as torch.optim.lr_scheduler keeps it: last_epoch
+  // scheduler steps taken, last_lr the LR of the next step. A checkpoint carries it.
+  SchedulerState scheduler{0, {learning_rate(0)}};
   const int64_t first =  // before anything is written
-      resume_step(*model, adamw, checkpoint_dir(), resume, lead);
+      resume_step(*model, adamw, checkpoint_dir(), resume, lead, &scheduler);
+  // A checkpoint without a scheduler state (an older fsdp) resumes at its step.
+  if (scheduler.last_epoch == 0) scheduler = {first, {learning_rate(first)}};
+  TORCH_CHECK(scheduler.last_epoch == first, "--resume: the checkpoint of step ", first,
+              " holds the LR schedule of step ", scheduler.last_epoch,
+              "; it was written by another run: start a new run with --overwrite");
   check_fresh_checkpoints(*comm, checkpoint_dir(), resume, absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   remove_leftover_checkpoints(checkpoint_dir(), lead);
@@ -442,13 +458,14 @@ int train() {
   const std::vector<Communicator*> communicators = communicators_of(*model, *comm);
   for (Communicator* c : communicators) c->counters().reset();
   for (int64_t step = first; step < steps; ++step) {
-    const double lr = learning_rate(step);
+    const double lr = scheduler.last_lr.at(0);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
     auto [x, y] = batch(corpus.train, step, *comm, device);
     adamw.zero_grad();
     at::Tensor loss = next_token_loss(model->forward(x), y);
     loss.backward();
     adamw.step();
+    scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
     const double train_loss = global_mean(loss, *comm);
     const bool log = (step + 1) % absl::GetFlag(FLAGS_log_interval) == 0 || step + 1 == steps;
     const bool eval = (step + 1) % absl::GetFlag(FLAGS_eval_interval) == 0 || step + 1 == steps;
@@ -456,11 +473,19 @@ int train() {
     if (interval > 0 && (step + 1) % interval == 0) {
       const auto begin = std::chrono::steady_clock::now();
       const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
-      save_sharded_checkpoint(*model, &adamw, path);
+      const bool async = absl::GetFlag(FLAGS_async_save);
+      if (async) {
+        // Waits for the previous write first; the write's error, if any, is raised by the
+        // next save or by wait_for_async_saves below.
+        (void)async_save_sharded_checkpoint(*model, &adamw, path, &scheduler);
+      } else {
+        save_sharded_checkpoint(*model, &adamw, path, &scheduler);
+      }
       if (lead) {
         std::cout << absl::StrFormat(
-            "checkpoint: %s (%.2f s)\n", path,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+            "checkpoint: %s (%.2f s%s)\n", path,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(),
+            async ? " to stage; written in the background" : "");
       }
     }
     if (log) {
@@ -489,6 +514,7 @@ int train() {
     }
     if (eval) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, val);
   }
+  wait_for_async_saves();  // the last checkpoint is complete before the run ends
   // Per-rank figures, gathered to rank 0.
   int64_t sent = 0;
   for (Communicator* c : communicators) sent += c->counters().total().bytes_sent;

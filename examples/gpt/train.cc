@@ -452,6 +452,12 @@ int train() {
   const double initial = validation_loss(model, corpus, *comm);
   if (lead) std::cout << "step " << first << ": validation loss " << initial << "\n";
 
+  // Background checkpoint writes run their collectives over a communicator of their own
+  // (Note [A communicator for checkpoint I/O] in fsdp/state/async_checkpoint.cc).
+  const std::shared_ptr<Communicator> checkpoint_comm =
+      absl::GetFlag(FLAGS_async_save) && absl::GetFlag(FLAGS_checkpoint_interval) > 0
+          ? make_checkpoint_communicator(*comm)
+          : nullptr;
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
   const auto start = std::chrono::steady_clock::now();
@@ -477,7 +483,8 @@ int train() {
       if (async) {
         // Waits for the previous write first; the write's error, if any, is raised by the
         // next save or by wait_for_async_saves below.
-        (void)async_save_sharded_checkpoint(*model, &adamw, path, &scheduler);
+        (void)async_save_sharded_checkpoint(*model, &adamw, path, &scheduler,
+                                            AsyncSaveOptions().communicator(checkpoint_comm));
       } else {
         save_sharded_checkpoint(*model, &adamw, path, &scheduler);
       }

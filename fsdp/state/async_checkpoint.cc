@@ -108,25 +108,51 @@ class Registry {
 // every rank of the model's communicator (for Gloo a second c10d process group over the
 // same store under its own prefix, as dist.new_group makes one; PyTorch's
 // dcp.async_save also writes over a separate process group). It is made on the caller's
-// thread, at the same point on every rank (the save call), so every rank makes the same
-// subgroups in the same order, and it is dropped when the write ends. A store-only
+// thread, at the same point on every rank, so every rank makes the same subgroups in the
+// same order: once (make_checkpoint_communicator, passed as AsyncSaveOptions'
+// communicator: what the GPT trainer does), or by each save, dropped when its write ends
+// (no option: simple, but it costs a connection set-up per save, and a rank killed
+// during that set-up is reported as a connect error rather than as a collective's). It is
+// not cached behind the caller's back: a cache keyed by the communicator's address would
+// hand a dead family's group to a new communicator at the same address. A store-only
 // commit protocol was the other choice; it would duplicate the sync save's protocol
 // (agreement on failure, the metadata gather), whereas this way the background thread
 // runs exactly the code of save_sharded_checkpoint. Saves never overlap each other
 // (a save waits for the previous one), so at most one such communicator exists at a
 // time. A rank lost during the write fails the write's collectives like the training
-// loop's (the communicators of one family fail together).
+// loop's (the communicators of one family fail together). One switch is shared: size
+// checks (Communicator::set_size_checks) are set for a whole family. FSDP turns them on
+// for its first iteration only (and for every one with validate_execution_order), so a
+// save made before the first iteration has ended could see them switch mid-write on one
+// rank and not yet on another: save after the first step (as the trainer does).
 
-AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>& stage) {
+std::shared_ptr<Communicator> make_checkpoint_communicator(Communicator& comm) {
+  std::vector<int> ranks(comm.world_size());
+  std::iota(ranks.begin(), ranks.end(), 0);
+  return comm.new_subgroup(ranks);
+}
+
+AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>& stage,
+                     const AsyncSaveOptions& options) {
+  const std::shared_ptr<Communicator>& given = options.communicator();
+  if (given != nullptr) {
+    TORCH_CHECK(given.get() != &comm,
+                "async_save: AsyncSaveOptions::communicator is the model's communicator "
+                "itself; the writes' collectives would interleave with training's: pass "
+                "make_checkpoint_communicator(comm)");
+    TORCH_CHECK(given->world_size() == comm.world_size() && given->rank() == comm.rank(),
+                "async_save: AsyncSaveOptions::communicator must span the model's ranks in "
+                "their order; found rank ",
+                given->rank(), " of ", given->world_size(), " on rank ", comm.rank(), " of ",
+                comm.world_size(), ": pass make_checkpoint_communicator(comm)");
+  }
   const std::shared_ptr<Slot> slot = Registry::get().slot(comm);
   std::lock_guard<std::mutex> lock(slot->mutex());
   slot->finish();
   CheckpointWrite write = stage();
   TORCH_CHECK(write, "async_save: the stage function returned no write");
-  std::vector<int> ranks(comm.world_size());
-  std::iota(ranks.begin(), ranks.end(), 0);
   // See Note [A communicator for checkpoint I/O].
-  std::shared_ptr<Communicator> own = comm.new_subgroup(ranks);
+  std::shared_ptr<Communicator> own = given != nullptr ? given : make_checkpoint_communicator(comm);
   auto state = std::make_shared<AsyncSave::State>();
   state->done = std::async(std::launch::async, [write = std::move(write), own]() mutable {
                   write(*own);
@@ -138,12 +164,16 @@ AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>&
 
 AsyncSave async_save_sharded_checkpoint(FullyShardedRoot& model,
                                         const torch::optim::Optimizer* optimizer,
-                                        const std::string& dir, const SchedulerState* scheduler) {
-  return async_save(model.communicator(), [&]() -> CheckpointWrite {
-    auto staged = std::make_shared<const StagedShardedCheckpoint>(
-        stage_sharded_checkpoint(model, optimizer, scheduler));
-    return [staged, dir](Communicator& comm) { write_sharded_checkpoint(*staged, dir, comm); };
-  });
+                                        const std::string& dir, const SchedulerState* scheduler,
+                                        const AsyncSaveOptions& options) {
+  return async_save(
+      model.communicator(),
+      [&]() -> CheckpointWrite {
+        auto staged = std::make_shared<const StagedShardedCheckpoint>(
+            stage_sharded_checkpoint(model, optimizer, scheduler));
+        return [staged, dir](Communicator& comm) { write_sharded_checkpoint(*staged, dir, comm); };
+      },
+      options);
 }
 
 void wait_for_async_saves() {

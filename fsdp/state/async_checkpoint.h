@@ -12,8 +12,9 @@
 //     (and raises its error if it failed and nobody waited for it);
 //  2. stages: copies this rank's pieces (model, optimizer, scheduler) to the CPU, in
 //     pinned memory when the model is on a GPU (the only stall of training);
-//  3. makes a communicator of the checkpoint's own over the same ranks (see Note [A
-//     communicator for checkpoint I/O] in async_checkpoint.cc) and returns;
+//  3. takes the communicator of the checkpoint's own (AsyncSaveOptions::communicator,
+//     else a new one per save; see Note [A communicator for checkpoint I/O] in
+//     async_checkpoint.cc) and returns;
 //  4. a background thread writes the staged pieces over that communicator exactly as
 //     save_sharded_checkpoint does (checkpoint.h), so the same crash safety holds: a
 //     process killed (kill -9, Ctrl-C) during the write leaves the previous checkpoint
@@ -34,6 +35,7 @@
 #include <memory>
 #include <string>
 
+#include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
 #include "fsdp/comm/communicator.h"
@@ -59,15 +61,32 @@ class AsyncSave {
   std::shared_ptr<State> state_;
 };
 
+// A communicator for checkpoint writes over `comm`'s ranks in the same order: a new
+// group of the same backend (for Gloo, a second c10d process group over the same store
+// under its own prefix). Every rank of `comm` calls it at the same point. PyTorch:
+// dist.new_group(backend="gloo") for dcp.async_save's process_group.
+std::shared_ptr<Communicator> make_checkpoint_communicator(Communicator& comm);
+
+struct AsyncSaveOptions {
+  // The communicator the writes' collectives run over: made by
+  // make_checkpoint_communicator(model's communicator) once, and used by nothing else
+  // while a write runs. Null: each save makes one on the caller's thread (a connection
+  // set-up per save, and a rank lost while it is made is reported by the backend's
+  // connect error instead of a collective's). PyTorch: dcp.async_save's process_group.
+  TORCH_ARG(std::shared_ptr<Communicator>, communicator) = nullptr;
+};
+
 // Writes a staged checkpoint over `comm` (a communicator of the checkpoint's own).
 using CheckpointWrite = std::function<void(Communicator& comm)>;
 
 // The generic asynchronous save: waits for the previous one (step 1 above), calls
-// `stage` on this thread (it copies what the write needs and returns the write), makes
-// the checkpoint's communicator over `comm`'s ranks (step 3) and runs the write on a
-// background thread. Collective over `comm`. PyTorch: dcp.async_save.
+// `stage` on this thread (it copies what the write needs and returns the write), takes
+// the checkpoint's communicator (step 3) and runs the write on a background thread.
+// Collective over `comm`. Raises c10::Error if options.communicator() is `comm` itself or
+// spans other ranks. PyTorch: dcp.async_save.
 [[nodiscard]] AsyncSave async_save(Communicator& comm,
-                                   const std::function<CheckpointWrite()>& stage);
+                                   const std::function<CheckpointWrite()>& stage,
+                                   const AsyncSaveOptions& options = {});
 
 // save_sharded_checkpoint (checkpoint.h), asynchronously: stage_sharded_checkpoint on
 // this thread, write_sharded_checkpoint in the background. Host memory: one copy of this
@@ -75,7 +94,8 @@ using CheckpointWrite = std::function<void(Communicator& comm)>;
 [[nodiscard]] AsyncSave async_save_sharded_checkpoint(FullyShardedRoot& model,
                                                       const torch::optim::Optimizer* optimizer,
                                                       const std::string& dir,
-                                                      const SchedulerState* scheduler = nullptr);
+                                                      const SchedulerState* scheduler = nullptr,
+                                                      const AsyncSaveOptions& options = {});
 
 // Waits for every asynchronous save of this process in flight, and rethrows the first
 // error that no wait() raised. Call it before the communicator goes away (e.g. at the

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adagrad.h>
 
+#include "absl/strings/str_cat.h"
 #include "fsdp/core/internal/parity_testing.h"
 
 namespace fsdp {
@@ -139,6 +140,36 @@ TEST(AsyncSave, ASecondSaveWaitsForTheFirstAndWritesRunOffTheCallersThread) {
     });
     EXPECT_TRUE(staged_after_first);
     second.wait();
+  });
+}
+
+TEST(AsyncSave, AGivenCommunicatorServesEveryWriteAndTheModelsOwnIsRefused) {
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    const std::shared_ptr<Communicator> own = make_checkpoint_communicator(*comm);
+    ASSERT_NE(own, nullptr);
+    EXPECT_EQ(own->world_size(), 2);
+    EXPECT_EQ(own->rank(), comm->rank());
+    for (int i = 0; i < 2; ++i) {
+      AsyncSave save = async_save(
+          *comm,
+          [&]() -> CheckpointWrite {
+            return [&](Communicator& got) {
+              EXPECT_EQ(&got, own.get());
+              got.barrier();
+            };
+          },
+          AsyncSaveOptions().communicator(own));
+      save.wait();
+    }
+    auto nothing = [] { return CheckpointWrite([](Communicator&) {}); };
+    EXPECT_THAT([&] { (void)async_save(*comm, nothing, AsyncSaveOptions().communicator(comm)); },
+                ThrowsMessage<c10::Error>(HasSubstr(
+                    "AsyncSaveOptions::communicator is the model's communicator itself")));
+    const std::shared_ptr<Communicator> alone = comm->new_subgroup({comm->rank()});
+    EXPECT_THAT([&] { (void)async_save(*comm, nothing, AsyncSaveOptions().communicator(alone)); },
+                ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
+                    "must span the model's ranks in their order; found rank 0 of 1 on rank ",
+                    comm->rank(), " of 2"))));
   });
 }
 

@@ -2,22 +2,30 @@
 // between fsdp (W = 2, ranks as threads) and PyTorch (pytorch_interop.py).
 //
 //   pytorch_interop write DIR   trains 2 steps, writes DIR/cpp_model.pt (full state
-//                               dict) and DIR/cpp_io.pt (tokens, logits)
+//                               dict) and DIR/cpp_io.pt (tokens, logits); then, from
+//                               the initial weights (DIR/cpp_init.pt), 2 steps with
+//                               Adagrad and with RMSprop (momentum, centered): their
+//                               full optimizer state files DIR/cpp_optim_<name>.pt and
+//                               weights DIR/cpp_model_<name>.pt
 //   pytorch_interop check DIR   loads DIR/py_model.pt (torch.save(model.state_dict()))
 //                               and compares its logits with DIR/py_io.pt's
 #include <cstring>
 #include <iostream>
+#include <mutex>
 #include <string>
 
 #include <ATen/Functions.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
 #include "examples/gpt/model.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/optim_state_dict.h"
 
 namespace fsdp {
 namespace {
@@ -33,24 +41,72 @@ void on_two_ranks(
     const std::function<void(FullyShardedDataParallel<GptImpl>&, Communicator&)>& fn) {
   FakeWorld::run(FakeWorld::create(2), [&](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    at::manual_seed(0);  // the same weights on both ranks
-    FullyShardedDataParallel<GptImpl> model(std::make_shared<GptImpl>(small()),
-                                            FullyShardedDataParallelOptions(self));
+    std::shared_ptr<GptImpl> gpt;
+    {
+      // The same weights on both ranks and in every run: the ranks (threads) draw from
+      // the process-wide generator one at a time.
+      static std::mutex seed_mutex;
+      std::lock_guard<std::mutex> lock(seed_mutex);
+      at::manual_seed(0);
+      gpt = std::make_shared<GptImpl>(small());
+    }
+    FullyShardedDataParallel<GptImpl> model(gpt, FullyShardedDataParallelOptions(self));
     fn(model, comm);
   });
 }
 
+// Two steps on this rank's row of tokens() (the global batch: both rows).
+void train_two_steps(FullyShardedDataParallel<GptImpl>& model, torch::optim::Optimizer& optimizer,
+                     const Communicator& comm) {
+  for (int step = 0; step < 2; ++step) {
+    optimizer.zero_grad();
+    const at::Tensor x = tokens().narrow(0, comm.rank(), 1);
+    torch::nn::functional::cross_entropy(model->forward(x).reshape({-1, 23}),
+                                         x.roll(1, 1).reshape({-1}))
+        .backward();
+    optimizer.step();
+  }
+}
+
+// Keep the hyper-parameters in step with pytorch_interop.py.
+void write_optimizer_states(const std::string& dir) {
+  on_two_ranks([&](FullyShardedDataParallel<GptImpl>& model, Communicator& comm) {
+    const StateDict init = full_state_dict(*model);
+    if (comm.rank() == 0) save_state_dict(init, dir + "/cpp_init.pt");
+  });
+  const std::vector<std::pair<std::string, std::function<std::unique_ptr<torch::optim::Optimizer>(
+                                               std::vector<at::Tensor>)>>>
+      optimizers = {
+          {"adagrad",
+           [](std::vector<at::Tensor> params) {
+             return std::make_unique<torch::optim::Adagrad>(
+                 params, torch::optim::AdagradOptions(0.05).initial_accumulator_value(0.1));
+           }},
+          {"rmsprop",
+           [](std::vector<at::Tensor> params) {
+             return std::make_unique<torch::optim::RMSprop>(
+                 params, torch::optim::RMSpropOptions(0.01).momentum(0.9).centered(true).eps(0.01));
+           }},
+      };
+  for (const auto& [name, make] : optimizers) {
+    on_two_ranks([&](FullyShardedDataParallel<GptImpl>& model, Communicator& comm) {
+      std::unique_ptr<torch::optim::Optimizer> optimizer = make(model->parameters());
+      train_two_steps(model, *optimizer, comm);
+      const OptimStateDict state =
+          full_optim_state_dict(*model, *optimizer, FullStateDictOptions().rank0_only(true));
+      const StateDict weights = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+      if (comm.rank() != 0) return;
+      save_optim_state_dict(state, dir + "/cpp_optim_" + name + ".pt");
+      save_state_dict(weights, dir + "/cpp_model_" + name + ".pt");
+    });
+  }
+}
+
 int write(const std::string& dir) {
+  write_optimizer_states(dir);
   on_two_ranks([&](FullyShardedDataParallel<GptImpl>& model, Communicator& comm) {
     torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.5));
-    for (int step = 0; step < 2; ++step) {
-      sgd.zero_grad();
-      const at::Tensor x = tokens().narrow(0, comm.rank(), 1);
-      torch::nn::functional::cross_entropy(model->forward(x).reshape({-1, 23}),
-                                           x.roll(1, 1).reshape({-1}))
-          .backward();
-      sgd.step();
-    }
+    train_two_steps(model, sgd, comm);
     const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
     torch::NoGradGuard no_grad;
     const at::Tensor logits = model->forward(tokens());

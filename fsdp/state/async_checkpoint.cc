@@ -107,7 +107,8 @@ class Registry {
 // So each asynchronous save writes over a communicator of its own: new_subgroup over
 // every rank of the model's communicator (for Gloo a second c10d process group over the
 // same store under its own prefix, as dist.new_group makes one; PyTorch's
-// dcp.async_save also writes over a separate process group). It is made on the caller's
+// dcp.async_save writes over the process_group it is given, and users give it one of
+// its own). It is made on the caller's
 // thread, at the same point on every rank, so every rank makes the same subgroups in the
 // same order: once (make_checkpoint_communicator, passed as AsyncSaveOptions'
 // communicator: what the GPT trainer does), or by each save, dropped when its write ends

@@ -22,8 +22,8 @@
 //     remove_partial_checkpoints clears.
 // Any "stage, then write(staged, dir, communicator)" writer plugs into async_save.
 //
-// PyTorch: torch.distributed.checkpoint.async_save (staging to CPU, a Future, a
-// dedicated Gloo process group for the writes).
+// PyTorch: torch.distributed.checkpoint.async_save (staging to CPU, a Future, the
+// writes over the process_group it is given, usually a separate Gloo group).
 //
 // Threading: call the save functions from one thread (the training loop's). Errors:
 // c10::Error from staging (on the caller's thread) and from the write (rethrown by

@@ -44,7 +44,8 @@ for trial in $(seq 1 "$trials"); do
   wait "${pids[@]}" 2>/dev/null
   ok=1
   step=$(grep -oE "^step [0-9]+/" "$dir/rank0.log" | tail -1)
-  partial=$(ls -A "$dir/checkpoints" | grep -c partial)
+  partials() { find "$dir/checkpoints" -maxdepth 1 -name '.*.partial-*' | wc -l; }
+  partial=$(partials)
   [[ $partial -gt 0 ]] && mid_write=$((mid_write + 1))
   for ckpt in "$dir"/checkpoints/step_*; do
     if [[ ! -f $ckpt/metadata.pt ]]; then
@@ -60,7 +61,7 @@ for trial in $(seq 1 "$trials"); do
     resumed=$("$train" "${flags[@]}" --world_size=1 --resume --steps=$((10#${latest##*_} + 2)) \
       --checkpoint_interval=0 --out_dir="$dir" 2>&1)
     if grep -q "resumed from $latest" <<<"$resumed" && grep -q "step $((10#${latest##*_} + 2))/" <<<"$resumed" &&
-      [[ -z "$(ls -A "$dir/checkpoints" | grep partial)" ]]; then
+      [[ $(partials) -eq 0 ]]; then
       echo "trial $trial: killed after ${step%/} with $partial partial folder(s);" \
         "resumed from ${latest##*/} at W = 1 and trained on"
     else

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
@@ -83,6 +84,10 @@ void read_tensor_meta(const Json& meta, const std::string& path, const std::stri
     numel *= size;
     out.sizes.push_back(size);
   }
+  const auto offset = meta.find("storage_offset");
+  if (offset != meta.end() && offset->is_object() && offset->contains("as_int")) {
+    out.storage_offset = int_at(*offset, "as_int", path + ".storage_offset", where);
+  }
   const auto grad = meta.find("requires_grad");
   if (grad != meta.end() && grad->is_boolean()) out.requires_grad = grad->get<bool>();
   const auto device = meta.find("device");
@@ -94,9 +99,11 @@ void read_tensor_meta(const Json& meta, const std::string& path, const std::stri
 
 // "key,fqn,class" items joined by ';' (serialize.py's nn_module_stack); commas inside
 // brackets or parentheses belong to the key.
-void read_module_stack(const std::string& stack, const std::string& where,
-                       absl::flat_hash_map<std::string, std::string>& class_of,
-                       std::vector<std::string>& order) {
+// Returns the innermost module's FQN.
+std::string read_module_stack(const std::string& stack, const std::string& where,
+                              absl::flat_hash_map<std::string, std::string>& class_of,
+                              std::vector<std::string>& order) {
+  std::string innermost;
   for (absl::string_view item : absl::StrSplit(stack, ';')) {
     std::vector<absl::string_view> parts;
     int depth = 0;
@@ -115,7 +122,38 @@ void read_module_stack(const std::string& stack, const std::string& where,
                 "' is not of the form key,fqn,class; ", kExpected);
     // A module called more than once may carry an "@N" suffix on its path.
     std::string fqn(parts[1].substr(0, parts[1].find('@')));
+    innermost = fqn;
     if (class_of.emplace(fqn, std::string(parts[2])).second) order.push_back(std::move(fqn));
+  }
+  return innermost;
+}
+
+// Which graph values the nodes read: all of them, and those read by each module's own
+// nodes (its innermost module on the stack).
+struct GraphReads {
+  absl::flat_hash_set<std::string> all;
+  absl::flat_hash_map<std::string, std::vector<std::string>> by_module;
+};
+
+// Tensor names under `json` ({"as_tensor": {"name": n}}, {"as_tensors": [{"name": n}]}),
+// to a bounded depth (node arguments nest a few levels).
+void tensor_names(const Json& json, int depth, std::vector<std::string>& out) {
+  if (depth > 16) return;
+  auto add = [&](const Json& ref) {
+    if (ref.is_object() && ref.contains("name") && ref["name"].is_string()) {
+      out.push_back(ref["name"].get<std::string>());
+    }
+  };
+  if (json.is_object()) {
+    for (const auto& [key, value] : json.items()) {
+      if (key == "as_tensor") add(value);
+      if (key == "as_tensors" && value.is_array()) {
+        for (const Json& ref : value) add(ref);
+      }
+      tensor_names(value, depth + 1, out);
+    }
+  } else if (json.is_array()) {
+    for (const Json& value : json) tensor_names(value, depth + 1, out);
   }
 }
 
@@ -155,6 +193,7 @@ void read_inputs(const Json& graph_module, const std::string& where, ExportedPro
     TORCH_CHECK(value != values.end(), where, ": ", tensor.fqn, " (graph input '", arg,
                 "') has no entry in graph.tensor_values; ", kExpected);
     tensor.requires_grad = is_param;
+    tensor.graph_input = arg;
     read_tensor_meta(*value, absl::StrCat("tensor_values[\"", arg, "\"]"), where, tensor);
     if (!is_param) {
       const auto persistent = spec.find("persistent");
@@ -167,18 +206,25 @@ void read_inputs(const Json& graph_module, const std::string& where, ExportedPro
 
 // Modules: the call graph's FQNs, then those of called modules, then the owners of
 // parameters and buffers, each after its ancestors; classes from the nodes' stacks.
-void read_modules(const Json& graph_module, const std::string& where, ExportedProgramInfo& out) {
+GraphReads read_modules(const Json& graph_module, const std::string& where,
+                        ExportedProgramInfo& out) {
+  GraphReads reads;
   absl::flat_hash_map<std::string, std::string> class_of;
   std::vector<std::string> called;
   const Json& nodes = array_at(object_at(graph_module, "graph", "graph_module", where), "nodes",
                                "graph_module.graph", where);
   for (const Json& node : nodes) {
     if (!node.is_object()) continue;
+    std::vector<std::string> inputs;
+    if (const auto in = node.find("inputs"); in != node.end()) tensor_names(*in, 0, inputs);
+    reads.all.insert(inputs.begin(), inputs.end());
     const auto metadata = node.find("metadata");
     if (metadata == node.end() || !metadata->is_object()) continue;
     const auto stack = metadata->find("nn_module_stack");
     if (stack == metadata->end() || !stack->is_string()) continue;
-    read_module_stack(stack->get_ref<const std::string&>(), where, class_of, called);
+    std::vector<std::string>& mine = reads.by_module[read_module_stack(
+        stack->get_ref<const std::string&>(), where, class_of, called)];
+    mine.insert(mine.end(), inputs.begin(), inputs.end());
   }
   std::vector<std::string> names;
   absl::flat_hash_set<std::string> seen = {""};
@@ -198,6 +244,59 @@ void read_modules(const Json& graph_module, const std::string& where, ExportedPr
   for (std::string& fqn : names) {
     const auto it = class_of.find(fqn);
     out.modules.push_back({std::move(fqn), it == class_of.end() ? "" : it->second});
+  }
+  return reads;
+}
+
+// Note [Ties in .pt2 archives]
+// torch.export.save stores each storage once: names of one weight share a weight file
+// (with the same offset and shape). On the meta device every storage is at address 0, so
+// every parameter shares weight_0 and the files say nothing. The graph does: export
+// reads a tied weight through one placeholder only, so a tied name's own placeholder is
+// never read, and the module that owns it reads its partner's placeholder instead
+// (tok.weight unused, tok's embedding reads p_head_weight). A parameter whose placeholder
+// no node reads is tied to the first parameter of another module, of the same shape and
+// dtype, that its own module's nodes read; an unread parameter of a module never called
+// stays untied. The first name of a weight, in input_specs order, is the one the others
+// are tied to.
+void resolve_ties(const GraphReads& reads, ExportedProgramInfo& out) {
+  std::vector<ExportedTensorInfo>& params = out.parameters;
+  std::vector<int> root(params.size());
+  absl::flat_hash_map<std::string, int> by_input;
+  absl::flat_hash_map<std::string, int> by_weight;
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    root[i] = i;
+    by_input.emplace(params[i].graph_input, i);
+    if (params[i].device == "meta" || params[i].weight_file.empty()) continue;
+    const std::string key =
+        absl::StrCat(params[i].weight_file, "@", params[i].storage_offset, ":",
+                     absl::StrJoin(params[i].sizes, "x"), ":", c10::toString(params[i].dtype));
+    root[i] = by_weight.emplace(key, i).first->second;
+  }
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    if (params[i].device != "meta" || reads.all.contains(params[i].graph_input)) continue;
+    const std::string owner = module_of(params[i].fqn);
+    const auto read = reads.by_module.find(owner);
+    if (read == reads.by_module.end()) continue;
+    for (const std::string& input : read->second) {
+      const auto it = by_input.find(input);
+      if (it == by_input.end()) continue;
+      const ExportedTensorInfo& other = params[it->second];
+      if (module_of(other.fqn) == owner || other.sizes != params[i].sizes ||
+          other.dtype != params[i].dtype) {
+        continue;
+      }
+      root[i] = root[it->second];
+      break;
+    }
+  }
+  // The first name of each group is the one the others are tied to.
+  absl::flat_hash_map<int, int> first_of_root;
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    int r = root[i];
+    while (root[r] != r) r = root[r];
+    const int first = first_of_root.emplace(r, i).first->second;
+    if (first != i) params[i].tied_to = params[first].fqn;
   }
 }
 
@@ -300,8 +399,9 @@ ExportedProgramInfo parse_exported_program(std::string_view model_json,
   }
   const Json& graph_module = object_at(model, "graph_module", "model.json", where);
   read_inputs(graph_module, where, out);
-  read_modules(graph_module, where, out);
+  const GraphReads reads = read_modules(graph_module, where, out);
   read_weights_config(parse_json(weights_config_json, where, kWeightsConfig), where, out);
+  resolve_ties(reads, out);
   out.meta = !out.parameters.empty() &&
              std::all_of(out.parameters.begin(), out.parameters.end(),
                          [](const ExportedTensorInfo& t) { return t.device == "meta"; });

@@ -8,7 +8,7 @@
 //   info.modules[1].fqn;              // "tok"
 //   info.modules[1].class_path;       // "torch.nn.modules.sparse.Embedding"
 //   info.parameters[0].sizes;         // {100, 32}
-//   info.parameters[0].weight_file;   // "weight_0" (tied names share it)
+//   info.parameters[27].tied_to;      // "tok.weight" (head.weight is tok.weight)
 //
 // The archive (torch 2.11): an uncompressed zip under one folder `<stem>/` holding
 // `archive_format` ("pt2"), `models/model.json` (the export schema, version 8.x),
@@ -52,15 +52,19 @@ struct ExportedModuleInfo {
   std::string class_path;  // "torch.nn.modules.linear.Linear"; "" if never called
 };
 
-// One parameter or buffer name. Tied parameters are several entries (one per name) with
-// the same weight_file.
+// One parameter or buffer name. Tied parameters (one nn.Parameter under several names) are
+// several entries; each later name's `tied_to` is the first name. See Note [Ties in .pt2
+// archives] in the .cc.
 struct ExportedTensorInfo {
   std::string fqn;             // "blocks.0.mlp.0.weight"
   std::vector<int64_t> sizes;  // the shape; {} for a scalar
   c10::ScalarType dtype = c10::ScalarType::Float;
-  bool requires_grad = true;  // false for a frozen parameter and for buffers
-  bool persistent = true;     // buffers: in the state dict (always true for parameters)
-  std::string device;         // "cpu", "cuda", "meta", ...
+  bool requires_grad = true;   // false for a frozen parameter and for buffers
+  bool persistent = true;      // buffers: in the state dict (always true for parameters)
+  std::string device;          // "cpu", "cuda", "meta", ...
+  std::string graph_input;     // its placeholder in the graph, e.g. "p_tok_weight"
+  int64_t storage_offset = 0;  // elements
+  std::string tied_to;         // parameters: the first name of the same weight, or ""
   // data/weights/<weight_file> in the archive; "" for a buffer without a stored weight.
   std::string weight_file;
   int64_t stored_bytes = 0;  // size of that record (0 for a meta-device export)

@@ -34,15 +34,24 @@ Json tensor_meta(int dtype, std::vector<int64_t> sizes, bool requires_grad,
           {"layout", 7}};
 }
 
-Json node_with_stack(const std::string& stack) {
-  return {{"target", "torch.ops.aten.linear.default"}, {"metadata", {{"nn_module_stack", stack}}}};
+// A graph node of the module stack `stack` that reads the graph inputs `reads`.
+Json node_with_stack(const std::string& stack, std::vector<std::string> reads = {}) {
+  Json inputs = Json::array();
+  for (const std::string& name : reads) {
+    inputs.push_back({{"name", "input"}, {"arg", {{"as_tensor", {{"name", name}}}}}});
+  }
+  return {{"target", "torch.ops.aten.linear.default"},
+          {"inputs", inputs},
+          {"metadata", {{"nn_module_stack", stack}}}};
 }
 
 // A model like
 //   class Net(nn.Module):  # emb, blocks = ModuleList([Linear(4, 4)]), head, unused
 //     def forward(self, x): return self.head(self.blocks[0](self.emb(x)))
 // with head.weight tied to emb.weight, blocks.0.bias frozen, a persistent int64 buffer
-// blocks.0.steps and a non-persistent bool buffer mask (not among the weights).
+// blocks.0.steps and a non-persistent bool buffer mask (not among the weights). As
+// torch.export writes it, the graph reads the tied weight through p_head_weight only, and
+// on the meta device every parameter's weight file is weight_0.
 struct Archive {
   Json model;
   Json weights;
@@ -67,11 +76,14 @@ struct Archive {
     };
     const std::string root = "L__self__,,__main__.Net;";
     Json nodes = {
-        node_with_stack(root + "L__self__emb,emb,torch.nn.modules.sparse.Embedding"),
+        node_with_stack(root + "L__self__emb,emb,torch.nn.modules.sparse.Embedding",
+                        {"p_head_weight", "x"}),
         // A key with commas inside brackets, as serialize.py allows.
         node_with_stack(root + "getattr(L['self'].blocks, '0'),blocks.0,"
-                               "torch.nn.modules.linear.Linear"),
-        node_with_stack(root + "L__self__head@1,head@1,torch.nn.modules.linear.Linear"),
+                               "torch.nn.modules.linear.Linear",
+                        {"embedding", "p_blocks_0_weight", "p_blocks_0_bias"}),
+        node_with_stack(root + "L__self__head@1,head@1,torch.nn.modules.linear.Linear",
+                        {"linear", "p_head_weight"}),
         {{"target", "output"}},  // a node without metadata
     };
     Json call_graph = Json::array();
@@ -100,16 +112,20 @@ struct Archive {
                   {"use_pickle", false},
                   {"tensor_meta", values[value]}};
     };
+    const char* w1 = meta ? "weight_0" : "weight_1";
+    const char* w2 = meta ? "weight_0" : "weight_2";
+    const char* w3 = meta ? "weight_1" : "weight_3";
     weights = {{"config",
                 {{"emb.weight", entry("weight_0", "p_emb_weight", true)},
                  {"head.weight", entry("weight_0", "p_head_weight", true)},
-                 {"blocks.0.weight", entry("weight_1", "p_blocks_0_weight", true)},
-                 {"blocks.0.bias", entry("weight_2", "p_blocks_0_bias", true)},
-                 {"blocks.0.steps", entry("weight_3", "b_blocks_0_steps", false)}}}};
-    weight_bytes = {{"weight_0", meta ? 0 : 160},
-                    {"weight_1", meta ? 0 : 32},
-                    {"weight_2", meta ? 0 : 8},
-                    {"weight_3", meta ? 0 : 8}};
+                 {"blocks.0.weight", entry(w1, "p_blocks_0_weight", true)},
+                 {"blocks.0.bias", entry(w2, "p_blocks_0_bias", true)},
+                 {"blocks.0.steps", entry(w3, "b_blocks_0_steps", false)}}}};
+    if (meta) {
+      weight_bytes = {{"weight_0", 0}, {"weight_1", 0}};
+    } else {
+      weight_bytes = {{"weight_0", 160}, {"weight_1", 32}, {"weight_2", 8}, {"weight_3", 8}};
+    }
   }
 
   // Writes the archive to a fresh file named `stem`.pt2 (its zip folder is `stem`).
@@ -172,6 +188,9 @@ TEST(ExportedProgramTest, ReadsModulesParametersBuffersAndTies) {
   EXPECT_EQ(bias.nbytes(), 8);
   EXPECT_EQ(info.parameters[3].fqn, "head.weight");
   EXPECT_EQ(info.parameters[3].weight_file, "weight_0");  // tied to emb.weight
+  EXPECT_EQ(info.parameters[3].tied_to, "emb.weight");
+  EXPECT_EQ(info.parameters[3].graph_input, "p_head_weight");
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(info.parameters[i].tied_to, "") << i;
   ASSERT_EQ(info.buffers.size(), 2u);
   EXPECT_EQ(info.buffers[0].fqn, "blocks.0.steps");
   EXPECT_EQ(info.buffers[0].dtype, c10::ScalarType::Long);
@@ -198,6 +217,21 @@ TEST(ExportedProgramTest, MetaDeviceExportHasZeroByteWeights) {
   EXPECT_EQ(info.parameters[0].device, "meta");
   EXPECT_EQ(info.parameters[0].stored_bytes, 0);
   EXPECT_EQ(info.parameters[0].nbytes(), 160);
+  // Every parameter is in weight_0; the tie comes from the graph (Note [Ties in .pt2
+  // archives]): emb.weight is never read, emb's node reads p_head_weight.
+  EXPECT_EQ(info.parameters[2].weight_file, "weight_0");
+  std::vector<std::string> tied;
+  for (const ExportedTensorInfo& p : info.parameters) tied.push_back(p.fqn + ">" + p.tied_to);
+  EXPECT_THAT(tied, ElementsAre("emb.weight>", "blocks.0.weight>", "blocks.0.bias>",
+                                "head.weight>emb.weight"));
+}
+
+TEST(ExportedProgramTest, MetaParameterNeverReadByACalledModuleStaysUntied) {
+  Archive archive("meta");
+  // emb's node reads nothing of head's.
+  archive.model["graph_module"]["graph"]["nodes"][0] = node_with_stack(
+      "L__self__,,__main__.Net;L__self__emb,emb,torch.nn.modules.sparse.Embedding", {"x"});
+  for (const ExportedTensorInfo& p : archive.parse().parameters) EXPECT_EQ(p.tied_to, "") << p.fqn;
 }
 
 TEST(ExportedProgramTest, MapsEverySchemaDtype) {

@@ -43,11 +43,11 @@ ExportedProgramTree module_tree_from_exported_program(ExportedProgramInfo info) 
     if (modules[i].fqn.empty()) continue;
     children[index_of(module_index, split_last(modules[i].fqn).first, modules[i].fqn)].push_back(i);
   }
-  // Identity of a weight: its first name (tied names share a weight file).
-  absl::flat_hash_map<std::string, const ExportedTensorInfo*> first_of_weight;
+  // Identity of a weight: its first name (a tied name's tied_to).
+  absl::flat_hash_map<std::string, const ExportedTensorInfo*> by_fqn;
   std::vector<std::vector<const ExportedTensorInfo*>> params(modules.size());
   for (const ExportedTensorInfo& param : out.info.parameters) {
-    first_of_weight.try_emplace(param.weight_file, &param);
+    by_fqn.try_emplace(param.fqn, &param);
     params[index_of(module_index, split_last(param.fqn).first, param.fqn)].push_back(&param);
   }
 
@@ -66,8 +66,14 @@ ExportedProgramTree module_tree_from_exported_program(ExportedProgramInfo info) 
             ? out.tree.add_root(std::move(type_name))
             : out.tree.add_child(frame.parent, split_last(module.fqn).second, std::move(type_name));
     for (const ExportedTensorInfo* param : params[frame.module]) {
-      out.tree.add_param(node, split_last(param->fqn).second,
-                         first_of_weight.at(param->weight_file), param->numel());
+      const ExportedTensorInfo* weight = param;
+      if (!param->tied_to.empty()) {
+        const auto it = by_fqn.find(param->tied_to);
+        TORCH_CHECK(it != by_fqn.end(), "module_tree_from_exported_program: ", param->fqn,
+                    " is tied to ", param->tied_to, ", which is not a parameter");
+        weight = it->second;
+      }
+      out.tree.add_param(node, split_last(param->fqn).second, weight, param->numel());
     }
     const std::vector<int>& kids = children[frame.module];
     for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.push_back({*it, node});

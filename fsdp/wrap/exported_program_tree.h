@@ -11,7 +11,7 @@
 // has no class in the archive: its type_name is kUnknownModuleClass ("unknown"), and
 // ModuleType matches such a module as a ModuleList / ModuleDict when it holds children
 // and no parameters of its own (policy.h), so policies pick what PyTorch's
-// _recursive_wrap picks on the real model. Tied parameters (two names, one stored weight)
+// _recursive_wrap picks on the real model. Tied parameters (ExportedTensorInfo::tied_to)
 // share one key, as in TorchScript trees. Shapes, dtypes, requires_grad (frozen
 // parameters) and buffers are in `info`; a meta-device export (0-byte weights) reads
 // like any other.

@@ -50,6 +50,7 @@ ExportedProgramInfo lm_info() {
                      tensor("head.weight", {100, 8}, "weight_0"),
                      tensor("unused.weight", {2, 2}, "weight_5"),
                      tensor("unused.bias", {2}, "weight_6")};
+  info.parameters[5].tied_to = "tok.weight";
   return info;
 }
 

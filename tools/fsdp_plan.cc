@@ -185,12 +185,13 @@ LoadedModel load_model(const std::string& path) {
 // elements by dtype, buffers, modules without a class), printed above the table.
 std::string describe_exported(const fsdp::ExportedProgramTree& exported) {
   const fsdp::ExportedProgramInfo& info = exported.info;
-  std::set<std::string> weights;
   std::map<std::string, int64_t> numel_by_dtype;
+  int64_t distinct = 0;
   int64_t frozen = 0;
   int64_t frozen_numel = 0;
   for (const fsdp::ExportedTensorInfo& param : info.parameters) {
-    if (!weights.insert(param.weight_file).second) continue;
+    if (!param.tied_to.empty()) continue;
+    ++distinct;
     numel_by_dtype[c10::toString(param.dtype)] += param.numel();
     if (!param.requires_grad) {
       ++frozen;
@@ -208,10 +209,11 @@ std::string describe_exported(const fsdp::ExportedProgramTree& exported) {
   return absl::StrCat(
       "torch.export archive (schema ", info.schema_major, ".", info.schema_minor,
       info.torch_version.empty() ? "" : absl::StrCat(", torch ", info.torch_version),
-      info.meta ? ", exported on the meta device" : "", "): ", weights.size(), " parameters + ",
-      info.parameters.size() - weights.size(), " tied names, ", frozen, " frozen (", frozen_numel,
-      " elements); elements by dtype: ", absl::StrJoin(dtypes, ", "), "; ", info.buffers.size(),
-      " buffers; ", unknown, " modules never called (class ", fsdp::kUnknownModuleClass, ")\n");
+      info.meta ? ", exported on the meta device" : "", "): ", distinct, " parameters + ",
+      static_cast<int64_t>(info.parameters.size()) - distinct, " tied names, ", frozen, " frozen (",
+      frozen_numel, " elements); elements by dtype: ", absl::StrJoin(dtypes, ", "), "; ",
+      info.buffers.size(), " buffers; ", unknown, " modules never called (class ",
+      fsdp::kUnknownModuleClass, ")\n");
 }
 
 // Class paths must name a type in the model or a torch.nn type: catches typos that would

@@ -18,8 +18,10 @@ namespace {
 // ModuleList and ModuleDict from wrapping; to pick what it picks on the real model, a
 // class-less module that holds children and no parameters of its own is taken for one
 // of these containers. A class-less module with parameters of its own (an unused
-// Linear) is an ordinary module. tests/plan_oracle_test.sh checks this against
-// _recursive_wrap on the Python models.
+// Linear) is an ordinary module. The node alone does not tell a ModuleList from a
+// ModuleDict, so such a module matches both: a policy that names only one of them (a
+// ModuleWrapPolicy of ModuleList) also picks the other kind. tests/plan_oracle_test.sh
+// checks the rest against _recursive_wrap on the Python models.
 bool is_unknown_container(const ModuleNode& node) {
   return node.type_name == kUnknownModuleClass && !node.children.empty() && node.params.empty();
 }

@@ -321,6 +321,8 @@ void read_weights_config(const Json& config, const std::string& where, ExportedP
                   where, ": weight of ", tensor.fqn, " has an invalid path_name '",
                   tensor.weight_file, "'; ", kExpected);
       tensor.stored_bytes = -1;
+      const auto pickled = it->find("use_pickle");
+      tensor.pickled = pickled != it->end() && pickled->is_boolean() && pickled->get<bool>();
     }
   }
 }
@@ -447,10 +449,11 @@ ExportedProgramInfo read_exported_program(const std::string& path) {
       TORCH_CHECK(names.count(record) > 0, "'", path, "': the weight of ", tensor.fqn, " (", record,
                   ") is missing from the archive; ", kExpected);
       tensor.stored_bytes = static_cast<int64_t>(reader->getRecordSize(record));
-      TORCH_CHECK(tensor.device == "meta" || tensor.stored_bytes >= tensor.nbytes(), "'", path,
-                  "': the weight of ", tensor.fqn, " (", record, ") holds ", tensor.stored_bytes,
-                  " bytes, expected at least ", tensor.nbytes(), " (", c10::toString(tensor.dtype),
-                  ", ", tensor.numel(), " elements); ", kExpected);
+      TORCH_CHECK(
+          tensor.device == "meta" || tensor.pickled || tensor.stored_bytes >= tensor.nbytes(), "'",
+          path, "': the weight of ", tensor.fqn, " (", record, ") holds ", tensor.stored_bytes,
+          " bytes, expected at least ", tensor.nbytes(), " (", c10::toString(tensor.dtype), ", ",
+          tensor.numel(), " elements); ", kExpected);
     }
   }
   return info;

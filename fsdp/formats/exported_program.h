@@ -68,6 +68,7 @@ struct ExportedTensorInfo {
   // data/weights/<weight_file> in the archive; "" for a buffer without a stored weight.
   std::string weight_file;
   int64_t stored_bytes = 0;  // size of that record (0 for a meta-device export)
+  bool pickled = false;      // the record is a torch.save pickle (a tensor subclass)
 
   int64_t numel() const;
   int64_t nbytes() const { return numel() * static_cast<int64_t>(c10::elementSize(dtype)); }

@@ -295,6 +295,12 @@ TEST(ExportedProgramTest, MissingOrShortWeightsAreNamed) {
               HasSubstr("the weight of emb.weight (data/weights/weight_0) holds 100 bytes, "
                         "expected at least 160 (Float, 40 elements)"));
 
+  Archive pickled;  // a tensor subclass's weight is a torch.save pickle of any size
+  pickled.weight_bytes["weight_0"] = 100;
+  pickled.weights["config"]["emb.weight"]["use_pickle"] = true;
+  pickled.weights["config"]["head.weight"]["use_pickle"] = true;
+  EXPECT_TRUE(read_exported_program(pickled.write("pickled")).parameters[0].pickled);
+
   Archive unlisted;
   unlisted.weights["config"].erase("blocks.0.bias");
   EXPECT_THAT(error_of([&] { unlisted.parse(); }),

@@ -28,7 +28,7 @@ else
   status=1
 fi
 echo "//:clang_format $format_result (clang-format --dry-run -Werror)" | tee -a "$log"
-# 60 s of the checkpoint reader and 30 s of the safetensors reader.
+# 60 s of the checkpoint reader, 30 s of the safetensors reader, 20 s of the .pt2 reader.
 for fuzz in "torch_file 60 //fsdp/state:torch_file_fuzzer" \
   "safetensors 30 //fsdp/formats:safetensors_fuzzer" \
   "exported_program 20 //fsdp/formats:exported_program_fuzzer"; do

@@ -137,5 +137,30 @@ for line in "${CASES[@]}"; do
   fi
 done
 
+# What fsdp_plan read from the real archives beyond the plan: frozen parameters, ties
+# (also on the meta device, where only the graph shows them), classes never recorded.
+# FrozenUnused: stem (Linear(16, 32): 512 + 32 elements) frozen; heads (a ModuleDict),
+# spare, spare.0, spare.1 and extra never called. GPT: lm_head.weight is
+# transformer.wte.weight; transformer, h and each of the 3 blocks' attn ModuleDict never
+# called.
+SUMMARIES=(
+  "frozen_unused.pt2|12 parameters + 0 tied names, 2 frozen (544 elements); elements by dtype: Float 4048; 0 buffers; 5 modules never called"
+  "gpt.pt2|40 parameters + 1 tied names, 0 frozen (0 elements); elements by dtype: Float 42784; 0 buffers; 5 modules never called"
+  "gpt.meta.pt2|40 parameters + 1 tied names, 0 frozen (0 elements); elements by dtype: Float 42784; 0 buffers; 5 modules never called"
+)
+for entry in "${SUMMARIES[@]}"; do
+  file=${entry%%|*}
+  want=${entry#*|}
+  got=$("$PLAN" --model="$TMP/$file" --policy=always 2>&1) || true
+  got=${got%%$'\n'*}  # the first line
+  if [[ "$got" == *"$want"* ]]; then
+    echo "ok summary $file"
+    passed=$((passed + 1))
+  else
+    echo "FAIL summary $file: got '$got', want '$want'"
+    failed=$((failed + 1))
+  fi
+done
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -207,10 +207,13 @@ def planner_section(plan, seed_text, dat):
         lines[m.group(1).lower()].append(f"{m.group(2)} {ns.dat()}")
     write_dat(dat, "planner", "modules ns_per_module(m,min,max)", lines)
     seed_rows = []
+    exported_rows = []
     for line in seed_text.splitlines():
         parts = line.split()
         if len(parts) == 6 and parts[0] in ("wide", "deep"):
             seed_rows.append([parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]])
+        elif len(parts) == 9 and parts[1].isdigit():  # a .pt2 archive's row
+            exported_rows.append(parts)
     return ("## 5. Planner\n\n`plan_fsdp_units` on synthetic trees (size policy, "
             "min_num_params 50; see fsdp/wrap/plan_benchmark.cc): time per module.\n\n"
             + table(["shape", "modules", "ns / module", "time per plan"], rows)
@@ -219,7 +222,23 @@ def planner_section(plan, seed_text, dat):
             + table(["shape", "modules", "PyTorch s", "ours s", "PyTorch / ours",
                      "ours ns/module"],
                     seed_rows)
-            + "\n![planner](planner.png)\n")
+            + "\n![planner](planner.png)\n"
+            + ("\n" + EXPORTED_INTRO + "\n\n"
+               + table(["model", "modules", "units", "ours read ms", "ours plan ms",
+                        "torch.export.load ms", "PyTorch plan ms", "plan: PyTorch / ours",
+                        "read: PyTorch / ours"], exported_rows)
+               if exported_rows else ""))
+
+
+EXPORTED_INTRO = (
+    "`.pt2` archives (torch.export.save of tests/plan_oracle.py's models, torch 2.11, "
+    "torchvision 0.26): fsdp reads each archive (`load_exported_program_tree`: the zip "
+    "directory, model.json and the weights config; weight bytes are not read) and plans it "
+    "(`plan_fsdp_units`, size policy, min_num_params 1e5), against PyTorch in Python: "
+    "`torch.export.load` of the same archive (which also loads the weights) and FSDP's "
+    "auto-wrap on the Python model (`_recursive_wrap`, then the root, and each unit's "
+    "parameters, as tests/plan_oracle.py's `plan()`); medians of 5 "
+    "(torch_plan_timing.py --exported).")
 
 
 def collectives_section(coll, dat):

@@ -5,16 +5,19 @@
 //   fsdp_plan --model=gpt.pt --policy=transformer --format=json
 //       --layer_cls=torch.nn.modules.transformer.TransformerEncoderLayer
 //
-// The model is a TorchScript file (torch.jit.script(model).save(path) in PyTorch); a
-// state dict or checkpoint from torch.save, a .pt2 archive, a folder, an empty or a
-// truncated file is named as such. Bad input prints one line on stderr and exits with
-// status 2 (an unknown flag name is Abseil's to reject, with status 1).
+// The model is a .pt2 archive (torch.export.save(ep, path)) or a TorchScript file
+// (torch.jit.script(model).save(path)), told apart by content; a state dict or checkpoint
+// from torch.save, a folder, an empty or a truncated file is named as such, and a .pt2
+// archive that cannot be read says why (exported_program.h). Bad input prints one line on stderr
+// and exits with status 2 (an unknown flag name is Abseil's to reject, with status 1).
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,6 +30,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "fsdp/wrap/exported_program_tree.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"
@@ -35,7 +39,8 @@
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 
-ABSL_FLAG(std::string, model, "", "TorchScript file of the model (required)");
+ABSL_FLAG(std::string, model, "",
+          "the model: a .pt2 archive (torch.export.save) or a TorchScript file (required)");
 ABSL_FLAG(std::string, policy, "size",
           "auto-wrap policy: size, always, transformer or module (ModuleWrapPolicy)");
 ABSL_FLAG(std::string, min_num_params, "1e8",
@@ -87,12 +92,18 @@ std::vector<std::string> list_flag(const char* flag, const std::vector<std::stri
 }
 
 constexpr char kExpected[] =
-    "expected a TorchScript file written by torch.jit.script(model).save(path)";
+    "expected a .pt2 archive written by torch.export.save(ep, path) or a TorchScript file "
+    "written by torch.jit.script(model).save(path)";
 
-// What the model file is, when it is not a TorchScript archive: "" if it may be one.
-// Recognised before PyTorch's loader reads it, so that the message leads with what the
-// file is (PyTorch's own text ends with its hint after a miniz error code).
-std::string not_torchscript(const std::string& path) {
+// The two kinds of model file fsdp_plan reads.
+enum class ModelFormat { kTorchScript, kExportedProgram };
+
+// What the model file is, when it is neither a .pt2 nor a TorchScript archive: "" if it
+// may be one (`format` says which). Recognised before PyTorch's loader reads it, so that
+// the message leads with what the file is (PyTorch's own text ends with its hint after a
+// miniz error code).
+std::string not_a_model(const std::string& path, ModelFormat& format) {
+  format = ModelFormat::kTorchScript;
   std::ifstream in(path, std::ios::binary);
   if (!in.good()) return absl::StrCat("cannot be read (", std::strerror(errno), ")");
   char head[16] = {};
@@ -116,8 +127,9 @@ std::string not_torchscript(const std::string& path) {
     return "is a truncated or damaged zip archive (its directory of files cannot be read)";
   }
   const std::set<std::string> names(records.begin(), records.end());
-  if (names.count("archive_format") > 0) {
-    return "is a .pt2 archive (torch.export.save), which fsdp_plan cannot read yet";
+  if (fsdp::is_exported_program_records(records)) {
+    format = ModelFormat::kExportedProgram;
+    return "";
   }
   if (names.count("constants.pkl") == 0 && names.count("data.pkl") > 0) {
     return "was written by torch.save (a state dict, a checkpoint or a pickled module): it "
@@ -127,9 +139,9 @@ std::string not_torchscript(const std::string& path) {
   return "";
 }
 
-// The model file must be a TorchScript archive: a folder, a FIFO, an empty or truncated
-// file, a torch.save file or a .pt2 archive is named as such.
-void check_model_file(const std::string& path) {
+// The model file must be a .pt2 or TorchScript archive: a folder, a FIFO, an empty or
+// truncated file, a torch.save file is named as such.
+ModelFormat check_model_file(const std::string& path) {
   std::error_code error;
   const auto status = std::filesystem::status(path, error);
   if (error || !std::filesystem::exists(status)) {
@@ -145,9 +157,63 @@ void check_model_file(const std::string& path) {
   if (!std::filesystem::is_regular_file(status)) {
     fail(absl::StrCat("'", path, "' is not a regular file; ", kExpected));
   }
-  if (const std::string what = not_torchscript(path); !what.empty()) {
+  ModelFormat format = ModelFormat::kTorchScript;
+  if (const std::string what = not_a_model(path, format); !what.empty()) {
     fail(absl::StrCat("'", path, "' ", what, "; ", kExpected));
   }
+  return format;
+}
+
+// The model's tree, from either kind of file, and a line on what a .pt2 archive holds.
+struct LoadedModel {
+  std::optional<fsdp::ExportedProgramTree> exported;
+  ModuleTree torchscript;
+  const ModuleTree& tree() const { return exported ? exported->tree : torchscript; }
+};
+
+LoadedModel load_model(const std::string& path) {
+  LoadedModel model;
+  if (check_model_file(path) == ModelFormat::kExportedProgram) {
+    model.exported = fsdp::load_exported_program_tree(path);
+  } else {
+    model.torchscript = fsdp::load_torchscript_tree(path);
+  }
+  return model;
+}
+
+// One line on what a .pt2 archive holds (distinct parameters, tied names, frozen ones,
+// elements by dtype, buffers, modules without a class), printed above the table.
+std::string describe_exported(const fsdp::ExportedProgramTree& exported) {
+  const fsdp::ExportedProgramInfo& info = exported.info;
+  std::map<std::string, int64_t> numel_by_dtype;
+  int64_t distinct = 0;
+  int64_t frozen = 0;
+  int64_t frozen_numel = 0;
+  for (const fsdp::ExportedTensorInfo& param : info.parameters) {
+    if (!param.tied_to.empty()) continue;
+    ++distinct;
+    numel_by_dtype[c10::toString(param.dtype)] += param.numel();
+    if (!param.requires_grad) {
+      ++frozen;
+      frozen_numel += param.numel();
+    }
+  }
+  int unknown = 0;
+  for (const fsdp::ModuleNode& node : exported.tree.nodes()) {
+    unknown += node.type_name == fsdp::kUnknownModuleClass ? 1 : 0;
+  }
+  std::vector<std::string> dtypes;
+  for (const auto& [dtype, numel] : numel_by_dtype) {
+    dtypes.push_back(absl::StrCat(dtype, " ", numel));
+  }
+  return absl::StrCat(
+      "torch.export archive (schema ", info.schema_major, ".", info.schema_minor,
+      info.torch_version.empty() ? "" : absl::StrCat(", torch ", info.torch_version),
+      info.meta ? ", exported on the meta device" : "", "): ", distinct, " parameters + ",
+      static_cast<int64_t>(info.parameters.size()) - distinct, " tied names, ", frozen, " frozen (",
+      frozen_numel, " elements); elements by dtype: ", absl::StrJoin(dtypes, ", "), "; ",
+      info.buffers.size(), " buffers; ", unknown, " modules never called (class ",
+      fsdp::kUnknownModuleClass, ")\n");
 }
 
 // Class paths must name a type in the model or a torch.nn type: catches typos that would
@@ -212,7 +278,11 @@ fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
 
 int run() {
   const std::string model = absl::GetFlag(FLAGS_model);
-  if (model.empty()) fail("--model=FILE.pt is required (a TorchScript file)");
+  if (model.empty()) {
+    fail(
+        "--model=FILE is required (a .pt2 archive from torch.export.save or a TorchScript "
+        "file)");
+  }
   const std::string format = absl::GetFlag(FLAGS_format);
   if (format != "table" && format != "json") {
     fail(absl::StrCat("unknown --format '", format, "': expected table or json"));
@@ -220,8 +290,8 @@ int run() {
   const int64_t world_size =
       count_flag("world_size", absl::GetFlag(FLAGS_world_size), 1, int64_t{1} << 20);
 
-  check_model_file(model);
-  const ModuleTree tree = fsdp::load_torchscript_tree(model);
+  const LoadedModel loaded = load_model(model);
+  const ModuleTree& tree = loaded.tree();
   const fsdp::AutoWrapPolicy policy = make_policy(tree);
   fsdp::WrapPlanOptions options;
   for (const std::string& fqn :
@@ -235,6 +305,7 @@ int run() {
   if (format == "json") {
     std::cout << fsdp::tools::to_json(report);
   } else {
+    if (loaded.exported) std::cout << describe_exported(*loaded.exported);
     std::cout << fsdp::tools::to_table(
         report, absl::StrCat(model, " (", tree.node(0).type_name, "), policy ",
                              absl::GetFlag(FLAGS_policy)));
@@ -246,8 +317,8 @@ int run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Plans FSDP units for a TorchScript model.\n"
-      "  fsdp_plan --model=FILE.pt --policy=size|always|transformer [--min_num_params=N]\n"
+      "Plans FSDP units for a model exported by PyTorch (.pt2 or TorchScript).\n"
+      "  fsdp_plan --model=FILE.pt2|FILE.pt --policy=size|always|transformer [--min_num_params=N]\n"
       "            [--layer_cls=PY.CLASS.PATH,...] [--force_leaf=...] [--exclude=...]\n"
       "            [--ignored_modules=FQN,...] [--world_size=W] [--format=table|json]");
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);

@@ -23,12 +23,29 @@ torch.jit.save(torch.jit.script(double), sys.argv[1].replace("model.pt", "functi
 torch.save(model.state_dict(), sys.argv[1].replace("model.pt", "state_dict.pt"))
 torch.save(model.state_dict(), sys.argv[1].replace("model.pt", "legacy.pt"),
            _use_new_zipfile_serialization=False)
-torch.export.save(torch.export.export(model, (torch.randn(2, 10),)),
-                  sys.argv[1].replace("model.pt", "model.pt2"))
+pt2 = sys.argv[1].replace("model.pt", "model.pt2")
+torch.export.save(torch.export.export(model, (torch.randn(2, 10),)), pt2)
+# Damaged .pt2 archives: a weight left out, a schema version from the future.
+import json, zipfile
+with zipfile.ZipFile(pt2) as z:
+    records = {i.filename: z.read(i.filename) for i in z.infolist()}
+def rewrite(name, change):
+    out = dict(records)
+    change(out)
+    with zipfile.ZipFile(pt2.replace("model.pt2", name), "w") as z:
+        for key, value in out.items():
+            z.writestr(key, value)
+rewrite("no_weight.pt2", lambda r: r.pop("model/data/weights/weight_2"))
+def future(r):
+    model = json.loads(r["model/models/model.json"])
+    model["schema_version"]["major"] = 99
+    r["model/models/model.json"] = json.dumps(model)
+rewrite("future.pt2", future)
 PY
 "$python" "$tmp/make_models.py" "$tmp/model.pt" || { echo "cannot create the test models"; exit 1; }
 echo "not a zip" > "$tmp/corrupt.pt"
 head -c 300 "$tmp/model.pt" > "$tmp/truncated.pt"
+head -c 2000 "$tmp/model.pt2" > "$tmp/truncated.pt2"
 
 # expect_error NAME EXPECTED_SUBSTRING ARGS...
 expect_error() {
@@ -47,13 +64,14 @@ expect_error() {
   fi
 }
 
-expect_error missing_model "--model=FILE.pt is required"
+expect_error missing_model "--model=FILE is required (a .pt2 archive from torch.export.save or a TorchScript file)"
 expect_error missing_file "cannot open '$tmp/nope.pt': no such file" --model="$tmp/nope.pt"
 expect_error directory "'$tmp' is a directory" --model="$tmp"
 mkfifo "$tmp/fifo"
 expect_error fifo "'$tmp/fifo' is not a regular file" --model="$tmp/fifo"
 # What the file is, in one line that leads with our words (issue 30).
-expected="expected a TorchScript file written by torch.jit.script(model).save(path)"
+expected="expected a .pt2 archive written by torch.export.save(ep, path) or a TorchScript file written by torch.jit.script(model).save(path)"
+pt2_expected="expected an archive written by torch.export.save(ep, path)"
 : >"$tmp/empty.pt"
 mkdir -p "$tmp/checkpoint" && : >"$tmp/checkpoint/metadata.pt"
 expect_line() {  # expect_line NAME EXACT_LINE ARGS...
@@ -80,9 +98,15 @@ expect_line state_dict \
 expect_line legacy_state_dict \
   "fsdp_plan: '$tmp/legacy.pt' was written by torch.save in its legacy (non-zip) format: a state dict or a pickled object, not a TorchScript module; $expected" \
   --model="$tmp/legacy.pt"
-expect_line pt2_archive \
-  "fsdp_plan: '$tmp/model.pt2' is a .pt2 archive (torch.export.save), which fsdp_plan cannot read yet; $expected" \
-  --model="$tmp/model.pt2"
+expect_line truncated_pt2 \
+  "fsdp_plan: '$tmp/truncated.pt2' is a truncated or damaged zip archive (its directory of files cannot be read); $expected" \
+  --model="$tmp/truncated.pt2"
+expect_line pt2_without_weight \
+  "fsdp_plan: '$tmp/no_weight.pt2': the weight of 2.weight (data/weights/weight_2) is missing from the archive; $pt2_expected" \
+  --model="$tmp/no_weight.pt2"
+expect_line pt2_future_schema \
+  "fsdp_plan: '$tmp/future.pt2': unsupported export schema version 99.17: this reader understands version 8.x (torch 2.11's torch.export.save); re-export the model with torch 2.11" \
+  --model="$tmp/future.pt2"
 expect_line checkpoint_folder \
   "fsdp_plan: '$tmp/checkpoint' is a directory (a sharded checkpoint, as save_sharded_checkpoint writes); $expected" \
   --model="$tmp/checkpoint"
@@ -116,6 +140,29 @@ if [[ $? -eq 0 && "$out" == *"$want"* ]]; then
   passed=$((passed + 1))
 else
   echo "FAIL good_run: $out"
+  failed=$((failed + 1))
+fi
+
+# The same model as a .pt2 archive: the same plan, and the table names what it holds.
+out=$("$plan" --model="$tmp/model.pt2" --policy=size --min_num_params=1e2 --world_size=4 \
+  --format=json 2>&1)
+rc=$?
+if [[ $rc -eq 0 && "$out" == *"$want"* ]]; then
+  echo "ok good_run_pt2"
+  passed=$((passed + 1))
+else
+  echo "FAIL good_run_pt2: $out"
+  failed=$((failed + 1))
+fi
+out=$("$plan" --model="$tmp/model.pt2" 2>&1)
+rc=$?
+want='torch.export archive (schema 8.17, torch 2.11.0'
+want2='4 parameters + 0 tied names, 0 frozen (0 elements); elements by dtype: Float 132; 0 buffers; 0 modules never called (class unknown)'
+if [[ $rc -eq 0 && "$out" == "$want"* && "$out" == *"$want2"* ]]; then
+  echo "ok table_pt2"
+  passed=$((passed + 1))
+else
+  echo "FAIL table_pt2: $out"
   failed=$((failed + 1))
 fi
 

@@ -30,6 +30,10 @@
 
 namespace fsdp {
 
+// type_name of a module whose class its source does not record: a module that a
+// torch.export graph never called (exported_program_tree.h).
+inline constexpr char kUnknownModuleClass[] = "unknown";
+
 // One parameter registered directly on a module.
 struct ParamEntry {
   std::string name;  // local name, e.g. "weight"

@@ -9,6 +9,14 @@
 // Shapes (identical in torch_plan_timing.py): wide = root -> N/10 blocks -> 9 leaves;
 // deep = root -> N/200 chains of 100 nested nodes, each node with one leaf. Every leaf
 // holds a 4- and a 2-element parameter. Policy: size-based, min_num_params = 50.
+//
+// Then real architectures: torch_plan_timing.py --exported exports tests/plan_oracle.py's
+// models with torch.export (.pt2) and times PyTorch's auto-wrap on the Python models and
+// torch.export.load on the archives; here the same archives are read
+// (load_exported_program_tree) and planned (size policy, min_num_params = 1e5), and the
+// ratios printed.
+#include <stdlib.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -23,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "fsdp/wrap/exported_program_tree.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"
@@ -140,6 +149,65 @@ void compare_with_seed(const std::string& script) {
   }
 }
 
+// Median wall time of `repeats` calls of fn, in seconds.
+template <typename Fn>
+double median_seconds(int repeats, Fn fn) {
+  std::vector<double> seconds;
+  for (int r = 0; r < repeats; ++r) {
+    const absl::Time start = absl::Now();
+    fn();
+    seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
+}
+
+// fsdp reading and planning .pt2 archives against PyTorch on the same models.
+void compare_exported(const std::string& script, const std::string& oracle) {
+  constexpr int64_t kExportedMinNumParams = 100000;
+  constexpr int kRepeats = 5;
+  char dir[] = "/tmp/fsdp_plan_benchmark_XXXXXX";
+  if (mkdtemp(dir) == nullptr) return;
+  const std::string command = absl::StrFormat(
+      "%s %s --exported %s --oracle %s --min_num_params %d --repeats %d 2>/dev/null", kPython,
+      script, dir, oracle, kExportedMinNumParams, kRepeats);
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
+  if (pipe == nullptr) return;
+  std::printf(
+      "\n.pt2 archives: fsdp (C++) read + plan vs PyTorch (Python) torch.export.load "
+      "and auto-wrap plan, size policy min_num_params = %d, medians of %d:\n",
+      static_cast<int>(kExportedMinNumParams), kRepeats);
+  std::printf("%-20s %8s %7s %10s %10s %12s %12s %10s %10s\n", "model", "modules", "units",
+              "ours_read_ms", "ours_plan_ms", "torch_load_ms", "torch_plan_ms", "plan_ratio",
+              "load_ratio");
+  char name[256];
+  char path[4096];
+  int modules = 0;
+  double torch_plan = 0;
+  double torch_load = 0;
+  while (std::fscanf(pipe.get(), "%255s %4095s %d %lf %lf", name, path, &modules, &torch_plan,
+                     &torch_load) == 5) {
+    const std::string archive = path;
+    const double read = median_seconds(kRepeats, [&] {
+      ExportedProgramTree tree = load_exported_program_tree(archive);
+      benchmark::DoNotOptimize(tree);
+    });
+    const ExportedProgramTree exported = load_exported_program_tree(archive);
+    const AutoWrapPolicy policy =
+        size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(kExportedMinNumParams));
+    size_t units = 0;
+    const double plan = median_seconds(kRepeats, [&] {
+      WrapPlan result = plan_fsdp_units(exported.tree, policy);
+      units = result.units.size();
+      benchmark::DoNotOptimize(result);
+    });
+    std::printf("%-20s %8d %7zu %10.3f %10.4f %12.3f %12.4f %10.1f %10.1f\n", name,
+                exported.tree.size(), units, read * 1e3, plan * 1e3, torch_load * 1e3,
+                torch_plan * 1e3, torch_plan / plan, torch_load / read);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 }  // namespace fsdp
 
@@ -151,6 +219,7 @@ int main(int argc, char** argv) {
   // Under `bazel run` the runfiles tree holds the script; FSDP_SKIP_SEED=1 skips this.
   if (std::getenv("FSDP_SKIP_SEED") == nullptr) {
     fsdp::compare_with_seed("fsdp/wrap/torch_plan_timing.py");
+    fsdp::compare_exported("fsdp/wrap/torch_plan_timing.py", "tests/plan_oracle.py");
   }
   return 0;
 }

@@ -7,9 +7,34 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 namespace fsdp {
+namespace {
+
+// Note [Modules an export never called]
+// A torch.export archive records a module's class only in the nn_module_stack of the
+// graph nodes its forward produced. ModuleList and ModuleDict have no forward, so the
+// containers that hold a model's blocks (nanoGPT's transformer ModuleDict and its h
+// ModuleList, a TransformerEncoder's layers) come without a class, as does a module the
+// forward never uses. PyTorch's size_based_auto_wrap_policy excludes
+// ModuleList and ModuleDict from wrapping; to pick what it picks on the real model, a
+// class-less module that holds children and no parameters of its own is taken for one
+// of these containers. A class-less module with parameters of its own (an unused
+// Linear) is an ordinary module. The node alone does not tell a ModuleList from a
+// ModuleDict, so such a module matches both: a policy that names only one of them (a
+// ModuleWrapPolicy of ModuleList) also picks the other kind. tests/plan_oracle_test.sh
+// checks the rest against _recursive_wrap on the Python models.
+bool is_unknown_container(const ModuleNode& node) {
+  return node.type_name == kUnknownModuleClass && !node.children.empty() && node.params.empty();
+}
+
+}  // namespace
 
 bool ModuleType::matches(const ModuleNode& node) const {
   if (node.type_name == class_path_) return true;
+  if ((class_path_ == "torch.nn.modules.container.ModuleList" ||
+       class_path_ == "torch.nn.modules.container.ModuleDict") &&
+      is_unknown_container(node)) {
+    return true;
+  }
   return cpp_test_ != nullptr && node.cpp_module != nullptr && cpp_test_(*node.cpp_module);
 }
 

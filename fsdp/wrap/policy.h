@@ -57,7 +57,11 @@ class ModuleType {
   }
 
   // A type by name: a Python class path ("torch.nn.modules.activation.MultiheadAttention")
-  // or a C++ class name; matches nodes whose type_name is exactly `class_path`.
+  // or a C++ class name; matches nodes whose type_name is exactly `class_path`. The
+  // ModuleList and ModuleDict paths also match a module of unknown class
+  // (kUnknownModuleClass, never called in a torch.export graph) that has children and no
+  // parameters of its own: containers without forward() are what an export never calls.
+  // See Note [Modules an export never called].
   static ModuleType named(std::string class_path) {
     return ModuleType(std::move(class_path), nullptr);
   }

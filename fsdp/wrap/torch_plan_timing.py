@@ -5,11 +5,21 @@
 Prints one line: "<median seconds> <modules> <units>". The trees are built exactly as
 plan_benchmark.cc builds its ModuleTrees (see synthetic_tree there); only the
 `_recursive_wrap` call is timed, on a fresh copy of the tree each repeat.
+
+  torch_plan_timing.py --exported OUT_DIR --oracle tests/plan_oracle.py --repeats R
+
+exports every model of plan_oracle.py with torch.export to OUT_DIR/NAME.pt2 and prints a
+line "<name> <path> <modules> <plan seconds> <load seconds>" for each: the median time of
+plan_oracle.py's plan() (FSDP's auto-wrap: `_recursive_wrap`, then the root, and each
+unit's parameters) with the size policy at --min_num_params on the Python model, and of
+torch.export.load on the archive, for plan_benchmark.cc to set beside fsdp's.
 """
 
 import argparse
 import copy
 import functools
+import importlib.util
+import os
 import statistics
 import time
 
@@ -53,13 +63,46 @@ def deep(modules: int) -> nn.Module:
     return root
 
 
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_exported(out_dir: str, oracle_path: str, min_num_params: int, repeats: int) -> None:
+    spec = importlib.util.spec_from_file_location("plan_oracle", oracle_path)
+    oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oracle)
+    os.makedirs(out_dir, exist_ok=True)
+    policy = functools.partial(torch_wrap.size_based_auto_wrap_policy,
+                               min_num_params=min_num_params)
+    for name in oracle.MODELS:
+        model = oracle.build_model(name)
+        path = os.path.join(out_dir, name + ".pt2")
+        oracle.export(model, oracle.example_inputs(name), path)
+        copies = [copy.deepcopy(model) for _ in range(repeats)]
+        plan_s = median_seconds(lambda: oracle.plan(copies.pop(), policy, 1), repeats)
+        load_s = median_seconds(lambda: torch.export.load(path), repeats)
+        print(name, path, sum(1 for _ in model.modules()), plan_s, load_s, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=["wide", "deep"], required=True)
-    parser.add_argument("--modules", type=int, required=True)
+    parser.add_argument("--shape", choices=["wide", "deep"])
+    parser.add_argument("--modules", type=int)
     parser.add_argument("--min_num_params", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--exported", help="export plan_oracle.py's models here and time them")
+    parser.add_argument("--oracle", help="path of tests/plan_oracle.py (with --exported)")
     args = parser.parse_args()
+    if args.exported:
+        time_exported(args.exported, args.oracle, args.min_num_params, args.repeats)
+        return
+    if args.shape is None or args.modules is None:
+        parser.error("--shape and --modules are required without --exported")
 
     policy = functools.partial(torch_wrap.size_based_auto_wrap_policy,
                                min_num_params=args.min_num_params)

@@ -518,7 +518,8 @@ int train() {
                                  all[2 * r + 1].item<double>() / 1e6);
   }
   if (!plan_check.rows.empty()) {
-    std::cout << "plan check, last step, rank 0 (bytes):\n";
+    std::cout << memory_plan_table(model->memory_plan(optimizer_spec_of(adamw)))
+              << "plan check, last step, rank 0 (bytes):\n";
     for (const PlanComparison& row : plan_check.rows) {
       std::cout << absl::StrFormat("  %-36s measured %12d planned %12d ratio %.3f\n", row.what,
                                    row.measured, row.planned, row.ratio());

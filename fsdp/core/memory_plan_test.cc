@@ -129,12 +129,15 @@ constexpr int64_t kActivationBytes = 4 * kRows * (kBlocks * 6 * kDim + kDim + kO
 struct Run {
   ShardingStrategy strategy;
   int world_size;
-  bool sgd;
+  bool sgd = false;
+  bool bf16 = false;    // MixedPrecision: bf16 parameters, fp32 reduction
+  bool frozen = false;  // every block's fc1 frozen: units with a frozen flat parameter
 };
 
 std::string name_of(const Run& run) {
-  return absl::StrFormat("%s W=%d %s", sharding_strategy_name(run.strategy), run.world_size,
-                         run.sgd ? "SGD(momentum)" : "Adam");
+  return absl::StrFormat("%s W=%d %s%s%s", sharding_strategy_name(run.strategy), run.world_size,
+                         run.sgd ? "SGD(momentum)" : "Adam", run.bf16 ? " bf16" : "",
+                         run.frozen ? " frozen fc1" : "");
 }
 
 void train_and_check(const Run& run) {
@@ -143,13 +146,22 @@ void train_and_check(const Run& run) {
     MemoryTagGuard tag(comm_ref.rank());
     std::shared_ptr<Communicator> comm(&comm_ref, [](Communicator*) {});
     torch::manual_seed(0);
-    FullyShardedDataParallel<ModelImpl> model(
-        std::make_shared<ModelImpl>(kDim, kBlocks, kOut),
+    auto net = std::make_shared<ModelImpl>(kDim, kBlocks, kOut);
+    for (auto& param : net->named_parameters()) {
+      if (run.frozen && param.key().find("fc1") != std::string::npos) {
+        param.value().requires_grad_(false);
+      }
+    }
+    FullyShardedDataParallelOptions options =
         FullyShardedDataParallelOptions(comm)
             .sharding_strategy(run.strategy)
             .hybrid_shard_group_size(
                 is_hybrid(run.strategy) ? (run.world_size % 2 == 0 ? 2 : run.world_size) : 0)
-            .plan_check(true));
+            .plan_check(true);
+    if (run.bf16) {
+      options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+    }
+    FullyShardedDataParallel<ModelImpl> model(net, options);
     std::unique_ptr<torch::optim::Optimizer> optimizer;
     if (run.sgd) {
       optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
@@ -184,8 +196,13 @@ void train_and_check(const Run& run) {
 class PlanCheckTest : public ::testing::TestWithParam<ShardingStrategy> {};
 
 TEST_P(PlanCheckTest, MeasuredWithinTheBoundsAtOneToFourRanks) {
-  for (int w = 1; w <= 4; ++w) train_and_check({GetParam(), w, /*sgd=*/false});
+  for (int w = 1; w <= 4; ++w) train_and_check({GetParam(), w});
   train_and_check({GetParam(), 2, /*sgd=*/true});
+}
+
+TEST_P(PlanCheckTest, MixedPrecisionAndFrozenParametersWithinTheBounds) {
+  train_and_check({GetParam(), 2, /*sgd=*/false, /*bf16=*/true});
+  train_and_check({GetParam(), 4, /*sgd=*/false, /*bf16=*/false, /*frozen=*/true});
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryStrategy, PlanCheckTest,

@@ -24,8 +24,8 @@
 // Units: bytes are counted in each flat parameter's own geometry (padded to a multiple of
 // the ranks it is sharded over, fsdp/base/shard_geometry.h). Threading: pure functions.
 // Errors: c10::Error for bad input (negative numels, world size < 1, a HYBRID shard group
-// size that does not divide the world size). PyTorch has no counterpart (its closest is
-// torch.distributed.fsdp's memory estimates in the FSDP paper, REFERENCE §5).
+// size that does not divide the world size). PyTorch has no counterpart (REFERENCE §5
+// gives the FSDP paper's and ZeRO's estimates, which this makes exact per rank).
 #ifndef FSDP_CORE_MEMORY_PLAN_H_
 #define FSDP_CORE_MEMORY_PLAN_H_
 

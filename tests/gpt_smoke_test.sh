@@ -4,6 +4,8 @@
 # end with a validation loss below the starting one. Then the processes restart from
 # the step-20 checkpoint (written in the background, the default --async_save): steps
 # 21-40 must repeat the uninterrupted run's losses and learning rates exactly.
+# With --plan_check every step is checked against the model's plan (a rank above it
+# stops): the progress lines show the model state and traffic exactly as planned.
 #   gpt_smoke_test.sh PATH/TO/examples/gpt/train PATH/TO/python3 (with torch 2.11)
 set -uo pipefail
 train=${1:?usage: gpt_smoke_test.sh TRAIN PYTHON}
@@ -12,7 +14,7 @@ out=${TEST_TMPDIR:-$(mktemp -d)}/gpt
 run() {
   "$train" --world_size=2 --steps=40 --warmup_steps=5 --layers=2 --width=48 --heads=2 \
     --context=32 --batch_size=16 --log_interval=20 --eval_interval=40 --eval_batches=4 \
-    --sample_length=20 --checkpoint_interval=20 --out_dir="$out" "$@" 2>&1
+    --sample_length=20 --checkpoint_interval=20 --plan_check --out_dir="$out" "$@" 2>&1
 }
 log=$(run)
 status=$?
@@ -36,6 +38,7 @@ check validation_loss_falls "[[ -n '$first' && -n '$last' ]] && awk 'BEGIN { exi
 check metrics_written "[[ \$(wc -l < '$out/uninterrupted.csv') -eq 41 ]]"
 check sample_printed "grep -q '^\\[rank 0\\] sample:' <<<\"\$log\""
 check every_rank_reports "[[ \$(grep -c 'peak memory' <<<\"\$log\") -eq 2 ]]"
+check plan_checked "grep -q 'step 40/40 .*| plan: params 1.000 grads 1.000 optim 1.000 traffic 1.000 peak' <<<\"\$log\""
 check checkpoints_written "[[ -f '$out/checkpoints/step_00000020/metadata.pt' ]]"
 check model_loads_in_pytorch "'$python' -c \"import torch, sys; sd = torch.load('$out/model.pt'); sys.exit(len(sd) != 28)\""
 check resumed_exit_status "[[ $resumed_status -eq 0 ]]"

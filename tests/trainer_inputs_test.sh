@@ -100,10 +100,12 @@ check "ranks with different --steps name it" \
 # 6. Traffic under HYBRID_SHARD counts the subgroups' bytes (shard groups of 1 rank: all
 #    of it is the replicate group's all-reduce); it used to print "sent 0.00 MB".
 hybrid=$("$train" "${small[@]}" --world_size=2 --steps=2 --sharding_strategy=hybrid_shard \
-  --hybrid_shard_group_size=1 --eval_interval=100 --checkpoint_interval=0 \
+  --hybrid_shard_group_size=1 --eval_interval=100 --checkpoint_interval=0 --plan_check \
   --out_dir="$root/hybrid" 2>&1)
 check "hybrid traffic is counted" \
   "grep -qE 'rank 0: peak memory [0-9.]+ MB, sent [0-9.]+ MB per step' <<<\"\$hybrid\" && ! grep -q 'sent 0.00 MB' <<<\"\$hybrid\""
+check "hybrid traffic is as planned" \
+  "grep -qE 'all_reduce bytes_sent +measured +([0-9]+) +planned +\\1 ratio 1.000' <<<\"\$hybrid\""
 
 # 7. Corpora: an unreadable file and a corpus too small for the context.
 data=$root/data

@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/wrap/exported_program_tree.h"
+#include "fsdp/core/memory_plan.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"
@@ -56,6 +57,15 @@ ABSL_FLAG(std::vector<std::string>, ignored_modules, {},
           "FQNs of modules FSDP leaves alone, comma-separated");
 ABSL_FLAG(std::string, world_size, "1", "number of ranks to shard over, 1 ... 1048576");
 ABSL_FLAG(std::string, format, "table", "output: table or json");
+ABSL_FLAG(std::string, optimizer, "adam",
+          "optimizer of the plan: adam, adamw, sgd, sgd_momentum, adagrad or rmsprop");
+ABSL_FLAG(std::string, param_dtype, "fp32",
+          "dtype of unsharded parameters (mixed precision): fp32, bf16 or fp16; gradients "
+          "are reduced in fp32");
+ABSL_FLAG(std::string, hybrid_shard_group_size, "0",
+          "ranks per shard group: also plan HYBRID_SHARD (0: not planned)");
+ABSL_FLAG(std::string, backward_prefetch, "pre", "backward prefetch: pre, post or none");
+ABSL_FLAG(bool, cpu_offload, false, "plan CPUOffload(offload_params) on a CUDA device");
 
 namespace {
 
@@ -276,6 +286,42 @@ fsdp::AutoWrapPolicy make_policy(const ModuleTree& tree) {
                     "': expected size, always, transformer or module"));
 }
 
+// The plan's settings from the flags (fsdp/core/memory_plan.h).
+fsdp::MemoryPlanOptions plan_options(int64_t world_size) {
+  fsdp::MemoryPlanOptions options;
+  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
+  const c10::optional<fsdp::OptimizerSpec> spec = fsdp::parse_optimizer_spec(optimizer);
+  if (!spec) {
+    fail(absl::StrCat("unknown --optimizer '", optimizer,
+                      "': expected adam, adamw, sgd, sgd_momentum, adagrad or rmsprop"));
+  }
+  options.optimizer(*spec);
+  const std::string dtype = absl::GetFlag(FLAGS_param_dtype);
+  if (dtype == "bf16" || dtype == "fp16") {
+    options.param_dtype(dtype == "bf16" ? c10::ScalarType::BFloat16 : c10::ScalarType::Half)
+        .reduce_dtype(c10::ScalarType::Float);
+  } else if (dtype != "fp32") {
+    fail(absl::StrCat("unknown --param_dtype '", dtype, "': expected fp32, bf16 or fp16"));
+  }
+  const int64_t group = count_flag("hybrid_shard_group_size",
+                                   absl::GetFlag(FLAGS_hybrid_shard_group_size), 0, world_size);
+  if (group > 0 && world_size % group != 0) {
+    fail(absl::StrCat("--hybrid_shard_group_size=", group,
+                      " must divide --world_size=", world_size));
+  }
+  options.hybrid_shard_group_size(group);
+  const std::string prefetch = absl::GetFlag(FLAGS_backward_prefetch);
+  if (prefetch == "post") {
+    options.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost);
+  } else if (prefetch == "none") {
+    options.backward_prefetch(fsdp::BackwardPrefetch::kNone);
+  } else if (prefetch != "pre") {
+    fail(absl::StrCat("unknown --backward_prefetch '", prefetch, "': expected pre, post or none"));
+  }
+  return options.cpu_offload(absl::GetFlag(FLAGS_cpu_offload))
+      .host_is_tracked(!absl::GetFlag(FLAGS_cpu_offload));
+}
+
 int run() {
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) {
@@ -300,8 +346,8 @@ int run() {
     if (index < 0) fail(absl::StrCat("--ignored_modules: no module '", fqn, "' in ", model));
     options.ignored_modules().push_back(index);
   }
-  const fsdp::tools::PlanReport report =
-      fsdp::tools::make_report(fsdp::plan_fsdp_units(tree, policy, options), world_size);
+  const fsdp::tools::PlanReport report = fsdp::tools::make_report(
+      fsdp::plan_fsdp_units(tree, policy, options), world_size, plan_options(world_size));
   if (format == "json") {
     std::cout << fsdp::tools::to_json(report);
   } else {

@@ -130,6 +130,11 @@ expect_error bad_world_size "--world_size must be an integer in [1, 1048576], go
   --model="$tmp/model.pt" --world_size=0
 expect_error bad_format "unknown --format 'xml'" --model="$tmp/model.pt" --format=xml
 expect_error unknown_ignored "no module '7'" --model="$tmp/model.pt" --ignored_modules=7
+expect_error unknown_optimizer "unknown --optimizer 'lamb'" --model="$tmp/model.pt" --optimizer=lamb
+expect_error hybrid_not_dividing "--hybrid_shard_group_size=3 must divide --world_size=4" \
+  --model="$tmp/model.pt" --world_size=4 --hybrid_shard_group_size=3
+expect_error unknown_prefetch "unknown --backward_prefetch 'early'" --model="$tmp/model.pt" \
+  --backward_prefetch=early
 
 # A good run: Linear(10,10) = 110 elements becomes a unit at min 100; the root keeps 22.
 out=$("$plan" --model="$tmp/model.pt" --policy=size --min_num_params=1e2 --world_size=4 \

@@ -4,8 +4,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "fsdp/base/shard_geometry.h"
 #include "absl/strings/str_format.h"
+#include "fsdp/base/shard_geometry.h"
 #include "absl/strings/str_join.h"
 #include <c10/util/Exception.h>
 
@@ -30,27 +30,25 @@ double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 
 }  // namespace
 
-PlanReport make_report(WrapPlan plan, int64_t world_size) {
+PlanReport make_report(WrapPlan plan, int64_t world_size, const MemoryPlanOptions& options) {
   TORCH_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
-  const int64_t w = world_size;
-  int64_t sum_shard = 0, sum_padded = 0, max_padded = 0, sum_numel = 0, non_root_shard = 0;
+  std::vector<PlanUnit> units;
   for (const PlannedUnit& unit : plan.units) {
-    if (unit.numel == 0) continue;
-    const int64_t s = shard_numel(unit.numel, w);
-    sum_shard += s;
-    sum_padded += padded_numel(unit.numel, w);
-    max_padded = std::max(max_padded, s * w);
-    sum_numel += unit.numel;
-    if (!unit.fqn.empty()) non_root_shard += s;
+    units.push_back({unit.fqn, unit.numel, 0, unit.fqn.empty()});
+  }
+  std::vector<ShardingStrategy> strategies = {
+      ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard};
+  if (options.hybrid_shard_group_size() > 0) {
+    strategies.push_back(ShardingStrategy::kHybridShard);
   }
   PlanReport report{std::move(plan), world_size, {}};
-  report.costs = {
-      {"FULL_SHARD", 16 * sum_shard + 8 * max_padded,
-       4.0 * (w - 1) * (2 * sum_shard + non_root_shard)},
-      {"SHARD_GRAD_OP", 16 * sum_shard + 4 * sum_padded + 4 * max_padded,
-       4.0 * (w - 1) * 2 * sum_shard},
-      {"NO_SHARD", 16 * sum_numel, 8.0 * (w - 1) * sum_numel / w},
-  };
+  for (ShardingStrategy strategy : strategies) {
+    MemoryPlanOptions planned = options;
+    planned.world_size(world_size).sharding_strategy(strategy);
+    MemoryPlan memory = plan_memory(units, planned);
+    report.costs.push_back({sharding_strategy_name(strategy), memory.peak_bytes,
+                            static_cast<double>(memory.bytes_sent()), std::move(memory)});
+  }
   return report;
 }
 
@@ -64,9 +62,25 @@ std::string to_json(const PlanReport& report) {
   }
   std::vector<std::string> costs;
   for (const StrategyCost& cost : report.costs) {
+    std::vector<std::string> terms, at_peak, traffic;
+    for (int t = 0; t < kNumPlanTerms; ++t) {
+      const char* name = plan_term_name(static_cast<PlanTerm>(t));
+      terms.push_back(absl::StrFormat("\"%s\": %d", name, cost.plan.max_bytes[t]));
+      at_peak.push_back(absl::StrFormat("\"%s\": %d", name, cost.plan.at_peak_bytes[t]));
+    }
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      const CollectiveTraffic& t = cost.plan.traffic[k];
+      if (t.calls == 0) continue;
+      traffic.push_back(
+          absl::StrFormat("\"%s\": {\"calls\": %d, \"bytes_sent\": %d, \"bytes_received\": %d}",
+                          collective_name(static_cast<CollectiveKind>(k)), t.calls, t.bytes_sent,
+                          t.bytes_received));
+    }
     costs.push_back(absl::StrFormat(
-        "%s: {\"model_state_bytes\": %d, \"wire_bytes_per_step\": %.0f}",
-        json_string(cost.strategy), cost.model_state_bytes, cost.wire_bytes_per_step));
+        "%s: {\"model_state_bytes\": %d, \"wire_bytes_per_step\": %.0f, \"terms\": {%s}, "
+        "\"at_peak\": {%s}, \"traffic\": {%s}}",
+        json_string(cost.strategy), cost.model_state_bytes, cost.wire_bytes_per_step,
+        absl::StrJoin(terms, ", "), absl::StrJoin(at_peak, ", "), absl::StrJoin(traffic, ", ")));
   }
   return absl::StrCat("{\"total_numel\": ", report.plan.total_numel,
                       ", \"world_size\": ", report.world_size, ", \"units\": [",
@@ -88,15 +102,17 @@ std::string to_table(const PlanReport& report, const std::string& title) {
   absl::StrAppendFormat(&out, "\ntotal_numel %d in %d units, world_size %d\n\n",
                         report.plan.total_numel, report.plan.units.size(), report.world_size);
   absl::StrAppend(&out,
-                  "Per rank, one step, fp32 parameters and gradients with Adam: model state "
-                  "= 16 bytes per sharded element\n+ the unsharded working set (largest unit "
-                  "and its gradient; all units for SHARD_GRAD_OP); wire = bytes sent.\n");
-  absl::StrAppendFormat(&out, "%-14s %20s %12s %20s %12s\n", "strategy", "model_state_bytes", "MiB",
+                  "Per rank, one step (forward, backward, optimizer step): peak = the plan's "
+                  "peak of tracked memory\n(fsdp/core/memory_plan.h); wire = bytes sent.\n");
+  absl::StrAppendFormat(&out, "%-14s %20s %12s %20s %12s\n", "strategy", "peak_bytes", "MiB",
                         "wire_bytes_per_step", "MiB");
   for (const StrategyCost& cost : report.costs) {
     absl::StrAppendFormat(&out, "%-14s %20d %12.2f %20.0f %12.2f\n", cost.strategy,
                           cost.model_state_bytes, mib(cost.model_state_bytes),
                           cost.wire_bytes_per_step, mib(cost.wire_bytes_per_step));
+  }
+  for (const StrategyCost& cost : report.costs) {
+    absl::StrAppend(&out, "\n", memory_plan_table(cost.plan));
   }
   return out;
 }

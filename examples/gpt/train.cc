@@ -115,6 +115,10 @@ ABSL_FLAG(std::string, mixed_precision, "auto",
           "auto (bf16 on CUDA, none on the CPU), bf16 or none; bf16: parameters all-gathered "
           "and run in bfloat16 (param_dtype), gradients reduced in float32 (reduce_dtype), "
           "fp32 master shards and AdamW state");
+ABSL_FLAG(bool, plan_check, false,
+          "check every step against the model's per-rank plan (fsdp/core/memory_plan.h): "
+          "the progress line shows measured/planned, a rank above its plan stops naming the "
+          "term, and rank 0 prints each term measured and planned at the end");
 ABSL_FLAG(bool, cpu_offload, false,
           "keep the parameter shards, their gradients and the AdamW state in (pinned, on CUDA) "
           "host memory and step the optimizer on the CPU (PyTorch's "
@@ -397,7 +401,8 @@ int train() {
           .hybrid_shard_group_size(hybrid_group_size())
           .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
           .device_id(device)
-          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)));
+          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)))
+          .plan_check(absl::GetFlag(FLAGS_plan_check));
   if (bf16) {
     options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   }
@@ -463,6 +468,7 @@ int train() {
   const auto start = std::chrono::steady_clock::now();
   const std::vector<Communicator*> communicators = communicators_of(*model, *comm);
   for (Communicator* c : communicators) c->counters().reset();
+  PlanCheckResult plan_check;  // the last step's, with --plan_check
   for (int64_t step = first; step < steps; ++step) {
     const double lr = scheduler.last_lr.at(0);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
@@ -472,6 +478,8 @@ int train() {
     loss.backward();
     adamw.step();
     scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
+    // Before any other collective (global_mean): see FullyShardedRoot::check_plan.
+    if (absl::GetFlag(FLAGS_plan_check)) plan_check = model->check_plan(adamw);
     const double train_loss = global_mean(loss, *comm);
     const bool log = (step + 1) % absl::GetFlag(FLAGS_log_interval) == 0 || step + 1 == steps;
     const bool eval = (step + 1) % absl::GetFlag(FLAGS_eval_interval) == 0 || step + 1 == steps;
@@ -511,8 +519,9 @@ int train() {
     check_written(csv, dir + "/metrics.csv");
     if (log) {
       std::cout << absl::StrFormat(
-          "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s | ETA %.0f s\n", step + 1, steps,
+          "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s%s | ETA %.0f s\n", step + 1, steps,
           train_loss, lr, tokens_per_s,
+          plan_check.rows.empty() ? std::string() : " | " + plan_check.summary(),
           peak_flops ? absl::StrFormat(" | MFU %.1f%%", 100 * model_flops_utilization(
                                                                   numel, tokens_per_s,
                                                                   comm->world_size(), *peak_flops))
@@ -540,6 +549,14 @@ int train() {
     std::cout << absl::StrFormat("rank %d: peak memory %.1f MB, sent %.2f MB per step\n", r,
                                  all[2 * r].item<double>() / 1e6,
                                  all[2 * r + 1].item<double>() / 1e6);
+  }
+  if (!plan_check.rows.empty()) {
+    std::cout << memory_plan_table(model->memory_plan(optimizer_spec_of(adamw)))
+              << "plan check, last step, rank 0 (bytes):\n";
+    for (const PlanComparison& row : plan_check.rows) {
+      std::cout << absl::StrFormat("  %-36s measured %12d planned %12d ratio %.3f\n", row.what,
+                                   row.measured, row.planned, row.ratio());
+    }
   }
   csv.close();
   plot(dir);

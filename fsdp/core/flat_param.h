@@ -203,6 +203,8 @@ class FlatParamHandle {
   // gradient reduction.
   c10::ScalarType param_dtype() const { return param_dtype_; }
   c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  // FlatParamOptions::keep_low_precision_grads.
+  bool keep_low_precision_grads() const { return keep_low_precision_grads_; }
 
   // See FlatParamState for the transitions each call makes.
   FlatParamState state() const { return state_; }

@@ -888,7 +888,9 @@ SummonFullParamsScope::SummonFullParamsScope(FullyShardedRoot& root,
 SummonFullParamsScope::~SummonFullParamsScope() { root_.state_->end_summon(); }
 
 FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParallelOptions& options)
-    : root_(&root), state_(bind_fully_sharded(root, options)) {}
+    : root_(&root), state_(bind_fully_sharded(root, options)) {
+  state_->plan_window().enabled = options.plan_check();
+}
 
 FullyShardedRoot::~FullyShardedRoot() = default;
 

@@ -72,11 +72,16 @@
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
+#include "fsdp/core/memory_plan.h"
 #include "fsdp/core/mixed_precision.h"
 #include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"
 #include "fsdp/wrap/policy.h"
 #include "fsdp/wrap/wrap_context.h"
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
 
 namespace fsdp {
 
@@ -221,6 +226,12 @@ struct FullyShardedDataParallelOptions {
   // every unit, also those EnableWrap sharded on construction (give the scope the same
   // options).
   TORCH_ARG(CPUOffload, cpu_offload);
+  // Check every step against the model's own plan (memory_plan.h): each root forward
+  // starts a measurement window that FullyShardedRoot::check_plan, called after the
+  // optimizer step, closes. While on, each root forward resets the compute device's peak
+  // memory statistics (DeviceHandle::reset_peak_memory_stats) for the calling thread's
+  // memory tag, or the whole process. Off by default (fsdp's own; PyTorch has none).
+  TORCH_ARG(bool, plan_check) = false;
 };
 
 namespace core_internal {
@@ -415,6 +426,28 @@ class FullyShardedRoot {
   // PyTorch: FullyShardedDataParallel.clip_grad_norm_.
   at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
+  // The plan of one training step of this model on this rank (memory_plan.h): its units
+  // (in pre-order), world size, strategy, shard group, dtypes, prefetching, CPU offload and
+  // backend, with `optimizer`'s state and `activation_bytes` (nullopt: activations not
+  // planned). Units whose modules MixedPrecision keeps in full precision are planned in
+  // the other units' dtypes. Every rank gets the same plan.
+  MemoryPlan memory_plan(const OptimizerSpec& optimizer,
+                         c10::optional<int64_t> activation_bytes = c10::nullopt) const;
+
+  // With FullyShardedDataParallelOptions::plan_check: measures the step since the root's
+  // last forward (its sharded parameters, their gradients and `optimizer`'s state now, the
+  // peak of tracked device memory, the traffic of every communicator of the model) and
+  // compares it with memory_plan(optimizer_spec_of(optimizer), activation_bytes). Call it
+  // after optimizer.step(), before any other forward; collectives issued in that window
+  // outside the model (clip_grad_norm_, a loss all-reduce) count as traffic, so check
+  // before them. Returns the comparison (PlanCheckResult::summary for a progress line);
+  // throws c10::Error naming the rank, the first term above its tolerance
+  // (kPlanTermTolerance, kPlanPeakTolerance), its measured and planned bytes, if any is.
+  // The first step of an optimizer that creates its state lazily (Adam) measures the
+  // state made during it. Throws c10::Error without plan_check or before any forward.
+  PlanCheckResult check_plan(const torch::optim::Optimizer& optimizer,
+                             c10::optional<int64_t> activation_bytes = c10::nullopt);
+
   // Units in pre-order (the root first), for inspection.
   const std::vector<std::shared_ptr<FullyShardedUnit>>& units() const;
   TrainingState training_state() const;
@@ -443,6 +476,14 @@ class FullyShardedRoot {
   UnitBase* root_;
   std::shared_ptr<core_internal::RootState> state_;
 };
+
+// The OptimizerSpec of a LibTorch optimizer: torch::optim::SGD (momentum of its first
+// parameter group), Adam, AdamW, Adagrad, RMSprop (momentum, centered); throws c10::Error
+// naming the supported ones for any other.
+OptimizerSpec optimizer_spec_of(const torch::optim::Optimizer& optimizer);
+// Bytes of every state tensor `optimizer` holds (the C++ optimizers keep their step
+// counts as integers, not tensors).
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
 
 // The root module: the model's own module type with FullyShardedRoot's API.
 template <typename Contained>

@@ -483,6 +483,7 @@ void RootState::begin_forward() {
   if (callback_queued_) abandon_backward();  // See Note [A backward that did not finish]
   training_state_ = TrainingState::kForwardBackward;
   cast_buffers(/*to_original=*/false);
+  if (plan_window_.enabled) open_plan_window();  // See Note [Checking the plan]
   // See Note [First-iteration size checks].
   if (first_iteration_ || validate_execution_order_) comm_->set_size_checks(true);
 }

@@ -6,6 +6,7 @@
 #ifndef FSDP_CORE_INTERNAL_RUNTIME_H_
 #define FSDP_CORE_INTERNAL_RUNTIME_H_
 
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -121,6 +122,23 @@ class RootState {
   Communicator& comm() { return *comm_; }
   DeviceHandle& device() const { return *device_; }
   ShardingStrategy strategy() const { return strategy_; }  // the root's; units may differ
+  BackwardPrefetch backward_prefetch() const { return backward_prefetch_; }
+  bool forward_prefetch() const { return forward_prefetch_; }
+  // Every communicator the model's flat parameters use (shard and replicate groups), the
+  // root's first, each once.
+  std::vector<Communicator*> communicators() const;
+  // plan_check (FullyShardedDataParallelOptions): the measurement window each root forward
+  // opens and check_plan closes (Note [Checking the plan] in plan_check.cc).
+  struct PlanWindow {
+    bool enabled = false;
+    bool open = false;
+    int64_t start_allocated = 0;    // device memory allocated at the root's forward
+    int64_t start_model_state = 0;  // the part of it that is model state
+    std::vector<std::array<CollectiveTraffic, kNumCollectiveKinds>> start_traffic;
+    int64_t optimizer_state_bytes = 0;  // measured by the last check_plan
+  };
+  PlanWindow& plan_window() { return plan_window_; }
+  void open_plan_window();
   TrainingState training_state() const { return training_state_; }
   const std::vector<std::shared_ptr<UnitState>>& units() const { return units_; }
   // The same units as FullyShardedRoot::units() lists them.
@@ -205,6 +223,7 @@ class RootState {
   std::vector<c10::ScalarType> buffer_dtypes_;  // cast_buffers_' own dtypes
   c10::optional<c10::ScalarType> buffer_dtype_;
   std::vector<at::Tensor> ignored_params_;
+  PlanWindow plan_window_;
   TrainingState training_state_ = TrainingState::kIdle;
   // Set from the first pre-backward hook of a pass until finish_backward; still set at
   // the next forward if the pass threw (see Note [A backward that did not finish]).

@@ -547,6 +547,17 @@ class GlooCommunicator : public Communicator,
         static_cast<int>(spec.ranks.size()), options_, spec.global_ranks);
   }
 
+  // A family of its own: the failures of this family do not close it.
+  std::shared_ptr<Communicator> do_new_side_channel(const SubgroupSpec& spec,
+                                                    std::chrono::milliseconds timeout) override {
+    GlooOptions options = options_;
+    options.timeout(timeout);
+    return std::make_shared<GlooCommunicator>(
+        std::make_shared<GlooFamily>(store_, global_rank(), world_size()),
+        c10::make_intrusive<c10d::PrefixStore>(spec.tag, store_), spec.rank,
+        static_cast<int>(spec.ranks.size()), options, spec.global_ranks);
+  }
+
  private:
   static std::shared_ptr<::gloo::transport::Device> make_device(const GlooOptions& options) {
     if (!options.interface().empty()) {

@@ -218,6 +218,10 @@ void Communicator::enable_schedule_checks() {
   schedule_->schedule.store(schedule_->owner.get());
 }
 
+bool Communicator::supports_schedule_checks() const {
+  return !is_subgroup_ && supports_device(c10::Device(c10::kCPU));
+}
+
 bool Communicator::schedule_checks_enabled() const { return schedule_->schedule.load() != nullptr; }
 
 void Communicator::end_schedule_step() {

@@ -258,6 +258,9 @@ class Communicator {
   // PyTorch has no counterpart (TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective).
   void enable_schedule_checks();
   bool schedule_checks_enabled() const;
+  // Whether enable_schedule_checks can be called here: a root communicator of a backend
+  // that moves CPU buffers.
+  bool supports_schedule_checks() const;
   // Ends a step of the schedule (FSDP's root calls it at the end of each iteration):
   // later collectives count towards the next step. Steps are counted from 1, on every
   // rank alike. No traffic. Does nothing while the checks are off.

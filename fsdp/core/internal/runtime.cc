@@ -493,13 +493,13 @@ void RootState::end_forward_without_grad() {
 }
 
 // Iterations are the schedule's steps (Note [Collective schedule checks] in
-// fsdp/comm/internal/schedule.cc): each one ends a step, and every
-// schedule_check_every-th compares the ranks' schedules. After the iteration's state is
-// reset, so that a mismatch leaves the model idle.
+// fsdp/comm/internal/schedule.cc): each one ends a step (end_iteration), and every
+// schedule_check_every-th of this root compares the ranks' schedules (its own count: two
+// roots on one communicator each check every N of their own iterations). After the iteration's
+// state is reset, so that a mismatch leaves the model idle.
 void RootState::check_schedule_if_due() {
   if (schedule_check_every_ <= 0) return;
-  const int64_t ended = comm_->schedule_step() - 1;
-  if (ended % schedule_check_every_ == 0) comm_->check_collective_schedule();
+  if (++iterations_ % schedule_check_every_ == 0) comm_->check_collective_schedule();
 }
 
 // Note [First-iteration size checks]

@@ -204,6 +204,7 @@ class RootState {
   std::vector<UnitState*> first_forward_order_;  // ... the first iteration
   bool validate_execution_order_ = false;
   int64_t schedule_check_every_ = 0;
+  int64_t iterations_ = 0;  // that ended normally, for schedule_check_every_
   bool first_iteration_ = true;
   bool warned_order_change_ = false;
   std::vector<at::Tensor> cast_buffers_;

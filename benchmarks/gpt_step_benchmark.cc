@@ -28,10 +28,10 @@
 //                               FULL_SHARD with Communicator::set_size_checks on in every
 //                               step against FULL_SHARD with them on in the first only,
 //                               <s> sequences per rank (1, and the main job's 16)
-//   BM_ScheduleCheck/every:<N>/W:2
+//   BM_ScheduleCheck/every:<N>/sequences:<s>/W:2
 //                               FULL_SHARD checking the collective schedule every N steps
 //                               (1, and the default 10) against a root that never checks,
-//                               40 steps each
+//                               40 steps each, <s> sequences per rank (1, and 16)
 // Model: GptOptions with vocab 128, context 64, 4 heads, 4 layers (each block a unit;
 // embeddings, final norm and the tied head in the root), width 128 unless the name says
 // otherwise (Psi = 0.82 M parameters at width 128, 1.82 M at 192). Each rank trains on
@@ -414,12 +414,15 @@ void register_all(int rank, int world_size) {
     // record their collectives (the communicator's schedule is on for the family once
     // any root enabled it). 40 steps, so that N = 10 checks 4 times.
     for (int64_t every : {int64_t{1}, kDefaultScheduleCheckEvery}) {
-      Variant checked = strategy_variant(ShardingStrategy::kFullShard);
-      checked.schedule_check_every = every;
-      Variant unchecked = strategy_variant(ShardingStrategy::kFullShard);
-      unchecked.schedule_check_every = 0;
-      register_one(absl::StrCat("BM_ScheduleCheck/every:", every), w, checked, unchecked,
-                   kScheduleSteps);
+      for (int64_t sequences : {kBatch, int64_t{16}}) {
+        Variant checked = strategy_variant(ShardingStrategy::kFullShard);
+        checked.schedule_check_every = every;
+        Variant unchecked = strategy_variant(ShardingStrategy::kFullShard);
+        unchecked.schedule_check_every = 0;
+        checked.sequences = unchecked.sequences = sequences;
+        register_one(absl::StrCat("BM_ScheduleCheck/every:", every, "/sequences:", sequences), w,
+                     checked, unchecked, kScheduleSteps);
+      }
     }
     for (int64_t width : {32, 64, 128, 192}) {
       Variant full = strategy_variant(ShardingStrategy::kFullShard);

@@ -23,7 +23,7 @@ namespace fsdp::comm_internal {
 // - Every N steps (FullyShardedDataParallelOptions::schedule_check_every, at the end of
 //   the root's iteration) and whenever the program calls check_collective_schedule, the
 //   ranks all-gather (count, hash) since the last check: 4 int64 per rank. Only if they
-//   differ do they all-gather their full reports (3.6 KB per rank) and every rank throws
+//   differ do they all-gather their full reports (4.6 KB per rank) and every rank throws
 //   the same description: the first step whose collectives differ, its first differing
 //   collective, and what each rank ran there.
 // - These exchanges go over a side channel: a second group of the same ranks, made when

@@ -274,8 +274,7 @@ ScheduleReport CollectiveSchedule::report(bool failed) const {
 
 CommError CollectiveSchedule::error(const std::string& detail, int peer) const {
   // The check's number from 1 (a failure joins the next check).
-  return CommError("collective schedule check", checks_ + 1, root_ranks_[side_channel_->rank()],
-                   peer, detail);
+  return CommError("schedule_check", checks_ + 1, root_ranks_[side_channel_->rank()], peer, detail);
 }
 
 std::string CollectiveSchedule::compare(bool failed, int64_t* peer) {

@@ -271,7 +271,7 @@ class Communicator {
   // the side channel (4 int64 per rank); if any rank's differ, all-gathers the ranks'
   // last 64 collectives and throws CommError on every rank naming the first step whose
   // collectives differ, its first differing collective and what each rank ran, e.g.
-  //   collective schedule check #2 failed on rank 0 (peer rank 1): the ranks ran
+  //   schedule_check #2 failed on rank 0 (peer rank 1): the ranks ran
   //   different collectives in step 7, first at its collective #4: rank 0 ran
   //   all_gather_into_tensor of 1024 Float in the world, rank 1 ran all_reduce of 1 Float
   //   in the world; in step 7 rank 0 issued 12, rank 1 issued 10 collectives (...)

@@ -28,6 +28,10 @@
 //                               FULL_SHARD with Communicator::set_size_checks on in every
 //                               step against FULL_SHARD with them on in the first only,
 //                               <s> sequences per rank (1, and the main job's 16)
+//   BM_ScheduleCheck/every:<N>/sequences:<s>/W:2
+//                               FULL_SHARD checking the collective schedule every N steps
+//                               (1, and the default 10) against a root that never checks,
+//                               40 steps each, <s> sequences per rank (1, and 16)
 // Model: GptOptions with vocab 128, context 64, 4 heads, 4 layers (each block a unit;
 // embeddings, final norm and the tied head in the root), width 128 unless the name says
 // otherwise (Psi = 0.82 M parameters at width 128, 1.82 M at 192). Each rank trains on
@@ -95,6 +99,7 @@ constexpr int64_t kBatch = 1;         // sequences per rank and step
 constexpr int64_t kMemoryTokens = 8;  // one sequence, for the peak-memory step
 constexpr int kWarmupSteps = 2;       // the first creates Adam's state
 constexpr int kTimedSteps = 8;
+constexpr int kScheduleSteps = 40;  // BM_ScheduleCheck: N = 10 checks 4 times
 constexpr int kTrainingThreadTag = 0;
 
 // One way to train the model: plain LibTorch, or FSDP with these options.
@@ -106,6 +111,7 @@ struct Variant {
   bool forward_prefetch = false;
   bool validate_execution_order = false;
   bool size_checks = false;  // Communicator::set_size_checks in every step, not the first only
+  int64_t schedule_check_every = kDefaultScheduleCheckEvery;  // 0: this root never checks
   int64_t width = kWidth;
   int64_t sequences = kBatch;  // per rank and step (ours and the baseline alike)
 };
@@ -208,7 +214,8 @@ Training make_training(const Variant& variant, const std::shared_ptr<Communicato
   options.sharding_strategy(variant.strategy)
       .backward_prefetch(variant.backward_prefetch)
       .forward_prefetch(variant.forward_prefetch)
-      .validate_execution_order(variant.validate_execution_order);
+      .validate_execution_order(variant.validate_execution_order)
+      .schedule_check_every(variant.schedule_check_every);
   FullyShardedDataParallel<GptImpl> model(make_model(variant.width), options);
   for (const auto& unit : model->units()) {
     if (unit->handle() != nullptr) t.psi += unit->handle()->numel();
@@ -342,11 +349,11 @@ void run_first_steps(benchmark::State& state, int world_size, const Variant& our
 }
 
 void register_one(const std::string& name, int world_size, Variant ours,
-                  std::optional<Variant> baseline) {
+                  std::optional<Variant> baseline, int iterations = kTimedSteps) {
   benchmark::RegisterBenchmark(
       absl::StrCat(name, "/W:", world_size).c_str(),
       [=](benchmark::State& state) { run(state, world_size, ours, baseline); })
-      ->Iterations(kTimedSteps)
+      ->Iterations(iterations)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
 }
@@ -401,6 +408,21 @@ void register_all(int rank, int world_size) {
       Variant unchecked = strategy_variant(ShardingStrategy::kFullShard);
       checked.sequences = unchecked.sequences = sequences;
       register_one(absl::StrCat("BM_SizeChecks/sequences:", sequences), w, checked, unchecked);
+    }
+    // Collective schedule checks every N steps (N = 1, and the default) against a root
+    // that never checks (FullyShardedDataParallelOptions::schedule_check_every); both
+    // record their collectives (the communicator's schedule is on for the family once
+    // any root enabled it). 40 steps, so that N = 10 checks 4 times.
+    for (int64_t every : {int64_t{1}, kDefaultScheduleCheckEvery}) {
+      for (int64_t sequences : {kBatch, int64_t{16}}) {
+        Variant checked = strategy_variant(ShardingStrategy::kFullShard);
+        checked.schedule_check_every = every;
+        Variant unchecked = strategy_variant(ShardingStrategy::kFullShard);
+        unchecked.schedule_check_every = 0;
+        checked.sequences = unchecked.sequences = sequences;
+        register_one(absl::StrCat("BM_ScheduleCheck/every:", every, "/sequences:", sequences), w,
+                     checked, unchecked, kScheduleSteps);
+      }
     }
     for (int64_t width : {32, 64, 128, 192}) {
       Variant full = strategy_variant(ShardingStrategy::kFullShard);

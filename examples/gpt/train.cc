@@ -123,6 +123,12 @@ ABSL_FLAG(bool, cpu_offload, false,
           "keep the parameter shards, their gradients and the AdamW state in (pinned, on CUDA) "
           "host memory and step the optimizer on the CPU (PyTorch's "
           "CPUOffload(offload_params=True)); the device holds only the units in flight");
+ABSL_FLAG(int64_t, schedule_check_every, fsdp::kDefaultScheduleCheckEvery,
+          "compare the ranks' collective schedules every N FSDP iterations (forward and "
+          "backward, or an evaluation forward) and after the last step, so that ranks that "
+          "took different branches stop with one error naming the step and the collective "
+          "(FullyShardedDataParallelOptions::schedule_check_every); 0: off. Gloo only (off "
+          "with NCCL)");
 ABSL_FLAG(double, peak_tflops, 0,
           "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU) in the "
           "progress lines; 0: from the device name (H200, H100 SXM: 989.4; A100: 312), else "
@@ -402,7 +408,8 @@ int train() {
           .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
           .device_id(device)
           .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)))
-          .plan_check(absl::GetFlag(FLAGS_plan_check));
+          .plan_check(absl::GetFlag(FLAGS_plan_check))
+          .schedule_check_every(absl::GetFlag(FLAGS_schedule_check_every));
   if (bf16) {
     options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   }
@@ -531,6 +538,8 @@ int train() {
     if (eval) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, val);
   }
   wait_for_async_saves();  // the last checkpoint is complete before the run ends
+  // The steps since the last periodic schedule check are compared too.
+  if (comm->schedule_checks_enabled()) model->check_collective_schedule();
   // Per-rank figures, gathered to rank 0.
   int64_t sent = 0;
   for (Communicator* c : communicators) sent += c->counters().total().bytes_sent;

@@ -1,5 +1,6 @@
 #include "fsdp/comm/communicator.h"
 
+#include "fsdp/comm/internal/schedule.h"
 #include "fsdp/comm/internal/size_checks.h"
 
 #include <algorithm>
@@ -116,7 +117,8 @@ Communicator::Communicator(int rank, int world_size, std::chrono::milliseconds t
       world_size_(world_size),
       timeout_(timeout),
       global_ranks_(std::move(global_ranks)),
-      is_subgroup_(!global_ranks_.empty()) {
+      is_subgroup_(!global_ranks_.empty()),
+      schedule_(std::make_shared<comm_internal::ScheduleSlot>()) {
   TORCH_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ", rank);
   TORCH_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");
@@ -126,6 +128,7 @@ Communicator::Communicator(int rank, int world_size, std::chrono::milliseconds t
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_size, "a subgroup of world_size ",
               world_size, " needs as many global ranks, got [", absl::StrJoin(global_ranks_, ", "),
               "]");
+  group_code_ = comm_internal::group_code(global_ranks_);
 }
 
 CommError Communicator::comm_error(CollectiveKind kind, int64_t sequence, int peer,
@@ -142,8 +145,8 @@ void Communicator::mark_broken(const CommError& error) {
   if (!broken_) broken_ = error;
 }
 
-int64_t Communicator::begin_collective(CollectiveKind kind, int64_t bytes_sent,
-                                       int64_t bytes_received) {
+int64_t Communicator::begin_collective(CollectiveKind kind, int64_t numel, c10::ScalarType dtype,
+                                       int64_t bytes_sent, int64_t bytes_received) {
   {
     std::lock_guard<std::mutex> lock(broken_mutex_);
     if (broken_) {
@@ -153,7 +156,91 @@ int64_t Communicator::begin_collective(CollectiveKind kind, int64_t bytes_sent,
     }
   }
   counters_.record(kind, bytes_sent, bytes_received);
+  if (comm_internal::CollectiveSchedule* schedule = schedule_->schedule.load()) {
+    schedule->record(kind, group_code_, numel, dtype);
+  }
   return sequence_++;
+}
+
+namespace {
+
+// A collective's work while schedule checks are on: a failed wait first compares the
+// schedules (CollectiveSchedule::fail). See Note [Collective schedule checks].
+class WatchedWork : public Work {
+ public:
+  WatchedWork(WorkHandle inner, comm_internal::CollectiveSchedule* schedule,
+              std::chrono::milliseconds timeout)
+      : Work(timeout), inner_(std::move(inner)), schedule_(schedule) {}
+  void wait(std::chrono::milliseconds timeout) override {
+    try {
+      inner_->wait(timeout);
+    } catch (const CommError& error) {
+      schedule_->fail(error);
+    }
+  }
+  bool is_completed() override { return inner_->is_completed(); }
+
+ private:
+  WorkHandle inner_;
+  comm_internal::CollectiveSchedule* schedule_;  // the family's, which outlives its works
+};
+
+}  // namespace
+
+WorkHandle Communicator::watched(WorkHandle work) const {
+  comm_internal::CollectiveSchedule* schedule = schedule_->schedule.load();
+  if (schedule == nullptr) return work;
+  return std::make_shared<WatchedWork>(std::move(work), schedule, timeout_);
+}
+
+std::shared_ptr<Communicator> Communicator::do_new_side_channel(
+    const SubgroupSpec& spec, std::chrono::milliseconds /*timeout*/) {
+  return do_new_subgroup(spec);
+}
+
+void Communicator::enable_schedule_checks() {
+  TORCH_CHECK(!is_subgroup_,
+              "enable_schedule_checks: expected the root communicator (the one subgroups are "
+              "made from), got a subgroup of ranks [",
+              absl::StrJoin(global_ranks_, ", "), "]; call it on the root");
+  TORCH_CHECK(supports_device(c10::Device(c10::kCPU)),
+              "enable_schedule_checks: the schedule is compared in CPU buffers, which the ",
+              backend_name(), " backend cannot move; use gloo (or the fake backend)");
+  std::lock_guard<std::mutex> lock(schedule_->mutex);
+  if (schedule_->owner) return;
+  SubgroupSpec spec;
+  for (int r = 0; r < world_size_; ++r) spec.ranks.push_back(r);
+  spec.rank = rank_;
+  spec.tag = "schedule-side-channel";
+  spec.global_ranks = global_ranks_;
+  schedule_->owner = std::make_unique<comm_internal::CollectiveSchedule>(
+      do_new_side_channel(spec, 2 * timeout_), global_ranks_);
+  schedule_->schedule.store(schedule_->owner.get());
+}
+
+bool Communicator::supports_schedule_checks() const {
+  return !is_subgroup_ && supports_device(c10::Device(c10::kCPU));
+}
+
+bool Communicator::schedule_checks_enabled() const { return schedule_->schedule.load() != nullptr; }
+
+void Communicator::end_schedule_step() {
+  if (comm_internal::CollectiveSchedule* schedule = schedule_->schedule.load()) {
+    schedule->end_step();
+  }
+}
+
+int64_t Communicator::schedule_step() const {
+  comm_internal::CollectiveSchedule* schedule = schedule_->schedule.load();
+  return schedule == nullptr ? 0 : schedule->step();
+}
+
+void Communicator::check_collective_schedule() {
+  comm_internal::CollectiveSchedule* schedule = schedule_->schedule.load();
+  TORCH_CHECK(schedule != nullptr,
+              "check_collective_schedule: schedule checks are off; call "
+              "enable_schedule_checks() on every rank first");
+  schedule->check();
 }
 
 void Communicator::check_buffer(const char* collective, const CommBuffer& buffer) const {
@@ -193,8 +280,9 @@ WorkHandle Communicator::all_gather_into_tensor_async(const CommBuffer& output,
   check_pair(name, output, input, input.numel * world_size_,
              "output must hold world_size x input numel elements");
   const int64_t bytes = (world_size_ - 1) * input.nbytes();
-  const int64_t sequence = begin_collective(CollectiveKind::kAllGather, bytes, bytes);
-  return do_all_gather(output, input, sequence);
+  const int64_t sequence =
+      begin_collective(CollectiveKind::kAllGather, input.numel, input.dtype, bytes, bytes);
+  return watched(do_all_gather(output, input, sequence));
 }
 
 WorkHandle Communicator::reduce_scatter_tensor_async(const CommBuffer& output,
@@ -210,8 +298,9 @@ WorkHandle Communicator::reduce_scatter_tensor_async(const CommBuffer& output,
               output.describe(), " and input ", input.describe());
   check_op(name, op, input.dtype);
   const int64_t bytes = (world_size_ - 1) * output.nbytes();
-  const int64_t sequence = begin_collective(CollectiveKind::kReduceScatter, bytes, bytes);
-  return do_reduce_scatter(output, input, op, sequence);
+  const int64_t sequence =
+      begin_collective(CollectiveKind::kReduceScatter, input.numel, input.dtype, bytes, bytes);
+  return watched(do_reduce_scatter(output, input, op, sequence));
 }
 
 WorkHandle Communicator::all_reduce_async(const CommBuffer& tensor, ReduceOp op) {
@@ -221,8 +310,9 @@ WorkHandle Communicator::all_reduce_async(const CommBuffer& tensor, ReduceOp op)
   const int64_t chunk = (tensor.numel + world_size_ - 1) / world_size_;
   const int64_t bytes =
       2 * (world_size_ - 1) * chunk * static_cast<int64_t>(c10::elementSize(tensor.dtype));
-  const int64_t sequence = begin_collective(CollectiveKind::kAllReduce, bytes, bytes);
-  return do_all_reduce(tensor, op, sequence);
+  const int64_t sequence =
+      begin_collective(CollectiveKind::kAllReduce, tensor.numel, tensor.dtype, bytes, bytes);
+  return watched(do_all_reduce(tensor, op, sequence));
 }
 
 WorkHandle Communicator::broadcast_async(const CommBuffer& tensor, int root) {
@@ -233,12 +323,13 @@ WorkHandle Communicator::broadcast_async(const CommBuffer& tensor, int root) {
   const bool is_root = rank_ == root;
   const int64_t sent = is_root ? (world_size_ - 1) * tensor.nbytes() : 0;
   const int64_t received = is_root ? 0 : tensor.nbytes();
-  const int64_t sequence = begin_collective(CollectiveKind::kBroadcast, sent, received);
-  return do_broadcast(tensor, root, sequence);
+  const int64_t sequence =
+      begin_collective(CollectiveKind::kBroadcast, tensor.numel, tensor.dtype, sent, received);
+  return watched(do_broadcast(tensor, root, sequence));
 }
 
 WorkHandle Communicator::barrier_async() {
-  return do_barrier(begin_collective(CollectiveKind::kBarrier, 0, 0));
+  return watched(do_barrier(begin_collective(CollectiveKind::kBarrier, 0, c10::kByte, 0, 0)));
 }
 
 // The tensor overloads: view, issue, and for the blocking ones wait with timeout().
@@ -287,7 +378,9 @@ std::shared_ptr<Communicator> Communicator::new_subgroup(const std::vector<int>&
   spec.rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   spec.tag = absl::StrCat("group[", absl::StrJoin(ranks, ","), "]#", count);
   for (int r : ranks) spec.global_ranks.push_back(global_ranks_[r]);
-  return do_new_subgroup(spec);
+  std::shared_ptr<Communicator> subgroup = do_new_subgroup(spec);
+  subgroup->schedule_ = schedule_;  // one schedule for the family
+  return subgroup;
 }
 
 HybridGroups Communicator::split_hybrid(int shard_group_size) {

@@ -45,6 +45,10 @@
 
 namespace fsdp {
 
+namespace comm_internal {
+struct ScheduleSlot;
+}  // namespace comm_internal
+
 enum class ReduceOp {
   kSum,
   kAvg,  // sum / world_size; floating-point dtypes only
@@ -240,6 +244,42 @@ class Communicator {
   // collective and the cause (Note [Gloo terminations] in gloo.cc).
   virtual void set_size_checks(bool /*enabled*/) {}
 
+  // Collective schedule checks for this root communicator's family (its subgroups, made
+  // before or after): each rank folds (kind, group, element count, dtype) of every
+  // collective into a running hash, a few integer operations per collective, and
+  // check_collective_schedule compares the hashes of all ranks. Every rank calls it at the
+  // same point of its collective sequence (it makes a side channel: a second group of the
+  // same ranks, with twice this communicator's timeout); calling it again does nothing.
+  // While they are on, a collective of the family that fails (a timeout, a lost peer, a
+  // size check's mismatch) first compares schedules over the side channel, so that every
+  // rank throws the description of the divergence instead of hanging (see Note
+  // [Collective schedule checks] in internal/schedule.cc for what is guaranteed). Needs a
+  // backend that moves CPU buffers (gloo, fake). Throws c10::Error on a subgroup.
+  // PyTorch has no counterpart (TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective).
+  void enable_schedule_checks();
+  bool schedule_checks_enabled() const;
+  // Whether enable_schedule_checks can be called here: a root communicator of a backend
+  // that moves CPU buffers.
+  bool supports_schedule_checks() const;
+  // Ends a step of the schedule (FSDP's root calls it at the end of each iteration):
+  // later collectives count towards the next step. Steps are counted from 1, on every
+  // rank alike. No traffic. Does nothing while the checks are off.
+  void end_schedule_step();
+  // The step in progress (1 before the first end_schedule_step); 0 while checks are off.
+  int64_t schedule_step() const;
+  // Every rank: all-gathers (count, hash) of the collectives since the last check over
+  // the side channel (4 int64 per rank); if any rank's differ, all-gathers the ranks'
+  // last 64 collectives and throws CommError on every rank naming the first step whose
+  // collectives differ, its first differing collective and what each rank ran, e.g.
+  //   schedule_check #2 failed on rank 0 (peer rank 1): the ranks ran
+  //   different collectives in step 7, first at its collective #4: rank 0 ran
+  //   all_gather_into_tensor of 1024 Float in the world, rank 1 ran all_reduce of 1 Float
+  //   in the world; in step 7 rank 0 issued 12, rank 1 issued 10 collectives (...)
+  // Also throws it if a peer does not arrive within the side channel's timeout. After a
+  // mismatch every later check throws the same error. Throws c10::Error while checks are
+  // off.
+  void check_collective_schedule();
+
   TrafficCounters& counters() { return counters_; }
   const TrafficCounters& counters() const { return counters_; }
 
@@ -269,6 +309,12 @@ class Communicator {
   virtual std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) = 0;
   // Devices this backend moves (checked for every buffer).
   virtual bool supports_device(const c10::Device& device) const = 0;
+  // The side channel of enable_schedule_checks: a communicator over `spec`'s ranks (all
+  // of this root's) with `timeout`, outside this communicator's family, so that a failed
+  // collective of the family leaves it open. The default makes a subgroup (do_new_subgroup,
+  // which keeps this communicator's timeout).
+  virtual std::shared_ptr<Communicator> do_new_side_channel(const SubgroupSpec& spec,
+                                                            std::chrono::milliseconds timeout);
 
   // The CommError of this communicator's collective `sequence`: this rank's global rank,
   // `peer` (a global rank, or -1), and the group if this is a subgroup.
@@ -282,7 +328,11 @@ class Communicator {
   void mark_broken(const CommError& error);
 
  private:
-  int64_t begin_collective(CollectiveKind kind, int64_t bytes_sent, int64_t bytes_received);
+  int64_t begin_collective(CollectiveKind kind, int64_t numel, c10::ScalarType dtype,
+                           int64_t bytes_sent, int64_t bytes_received);
+  // The work of a collective, wrapped while schedule checks are on (see
+  // enable_schedule_checks).
+  WorkHandle watched(WorkHandle work) const;
   void check_buffer(const char* collective, const CommBuffer& buffer) const;
 
   int rank_;
@@ -293,6 +343,10 @@ class Communicator {
   int64_t sequence_ = 0;
   std::map<std::vector<int>, int> subgroups_made_;  // rank list -> subgroups made
   TrafficCounters counters_;
+  // The family's schedule (shared with every subgroup made from this one) and this
+  // communicator's group as the schedule names it (comm_internal::group_code).
+  std::shared_ptr<comm_internal::ScheduleSlot> schedule_;
+  int64_t group_code_ = 0;
   std::mutex broken_mutex_;
   std::optional<CommError> broken_;
 };

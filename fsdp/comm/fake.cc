@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <exception>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -89,13 +90,14 @@ class FakeGroup {
     return all;
   }
 
-  std::shared_ptr<FakeGroup> subgroup(const std::string& tag,
-                                      const std::vector<int>& global_ranks) {
+  // `timeout`: the group's, if not this one's.
+  std::shared_ptr<FakeGroup> subgroup(const std::string& tag, const std::vector<int>& global_ranks,
+                                      std::optional<std::chrono::milliseconds> timeout = {}) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& group = subgroups_[tag];
     if (!group) {
-      group = std::make_shared<FakeGroup>(static_cast<int>(global_ranks.size()), timeout_,
-                                          global_ranks);
+      group = std::make_shared<FakeGroup>(static_cast<int>(global_ranks.size()),
+                                          timeout.value_or(timeout_), global_ranks);
     }
     return group;
   }
@@ -209,6 +211,12 @@ class FakeCommunicator : public Communicator {
   std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
     return std::make_shared<FakeCommunicator>(group_->subgroup(spec.tag, spec.global_ranks),
                                               spec.rank, spec.global_ranks);
+  }
+
+  std::shared_ptr<Communicator> do_new_side_channel(const SubgroupSpec& spec,
+                                                    std::chrono::milliseconds timeout) override {
+    return std::make_shared<FakeCommunicator>(
+        group_->subgroup(spec.tag, spec.global_ranks, timeout), spec.rank, spec.global_ranks);
   }
 
  private:

@@ -256,10 +256,16 @@ class GlooCommunicator;
 // peer]. Thread-safe.
 class GlooFamily {
  public:
-  GlooFamily(c10::intrusive_ptr<c10d::Store> store, int global_rank, int world_size)
-      : store_(std::move(store)), global_rank_(global_rank), world_size_(world_size) {}
+  // `parent`: for the side channel of schedule checks, the family it watches; a failed
+  // side channel then keeps rank 0's store up at exit only if the parent did not already.
+  GlooFamily(c10::intrusive_ptr<c10d::Store> store, int global_rank, int world_size,
+             std::shared_ptr<GlooFamily> parent = nullptr)
+      : store_(std::move(store)),
+        global_rank_(global_rank),
+        world_size_(world_size),
+        parent_(std::move(parent)) {}
   ~GlooFamily() {
-    if (failed_ && global_rank_ == 0) {
+    if (failed_ && global_rank_ == 0 && !(parent_ && parent_->failed_)) {
       std::this_thread::sleep_for(kProbeTime + std::chrono::milliseconds(500));
     }
   }
@@ -304,6 +310,7 @@ class GlooFamily {
   const c10::intrusive_ptr<c10d::Store> store_;
   const int global_rank_;
   const int world_size_;
+  const std::shared_ptr<GlooFamily> parent_;
   std::atomic<bool> failed_{false};
   std::atomic<bool> size_checks_{false};
   std::mutex mutex_;
@@ -545,6 +552,17 @@ class GlooCommunicator : public Communicator,
     return std::make_shared<GlooCommunicator>(
         family_, c10::make_intrusive<c10d::PrefixStore>(spec.tag, store_), spec.rank,
         static_cast<int>(spec.ranks.size()), options_, spec.global_ranks);
+  }
+
+  // A family of its own: the failures of this family do not close it.
+  std::shared_ptr<Communicator> do_new_side_channel(const SubgroupSpec& spec,
+                                                    std::chrono::milliseconds timeout) override {
+    GlooOptions options = options_;
+    options.timeout(timeout);
+    return std::make_shared<GlooCommunicator>(
+        std::make_shared<GlooFamily>(store_, global_rank(), world_size(), family_),
+        c10::make_intrusive<c10d::PrefixStore>(spec.tag, store_), spec.rank,
+        static_cast<int>(spec.ranks.size()), options, spec.global_ranks);
   }
 
  private:

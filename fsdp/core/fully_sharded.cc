@@ -689,6 +689,14 @@ void configure_root(const torch::nn::Module& root, const FullyShardedDataParalle
   }
   root_state.set_ignored_params(ignored.trained);
   root_state.set_validate_execution_order(options.validate_execution_order());
+  TORCH_CHECK(options.schedule_check_every() >= 0,
+              "FullyShardedDataParallelOptions: schedule_check_every must be >= 0 (0: off), got ",
+              options.schedule_check_every());
+  Communicator& comm = *options.communicator();
+  if (options.schedule_check_every() > 0 && comm.supports_schedule_checks()) {
+    comm.enable_schedule_checks();  // every rank, here
+    root_state.set_schedule_check_every(options.schedule_check_every());
+  }
 }
 
 // Note [Compute device]
@@ -914,6 +922,11 @@ std::vector<at::Tensor> FullyShardedRoot::parameters(bool recurse) const {
 
 at::Tensor FullyShardedRoot::clip_grad_norm_(double max_norm, double norm_type) {
   return state_->clip_grad_norm(max_norm, norm_type);
+}
+
+void FullyShardedRoot::check_collective_schedule() {
+  check_idle("check_collective_schedule");
+  state_->comm().check_collective_schedule();
 }
 
 const std::vector<std::shared_ptr<FullyShardedUnit>>& FullyShardedRoot::units() const {

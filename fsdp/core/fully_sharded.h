@@ -140,6 +140,11 @@ struct CPUOffload {
   TORCH_ARG(bool, offload_params);
 };
 
+// FullyShardedDataParallelOptions::schedule_check_every's default: one check every 10
+// iterations. Measured on the GPT of examples/gpt at W = 2 over Gloo: see
+// benchmarks/RESULTS.md ("Collective schedule check").
+inline constexpr int64_t kDefaultScheduleCheckEvery = 10;
+
 struct FullyShardedDataParallelOptions {
   explicit FullyShardedDataParallelOptions(std::shared_ptr<Communicator> communicator)
       : communicator_(std::move(communicator)) {}
@@ -209,6 +214,19 @@ struct FullyShardedDataParallelOptions {
   // running the same units in the same order ..."). It also catches swapped units of
   // equal size in the first iteration.
   TORCH_ARG(bool, validate_execution_order) = false;
+  // Compare the collective schedule of every rank every N iterations of the root (a
+  // forward and its backward, or a forward without grad; counted from 1), at the end of
+  // the iteration: each rank hashes (kind, group, element count, dtype) of every
+  // collective of the communicator's family, and the ranks all-gather the hashes over a
+  // side channel (Communicator::enable_schedule_checks; Note [Collective schedule
+  // checks] in fsdp/comm/internal/schedule.cc). Ranks that took different branches then
+  // stop with one CommError on every rank naming the step, its first differing
+  // collective and what each rank ran, also when the divergence made a collective time
+  // out before the check. 0: off. Needs a root communicator that moves CPU buffers (gloo,
+  // the fake backend); with NCCL it is off. Default kDefaultScheduleCheckEvery (its cost
+  // is measured there). PyTorch has no counterpart. See also
+  // FullyShardedRoot::check_collective_schedule.
+  TORCH_ARG(int64_t, schedule_check_every) = kDefaultScheduleCheckEvery;
   // The compute device (PyTorch's device_id); see Note [Compute device] in
   // fully_sharded.cc. Set: the model's CPU parameters and buffers (outside ignored
   // modules and ignored_states) are moved there at construction, before flattening, and
@@ -447,6 +465,15 @@ class FullyShardedRoot {
   // state made during it. Throws c10::Error without plan_check or before any forward.
   PlanCheckResult check_plan(const torch::optim::Optimizer& optimizer,
                              c10::optional<int64_t> activation_bytes = c10::nullopt);
+  // Compares the collective schedules of all ranks now (what
+  // FullyShardedDataParallelOptions::schedule_check_every does every N iterations), e.g.
+  // after the last step of training, so that a divergence in the steps since the last
+  // periodic check is reported too. Every rank calls it; the model must be idle. Throws
+  // CommError on every rank if the ranks issued different collectives
+  // (Communicator::check_collective_schedule has the message), c10::Error if the checks
+  // are off (schedule_check_every 0, or an NCCL communicator). PyTorch has no
+  // counterpart.
+  void check_collective_schedule();
 
   // Units in pre-order (the root first), for inspection.
   const std::vector<std::shared_ptr<FullyShardedUnit>>& units() const;

@@ -1,6 +1,7 @@
 // FullyShardedDataParallel's options beyond sharding, with exact values on ranks as
 // threads (the fake communicator): clip_grad_norm_, sync_module_states, execution-order
-// validation, ParamExecOrderWrapPolicy and frozen parameters.
+// validation, collective schedule checks, ParamExecOrderWrapPolicy and frozen parameters.
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -292,6 +293,89 @@ TEST(ExecutionOrderTest, ALaterChangeWarnsOnce) {
   EXPECT_THAT(handler.messages[0], HasSubstr("the forward order of units changed after the "
                                              "first iteration: unit 'b' ran at position 0 "
                                              "where the first iteration ran 'a'"));
+}
+
+// ---- Collective schedule checks ----
+
+// Units a (3 -> 5), b (5 -> 5), c (5 -> 3): flat parameters of 20, 30 and 18 elements, so
+// a rank that skips b all-gathers c's shard where its peers all-gather b's.
+struct SkipImpl : torch::nn::Module {
+  SkipImpl() {
+    a = register_module("a", make_unit(torch::nn::Linear(3, 5)));
+    b = register_module("b", make_unit(torch::nn::Linear(5, 5)));
+    c = register_module("c", make_unit(torch::nn::Linear(5, 3)));
+  }
+  at::Tensor forward(at::Tensor x) { return c(skip_b ? a(x) : b(a(x))); }
+  Unit<torch::nn::LinearImpl> a{nullptr}, b{nullptr}, c{nullptr};
+  bool skip_b = false;
+};
+
+// Rank 1 skips unit b in step `diverge` of 10 (checks every 4 steps and after the last):
+// every rank stops in that step's forward with the schedule's description, not the fake
+// backend's own mismatch alone.
+class ScheduleCheckTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ScheduleCheckTest, RanksThatSkipAUnitStopNamingTheStep) {
+  const int diverge = GetParam();
+  std::vector<std::string> messages(2);
+  FakeWorld::run(FakeWorld::create(2, std::chrono::seconds(2)), [&](Communicator& comm) {
+    auto net = make<SkipImpl>();
+    FullyShardedDataParallel<SkipImpl> model(
+        net, FullyShardedDataParallelOptions(borrow(comm)).schedule_check_every(4));
+    try {
+      for (int step = 1; step <= 10; ++step) {
+        net->skip_b = comm.rank() == 1 && step == diverge;
+        model->forward(at::ones({2, 3})).sum().backward();
+      }
+      model->check_collective_schedule();
+    } catch (const c10::Error& e) {
+      messages[comm.rank()] = e.what();
+    }
+  });
+  const std::string d = std::to_string(diverge);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(messages[r],
+                HasSubstr("the ranks ran different collectives in step " + d +
+                          ", first at its collective #1: rank 0 ran all_gather_into_tensor of 15 "
+                          "Float in the world, rank 1 ran all_gather_into_tensor of 9 Float in "
+                          "the world; in step " +
+                          d + " rank 0 issued 2, rank 1 issued 2 collectives"))
+        << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Steps, ScheduleCheckTest, ::testing::Values(1, 7, 10));
+
+TEST(ScheduleCheckOptionsTest, ZeroTurnsTheChecksOff) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    FullyShardedDataParallel<SkipImpl> model(
+        make<SkipImpl>(), FullyShardedDataParallelOptions(borrow(comm)).schedule_check_every(0));
+    EXPECT_FALSE(comm.schedule_checks_enabled());
+    EXPECT_THAT([&] { model->check_collective_schedule(); },
+                ThrowsMessage<c10::Error>(HasSubstr("schedule checks are off")));
+  });
+  FakeWorld::run(FakeWorld::create(1), [](Communicator& comm) {
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<SkipImpl> model(
+              make<SkipImpl>(),
+              FullyShardedDataParallelOptions(borrow(comm)).schedule_check_every(-1));
+        },
+        ThrowsMessage<c10::Error>(HasSubstr("schedule_check_every must be >= 0 (0: off), got -1")));
+  });
+}
+
+// By default the checks are on and pass while the ranks agree: 12 steps, checks after
+// steps 10 and 12.
+TEST(ScheduleCheckOptionsTest, AgreeingRanksTrainWithTheDefault) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    FullyShardedDataParallel<SkipImpl> model(make<SkipImpl>(),
+                                             FullyShardedDataParallelOptions(borrow(comm)));
+    EXPECT_TRUE(comm.schedule_checks_enabled());
+    for (int step = 1; step <= 12; ++step) model->forward(at::ones({2, 3})).sum().backward();
+    model->check_collective_schedule();
+    EXPECT_EQ(comm.schedule_step(), 13);
+  });
 }
 
 // ---- ParamExecOrderWrapPolicy ----

@@ -488,7 +488,20 @@ void RootState::begin_forward() {
   if (first_iteration_ || validate_execution_order_) comm_->set_size_checks(true);
 }
 
-void RootState::end_forward_without_grad() { end_iteration(); }
+void RootState::end_forward_without_grad() {
+  end_iteration();
+  check_schedule_if_due();
+}
+
+// Iterations are the schedule's steps (Note [Collective schedule checks] in
+// fsdp/comm/internal/schedule.cc): each one ends a step (end_iteration), and every
+// schedule_check_every-th of this root compares the ranks' schedules (its own count: two
+// roots on one communicator each check every N of their own iterations). After the iteration's
+// state is reset, so that a mismatch leaves the model idle.
+void RootState::check_schedule_if_due() {
+  if (schedule_check_every_ <= 0) return;
+  if (++iterations_ % schedule_check_every_ == 0) comm_->check_collective_schedule();
+}
 
 // Note [First-iteration size checks]
 // Ranks that run different units, or the same units in another order, issue collectives
@@ -512,6 +525,7 @@ void RootState::end_iteration() {
   forward_order_.clear();
   cast_buffers(/*to_original=*/true);
   training_state_ = TrainingState::kIdle;
+  comm_->end_schedule_step();
 }
 
 void RootState::set_buffer_casts(std::vector<at::Tensor> buffers, c10::ScalarType dtype) {
@@ -562,6 +576,7 @@ void RootState::finish_backward() {
   finish_reduction();
   end_iteration();
   callback_queued_ = false;
+  check_schedule_if_due();
 }
 
 // Note [Gradient norm over shards]

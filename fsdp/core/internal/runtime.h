@@ -181,6 +181,9 @@ class RootState {
   // See Note [Execution order validation] and Note [First-iteration size checks] in
   // runtime.cc.
   void set_validate_execution_order(bool validate) { validate_execution_order_ = validate; }
+  // Checks the collective schedule every `every` iterations (0: never); the
+  // communicator's schedule checks are on. See FullyShardedDataParallelOptions.
+  void set_schedule_check_every(int64_t every) { schedule_check_every_ = every; }
 
   // FullyShardedDataParallelImpl::clip_grad_norm_ (see fully_sharded.h).
   at::Tensor clip_grad_norm(double max_norm, double norm_type);
@@ -204,6 +207,7 @@ class RootState {
   void finish_backward();
   void abandon_backward();  // see Note [A backward that did not finish]
   void end_iteration();
+  void check_schedule_if_due();  // after an iteration that ended normally
   void cast_buffers(bool to_original);
   void validate_position(const UnitState* unit, size_t position);
 
@@ -217,6 +221,8 @@ class RootState {
   std::vector<UnitState*> last_forward_order_;   // ... the previous iteration
   std::vector<UnitState*> first_forward_order_;  // ... the first iteration
   bool validate_execution_order_ = false;
+  int64_t schedule_check_every_ = 0;
+  int64_t iterations_ = 0;  // that ended normally, for schedule_check_every_
   bool first_iteration_ = true;
   bool warned_order_change_ = false;
   std::vector<at::Tensor> cast_buffers_;

@@ -218,6 +218,13 @@ void Communicator::enable_schedule_checks() {
   schedule_->schedule.store(schedule_->owner.get());
 }
 
+void Communicator::leave_collective_schedule() {
+  TORCH_CHECK(is_subgroup_,
+              "leave_collective_schedule: expected a subgroup (new_subgroup); a root "
+              "communicator owns the schedule: do not call enable_schedule_checks instead");
+  schedule_ = std::make_shared<comm_internal::ScheduleSlot>();  // never enabled
+}
+
 bool Communicator::supports_schedule_checks() const {
   return !is_subgroup_ && supports_device(c10::Device(c10::kCPU));
 }

@@ -261,6 +261,13 @@ class Communicator {
   // Whether enable_schedule_checks can be called here: a root communicator of a backend
   // that moves CPU buffers.
   bool supports_schedule_checks() const;
+  // Takes this subgroup out of its family's schedule: its collectives are not recorded
+  // nor compared, and a failure of one does not compare schedules. For a group whose
+  // collectives run on another thread at times that differ from rank to rank, so that
+  // their place among the family's differs too (an asynchronous checkpoint's writes,
+  // make_checkpoint_communicator). Call it on every member before the group's first
+  // collective. Throws c10::Error on a root communicator.
+  void leave_collective_schedule();
   // Ends a step of the schedule (FSDP's root calls it at the end of each iteration):
   // later collectives count towards the next step. Steps are counted from 1, on every
   // rank alike. No traffic. Does nothing while the checks are off.

@@ -197,6 +197,24 @@ TEST(ScheduleTest, SubgroupCollectivesAreNamedByTheirGroup) {
   }
 }
 
+// A group that left the schedule (an asynchronous checkpoint's) may run its collectives
+// at another point on each rank: the family's checks still pass, and its own collectives
+// are not counted.
+TEST(ScheduleTest, AGroupThatLeftTheScheduleIsNotCompared) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    std::shared_ptr<Communicator> io = comm.new_subgroup({0, 1});
+    io->leave_collective_schedule();
+    comm.enable_schedule_checks();
+    if (comm.rank() == 0) io->all_reduce(at::ones({4}));
+    comm.all_reduce(at::ones({3}));
+    if (comm.rank() == 1) io->all_reduce(at::ones({4}));
+    comm.end_schedule_step();
+    EXPECT_NO_THROW(comm.check_collective_schedule());
+    EXPECT_THAT([&] { comm.leave_collective_schedule(); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("expected a subgroup")));
+  });
+}
+
 class FakeDivergenceTest : public ::testing::TestWithParam<Scenario> {};
 
 TEST_P(FakeDivergenceTest, EveryRankNamesTheDivergenceWithinTheTimeout) {

@@ -130,7 +130,10 @@ class Registry {
 std::shared_ptr<Communicator> make_checkpoint_communicator(Communicator& comm) {
   std::vector<int> ranks(comm.world_size());
   std::iota(ranks.begin(), ranks.end(), 0);
-  return comm.new_subgroup(ranks);
+  std::shared_ptr<Communicator> io = comm.new_subgroup(ranks);
+  // Its collectives run beside training's at times that differ from rank to rank.
+  io->leave_collective_schedule();
+  return io;
 }
 
 AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>& stage,

@@ -63,7 +63,9 @@ class AsyncSave {
 
 // A communicator for checkpoint writes over `comm`'s ranks in the same order: a new
 // group of the same backend (for Gloo, a second c10d process group over the same store
-// under its own prefix). Every rank of `comm` calls it at the same point. PyTorch:
+// under its own prefix), outside the family's collective schedule (its collectives run at
+// times that differ from rank to rank: Communicator::leave_collective_schedule). Every
+// rank of `comm` calls it at the same point. PyTorch:
 // dist.new_group(backend="gloo") for dcp.async_save's process_group.
 std::shared_ptr<Communicator> make_checkpoint_communicator(Communicator& comm);
 

@@ -10,7 +10,7 @@
 #include <ATen/TensorOperators.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/forwarding.h"
+#include "fsdp/comm/testing/forwarding.h"
 
 namespace fsdp {
 namespace {

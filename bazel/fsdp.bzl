@@ -37,11 +37,12 @@ def fsdp_cc_test(name, copts = [], deps = [], env = {}, **kwargs):
         **kwargs
     )
 
-def fsdp_cc_benchmark(name, copts = [], deps = [], custom_main = False, **kwargs):
+def fsdp_cc_benchmark(name, copts = [], deps = [], custom_main = False, testonly = True, **kwargs):
     """A Google Benchmark binary (run it with bazel run -c opt).
 
     With custom_main, the sources define main() (e.g. to compare with a reference run
-    after the benchmarks); otherwise Google Benchmark's main is linked in.
+    after the benchmarks); otherwise Google Benchmark's main is linked in. testonly, like
+    a test, so it may use the testonly fixtures of the testing/ folders.
     """
     main_dep = "@com_github_google_benchmark//:benchmark"
     if not custom_main:
@@ -50,6 +51,7 @@ def fsdp_cc_benchmark(name, copts = [], deps = [], custom_main = False, **kwargs
         name = name,
         copts = FSDP_COPTS + copts,
         deps = deps + [main_dep],
+        testonly = testonly,
         **kwargs
     )
 

@@ -18,6 +18,7 @@
 //                                plan.h, recursive_wrap.h, wrap_context.h
 //   sharded training             fsdp/core/fully_sharded.h (FullyShardedDataParallel,
 //                                FullyShardedRoot; with unit.h, training_state.h),
+//                                options.h (the enums and option structs),
 //                                flat_param.h, checkpoint_wrapper.h, tracking_allocator.h
 //   state dicts and checkpoints  fsdp/state/state_dict.h, optim_state_dict.h, checkpoint.h,
 //                                async_checkpoint.h
@@ -39,6 +40,7 @@
 #include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/options.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"

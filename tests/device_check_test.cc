@@ -32,7 +32,7 @@
 #include "absl/strings/str_join.h"
 #include "examples/fashion_mnist/model.h"
 #include "examples/gpt/model.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {
@@ -238,7 +238,7 @@ TEST(DeviceCheckTest, FashionMnistClassifierStaysOnTheModelsDevice) {
       });
 }
 
-// Every parity model (fsdp/core/internal/parity_testing.h) on its own batch.
+// Every parity model (fsdp/core/testing/parity_testing.h) on its own batch.
 template <typename Net>
 void expect_parity_model_on_its_device() {
   auto net = core_testing::make<Net>();

@@ -17,10 +17,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
-#include "fsdp/core/internal/cuda_testing.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/cuda_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

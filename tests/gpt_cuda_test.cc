@@ -18,7 +18,7 @@
 #include <torch/utils.h>
 
 #include "examples/gpt/model.h"
-#include "fsdp/comm/internal/gpu_testing.h"
+#include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/comm/nccl.h"
 #include "fsdp/core/fully_sharded.h"
 

@@ -19,7 +19,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/state/safetensors_state_dict.h"
 #include "fsdp/state/state_dict.h"

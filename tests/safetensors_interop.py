@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16,
           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-# NetImpl's state dict (fsdp/core/internal/parity_testing.h), in order.
+# NetImpl's state dict (fsdp/core/testing/parity_testing.h), in order.
 MODEL = [("l1.weight", (8, 4)), ("l1.bias", (8,)), ("l2.weight", (7, 8)), ("l2.bias", (7,)),
          ("head.weight", (3, 7)), ("head.bias", (3,))]
 

@@ -25,8 +25,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "fsdp/comm/communicator.h"
-#include "fsdp/comm/internal/benchmark_ranks.h"
-#include "fsdp/comm/internal/loopback.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
+#include "fsdp/comm/testing/loopback.h"
 #include "fsdp/comm/gloo.h"
 #include "fsdp/comm/rendezvous.h"
 #include <ATen/Functions.h>

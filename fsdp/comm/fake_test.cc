@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 #include <ATen/Functions.h>
 
-#include "fsdp/comm/internal/collective_checks.h"
+#include "fsdp/comm/testing/collective_checks.h"
 
 namespace fsdp {
 namespace {

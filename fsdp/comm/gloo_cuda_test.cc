@@ -8,9 +8,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "fsdp/comm/internal/collective_checks.h"
-#include "fsdp/comm/internal/gpu_testing.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/collective_checks.h"
+#include "fsdp/comm/testing/gpu_testing.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
 
 namespace fsdp {

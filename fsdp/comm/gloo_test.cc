@@ -16,8 +16,8 @@
 #include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
-#include "fsdp/comm/internal/collective_checks.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/collective_checks.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
 
 namespace fsdp {

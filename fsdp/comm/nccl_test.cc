@@ -22,7 +22,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "fsdp/comm/internal/gpu_testing.h"
+#include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/comm/internal/nccl_utils.h"
 #include "fsdp/comm/internal/size_checks.h"
 

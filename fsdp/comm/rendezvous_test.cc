@@ -15,8 +15,8 @@
 #include <gtest/gtest.h>
 #include <ATen/Functions.h>
 
-#include "fsdp/comm/internal/gpu_testing.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/gpu_testing.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/nccl.h"
 
 namespace fsdp {

@@ -13,7 +13,7 @@
 #include <ATen/Functions.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/internal/schedule.h"
 #include "fsdp/comm/rendezvous.h"
 

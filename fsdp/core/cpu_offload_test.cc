@@ -18,7 +18,7 @@
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

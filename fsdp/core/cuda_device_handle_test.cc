@@ -12,7 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
+#include "fsdp/comm/testing/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
 #include "fsdp/comm/nccl.h"                  // cuda_device_count
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"

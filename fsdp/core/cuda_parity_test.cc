@@ -1,6 +1,6 @@
 // FullyShardedDataParallel on a CUDA device: W = 1, 2 and 4 ranks as threads on cuda:0
 // (the fake communicator on CUDA tensors, each rank on its own stream; on_cuda_ranks in
-// internal/cuda_testing.h) against the single-process CPU reference (REFERENCE §7), the
+// testing/cuda_testing.h) against the single-process CPU reference (REFERENCE §7), the
 // features beyond plain training, and the caching allocator's memory against REFERENCE
 // §5. Every case skips without a CUDA device, naming why.
 #include <algorithm>
@@ -28,9 +28,9 @@
 #include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/cuda_testing.h"
-#include "fsdp/core/internal/mlp_model.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/cuda_testing.h"
+#include "fsdp/core/testing/mlp_model.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

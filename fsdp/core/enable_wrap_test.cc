@@ -18,11 +18,11 @@
 #include "absl/strings/str_format.h"
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/mlp_model.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/mlp_model.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/core/tracking_allocator.h"
 
 namespace fsdp {

@@ -55,34 +55,11 @@
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 
-#include "absl/strings/string_view.h"
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/device_handle.h"
+#include "fsdp/core/options.h"
 
 namespace fsdp {
-
-// PyTorch: torch.distributed.fsdp.ShardingStrategy.
-enum class ShardingStrategy {
-  kFullShard,    // parameters, gradients, optimizer state sharded; reshard after forward
-  kShardGradOp,  // parameters kept unsharded from forward to backward
-  kNoShard,      // replicated, gradients all-reduced (DDP)
-  // FULL_SHARD inside each shard group, replicated across groups: gradients are
-  // reduce-scattered inside the group, then all-reduced across groups.
-  kHybridShard,
-  kHybridShardZero2,  // the same with SHARD_GRAD_OP inside the group (_HYBRID_SHARD_ZERO2)
-};
-
-// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2".
-const char* sharding_strategy_name(ShardingStrategy strategy);
-// The strategy `name` names, or nullopt: the names above, and the lower-case spellings
-// of command-line flags ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
-// "hybrid_shard_zero2": no leading underscore). Exact matches only, so
-// parse_sharding_strategy(sharding_strategy_name(s)) == s (PyTorch: ShardingStrategy[name],
-// which takes the upper-case names).
-c10::optional<ShardingStrategy> parse_sharding_strategy(absl::string_view name);
-bool is_hybrid(ShardingStrategy strategy);
-// Whether a unit frees its parameters after forward (FULL_SHARD, HYBRID_SHARD).
-bool reshards_after_forward(ShardingStrategy strategy);
 
 // Note [Gradient divide factors]
 // Averaging over W ranks divides twice: by f(W) before the reduction and by W / f(W)

@@ -10,7 +10,7 @@
 #include <ATen/TensorOperators.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/forwarding.h"
+#include "fsdp/comm/testing/forwarding.h"
 
 namespace fsdp {
 namespace {
@@ -179,32 +179,6 @@ TEST(FlatParamHandleErrorsTest, BadInputIsNamed) {
   FlatParamHandle handle({{"a", at::ones({2})}}, comm, ShardingStrategy::kFullShard);
   EXPECT_THAT([&] { handle.reduce_grad({at::ones({3})}); },
               ThrowsMessage<c10::Error>(HasSubstr("gradient of 'a' has 3 elements, expected 2")));
-}
-
-TEST(ShardingStrategyTest, ParsesPyTorchNamesAndFlagSpellings) {
-  EXPECT_EQ(parse_sharding_strategy("FULL_SHARD"), ShardingStrategy::kFullShard);
-  EXPECT_EQ(parse_sharding_strategy("SHARD_GRAD_OP"), ShardingStrategy::kShardGradOp);
-  EXPECT_EQ(parse_sharding_strategy("NO_SHARD"), ShardingStrategy::kNoShard);
-  EXPECT_EQ(parse_sharding_strategy("HYBRID_SHARD"), ShardingStrategy::kHybridShard);
-  EXPECT_EQ(parse_sharding_strategy("_HYBRID_SHARD_ZERO2"), ShardingStrategy::kHybridShardZero2);
-  EXPECT_EQ(parse_sharding_strategy("full_shard"), ShardingStrategy::kFullShard);
-  EXPECT_EQ(parse_sharding_strategy("shard_grad_op"), ShardingStrategy::kShardGradOp);
-  EXPECT_EQ(parse_sharding_strategy("no_shard"), ShardingStrategy::kNoShard);
-  EXPECT_EQ(parse_sharding_strategy("hybrid_shard"), ShardingStrategy::kHybridShard);
-  EXPECT_EQ(parse_sharding_strategy("hybrid_shard_zero2"), ShardingStrategy::kHybridShardZero2);
-  for (ShardingStrategy strategy :
-       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
-        ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
-    EXPECT_EQ(parse_sharding_strategy(sharding_strategy_name(strategy)), strategy)
-        << sharding_strategy_name(strategy);
-  }
-}
-
-TEST(ShardingStrategyTest, RejectsOtherNames) {
-  for (const char* name : {"zero3", "", "Full_Shard", "full-shard", " full_shard", "FULL_SHARD ",
-                           "HYBRID_SHARD_ZERO2", "_hybrid_shard_zero2", "unknown"}) {
-    EXPECT_FALSE(parse_sharding_strategy(name).has_value()) << "'" << name << "'";
-  }
 }
 
 TEST(GradientDivideFactorsTest, ReferenceTable) {

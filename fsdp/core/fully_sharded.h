@@ -38,10 +38,10 @@
 // torch.distributed.fsdp.FullyShardedDataParallel (use_orig_params=False).
 //
 // Options beyond sharding (each PyTorch's namesake): mixed_precision (MixedPrecision,
-// mixed_precision.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
+// options.h), sync_module_states, HYBRID strategies with hybrid_shard_group_size, per-unit
 // strategies (unit_sharding_strategies, or fsdp::wrap's per-unit overrides),
 // validate_execution_order (PyTorch's FSDP_DEBUG_LEVEL=DETAIL check), cpu_offload
-// (CPUOffload), clip_grad_norm_ on the root, and deferred initialisation (EnableWrap
+// (CPUOffload, options.h), clip_grad_norm_ on the root, and deferred initialisation (EnableWrap
 // below).
 //
 // Frozen parameters (requires_grad=false; PyTorch: use_orig_params=True): a unit whose
@@ -73,7 +73,7 @@
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/memory_plan.h"
-#include "fsdp/core/mixed_precision.h"
+#include "fsdp/core/options.h"
 #include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"
 #include "fsdp/wrap/policy.h"
@@ -123,21 +123,6 @@ class IgnoredState {
  private:
   const torch::nn::Module* module_ = nullptr;
   at::Tensor parameter_;
-};
-
-// PyTorch: torch.distributed.fsdp.CPUOffload (FSDP2: CPUOffloadPolicy).
-struct CPUOffload {
-  CPUOffload(bool offload_params = false)  // NOLINT: implicit, as cpu_offload(true) reads
-      : offload_params_(offload_params) {}
-  // Keep every unit's sharded flat parameter, its gradient and (as the optimizer makes it
-  // beside the parameter) the optimizer state in host memory, pinned when the compute
-  // device is CUDA; the optimizer steps on the CPU. Each unshard copies the unit's shard
-  // to the device on a side stream before its all-gather (with forward_prefetch or
-  // backward prefetching, while the previous unit computes); each reduced gradient shard
-  // is copied back to the host, and .grad is final when backward() returns. The device
-  // then holds only the unsharded units in flight and their gradients' reductions
-  // (REFERENCE §5 has the bytes). See Note [CPU offload] in flat_param.cc.
-  TORCH_ARG(bool, offload_params);
 };
 
 // FullyShardedDataParallelOptions::schedule_check_every's default: one check every 10
@@ -238,7 +223,7 @@ struct FullyShardedDataParallelOptions {
   // cannot reduce, NCCL takes only CUDA tensors).
   TORCH_ARG(c10::optional<c10::Device>, device_id);
   // CPU offload of the shards, their gradients and the optimizer state (CPUOffload
-  // above); off by default, as in PyTorch. parameters() then returns host tensors: build
+  // in options.h); off by default, as in PyTorch. parameters() then returns host tensors: build
   // the optimizer from them after construction. With a CPU compute device the host
   // copies are allocations of their own (same values as without offload). Applies to
   // every unit, also those EnableWrap sharded on construction (give the scope the same
@@ -287,13 +272,6 @@ struct WrapConfig;  // the scope's settings and what it sharded (fully_sharded.c
 //
 // Errors: c10::Error (also when a scope is already active on the thread: scopes do not
 // nest). One per thread (ranks may be threads).
-// How an EnableWrap scope makes units, beyond the root's options.
-struct EnableWrapOptions {
-  // Each unit built in the scope shards its parameters at once (see Deferred
-  // initialisation above).
-  TORCH_ARG(bool, shard_on_construction) = false;
-};
-
 class [[nodiscard]] EnableWrap {
  public:
   explicit EnableWrap(const FullyShardedDataParallelOptions& options,
@@ -311,29 +289,6 @@ class RootState;  // the runtime state of a bound root (internal/runtime.h)
 }  // namespace core_internal
 
 class FullyShardedRoot;
-
-// What FullyShardedRoot::summon_full_params gathers and how. PyTorch: the arguments of
-// FullyShardedDataParallel.summon_full_params (use_orig_params=False), same defaults.
-struct SummonFullParamsOptions {
-  // Units below the root too (false: the root's own parameters only; the other units'
-  // original parameters stay sharded and must not be read).
-  TORCH_ARG(bool, recurse) = true;
-  // Edits made to the full parameters are copied back into the shards when the scope
-  // ends (to the original parameters' values: also with offload_to_cpu).
-  TORCH_ARG(bool, writeback) = true;
-  // Only rank 0 keeps the full values: the other ranks' original parameters must not be
-  // read (their memory is freed). Not with writeback.
-  TORCH_ARG(bool, rank0_only) = false;
-  // The full parameters are CPU tensors while the scope lives: each original parameter
-  // is a CPU copy, and the compute device holds only the shards. As in PyTorch, only
-  // sharded units offload (not NO_SHARD, nor world size 1), and a CPU compute device has
-  // nothing to move. Best with rank0_only, so one rank holds the copy.
-  TORCH_ARG(bool, offload_to_cpu) = false;
-  // Each original parameter's grad() is its full gradient (all-gathered from the shards'
-  // gradients; undefined where the shard has none) while the scope lives; gradients are
-  // not written back. Not with offload_to_cpu (as in PyTorch).
-  TORCH_ARG(bool, with_grads) = false;
-};
 
 // While it lives, backward passes accumulate gradients unsharded on each rank with no
 // communication (FullyShardedRoot::no_sync). Not copyable or movable: keep it in a local

@@ -29,8 +29,8 @@
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/forwarding.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/comm/testing/forwarding.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

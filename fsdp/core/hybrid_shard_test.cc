@@ -9,10 +9,10 @@
 #include <gtest/gtest.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

@@ -16,7 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/mlp_model.h"
+#include "fsdp/core/testing/mlp_model.h"
 #include "fsdp/core/memory_plan.h"
 #include "fsdp/core/tracking_allocator.h"
 

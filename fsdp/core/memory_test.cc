@@ -36,10 +36,10 @@
 #include <torch/optim/adam.h>
 
 #include "absl/strings/str_format.h"
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/mlp_model.h"
+#include "fsdp/core/testing/mlp_model.h"
 #include "fsdp/core/tracking_allocator.h"
 
 namespace fsdp {

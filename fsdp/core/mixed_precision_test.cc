@@ -16,8 +16,8 @@
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/mlp_model.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/mlp_model.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

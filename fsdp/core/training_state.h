@@ -1,6 +1,6 @@
-// The training states of an FSDP model and its units, and when backward prefetches:
-// the enums of PyTorch's torch/distributed/fsdp/_common_utils.py and
-// torch.distributed.fsdp.BackwardPrefetch.
+// The training states of an FSDP model and its units: the enums of PyTorch's
+// torch/distributed/fsdp/_common_utils.py. (The user-facing enums, BackwardPrefetch and
+// ShardingStrategy, are in options.h.)
 //
 //   if (model->training_state() == fsdp::TrainingState::kIdle) { ... }
 //   fsdp::training_state_name(fsdp::TrainingState::kIdle);  // "TrainingState.IDLE"
@@ -22,14 +22,6 @@ enum class HandleTrainingState { kIdle, kForward, kBackwardPre, kBackwardPost, k
 // The names PyTorch prints: "TrainingState.IDLE", "HandleTrainingState.BACKWARD_PRE", ...
 const char* training_state_name(TrainingState state);
 const char* handle_training_state_name(HandleTrainingState state);
-
-// When to start gathering the next unit's parameters in backward.
-// PyTorch: torch.distributed.fsdp.BackwardPrefetch (kNone is None).
-enum class BackwardPrefetch {
-  kNone,
-  kBackwardPre,   // gather the next unit's parameters when this unit's backward starts
-  kBackwardPost,  // ... when this unit's gradient reduction was issued
-};
 
 }  // namespace fsdp
 

@@ -52,20 +52,9 @@
 #include "fsdp/base/names.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/forward_as.h"
-#include "fsdp/core/mixed_precision.h"
+#include "fsdp/core/options.h"
 
 namespace fsdp {
-
-// Settings of one unit that differ from its root's: PyTorch's wrap() overrides (PyTorch:
-// the arguments of a nested FullyShardedDataParallel). Unset: the root's.
-struct UnitOptions {
-  // FULL_SHARD, SHARD_GRAD_OP or NO_SHARD under a non-HYBRID root; under a HYBRID root
-  // only the root's own (as unit_sharding_strategies).
-  TORCH_ARG(c10::optional<ShardingStrategy>, sharding_strategy);
-  // This unit's parameter and reduction dtypes, input casting (cast_forward_inputs) and
-  // full_precision_modules; buffers follow the root's.
-  TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision);
-};
 
 // How a unit was made: whether a root binds it without an auto_wrap_policy, and its own
 // settings.

@@ -23,7 +23,7 @@
 #include <benchmark/benchmark.h>
 
 #include "absl/strings/str_format.h"
-#include "fsdp/comm/internal/benchmark_ranks.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/lora/lora.h"

@@ -14,7 +14,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "absl/strings/match.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp {

@@ -16,7 +16,7 @@
 #include <torch/optim/adagrad.h>
 
 #include "absl/strings/str_cat.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

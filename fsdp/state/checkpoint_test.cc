@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {
 namespace {

@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adam.h>
 
-#include "fsdp/core/internal/cuda_testing.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/cuda_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/async_checkpoint.h"
 #include "fsdp/state/checkpoint.h"
 

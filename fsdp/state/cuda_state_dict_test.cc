@@ -1,5 +1,5 @@
 // Model state dicts of FSDP models on cuda:0, ranks as threads each on its own stream
-// (on_cuda_ranks, fsdp/core/internal/cuda_testing.h): full (offloaded to the CPU and not),
+// (on_cuda_ranks, fsdp/core/testing/cuda_testing.h): full (offloaded to the CPU and not),
 // sharded and local state dicts saved from the GPU and loaded onto it inside training
 // (REFERENCE §7), and a full state dict moving between a GPU and a CPU model. Every case
 // skips without a CUDA device, naming why.
@@ -8,9 +8,9 @@
 
 #include <gtest/gtest.h>
 
-#include "fsdp/core/internal/cuda_testing.h"
-#include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/state/internal/state_dict_testing.h"
+#include "fsdp/core/testing/cuda_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
+#include "fsdp/state/testing/state_dict_testing.h"
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp {

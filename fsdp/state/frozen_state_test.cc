@@ -12,7 +12,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adam.h>
 
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/safetensors_state_dict.h"

@@ -9,7 +9,7 @@
 #include <torch/optim/rmsprop.h>
 
 #include "fsdp/base/torch_compat.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp {

@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_replace.h"
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/state/state_dict.h"

@@ -36,6 +36,7 @@
 #include <torch/ordered_dict.h>
 
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/options.h"
 
 namespace fsdp {
 
@@ -73,17 +74,11 @@ inline constexpr char kFlatParamName[] = "_flat_param";
 // parameters (FullyShardedUnit::frozen_handle).
 inline constexpr char kFrozenFlatParamName[] = "_frozen_flat_param";
 
-struct FullStateDictOptions {
-  // Only rank 0 receives the state dict; the others get an empty one and never hold a
-  // full copy (they still take part in the all-gathers).
-  TORCH_ARG(bool, rank0_only) = false;
-  // Copy the values to the CPU (for a model on a GPU).
-  TORCH_ARG(bool, offload_to_cpu) = false;
-};
-
 // The full state dict: every parameter gathered to its original shape (a copy that does
 // not change with training). Collective: one all-gather per unit with parameters, one
 // unit at a time, so at most one unit is unsharded beside the copies.
+// FullStateDictOptions (options.h) say whether only rank 0 receives it and whether it is
+// copied to the CPU.
 StateDict full_state_dict(FullyShardedRoot& model, const FullStateDictOptions& options = {});
 
 // Loads a full state dict (on every rank). Strict: its keys must be exactly the

@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "fsdp/core/internal/parity_testing.h"
-#include "fsdp/state/internal/state_dict_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
+#include "fsdp/state/testing/state_dict_testing.h"
 
 namespace fsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "fsdp/comm/internal/multiprocess.h"
+#include "fsdp/comm/testing/multiprocess.h"
 
 #include <fcntl.h>
 #include <spawn.h>

@@ -1,7 +1,7 @@
 // Models and a single-process reference for FSDP parity tests (REFERENCE §7), shared by
 // the fake-communicator tests and the real-process tests (testonly).
-#ifndef FSDP_CORE_INTERNAL_PARITY_TESTING_H_
-#define FSDP_CORE_INTERNAL_PARITY_TESTING_H_
+#ifndef FSDP_CORE_TESTING_PARITY_TESTING_H_
+#define FSDP_CORE_TESTING_PARITY_TESTING_H_
 
 #include <algorithm>
 #include <functional>
@@ -443,4 +443,4 @@ struct FrozenLmImpl : torch::nn::Module {
 
 }  // namespace fsdp::core_testing
 
-#endif  // FSDP_CORE_INTERNAL_PARITY_TESTING_H_
+#endif  // FSDP_CORE_TESTING_PARITY_TESTING_H_

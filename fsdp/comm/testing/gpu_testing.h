@@ -1,8 +1,8 @@
 // For tests with cases that need a CUDA device (testonly): FSDP_SKIP_WITHOUT_GPU() skips
 // the current test, naming why, when this process sees no CUDA device (the reason comes
 // from the CUDA runtime, e.g. "cudaGetDeviceCount: no CUDA-capable device is detected").
-#ifndef FSDP_COMM_INTERNAL_GPU_TESTING_H_
-#define FSDP_COMM_INTERNAL_GPU_TESTING_H_
+#ifndef FSDP_COMM_TESTING_GPU_TESTING_H_
+#define FSDP_COMM_TESTING_GPU_TESTING_H_
 
 #include <string>
 
@@ -18,4 +18,4 @@
     }                                                          \
   } while (false)
 
-#endif  // FSDP_COMM_INTERNAL_GPU_TESTING_H_
+#endif  // FSDP_COMM_TESTING_GPU_TESTING_H_

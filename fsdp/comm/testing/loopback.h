@@ -1,7 +1,7 @@
 // Bytes transmitted on the loopback interface, from /proc/net/dev: what benchmarks
 // compare with the traffic formulas (every process of the machine counts).
-#ifndef FSDP_COMM_INTERNAL_LOOPBACK_H_
-#define FSDP_COMM_INTERNAL_LOOPBACK_H_
+#ifndef FSDP_COMM_TESTING_LOOPBACK_H_
+#define FSDP_COMM_TESTING_LOOPBACK_H_
 
 #include <cstdint>
 
@@ -12,4 +12,4 @@ int64_t loopback_tx_bytes();
 
 }  // namespace fsdp::comm_internal
 
-#endif  // FSDP_COMM_INTERNAL_LOOPBACK_H_
+#endif  // FSDP_COMM_TESTING_LOOPBACK_H_

@@ -1,7 +1,7 @@
 // For benchmarks that run as several ranks: the binary starts its own ranks when run
 // without RANK in its environment, and ranks other than 0 report nothing.
-#ifndef FSDP_COMM_INTERNAL_BENCHMARK_RANKS_H_
-#define FSDP_COMM_INTERNAL_BENCHMARK_RANKS_H_
+#ifndef FSDP_COMM_TESTING_BENCHMARK_RANKS_H_
+#define FSDP_COMM_TESTING_BENCHMARK_RANKS_H_
 
 #include <optional>
 
@@ -18,4 +18,4 @@ void run_benchmarks_on_rank(int rank);
 
 }  // namespace fsdp::comm_internal
 
-#endif  // FSDP_COMM_INTERNAL_BENCHMARK_RANKS_H_
+#endif  // FSDP_COMM_TESTING_BENCHMARK_RANKS_H_

@@ -7,8 +7,8 @@
 // The children run `/proc/self/exe --gtest_filter=TEST --gtest_also_run_disabled_tests`;
 // worker tests are DISABLED_ so a plain run of the binary lists them as disabled instead
 // of running them without peers.
-#ifndef FSDP_COMM_INTERNAL_MULTIPROCESS_H_
-#define FSDP_COMM_INTERNAL_MULTIPROCESS_H_
+#ifndef FSDP_COMM_TESTING_MULTIPROCESS_H_
+#define FSDP_COMM_TESTING_MULTIPROCESS_H_
 
 #include <chrono>
 #include <functional>
@@ -42,4 +42,4 @@ void expect_ranks_passed(const std::vector<RankOutcome>& ranks);
 
 }  // namespace fsdp::comm_internal
 
-#endif  // FSDP_COMM_INTERNAL_MULTIPROCESS_H_
+#endif  // FSDP_COMM_TESTING_MULTIPROCESS_H_

@@ -1,12 +1,12 @@
 // State-dict round trips inside training (REFERENCE §7: save -> zero -> load after every
 // step), shared by the CPU and GPU state-dict tests (testonly).
-#ifndef FSDP_STATE_INTERNAL_STATE_DICT_TESTING_H_
-#define FSDP_STATE_INTERNAL_STATE_DICT_TESTING_H_
+#ifndef FSDP_STATE_TESTING_STATE_DICT_TESTING_H_
+#define FSDP_STATE_TESTING_STATE_DICT_TESTING_H_
 
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp::state_testing {
@@ -58,4 +58,4 @@ core_testing::AfterStep<Net> save_zero_load(Kind kind, bool offload_to_cpu = fal
 
 }  // namespace fsdp::state_testing
 
-#endif  // FSDP_STATE_INTERNAL_STATE_DICT_TESTING_H_
+#endif  // FSDP_STATE_TESTING_STATE_DICT_TESTING_H_

@@ -1,7 +1,7 @@
 // Closed-form checks of the Communicator contract, shared by every backend's tests so
 // they are tested the same way (testonly).
-#ifndef FSDP_COMM_INTERNAL_COLLECTIVE_CHECKS_H_
-#define FSDP_COMM_INTERNAL_COLLECTIVE_CHECKS_H_
+#ifndef FSDP_COMM_TESTING_COLLECTIVE_CHECKS_H_
+#define FSDP_COMM_TESTING_COLLECTIVE_CHECKS_H_
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -25,4 +25,4 @@ void expect_hybrid_groups_of_four(Communicator& comm);
 
 }  // namespace fsdp::comm_internal
 
-#endif  // FSDP_COMM_INTERNAL_COLLECTIVE_CHECKS_H_
+#endif  // FSDP_COMM_TESTING_COLLECTIVE_CHECKS_H_

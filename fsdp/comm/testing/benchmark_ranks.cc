@@ -1,4 +1,4 @@
-#include "fsdp/comm/internal/benchmark_ranks.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
 
 #include <cstdlib>
 #include <vector>

@@ -8,8 +8,8 @@
 //
 // Results, errors and subgroups are the inner communicator's; the forwarding one keeps
 // its own sequence numbers and traffic counters, as any backend.
-#ifndef FSDP_COMM_INTERNAL_FORWARDING_H_
-#define FSDP_COMM_INTERNAL_FORWARDING_H_
+#ifndef FSDP_COMM_TESTING_FORWARDING_H_
+#define FSDP_COMM_TESTING_FORWARDING_H_
 
 #include <memory>
 #include <string>
@@ -64,4 +64,4 @@ class ForwardingCommunicator : public Communicator {
 
 }  // namespace fsdp::comm_internal
 
-#endif  // FSDP_COMM_INTERNAL_FORWARDING_H_
+#endif  // FSDP_COMM_TESTING_FORWARDING_H_

@@ -1,4 +1,4 @@
-#include "fsdp/comm/internal/collective_checks.h"
+#include "fsdp/comm/testing/collective_checks.h"
 
 #include <gtest/gtest.h>
 #include <ATen/Functions.h>

@@ -1,4 +1,4 @@
-#include "fsdp/comm/internal/loopback.h"
+#include "fsdp/comm/testing/loopback.h"
 
 #include <fstream>
 #include <sstream>

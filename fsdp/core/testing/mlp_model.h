@@ -1,8 +1,8 @@
 // The residual-MLP model of the memory test and the step benchmark: `blocks` units of
 // x + fc2(relu(fc1(x))) (fc1: dim -> 4 dim, fc2: 4 dim -> dim), then a root-owned head
 // Linear(dim, out). Unbound, it is plain LibTorch (units are pass-throughs).
-#ifndef FSDP_CORE_INTERNAL_MLP_MODEL_H_
-#define FSDP_CORE_INTERNAL_MLP_MODEL_H_
+#ifndef FSDP_CORE_TESTING_MLP_MODEL_H_
+#define FSDP_CORE_TESTING_MLP_MODEL_H_
 
 #include <memory>
 #include <vector>
@@ -43,4 +43,4 @@ struct MlpModelImpl : torch::nn::Module {
 
 }  // namespace fsdp::core_internal
 
-#endif  // FSDP_CORE_INTERNAL_MLP_MODEL_H_
+#endif  // FSDP_CORE_TESTING_MLP_MODEL_H_

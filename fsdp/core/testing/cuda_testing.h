@@ -23,8 +23,8 @@
 // failing rank's exception). Errors: as `fn` and FakeWorld; collectives time out after
 // kCudaRankTimeout (one CUDA context and cuBLAS handle per process and thread are made
 // on first use, which may take seconds).
-#ifndef FSDP_CORE_INTERNAL_CUDA_TESTING_H_
-#define FSDP_CORE_INTERNAL_CUDA_TESTING_H_
+#ifndef FSDP_CORE_TESTING_CUDA_TESTING_H_
+#define FSDP_CORE_TESTING_CUDA_TESTING_H_
 
 #include <chrono>
 #include <functional>
@@ -38,7 +38,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/internal/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
+#include "fsdp/comm/testing/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
 
 namespace fsdp::core_testing {
 
@@ -62,4 +62,4 @@ inline void on_cuda_ranks(int world_size,
 
 }  // namespace fsdp::core_testing
 
-#endif  // FSDP_CORE_INTERNAL_CUDA_TESTING_H_
+#endif  // FSDP_CORE_TESTING_CUDA_TESTING_H_

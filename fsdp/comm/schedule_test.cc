@@ -205,9 +205,12 @@ TEST(ScheduleTest, AGroupThatLeftTheScheduleIsNotCompared) {
     std::shared_ptr<Communicator> io = comm.new_subgroup({0, 1});
     io->leave_collective_schedule();
     comm.enable_schedule_checks();
-    if (comm.rank() == 0) io->all_reduce(at::ones({4}));
     comm.all_reduce(at::ones({3}));
-    if (comm.rank() == 1) io->all_reduce(at::ones({4}));
+    // Recorded, the group's all-reduce would fall in step 2 on rank 0, in step 1 on rank 1.
+    if (comm.rank() == 0) comm.end_schedule_step();
+    io->all_reduce(at::ones({4}));
+    if (comm.rank() == 1) comm.end_schedule_step();
+    comm.all_reduce(at::ones({2}));
     comm.end_schedule_step();
     EXPECT_NO_THROW(comm.check_collective_schedule());
     EXPECT_THAT([&] { comm.leave_collective_schedule(); },

@@ -2,10 +2,11 @@
 # Fuzzes a file reader (clang + libFuzzer + ASan + UBSan) for a bounded time, from a seed
 # corpus: the checkpoint reader (fsdp/state:torch_file_fuzzer, torch.save pickles) or the
 # safetensors reader (fsdp/formats:safetensors_fuzzer, files written by the safetensors
-# library). A crash, a sanitizer report or a hang fails the run; libFuzzer writes the
+# library) or the pickle reader (fsdp/formats:pickle_fuzzer, Distributed Checkpoint
+# metadata and plain values pickled by Python). A crash, a sanitizer report or a hang fails the run; libFuzzer writes the
 # input to crash-*/timeout-* in the current directory: turn it into a test
-# (checkpoint_test.cc, fsdp/formats/safetensors_test.cc).
-#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors]   (default 60 torch_file)
+# (checkpoint_test.cc, fsdp/formats/safetensors_test.cc, fsdp/formats/pickle_test.cc).
+#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors|pickle]   (default 60 torch_file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
@@ -22,8 +23,12 @@ case "$target" in
     "$python" tools/safetensors_fuzz_seeds.py "$corpus"
     label=//fsdp/formats:safetensors_fuzzer
     ;;
+  pickle)
+    "$python" tools/pickle_fuzz_seeds.py "$corpus"
+    label=//fsdp/formats:pickle_fuzzer
+    ;;
   *)
-    echo "fuzz.sh: unknown target '$target'; expected torch_file or safetensors" >&2
+    echo "fuzz.sh: unknown target '$target'; expected torch_file, safetensors or pickle" >&2
     exit 2
     ;;
 esac

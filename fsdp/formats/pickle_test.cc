@@ -1,15 +1,13 @@
 #include "fsdp/formats/pickle.h"
 
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
-#include <sstream>
 #include <string>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "fsdp/formats/internal/python_testing.h"
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -19,32 +17,9 @@ using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 using Kind = PickleValue::Kind;
 
-std::string scratch_file(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir ? dir : "/tmp", "/", name);
-}
-
-// Runs `code` with the pinned environment's Python; returns its standard output.
-std::string run_python(const std::string& code) {
-  const char* python = std::getenv("FSDP_PYTHON");
-  if (python == nullptr) python = "python3";
-  const std::string script = scratch_file("script.py");
-  std::ofstream(script) << code;
-  FILE* pipe = ::popen(absl::StrCat(python, " ", script).c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  std::string out;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
-  EXPECT_EQ(::pclose(pipe), 0) << "python failed on:\n" << code;
-  return out;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using formats_testing::read_bytes;
+using formats_testing::run_python;
+using formats_testing::scratch_path;
 
 bool dcp_classes(const std::string& name) {
   return name.rfind("torch.distributed.checkpoint.metadata.", 0) == 0 || name == "torch.Size";
@@ -112,7 +87,7 @@ void expect_python_value(const PickleValuePtr& v) {
 }
 
 TEST(ReadPickle, EveryProtocolPythonWrites) {
-  const std::string script = scratch_file("values.py");
+  const std::string script = scratch_path("values.py");
   run_python(absl::StrCat("import sys; sys.argv[0] = '", script, "'\n", kPythonValue));
   for (int protocol : {2, 3, 4, 5}) {
     SCOPED_TRACE(protocol);
@@ -156,7 +131,7 @@ TEST(WritePickle, PythonReadsItBack) {
       PickleValue::str("chunk"),
       chunk,
   });
-  const std::string path = scratch_file("ours.pkl");
+  const std::string path = scratch_path("ours.pkl");
   std::ofstream(path, std::ios::binary) << write_pickle(*value);
   EXPECT_EQ(run_python(absl::StrCat("import pickle, torch\nv = pickle.load(open('", path,
                                     "', 'rb'))\nprint(v)\n")),

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/formats/pickle.h"
 #include "fsdp/state/internal/durable_files.h"
@@ -57,11 +58,11 @@ struct Box {
 void boxes_of(const std::vector<int64_t>& shape, size_t dim, int64_t begin, int64_t end,
               std::vector<int64_t> prefix, int64_t base, std::vector<Box>& out) {
   if (begin >= end) return;
-  const std::vector<int64_t> rest(shape.begin() + dim + 1, shape.end());
   if (dim == shape.size()) {  // a 0-dim tensor: its one element
     out.push_back({prefix, {}, base});
     return;
   }
+  const std::vector<int64_t> rest(shape.begin() + dim + 1, shape.end());
   const int64_t row = numel_of(rest);
   auto box = [&](int64_t first_row, int64_t rows) {
     Box b{prefix, std::vector<int64_t>(prefix.size(), 1), base + first_row * row};
@@ -212,7 +213,8 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const at::Tensor
   all = all.cpu();
   std::vector<std::string> out(world);
   for (int r = 0; r < world; ++r) {
-    for (int64_t i = 0; i < n[r]; ++i) out[r].push_back(static_cast<char>(all.data_ptr<int64_t>()[r * longest + i]));
+    for (int64_t i = 0; i < n[r]; ++i)
+      out[r].push_back(static_cast<char>(all.data_ptr<int64_t>()[r * longest + i]));
   }
   return out;
 }
@@ -229,7 +231,8 @@ std::string rank_file_bytes(const StagedDcpCheckpoint& staged, std::vector<DcpSt
     sizes.push_back(std::move(chunk_sizes));
     file.append(bytes.begin(), bytes.end());
   };
-  for (const DcpStagedChunk& c : staged.chunks) append(c.fqn, c.offsets, c.data.sizes().vec(), c.data);
+  for (const DcpStagedChunk& c : staged.chunks)
+    append(c.fqn, c.offsets, c.data.sizes().vec(), c.data);
   if (staged.rank == 0) {
     for (const auto& [fqn, value] : staged.values) append(fqn, std::nullopt, {}, value);
   }
@@ -335,9 +338,9 @@ class FolderReader {
         copied += dst.numel();
       }
     }
-    TORCH_CHECK(copied == out.numel(), "'", dir_, "': the chunks of '", entry.fqn,
-                "' cover ", copied, " of the ", out.numel(), " elements [", begin, ", ",
-                begin + out.numel(), ") this rank needs; the checkpoint is incomplete or damaged");
+    TORCH_CHECK(copied == out.numel(), "'", dir_, "': the chunks of '", entry.fqn, "' cover ",
+                copied, " of the ", out.numel(), " elements [", begin, ", ", begin + out.numel(),
+                ") this rank needs; the checkpoint is incomplete or damaged");
   }
 
   // A non-tensor entry.
@@ -349,8 +352,8 @@ class FolderReader {
 
  private:
   PyValuePtr parse(const DcpStorageInfo& s) {
-    const std::string name = absl::StrCat(dir_, "/", s.relative_path, " ('", s.fqn, "' at byte ",
-                                          s.offset, ")");
+    const std::string name =
+        absl::StrCat(dir_, "/", s.relative_path, " ('", s.fqn, "' at byte ", s.offset, ")");
     return state_internal::read_torch_file(read_dcp_entry(dir_, s), name);
   }
   at::Tensor chunk_data(const DcpEntryMetadata& entry, const DcpChunk& chunk) {
@@ -408,8 +411,7 @@ bool is_string(const DcpPathElement& e, const char* s) {
   return std::holds_alternative<std::string>(e) && std::get<std::string>(e) == s;
 }
 
-void load_model(FolderReader& reader, FullyShardedRoot& model, const std::string& dir,
-                ShardedStateDict& model_state) {
+void load_model(FolderReader& reader, const std::string& dir, ShardedStateDict& model_state) {
   static const std::string kWhat = "load_dcp_checkpoint";
   std::vector<std::string> keys;
   absl::flat_hash_map<std::string, const DcpEntryMetadata*> by_fqn;
@@ -471,8 +473,8 @@ void load_optim(FolderReader& reader, FullyShardedRoot& model, torch::optim::Opt
     const std::string& fqn = std::get<std::string>(e.path[2]);
     const std::string& name = std::get<std::string>(e.path[3]);
     const ShardedTensor* param = model_state.find(fqn);
-    TORCH_CHECK(param != nullptr, "load_dcp_checkpoint: '", dir, "' has optimizer state for '",
-                fqn, "', which the model does not have");
+    TORCH_CHECK(param != nullptr, "load_dcp_checkpoint: '", dir, "' has optimizer state for '", fqn,
+                "', which the model does not have");
     // State shaped like its parameter is sharded like it; anything else (step) is whole.
     const bool replicated = e.size != param->global_shape;
     ShardedTensor piece{e.size, replicated ? 0 : param->offset,
@@ -522,8 +524,7 @@ StagedDcpCheckpoint stage_dcp_checkpoint(FullyShardedRoot& model,
         ShardedTensor t = state.value();
         // PyTorch keeps Adam's step as a float32 tensor (exact up to 2^24 steps).
         if (state.key() == kStep) t.local = t.local.to(at::kFloat);
-        stager.tensor(path({kOptim, kState, param.key(), state.key()}), t,
-                      written(param.key(), t));
+        stager.tensor(path({kOptim, kState, param.key(), state.key()}), t, written(param.key(), t));
       }
     }
     const std::vector<OptimParamGroup> groups = optim_param_groups(model, *optimizer);
@@ -537,8 +538,10 @@ StagedDcpCheckpoint stage_dcp_checkpoint(FullyShardedRoot& model,
     }
   }
   for (const auto& [name, value] : options.extras()) {
-    TORCH_CHECK(name != kModel && name != kOptim, "stage_dcp_checkpoint: an extra entry may not be "
-                "named '", name, "' (the model's and optimizer's state use it)");
+    TORCH_CHECK(name != kModel && name != kOptim,
+                "stage_dcp_checkpoint: an extra entry may not be "
+                "named '",
+                name, "' (the model's and optimizer's state use it)");
     stager.value(path({name}), value);
   }
   return staged;
@@ -570,7 +573,7 @@ DcpExtras load_dcp_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* 
                               const std::string& dir) {
   ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
   FolderReader reader(dir);
-  load_model(reader, model, dir, model_state);
+  load_model(reader, dir, model_state);
   if (optimizer != nullptr) load_optim(reader, model, *optimizer, dir, model_state);
   load_sharded_state_dict(model, model_state);
   DcpExtras extras;

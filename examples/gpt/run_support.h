@@ -44,8 +44,23 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
 // before any prints or writes anything (load_latest_sharded_checkpoint): a damaged newest
 // checkpoint is named and skipped (printed when `lead`); when none loads, every rank raises
 // and every file is as it was. Collective.
+// Either format counts (fsdp's metadata.pt folders and Distributed Checkpoint folders);
+// the step is a DCP folder's "step" entry, else the folder name's number.
 int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                     const std::string& checkpoint_dir, bool resume, bool lead);
+
+// --resume=DIR: loads the checkpoint folder `dir` (either format, e.g. one PyTorch's
+// dcp.save wrote with {"model", "optim", "step"} as get_state_dict lays them out) and
+// returns its step ("step" entry, else the step_NNNNNNNN name). The ranks agree (one
+// all-reduce on the model's device) before any returns: if the folder fails on any rank,
+// every rank raises. Collective.
+int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer, Communicator& comm,
+                    const std::string& dir, bool lead);
+
+// The trainers' --resume takes no value (newest checkpoint) or a folder: rewrites a bare
+// "--resume" in argv to "--resume=latest" (and "--noresume" to "--resume=") before
+// absl::ParseCommandLine, since a string flag needs a value.
+void allow_bare_resume_flag(int argc, char** argv);
 
 // Rank 0 (`lead`) removes the partial checkpoints a killed save left in `checkpoint_dir`
 // (remove_partial_checkpoints) and says so. Call it while holding the out_dir's lock.

@@ -10,8 +10,10 @@
 // steps, per-rank peak memory and traffic at the end, and a text sample; it writes
 // metrics.csv, loss.png (gnuplot) and model.pt (the full state dict, which torch.load
 // reads) into --out_dir. Every --checkpoint_interval steps the ranks write a sharded
-// checkpoint (model and optimizer) to --checkpoint_dir/step_NNNNNNNN; --resume continues
-// from the newest complete one, on the same loss curve. Each rank logs its resident
+// checkpoint (model, optimizer and step) to --checkpoint_dir/step_NNNNNNNN, by default as
+// a PyTorch Distributed Checkpoint folder (--checkpoint_format=dcp|fsdp); --resume
+// continues from the newest complete one (either format), on the same loss curve, and
+// --resume=DIR from folder DIR (e.g. one PyTorch's dcp.save wrote). Each rank logs its resident
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
 //
@@ -27,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -66,6 +69,7 @@
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/wrap/policy.h"
 
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
@@ -95,7 +99,14 @@ ABSL_FLAG(int64_t, checkpoint_interval, 200, "steps between checkpoints (0: none
 ABSL_FLAG(int64_t, timeout_s, 300,
           "seconds to wait for every rank at start-up and in each collective; a rank that "
           "died is usually noticed at once (its connections close)");
-ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
+ABSL_FLAG(std::string, resume, "",
+          "--resume: continue from the newest complete checkpoint in --checkpoint_dir (either "
+          "format); --resume=DIR: from checkpoint folder DIR, e.g. one PyTorch's dcp.save wrote "
+          "with {\"model\", \"optim\", \"step\"} as get_state_dict lays them out");
+ABSL_FLAG(std::string, checkpoint_format, "dcp",
+          "dcp: PyTorch Distributed Checkpoint folders (.metadata, __RANK_0.distcp; "
+          "torch.distributed.checkpoint.load reads them) holding {\"model\", \"optim\", "
+          "\"step\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt)");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
@@ -319,7 +330,10 @@ void check_same_flags(Communicator& comm, c10::Device device) {
       {"sample_length", double(f.sample_length)},
       {"checkpoint_interval", double(f.checkpoint_interval)},
       {"seed", double(absl::GetFlag(FLAGS_seed))},
-      {"resume", double(absl::GetFlag(FLAGS_resume))},
+      // Strings as 48-bit hashes (exact in a double).
+      {"resume", double(std::hash<std::string>()(absl::GetFlag(FLAGS_resume)) & 0xffffffffffff)},
+      {"checkpoint_format",
+       double(std::hash<std::string>()(absl::GetFlag(FLAGS_checkpoint_format)) & 0xffffffffffff)},
       {"cuda", double(f.device == "cuda")},
       {"bf16", double(f.mixed_precision == "bf16")},
   };
@@ -418,9 +432,15 @@ int train() {
     }
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
-  const bool resume = absl::GetFlag(FLAGS_resume);
+  const std::string resume_flag = absl::GetFlag(FLAGS_resume);
+  const bool resume = !resume_flag.empty() && resume_flag != "false" && resume_flag != "0";
+  const bool resume_latest = resume_flag == "latest" || resume_flag == "true" || resume_flag == "1";
+  const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
+  TORCH_CHECK(format == "dcp" || format == "fsdp", "--checkpoint_format must be dcp or fsdp, not '",
+              format, "'");
   const int64_t first =  // before anything is written
-      resume_step(*model, adamw, checkpoint_dir(), resume, lead);
+      resume && !resume_latest ? resume_from(*model, adamw, *comm, resume_flag, lead)
+                               : resume_step(*model, adamw, checkpoint_dir(), resume, lead);
   check_fresh_checkpoints(*comm, checkpoint_dir(), resume, absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   remove_leftover_checkpoints(checkpoint_dir(), lead);
@@ -456,7 +476,12 @@ int train() {
     if (interval > 0 && (step + 1) % interval == 0) {
       const auto begin = std::chrono::steady_clock::now();
       const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
-      save_sharded_checkpoint(*model, &adamw, path);
+      if (format == "dcp") {
+        save_dcp_checkpoint(*model, &adamw, path,
+                            DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}}));
+      } else {
+        save_sharded_checkpoint(*model, &adamw, path);
+      }
       if (lead) {
         std::cout << absl::StrFormat(
             "checkpoint: %s (%.2f s)\n", path,
@@ -521,6 +546,7 @@ int train() {
 }  // namespace fsdp::examples
 
 int main(int argc, char** argv) {
+  fsdp::examples::allow_bare_resume_flag(argc, argv);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {  // positional[0] is the program
     std::vector<std::string> extra(positional.begin() + 1, positional.end());

@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
+#include "fsdp/formats/dcp.h"
 #include "fsdp/state/internal/durable_files.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/internal/torch_file.h"
@@ -502,7 +503,9 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || name[0] == '.' || !entry.is_directory()) continue;
-    if (!fs::exists(entry.path() / kMetadata)) continue;
+    if (!fs::exists(entry.path() / kMetadata) && !fs::exists(entry.path() / kDcpMetadataFile)) {
+      continue;
+    }
     if (!latest || name > fs::path(*latest).filename().string()) latest = entry.path().string();
   }
   return latest;
@@ -588,14 +591,16 @@ std::string failures_text(const std::vector<RankOutcome>& outcomes) {
 }
 
 // The directories under `root` that hold a checkpoint, complete or not (metadata.pt or a
-// rank file), newest (last in name order) first; partial directories excluded.
+// rank file, or a Distributed Checkpoint's .metadata or rank file), newest (last in name order)
+// first; partial directories excluded.
 std::vector<std::string> checkpoint_candidates(const std::string& root) {
   std::vector<std::string> names;
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || name[0] == '.' || !entry.is_directory()) continue;
-    if (fs::exists(entry.path() / kMetadata) || fs::exists(entry.path() / rank_file(0))) {
+    if (fs::exists(entry.path() / kMetadata) || fs::exists(entry.path() / rank_file(0)) ||
+        is_dcp_checkpoint(entry.path().string())) {
       names.push_back(name);
     }
   }
@@ -618,7 +623,12 @@ std::optional<LoadedCheckpoint> load_latest_sharded_checkpoint(FullyShardedRoot&
     std::string error;
     if (!name.empty()) {
       try {
-        load_sharded_checkpoint(model, optimizer, dir);
+        if (is_dcp_checkpoint(dir)) {
+          loaded.extras = load_dcp_checkpoint(model, optimizer, dir);
+        } else {
+          load_sharded_checkpoint(model, optimizer, dir);
+          loaded.extras.clear();
+        }
       } catch (const std::exception& e) {
         error = message_of(e);
       }

@@ -13,7 +13,7 @@ world_size=${3:-2}
 root=${TEST_TMPDIR:-$(mktemp -d)}/async_save_kill
 flags=(--layers=2 --width=128 --heads=2 --context=32 --batch_size=8 --steps=100000
   --warmup_steps=5 --log_interval=1 --eval_interval=100000 --eval_batches=1 --sample_length=0
-  --checkpoint_interval=2 --timeout_s=10)
+  --checkpoint_interval=2 --timeout_s=10 --checkpoint_format=fsdp)
 free_port() {
   /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }

@@ -10,11 +10,13 @@
 // steps, per-rank peak memory and traffic at the end, and a text sample; it writes
 // metrics.csv, loss.png (gnuplot) and model.pt (the full state dict, which torch.load
 // reads) into --out_dir. Every --checkpoint_interval steps the ranks write a sharded
-// checkpoint (model, optimizer and the LR schedule's position) to
-// --checkpoint_dir/step_NNNNNNNN, by default asynchronously (--async_save: training stops
-// only while the shards are copied to host memory; the files are written in the
-// background, and the run waits for the last write before it ends); --resume continues
-// from the newest complete one, on the same loss curve. Each rank logs its resident
+// checkpoint (model, optimizer, step and the LR schedule's position) to
+// --checkpoint_dir/step_NNNNNNNN, by default as a PyTorch Distributed Checkpoint folder
+// (--checkpoint_format=dcp|fsdp) and asynchronously (--async_save: training stops only
+// while the shards are copied to host memory; the files are written in the background,
+// and the run waits for the last write before it ends); --resume continues from the
+// newest complete one (either format), on the same loss curve, and --resume=DIR from
+// folder DIR (e.g. one PyTorch's dcp.save wrote). Each rank logs its resident
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
 //
@@ -30,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -70,6 +73,7 @@
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/async_checkpoint.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/wrap/policy.h"
 
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
@@ -102,7 +106,14 @@ ABSL_FLAG(bool, async_save, true,
 ABSL_FLAG(int64_t, timeout_s, 300,
           "seconds to wait for every rank at start-up and in each collective; a rank that "
           "died is usually noticed at once (its connections close)");
-ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
+ABSL_FLAG(std::string, resume, "",
+          "--resume: continue from the newest complete checkpoint in --checkpoint_dir (either "
+          "format); --resume=DIR: from checkpoint folder DIR, e.g. one PyTorch's dcp.save wrote "
+          "with {\"model\", \"optim\", \"step\"} as get_state_dict lays them out");
+ABSL_FLAG(std::string, checkpoint_format, "dcp",
+          "dcp: PyTorch Distributed Checkpoint folders (.metadata, __RANK_0.distcp; "
+          "torch.distributed.checkpoint.load reads them) holding {\"model\", \"optim\", "
+          "\"step\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt)");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
@@ -326,7 +337,10 @@ void check_same_flags(Communicator& comm, c10::Device device) {
       {"sample_length", double(f.sample_length)},
       {"checkpoint_interval", double(f.checkpoint_interval)},
       {"seed", double(absl::GetFlag(FLAGS_seed))},
-      {"resume", double(absl::GetFlag(FLAGS_resume))},
+      // Strings as 48-bit hashes (exact in a double).
+      {"resume", double(std::hash<std::string>()(absl::GetFlag(FLAGS_resume)) & 0xffffffffffff)},
+      {"checkpoint_format",
+       double(std::hash<std::string>()(absl::GetFlag(FLAGS_checkpoint_format)) & 0xffffffffffff)},
       {"async_save", double(absl::GetFlag(FLAGS_async_save))},
       {"cuda", double(f.device == "cuda")},
       {"bf16", double(f.mixed_precision == "bf16")},
@@ -426,12 +440,19 @@ int train() {
     }
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
-  const bool resume = absl::GetFlag(FLAGS_resume);
+  const std::string resume_flag = absl::GetFlag(FLAGS_resume);
+  const bool resume = !resume_flag.empty() && resume_flag != "false" && resume_flag != "0";
+  const bool resume_latest = resume_flag == "latest" || resume_flag == "true" || resume_flag == "1";
+  const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
+  TORCH_CHECK(format == "dcp" || format == "fsdp", "--checkpoint_format must be dcp or fsdp, not '",
+              format, "'");
   // The LR schedule's position, as torch.optim.lr_scheduler keeps it: last_epoch
   // scheduler steps taken, last_lr the LR of the next step. A checkpoint carries it.
   SchedulerState scheduler{0, {learning_rate(0)}};
   const int64_t first =  // before anything is written
-      resume_step(*model, adamw, checkpoint_dir(), resume, lead, &scheduler);
+      resume && !resume_latest
+          ? resume_from(*model, adamw, *comm, resume_flag, lead, &scheduler)
+          : resume_step(*model, adamw, checkpoint_dir(), resume, lead, &scheduler);
   // A checkpoint without a scheduler state (an older fsdp) resumes at its step.
   if (scheduler.last_epoch == 0) scheduler = {first, {learning_rate(first)}};
   TORCH_CHECK(scheduler.last_epoch == first, "--resume: the checkpoint of step ", first,
@@ -480,7 +501,10 @@ int train() {
       const auto begin = std::chrono::steady_clock::now();
       const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
       const bool async = absl::GetFlag(FLAGS_async_save);
-      if (async) {
+      if (format == "dcp") {
+        save_dcp_checkpoint(*model, &adamw, path,
+                            DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}}));
+      } else if (async) {
         // Waits for the previous write first; the write's error, if any, is raised by the
         // next save or by wait_for_async_saves below.
         (void)async_save_sharded_checkpoint(*model, &adamw, path, &scheduler,
@@ -554,6 +578,7 @@ int train() {
 }  // namespace fsdp::examples
 
 int main(int argc, char** argv) {
+  fsdp::examples::allow_bare_resume_flag(argc, argv);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {  // positional[0] is the program
     std::vector<std::string> extra(positional.begin() + 1, positional.end());

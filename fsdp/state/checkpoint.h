@@ -51,6 +51,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
 
@@ -127,8 +128,9 @@ std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
                                                       torch::optim::Optimizer* optimizer,
                                                       const std::string& dir);
 
-// The complete sharded checkpoint under `root` whose directory name sorts last (name
-// them so that they sort by step, e.g. step_00000200), or nullopt if there is none.
+// The complete sharded checkpoint under `root` (this format's, or a Distributed
+// Checkpoint folder, dcp_checkpoint.h) whose directory name sorts last (name them so
+// that they sort by step, e.g. step_00000200), or nullopt if there is none.
 // Partial directories (a save that crashed) are skipped.
 std::optional<std::string> latest_checkpoint(const std::string& root);
 
@@ -139,10 +141,14 @@ struct LoadedCheckpoint {
   // One line per skipped checkpoint: "'ROOT/<name>': rank 1: checkpoint file '...' has
   // 100 bytes, the metadata says 129047: it is truncated or damaged; ...".
   std::vector<std::string> skipped;
+  // A Distributed Checkpoint folder's extra entries (e.g. "step"); empty otherwise.
+  DcpExtras extras;
 };
 
 // Loads the newest checkpoint under `root` that loads on every rank, trying the
-// directories holding a checkpoint (metadata.pt or rank_00000.pt) in reverse name order.
+// directories holding a checkpoint in reverse name order: this format's (metadata.pt or
+// rank_00000.pt) or a Distributed Checkpoint folder (.metadata or __0_0.distcp, loaded
+// with load_dcp_checkpoint), whichever each holds.
 // Collective: each rank loads the files its shard needs (sizes, CRC-32s and metadata
 // verified), then the ranks agree (one all-gather of a small record) before any returns,
 // so every rank returns the same checkpoint, or raises the same error. Returns nullopt

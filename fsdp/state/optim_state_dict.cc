@@ -309,7 +309,194 @@ torch::OrderedDict<std::string, torch::OrderedDict<std::string, Value>> collect(
   return result;
 }
 
+// ---- param_groups. See Note [Hyperparameters by PyTorch's names].
+
+// Note [Hyperparameters by PyTorch's names]
+// A group's options are read and written in one place per optimizer type (group_options
+// and set_group_options below: add a case for each new type to both). The names and
+// their order are PyTorch 2.11's Optimizer.state_dict()["param_groups"]; what LibTorch's
+// optimizer has no option for is written as PyTorch's default and, on load, must hold
+// the value LibTorch behaves as (maximize False); flags that change only how PyTorch
+// computes (foreach, capturable, differentiable, fused) are ignored on load.
+using Options = std::vector<std::pair<std::string, c10::IValue>>;
+
+c10::IValue betas_value(const std::tuple<double, double>& betas) {
+  return c10::ivalue::Tuple::create({std::get<0>(betas), std::get<1>(betas)});
+}
+
+template <typename AdamOptions>
+Options adam_options(const AdamOptions& o, bool decoupled) {
+  return {{"lr", o.lr()},
+          {"betas", betas_value(o.betas())},
+          {"eps", o.eps()},
+          {"weight_decay", o.weight_decay()},
+          {"amsgrad", o.amsgrad()},
+          {"maximize", false},
+          {"foreach", c10::IValue()},
+          {"capturable", false},
+          {"differentiable", false},
+          {"fused", c10::IValue()},
+          {"decoupled_weight_decay", decoupled}};
+}
+
+Options group_options(const torch::optim::OptimizerOptions& options) {
+  if (const auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
+    return {{"lr", o->lr()},
+            {"momentum", o->momentum()},
+            {"dampening", o->dampening()},
+            {"weight_decay", o->weight_decay()},
+            {"nesterov", o->nesterov()},
+            {"maximize", false},
+            {"foreach", c10::IValue()},
+            {"differentiable", false},
+            {"fused", c10::IValue()}};
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+    return adam_options(*o, /*decoupled=*/false);
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    return adam_options(*o, /*decoupled=*/true);
+  }
+  TORCH_CHECK(false, "param_groups: optimizer options of type ",
+              c10::demangle(typeid(options).name()),
+              " are not supported; fsdp translates torch::optim::SGD, Adam and AdamW");
+}
+
+// Reads typed values of one group's options, with messages naming the group.
+class GroupReader {
+ public:
+  GroupReader(const OptimParamGroup& group, size_t index) : group_(group), index_(index) {}
+
+  void set_double(const char* name, const std::function<void(double)>& set) const {
+    if (const c10::IValue* v = find(name)) {
+      TORCH_CHECK(v->isDouble() || v->isInt(), where(name), " must be a number, found ",
+                  v->tagKind());
+      set(v->isDouble() ? v->toDouble() : static_cast<double>(v->toInt()));
+    }
+  }
+  void set_bool(const char* name, const std::function<void(bool)>& set) const {
+    if (const c10::IValue* v = find(name)) {
+      TORCH_CHECK(v->isBool(), where(name), " must be a bool, found ", v->tagKind());
+      set(v->toBool());
+    }
+  }
+  void set_betas(const std::function<void(std::tuple<double, double>)>& set) const {
+    if (const c10::IValue* v = find("betas")) {
+      const bool ok = (v->isTuple() && v->toTupleRef().elements().size() == 2) ||
+                      (v->isList() && v->toListRef().size() == 2);
+      TORCH_CHECK(ok, where("betas"), " must be a pair of numbers, found ", v->tagKind());
+      const auto elements = v->isTuple() ? v->toTupleRef().elements().vec() : v->toListRef().vec();
+      auto number = [&](const c10::IValue& e) {
+        TORCH_CHECK(e.isDouble() || e.isInt(), where("betas"), " must be a pair of numbers");
+        return e.isDouble() ? e.toDouble() : static_cast<double>(e.toInt());
+      };
+      set({number(elements[0]), number(elements[1])});
+    }
+  }
+  // Options LibTorch has no switch for must hold the value LibTorch behaves as.
+  void expect_false(const char* name) const {
+    if (const c10::IValue* v = find(name)) {
+      TORCH_CHECK(v->isBool() && !v->toBool(), where(name), " is ", v->tagKind(), " ",
+                  v->isBool() ? "True" : "",
+                  "; LibTorch's optimizer has no such option and "
+                  "behaves as False: train with it False");
+    }
+  }
+
+ private:
+  const c10::IValue* find(const char* name) const {
+    const c10::IValue* v = group_.find(name);
+    return v != nullptr && !v->isNone() ? v : nullptr;
+  }
+  std::string where(const char* name) const {
+    return "load_optim_param_groups: param_groups[" + std::to_string(index_) + "]['" + name + "']";
+  }
+  const OptimParamGroup& group_;
+  size_t index_;
+};
+
+template <typename AdamOptions>
+void set_adam_options(AdamOptions& o, const GroupReader& r) {
+  r.set_double("lr", [&](double v) { o.lr(v); });
+  r.set_betas([&](std::tuple<double, double> v) { o.betas(v); });
+  r.set_double("eps", [&](double v) { o.eps(v); });
+  r.set_double("weight_decay", [&](double v) { o.weight_decay(v); });
+  r.set_bool("amsgrad", [&](bool v) { o.amsgrad(v); });
+  r.expect_false("maximize");
+}
+
+void set_group_options(torch::optim::OptimizerOptions& options, const GroupReader& r) {
+  if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+    r.set_double("lr", [&](double v) { o->lr(v); });
+    r.set_double("momentum", [&](double v) { o->momentum(v); });
+    r.set_double("dampening", [&](double v) { o->dampening(v); });
+    r.set_double("weight_decay", [&](double v) { o->weight_decay(v); });
+    r.set_bool("nesterov", [&](bool v) { o->nesterov(v); });
+    r.expect_false("maximize");
+  } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    set_adam_options(*o, r);
+  } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    set_adam_options(*o, r);
+  } else {
+    group_options(options);  // raises naming the type
+  }
+}
+
+// The FQNs of each optimizer group's parameters, in the model's parameter order.
+std::vector<std::vector<std::string>> group_fqns(const ModelLayout& layout,
+                                                 const torch::optim::Optimizer& optimizer) {
+  std::vector<std::vector<std::string>> fqns;
+  for (const torch::optim::OptimizerParamGroup& group : optimizer.param_groups()) {
+    absl::flat_hash_set<const void*> members;
+    for (const at::Tensor& p : group.params()) members.insert(p.unsafeGetTensorImpl());
+    std::vector<std::string> names;
+    for (const Param& param : params_of(layout)) {
+      const at::Tensor& key =
+          param.handle != nullptr ? param.handle->sharded_flat_param() : param.tensor;
+      if (members.contains(key.unsafeGetTensorImpl())) names.push_back(param.fqn);
+    }
+    fqns.push_back(std::move(names));
+  }
+  return fqns;
+}
+
 }  // namespace
+
+const c10::IValue* OptimParamGroup::find(const std::string& name) const {
+  for (const auto& [key, value] : options) {
+    if (key == name) return &value;
+  }
+  return nullptr;
+}
+
+std::vector<OptimParamGroup> optim_param_groups(FullyShardedRoot& model,
+                                                const torch::optim::Optimizer& optimizer) {
+  const ModelLayout layout = state_internal::model_layout(model, "optim_param_groups");
+  std::vector<std::vector<std::string>> fqns = group_fqns(layout, optimizer);
+  std::vector<OptimParamGroup> groups;
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    groups.push_back({group_options(optimizer.param_groups()[i].options()), std::move(fqns[i])});
+  }
+  return groups;
+}
+
+void load_optim_param_groups(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                             const std::vector<OptimParamGroup>& groups) {
+  const ModelLayout layout = state_internal::model_layout(model, "load_optim_param_groups");
+  const std::vector<std::vector<std::string>> fqns = group_fqns(layout, optimizer);
+  TORCH_CHECK(groups.size() == fqns.size(), "load_optim_param_groups: the state has ",
+              groups.size(), " parameter group(s), the optimizer ", fqns.size(),
+              "; build the optimizer with the same groups");
+  for (size_t i = 0; i < groups.size(); ++i) {
+    TORCH_CHECK(groups[i].params == fqns[i], "load_optim_param_groups: param_groups[", i,
+                "] holds '", absl::StrJoin(groups[i].params, "', '"),
+                "' but the optimizer's holds '", absl::StrJoin(fqns[i], "', '"),
+                "'; build the optimizer with the same groups");
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    set_group_options(optimizer.param_groups()[i].options(), GroupReader(groups[i], i));
+  }
+}
 
 OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
                                      const torch::optim::Optimizer& optimizer,

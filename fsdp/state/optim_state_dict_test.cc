@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adagrad.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/lbfgs.h>
 #include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
 
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/core/internal/parity_testing.h"
@@ -289,6 +291,67 @@ TEST(AdagradRmsprop, RmspropStateWithoutTheMomentumTheOptimizerNeedsIsAnError) {
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, adagrad, saved); },
                 ::testing::ThrowsMessage<c10::Error>(
                     HasSubstr("has no 'sum'; it was made by another kind of optimizer")));
+  });
+}
+
+// param_groups with PyTorch's names and values, FQN lists, a round trip, and errors.
+TEST(OptimParamGroups, PyTorchNamesFqnsAndRoundTrip) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::AdamW adamw(model->parameters(),
+                              torch::optim::AdamWOptions(0.02).betas({0.8, 0.95}));
+    std::vector<OptimParamGroup> groups = optim_param_groups(*model, adamw);
+    ASSERT_EQ(groups.size(), 1u);
+    std::vector<std::string> names;
+    for (const auto& option : groups[0].options) names.push_back(option.first);
+    EXPECT_THAT(names,
+                ElementsAre("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+                            "capturable", "differentiable", "fused", "decoupled_weight_decay"));
+    EXPECT_EQ(groups[0].find("lr")->toDouble(), 0.02);
+    EXPECT_EQ(groups[0].find("betas")->toTupleRef().elements()[1].toDouble(), 0.95);
+    EXPECT_EQ(groups[0].find("weight_decay")->toDouble(), 0.01);
+    EXPECT_TRUE(groups[0].find("foreach")->isNone());
+    EXPECT_TRUE(groups[0].find("decoupled_weight_decay")->toBool());
+    EXPECT_EQ(groups[0].params, std::vector<std::string>({"l1.weight", "l1.bias", "l2.weight",
+                                                          "l2.bias", "head.weight", "head.bias"}));
+
+    torch::optim::AdamW other(model->parameters(), torch::optim::AdamWOptions(1.0));
+    groups[0].options[0].second = 0.5;         // lr
+    groups[0].options[4].second = true;        // amsgrad
+    groups[0].options[3].second = int64_t{0};  // weight_decay as PyTorch's int 0
+    load_optim_param_groups(*model, other, groups);
+    const auto& o =
+        static_cast<const torch::optim::AdamWOptions&>(other.param_groups()[0].options());
+    EXPECT_EQ(o.lr(), 0.5);
+    EXPECT_EQ(o.betas(), std::make_tuple(0.8, 0.95));
+    EXPECT_TRUE(o.amsgrad());
+    EXPECT_EQ(o.weight_decay(), 0.0);
+
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    const std::vector<OptimParamGroup> sgd_groups = optim_param_groups(*model, sgd);
+    names.clear();
+    for (const auto& option : sgd_groups[0].options) names.push_back(option.first);
+    EXPECT_THAT(names, ElementsAre("lr", "momentum", "dampening", "weight_decay", "nesterov",
+                                   "maximize", "foreach", "differentiable", "fused"));
+    EXPECT_EQ(sgd_groups[0].find("momentum")->toDouble(), 0.9);
+
+    groups[0].options[5].second = true;  // maximize
+    EXPECT_THAT([&] { load_optim_param_groups(*model, other, groups); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("load_optim_param_groups: param_groups[0]['maximize'] is Bool True; "
+                              "LibTorch's optimizer has no such option and behaves as False")));
+    groups[0].options[5].second = false;
+    groups[0].params.pop_back();
+    EXPECT_THAT([&] { load_optim_param_groups(*model, other, groups); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                    "param_groups[0] holds 'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias', "
+                    "'head.weight' but the optimizer's holds 'l1.weight', 'l1.bias', "
+                    "'l2.weight', 'l2.bias', 'head.weight', 'head.bias'")));
+    torch::optim::RMSprop rmsprop(model->parameters(), torch::optim::RMSpropOptions(0.1));
+    EXPECT_THAT(
+        [&] { optim_param_groups(*model, rmsprop); },
+        ::testing::ThrowsMessage<c10::Error>(HasSubstr("RMSpropOptions are not supported")));
   });
 }
 

@@ -121,6 +121,14 @@ bool writes_pieces(const FlatParamHandle& handle, const ModelLayout& layout) {
   return handle.communicator().rank() == layout.rank;
 }
 
+absl::flat_hash_set<std::string> pieces_written_elsewhere(const ModelLayout& layout) {
+  absl::flat_hash_set<std::string> fqns;
+  for (const Entry& entry : layout.entries) {
+    if (entry.handle != nullptr && !writes_pieces(*entry.handle, layout)) fqns.insert(entry.fqn);
+  }
+  return fqns;
+}
+
 std::string shape_string(at::IntArrayRef shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }
 
 }  // namespace fsdp::state_internal

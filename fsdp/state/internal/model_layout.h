@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/core/flat_param.h"
@@ -65,6 +66,9 @@ ParamSlice param_slice(const FlatParamHandle& handle, size_t info);
 // only the first shard group (global rank = rank in the shard group) does, since the
 // other groups hold copies; always true otherwise.
 bool writes_pieces(const FlatParamHandle& handle, const ModelLayout& layout);
+
+// The FQNs of the parameters whose pieces this rank does not write (writes_pieces false).
+absl::flat_hash_set<std::string> pieces_written_elsewhere(const ModelLayout& layout);
 
 // Throws c10::Error if `found` is not the key set of `expected` (order aside): names up
 // to 10 missing and 10 unexpected keys and the counts, and says what to do when the

@@ -25,6 +25,8 @@
 #include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
+#include "fsdp/state/internal/state_dict_layout.h"
 #include "fsdp/state/internal/torch_file.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -205,10 +207,9 @@ struct Item {
 
 // Replicated tensors are written by rank 0 only, and under HYBRID strategies a flat
 // parameter's pieces by its first shard group only (see writes_pieces).
-std::vector<Item> items_of(FullyShardedRoot& model, const ShardedStateDict& model_state,
+std::vector<Item> items_of(const state_internal::ModelLayout& layout,
+                           const ShardedStateDict& model_state,
                            const ShardedOptimStateDict& optim_state) {
-  const state_internal::ModelLayout layout =
-      state_internal::model_layout(model, "save_sharded_checkpoint");
   absl::flat_hash_set<std::string> copies;  // FQNs whose pieces another rank writes
   for (const state_internal::Entry& entry : layout.entries) {
     if (entry.handle != nullptr && !state_internal::writes_pieces(*entry.handle, layout)) {
@@ -524,14 +525,18 @@ OptimStateDict load_optim_state_dict(const std::string& path) {
 
 void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer* optimizer,
                              const std::string& dir) {
-  const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
+  // One layout for the whole save (it walks the module tree); checks `model` is idle.
+  const state_internal::ModelLayout layout =
+      state_internal::model_layout(model, "save_sharded_checkpoint");
+  const ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   const ShardedOptimStateDict optim_state =
-      optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
+      optimizer != nullptr ? state_internal::sharded_optim_state_dict(layout, *optimizer)
+                           : ShardedOptimStateDict();
   Communicator& comm = model.communicator();
   // The bookkeeping collectives below run on the compute device (NCCL takes only CUDA
   // tensors); their results are read on the CPU.
   const at::TensorOptions on_device = at::dtype(at::kLong).device(model.device_handle().device());
-  const std::vector<Item> items = items_of(model, model_state, optim_state);
+  const std::vector<Item> items = items_of(layout, model_state, optim_state);
   const fs::path target = fs::absolute(dir).lexically_normal();
   // A partial directory of this save's own (rank 0's pid and save count), so that saves
   // running at once into one directory never mix their files: each publishes a complete
@@ -554,7 +559,9 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
 void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
                              const std::string& dir) {
   static const std::string kWhat = "load_sharded_checkpoint";
-  ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
+  const state_internal::ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
+  // This rank's pieces: the shape of what to read.
+  ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   CheckpointReader reader(dir);
   std::vector<std::string> model_keys;
   for (const std::string& key : reader.keys()) {
@@ -595,9 +602,9 @@ void load_sharded_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* o
       if (!optim_state.contains(fqn)) optim_state.insert(fqn, ShardedParamOptimState());
       optim_state[fqn].insert(key.substr(slash + 1), std::move(piece));
     }
-    load_sharded_optim_state_dict(model, *optimizer, optim_state);
+    state_internal::load_sharded_optim_state_dict(layout, *optimizer, optim_state);
   }
-  load_sharded_state_dict(model, model_state);
+  state_internal::load_sharded_state_dict(layout, model_state);
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root) {

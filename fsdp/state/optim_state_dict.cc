@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
@@ -131,9 +132,8 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
   optimizer.state()[compat::optimizer_state_key(param)] = std::move(state);
 }
 
-void load(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+void load(const ModelLayout& layout, torch::optim::Optimizer& optimizer,
           const std::vector<std::string>& keys, const Source& source, const char* what) {
-  const ModelLayout layout = state_internal::model_layout(model, what);
   const std::vector<Param> params = params_of(layout);
   absl::flat_hash_set<std::string> known;
   for (const Param& param : params) known.insert(param.fqn);
@@ -283,12 +283,23 @@ void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer
                 "' has no 'step' (a one-element tensor); it was made by another optimizer");
     return step->item<int64_t>();
   };
-  load(model, optimizer, state_dict.keys(), source, kWhat);
+  load(state_internal::model_layout(model, kWhat), optimizer, state_dict.keys(), source, kWhat);
 }
 
 ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
                                                const torch::optim::Optimizer& optimizer) {
-  const ModelLayout layout = state_internal::model_layout(model, "sharded_optim_state_dict");
+  return state_internal::sharded_optim_state_dict(
+      state_internal::model_layout(model, "sharded_optim_state_dict"), optimizer);
+}
+
+void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                                   const ShardedOptimStateDict& state_dict) {
+  state_internal::load_sharded_optim_state_dict(
+      state_internal::model_layout(model, "load_sharded_optim_state_dict"), optimizer, state_dict);
+}
+
+ShardedOptimStateDict state_internal::sharded_optim_state_dict(
+    const ModelLayout& layout, const torch::optim::Optimizer& optimizer) {
   return collect<ShardedTensor>(
       layout, optimizer, [](const FlatParamHandle&, const at::Tensor& shard) { return shard; },
       [&](const Param& param, const at::Tensor& shard) {
@@ -304,8 +315,9 @@ ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
       /*keep=*/true);
 }
 
-void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                                   const ShardedOptimStateDict& state_dict) {
+void state_internal::load_sharded_optim_state_dict(const ModelLayout& layout,
+                                                   torch::optim::Optimizer& optimizer,
+                                                   const ShardedOptimStateDict& state_dict) {
   static const char* kWhat = "load_sharded_optim_state_dict";
   Source source;
   source.names = [&](const std::string& fqn) {
@@ -335,7 +347,7 @@ void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimi
                 "' has no 'step'; it was made by another optimizer");
     return step->local.item<int64_t>();
   };
-  load(model, optimizer, state_dict.keys(), source, kWhat);
+  load(layout, optimizer, state_dict.keys(), source, kWhat);
 }
 
 }  // namespace fsdp

@@ -5,6 +5,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/state_dict_layout.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -88,7 +89,16 @@ void load_full_state_dict(FullyShardedRoot& model, const StateDict& state_dict) 
 }
 
 ShardedStateDict sharded_state_dict(FullyShardedRoot& model) {
-  const ModelLayout layout = state_internal::model_layout(model, "sharded_state_dict");
+  return state_internal::sharded_state_dict(
+      state_internal::model_layout(model, "sharded_state_dict"));
+}
+
+void load_sharded_state_dict(FullyShardedRoot& model, const ShardedStateDict& state_dict) {
+  state_internal::load_sharded_state_dict(
+      state_internal::model_layout(model, "load_sharded_state_dict"), state_dict);
+}
+
+ShardedStateDict state_internal::sharded_state_dict(const ModelLayout& layout) {
   ShardedStateDict state_dict;
   for (const Entry& entry : layout.entries) {
     ShardedTensor sharded;
@@ -107,9 +117,9 @@ ShardedStateDict sharded_state_dict(FullyShardedRoot& model) {
   return state_dict;
 }
 
-void load_sharded_state_dict(FullyShardedRoot& model, const ShardedStateDict& state_dict) {
+void state_internal::load_sharded_state_dict(const ModelLayout& layout,
+                                             const ShardedStateDict& state_dict) {
   static const std::string kWhat = "load_sharded_state_dict";
-  const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
   state_internal::check_same_keys(keys_of(layout.entries), state_dict.keys(), kWhat);
   torch::NoGradGuard no_grad;
   for (const Entry& entry : layout.entries) {

@@ -1,6 +1,7 @@
 #include "fsdp/state/internal/model_layout.h"
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -28,8 +29,15 @@ std::vector<Entry> module_entries(const torch::nn::Module& module) {
   return entries;
 }
 
+namespace {
+
+std::atomic<int64_t> layout_builds{0};
+
+}  // namespace
+
 ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
   model.check_idle(what);
+  layout_builds.fetch_add(1, std::memory_order_relaxed);
   ModelLayout layout;
   layout.root = &model;
   layout.rank = model.communicator().rank();
@@ -53,6 +61,8 @@ ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
   }
   return layout;
 }
+
+int64_t model_layout_builds() { return layout_builds.load(std::memory_order_relaxed); }
 
 ParamSlice param_slice(const FlatParamHandle& handle, size_t info) {
   const FlatParamInfo& param = handle.param_infos()[info];

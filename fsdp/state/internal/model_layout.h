@@ -47,8 +47,14 @@ struct ModelLayout {
 };
 
 // The layout of `model`; `what` names the calling function in errors. Throws c10::Error
-// if `model` is inside forward/backward.
+// if `model` is inside forward/backward. It walks the whole module tree, so a function
+// that needs it several times (a checkpoint save or load) builds it once and passes it
+// to the state_internal overloads of state_dict.h's and optim_state_dict.h's functions.
 ModelLayout model_layout(FullyShardedRoot& model, const char* what);
+
+// How many times model_layout has run in this process (any thread); tests count the
+// builds a call makes.
+int64_t model_layout_builds();
 
 // The elements of one original parameter inside a rank's shard of its flat parameter.
 struct ParamSlice {

@@ -1,6 +1,5 @@
 #include "fsdp/state/optim_state_dict.h"
 
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -9,7 +8,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/internal/optim_state_dict_layout.h"
@@ -18,7 +16,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
-#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -94,6 +91,30 @@ struct Source {
   std::function<int64_t(const std::string& fqn)> step;
 };
 
+// The elements of a step count: a full dict holds a tensor, a sharded one a replicated
+// ShardedTensor.
+const at::Tensor& local_of(const at::Tensor& tensor) { return tensor; }
+const at::Tensor& local_of(const ShardedTensor& tensor) { return tensor.local; }
+
+// The Source of an OptimStateDict or ShardedOptimStateDict (kept by reference), its
+// elements taken by `elements`.
+template <typename Dict>
+Source source_of(const Dict& state_dict, const char* what, decltype(Source::elements) elements) {
+  Source source;
+  source.names = [&state_dict](const std::string& fqn) {
+    const auto* state = state_dict.find(fqn);
+    return state != nullptr ? state->keys() : std::vector<std::string>{};
+  };
+  source.elements = std::move(elements);
+  source.step = [&state_dict, what](const std::string& fqn) {
+    const auto* step = state_dict[fqn].find(kStep);
+    TORCH_CHECK(step != nullptr && local_of(*step).numel() == 1, what, ": '", fqn,
+                "' has no 'step' (a one-element tensor); it was made by another optimizer");
+    return local_of(*step).template item<int64_t>();
+  };
+  return source;
+}
+
 template <typename AdamState>
 std::unique_ptr<torch::optim::OptimizerParamState> make_adam_state(
     const absl::flat_hash_map<std::string, at::Tensor>& tensors, int64_t step) {
@@ -135,18 +156,10 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
 void load(const ModelLayout& layout, torch::optim::Optimizer& optimizer,
           const std::vector<std::string>& keys, const Source& source, const char* what) {
   const std::vector<Param> params = params_of(layout);
-  absl::flat_hash_set<std::string> known;
-  for (const Param& param : params) known.insert(param.fqn);
-  std::vector<std::string> unexpected;
-  for (const std::string& key : keys) {
-    if (!known.contains(key)) unexpected.push_back(key);
-  }
-  TORCH_CHECK(unexpected.empty(), what, ": unexpected keys (", unexpected.size(), "): '",
-              absl::StrJoin(unexpected.begin(),
-                            unexpected.begin() + std::min<size_t>(unexpected.size(), 10), "', '"),
-              "'; optimizer state is keyed by the model's parameter FQNs (a tied parameter by "
-              "its first name in pre-order)");
-  torch::NoGradGuard no_grad;
+  std::vector<std::string> known;
+  for (const Param& param : params) known.push_back(param.fqn);
+  const auto no_grad =
+      state_internal::begin_load(known, keys, what, state_internal::KeySet::kOptimState);
   absl::flat_hash_map<const FlatParamHandle*, std::vector<const Param*>> params_by_handle;
   for (const Param& param : params) {
     if (param.handle != nullptr) params_by_handle[param.handle].push_back(&param);
@@ -264,25 +277,15 @@ OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
 void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                 const OptimStateDict& state_dict) {
   static const char* kWhat = "load_full_optim_state_dict";
-  Source source;
-  source.names = [&](const std::string& fqn) {
-    const ParamOptimState* state = state_dict.find(fqn);
-    return state != nullptr ? state->keys() : std::vector<std::string>{};
-  };
-  source.elements = [&](const Param& param, const std::string& name,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
-                        int64_t numel) {
-    const at::Tensor& value = state_dict[param.fqn][name];
-    state_internal::check_tensor(kWhat, param.fqn + " (" + name + ")", shape, dtype, value,
-                                 "the optimizer state dict");
-    return value.reshape({-1}).narrow(0, begin, numel);
-  };
-  source.step = [&](const std::string& fqn) {
-    const at::Tensor* step = state_dict[fqn].find(kStep);
-    TORCH_CHECK(step != nullptr && step->numel() == 1, kWhat, ": '", fqn,
-                "' has no 'step' (a one-element tensor); it was made by another optimizer");
-    return step->item<int64_t>();
-  };
+  const Source source =
+      source_of(state_dict, kWhat,
+                [&](const Param& param, const std::string& name, const std::vector<int64_t>& shape,
+                    at::ScalarType dtype, int64_t begin, int64_t numel) {
+                  const at::Tensor& value = state_dict[param.fqn][name];
+                  state_internal::check_tensor(kWhat, param.fqn + " (" + name + ")", shape, dtype,
+                                               value, "the optimizer state dict");
+                  return value.reshape({-1}).narrow(0, begin, numel);
+                });
   load(state_internal::model_layout(model, kWhat), optimizer, state_dict.keys(), source, kWhat);
 }
 
@@ -319,14 +322,9 @@ void state_internal::load_sharded_optim_state_dict(const ModelLayout& layout,
                                                    torch::optim::Optimizer& optimizer,
                                                    const ShardedOptimStateDict& state_dict) {
   static const char* kWhat = "load_sharded_optim_state_dict";
-  Source source;
-  source.names = [&](const std::string& fqn) {
-    const ShardedParamOptimState* state = state_dict.find(fqn);
-    return state != nullptr ? state->keys() : std::vector<std::string>{};
-  };
-  source.elements = [&](const Param& param, const std::string& name,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
-                        int64_t numel) {
+  auto elements = [&](const Param& param, const std::string& name,
+                      const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
+                      int64_t numel) {
     const ShardedTensor& value = state_dict[param.fqn][name];
     const std::string label = param.fqn + " (" + name + ")";
     TORCH_CHECK(
@@ -341,13 +339,7 @@ void state_internal::load_sharded_optim_state_dict(const ModelLayout& layout,
                 "): it was made at another world size; reshard through a sharded checkpoint");
     return value.local.narrow(0, skip, numel);
   };
-  source.step = [&](const std::string& fqn) {
-    const ShardedTensor* step = state_dict[fqn].find(kStep);
-    TORCH_CHECK(step != nullptr && step->local.numel() == 1, kWhat, ": '", fqn,
-                "' has no 'step'; it was made by another optimizer");
-    return step->local.item<int64_t>();
-  };
-  load(layout, optimizer, state_dict.keys(), source, kWhat);
+  load(layout, optimizer, state_dict.keys(), source_of(state_dict, kWhat, elements), kWhat);
 }
 
 }  // namespace fsdp

@@ -69,6 +69,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "examples/gpt/corpus.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "fsdp/comm/rendezvous.h"
@@ -138,14 +139,6 @@ int prepare(const std::string& dir) {
   return 0;
 }
 
-// The non-hybrid strategies only (the peer side has FSDP2 and DDP counterparts for those).
-ShardingStrategy parse_strategy(const std::string& name) {
-  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
-  TORCH_CHECK(strategy.has_value() && !is_hybrid(*strategy),
-              "--strategy must be full_shard, shard_grad_op or no_shard, got '", name, "'");
-  return *strategy;
-}
-
 // A field of /proc/self/status in MB ("VmRSS", "VmHWM").
 double status_mb(const std::string& field) {
   std::ifstream status("/proc/self/status");
@@ -174,9 +167,7 @@ int train(const std::string& dir) {
   TORCH_CHECK(mode == "fsdp" || env.world_size == 1,
               "--mode=plain trains one rank without FSDP; run it with WORLD_SIZE 1, not ",
               env.world_size);
-  const c10::Device device =
-      device_flag == "cuda" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
-                            : c10::Device(c10::kCPU);
+  const c10::Device device = compute_device(device_flag);
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       mode == "fsdp" ? init_from_environment(RendezvousOptions().backend(
@@ -205,14 +196,15 @@ int train(const std::string& dir) {
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> trained;
   if (mode == "fsdp") {
-    FullyShardedDataParallelOptions options =
+    // The non-hybrid strategies only (the peer side has FSDP2 and DDP counterparts for
+    // those).
+    const FullyShardedDataParallelOptions options =
         FullyShardedDataParallelOptions(comm)
-            .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_strategy)))
+            .sharding_strategy(sharding_strategy_flag("strategy", absl::GetFlag(FLAGS_strategy),
+                                                      /*allow_hybrid=*/false))
             .device_id(device)
-            .forward_prefetch(absl::GetFlag(FLAGS_forward_prefetch));
-    if (bf16) {
-      options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
-    }
+            .forward_prefetch(absl::GetFlag(FLAGS_forward_prefetch))
+            .mixed_precision(mixed_precision_flag(precision));
     fsdp_model.emplace(gpt, options);
     forward = [&](const at::Tensor& x) { return (*fsdp_model)->forward(x); };
     trained = (*fsdp_model)->parameters();

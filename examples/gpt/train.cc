@@ -180,20 +180,8 @@ std::string apply_device_defaults(const MachineLimits& machine) {
   return "";
 }
 
-// The compute device: cuda:LOCAL_RANK or the CPU (--device is resolved by main()).
-c10::Device compute_device() {
-  if (absl::GetFlag(FLAGS_device) != "cuda") return c10::Device(c10::kCPU);
-  return c10::Device(c10::kCUDA,
-                     static_cast<c10::DeviceIndex>(read_launch_environment().local_rank));
-}
-
 ShardingStrategy parse_strategy(const std::string& name) {
-  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
-  TORCH_CHECK(strategy.has_value(),
-              "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
-              "hybrid_shard or hybrid_shard_zero2, got '",
-              name, "'");
-  return *strategy;
+  return sharding_strategy_flag("sharding_strategy", name, /*allow_hybrid=*/true);
 }
 
 AutoWrapPolicy parse_policy(const std::string& name) {
@@ -352,7 +340,8 @@ int train() {
   MemoryTracker memory;
   // On the CPU the model and its tensors stay there (Gloo on any host); on CUDA, rank r
   // works on cuda:LOCAL_RANK over NCCL.
-  const c10::Device device = compute_device();
+  // --device is resolved by main().
+  const c10::Device device = compute_device(absl::GetFlag(FLAGS_device));
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       init_from_environment(RendezvousOptions()
@@ -383,16 +372,14 @@ int train() {
   int64_t numel = 0;
   for (const auto& p : gpt->parameters()) numel += p.numel();
   const bool bf16 = absl::GetFlag(FLAGS_mixed_precision) == "bf16";
-  FullyShardedDataParallelOptions options =
+  const FullyShardedDataParallelOptions options =
       FullyShardedDataParallelOptions(comm)
           .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
           .hybrid_shard_group_size(hybrid_group_size())
           .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
           .device_id(device)
-          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)));
-  if (bf16) {
-    options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
-  }
+          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)))
+          .mixed_precision(mixed_precision_flag(absl::GetFlag(FLAGS_mixed_precision)));
   Model model(gpt, options);
   DeviceHandle& handle = model->device_handle();
   // Model FLOP utilisation needs the device's peak (mfu.h); the CPU has one only by flag.

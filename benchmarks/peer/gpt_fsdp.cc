@@ -72,6 +72,7 @@
 #include "examples/gpt/flags.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/model_flags.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
@@ -84,14 +85,10 @@ ABSL_FLAG(std::string, prepare, "", "write init.pt and batches.pt into this fold
 ABSL_FLAG(std::string, data, "", "train from the init.pt and batches.pt in this folder");
 ABSL_FLAG(std::string, out, "", "where rank 0 writes the JSON of the run");
 ABSL_FLAG(std::string, strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
-ABSL_FLAG(int64_t, width, 128, "embedding width (prepare)");
-ABSL_FLAG(int64_t, layers, 4, "transformer blocks (prepare)");
-ABSL_FLAG(int64_t, heads, 4, "attention heads (prepare and train)");
-ABSL_FLAG(int64_t, context, 128, "tokens per sequence (prepare)");
+// --layers, --width, --heads, --context, --seed, --data_dir (prepare; --heads also train)
+// and --peak_tflops (train) are examples/gpt/model_flags.h's.
 ABSL_FLAG(int64_t, batch_size, 16, "global batch, sequences (prepare)");
 ABSL_FLAG(int64_t, steps, 50, "training steps (prepare)");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the batch offsets (prepare)");
-ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes (prepare)");
 ABSL_FLAG(double, lr, 1e-3, "AdamW learning rate (train)");
 ABSL_FLAG(int64_t, warmup_steps, 3, "steps left out of tokens_per_s (train)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda: rank r on cuda:LOCAL_RANK over NCCL (train)");
@@ -101,9 +98,6 @@ ABSL_FLAG(std::string, mixed_precision, "none",
           "autocast to bf16 in plain mode (train)");
 ABSL_FLAG(bool, forward_prefetch, false,
           "FullyShardedDataParallelOptions::forward_prefetch (train)");
-ABSL_FLAG(double, peak_tflops, 0,
-          "the device's peak dense bf16 TFLOP/s for the MFU; 0: examples/gpt/mfu.cc's table "
-          "(train)");
 
 namespace fsdp::examples {
 namespace {

@@ -58,6 +58,7 @@
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/model_flags.h"
 #include "examples/gpt/run_support.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
@@ -76,15 +77,10 @@ ABSL_FLAG(int, hybrid_shard_group_size, 0,
           "LOCAL_WORLD_SIZE)");
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
-ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
-ABSL_FLAG(int64_t, width, 128, "embedding width");
-ABSL_FLAG(int64_t, heads, 4, "attention heads");
-ABSL_FLAG(int64_t, context, 128, "context length (characters)");
 ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
 ABSL_FLAG(int64_t, steps, 1200, "training steps");
 ABSL_FLAG(double, lr, 3e-3, "peak learning rate (AdamW)");
 ABSL_FLAG(int64_t, warmup_steps, 50, "linear warm-up steps, then cosine decay to lr / 10");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the data order");
 ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
 ABSL_FLAG(int64_t, eval_interval, 200, "steps between validation losses");
 ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
@@ -98,7 +94,6 @@ ABSL_FLAG(int64_t, timeout_s, 300,
 ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
-ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 ABSL_FLAG(std::string, device, "auto",
           "auto: CUDA when this process sees a CUDA device, else the CPU; cpu (Gloo); cuda "
           "(rank r on cuda:LOCAL_RANK, NCCL; the flags not given take CUDA defaults: one rank "
@@ -112,10 +107,6 @@ ABSL_FLAG(bool, cpu_offload, false,
           "keep the parameter shards, their gradients and the AdamW state in (pinned, on CUDA) "
           "host memory and step the optimizer on the CPU (PyTorch's "
           "CPUOffload(offload_params=True)); the device holds only the units in flight");
-ABSL_FLAG(double, peak_tflops, 0,
-          "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU) in the "
-          "progress lines; 0: from the device name (H200, H100 SXM: 989.4; A100: 312), else "
-          "no MFU");
 
 namespace fsdp::examples {
 namespace {

@@ -64,6 +64,7 @@
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/model_flags.h"
 #include "examples/gpt/run_support.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
@@ -84,15 +85,10 @@ ABSL_FLAG(int, hybrid_shard_group_size, 0,
           "LOCAL_WORLD_SIZE)");
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
-ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
-ABSL_FLAG(int64_t, width, 128, "embedding width");
-ABSL_FLAG(int64_t, heads, 4, "attention heads");
-ABSL_FLAG(int64_t, context, 128, "context length (characters)");
 ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
 ABSL_FLAG(int64_t, steps, 1200, "training steps");
 ABSL_FLAG(double, lr, 3e-3, "peak learning rate (AdamW)");
 ABSL_FLAG(int64_t, warmup_steps, 50, "linear warm-up steps, then cosine decay to lr / 10");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the data order");
 ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
 ABSL_FLAG(int64_t, eval_interval, 200, "steps between validation losses");
 ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
@@ -116,7 +112,6 @@ ABSL_FLAG(std::string, checkpoint_format, "dcp",
           "\"step\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt)");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
-ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 ABSL_FLAG(std::string, device, "auto",
           "auto: CUDA when this process sees a CUDA device, else the CPU; cpu (Gloo); cuda "
           "(rank r on cuda:LOCAL_RANK, NCCL; the flags not given take CUDA defaults: one rank "
@@ -130,10 +125,6 @@ ABSL_FLAG(bool, cpu_offload, false,
           "keep the parameter shards, their gradients and the AdamW state in (pinned, on CUDA) "
           "host memory and step the optimizer on the CPU (PyTorch's "
           "CPUOffload(offload_params=True)); the device holds only the units in flight");
-ABSL_FLAG(double, peak_tflops, 0,
-          "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU) in the "
-          "progress lines; 0: from the device name (H200, H100 SXM: 989.4; A100: 312), else "
-          "no MFU");
 
 namespace fsdp::examples {
 namespace {
@@ -198,20 +189,8 @@ std::string apply_device_defaults(const MachineLimits& machine) {
   return "";
 }
 
-// The compute device: cuda:LOCAL_RANK or the CPU (--device is resolved by main()).
-c10::Device compute_device() {
-  if (absl::GetFlag(FLAGS_device) != "cuda") return c10::Device(c10::kCPU);
-  return c10::Device(c10::kCUDA,
-                     static_cast<c10::DeviceIndex>(read_launch_environment().local_rank));
-}
-
 ShardingStrategy parse_strategy(const std::string& name) {
-  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
-  TORCH_CHECK(strategy.has_value(),
-              "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
-              "hybrid_shard or hybrid_shard_zero2, got '",
-              name, "'");
-  return *strategy;
+  return sharding_strategy_flag("sharding_strategy", name, /*allow_hybrid=*/true);
 }
 
 AutoWrapPolicy parse_policy(const std::string& name) {
@@ -374,7 +353,8 @@ int train() {
   MemoryTracker memory;
   // On the CPU the model and its tensors stay there (Gloo on any host); on CUDA, rank r
   // works on cuda:LOCAL_RANK over NCCL.
-  const c10::Device device = compute_device();
+  // --device is resolved by main().
+  const c10::Device device = compute_device(absl::GetFlag(FLAGS_device));
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       init_from_environment(RendezvousOptions()
@@ -405,16 +385,14 @@ int train() {
   int64_t numel = 0;
   for (const auto& p : gpt->parameters()) numel += p.numel();
   const bool bf16 = absl::GetFlag(FLAGS_mixed_precision) == "bf16";
-  FullyShardedDataParallelOptions options =
+  const FullyShardedDataParallelOptions options =
       FullyShardedDataParallelOptions(comm)
           .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
           .hybrid_shard_group_size(hybrid_group_size())
           .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
           .device_id(device)
-          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)));
-  if (bf16) {
-    options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
-  }
+          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)))
+          .mixed_precision(mixed_precision_flag(absl::GetFlag(FLAGS_mixed_precision)));
   Model model(gpt, options);
   DeviceHandle& handle = model->device_handle();
   // Model FLOP utilisation needs the device's peak (mfu.h); the CPU has one only by flag.

@@ -50,6 +50,7 @@
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/run_support.h"
 #include "examples/llama/config.h"
@@ -104,6 +105,8 @@ namespace {
 
 using examples::global_mean;
 using examples::next_token_loss;
+using examples::sharding_strategy_error;
+using examples::sharding_strategy_flag;
 using Model = FullyShardedDataParallel<LlamaForCausalLMImpl>;
 
 std::string checkpoint_dir() { return absl::GetFlag(FLAGS_out_dir) + "/checkpoints"; }
@@ -199,10 +202,10 @@ std::string flag_error() {
     return absl::StrCat("--batch_size=", batch, ": expected a positive multiple of the world size ",
                         world);
   }
-  const auto strategy = parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy));
-  if (!strategy || is_hybrid(*strategy)) {
-    return absl::StrCat("--sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy),
-                        ": expected full_shard, shard_grad_op or no_shard");
+  if (std::string error = sharding_strategy_error(
+          "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy), /*allow_hybrid=*/false);
+      !error.empty()) {
+    return error;
   }
   if (absl::GetFlag(FLAGS_steps) < 0) return "--steps: expected 0 or more";
   if (absl::GetFlag(FLAGS_lora_rank) < 0) {
@@ -314,8 +317,9 @@ int finetune() {
     numel += p.numel();
     if (p.requires_grad()) trainable += p.numel();
   }
-  Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(
-                         *parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy))));
+  Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
+                         "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
+                         /*allow_hybrid=*/false)));
   if (!lora) load_hf_weights(*model, from);  // each rank reads only its shards' bytes
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))

@@ -27,6 +27,8 @@
 #include "fsdp/formats/dcp.h"
 #include "fsdp/state/internal/durable_files.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
+#include "fsdp/state/internal/state_dict_layout.h"
 #include "fsdp/state/internal/torch_file.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -129,10 +131,9 @@ struct Item {
 
 // Replicated tensors are written by rank 0 only, and under HYBRID strategies a flat
 // parameter's pieces by its first shard group only (see writes_pieces).
-std::vector<Item> items_of(FullyShardedRoot& model, const ShardedStateDict& model_state,
+std::vector<Item> items_of(const state_internal::ModelLayout& layout,
+                           const ShardedStateDict& model_state,
                            const ShardedOptimStateDict& optim_state) {
-  const state_internal::ModelLayout layout =
-      state_internal::model_layout(model, "save_sharded_checkpoint");
   const absl::flat_hash_set<std::string> copies = state_internal::pieces_written_elsewhere(layout);
   auto item = [&](std::string key, const std::string& fqn, const ShardedTensor& tensor) {
     const bool written = tensor.local.numel() > 0 && !copies.contains(fqn) &&
@@ -486,12 +487,16 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
 StagedShardedCheckpoint stage_sharded_checkpoint(FullyShardedRoot& model,
                                                  const torch::optim::Optimizer* optimizer,
                                                  const SchedulerState* scheduler) {
-  const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
+  // One layout for the whole save (it walks the module tree); checks `model` is idle.
+  const state_internal::ModelLayout layout =
+      state_internal::model_layout(model, "save_sharded_checkpoint");
+  const ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   const ShardedOptimStateDict optim_state =
-      optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
+      optimizer != nullptr ? state_internal::sharded_optim_state_dict(layout, *optimizer)
+                           : ShardedOptimStateDict();
   StagedShardedCheckpoint staged;
   staged.device = model.device_handle().device();
-  for (const Item& item : items_of(model, model_state, optim_state)) {
+  for (const Item& item : items_of(layout, model_state, optim_state)) {
     staged.entries.push_back({item.key,
                               staged_piece(*item.tensor, item.written, staged.device.is_cuda()),
                               item.written});
@@ -524,7 +529,9 @@ std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
                                                       torch::optim::Optimizer* optimizer,
                                                       const std::string& dir) {
   static const std::string kWhat = "load_sharded_checkpoint";
-  ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
+  const state_internal::ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
+  // This rank's pieces: the shape of what to read.
+  ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   CheckpointReader reader(dir);
   std::vector<std::string> model_keys;
   for (const std::string& key : reader.keys()) {
@@ -565,9 +572,9 @@ std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
       if (!optim_state.contains(fqn)) optim_state.insert(fqn, ShardedParamOptimState());
       optim_state[fqn].insert(key.substr(slash + 1), std::move(piece));
     }
-    load_sharded_optim_state_dict(model, *optimizer, optim_state);
+    state_internal::load_sharded_optim_state_dict(layout, *optimizer, optim_state);
   }
-  load_sharded_state_dict(model, model_state);
+  state_internal::load_sharded_state_dict(layout, model_state);
   return read_scheduler(reader);
 }
 

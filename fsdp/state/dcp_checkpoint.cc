@@ -14,6 +14,8 @@
 #include "fsdp/formats/pickle.h"
 #include "fsdp/state/internal/durable_files.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
+#include "fsdp/state/internal/state_dict_layout.h"
 #include "fsdp/state/internal/torch_file.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
@@ -439,8 +441,9 @@ void load_model(FolderReader& reader, const std::string& dir, ShardedStateDict& 
   }
 }
 
-void load_optim(FolderReader& reader, FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                const std::string& dir, const ShardedStateDict& model_state) {
+void load_optim(FolderReader& reader, const state_internal::ModelLayout& layout,
+                torch::optim::Optimizer& optimizer, const std::string& dir,
+                const ShardedStateDict& model_state) {
   ShardedOptimStateDict optim_state;
   std::map<int64_t, OptimParamGroup> groups;
   bool any = false;
@@ -488,14 +491,14 @@ void load_optim(FolderReader& reader, FullyShardedRoot& model, torch::optim::Opt
   TORCH_CHECK(any, "load_dcp_checkpoint: '", dir,
               "' holds no optimizer state (no \"optim\" entries); pass a null optimizer to load "
               "the model only");
-  load_sharded_optim_state_dict(model, optimizer, optim_state);
+  state_internal::load_sharded_optim_state_dict(layout, optimizer, optim_state);
   std::vector<OptimParamGroup> list;
   for (auto& [index, g] : groups) {
     TORCH_CHECK(index == static_cast<int64_t>(list.size()), "load_dcp_checkpoint: '", dir,
                 "' lacks param_groups entry ", list.size());
     list.push_back(std::move(g));
   }
-  load_optim_param_groups(model, optimizer, list);
+  state_internal::load_optim_param_groups(layout, optimizer, list);
 }
 
 }  // namespace
@@ -503,9 +506,10 @@ void load_optim(FolderReader& reader, FullyShardedRoot& model, torch::optim::Opt
 StagedDcpCheckpoint stage_dcp_checkpoint(FullyShardedRoot& model,
                                          const torch::optim::Optimizer* optimizer,
                                          const DcpCheckpointOptions& options) {
-  const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
+  // One layout for the whole save (it walks the module tree); checks `model` is idle.
   const state_internal::ModelLayout layout =
       state_internal::model_layout(model, "stage_dcp_checkpoint");
+  const ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   const absl::flat_hash_set<std::string> copies = state_internal::pieces_written_elsewhere(layout);
   StagedDcpCheckpoint staged;
   staged.rank = layout.rank;
@@ -519,7 +523,7 @@ StagedDcpCheckpoint stage_dcp_checkpoint(FullyShardedRoot& model,
     stager.tensor(path({kModel, item.key()}), item.value(), written(item.key(), item.value()));
   }
   if (optimizer != nullptr) {
-    for (const auto& param : sharded_optim_state_dict(model, *optimizer)) {
+    for (const auto& param : state_internal::sharded_optim_state_dict(layout, *optimizer)) {
       for (const auto& state : param.value()) {
         ShardedTensor t = state.value();
         // PyTorch keeps Adam's step as a float32 tensor (exact up to 2^24 steps).
@@ -527,7 +531,8 @@ StagedDcpCheckpoint stage_dcp_checkpoint(FullyShardedRoot& model,
         stager.tensor(path({kOptim, kState, param.key(), state.key()}), t, written(param.key(), t));
       }
     }
-    const std::vector<OptimParamGroup> groups = optim_param_groups(model, *optimizer);
+    const std::vector<OptimParamGroup> groups =
+        state_internal::optim_param_groups(layout, *optimizer);
     for (size_t i = 0; i < groups.size(); ++i) {
       const int64_t index = static_cast<int64_t>(i);
       for (const auto& [name, value] : groups[i].options) {
@@ -571,11 +576,14 @@ void save_dcp_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer*
 
 DcpExtras load_dcp_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
                               const std::string& dir) {
-  ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
+  // One layout for the whole load; this rank's pieces give the shape of what to read.
+  const state_internal::ModelLayout layout =
+      state_internal::model_layout(model, "load_dcp_checkpoint");
+  ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   FolderReader reader(dir);
   load_model(reader, dir, model_state);
-  if (optimizer != nullptr) load_optim(reader, model, *optimizer, dir, model_state);
-  load_sharded_state_dict(model, model_state);
+  if (optimizer != nullptr) load_optim(reader, layout, *optimizer, dir, model_state);
+  state_internal::load_sharded_state_dict(layout, model_state);
   DcpExtras extras;
   for (const DcpEntryMetadata& e : reader.metadata().entries) {
     if (e.is_tensor || e.path.empty() || is_string(e.path[0], kModel) ||

@@ -15,6 +15,7 @@
 
 #include "fsdp/core/internal/parity_testing.h"
 #include "fsdp/formats/dcp.h"
+#include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
 
@@ -164,6 +165,25 @@ TEST(DcpCheckpoint, BadFoldersAreOneClearError) {
   expect_load_error("is in '__1_0.distcp', which cannot be opened (No such file or directory)");
   fs::remove(dir / ".metadata");
   expect_load_error("is not a complete Distributed Checkpoint: it has no .metadata", false);
+}
+
+// As for sharded checkpoints (issue 25): staging a DCP save builds the model layout once
+// (not once each for the model state, the optimizer state, param_groups and the chunk
+// list), and so does a load. One rank, so that no other rank's thread counts meanwhile.
+TEST(DcpCheckpoint, BuildsTheModelLayoutOncePerSaveAndOncePerLoad) {
+  const fs::path dir = scratch("dcp_layout_builds") / "step_00000001";
+  on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+    Model model = tiny_lm(comm);
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(0.02));
+    train(model, adamw, 1, 0, 1);
+    const int64_t before = state_internal::model_layout_builds();
+    const StagedDcpCheckpoint staged = stage_dcp_checkpoint(*model, &adamw);
+    EXPECT_EQ(state_internal::model_layout_builds() - before, 1);
+    write_dcp_checkpoint(staged, dir.string(), *comm);
+    EXPECT_EQ(state_internal::model_layout_builds() - before, 1) << "the write needs no model";
+    load_dcp_checkpoint(*model, &adamw, dir.string());
+    EXPECT_EQ(state_internal::model_layout_builds() - before, 2);
+  });
 }
 
 }  // namespace

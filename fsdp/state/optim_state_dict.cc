@@ -1,6 +1,5 @@
 #include "fsdp/state/optim_state_dict.h"
 
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -9,15 +8,14 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
-#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -122,6 +120,30 @@ struct Source {
   std::function<int64_t(const std::string& fqn)> step;
 };
 
+// The elements of a step count: a full dict holds a tensor, a sharded one a replicated
+// ShardedTensor.
+const at::Tensor& local_of(const at::Tensor& tensor) { return tensor; }
+const at::Tensor& local_of(const ShardedTensor& tensor) { return tensor.local; }
+
+// The Source of an OptimStateDict or ShardedOptimStateDict (kept by reference), its
+// elements taken by `elements`.
+template <typename Dict>
+Source source_of(const Dict& state_dict, const char* what, decltype(Source::elements) elements) {
+  Source source;
+  source.names = [&state_dict](const std::string& fqn) {
+    const auto* state = state_dict.find(fqn);
+    return state != nullptr ? state->keys() : std::vector<std::string>{};
+  };
+  source.elements = std::move(elements);
+  source.step = [&state_dict, what](const std::string& fqn) {
+    const auto* step = state_dict[fqn].find(kStep);
+    TORCH_CHECK(step != nullptr && local_of(*step).numel() == 1, what, ": '", fqn,
+                "' has no 'step' (a one-element tensor); it was made by another optimizer");
+    return local_of(*step).template item<int64_t>();
+  };
+  return source;
+}
+
 template <typename AdamState>
 std::unique_ptr<torch::optim::OptimizerParamState> make_adam_state(
     const absl::flat_hash_map<std::string, at::Tensor>& tensors, int64_t step) {
@@ -205,23 +227,14 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
       make_state(optimizer, param, fqn, tensors, source);
 }
 
-void load(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+void load(const ModelLayout& layout, torch::optim::Optimizer& optimizer,
           const std::vector<std::string>& keys, const Source& source, const char* what) {
   check_supported(optimizer);
-  const ModelLayout layout = state_internal::model_layout(model, what);
   const std::vector<Param> params = params_of(layout);
-  absl::flat_hash_set<std::string> known;
-  for (const Param& param : params) known.insert(param.fqn);
-  std::vector<std::string> unexpected;
-  for (const std::string& key : keys) {
-    if (!known.contains(key)) unexpected.push_back(key);
-  }
-  TORCH_CHECK(unexpected.empty(), what, ": unexpected keys (", unexpected.size(), "): '",
-              absl::StrJoin(unexpected.begin(),
-                            unexpected.begin() + std::min<size_t>(unexpected.size(), 10), "', '"),
-              "'; optimizer state is keyed by the model's parameter FQNs (a tied parameter by "
-              "its first name in pre-order)");
-  torch::NoGradGuard no_grad;
+  std::vector<std::string> known;
+  for (const Param& param : params) known.push_back(param.fqn);
+  const auto no_grad =
+      state_internal::begin_load(known, keys, what, state_internal::KeySet::kOptimState);
   absl::flat_hash_map<const FlatParamHandle*, std::vector<const Param*>> params_by_handle;
   for (const Param& param : params) {
     if (param.handle != nullptr) params_by_handle[param.handle].push_back(&param);
@@ -471,7 +484,18 @@ const c10::IValue* OptimParamGroup::find(const std::string& name) const {
 
 std::vector<OptimParamGroup> optim_param_groups(FullyShardedRoot& model,
                                                 const torch::optim::Optimizer& optimizer) {
-  const ModelLayout layout = state_internal::model_layout(model, "optim_param_groups");
+  return state_internal::optim_param_groups(
+      state_internal::model_layout(model, "optim_param_groups"), optimizer);
+}
+
+void load_optim_param_groups(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                             const std::vector<OptimParamGroup>& groups) {
+  state_internal::load_optim_param_groups(
+      state_internal::model_layout(model, "load_optim_param_groups"), optimizer, groups);
+}
+
+std::vector<OptimParamGroup> state_internal::optim_param_groups(
+    const ModelLayout& layout, const torch::optim::Optimizer& optimizer) {
   std::vector<std::vector<std::string>> fqns = group_fqns(layout, optimizer);
   std::vector<OptimParamGroup> groups;
   for (size_t i = 0; i < fqns.size(); ++i) {
@@ -480,9 +504,9 @@ std::vector<OptimParamGroup> optim_param_groups(FullyShardedRoot& model,
   return groups;
 }
 
-void load_optim_param_groups(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                             const std::vector<OptimParamGroup>& groups) {
-  const ModelLayout layout = state_internal::model_layout(model, "load_optim_param_groups");
+void state_internal::load_optim_param_groups(const ModelLayout& layout,
+                                             torch::optim::Optimizer& optimizer,
+                                             const std::vector<OptimParamGroup>& groups) {
   const std::vector<std::vector<std::string>> fqns = group_fqns(layout, optimizer);
   TORCH_CHECK(groups.size() == fqns.size(), "load_optim_param_groups: the state has ",
               groups.size(), " parameter group(s), the optimizer ", fqns.size(),
@@ -527,31 +551,32 @@ OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
 void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                 const OptimStateDict& state_dict) {
   static const char* kWhat = "load_full_optim_state_dict";
-  Source source;
-  source.names = [&](const std::string& fqn) {
-    const ParamOptimState* state = state_dict.find(fqn);
-    return state != nullptr ? state->keys() : std::vector<std::string>{};
-  };
-  source.elements = [&](const Param& param, const std::string& name,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
-                        int64_t numel) {
-    const at::Tensor& value = state_dict[param.fqn][name];
-    state_internal::check_tensor(kWhat, param.fqn + " (" + name + ")", shape, dtype, value,
-                                 "the optimizer state dict");
-    return value.reshape({-1}).narrow(0, begin, numel);
-  };
-  source.step = [&](const std::string& fqn) {
-    const at::Tensor* step = state_dict[fqn].find(kStep);
-    TORCH_CHECK(step != nullptr && step->numel() == 1, kWhat, ": '", fqn,
-                "' has no 'step' (a one-element tensor); it was made by another optimizer");
-    return step->item<int64_t>();
-  };
-  load(model, optimizer, state_dict.keys(), source, kWhat);
+  const Source source =
+      source_of(state_dict, kWhat,
+                [&](const Param& param, const std::string& name, const std::vector<int64_t>& shape,
+                    at::ScalarType dtype, int64_t begin, int64_t numel) {
+                  const at::Tensor& value = state_dict[param.fqn][name];
+                  state_internal::check_tensor(kWhat, param.fqn + " (" + name + ")", shape, dtype,
+                                               value, "the optimizer state dict");
+                  return value.reshape({-1}).narrow(0, begin, numel);
+                });
+  load(state_internal::model_layout(model, kWhat), optimizer, state_dict.keys(), source, kWhat);
 }
 
 ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
                                                const torch::optim::Optimizer& optimizer) {
-  const ModelLayout layout = state_internal::model_layout(model, "sharded_optim_state_dict");
+  return state_internal::sharded_optim_state_dict(
+      state_internal::model_layout(model, "sharded_optim_state_dict"), optimizer);
+}
+
+void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                                   const ShardedOptimStateDict& state_dict) {
+  state_internal::load_sharded_optim_state_dict(
+      state_internal::model_layout(model, "load_sharded_optim_state_dict"), optimizer, state_dict);
+}
+
+ShardedOptimStateDict state_internal::sharded_optim_state_dict(
+    const ModelLayout& layout, const torch::optim::Optimizer& optimizer) {
   return collect<ShardedTensor>(
       layout, optimizer, [](const FlatParamHandle&, const at::Tensor& shard) { return shard; },
       [&](const Param& param, const at::Tensor& shard) {
@@ -567,17 +592,13 @@ ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
       /*keep=*/true);
 }
 
-void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                                   const ShardedOptimStateDict& state_dict) {
+void state_internal::load_sharded_optim_state_dict(const ModelLayout& layout,
+                                                   torch::optim::Optimizer& optimizer,
+                                                   const ShardedOptimStateDict& state_dict) {
   static const char* kWhat = "load_sharded_optim_state_dict";
-  Source source;
-  source.names = [&](const std::string& fqn) {
-    const ShardedParamOptimState* state = state_dict.find(fqn);
-    return state != nullptr ? state->keys() : std::vector<std::string>{};
-  };
-  source.elements = [&](const Param& param, const std::string& name,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
-                        int64_t numel) {
+  auto elements = [&](const Param& param, const std::string& name,
+                      const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
+                      int64_t numel) {
     const ShardedTensor& value = state_dict[param.fqn][name];
     const std::string label = param.fqn + " (" + name + ")";
     TORCH_CHECK(
@@ -592,13 +613,7 @@ void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimi
                 "): it was made at another world size; reshard through a sharded checkpoint");
     return value.local.narrow(0, skip, numel);
   };
-  source.step = [&](const std::string& fqn) {
-    const ShardedTensor* step = state_dict[fqn].find(kStep);
-    TORCH_CHECK(step != nullptr && step->local.numel() == 1, kWhat, ": '", fqn,
-                "' has no 'step'; it was made by another optimizer");
-    return step->local.item<int64_t>();
-  };
-  load(model, optimizer, state_dict.keys(), source, kWhat);
+  load(layout, optimizer, state_dict.keys(), source_of(state_dict, kWhat, elements), kWhat);
 }
 
 }  // namespace fsdp

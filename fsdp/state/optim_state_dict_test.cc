@@ -157,7 +157,9 @@ TEST(Errors, UnexpectedKeysWrongOptimizerAndUnsupportedOptimizer) {
     extra.insert("l9.weight", ParamOptimState());
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, sgd, extra); },
                 ::testing::ThrowsMessage<c10::Error>(
-                    HasSubstr("load_full_optim_state_dict: unexpected keys (1): 'l9.weight'")));
+                    HasSubstr("load_full_optim_state_dict: some keys are not the model's "
+                              "parameters; unexpected keys (1): 'l9.weight'. Optimizer "
+                              "state is keyed by the model's parameter FQNs")));
     OptimStateDict partial = saved;
     partial.erase("l1.bias");
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, sgd, partial); },

@@ -370,9 +370,28 @@ Options group_options(const torch::optim::OptimizerOptions& options) {
   if (const auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
     return adam_options(*o, /*decoupled=*/true);
   }
+  if (const auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) {
+    return {{"lr", o->lr()},
+            {"lr_decay", o->lr_decay()},
+            {"eps", o->eps()},
+            {"weight_decay", o->weight_decay()},
+            {"initial_accumulator_value", o->initial_accumulator_value()},
+            {"foreach", c10::IValue()},
+            {"maximize", false},
+            {"differentiable", false},
+            {"fused", c10::IValue()}};
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) {
+    return {
+        {"lr", o->lr()},          {"momentum", o->momentum()}, {"alpha", o->alpha()},
+        {"eps", o->eps()},        {"centered", o->centered()}, {"weight_decay", o->weight_decay()},
+        {"capturable", false},    {"foreach", c10::IValue()},  {"maximize", false},
+        {"differentiable", false}};
+  }
   TORCH_CHECK(false, "param_groups: optimizer options of type ",
               c10::demangle(typeid(options).name()),
-              " are not supported; fsdp translates torch::optim::SGD, Adam and AdamW");
+              " are not supported; fsdp translates torch::optim::SGD, Adam, AdamW, Adagrad and "
+              "RMSprop");
 }
 
 // Reads typed values of one group's options, with messages naming the group.
@@ -450,6 +469,21 @@ void set_group_options(torch::optim::OptimizerOptions& options, const GroupReade
     set_adam_options(*o, r);
   } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
     set_adam_options(*o, r);
+  } else if (auto* o = dynamic_cast<torch::optim::AdagradOptions*>(&options)) {
+    r.set_double("lr", [&](double v) { o->lr(v); });
+    r.set_double("lr_decay", [&](double v) { o->lr_decay(v); });
+    r.set_double("eps", [&](double v) { o->eps(v); });
+    r.set_double("weight_decay", [&](double v) { o->weight_decay(v); });
+    r.set_double("initial_accumulator_value", [&](double v) { o->initial_accumulator_value(v); });
+    r.expect_false("maximize");
+  } else if (auto* o = dynamic_cast<torch::optim::RMSpropOptions*>(&options)) {
+    r.set_double("lr", [&](double v) { o->lr(v); });
+    r.set_double("momentum", [&](double v) { o->momentum(v); });
+    r.set_double("alpha", [&](double v) { o->alpha(v); });
+    r.set_double("eps", [&](double v) { o->eps(v); });
+    r.set_bool("centered", [&](bool v) { o->centered(v); });
+    r.set_double("weight_decay", [&](double v) { o->weight_decay(v); });
+    r.expect_false("maximize");
   } else {
     group_options(options);  // raises naming the type
   }

@@ -72,9 +72,9 @@ void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimi
 // its parameters named by FQN as torch.distributed.checkpoint.state_dict.get_state_dict
 // returns it. Hyperparameters use PyTorch's names and order; values are double, bool,
 // None or a tuple of doubles (betas). Those LibTorch's optimizers lack get the value
-// PyTorch's default has there (SGD and Adam(W): maximize False, foreach None,
-// differentiable False, fused None; Adam(W): capturable False, decoupled_weight_decay
-// False for Adam and True for AdamW).
+// PyTorch's default has there (SGD, Adam(W), Adagrad, RMSprop: maximize False, foreach
+// None, differentiable False; SGD, Adam(W), Adagrad: fused None; Adam(W), RMSprop:
+// capturable False; decoupled_weight_decay False for Adam and True for AdamW).
 struct OptimParamGroup {
   std::vector<std::pair<std::string, c10::IValue>> options;
   std::vector<std::string> params;  // cleaned FQNs, in the model's parameter order
@@ -83,7 +83,10 @@ struct OptimParamGroup {
 };
 
 // The optimizer's groups: SGD (lr, momentum, dampening, weight_decay, nesterov, ...),
-// Adam and AdamW (lr, betas, eps, weight_decay, amsgrad, ...). A flat parameter in a
+// Adam and AdamW (lr, betas, eps, weight_decay, amsgrad, ...), Adagrad (lr, lr_decay, eps,
+// weight_decay, initial_accumulator_value, foreach, maximize, differentiable, fused) and
+// RMSprop (lr, momentum, alpha, eps, centered, weight_decay, capturable, foreach,
+// maximize, differentiable), in torch 2.11's order. A flat parameter in a
 // group contributes the FQNs of the parameters it holds. Another optimizer is an error
 // naming it. No communication.
 std::vector<OptimParamGroup> optim_param_groups(FullyShardedRoot& model,

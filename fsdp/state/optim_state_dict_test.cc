@@ -350,10 +350,72 @@ TEST(OptimParamGroups, PyTorchNamesFqnsAndRoundTrip) {
                     "param_groups[0] holds 'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias', "
                     "'head.weight' but the optimizer's holds 'l1.weight', 'l1.bias', "
                     "'l2.weight', 'l2.bias', 'head.weight', 'head.bias'")));
-    torch::optim::RMSprop rmsprop(model->parameters(), torch::optim::RMSpropOptions(0.1));
-    EXPECT_THAT(
-        [&] { optim_param_groups(*model, rmsprop); },
-        ::testing::ThrowsMessage<c10::Error>(HasSubstr("RMSpropOptions are not supported")));
+    torch::optim::LBFGS lbfgs(model->parameters(), torch::optim::LBFGSOptions(0.1));
+    EXPECT_THAT([&] { optim_param_groups(*model, lbfgs); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("LBFGSOptions are not supported")));
+  });
+}
+
+// The option names of one group, in order.
+std::vector<std::string> option_names(const OptimParamGroup& group) {
+  std::vector<std::string> names;
+  for (const auto& option : group.options) names.push_back(option.first);
+  return names;
+}
+
+// Adagrad's and RMSprop's param_groups: torch 2.11's names in its order (what
+// torch.optim.Adagrad / RMSprop(...).state_dict()["param_groups"] hold), and a round trip.
+TEST(OptimParamGroups, AdagradAndRmspropByPyTorchNames) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::Adagrad adagrad(
+        model->parameters(),
+        torch::optim::AdagradOptions(0.02).lr_decay(0.1).initial_accumulator_value(0.5));
+    std::vector<OptimParamGroup> groups = optim_param_groups(*model, adagrad);
+    ASSERT_EQ(groups.size(), 1u);
+    EXPECT_THAT(option_names(groups[0]),
+                ElementsAre("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value",
+                            "foreach", "maximize", "differentiable", "fused"));
+    EXPECT_EQ(groups[0].find("lr_decay")->toDouble(), 0.1);
+    EXPECT_EQ(groups[0].find("eps")->toDouble(), 1e-10);
+    EXPECT_EQ(groups[0].find("initial_accumulator_value")->toDouble(), 0.5);
+    EXPECT_TRUE(groups[0].find("fused")->isNone());
+    EXPECT_EQ(groups[0].params.size(), 6u);
+    torch::optim::Adagrad other_adagrad(model->parameters(), torch::optim::AdagradOptions(1.0));
+    groups[0].options[3].second = 0.25;  // weight_decay
+    load_optim_param_groups(*model, other_adagrad, groups);
+    const auto& a =
+        static_cast<const torch::optim::AdagradOptions&>(other_adagrad.param_groups()[0].options());
+    EXPECT_EQ(a.lr(), 0.02);
+    EXPECT_EQ(a.lr_decay(), 0.1);
+    EXPECT_EQ(a.weight_decay(), 0.25);
+    EXPECT_EQ(a.initial_accumulator_value(), 0.5);
+
+    torch::optim::RMSprop rmsprop(
+        model->parameters(),
+        torch::optim::RMSpropOptions(0.03).alpha(0.9).momentum(0.5).centered(true));
+    groups = optim_param_groups(*model, rmsprop);
+    EXPECT_THAT(option_names(groups[0]),
+                ElementsAre("lr", "momentum", "alpha", "eps", "centered", "weight_decay",
+                            "capturable", "foreach", "maximize", "differentiable"));
+    EXPECT_EQ(groups[0].find("alpha")->toDouble(), 0.9);
+    EXPECT_EQ(groups[0].find("momentum")->toDouble(), 0.5);
+    EXPECT_TRUE(groups[0].find("centered")->toBool());
+    EXPECT_FALSE(groups[0].find("capturable")->toBool());
+    torch::optim::RMSprop other_rmsprop(model->parameters(), torch::optim::RMSpropOptions(1.0));
+    load_optim_param_groups(*model, other_rmsprop, groups);
+    const auto& r =
+        static_cast<const torch::optim::RMSpropOptions&>(other_rmsprop.param_groups()[0].options());
+    EXPECT_EQ(r.lr(), 0.03);
+    EXPECT_EQ(r.alpha(), 0.9);
+    EXPECT_EQ(r.momentum(), 0.5);
+    EXPECT_TRUE(r.centered());
+    groups[0].options[8].second = true;  // maximize
+    EXPECT_THAT([&] { load_optim_param_groups(*model, other_rmsprop, groups); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("param_groups[0]['maximize'] is Bool True; LibTorch's optimizer has "
+                              "no such option and behaves as False")));
   });
 }
 

@@ -56,5 +56,8 @@ check resumed_from_step_20 "grep -q 'resumed from .*step_00000020 at step 20' <<
 check resumed_losses_and_lrs_equal "diff <(cut -d, -f1-4 '$out/uninterrupted.csv') <(cut -d, -f1-4 '$out/resumed.csv')"
 check pytorch_folder_resumed "[[ $pytorch_status -eq 0 ]] && grep -q 'resumed from $out/pytorch_step_20 at step 20' <<<\"\$pytorch_log\""
 check pytorch_folder_losses_and_lrs_equal "diff <(cut -d, -f1-4 '$out/uninterrupted.csv') <(cut -d, -f1-4 '$out/metrics.csv')"
+# The checkpoint carries the LR schedule's position as PyTorch trainers save a
+# scheduler's state_dict: {"lr_scheduler": {"last_epoch": 20, "_last_lr": [lr]}}.
+check checkpoint_holds_the_schedule "'$python' -c \"import torch, sys; s = torch.load('$out/dcp.pt')['lr_scheduler']; sys.exit(not (s['last_epoch'] == 20 and len(s['_last_lr']) == 1 and s['_last_lr'][0] > 0))\""
 echo "$((checks - failed)) passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -129,6 +129,7 @@ int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
   try {
     if (is_dcp_checkpoint(dir)) {
       extras = load_dcp_checkpoint(model, &optimizer, dir);
+      loaded_scheduler = scheduler_from_dcp_extras(extras);
     } else {
       loaded_scheduler = load_sharded_checkpoint(model, &optimizer, dir);
     }

@@ -109,7 +109,8 @@ ABSL_FLAG(std::string, resume, "",
 ABSL_FLAG(std::string, checkpoint_format, "dcp",
           "dcp: PyTorch Distributed Checkpoint folders (.metadata, __RANK_0.distcp; "
           "torch.distributed.checkpoint.load reads them) holding {\"model\", \"optim\", "
-          "\"step\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt)");
+          "\"step\", \"lr_scheduler\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt); "
+          "either one written in the background with --async_save");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 ABSL_FLAG(std::string, device, "auto",
@@ -479,14 +480,21 @@ int train() {
       const auto begin = std::chrono::steady_clock::now();
       const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
       const bool async = absl::GetFlag(FLAGS_async_save);
-      if (format == "dcp") {
-        save_dcp_checkpoint(*model, &adamw, path,
-                            DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}}));
-      } else if (async) {
+      // {"model", "optim", "step", "lr_scheduler"} as PyTorch trainers save them.
+      const DcpCheckpointOptions dcp_options =
+          DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}});
+      if (async) {
         // Waits for the previous write first; the write's error, if any, is raised by the
         // next save or by wait_for_async_saves below.
-        (void)async_save_sharded_checkpoint(*model, &adamw, path, &scheduler,
-                                            AsyncSaveOptions().communicator(checkpoint_comm));
+        const AsyncSaveOptions options = AsyncSaveOptions().communicator(checkpoint_comm);
+        (void)(format == "dcp"
+                   ? async_save_dcp_checkpoint(*model, &adamw, path, dcp_options, &scheduler,
+                                               options)
+                   : async_save_sharded_checkpoint(*model, &adamw, path, &scheduler, options));
+      } else if (format == "dcp") {
+        DcpCheckpointOptions with_scheduler = dcp_options;
+        with_scheduler.extras().push_back(scheduler_dcp_extra(scheduler));
+        save_dcp_checkpoint(*model, &adamw, path, with_scheduler);
       } else {
         save_sharded_checkpoint(*model, &adamw, path, &scheduler);
       }

@@ -525,6 +525,40 @@ void write_sharded_checkpoint(const StagedShardedCheckpoint& staged, const std::
   }
 }
 
+std::pair<std::string, c10::IValue> scheduler_dcp_extra(const SchedulerState& scheduler) {
+  c10::Dict<std::string, c10::IValue> entry;
+  entry.insert("last_epoch", scheduler.last_epoch);
+  entry.insert("_last_lr", c10::List<double>(scheduler.last_lr));
+  return {kDcpSchedulerKey, entry};
+}
+
+std::optional<SchedulerState> scheduler_from_dcp_extras(const DcpExtras& extras) {
+  const std::string epoch_key = absl::StrCat(kDcpSchedulerKey, ".last_epoch");
+  const std::string lr_key = absl::StrCat(kDcpSchedulerKey, "._last_lr");
+  const c10::IValue* epoch = nullptr;
+  const c10::IValue* lr = nullptr;
+  for (const auto& [name, value] : extras) {
+    if (name == epoch_key) epoch = &value;
+    if (name == lr_key) lr = &value;
+  }
+  if (epoch == nullptr && lr == nullptr) return std::nullopt;
+  TORCH_CHECK(epoch != nullptr && lr != nullptr && epoch->isInt() && lr->isList(),
+              "the checkpoint's scheduler state must be '", epoch_key, "' (an int) and '", lr_key,
+              "' (a list of floats), as torch.optim.lr_scheduler's state_dict holds them; found ",
+              epoch == nullptr ? "no " + epoch_key : "'" + epoch_key + "' a " + epoch->tagKind(),
+              " and ", lr == nullptr ? "no " + lr_key : "'" + lr_key + "' a " + lr->tagKind(),
+              ": save it with scheduler_dcp_extra");
+  SchedulerState scheduler;
+  scheduler.last_epoch = epoch->toInt();
+  for (const c10::IValue& value : lr->toListRef()) {
+    TORCH_CHECK(value.isDouble() || value.isInt(), "the checkpoint's '", lr_key,
+                "' must hold numbers (one learning rate per param group), found a ",
+                value.tagKind());
+    scheduler.last_lr.push_back(value.isDouble() ? value.toDouble() : double(value.toInt()));
+  }
+  return scheduler;
+}
+
 std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
                                                       torch::optim::Optimizer* optimizer,
                                                       const std::string& dir) {
@@ -706,7 +740,7 @@ std::optional<LoadedCheckpoint> load_latest_sharded_checkpoint(FullyShardedRoot&
       try {
         if (is_dcp_checkpoint(dir)) {
           loaded.extras = load_dcp_checkpoint(model, optimizer, dir);
-          loaded.scheduler.reset();
+          loaded.scheduler = scheduler_from_dcp_extras(loaded.extras);
         } else {
           loaded.scheduler = load_sharded_checkpoint(model, optimizer, dir);
           loaded.extras.clear();

@@ -148,6 +148,24 @@ class Stager {
   StagedDcpCheckpoint& staged_;
 };
 
+// An extra entry: a dict with string keys is flattened one entry per leaf, as DCP's
+// flatten_state_dict does ("lr_scheduler.last_epoch" with path (lr_scheduler,
+// last_epoch)); any other value is one entry.
+void stage_extra(Stager& stager, const std::vector<DcpPathElement>& p, const c10::IValue& value) {
+  if (!value.isGenericDict()) {
+    stager.value(p, value);
+    return;
+  }
+  for (const auto& item : value.toGenericDict()) {
+    TORCH_CHECK(item.key().isString(), "stage_dcp_checkpoint: the extra entry '", key_of(p),
+                "' is a dict with a key of type ", item.key().tagKind(),
+                "; DCP folders take dicts with string keys only");
+    std::vector<DcpPathElement> child = p;
+    child.emplace_back(item.key().toStringRef());
+    stage_extra(stager, child, item.value());
+  }
+}
+
 // ---- Writing. See Note [A failed save leaves nothing] in checkpoint.cc.
 
 // The records one rank sends rank 0, as a pickle: a list of (fqn, chunk offsets or
@@ -547,7 +565,7 @@ StagedDcpCheckpoint stage_dcp_checkpoint(FullyShardedRoot& model,
                 "stage_dcp_checkpoint: an extra entry may not be "
                 "named '",
                 name, "' (the model's and optimizer's state use it)");
-    stager.value(path({name}), value);
+    stage_extra(stager, path({name}), value);
   }
   return staged;
 }

@@ -53,7 +53,10 @@
 namespace fsdp {
 
 // Top-level non-tensor entries beside "model" and "optim": name -> int, double, bool,
-// string, None, or a tuple/list of those.
+// string, None, a tuple/list of those, or a dict with string keys of any of these, which
+// is stored flattened as DCP stores a nested dict: {"lr_scheduler", {"last_epoch": 20}}
+// is entry "lr_scheduler.last_epoch" (dcp_to_torch_save nests it again).
+// load_dcp_checkpoint returns the flattened names.
 using DcpExtras = std::vector<std::pair<std::string, c10::IValue>>;
 
 struct DcpCheckpointOptions {
@@ -106,7 +109,8 @@ void save_dcp_checkpoint(FullyShardedRoot& model, const torch::optim::Optimizer*
 // the same FQNs, shapes and dtypes) and `optimizer` (if not null: state and
 // param_groups; the folder must hold "optim"). Each rank reads only the chunks that
 // overlap its shards. Returns the folder's other non-tensor top-level entries (e.g.
-// "step"). Reads files only; no communication.
+// "step"; a dict's leaves under their dotted names, e.g. "lr_scheduler.last_epoch").
+// Reads files only; no communication.
 DcpExtras load_dcp_checkpoint(FullyShardedRoot& model, torch::optim::Optimizer* optimizer,
                               const std::string& dir);
 

@@ -164,6 +164,12 @@ void allow_bare_resume_flag(int argc, char** argv) {
   }
 }
 
+ResumeFlag parse_resume_flag(const std::string& value) {
+  if (value.empty() || value == "false" || value == "0") return {};
+  if (value == "latest" || value == "true" || value == "1") return {true, ""};
+  return {true, value};
+}
+
 void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead) {
   if (!lead) return;
   const std::vector<std::string> removed = remove_partial_checkpoints(checkpoint_dir);

@@ -65,6 +65,15 @@ int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
 // absl::ParseCommandLine, since a string flag needs a value.
 void allow_bare_resume_flag(int argc, char** argv);
 
+// A --resume value (after allow_bare_resume_flag): "" (or false, 0) no resume; "latest"
+// (or true, 1) the newest checkpoint in the checkpoint folder (resume_step); anything
+// else a checkpoint folder (resume_from).
+struct ResumeFlag {
+  bool resume = false;
+  std::string dir;  // the folder of --resume=DIR; empty for the newest
+};
+ResumeFlag parse_resume_flag(const std::string& value);
+
 // Rank 0 (`lead`) removes the partial checkpoints a killed save left in `checkpoint_dir`
 // (remove_partial_checkpoints) and says so. Call it while holding the out_dir's lock.
 void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead);

@@ -419,9 +419,7 @@ int train() {
     }
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
-  const std::string resume_flag = absl::GetFlag(FLAGS_resume);
-  const bool resume = !resume_flag.empty() && resume_flag != "false" && resume_flag != "0";
-  const bool resume_latest = resume_flag == "latest" || resume_flag == "true" || resume_flag == "1";
+  const ResumeFlag resume = parse_resume_flag(absl::GetFlag(FLAGS_resume));
   const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
   TORCH_CHECK(format == "dcp" || format == "fsdp", "--checkpoint_format must be dcp or fsdp, not '",
               format, "'");
@@ -429,15 +427,15 @@ int train() {
   // scheduler steps taken, last_lr the LR of the next step. A checkpoint carries it.
   SchedulerState scheduler{0, {learning_rate(0)}};
   const int64_t first =  // before anything is written
-      resume && !resume_latest
-          ? resume_from(*model, adamw, *comm, resume_flag, lead, &scheduler)
-          : resume_step(*model, adamw, checkpoint_dir(), resume, lead, &scheduler);
+      !resume.dir.empty()
+          ? resume_from(*model, adamw, *comm, resume.dir, lead, &scheduler)
+          : resume_step(*model, adamw, checkpoint_dir(), resume.resume, lead, &scheduler);
   // A checkpoint without a scheduler state (an older fsdp) resumes at its step.
   if (scheduler.last_epoch == 0) scheduler = {first, {learning_rate(first)}};
   TORCH_CHECK(scheduler.last_epoch == first, "--resume: the checkpoint of step ", first,
               " holds the LR schedule of step ", scheduler.last_epoch,
               "; it was written by another run: start a new run with --overwrite");
-  check_fresh_checkpoints(*comm, checkpoint_dir(), resume, absl::GetFlag(FLAGS_overwrite));
+  check_fresh_checkpoints(*comm, checkpoint_dir(), resume.resume, absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   remove_leftover_checkpoints(checkpoint_dir(), lead);
   std::ofstream csv;

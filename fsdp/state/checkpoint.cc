@@ -526,10 +526,10 @@ void write_sharded_checkpoint(const StagedShardedCheckpoint& staged, const std::
 }
 
 std::pair<std::string, c10::IValue> scheduler_dcp_extra(const SchedulerState& scheduler) {
-  c10::Dict<std::string, c10::IValue> entry;
-  entry.insert("last_epoch", scheduler.last_epoch);
-  entry.insert("_last_lr", c10::List<double>(scheduler.last_lr));
-  return {kDcpSchedulerKey, entry};
+  c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+  entry.insert(std::string("last_epoch"), scheduler.last_epoch);
+  entry.insert(std::string("_last_lr"), c10::List<double>(scheduler.last_lr));
+  return {kDcpSchedulerKey, c10::IValue(entry)};
 }
 
 std::optional<SchedulerState> scheduler_from_dcp_extras(const DcpExtras& extras) {

@@ -21,7 +21,9 @@
 //                                options.h (the enums and option structs),
 //                                flat_param.h, checkpoint_wrapper.h, tracking_allocator.h
 //   state dicts and checkpoints  fsdp/state/state_dict.h, optim_state_dict.h, checkpoint.h,
-//                                async_checkpoint.h
+//                                async_checkpoint.h, dcp_checkpoint.h (PyTorch Distributed
+//                                Checkpoint folders)
+//   file formats                 fsdp/formats/safetensors.h, pickle.h, dcp.h
 //   LoRA adapters                fsdp/lora/lora.h, adapter_file.h (PEFT's files)
 //
 // Errors: c10::Error throughout (fsdp::CommError, a c10::Error, for communication
@@ -44,11 +46,14 @@
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/core/training_state.h"
 #include "fsdp/core/unit.h"
+#include "fsdp/formats/dcp.h"
+#include "fsdp/formats/pickle.h"
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/lora/adapter_file.h"
 #include "fsdp/lora/lora.h"
 #include "fsdp/state/async_checkpoint.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/safetensors_state_dict.h"
 #include "fsdp/state/state_dict.h"

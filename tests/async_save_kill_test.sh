@@ -2,8 +2,10 @@
 # Every rank SIGKILLed at a random point while the GPT trainer saves asynchronously (the
 # default --async_save; a checkpoint every 2 steps, so a background write is nearly always
 # in flight): as after a crash, a power cut or Ctrl-C, every step_* folder left must be
-# complete (a metadata.pt, published last), and the newest must load and train on (at
-# W = 1, with --resume, which also removes the partial folders of the killed write).
+# complete (its .metadata or metadata.pt, published last), and the newest must load and
+# train on (at W = 1, with --resume, which also removes the partial folders of the killed
+# write). Odd trials save Distributed Checkpoint folders (the default
+# --checkpoint_format=dcp), even ones fsdp's format (--checkpoint_format=fsdp).
 # Prints how many trials killed a write mid-way (a partial folder was left).
 #   async_save_kill_test.sh PATH/TO/examples/gpt/train [TRIALS [W]]
 set -uo pipefail
@@ -23,13 +25,20 @@ mid_write=0
 for trial in $(seq 1 "$trials"); do
   dir=$root/$trial
   rm -rf "$dir"
+  if ((trial % 2)); then
+    format=dcp
+    complete=.metadata
+  else
+    format=fsdp
+    complete=metadata.pt
+  fi
   mkdir -p "$dir"
   port=$(free_port)
   pids=()
   for rank in $(seq 0 $((world_size - 1))); do
     RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world_size LOCAL_WORLD_SIZE=$world_size \
       MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      "$train" "${flags[@]}" --out_dir="$dir" >"$dir/rank$rank.log" 2>&1 &
+      "$train" "${flags[@]}" --checkpoint_format=$format --out_dir="$dir" >"$dir/rank$rank.log" 2>&1 &
     pids+=($!)
   done
   # Wait until the save of step 4, 6 or 8 returns (its write has just begun in the
@@ -48,8 +57,8 @@ for trial in $(seq 1 "$trials"); do
   partial=$(partials)
   [[ $partial -gt 0 ]] && mid_write=$((mid_write + 1))
   for ckpt in "$dir"/checkpoints/step_*; do
-    if [[ ! -f $ckpt/metadata.pt ]]; then
-      echo "trial $trial: ${ckpt##*/} is incomplete (no metadata.pt)"
+    if [[ ! -f $ckpt/$complete ]]; then
+      echo "trial $trial ($format): ${ckpt##*/} is incomplete (no $complete)"
       ok=0
     fi
   done
@@ -62,7 +71,7 @@ for trial in $(seq 1 "$trials"); do
       --checkpoint_interval=0 --out_dir="$dir" 2>&1)
     if grep -q "resumed from $latest" <<<"$resumed" && grep -q "step $((10#${latest##*_} + 2))/" <<<"$resumed" &&
       [[ $(partials) -eq 0 ]]; then
-      echo "trial $trial: killed after ${step%/} with $partial partial folder(s);" \
+      echo "trial $trial ($format): killed after ${step%/} with $partial partial folder(s);" \
         "resumed from ${latest##*/} at W = 1 and trained on"
     else
       echo "trial $trial: ${latest##*/} did not resume: $(tail -3 <<<"$resumed")"

@@ -37,7 +37,7 @@ after=$(sed -n 's/.*eval loss after: //p' "$dir/out20.log")
 awk -v b="$before" -v a="$after" 'BEGIN { exit !(a < b) }' || {
   echo "FAIL: eval loss did not fall: $before -> $after"; exit 1; }
 [ "$(wc -l < "$dir/out20/metrics.csv")" -eq 21 ] || { echo "FAIL: metrics.csv rows"; exit 1; }
-ls "$dir/out20/checkpoints/step_00000020/metadata.pt" > /dev/null
+ls "$dir/out20/checkpoints/step_00000020/.metadata" > /dev/null  # a DCP folder (the default)
 "$python" "$script" differ "$dir" "$dir/model" "$dir/out20/hf"
 "$python" "$script" eval "$dir" "$dir/out20/hf" 32 "$dir/out20.log"
 "$logits" "$dir/out20/hf" "$dir/ids.pt" "$dir/out20_logits.pt" 2

@@ -11,8 +11,9 @@ set -uo pipefail
 train=${1:?usage: trainer_inputs_test.sh TRAIN}
 root=${TEST_TMPDIR:-$(mktemp -d)}/trainer_inputs
 mkdir -p "$root"
+# fsdp's own checkpoint format: these checks name its files (metadata.pt, rank_NNNNN.pt).
 small=(--layers=1 --width=32 --heads=2 --context=16 --batch_size=4 --warmup_steps=1
-  --eval_batches=1 --sample_length=0 --timeout_s=20)
+  --eval_batches=1 --sample_length=0 --timeout_s=20 --checkpoint_format=fsdp)
 passed=0
 failed=0
 check() {  # check NAME CONDITION

@@ -12,8 +12,9 @@ train=${1:?usage: trainer_recovery_test.sh TRAIN}
 root=${TEST_TMPDIR:-$(mktemp -d)}/trainer_recovery
 rm -rf "$root"
 mkdir -p "$root"
+# fsdp's own checkpoint format: these checks name its files (metadata.pt, rank_NNNNN.pt).
 small=(--layers=1 --width=32 --heads=2 --context=16 --batch_size=4 --warmup_steps=1
-  --eval_batches=1 --sample_length=0 --timeout_s=20 --eval_interval=100)
+  --eval_batches=1 --sample_length=0 --timeout_s=20 --checkpoint_format=fsdp --eval_interval=100)
 passed=0
 failed=0
 check() {  # check NAME CONDITION

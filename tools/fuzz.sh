@@ -2,11 +2,14 @@
 # Fuzzes a file reader (clang + libFuzzer + ASan + UBSan) for a bounded time, from a seed
 # corpus: the checkpoint reader (fsdp/state:torch_file_fuzzer, torch.save pickles), the
 # safetensors reader (fsdp/formats:safetensors_fuzzer, files written by the safetensors
-# library) or the .pt2 reader's JSON side (fsdp/formats:exported_program_fuzzer,
-# model.json and model_weights_config.json written by torch.export.save). A crash, a sanitizer report or a hang fails the run; libFuzzer writes the
-# input to crash-*/timeout-* in the current directory: turn it into a test
-# (checkpoint_test.cc, fsdp/formats/safetensors_test.cc, exported_program_test.cc).
-#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors|exported_program]
+# library), the .pt2 reader's JSON side (fsdp/formats:exported_program_fuzzer,
+# model.json and model_weights_config.json written by torch.export.save) or the pickle
+# reader (fsdp/formats:pickle_fuzzer, Distributed Checkpoint metadata and plain values
+# pickled by Python). A crash, a sanitizer report or a hang fails the run; libFuzzer writes
+# the input to crash-*/timeout-* in the current directory: turn it into a test
+# (checkpoint_test.cc, fsdp/formats/safetensors_test.cc, exported_program_test.cc,
+# fsdp/formats/pickle_test.cc).
+#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors|exported_program|pickle]
 #   (default 60 torch_file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +31,13 @@ case "$target" in
     "$python" tools/exported_program_fuzz_seeds.py "$corpus"
     label=//fsdp/formats:exported_program_fuzzer
     ;;
+  pickle)
+    "$python" tools/pickle_fuzz_seeds.py "$corpus"
+    label=//fsdp/formats:pickle_fuzzer
+    ;;
   *)
-    echo "fuzz.sh: unknown target '$target'; expected torch_file, safetensors or" \
-      "exported_program" >&2
+    echo "fuzz.sh: unknown target '$target'; expected torch_file, safetensors," \
+      "exported_program or pickle" >&2
     exit 2
     ;;
 esac

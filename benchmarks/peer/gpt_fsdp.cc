@@ -69,8 +69,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "examples/gpt/corpus.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/model_flags.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
@@ -83,14 +85,10 @@ ABSL_FLAG(std::string, prepare, "", "write init.pt and batches.pt into this fold
 ABSL_FLAG(std::string, data, "", "train from the init.pt and batches.pt in this folder");
 ABSL_FLAG(std::string, out, "", "where rank 0 writes the JSON of the run");
 ABSL_FLAG(std::string, strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
-ABSL_FLAG(int64_t, width, 128, "embedding width (prepare)");
-ABSL_FLAG(int64_t, layers, 4, "transformer blocks (prepare)");
-ABSL_FLAG(int64_t, heads, 4, "attention heads (prepare and train)");
-ABSL_FLAG(int64_t, context, 128, "tokens per sequence (prepare)");
+// --layers, --width, --heads, --context, --seed, --data_dir (prepare; --heads also train)
+// and --peak_tflops (train) are examples/gpt/model_flags.h's.
 ABSL_FLAG(int64_t, batch_size, 16, "global batch, sequences (prepare)");
 ABSL_FLAG(int64_t, steps, 50, "training steps (prepare)");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the batch offsets (prepare)");
-ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes (prepare)");
 ABSL_FLAG(double, lr, 1e-3, "AdamW learning rate (train)");
 ABSL_FLAG(int64_t, warmup_steps, 3, "steps left out of tokens_per_s (train)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda: rank r on cuda:LOCAL_RANK over NCCL (train)");
@@ -100,9 +98,6 @@ ABSL_FLAG(std::string, mixed_precision, "none",
           "autocast to bf16 in plain mode (train)");
 ABSL_FLAG(bool, forward_prefetch, false,
           "FullyShardedDataParallelOptions::forward_prefetch (train)");
-ABSL_FLAG(double, peak_tflops, 0,
-          "the device's peak dense bf16 TFLOP/s for the MFU; 0: examples/gpt/mfu.cc's table "
-          "(train)");
 
 namespace fsdp::examples {
 namespace {
@@ -138,14 +133,6 @@ int prepare(const std::string& dir) {
   return 0;
 }
 
-// The non-hybrid strategies only (the peer side has FSDP2 and DDP counterparts for those).
-ShardingStrategy parse_strategy(const std::string& name) {
-  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
-  TORCH_CHECK(strategy.has_value() && !is_hybrid(*strategy),
-              "--strategy must be full_shard, shard_grad_op or no_shard, got '", name, "'");
-  return *strategy;
-}
-
 // A field of /proc/self/status in MB ("VmRSS", "VmHWM").
 double status_mb(const std::string& field) {
   std::ifstream status("/proc/self/status");
@@ -174,9 +161,7 @@ int train(const std::string& dir) {
   TORCH_CHECK(mode == "fsdp" || env.world_size == 1,
               "--mode=plain trains one rank without FSDP; run it with WORLD_SIZE 1, not ",
               env.world_size);
-  const c10::Device device =
-      device_flag == "cuda" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
-                            : c10::Device(c10::kCPU);
+  const c10::Device device = compute_device(device_flag);
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       mode == "fsdp" ? init_from_environment(RendezvousOptions().backend(
@@ -205,14 +190,15 @@ int train(const std::string& dir) {
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> trained;
   if (mode == "fsdp") {
-    FullyShardedDataParallelOptions options =
+    // The non-hybrid strategies only (the peer side has FSDP2 and DDP counterparts for
+    // those).
+    const FullyShardedDataParallelOptions options =
         FullyShardedDataParallelOptions(comm)
-            .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_strategy)))
+            .sharding_strategy(sharding_strategy_flag("strategy", absl::GetFlag(FLAGS_strategy),
+                                                      /*allow_hybrid=*/false))
             .device_id(device)
-            .forward_prefetch(absl::GetFlag(FLAGS_forward_prefetch));
-    if (bf16) {
-      options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
-    }
+            .forward_prefetch(absl::GetFlag(FLAGS_forward_prefetch))
+            .mixed_precision(mixed_precision_flag(precision));
     fsdp_model.emplace(gpt, options);
     forward = [&](const at::Tensor& x) { return (*fsdp_model)->forward(x); };
     trained = (*fsdp_model)->parameters();

@@ -18,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "fsdp/comm/nccl.h"
+#include "fsdp/comm/rendezvous.h"
+#include <c10/util/Exception.h>
 #include "fsdp/core/flat_param.h"
 
 namespace fsdp::examples {
@@ -138,6 +140,33 @@ double lower_bound_bytes_per_rank(const TrainerFlags& f) {
   return 16 * params + attention;
 }
 
+std::string sharding_strategy_error(const char* flag, const std::string& value, bool allow_hybrid) {
+  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(value);
+  if (strategy && (allow_hybrid || !is_hybrid(*strategy))) return "";
+  return bad(flag, value,
+             allow_hybrid
+                 ? "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2"
+                 : "full_shard, shard_grad_op or no_shard");
+}
+
+ShardingStrategy sharding_strategy_flag(const char* flag, const std::string& value,
+                                        bool allow_hybrid) {
+  const std::string error = sharding_strategy_error(flag, value, allow_hybrid);
+  TORCH_CHECK(error.empty(), error);
+  return *parse_sharding_strategy(value);
+}
+
+c10::Device compute_device(const std::string& device) {
+  if (device != "cuda") return c10::Device(c10::kCPU);
+  return c10::Device(c10::kCUDA,
+                     static_cast<c10::DeviceIndex>(read_launch_environment().local_rank));
+}
+
+c10::optional<MixedPrecision> mixed_precision_flag(const std::string& value) {
+  if (value != "bf16") return c10::nullopt;
+  return MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat);
+}
+
 std::string resolve_device(const std::string& requested, int cuda_devices) {
   return requested == "cuda" || (requested == "auto" && cuda_devices > 0) ? "cuda" : "cpu";
 }
@@ -227,11 +256,12 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
   if (f.timeout_s < 1) {
     return bad("timeout_s", f.timeout_s, "at least 1 second to wait for the other ranks");
   }
-  const auto strategy = parse_sharding_strategy(f.sharding_strategy);
-  if (!strategy) {
-    return bad("sharding_strategy", f.sharding_strategy,
-               "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2");
+  if (std::string error = sharding_strategy_error("sharding_strategy", f.sharding_strategy,
+                                                  /*allow_hybrid=*/true);
+      !error.empty()) {
+    return error;
   }
+  const auto strategy = parse_sharding_strategy(f.sharding_strategy);
   if (f.policy != "transformer" && f.policy != "root") {
     return bad("policy", f.policy, "transformer (each block a unit) or root (one unit)");
   }

@@ -13,7 +13,12 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
+#include <c10/util/Optional.h>
+
 #include "fsdp/comm/launcher.h"
+#include "fsdp/core/flat_param.h"
+#include "fsdp/core/mixed_precision.h"
 
 namespace fsdp::examples {
 
@@ -86,6 +91,27 @@ std::string resolve_device(const std::string& requested, int cuda_devices);
 // all-gathers, forward and backward) and reduce_dtype fp32 (the gradient reduction);
 // the sharded master parameters and AdamW's state stay fp32. Pure.
 std::string resolve_mixed_precision(const std::string& requested, const std::string& device);
+
+// The GPT binaries' shared flag parsing (train.cc and benchmarks/peer/gpt_fsdp.cc).
+
+// "" if --`flag`=`value` names a sharding strategy the binary takes, by PyTorch's names:
+// full_shard, shard_grad_op, no_shard and, with `allow_hybrid`, hybrid_shard and
+// hybrid_shard_zero2; else the one-line flag error.
+std::string sharding_strategy_error(const char* flag, const std::string& value, bool allow_hybrid);
+
+// The strategy --`flag`=`value` names. Throws c10::Error with sharding_strategy_error's
+// line if it names none the binary takes.
+ShardingStrategy sharding_strategy_flag(const char* flag, const std::string& value,
+                                        bool allow_hybrid);
+
+// The compute device of --device once resolved ("cpu" or "cuda"): the CPU, or
+// cuda:LOCAL_RANK (torchrun's convention; Note [The compute device]).
+c10::Device compute_device(const std::string& device);
+
+// FSDP's mixed precision for --mixed_precision once resolved ("none" or "bf16"): none, or
+// param_dtype bf16 (all-gathers, forward, backward) with reduce_dtype fp32 (the gradient
+// reduction); the sharded master parameters stay fp32.
+c10::optional<MixedPrecision> mixed_precision_flag(const std::string& value);
 
 // A flag and the value it takes.
 struct FlagValue {

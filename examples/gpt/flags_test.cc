@@ -16,6 +16,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <c10/util/Exception.h>
 
 namespace fsdp::examples {
 namespace {
@@ -179,6 +180,34 @@ TEST(TrainerFlagsTest, OnCudaEachSelfLaunchedRankNeedsADevice) {
   // Host memory does not bound a CUDA run (this one needs far more than 20 GiB).
   flags.context = 100000;
   EXPECT_EQ(flag_error(flags, machine), "");
+}
+
+// The parsing the GPT binaries share (train, benchmarks/peer/gpt_fsdp, llama finetune).
+TEST(SharedFlagsTest, StrategiesTheBinaryTakesAndOneLineForOthers) {
+  EXPECT_EQ(sharding_strategy_error("sharding_strategy", "hybrid_shard", /*allow_hybrid=*/true),
+            "");
+  EXPECT_EQ(sharding_strategy_error("strategy", "hybrid_shard", /*allow_hybrid=*/false),
+            "--strategy=hybrid_shard: expected full_shard, shard_grad_op or no_shard");
+  EXPECT_EQ(sharding_strategy_flag("strategy", "SHARD_GRAD_OP", /*allow_hybrid=*/false),
+            ShardingStrategy::kShardGradOp);
+  EXPECT_EQ(sharding_strategy_flag("sharding_strategy", "hybrid_shard_zero2",
+                                   /*allow_hybrid=*/true),
+            ShardingStrategy::kHybridShardZero2);
+  try {
+    sharding_strategy_flag("strategy", "zero3", /*allow_hybrid=*/false);
+    ADD_FAILURE() << "no error for --strategy=zero3";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(e.msg(), "--strategy=zero3: expected full_shard, shard_grad_op or no_shard");
+  }
+}
+
+TEST(SharedFlagsTest, ResolvedDeviceAndMixedPrecision) {
+  EXPECT_EQ(compute_device("cpu"), c10::Device(c10::kCPU));
+  EXPECT_FALSE(mixed_precision_flag("none").has_value());
+  const c10::optional<MixedPrecision> bf16 = mixed_precision_flag("bf16");
+  ASSERT_TRUE(bf16.has_value());
+  EXPECT_EQ(bf16->param_dtype(), c10::optional<at::ScalarType>(at::kBFloat16));
+  EXPECT_EQ(bf16->reduce_dtype(), c10::optional<at::ScalarType>(at::kFloat));
 }
 
 TEST(TrainerFlagsTest, AutoMeansCudaWhenADeviceIsSeen) {

@@ -78,6 +78,21 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
   comm.barrier();  // no rank writes a checkpoint before the old ones are gone
 }
 
+namespace {
+
+// A checkpoint's step: its "step" entry (a DCP folder's), else its step_NNNNNNNN name.
+std::optional<int64_t> step_of(const std::string& dir, const DcpExtras& extras) {
+  for (const auto& [name, value] : extras) {
+    if (name == "step" && value.isInt()) return value.toInt();
+  }
+  int64_t step = 0;
+  const std::string name = std::filesystem::path(dir).filename().string();
+  if (absl::StartsWith(name, "step_") && absl::SimpleAtoi(name.substr(5), &step)) return step;
+  return std::nullopt;
+}
+
+}  // namespace
+
 int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                     const std::string& checkpoint_dir, bool resume, bool lead,
                     SchedulerState* scheduler) {
@@ -90,21 +105,69 @@ int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                 "; every file is as it was: restore a checkpoint or start a new run with "
                 "--overwrite");
   }
-  int64_t step = 0;
-  TORCH_CHECK(
-      loaded &&
-          absl::SimpleAtoi(std::filesystem::path(loaded->dir).filename().string().substr(5), &step),
-      "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt) in '", checkpoint_dir,
-      "'; pass the --checkpoint_dir of the run to continue, or start "
-      "a new run without --resume");
+  const std::optional<int64_t> step = loaded ? step_of(loaded->dir, loaded->extras) : std::nullopt;
+  TORCH_CHECK(step.has_value(),
+              "--resume: no complete checkpoint (step_NNNNNNNN with metadata.pt or .metadata) in '",
+              checkpoint_dir,
+              "'; pass the --checkpoint_dir of the run to continue, or start "
+              "a new run without --resume");
   if (scheduler != nullptr && loaded->scheduler) *scheduler = *loaded->scheduler;
-  if (!lead) return step;
+  if (!lead) return *step;
   for (const std::string& skipped : loaded->skipped) {
     std::cout << "--resume: skipped " << skipped << "\n";
   }
-  std::cout << "resumed from " << loaded->dir << " at step " << step
+  std::cout << "resumed from " << loaded->dir << " at step " << *step
             << (loaded->skipped.empty() ? "" : " (the newest checkpoint that loads)") << "\n";
-  return step;
+  return *step;
+}
+
+int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer, Communicator& comm,
+                    const std::string& dir, bool lead, SchedulerState* scheduler) {
+  std::string error;
+  DcpExtras extras;
+  std::optional<SchedulerState> loaded_scheduler;
+  try {
+    if (is_dcp_checkpoint(dir)) {
+      extras = load_dcp_checkpoint(model, &optimizer, dir);
+      loaded_scheduler = scheduler_from_dcp_extras(extras);
+    } else {
+      loaded_scheduler = load_sharded_checkpoint(model, &optimizer, dir);
+    }
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  at::Tensor failed = at::full({1}, error.empty() ? 0 : 1,
+                               at::dtype(at::kLong).device(model.device_handle().device()));
+  comm.all_reduce(failed, ReduceOp::kSum);
+  const int64_t failures = failed.item<int64_t>();
+  TORCH_CHECK(error.empty(), "--resume=", dir, ": ", error,
+              "; every file is as it was: pass another checkpoint folder");
+  TORCH_CHECK(failures == 0, "--resume=", dir, ": the checkpoint does not load on ", failures,
+              " other rank(s); see their errors");
+  const std::optional<int64_t> step = step_of(dir, extras);
+  TORCH_CHECK(step.has_value(), "--resume=", dir,
+              ": the checkpoint has no \"step\" entry and its folder is not named step_NNNNNNNN; "
+              "save {\"model\", \"optim\", \"step\"} (an int) with dcp.save");
+  if (scheduler != nullptr && loaded_scheduler) *scheduler = *loaded_scheduler;
+  if (lead) std::cout << "resumed from " << dir << " at step " << *step << "\n";
+  return *step;
+}
+
+void allow_bare_resume_flag(int argc, char** argv) {
+  static char kLatest[] = "--resume=latest";
+  static char kNone[] = "--resume=";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg == "--resume" || arg == "-resume") argv[i] = kLatest;
+    if (arg == "--noresume" || arg == "-noresume") argv[i] = kNone;
+  }
+}
+
+ResumeFlag parse_resume_flag(const std::string& value) {
+  if (value.empty() || value == "false" || value == "0") return {};
+  if (value == "latest" || value == "true" || value == "1") return {true, ""};
+  return {true, value};
 }
 
 void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead) {

@@ -46,9 +46,33 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
 // checkpoint is named and skipped (printed when `lead`); when none loads, every rank raises
 // and every file is as it was. If `scheduler` is not null, it receives the scheduler
 // state the checkpoint holds (left as it is when the checkpoint has none). Collective.
+// Either format counts (fsdp's metadata.pt folders and Distributed Checkpoint folders);
+// the step is a DCP folder's "step" entry, else the folder name's number.
 int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                     const std::string& checkpoint_dir, bool resume, bool lead,
                     SchedulerState* scheduler = nullptr);
+
+// --resume=DIR: loads the checkpoint folder `dir` (either format, e.g. one PyTorch's
+// dcp.save wrote with {"model", "optim", "step"} as get_state_dict lays them out) and
+// returns its step ("step" entry, else the step_NNNNNNNN name). The ranks agree (one
+// all-reduce on the model's device) before any returns: if the folder fails on any rank,
+// every rank raises. `scheduler` as for resume_step. Collective.
+int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer, Communicator& comm,
+                    const std::string& dir, bool lead, SchedulerState* scheduler = nullptr);
+
+// The trainers' --resume takes no value (newest checkpoint) or a folder: rewrites a bare
+// "--resume" in argv to "--resume=latest" (and "--noresume" to "--resume=") before
+// absl::ParseCommandLine, since a string flag needs a value.
+void allow_bare_resume_flag(int argc, char** argv);
+
+// A --resume value (after allow_bare_resume_flag): "" (or false, 0) no resume; "latest"
+// (or true, 1) the newest checkpoint in the checkpoint folder (resume_step); anything
+// else a checkpoint folder (resume_from).
+struct ResumeFlag {
+  bool resume = false;
+  std::string dir;  // the folder of --resume=DIR; empty for the newest
+};
+ResumeFlag parse_resume_flag(const std::string& value);
 
 // Rank 0 (`lead`) removes the partial checkpoints a killed save left in `checkpoint_dir`
 // (remove_partial_checkpoints) and says so. Call it while holding the out_dir's lock.

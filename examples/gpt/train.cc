@@ -10,11 +10,13 @@
 // steps, per-rank peak memory and traffic at the end, and a text sample; it writes
 // metrics.csv, loss.png (gnuplot) and model.pt (the full state dict, which torch.load
 // reads) into --out_dir. Every --checkpoint_interval steps the ranks write a sharded
-// checkpoint (model, optimizer and the LR schedule's position) to
-// --checkpoint_dir/step_NNNNNNNN, by default asynchronously (--async_save: training stops
-// only while the shards are copied to host memory; the files are written in the
-// background, and the run waits for the last write before it ends); --resume continues
-// from the newest complete one, on the same loss curve. Each rank logs its resident
+// checkpoint (model, optimizer, step and the LR schedule's position) to
+// --checkpoint_dir/step_NNNNNNNN, by default as a PyTorch Distributed Checkpoint folder
+// (--checkpoint_format=dcp|fsdp) and asynchronously (--async_save: training stops only
+// while the shards are copied to host memory; the files are written in the background,
+// and the run waits for the last write before it ends); --resume continues from the
+// newest complete one (either format), on the same loss curve, and --resume=DIR from
+// folder DIR (e.g. one PyTorch's dcp.save wrote). Each rank logs its resident
 // memory and tracked tensor bytes every --log_interval steps to memory_rank<R>.csv.
 // Ctrl-C stops every rank.
 //
@@ -30,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -61,6 +64,7 @@
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/model_flags.h"
 #include "examples/gpt/run_support.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
@@ -70,6 +74,7 @@
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/async_checkpoint.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/wrap/policy.h"
 
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
@@ -80,15 +85,10 @@ ABSL_FLAG(int, hybrid_shard_group_size, 0,
           "LOCAL_WORLD_SIZE)");
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
-ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
-ABSL_FLAG(int64_t, width, 128, "embedding width");
-ABSL_FLAG(int64_t, heads, 4, "attention heads");
-ABSL_FLAG(int64_t, context, 128, "context length (characters)");
 ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
 ABSL_FLAG(int64_t, steps, 1200, "training steps");
 ABSL_FLAG(double, lr, 3e-3, "peak learning rate (AdamW)");
 ABSL_FLAG(int64_t, warmup_steps, 50, "linear warm-up steps, then cosine decay to lr / 10");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and the data order");
 ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
 ABSL_FLAG(int64_t, eval_interval, 200, "steps between validation losses");
 ABSL_FLAG(int64_t, eval_batches, 8, "global batches per validation loss");
@@ -102,10 +102,17 @@ ABSL_FLAG(bool, async_save, true,
 ABSL_FLAG(int64_t, timeout_s, 300,
           "seconds to wait for every rank at start-up and in each collective; a rank that "
           "died is usually noticed at once (its connections close)");
-ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in --checkpoint_dir");
+ABSL_FLAG(std::string, resume, "",
+          "--resume: continue from the newest complete checkpoint in --checkpoint_dir (either "
+          "format); --resume=DIR: from checkpoint folder DIR, e.g. one PyTorch's dcp.save wrote "
+          "with {\"model\", \"optim\", \"step\"} as get_state_dict lays them out");
+ABSL_FLAG(std::string, checkpoint_format, "dcp",
+          "dcp: PyTorch Distributed Checkpoint folders (.metadata, __RANK_0.distcp; "
+          "torch.distributed.checkpoint.load reads them) holding {\"model\", \"optim\", "
+          "\"step\", \"lr_scheduler\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt); "
+          "either one written in the background with --async_save");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
-ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 ABSL_FLAG(std::string, device, "auto",
           "auto: CUDA when this process sees a CUDA device, else the CPU; cpu (Gloo); cuda "
           "(rank r on cuda:LOCAL_RANK, NCCL; the flags not given take CUDA defaults: one rank "
@@ -129,10 +136,6 @@ ABSL_FLAG(int64_t, schedule_check_every, fsdp::kDefaultScheduleCheckEvery,
           "took different branches stop with one error naming the step and the collective "
           "(FullyShardedDataParallelOptions::schedule_check_every); 0: off. Gloo only (off "
           "with NCCL)");
-ABSL_FLAG(double, peak_tflops, 0,
-          "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU) in the "
-          "progress lines; 0: from the device name (H200, H100 SXM: 989.4; A100: 312), else "
-          "no MFU");
 
 namespace fsdp::examples {
 namespace {
@@ -197,20 +200,8 @@ std::string apply_device_defaults(const MachineLimits& machine) {
   return "";
 }
 
-// The compute device: cuda:LOCAL_RANK or the CPU (--device is resolved by main()).
-c10::Device compute_device() {
-  if (absl::GetFlag(FLAGS_device) != "cuda") return c10::Device(c10::kCPU);
-  return c10::Device(c10::kCUDA,
-                     static_cast<c10::DeviceIndex>(read_launch_environment().local_rank));
-}
-
 ShardingStrategy parse_strategy(const std::string& name) {
-  const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(name);
-  TORCH_CHECK(strategy.has_value(),
-              "--sharding_strategy must be full_shard, shard_grad_op, no_shard, "
-              "hybrid_shard or hybrid_shard_zero2, got '",
-              name, "'");
-  return *strategy;
+  return sharding_strategy_flag("sharding_strategy", name, /*allow_hybrid=*/true);
 }
 
 AutoWrapPolicy parse_policy(const std::string& name) {
@@ -336,7 +327,10 @@ void check_same_flags(Communicator& comm, c10::Device device) {
       {"sample_length", double(f.sample_length)},
       {"checkpoint_interval", double(f.checkpoint_interval)},
       {"seed", double(absl::GetFlag(FLAGS_seed))},
-      {"resume", double(absl::GetFlag(FLAGS_resume))},
+      // Strings as 48-bit hashes (exact in a double).
+      {"resume", double(std::hash<std::string>()(absl::GetFlag(FLAGS_resume)) & 0xffffffffffff)},
+      {"checkpoint_format",
+       double(std::hash<std::string>()(absl::GetFlag(FLAGS_checkpoint_format)) & 0xffffffffffff)},
       {"async_save", double(absl::GetFlag(FLAGS_async_save))},
       {"cuda", double(f.device == "cuda")},
       {"bf16", double(f.mixed_precision == "bf16")},
@@ -370,7 +364,8 @@ int train() {
   MemoryTracker memory;
   // On the CPU the model and its tensors stay there (Gloo on any host); on CUDA, rank r
   // works on cuda:LOCAL_RANK over NCCL.
-  const c10::Device device = compute_device();
+  // --device is resolved by main().
+  const c10::Device device = compute_device(absl::GetFlag(FLAGS_device));
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       init_from_environment(RendezvousOptions()
@@ -401,7 +396,7 @@ int train() {
   int64_t numel = 0;
   for (const auto& p : gpt->parameters()) numel += p.numel();
   const bool bf16 = absl::GetFlag(FLAGS_mixed_precision) == "bf16";
-  FullyShardedDataParallelOptions options =
+  const FullyShardedDataParallelOptions options =
       FullyShardedDataParallelOptions(comm)
           .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
           .hybrid_shard_group_size(hybrid_group_size())
@@ -409,10 +404,8 @@ int train() {
           .device_id(device)
           .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)))
           .plan_check(absl::GetFlag(FLAGS_plan_check))
-          .schedule_check_every(absl::GetFlag(FLAGS_schedule_check_every));
-  if (bf16) {
-    options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
-  }
+          .schedule_check_every(absl::GetFlag(FLAGS_schedule_check_every))
+          .mixed_precision(mixed_precision_flag(absl::GetFlag(FLAGS_mixed_precision)));
   Model model(gpt, options);
   DeviceHandle& handle = model->device_handle();
   // Model FLOP utilisation needs the device's peak (mfu.h); the CPU has one only by flag.
@@ -438,18 +431,23 @@ int train() {
     }
   }
   const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
-  const bool resume = absl::GetFlag(FLAGS_resume);
+  const ResumeFlag resume = parse_resume_flag(absl::GetFlag(FLAGS_resume));
+  const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
+  TORCH_CHECK(format == "dcp" || format == "fsdp", "--checkpoint_format must be dcp or fsdp, not '",
+              format, "'");
   // The LR schedule's position, as torch.optim.lr_scheduler keeps it: last_epoch
   // scheduler steps taken, last_lr the LR of the next step. A checkpoint carries it.
   SchedulerState scheduler{0, {learning_rate(0)}};
   const int64_t first =  // before anything is written
-      resume_step(*model, adamw, checkpoint_dir(), resume, lead, &scheduler);
+      !resume.dir.empty()
+          ? resume_from(*model, adamw, *comm, resume.dir, lead, &scheduler)
+          : resume_step(*model, adamw, checkpoint_dir(), resume.resume, lead, &scheduler);
   // A checkpoint without a scheduler state (an older fsdp) resumes at its step.
   if (scheduler.last_epoch == 0) scheduler = {first, {learning_rate(first)}};
   TORCH_CHECK(scheduler.last_epoch == first, "--resume: the checkpoint of step ", first,
               " holds the LR schedule of step ", scheduler.last_epoch,
               "; it was written by another run: start a new run with --overwrite");
-  check_fresh_checkpoints(*comm, checkpoint_dir(), resume, absl::GetFlag(FLAGS_overwrite));
+  check_fresh_checkpoints(*comm, checkpoint_dir(), resume.resume, absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   remove_leftover_checkpoints(checkpoint_dir(), lead);
   std::ofstream csv;
@@ -495,11 +493,21 @@ int train() {
       const auto begin = std::chrono::steady_clock::now();
       const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
       const bool async = absl::GetFlag(FLAGS_async_save);
+      // {"model", "optim", "step", "lr_scheduler"} as PyTorch trainers save them.
+      const DcpCheckpointOptions dcp_options =
+          DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}});
       if (async) {
         // Waits for the previous write first; the write's error, if any, is raised by the
         // next save or by wait_for_async_saves below.
-        (void)async_save_sharded_checkpoint(*model, &adamw, path, &scheduler,
-                                            AsyncSaveOptions().communicator(checkpoint_comm));
+        const AsyncSaveOptions options = AsyncSaveOptions().communicator(checkpoint_comm);
+        (void)(format == "dcp"
+                   ? async_save_dcp_checkpoint(*model, &adamw, path, dcp_options, &scheduler,
+                                               options)
+                   : async_save_sharded_checkpoint(*model, &adamw, path, &scheduler, options));
+      } else if (format == "dcp") {
+        DcpCheckpointOptions with_scheduler = dcp_options;
+        with_scheduler.extras().push_back(scheduler_dcp_extra(scheduler));
+        save_dcp_checkpoint(*model, &adamw, path, with_scheduler);
       } else {
         save_sharded_checkpoint(*model, &adamw, path, &scheduler);
       }
@@ -580,6 +588,7 @@ int train() {
 }  // namespace fsdp::examples
 
 int main(int argc, char** argv) {
+  fsdp::examples::allow_bare_resume_flag(argc, argv);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {  // positional[0] is the program
     std::vector<std::string> extra(positional.begin() + 1, positional.end());

@@ -13,17 +13,18 @@
 //
 // Rank 0 prints a progress line per --log_interval steps (loss, lr, tokens/s, ETA) and
 // writes OUT/metrics.csv (a row per step, flushed); every --checkpoint_interval steps the
-// ranks write a sharded checkpoint (model and AdamW) under OUT/checkpoints, and --resume
-// continues from the newest. With --eval_data it prints `eval loss before: X` and `eval
-// loss after: Y`: the mean next-token cross-entropy over the file cut into consecutive
-// windows of --context + 1 tokens (no overlap, the remainder dropped). At the end it
-// writes OUT/hf/ (config.json and the weights, in files of at most --max_shard_size) that
-// transformers' LlamaForCausalLM.from_pretrained loads; --steps=0 writes the weights it
-// read, bit for bit. With --lora_rank it trains LoRA adapters only (fsdp/lora), writes
-// them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and OUT/hf/
-// holds them merged into the base weights. Without RANK in its environment it starts --world_size
-// ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is
-// one line on stderr and exit status 2.
+// ranks write a sharded checkpoint (model, AdamW and step) under OUT/checkpoints, by
+// default as a PyTorch Distributed Checkpoint folder (--checkpoint_format=dcp|fsdp), and
+// --resume continues from the newest (either format), --resume=DIR from folder DIR. With
+// --eval_data it prints `eval loss before: X` and `eval loss after: Y`: the mean next-token
+// cross-entropy over the file cut into consecutive windows of --context + 1 tokens (no overlap, the
+// remainder dropped). At the end it writes OUT/hf/ (config.json and the weights, in files of at
+// most --max_shard_size) that transformers' LlamaForCausalLM.from_pretrained loads; --steps=0
+// writes the weights it read, bit for bit. With --lora_rank it trains LoRA adapters only
+// (fsdp/lora), writes them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and
+// OUT/hf/ holds them merged into the base weights. Without RANK in its environment it starts
+// --world_size ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts:
+// a bad one is one line on stderr and exit status 2.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -50,6 +51,7 @@
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/run_support.h"
 #include "examples/llama/config.h"
@@ -63,6 +65,7 @@
 #include "fsdp/lora/adapter_file.h"
 #include "fsdp/lora/lora.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/state/safetensors_state_dict.h"
 #include "fsdp/state/state_dict.h"
 
@@ -87,7 +90,13 @@ ABSL_FLAG(std::string, max_shard_size, "5GB",
           "largest safetensors file of OUT/hf (bytes, or KB/MB/GB/KiB/MiB/GiB), as "
           "save_pretrained's max_shard_size");
 ABSL_FLAG(int64_t, timeout_s, 300, "seconds to wait for every rank in each collective");
-ABSL_FLAG(bool, resume, false, "continue from the newest checkpoint in OUT_DIR/checkpoints");
+ABSL_FLAG(std::string, resume, "",
+          "--resume: continue from the newest complete checkpoint in OUT_DIR/checkpoints "
+          "(either format); --resume=DIR: from checkpoint folder DIR, e.g. one PyTorch's "
+          "dcp.save wrote with {\"model\", \"optim\", \"step\"}");
+ABSL_FLAG(std::string, checkpoint_format, "dcp",
+          "dcp: PyTorch Distributed Checkpoint folders (.metadata, __RANK_0.distcp) holding "
+          "{\"model\", \"optim\", \"step\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt)");
 ABSL_FLAG(int64_t, lora_rank, 0,
           "0: full fine-tuning; R > 0: LoRA adapters of rank R on --lora_target_modules, "
           "every other weight frozen");
@@ -104,6 +113,8 @@ namespace {
 
 using examples::global_mean;
 using examples::next_token_loss;
+using examples::sharding_strategy_error;
+using examples::sharding_strategy_flag;
 using Model = FullyShardedDataParallel<LlamaForCausalLMImpl>;
 
 std::string checkpoint_dir() { return absl::GetFlag(FLAGS_out_dir) + "/checkpoints"; }
@@ -199,10 +210,10 @@ std::string flag_error() {
     return absl::StrCat("--batch_size=", batch, ": expected a positive multiple of the world size ",
                         world);
   }
-  const auto strategy = parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy));
-  if (!strategy || is_hybrid(*strategy)) {
-    return absl::StrCat("--sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy),
-                        ": expected full_shard, shard_grad_op or no_shard");
+  if (std::string error = sharding_strategy_error(
+          "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy), /*allow_hybrid=*/false);
+      !error.empty()) {
+    return error;
   }
   if (absl::GetFlag(FLAGS_steps) < 0) return "--steps: expected 0 or more";
   if (absl::GetFlag(FLAGS_lora_rank) < 0) {
@@ -220,6 +231,10 @@ std::string flag_error() {
   if (absl::GetFlag(FLAGS_warmup_steps) < 0) return "--warmup_steps: expected 0 or more";
   if (absl::GetFlag(FLAGS_checkpoint_interval) < 0) {
     return "--checkpoint_interval: expected 0 (none) or more";
+  }
+  const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
+  if (format != "dcp" && format != "fsdp") {
+    return absl::StrCat("--checkpoint_format=", format, ": expected dcp or fsdp");
   }
   return "";
 }
@@ -314,8 +329,9 @@ int finetune() {
     numel += p.numel();
     if (p.requires_grad()) trainable += p.numel();
   }
-  Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(
-                         *parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy))));
+  Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
+                         "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
+                         /*allow_hybrid=*/false)));
   if (!lora) load_hf_weights(*model, from);  // each rank reads only its shards' bytes
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
@@ -330,10 +346,13 @@ int finetune() {
         eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
                               : std::string());
   }
-  const bool resume = absl::GetFlag(FLAGS_resume);
-  const int64_t first =
-      examples::resume_step(*model, adamw, checkpoint_dir(), resume, lead);  // before writing
-  examples::check_fresh_checkpoints(*comm, checkpoint_dir(), resume,
+  // As the GPT trainer: --resume (newest checkpoint of either format) or --resume=DIR.
+  const examples::ResumeFlag resume = examples::parse_resume_flag(absl::GetFlag(FLAGS_resume));
+  const int64_t first =  // before writing
+      !resume.dir.empty()
+          ? examples::resume_from(*model, adamw, *comm, resume.dir, lead)
+          : examples::resume_step(*model, adamw, checkpoint_dir(), resume.resume, lead);
+  examples::check_fresh_checkpoints(*comm, checkpoint_dir(), resume.resume,
                                     absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());
   examples::remove_leftover_checkpoints(checkpoint_dir(), lead);
@@ -364,7 +383,12 @@ int finetune() {
     const double train_loss = global_mean(loss, *comm);
     if (interval > 0 && (step + 1) % interval == 0) {
       const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
-      save_sharded_checkpoint(*model, &adamw, path);
+      if (absl::GetFlag(FLAGS_checkpoint_format) == "dcp") {
+        save_dcp_checkpoint(*model, &adamw, path,
+                            DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}}));
+      } else {
+        save_sharded_checkpoint(*model, &adamw, path);
+      }
       if (lead) std::cout << "checkpoint: " << path << "\n";
     }
     if (!lead) continue;
@@ -411,6 +435,7 @@ int finetune() {
 }  // namespace fsdp::llama
 
 int main(int argc, char** argv) {
+  fsdp::examples::allow_bare_resume_flag(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const std::string error = fsdp::llama::flag_error();
   if (!error.empty()) {

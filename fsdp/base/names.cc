@@ -11,9 +11,13 @@ std::string clean_tensor_name(absl::string_view tensor_name) {
   return absl::StrReplaceAll(tensor_name, {{kFsdpPrefix, ""}, {kCheckpointPrefix, ""}});
 }
 
-void apply_to_modules(const torch::nn::Module& root, const ModuleVisitor& visit) {
+namespace {
+
+// apply_to_modules for a const (Module = const torch::nn::Module) or mutable tree.
+template <typename Module, typename Visitor>
+void pre_order(Module& root, const Visitor& visit) {
   struct Frame {
-    const torch::nn::Module* module;
+    Module* module;
     std::string prefix;
     int depth;
   };
@@ -30,6 +34,16 @@ void apply_to_modules(const torch::nn::Module& root, const ModuleVisitor& visit)
           {it->value().get(), absl::StrCat(frame.prefix, it->key(), "."), frame.depth + 1});
     }
   }
+}
+
+}  // namespace
+
+void apply_to_modules(const torch::nn::Module& root, const ModuleVisitor& visit) {
+  pre_order(root, visit);
+}
+
+void apply_to_modules(torch::nn::Module& root, const MutableModuleVisitor& visit) {
+  pre_order(root, visit);
 }
 
 absl::flat_hash_map<ParamKey, std::vector<std::string>> param_to_fqns(

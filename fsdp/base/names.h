@@ -52,6 +52,13 @@ using ModuleVisitor =
 // PyTorch: torch.distributed.fsdp._common_utils._apply_to_modules.
 void apply_to_modules(const torch::nn::Module& root, const ModuleVisitor& visit);
 
+// The same traversal over a tree the caller may change (a visitor that wraps, binds or
+// edits what it visits), so that nobody casts a visited module's const away. A visitor
+// must not add or remove children of modules it has not visited yet.
+using MutableModuleVisitor =
+    std::function<void(torch::nn::Module& module, const std::string& prefix, int depth)>;
+void apply_to_modules(torch::nn::Module& root, const MutableModuleVisitor& visit);
+
 // Identity of a parameter: two tensors are the same parameter iff they share a
 // TensorImpl (tied weights assign the same tensor to two modules).
 using ParamKey = const c10::TensorImpl*;

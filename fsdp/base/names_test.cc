@@ -60,6 +60,20 @@ TEST(ApplyToModulesTest, PreOrderWithPrefixes) {
   EXPECT_THAT(seen, ElementsAre("@0", "0.@1", "1.@1", "1.0.@2", "1.1.@2"));
 }
 
+// The mutable overload visits the same modules in the same order, and a visitor may
+// change what it visits, its children included (they are read after the visit).
+TEST(ApplyToModulesTest, MutableTraversalMayChangeWhatItVisits) {
+  auto outer = seq({linear(1), seq({linear(1), linear(1)})});
+  std::vector<std::string> seen;
+  apply_to_modules(*outer, [&](torch::nn::Module& module, const std::string& prefix, int depth) {
+    seen.push_back(prefix + "@" + std::to_string(depth));
+    if (prefix == "1.") module.register_module("2", linear(1));
+    module.register_buffer("visits", at::ones({1}));
+  });
+  EXPECT_THAT(seen, ElementsAre("@0", "0.@1", "1.@1", "1.0.@2", "1.1.@2", "1.2.@2"));
+  EXPECT_EQ(outer->named_buffers().size(), 6u);
+}
+
 TEST(ApplyToModulesTest, FqnsOfWrappedModelEqualUnwrapped) {
   // A wrapper-shaped tree: the prefixes disappear once cleaned.
   auto wrapper = std::make_shared<torch::nn::Module>();

@@ -176,12 +176,9 @@ void register_all() {
 }  // namespace fsdp
 
 int main(int argc, char** argv) {
-  if (auto status = fsdp::comm_internal::launch_self_as_ranks(fsdp::kWorldSize, argc, argv)) {
-    return *status;
-  }
-  benchmark::Initialize(&argc, argv);
-  fsdp::register_all();
-  // ranks() connects before anything is timed.
-  fsdp::comm_internal::run_benchmarks_on_rank(fsdp::ranks().comm->rank());
-  return 0;
+  return fsdp::comm_internal::benchmark_main(fsdp::kWorldSize, argc, argv,
+                                             []() -> fsdp::Communicator& {
+                                               fsdp::register_all();
+                                               return *fsdp::ranks().comm;
+                                             });
 }

@@ -173,50 +173,7 @@ TEST(ShardOnConstructionTest, TheRootMustUseTheScopesOptions) {
 
 // ---- Shared parameters under shard_on_construction (Note [Shared parameters]). ----
 
-// TiedLinearImpl and BiasChildImpl are parity_testing.h's; the models below differ from
-// its same-named ones (no head, other forwards), so their construction errors name
-// these FQNs.
-
-// The token embedding a unit of its own, the output head in the root tied to it.
-struct EmbeddingUnitLmImpl : torch::nn::Module {
-  EmbeddingUnitLmImpl() {
-    embedding = register_module("embedding", make_unit(torch::nn::Embedding(11, 8)));
-    head = register_module("head", std::make_shared<TiedLinearImpl>(embedding->module()->weight));
-  }
-  at::Tensor forward(at::Tensor tokens) { return head->forward(embedding(tokens)); }
-  Unit<torch::nn::EmbeddingImpl> embedding{nullptr};
-  std::shared_ptr<TiedLinearImpl> head;
-};
-
-// A parent unit and a unit inside it register one bias (pytorch#83052's pattern).
-struct BiasParentImpl : torch::nn::Module {
-  BiasParentImpl() {
-    bias = register_parameter("bias", at::zeros({4}));
-    child = register_module("child", Unit<BiasChildImpl>(std::make_shared<BiasChildImpl>(bias)));
-  }
-  at::Tensor forward(const at::Tensor& x) { return torch::relu(child(x)) * bias; }
-  at::Tensor bias;
-  Unit<BiasChildImpl> child{nullptr};
-};
-struct SharedBiasImpl : torch::nn::Module {
-  SharedBiasImpl() {
-    parent = register_module("parent", Unit<BiasParentImpl>(std::make_shared<BiasParentImpl>()));
-  }
-  at::Tensor forward(const at::Tensor& x) { return parent(x); }
-  Unit<BiasParentImpl> parent{nullptr};
-};
-
-// Two sibling units tied: b uses a's weight.
-struct TiedUnitsImpl : torch::nn::Module {
-  TiedUnitsImpl() {
-    a = register_module("a", make_unit(torch::nn::Linear(4, 4)));
-    b = register_module(
-        "b", Unit<TiedLinearImpl>(std::make_shared<TiedLinearImpl>(a->module()->weight)));
-  }
-  at::Tensor forward(at::Tensor x) { return b(a(x)); }
-  Unit<torch::nn::LinearImpl> a{nullptr};
-  Unit<TiedLinearImpl> b{nullptr};
-};
+// The models (EmbeddingUnitLmImpl, SharedBiasImpl, TiedUnitsImpl) are parity_testing.h's.
 
 // The c10::Error message `fn` throws (without its backtrace), or "(no error)".
 std::string error_of(const std::function<void()>& fn) {

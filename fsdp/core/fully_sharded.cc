@@ -201,22 +201,21 @@ std::vector<FoundUnit> find_units(UnitBase& root,
                                   const absl::flat_hash_set<const torch::nn::Module*>& ignored) {
   std::vector<FoundUnit> units;
   std::vector<std::string> ignored_prefixes;
-  apply_to_modules(
-      root, [&](const torch::nn::Module& module, const std::string& prefix, int /*depth*/) {
-        for (const std::string& skip : ignored_prefixes) {
-          if (absl::StartsWith(prefix, skip)) return;
-        }
-        auto* unit = dynamic_cast<const UnitBase*>(&module);
-        if (ignored.contains(&module) || (unit && ignored.contains(unit->wrapped_module().get()))) {
-          ignored_prefixes.push_back(prefix);
-          return;
-        }
-        if (unit != nullptr) {
-          std::string fqn = clean_tensor_name(prefix);
-          if (!fqn.empty()) fqn.pop_back();  // the trailing "."
-          units.push_back({const_cast<UnitBase*>(unit), fqn});
-        }
-      });
+  apply_to_modules(root, [&](torch::nn::Module& module, const std::string& prefix, int /*depth*/) {
+    for (const std::string& skip : ignored_prefixes) {
+      if (absl::StartsWith(prefix, skip)) return;
+    }
+    auto* unit = dynamic_cast<UnitBase*>(&module);
+    if (ignored.contains(&module) || (unit && ignored.contains(unit->wrapped_module().get()))) {
+      ignored_prefixes.push_back(prefix);
+      return;
+    }
+    if (unit != nullptr) {
+      std::string fqn = clean_tensor_name(prefix);
+      if (!fqn.empty()) fqn.pop_back();  // the trailing "."
+      units.push_back({unit, fqn});
+    }
+  });
   return units;
 }
 

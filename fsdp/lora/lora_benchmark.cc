@@ -161,22 +161,19 @@ BENCHMARK(BM_LoraFineTune)->Iterations(kSteps)->UseManualTime()->Unit(benchmark:
 }  // namespace fsdp
 
 int main(int argc, char** argv) {
-  if (auto status = fsdp::comm_internal::launch_self_as_ranks(fsdp::kWorldSize, argc, argv)) {
-    return *status;
-  }
-  benchmark::Initialize(&argc, argv);
-  const int rank = fsdp::comm()->rank();
-  fsdp::comm_internal::run_benchmarks_on_rank(rank);
-  fsdp::comm()->barrier();
-  const auto& r = fsdp::results();
-  if (rank == 0 && r.count("LoRA") && r.count("Full")) {
-    std::cout
-        << "| figure (per rank and step) | full fine-tuning | LoRA r = 8 (q, v) | LoRA / full |\n"
-        << "|---|---|---|---|\n";
-    for (const auto& [name, full] : r.at("Full")) {
-      const double lora = r.at("LoRA").at(name);
-      std::cout << absl::StrFormat("| %s | %.6g | %.6g | %.4f |\n", name, full, lora, lora / full);
-    }
-  }
-  return 0;
+  return fsdp::comm_internal::benchmark_main(
+      fsdp::kWorldSize, argc, argv, []() -> fsdp::Communicator& { return *fsdp::comm(); },
+      [](int rank) {
+        const auto& r = fsdp::results();
+        if (rank == 0 && r.count("LoRA") && r.count("Full")) {
+          std::cout << "| figure (per rank and step) | full fine-tuning | LoRA r = 8 (q, v) | LoRA "
+                       "/ full |\n"
+                    << "|---|---|---|---|\n";
+          for (const auto& [name, full] : r.at("Full")) {
+            const double lora = r.at("LoRA").at(name);
+            std::cout << absl::StrFormat("| %s | %.6g | %.6g | %.4f |\n", name, full, lora,
+                                         lora / full);
+          }
+        }
+      });
 }

@@ -180,6 +180,24 @@ AsyncSave async_save_sharded_checkpoint(FullyShardedRoot& model,
       options);
 }
 
+AsyncSave async_save_dcp_checkpoint(FullyShardedRoot& model,
+                                    const torch::optim::Optimizer* optimizer,
+                                    const std::string& dir, const DcpCheckpointOptions& dcp_options,
+                                    const SchedulerState* scheduler,
+                                    const AsyncSaveOptions& options) {
+  return async_save(
+      model.communicator(),
+      [&]() -> CheckpointWrite {
+        DcpCheckpointOptions with_scheduler = dcp_options;
+        if (scheduler != nullptr)
+          with_scheduler.extras().push_back(scheduler_dcp_extra(*scheduler));
+        auto staged = std::make_shared<const StagedDcpCheckpoint>(
+            stage_dcp_checkpoint(model, optimizer, with_scheduler));
+        return [staged, dir](Communicator& comm) { write_dcp_checkpoint(*staged, dir, comm); };
+      },
+      options);
+}
+
 void wait_for_async_saves() {
   std::exception_ptr first_error;
   for (const std::shared_ptr<Slot>& slot : Registry::get().slots()) {

@@ -3,6 +3,7 @@
 //
 //   fsdp::AsyncSave save = fsdp::async_save_sharded_checkpoint(*model, &optimizer,
 //                                                              "/ckpt/step_00000200");
+//   // or a PyTorch Distributed Checkpoint folder: fsdp::async_save_dcp_checkpoint(...)
 //   ... train on: the model and optimizer may change, the copy does not ...
 //   save.wait();  // optional: rethrows the write's error
 //   // A second async save first waits for this one; so does the process's exit.
@@ -41,6 +42,7 @@
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 
 namespace fsdp {
 
@@ -98,6 +100,19 @@ using CheckpointWrite = std::function<void(Communicator& comm)>;
                                                       const std::string& dir,
                                                       const SchedulerState* scheduler = nullptr,
                                                       const AsyncSaveOptions& options = {});
+
+// save_dcp_checkpoint (dcp_checkpoint.h), asynchronously: stage_dcp_checkpoint on this
+// thread (with `scheduler`, if not null, as the extra entry "lr_scheduler":
+// scheduler_dcp_extra in checkpoint.h), write_dcp_checkpoint in the background, with the
+// same crash safety (a folder with a .metadata is complete). Host memory: one copy of
+// this rank's chunks until the write ends. Collective. PyTorch: dcp.async_save of
+// {"model", "optim", extras...}.
+[[nodiscard]] AsyncSave async_save_dcp_checkpoint(FullyShardedRoot& model,
+                                                  const torch::optim::Optimizer* optimizer,
+                                                  const std::string& dir,
+                                                  const DcpCheckpointOptions& dcp_options = {},
+                                                  const SchedulerState* scheduler = nullptr,
+                                                  const AsyncSaveOptions& options = {});
 
 // Waits for every asynchronous save of this process in flight, and rethrows the first
 // error that no wait() raised. Call it before the communicator goes away (e.g. at the

@@ -111,6 +111,64 @@ TEST(AsyncSave, SchedulerStateIsOptionalAndLoadLatestReturnsIt) {
   });
 }
 
+// A DCP folder written in the background (the GPT trainer's default): what was staged,
+// the extras and the scheduler state ("lr_scheduler.last_epoch", "lr_scheduler._last_lr"),
+// which load_latest_sharded_checkpoint gives back; Adagrad state and param_groups at W = 3.
+TEST(AsyncSave, DcpFolderWithTheSchedulerLoadsAtAnotherWorldSize) {
+  const fs::path root = scratch("async_dcp");
+  const std::string dir = (root / "step_00000002").string();
+  const SchedulerState scheduler{2, {0.01, 0.005}};
+  StateDict want_model;
+  OptimStateDict want_optim;
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::Adagrad adagrad(model->parameters(),
+                                  torch::optim::AdagradOptions(0.05).lr_decay(0.1));
+    train(model, adagrad, 0, 2, *comm);
+    const StateDict full = full_state_dict(*model);
+    const OptimStateDict optim = full_optim_state_dict(*model, adagrad);
+    if (comm->rank() == 0) {
+      want_model = full;
+      want_optim = optim;
+    }
+    AsyncSave save = async_save_dcp_checkpoint(
+        *model, &adagrad, dir, DcpCheckpointOptions().extras({{"step", int64_t{2}}}), &scheduler);
+    train(model, adagrad, 2, 2, *comm);  // changes the model while the write may run
+    save.wait();
+  });
+  EXPECT_TRUE(fs::exists(fs::path(dir) / ".metadata"));
+  on_ranks(3, [&](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::Adagrad adagrad(model->parameters(), torch::optim::AdagradOptions(1.0));
+    const std::optional<LoadedCheckpoint> latest =
+        load_latest_sharded_checkpoint(*model, &adagrad, root.string());
+    ASSERT_TRUE(latest.has_value());
+    ASSERT_TRUE(latest->scheduler.has_value());
+    EXPECT_EQ(*latest->scheduler, scheduler);
+    ASSERT_EQ(latest->extras.size(), 3u);
+    EXPECT_EQ(latest->extras[0].first, "step");
+    EXPECT_EQ(latest->extras[1].first, "lr_scheduler.last_epoch");
+    EXPECT_EQ(latest->extras[2].first, "lr_scheduler._last_lr");
+    expect_equal(full_state_dict(*model), want_model);
+    const OptimStateDict optim = full_optim_state_dict(*model, adagrad);
+    ASSERT_EQ(optim.keys(), want_optim.keys());
+    for (const auto& item : want_optim) expect_equal(optim[item.key()], item.value());
+    const auto& options =
+        static_cast<const torch::optim::AdagradOptions&>(adagrad.param_groups()[0].options());
+    EXPECT_EQ(options.lr(), 0.05);
+    EXPECT_EQ(options.lr_decay(), 0.1);
+  });
+  EXPECT_THAT(
+      [] {
+        scheduler_from_dcp_extras({{"lr_scheduler.last_epoch", 2.5}});
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(
+          "'lr_scheduler.last_epoch' (an int) and 'lr_scheduler._last_lr' (a list of "
+          "floats)")));
+}
+
 TEST(AsyncSave, ASecondSaveWaitsForTheFirstAndWritesRunOffTheCallersThread) {
   on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
     std::atomic<bool> first_written{false};

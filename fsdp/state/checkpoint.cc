@@ -24,7 +24,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
+#include "fsdp/formats/dcp.h"
+#include "fsdp/state/internal/durable_files.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
+#include "fsdp/state/internal/state_dict_layout.h"
 #include "fsdp/state/internal/torch_file.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -35,8 +39,16 @@ namespace fsdp {
 namespace {
 
 namespace fs = std::filesystem;
+using state_internal::errno_text;
+using state_internal::is_partial_name;
+using state_internal::message_of;
+using state_internal::publish;
 using state_internal::PyValue;
 using state_internal::PyValuePtr;
+using state_internal::read_file;
+using state_internal::remove_partial;
+using state_internal::space_note;
+using state_internal::write_file_durably;
 
 constexpr char kFormat[] = "fsdp.sharded_checkpoint";
 constexpr int64_t kVersion = 1;
@@ -46,96 +58,8 @@ constexpr char kOptimPrefix[] = "optim/";
 constexpr char kSchedulerLastEpoch[] = "scheduler/last_epoch";
 constexpr char kSchedulerLastLr[] = "scheduler/last_lr";
 
-std::string errno_text() { return std::strerror(errno); }
-
-// An exception's message without LibTorch's C++ backtrace.
-std::string message_of(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error != nullptr ? error->what_without_backtrace() : e.what();
-}
-
-// Makes a rename in `dir` durable ("" is the current directory); best effort.
-void fsync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-// Writes `bytes` to `path` crash-safely: a temporary file in the same directory,
-// fsync'ed, renamed over `path`, and the directory fsync'ed.
-void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
-  const std::string temporary = absl::StrCat(path, ".tmp-", getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "cannot create '", temporary, "': ", errno_text());
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string error = errno_text();
-      ::close(fd);
-      ::unlink(temporary.c_str());
-      TORCH_CHECK(false, "cannot write '", temporary, "': ", error);
-    }
-    written += static_cast<size_t>(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  const std::string sync_error = errno_text();
-  ::close(fd);
-  if (!synced || ::rename(temporary.c_str(), path.c_str()) != 0) {
-    const std::string error = synced ? errno_text() : sync_error;
-    ::unlink(temporary.c_str());
-    TORCH_CHECK(false, "cannot write '", path, "': ", error);
-  }
-  fsync_directory(fs::path(path).parent_path());
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  TORCH_CHECK(in.good() && !fs::is_directory(path), "cannot open '", path,
-              "': no such readable file");
-  std::string bytes(static_cast<size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  TORCH_CHECK(in.read(bytes.data(), static_cast<std::streamsize>(bytes.size())), "cannot read '",
-              path, "'");
-  return bytes;
-}
-
 uint64_t crc32_of(const char* data, size_t size) {
   return ::crc32_z(::crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(data), size);
-}
-
-std::string bytes_text(int64_t bytes) {
-  return absl::StrFormat("%d bytes (%.1f MB)", bytes, bytes / 1e6);
-}
-
-// How much space a failed save needed and how much the file system holding `dir` has
-// free, after its partial directory is gone.
-std::string space_note(const fs::path& dir, int64_t needed) {
-  struct statvfs stats = {};
-  const std::string free =
-      ::statvfs(dir.c_str(), &stats) == 0
-          ? bytes_text(static_cast<int64_t>(stats.f_bavail) * static_cast<int64_t>(stats.f_frsize))
-          : "an unknown amount (" + errno_text() + ")";
-  return absl::StrCat("the checkpoint needs at least ", bytes_text(needed), ", ", free,
-                      " is free on the file system of '", dir.string(),
-                      "'; its partial directory was removed: free space (or save elsewhere) "
-                      "and save again");
-}
-
-// A partial directory: ".<name>.partial-<token>" (see save_sharded_checkpoint).
-bool is_partial_name(const std::string& name) {
-  return absl::StartsWith(name, ".") && absl::StrContains(name, ".partial-");
-}
-
-// Removes `partial` (several ranks may do so at once: retried until it is gone).
-void remove_partial(const fs::path& partial) {
-  std::error_code error;
-  for (int attempt = 0; attempt < 10 && fs::exists(partial, error); ++attempt) {
-    fs::remove_all(partial, error);
-  }
 }
 
 // ---- Reading values of a parsed file, with messages naming the file.
@@ -207,16 +131,10 @@ struct Item {
 
 // Replicated tensors are written by rank 0 only, and under HYBRID strategies a flat
 // parameter's pieces by its first shard group only (see writes_pieces).
-std::vector<Item> items_of(FullyShardedRoot& model, const ShardedStateDict& model_state,
+std::vector<Item> items_of(const state_internal::ModelLayout& layout,
+                           const ShardedStateDict& model_state,
                            const ShardedOptimStateDict& optim_state) {
-  const state_internal::ModelLayout layout =
-      state_internal::model_layout(model, "save_sharded_checkpoint");
-  absl::flat_hash_set<std::string> copies;  // FQNs whose pieces another rank writes
-  for (const state_internal::Entry& entry : layout.entries) {
-    if (entry.handle != nullptr && !state_internal::writes_pieces(*entry.handle, layout)) {
-      copies.insert(entry.fqn);
-    }
-  }
+  const absl::flat_hash_set<std::string> copies = state_internal::pieces_written_elsewhere(layout);
   auto item = [&](std::string key, const std::string& fqn, const ShardedTensor& tensor) {
     const bool written = tensor.local.numel() > 0 && !copies.contains(fqn) &&
                          (!tensor.replicated || layout.rank == 0);
@@ -327,18 +245,6 @@ c10::IValue metadata_value(int world_size, const std::vector<Item>& items,
   metadata.insert("files", files);
   metadata.insert("tensors", tensors);
   return metadata;
-}
-
-// Moves the complete `partial` directory to `dir`, swapping out an existing one.
-void publish(const fs::path& partial, const fs::path& dir) {
-  if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_NOREPLACE) != 0) {
-    TORCH_CHECK(errno == EEXIST || errno == ENOTEMPTY, "cannot publish checkpoint '", dir.string(),
-                "': ", errno_text());
-    TORCH_CHECK(::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0,
-                "cannot replace checkpoint '", dir.string(), "': ", errno_text());
-    fs::remove_all(partial);  // now the previous checkpoint
-  }
-  fsync_directory(dir.parent_path());
 }
 
 class CheckpointReader {
@@ -581,12 +487,16 @@ void save_sharded_checkpoint(FullyShardedRoot& model, const torch::optim::Optimi
 StagedShardedCheckpoint stage_sharded_checkpoint(FullyShardedRoot& model,
                                                  const torch::optim::Optimizer* optimizer,
                                                  const SchedulerState* scheduler) {
-  const ShardedStateDict model_state = sharded_state_dict(model);  // checks `model`
+  // One layout for the whole save (it walks the module tree); checks `model` is idle.
+  const state_internal::ModelLayout layout =
+      state_internal::model_layout(model, "save_sharded_checkpoint");
+  const ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   const ShardedOptimStateDict optim_state =
-      optimizer != nullptr ? sharded_optim_state_dict(model, *optimizer) : ShardedOptimStateDict();
+      optimizer != nullptr ? state_internal::sharded_optim_state_dict(layout, *optimizer)
+                           : ShardedOptimStateDict();
   StagedShardedCheckpoint staged;
   staged.device = model.device_handle().device();
-  for (const Item& item : items_of(model, model_state, optim_state)) {
+  for (const Item& item : items_of(layout, model_state, optim_state)) {
     staged.entries.push_back({item.key,
                               staged_piece(*item.tensor, item.written, staged.device.is_cuda()),
                               item.written});
@@ -605,15 +515,7 @@ void write_sharded_checkpoint(const StagedShardedCheckpoint& staged, const std::
   // tensors); their results are read on the CPU.
   const at::TensorOptions on_device = at::dtype(at::kLong).device(staged.device);
   const fs::path target = fs::absolute(dir).lexically_normal();
-  // A partial directory of this save's own (rank 0's pid and save count), so that saves
-  // running at once into one directory never mix their files: each publishes a complete
-  // checkpoint, the last one wins.
-  static std::atomic<int64_t> saves{0};
-  at::Tensor token =
-      at::scalar_tensor(int64_t{getpid()} << 24 | (saves++ & 0xffffff), on_device).reshape({1});
-  comm.broadcast(token, /*root=*/0);
-  const fs::path partial = target.parent_path() / absl::StrCat(".", target.filename().string(),
-                                                               ".partial-", token.item<int64_t>());
+  const fs::path partial = state_internal::partial_directory(target, comm, on_device);
   // See Note [A failed save leaves nothing].
   try {
     save_into(partial, target, comm, on_device, items);
@@ -623,11 +525,47 @@ void write_sharded_checkpoint(const StagedShardedCheckpoint& staged, const std::
   }
 }
 
+std::pair<std::string, c10::IValue> scheduler_dcp_extra(const SchedulerState& scheduler) {
+  c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+  entry.insert(std::string("last_epoch"), scheduler.last_epoch);
+  entry.insert(std::string("_last_lr"), c10::List<double>(scheduler.last_lr));
+  return {kDcpSchedulerKey, c10::IValue(entry)};
+}
+
+std::optional<SchedulerState> scheduler_from_dcp_extras(const DcpExtras& extras) {
+  const std::string epoch_key = absl::StrCat(kDcpSchedulerKey, ".last_epoch");
+  const std::string lr_key = absl::StrCat(kDcpSchedulerKey, "._last_lr");
+  const c10::IValue* epoch = nullptr;
+  const c10::IValue* lr = nullptr;
+  for (const auto& [name, value] : extras) {
+    if (name == epoch_key) epoch = &value;
+    if (name == lr_key) lr = &value;
+  }
+  if (epoch == nullptr && lr == nullptr) return std::nullopt;
+  TORCH_CHECK(epoch != nullptr && lr != nullptr && epoch->isInt() && lr->isList(),
+              "the checkpoint's scheduler state must be '", epoch_key, "' (an int) and '", lr_key,
+              "' (a list of floats), as torch.optim.lr_scheduler's state_dict holds them; found ",
+              epoch == nullptr ? "no " + epoch_key : "'" + epoch_key + "' a " + epoch->tagKind(),
+              " and ", lr == nullptr ? "no " + lr_key : "'" + lr_key + "' a " + lr->tagKind(),
+              ": save it with scheduler_dcp_extra");
+  SchedulerState scheduler;
+  scheduler.last_epoch = epoch->toInt();
+  for (const c10::IValue& value : lr->toListRef()) {
+    TORCH_CHECK(value.isDouble() || value.isInt(), "the checkpoint's '", lr_key,
+                "' must hold numbers (one learning rate per param group), found a ",
+                value.tagKind());
+    scheduler.last_lr.push_back(value.isDouble() ? value.toDouble() : double(value.toInt()));
+  }
+  return scheduler;
+}
+
 std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
                                                       torch::optim::Optimizer* optimizer,
                                                       const std::string& dir) {
   static const std::string kWhat = "load_sharded_checkpoint";
-  ShardedStateDict model_state = sharded_state_dict(model);  // this rank's pieces: the shape
+  const state_internal::ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
+  // This rank's pieces: the shape of what to read.
+  ShardedStateDict model_state = state_internal::sharded_state_dict(layout);
   CheckpointReader reader(dir);
   std::vector<std::string> model_keys;
   for (const std::string& key : reader.keys()) {
@@ -668,9 +606,9 @@ std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
       if (!optim_state.contains(fqn)) optim_state.insert(fqn, ShardedParamOptimState());
       optim_state[fqn].insert(key.substr(slash + 1), std::move(piece));
     }
-    load_sharded_optim_state_dict(model, *optimizer, optim_state);
+    state_internal::load_sharded_optim_state_dict(layout, *optimizer, optim_state);
   }
-  load_sharded_state_dict(model, model_state);
+  state_internal::load_sharded_state_dict(layout, model_state);
   return read_scheduler(reader);
 }
 
@@ -680,7 +618,9 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || name[0] == '.' || !entry.is_directory()) continue;
-    if (!fs::exists(entry.path() / kMetadata)) continue;
+    if (!fs::exists(entry.path() / kMetadata) && !fs::exists(entry.path() / kDcpMetadataFile)) {
+      continue;
+    }
     if (!latest || name > fs::path(*latest).filename().string()) latest = entry.path().string();
   }
   return latest;
@@ -766,14 +706,16 @@ std::string failures_text(const std::vector<RankOutcome>& outcomes) {
 }
 
 // The directories under `root` that hold a checkpoint, complete or not (metadata.pt or a
-// rank file), newest (last in name order) first; partial directories excluded.
+// rank file, or a Distributed Checkpoint's .metadata or rank file), newest (last in name order)
+// first; partial directories excluded.
 std::vector<std::string> checkpoint_candidates(const std::string& root) {
   std::vector<std::string> names;
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || name[0] == '.' || !entry.is_directory()) continue;
-    if (fs::exists(entry.path() / kMetadata) || fs::exists(entry.path() / rank_file(0))) {
+    if (fs::exists(entry.path() / kMetadata) || fs::exists(entry.path() / rank_file(0)) ||
+        is_dcp_checkpoint(entry.path().string())) {
       names.push_back(name);
     }
   }
@@ -796,7 +738,13 @@ std::optional<LoadedCheckpoint> load_latest_sharded_checkpoint(FullyShardedRoot&
     std::string error;
     if (!name.empty()) {
       try {
-        loaded.scheduler = load_sharded_checkpoint(model, optimizer, dir);
+        if (is_dcp_checkpoint(dir)) {
+          loaded.extras = load_dcp_checkpoint(model, optimizer, dir);
+          loaded.scheduler = scheduler_from_dcp_extras(loaded.extras);
+        } else {
+          loaded.scheduler = load_sharded_checkpoint(model, optimizer, dir);
+          loaded.extras.clear();
+        }
       } catch (const std::exception& e) {
         error = message_of(e);
       }

@@ -46,11 +46,13 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/optim/optimizer.h>
 
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
 
@@ -79,6 +81,20 @@ struct SchedulerState {
     return last_epoch == other.last_epoch && last_lr == other.last_lr;
   }
 };
+
+// The scheduler state in a Distributed Checkpoint folder (dcp_checkpoint.h): the extra
+// entry "lr_scheduler" = {"last_epoch": int, "_last_lr": [float, ...]}, the key
+// torchtitan saves its schedulers under and torch.optim.lr_scheduler's state_dict names,
+// stored as "lr_scheduler.last_epoch" and "lr_scheduler._last_lr" (dcp_to_torch_save
+// nests them again). Pass it in DcpCheckpointOptions::extras;
+// load_latest_sharded_checkpoint and scheduler_from_dcp_extras read it back.
+inline constexpr char kDcpSchedulerKey[] = "lr_scheduler";
+std::pair<std::string, c10::IValue> scheduler_dcp_extra(const SchedulerState& scheduler);
+
+// The scheduler state among load_dcp_checkpoint's extras; nullopt when the folder has
+// none. Raises c10::Error when "lr_scheduler.last_epoch" is not an int or
+// "lr_scheduler._last_lr" not a list of numbers (or only one of them is there).
+std::optional<SchedulerState> scheduler_from_dcp_extras(const DcpExtras& extras);
 
 // Writes the model's (and, if not null, the optimizer's and the scheduler's) sharded
 // state to directory `dir` (its parent must exist; an existing `dir` is replaced).
@@ -127,22 +143,28 @@ std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
                                                       torch::optim::Optimizer* optimizer,
                                                       const std::string& dir);
 
-// The complete sharded checkpoint under `root` whose directory name sorts last (name
-// them so that they sort by step, e.g. step_00000200), or nullopt if there is none.
+// The complete sharded checkpoint under `root` (this format's, or a Distributed
+// Checkpoint folder, dcp_checkpoint.h) whose directory name sorts last (name them so
+// that they sort by step, e.g. step_00000200), or nullopt if there is none.
 // Partial directories (a save that crashed) are skipped.
 std::optional<std::string> latest_checkpoint(const std::string& root);
 
 // What load_latest_sharded_checkpoint loaded, and the newer checkpoints it skipped.
 struct LoadedCheckpoint {
-  std::string dir;                          // ROOT/<name> of the checkpoint loaded
-  std::optional<SchedulerState> scheduler;  // the scheduler state it holds, if any
+  std::string dir;  // ROOT/<name> of the checkpoint loaded
+  // The scheduler state it holds, if any (a DCP folder's "lr_scheduler" entries).
+  std::optional<SchedulerState> scheduler;
   // One line per skipped checkpoint: "'ROOT/<name>': rank 1: checkpoint file '...' has
   // 100 bytes, the metadata says 129047: it is truncated or damaged; ...".
   std::vector<std::string> skipped;
+  // A Distributed Checkpoint folder's extra entries (e.g. "step"); empty otherwise.
+  DcpExtras extras;
 };
 
 // Loads the newest checkpoint under `root` that loads on every rank, trying the
-// directories holding a checkpoint (metadata.pt or rank_00000.pt) in reverse name order.
+// directories holding a checkpoint in reverse name order: this format's (metadata.pt or
+// rank_00000.pt) or a Distributed Checkpoint folder (.metadata or __0_0.distcp, loaded
+// with load_dcp_checkpoint), whichever each holds.
 // Collective: each rank loads the files its shard needs (sizes, CRC-32s and metadata
 // verified), then the ranks agree (one all-gather of a small record) before any returns,
 // so every rank returns the same checkpoint, or raises the same error. Returns nullopt

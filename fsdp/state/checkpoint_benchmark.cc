@@ -9,7 +9,8 @@
 // every rank. Sharded: every rank writes its own file (save_sharded_checkpoint) and
 // reads back. RawWrite: each rank writes (write + fsync) as many bytes as its sharded
 // file. Files go to $TMPDIR (default /tmp). After the run rank 0 prints each save/load
-// rate as a ratio to RawWrite.
+// rate as a ratio to RawWrite. ModelLayout: the time of one model-layout build, which a
+// sharded save or load makes once.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -29,6 +30,7 @@
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/internal/model_layout.h"
 #include <ATen/Functions.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -142,32 +144,39 @@ void BM_LoadFull(benchmark::State& state) {
           [&] { load_full_state_dict(*s.model, load_state_dict((s.dir / "model.pt").string())); });
 }
 
+// One build of the model layout that every sharded save and load starts with (it walks
+// the module tree and maps each parameter to its flat parameter); a save made three
+// before issue 25, one since.
+void BM_ModelLayout(benchmark::State& state) {
+  Setup& s = setup();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(state_internal::model_layout(*s.model, "BM_ModelLayout"));
+  }
+}
+
 // Fixed iteration counts keep the ranks' collectives matched.
 BENCHMARK(BM_RawWrite)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SaveSharded)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LoadSharded)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SaveFull)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LoadFull)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ModelLayout)->Iterations(1000)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace fsdp
 
 int main(int argc, char** argv) {
-  if (auto status = fsdp::comm_internal::launch_self_as_ranks(fsdp::kWorldSize, argc, argv)) {
-    return *status;
-  }
-  benchmark::Initialize(&argc, argv);
-  fsdp::Setup& s = fsdp::setup();
-  fsdp::comm_internal::run_benchmarks_on_rank(s.comm->rank());
-  s.comm->barrier();
-  if (s.comm->rank() == 0) {
-    const auto& r = fsdp::rates();
-    for (const auto& [name, mbps] : r) {
-      if (name != "RawWrite" && r.count("RawWrite")) {
-        std::cout << absl::StrFormat("%s / RawWrite = %.2f\n", name, mbps / r.at("RawWrite"));
-      }
-    }
-    std::filesystem::remove_all(s.dir);
-  }
-  return 0;
+  return fsdp::comm_internal::benchmark_main(
+      fsdp::kWorldSize, argc, argv, []() -> fsdp::Communicator& { return *fsdp::setup().comm; },
+      [](int rank) {
+        if (rank == 0) {
+          const auto& r = fsdp::rates();
+          for (const auto& [name, mbps] : r) {
+            if (name != "RawWrite" && r.count("RawWrite")) {
+              std::cout << absl::StrFormat("%s / RawWrite = %.2f\n", name, mbps / r.at("RawWrite"));
+            }
+          }
+          std::filesystem::remove_all(fsdp::setup().dir);
+        }
+      });
 }

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fsdp/core/testing/parity_testing.h"
+#include "fsdp/state/internal/model_layout.h"
 
 namespace fsdp {
 namespace {
@@ -218,6 +219,23 @@ TEST(ShardedCheckpoint, ReplacesAnExistingCheckpointAndFindsTheLatest) {
     Trained t = train_tiny_lm(comm, 0);
     load_sharded_checkpoint(*t.model, t.adam.get(), (root / "step_00000200").string());
     EXPECT_TRUE(t.adam->state().empty()) << "the replacement holds no optimizer state";
+  });
+}
+
+// Issue 25: a save built the model layout three times (sharded_state_dict,
+// sharded_optim_state_dict and the file's item list), a load three times too. One rank,
+// so that no other rank's thread counts at the same time.
+TEST(ShardedCheckpoint, BuildsTheModelLayoutOncePerSaveAndOncePerLoad) {
+  const std::string dir = (scratch("layout_builds") / "step_00000001").string();
+  on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+    Trained t = train_tiny_lm(comm, 1);
+    const int64_t before = state_internal::model_layout_builds();
+    save_sharded_checkpoint(*t.model, t.adam.get(), dir);
+    EXPECT_EQ(state_internal::model_layout_builds() - before, 1);
+    load_sharded_checkpoint(*t.model, t.adam.get(), dir);
+    EXPECT_EQ(state_internal::model_layout_builds() - before, 2);
+    (void)sharded_state_dict(*t.model);
+    EXPECT_EQ(state_internal::model_layout_builds() - before, 3) << "the public API builds its own";
   });
 }
 

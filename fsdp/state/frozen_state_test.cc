@@ -14,6 +14,7 @@
 
 #include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/checkpoint.h"
+#include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/safetensors_state_dict.h"
 #include "fsdp/state/state_dict.h"
@@ -137,6 +138,32 @@ TEST(FrozenStateTest, ShardedCheckpointReshardsFromTwoRanksToThree) {
     zero_every_flat_param(*model);
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
     load_sharded_checkpoint(*model, &adam, dir);
+    const StateDict full = full_state_dict(*model);
+    ASSERT_EQ(full.keys(), saved.keys());
+    for (const auto& item : saved) EXPECT_TRUE(at::equal(full[item.key()], item.value()));
+    EXPECT_EQ(full_optim_state_dict(*model, adam).size(), 7u);
+  });
+}
+
+// The same through a Distributed Checkpoint folder (dcp_checkpoint.h).
+TEST(FrozenStateTest, DcpCheckpointReshardsFromTwoRanksToThree) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir =
+      (std::filesystem::path(tmp != nullptr ? tmp : "/tmp") / "frozen_dcp").string();
+  StateDict saved;
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto model = wrap(comm);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+    train_step(*model, adam, 0, comm->rank());
+    save_dcp_checkpoint(*model, &adam, dir);
+    const StateDict full = full_state_dict(*model);
+    if (comm->rank() == 0) saved = full;
+  });
+  on_ranks(3, [&](std::shared_ptr<Communicator> comm) {
+    auto model = wrap(comm);
+    zero_every_flat_param(*model);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+    EXPECT_TRUE(load_dcp_checkpoint(*model, &adam, dir).empty());
     const StateDict full = full_state_dict(*model);
     ASSERT_EQ(full.keys(), saved.keys());
     for (const auto& item : saved) EXPECT_TRUE(at::equal(full[item.key()], item.value()));

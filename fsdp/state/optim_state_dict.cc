@@ -1,6 +1,5 @@
 #include "fsdp/state/optim_state_dict.h"
 
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -12,12 +11,12 @@
 #include "absl/strings/str_join.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
-#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -122,6 +121,30 @@ struct Source {
   std::function<int64_t(const std::string& fqn)> step;
 };
 
+// The elements of a step count: a full dict holds a tensor, a sharded one a replicated
+// ShardedTensor.
+const at::Tensor& local_of(const at::Tensor& tensor) { return tensor; }
+const at::Tensor& local_of(const ShardedTensor& tensor) { return tensor.local; }
+
+// The Source of an OptimStateDict or ShardedOptimStateDict (kept by reference), its
+// elements taken by `elements`.
+template <typename Dict>
+Source source_of(const Dict& state_dict, const char* what, decltype(Source::elements) elements) {
+  Source source;
+  source.names = [&state_dict](const std::string& fqn) {
+    const auto* state = state_dict.find(fqn);
+    return state != nullptr ? state->keys() : std::vector<std::string>{};
+  };
+  source.elements = std::move(elements);
+  source.step = [&state_dict, what](const std::string& fqn) {
+    const auto* step = state_dict[fqn].find(kStep);
+    TORCH_CHECK(step != nullptr && local_of(*step).numel() == 1, what, ": '", fqn,
+                "' has no 'step' (a one-element tensor); it was made by another optimizer");
+    return local_of(*step).template item<int64_t>();
+  };
+  return source;
+}
+
 template <typename AdamState>
 std::unique_ptr<torch::optim::OptimizerParamState> make_adam_state(
     const absl::flat_hash_map<std::string, at::Tensor>& tensors, int64_t step) {
@@ -205,23 +228,14 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
       make_state(optimizer, param, fqn, tensors, source);
 }
 
-void load(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+void load(const ModelLayout& layout, torch::optim::Optimizer& optimizer,
           const std::vector<std::string>& keys, const Source& source, const char* what) {
   check_supported(optimizer);
-  const ModelLayout layout = state_internal::model_layout(model, what);
   const std::vector<Param> params = params_of(layout);
-  absl::flat_hash_set<std::string> known;
-  for (const Param& param : params) known.insert(param.fqn);
-  std::vector<std::string> unexpected;
-  for (const std::string& key : keys) {
-    if (!known.contains(key)) unexpected.push_back(key);
-  }
-  TORCH_CHECK(unexpected.empty(), what, ": unexpected keys (", unexpected.size(), "): '",
-              absl::StrJoin(unexpected.begin(),
-                            unexpected.begin() + std::min<size_t>(unexpected.size(), 10), "', '"),
-              "'; optimizer state is keyed by the model's parameter FQNs (a tied parameter by "
-              "its first name in pre-order)");
-  torch::NoGradGuard no_grad;
+  std::vector<std::string> known;
+  for (const Param& param : params) known.push_back(param.fqn);
+  const auto no_grad =
+      state_internal::begin_load(known, keys, what, state_internal::KeySet::kOptimState);
   absl::flat_hash_map<const FlatParamHandle*, std::vector<const Param*>> params_by_handle;
   for (const Param& param : params) {
     if (param.handle != nullptr) params_by_handle[param.handle].push_back(&param);
@@ -309,7 +323,239 @@ torch::OrderedDict<std::string, torch::OrderedDict<std::string, Value>> collect(
   return result;
 }
 
+// ---- param_groups. See Note [Hyperparameters by PyTorch's names].
+
+// Note [Hyperparameters by PyTorch's names]
+// A group's options are read and written in one place per optimizer type (group_options
+// and set_group_options below: add a case for each new type to both). The names and
+// their order are PyTorch 2.11's Optimizer.state_dict()["param_groups"]; what LibTorch's
+// optimizer has no option for is written as PyTorch's default and, on load, must hold
+// the value LibTorch behaves as (maximize False); flags that change only how PyTorch
+// computes (foreach, capturable, differentiable, fused) are ignored on load.
+using Options = std::vector<std::pair<std::string, c10::IValue>>;
+
+c10::IValue betas_value(const std::tuple<double, double>& betas) {
+  return c10::ivalue::Tuple::create({std::get<0>(betas), std::get<1>(betas)});
+}
+
+template <typename AdamOptions>
+Options adam_options(const AdamOptions& o, bool decoupled) {
+  return {{"lr", o.lr()},
+          {"betas", betas_value(o.betas())},
+          {"eps", o.eps()},
+          {"weight_decay", o.weight_decay()},
+          {"amsgrad", o.amsgrad()},
+          {"maximize", false},
+          {"foreach", c10::IValue()},
+          {"capturable", false},
+          {"differentiable", false},
+          {"fused", c10::IValue()},
+          {"decoupled_weight_decay", decoupled}};
+}
+
+Options group_options(const torch::optim::OptimizerOptions& options) {
+  if (const auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
+    return {{"lr", o->lr()},
+            {"momentum", o->momentum()},
+            {"dampening", o->dampening()},
+            {"weight_decay", o->weight_decay()},
+            {"nesterov", o->nesterov()},
+            {"maximize", false},
+            {"foreach", c10::IValue()},
+            {"differentiable", false},
+            {"fused", c10::IValue()}};
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+    return adam_options(*o, /*decoupled=*/false);
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    return adam_options(*o, /*decoupled=*/true);
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) {
+    return {{"lr", o->lr()},
+            {"lr_decay", o->lr_decay()},
+            {"eps", o->eps()},
+            {"weight_decay", o->weight_decay()},
+            {"initial_accumulator_value", o->initial_accumulator_value()},
+            {"foreach", c10::IValue()},
+            {"maximize", false},
+            {"differentiable", false},
+            {"fused", c10::IValue()}};
+  }
+  if (const auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) {
+    return {
+        {"lr", o->lr()},          {"momentum", o->momentum()}, {"alpha", o->alpha()},
+        {"eps", o->eps()},        {"centered", o->centered()}, {"weight_decay", o->weight_decay()},
+        {"capturable", false},    {"foreach", c10::IValue()},  {"maximize", false},
+        {"differentiable", false}};
+  }
+  TORCH_CHECK(false, "param_groups: optimizer options of type ",
+              c10::demangle(typeid(options).name()),
+              " are not supported; fsdp translates torch::optim::SGD, Adam, AdamW, Adagrad and "
+              "RMSprop");
+}
+
+// Reads typed values of one group's options, with messages naming the group.
+class GroupReader {
+ public:
+  GroupReader(const OptimParamGroup& group, size_t index) : group_(group), index_(index) {}
+
+  void set_double(const char* name, const std::function<void(double)>& set) const {
+    if (const c10::IValue* v = find(name)) {
+      TORCH_CHECK(v->isDouble() || v->isInt(), where(name), " must be a number, found ",
+                  v->tagKind());
+      set(v->isDouble() ? v->toDouble() : static_cast<double>(v->toInt()));
+    }
+  }
+  void set_bool(const char* name, const std::function<void(bool)>& set) const {
+    if (const c10::IValue* v = find(name)) {
+      TORCH_CHECK(v->isBool(), where(name), " must be a bool, found ", v->tagKind());
+      set(v->toBool());
+    }
+  }
+  void set_betas(const std::function<void(std::tuple<double, double>)>& set) const {
+    if (const c10::IValue* v = find("betas")) {
+      const bool ok = (v->isTuple() && v->toTupleRef().elements().size() == 2) ||
+                      (v->isList() && v->toListRef().size() == 2);
+      TORCH_CHECK(ok, where("betas"), " must be a pair of numbers, found ", v->tagKind());
+      const auto elements = v->isTuple() ? v->toTupleRef().elements().vec() : v->toListRef().vec();
+      auto number = [&](const c10::IValue& e) {
+        TORCH_CHECK(e.isDouble() || e.isInt(), where("betas"), " must be a pair of numbers");
+        return e.isDouble() ? e.toDouble() : static_cast<double>(e.toInt());
+      };
+      set({number(elements[0]), number(elements[1])});
+    }
+  }
+  // Options LibTorch has no switch for must hold the value LibTorch behaves as.
+  void expect_false(const char* name) const {
+    if (const c10::IValue* v = find(name)) {
+      TORCH_CHECK(v->isBool() && !v->toBool(), where(name), " is ", v->tagKind(), " ",
+                  v->isBool() ? "True" : "",
+                  "; LibTorch's optimizer has no such option and "
+                  "behaves as False: train with it False");
+    }
+  }
+
+ private:
+  const c10::IValue* find(const char* name) const {
+    const c10::IValue* v = group_.find(name);
+    return v != nullptr && !v->isNone() ? v : nullptr;
+  }
+  std::string where(const char* name) const {
+    return "load_optim_param_groups: param_groups[" + std::to_string(index_) + "]['" + name + "']";
+  }
+  const OptimParamGroup& group_;
+  size_t index_;
+};
+
+template <typename AdamOptions>
+void set_adam_options(AdamOptions& o, const GroupReader& r) {
+  r.set_double("lr", [&](double v) { o.lr(v); });
+  r.set_betas([&](std::tuple<double, double> v) { o.betas(v); });
+  r.set_double("eps", [&](double v) { o.eps(v); });
+  r.set_double("weight_decay", [&](double v) { o.weight_decay(v); });
+  r.set_bool("amsgrad", [&](bool v) { o.amsgrad(v); });
+  r.expect_false("maximize");
+}
+
+void set_group_options(torch::optim::OptimizerOptions& options, const GroupReader& r) {
+  if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+    r.set_double("lr", [&](double v) { o->lr(v); });
+    r.set_double("momentum", [&](double v) { o->momentum(v); });
+    r.set_double("dampening", [&](double v) { o->dampening(v); });
+    r.set_double("weight_decay", [&](double v) { o->weight_decay(v); });
+    r.set_bool("nesterov", [&](bool v) { o->nesterov(v); });
+    r.expect_false("maximize");
+  } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    set_adam_options(*o, r);
+  } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    set_adam_options(*o, r);
+  } else if (auto* o = dynamic_cast<torch::optim::AdagradOptions*>(&options)) {
+    r.set_double("lr", [&](double v) { o->lr(v); });
+    r.set_double("lr_decay", [&](double v) { o->lr_decay(v); });
+    r.set_double("eps", [&](double v) { o->eps(v); });
+    r.set_double("weight_decay", [&](double v) { o->weight_decay(v); });
+    r.set_double("initial_accumulator_value", [&](double v) { o->initial_accumulator_value(v); });
+    r.expect_false("maximize");
+  } else if (auto* o = dynamic_cast<torch::optim::RMSpropOptions*>(&options)) {
+    r.set_double("lr", [&](double v) { o->lr(v); });
+    r.set_double("momentum", [&](double v) { o->momentum(v); });
+    r.set_double("alpha", [&](double v) { o->alpha(v); });
+    r.set_double("eps", [&](double v) { o->eps(v); });
+    r.set_bool("centered", [&](bool v) { o->centered(v); });
+    r.set_double("weight_decay", [&](double v) { o->weight_decay(v); });
+    r.expect_false("maximize");
+  } else {
+    group_options(options);  // raises naming the type
+  }
+}
+
+// The FQNs of each optimizer group's parameters, in the model's parameter order.
+std::vector<std::vector<std::string>> group_fqns(const ModelLayout& layout,
+                                                 const torch::optim::Optimizer& optimizer) {
+  std::vector<std::vector<std::string>> fqns;
+  for (const torch::optim::OptimizerParamGroup& group : optimizer.param_groups()) {
+    absl::flat_hash_set<const void*> members;
+    for (const at::Tensor& p : group.params()) members.insert(p.unsafeGetTensorImpl());
+    std::vector<std::string> names;
+    for (const Param& param : params_of(layout)) {
+      const at::Tensor& key =
+          param.handle != nullptr ? param.handle->sharded_flat_param() : param.tensor;
+      if (members.contains(key.unsafeGetTensorImpl())) names.push_back(param.fqn);
+    }
+    fqns.push_back(std::move(names));
+  }
+  return fqns;
+}
+
 }  // namespace
+
+const c10::IValue* OptimParamGroup::find(const std::string& name) const {
+  for (const auto& [key, value] : options) {
+    if (key == name) return &value;
+  }
+  return nullptr;
+}
+
+std::vector<OptimParamGroup> optim_param_groups(FullyShardedRoot& model,
+                                                const torch::optim::Optimizer& optimizer) {
+  return state_internal::optim_param_groups(
+      state_internal::model_layout(model, "optim_param_groups"), optimizer);
+}
+
+void load_optim_param_groups(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                             const std::vector<OptimParamGroup>& groups) {
+  state_internal::load_optim_param_groups(
+      state_internal::model_layout(model, "load_optim_param_groups"), optimizer, groups);
+}
+
+std::vector<OptimParamGroup> state_internal::optim_param_groups(
+    const ModelLayout& layout, const torch::optim::Optimizer& optimizer) {
+  std::vector<std::vector<std::string>> fqns = group_fqns(layout, optimizer);
+  std::vector<OptimParamGroup> groups;
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    groups.push_back({group_options(optimizer.param_groups()[i].options()), std::move(fqns[i])});
+  }
+  return groups;
+}
+
+void state_internal::load_optim_param_groups(const ModelLayout& layout,
+                                             torch::optim::Optimizer& optimizer,
+                                             const std::vector<OptimParamGroup>& groups) {
+  const std::vector<std::vector<std::string>> fqns = group_fqns(layout, optimizer);
+  TORCH_CHECK(groups.size() == fqns.size(), "load_optim_param_groups: the state has ",
+              groups.size(), " parameter group(s), the optimizer ", fqns.size(),
+              "; build the optimizer with the same groups");
+  for (size_t i = 0; i < groups.size(); ++i) {
+    TORCH_CHECK(groups[i].params == fqns[i], "load_optim_param_groups: param_groups[", i,
+                "] holds '", absl::StrJoin(groups[i].params, "', '"),
+                "' but the optimizer's holds '", absl::StrJoin(fqns[i], "', '"),
+                "'; build the optimizer with the same groups");
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    set_group_options(optimizer.param_groups()[i].options(), GroupReader(groups[i], i));
+  }
+}
 
 OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
                                      const torch::optim::Optimizer& optimizer,
@@ -340,31 +586,32 @@ OptimStateDict full_optim_state_dict(FullyShardedRoot& model,
 void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                 const OptimStateDict& state_dict) {
   static const char* kWhat = "load_full_optim_state_dict";
-  Source source;
-  source.names = [&](const std::string& fqn) {
-    const ParamOptimState* state = state_dict.find(fqn);
-    return state != nullptr ? state->keys() : std::vector<std::string>{};
-  };
-  source.elements = [&](const Param& param, const std::string& name,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
-                        int64_t numel) {
-    const at::Tensor& value = state_dict[param.fqn][name];
-    state_internal::check_tensor(kWhat, param.fqn + " (" + name + ")", shape, dtype, value,
-                                 "the optimizer state dict");
-    return value.reshape({-1}).narrow(0, begin, numel);
-  };
-  source.step = [&](const std::string& fqn) {
-    const at::Tensor* step = state_dict[fqn].find(kStep);
-    TORCH_CHECK(step != nullptr && step->numel() == 1, kWhat, ": '", fqn,
-                "' has no 'step' (a one-element tensor); it was made by another optimizer");
-    return step->item<int64_t>();
-  };
-  load(model, optimizer, state_dict.keys(), source, kWhat);
+  const Source source =
+      source_of(state_dict, kWhat,
+                [&](const Param& param, const std::string& name, const std::vector<int64_t>& shape,
+                    at::ScalarType dtype, int64_t begin, int64_t numel) {
+                  const at::Tensor& value = state_dict[param.fqn][name];
+                  state_internal::check_tensor(kWhat, param.fqn + " (" + name + ")", shape, dtype,
+                                               value, "the optimizer state dict");
+                  return value.reshape({-1}).narrow(0, begin, numel);
+                });
+  load(state_internal::model_layout(model, kWhat), optimizer, state_dict.keys(), source, kWhat);
 }
 
 ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
                                                const torch::optim::Optimizer& optimizer) {
-  const ModelLayout layout = state_internal::model_layout(model, "sharded_optim_state_dict");
+  return state_internal::sharded_optim_state_dict(
+      state_internal::model_layout(model, "sharded_optim_state_dict"), optimizer);
+}
+
+void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                                   const ShardedOptimStateDict& state_dict) {
+  state_internal::load_sharded_optim_state_dict(
+      state_internal::model_layout(model, "load_sharded_optim_state_dict"), optimizer, state_dict);
+}
+
+ShardedOptimStateDict state_internal::sharded_optim_state_dict(
+    const ModelLayout& layout, const torch::optim::Optimizer& optimizer) {
   return collect<ShardedTensor>(
       layout, optimizer, [](const FlatParamHandle&, const at::Tensor& shard) { return shard; },
       [&](const Param& param, const at::Tensor& shard) {
@@ -380,17 +627,13 @@ ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
       /*keep=*/true);
 }
 
-void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
-                                   const ShardedOptimStateDict& state_dict) {
+void state_internal::load_sharded_optim_state_dict(const ModelLayout& layout,
+                                                   torch::optim::Optimizer& optimizer,
+                                                   const ShardedOptimStateDict& state_dict) {
   static const char* kWhat = "load_sharded_optim_state_dict";
-  Source source;
-  source.names = [&](const std::string& fqn) {
-    const ShardedParamOptimState* state = state_dict.find(fqn);
-    return state != nullptr ? state->keys() : std::vector<std::string>{};
-  };
-  source.elements = [&](const Param& param, const std::string& name,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
-                        int64_t numel) {
+  auto elements = [&](const Param& param, const std::string& name,
+                      const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t begin,
+                      int64_t numel) {
     const ShardedTensor& value = state_dict[param.fqn][name];
     const std::string label = param.fqn + " (" + name + ")";
     TORCH_CHECK(
@@ -405,13 +648,7 @@ void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimi
                 "): it was made at another world size; reshard through a sharded checkpoint");
     return value.local.narrow(0, skip, numel);
   };
-  source.step = [&](const std::string& fqn) {
-    const ShardedTensor* step = state_dict[fqn].find(kStep);
-    TORCH_CHECK(step != nullptr && step->local.numel() == 1, kWhat, ": '", fqn,
-                "' has no 'step'; it was made by another optimizer");
-    return step->local.item<int64_t>();
-  };
-  load(model, optimizer, state_dict.keys(), source, kWhat);
+  load(layout, optimizer, state_dict.keys(), source_of(state_dict, kWhat, elements), kWhat);
 }
 
 }  // namespace fsdp

@@ -17,8 +17,8 @@
 // optimizer has not stepped yet has no entry (LibTorch's Adagrad makes its state when it
 // is built, so it has one from the start). A tied parameter is keyed by its first FQN in pre-order.
 // Parameters outside FSDP (ignored modules) given to the same optimizer are included,
-// replicated. Hyper-parameters (param_groups) are not part of the state: build the
-// optimizer with the same options before loading.
+// replicated. Hyper-parameters (param_groups) are not part of the state dicts:
+// optim_param_groups / load_optim_param_groups give and take them, with PyTorch's names.
 //
 // PyTorch: FullyShardedDataParallel.full_optim_state_dict / optim_state_dict_to_load /
 // sharded_optim_state_dict.
@@ -28,7 +28,10 @@
 #define FSDP_STATE_OPTIM_STATE_DICT_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
+#include <ATen/core/ivalue.h>
 #include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
 
@@ -64,6 +67,38 @@ ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
 // same world size, or as load_sharded_checkpoint assembles them at another).
 void load_sharded_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                                    const ShardedOptimStateDict& state_dict);
+
+// One parameter group as PyTorch's Optimizer.state_dict()["param_groups"] holds it, with
+// its parameters named by FQN as torch.distributed.checkpoint.state_dict.get_state_dict
+// returns it. Hyperparameters use PyTorch's names and order; values are double, bool,
+// None or a tuple of doubles (betas). Those LibTorch's optimizers lack get the value
+// PyTorch's default has there (SGD, Adam(W), Adagrad, RMSprop: maximize False, foreach
+// None, differentiable False; SGD, Adam(W), Adagrad: fused None; Adam(W), RMSprop:
+// capturable False; decoupled_weight_decay False for Adam and True for AdamW).
+struct OptimParamGroup {
+  std::vector<std::pair<std::string, c10::IValue>> options;
+  std::vector<std::string> params;  // cleaned FQNs, in the model's parameter order
+  // The value of option `name`, or nullptr.
+  const c10::IValue* find(const std::string& name) const;
+};
+
+// The optimizer's groups: SGD (lr, momentum, dampening, weight_decay, nesterov, ...),
+// Adam and AdamW (lr, betas, eps, weight_decay, amsgrad, ...), Adagrad (lr, lr_decay, eps,
+// weight_decay, initial_accumulator_value, foreach, maximize, differentiable, fused) and
+// RMSprop (lr, momentum, alpha, eps, centered, weight_decay, capturable, foreach,
+// maximize, differentiable), in torch 2.11's order. A flat parameter in a
+// group contributes the FQNs of the parameters it holds. Another optimizer is an error
+// naming it. No communication.
+std::vector<OptimParamGroup> optim_param_groups(FullyShardedRoot& model,
+                                                const torch::optim::Optimizer& optimizer);
+
+// Sets each group's hyperparameters from `groups` (as optim_param_groups or PyTorch gave
+// them). The groups must list the same FQNs as the optimizer's (any world size gives
+// the same); options LibTorch's optimizer lacks must hold the value it implies (e.g.
+// maximize False), others absent from a group keep their value. No communication.
+// PyTorch: the param_groups part of set_state_dict / Optimizer.load_state_dict.
+void load_optim_param_groups(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
+                             const std::vector<OptimParamGroup>& groups);
 
 }  // namespace fsdp
 

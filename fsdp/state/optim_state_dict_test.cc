@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adagrad.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/lbfgs.h>
 #include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
 
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/core/testing/parity_testing.h"
@@ -155,7 +157,9 @@ TEST(Errors, UnexpectedKeysWrongOptimizerAndUnsupportedOptimizer) {
     extra.insert("l9.weight", ParamOptimState());
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, sgd, extra); },
                 ::testing::ThrowsMessage<c10::Error>(
-                    HasSubstr("load_full_optim_state_dict: unexpected keys (1): 'l9.weight'")));
+                    HasSubstr("load_full_optim_state_dict: some keys are not the model's "
+                              "parameters; unexpected keys (1): 'l9.weight'. Optimizer "
+                              "state is keyed by the model's parameter FQNs")));
     OptimStateDict partial = saved;
     partial.erase("l1.bias");
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, sgd, partial); },
@@ -289,6 +293,129 @@ TEST(AdagradRmsprop, RmspropStateWithoutTheMomentumTheOptimizerNeedsIsAnError) {
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, adagrad, saved); },
                 ::testing::ThrowsMessage<c10::Error>(
                     HasSubstr("has no 'sum'; it was made by another kind of optimizer")));
+  });
+}
+
+// param_groups with PyTorch's names and values, FQN lists, a round trip, and errors.
+TEST(OptimParamGroups, PyTorchNamesFqnsAndRoundTrip) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::AdamW adamw(model->parameters(),
+                              torch::optim::AdamWOptions(0.02).betas({0.8, 0.95}));
+    std::vector<OptimParamGroup> groups = optim_param_groups(*model, adamw);
+    ASSERT_EQ(groups.size(), 1u);
+    std::vector<std::string> names;
+    for (const auto& option : groups[0].options) names.push_back(option.first);
+    EXPECT_THAT(names,
+                ElementsAre("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+                            "capturable", "differentiable", "fused", "decoupled_weight_decay"));
+    EXPECT_EQ(groups[0].find("lr")->toDouble(), 0.02);
+    EXPECT_EQ(groups[0].find("betas")->toTupleRef().elements()[1].toDouble(), 0.95);
+    EXPECT_EQ(groups[0].find("weight_decay")->toDouble(), 0.01);
+    EXPECT_TRUE(groups[0].find("foreach")->isNone());
+    EXPECT_TRUE(groups[0].find("decoupled_weight_decay")->toBool());
+    EXPECT_EQ(groups[0].params, std::vector<std::string>({"l1.weight", "l1.bias", "l2.weight",
+                                                          "l2.bias", "head.weight", "head.bias"}));
+
+    torch::optim::AdamW other(model->parameters(), torch::optim::AdamWOptions(1.0));
+    groups[0].options[0].second = 0.5;         // lr
+    groups[0].options[4].second = true;        // amsgrad
+    groups[0].options[3].second = int64_t{0};  // weight_decay as PyTorch's int 0
+    load_optim_param_groups(*model, other, groups);
+    const auto& o =
+        static_cast<const torch::optim::AdamWOptions&>(other.param_groups()[0].options());
+    EXPECT_EQ(o.lr(), 0.5);
+    EXPECT_EQ(o.betas(), std::make_tuple(0.8, 0.95));
+    EXPECT_TRUE(o.amsgrad());
+    EXPECT_EQ(o.weight_decay(), 0.0);
+
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    const std::vector<OptimParamGroup> sgd_groups = optim_param_groups(*model, sgd);
+    names.clear();
+    for (const auto& option : sgd_groups[0].options) names.push_back(option.first);
+    EXPECT_THAT(names, ElementsAre("lr", "momentum", "dampening", "weight_decay", "nesterov",
+                                   "maximize", "foreach", "differentiable", "fused"));
+    EXPECT_EQ(sgd_groups[0].find("momentum")->toDouble(), 0.9);
+
+    groups[0].options[5].second = true;  // maximize
+    EXPECT_THAT([&] { load_optim_param_groups(*model, other, groups); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("load_optim_param_groups: param_groups[0]['maximize'] is Bool True; "
+                              "LibTorch's optimizer has no such option and behaves as False")));
+    groups[0].options[5].second = false;
+    groups[0].params.pop_back();
+    EXPECT_THAT([&] { load_optim_param_groups(*model, other, groups); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                    "param_groups[0] holds 'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias', "
+                    "'head.weight' but the optimizer's holds 'l1.weight', 'l1.bias', "
+                    "'l2.weight', 'l2.bias', 'head.weight', 'head.bias'")));
+    torch::optim::LBFGS lbfgs(model->parameters(), torch::optim::LBFGSOptions(0.1));
+    EXPECT_THAT([&] { optim_param_groups(*model, lbfgs); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("LBFGSOptions are not supported")));
+  });
+}
+
+// The option names of one group, in order.
+std::vector<std::string> option_names(const OptimParamGroup& group) {
+  std::vector<std::string> names;
+  for (const auto& option : group.options) names.push_back(option.first);
+  return names;
+}
+
+// Adagrad's and RMSprop's param_groups: torch 2.11's names in its order (what
+// torch.optim.Adagrad / RMSprop(...).state_dict()["param_groups"] hold), and a round trip.
+TEST(OptimParamGroups, AdagradAndRmspropByPyTorchNames) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::Adagrad adagrad(
+        model->parameters(),
+        torch::optim::AdagradOptions(0.02).lr_decay(0.1).initial_accumulator_value(0.5));
+    std::vector<OptimParamGroup> groups = optim_param_groups(*model, adagrad);
+    ASSERT_EQ(groups.size(), 1u);
+    EXPECT_THAT(option_names(groups[0]),
+                ElementsAre("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value",
+                            "foreach", "maximize", "differentiable", "fused"));
+    EXPECT_EQ(groups[0].find("lr_decay")->toDouble(), 0.1);
+    EXPECT_EQ(groups[0].find("eps")->toDouble(), 1e-10);
+    EXPECT_EQ(groups[0].find("initial_accumulator_value")->toDouble(), 0.5);
+    EXPECT_TRUE(groups[0].find("fused")->isNone());
+    EXPECT_EQ(groups[0].params.size(), 6u);
+    torch::optim::Adagrad other_adagrad(model->parameters(), torch::optim::AdagradOptions(1.0));
+    groups[0].options[3].second = 0.25;  // weight_decay
+    load_optim_param_groups(*model, other_adagrad, groups);
+    const auto& a =
+        static_cast<const torch::optim::AdagradOptions&>(other_adagrad.param_groups()[0].options());
+    EXPECT_EQ(a.lr(), 0.02);
+    EXPECT_EQ(a.lr_decay(), 0.1);
+    EXPECT_EQ(a.weight_decay(), 0.25);
+    EXPECT_EQ(a.initial_accumulator_value(), 0.5);
+
+    torch::optim::RMSprop rmsprop(
+        model->parameters(),
+        torch::optim::RMSpropOptions(0.03).alpha(0.9).momentum(0.5).centered(true));
+    groups = optim_param_groups(*model, rmsprop);
+    EXPECT_THAT(option_names(groups[0]),
+                ElementsAre("lr", "momentum", "alpha", "eps", "centered", "weight_decay",
+                            "capturable", "foreach", "maximize", "differentiable"));
+    EXPECT_EQ(groups[0].find("alpha")->toDouble(), 0.9);
+    EXPECT_EQ(groups[0].find("momentum")->toDouble(), 0.5);
+    EXPECT_TRUE(groups[0].find("centered")->toBool());
+    EXPECT_FALSE(groups[0].find("capturable")->toBool());
+    torch::optim::RMSprop other_rmsprop(model->parameters(), torch::optim::RMSpropOptions(1.0));
+    load_optim_param_groups(*model, other_rmsprop, groups);
+    const auto& r =
+        static_cast<const torch::optim::RMSpropOptions&>(other_rmsprop.param_groups()[0].options());
+    EXPECT_EQ(r.lr(), 0.03);
+    EXPECT_EQ(r.alpha(), 0.9);
+    EXPECT_EQ(r.momentum(), 0.5);
+    EXPECT_TRUE(r.centered());
+    groups[0].options[8].second = true;  // maximize
+    EXPECT_THAT([&] { load_optim_param_groups(*model, other_rmsprop, groups); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("param_groups[0]['maximize'] is Bool True; LibTorch's optimizer has "
+                              "no such option and behaves as False")));
   });
 }
 

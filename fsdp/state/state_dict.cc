@@ -5,29 +5,33 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/state_dict_layout.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 namespace fsdp {
 namespace {
 
+using state_internal::begin_load;
 using state_internal::Entry;
+using state_internal::keys_of;
 using state_internal::ModelLayout;
 using state_internal::ParamSlice;
 
 const FlatParamInfo& info_of(const Entry& entry) { return entry.handle->param_infos()[entry.info]; }
 
-std::vector<std::string> keys_of(const std::vector<Entry>& entries) {
-  std::vector<std::string> keys;
-  keys.reserve(entries.size());
-  for (const Entry& entry : entries) keys.push_back(entry.fqn);
-  return keys;
-}
-
 // This rank's elements of a flattened parameter in its flat shard (a view).
 at::Tensor shard_part(const Entry& entry, const ParamSlice& slice) {
   return entry.handle->sharded_flat_param().detach().narrow(0, slice.shard_begin, slice.numel);
+}
+
+// Copies `value` into the model's `target` (an unsharded tensor) once it has its shape
+// and dtype.
+void copy_checked(const std::string& what, const std::string& fqn, const at::Tensor& target,
+                  const at::Tensor& value) {
+  state_internal::check_tensor(what, fqn, target.sizes(), target.scalar_type(), value,
+                               "the state dict");
+  target.copy_(value);
 }
 
 }  // namespace
@@ -68,14 +72,11 @@ StateDict full_state_dict(FullyShardedRoot& model, const FullStateDictOptions& o
 void load_full_state_dict(FullyShardedRoot& model, const StateDict& state_dict) {
   static const std::string kWhat = "load_full_state_dict";
   const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
-  state_internal::check_same_keys(keys_of(layout.entries), state_dict.keys(), kWhat);
-  torch::NoGradGuard no_grad;
+  const auto no_grad = begin_load(keys_of(layout.entries), state_dict.keys(), kWhat);
   for (const Entry& entry : layout.entries) {
     const at::Tensor& value = state_dict[entry.fqn];
     if (entry.handle == nullptr) {
-      state_internal::check_tensor(kWhat, entry.fqn, entry.tensor.sizes(),
-                                   entry.tensor.scalar_type(), value, "the state dict");
-      entry.tensor.copy_(value);
+      copy_checked(kWhat, entry.fqn, entry.tensor, value);
       continue;
     }
     state_internal::check_tensor(kWhat, entry.fqn, info_of(entry).shape,
@@ -88,7 +89,16 @@ void load_full_state_dict(FullyShardedRoot& model, const StateDict& state_dict) 
 }
 
 ShardedStateDict sharded_state_dict(FullyShardedRoot& model) {
-  const ModelLayout layout = state_internal::model_layout(model, "sharded_state_dict");
+  return state_internal::sharded_state_dict(
+      state_internal::model_layout(model, "sharded_state_dict"));
+}
+
+void load_sharded_state_dict(FullyShardedRoot& model, const ShardedStateDict& state_dict) {
+  state_internal::load_sharded_state_dict(
+      state_internal::model_layout(model, "load_sharded_state_dict"), state_dict);
+}
+
+ShardedStateDict state_internal::sharded_state_dict(const ModelLayout& layout) {
   ShardedStateDict state_dict;
   for (const Entry& entry : layout.entries) {
     ShardedTensor sharded;
@@ -107,11 +117,10 @@ ShardedStateDict sharded_state_dict(FullyShardedRoot& model) {
   return state_dict;
 }
 
-void load_sharded_state_dict(FullyShardedRoot& model, const ShardedStateDict& state_dict) {
+void state_internal::load_sharded_state_dict(const ModelLayout& layout,
+                                             const ShardedStateDict& state_dict) {
   static const std::string kWhat = "load_sharded_state_dict";
-  const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
-  state_internal::check_same_keys(keys_of(layout.entries), state_dict.keys(), kWhat);
-  torch::NoGradGuard no_grad;
+  const auto no_grad = begin_load(keys_of(layout.entries), state_dict.keys(), kWhat);
   for (const Entry& entry : layout.entries) {
     const ShardedTensor& value = state_dict[entry.fqn];
     const at::Tensor& target =
@@ -186,14 +195,9 @@ void load_local_state_dict(FullyShardedRoot& model, const LocalStateDict& state_
   const auto targets = local_targets(layout);
   std::vector<std::string> keys;
   for (const auto& target : targets) keys.push_back(target.first);
-  state_internal::check_same_keys(keys, state_dict.tensors.keys(), kWhat);
-  torch::NoGradGuard no_grad;
-  for (const auto& [key, tensor] : targets) {
-    const at::Tensor& value = state_dict.tensors[key];
-    state_internal::check_tensor(kWhat, key, tensor.sizes(), tensor.scalar_type(), value,
-                                 "the state dict");
-    tensor.copy_(value);
-  }
+  const auto no_grad = begin_load(keys, state_dict.tensors.keys(), kWhat);
+  for (const auto& [key, tensor] : targets)
+    copy_checked(kWhat, key, tensor, state_dict.tensors[key]);
 }
 
 StateDict module_state_dict(const torch::nn::Module& module) {
@@ -207,14 +211,9 @@ StateDict module_state_dict(const torch::nn::Module& module) {
 void load_module_state_dict(torch::nn::Module& module, const StateDict& state_dict) {
   static const std::string kWhat = "load_module_state_dict";
   const std::vector<Entry> entries = state_internal::module_entries(module);
-  state_internal::check_same_keys(keys_of(entries), state_dict.keys(), kWhat);
-  torch::NoGradGuard no_grad;
-  for (const Entry& entry : entries) {
-    const at::Tensor& value = state_dict[entry.fqn];
-    state_internal::check_tensor(kWhat, entry.fqn, entry.tensor.sizes(), entry.tensor.scalar_type(),
-                                 value, "the state dict");
-    entry.tensor.copy_(value);
-  }
+  const auto no_grad = begin_load(keys_of(entries), state_dict.keys(), kWhat);
+  for (const Entry& entry : entries)
+    copy_checked(kWhat, entry.fqn, entry.tensor, state_dict[entry.fqn]);
 }
 
 }  // namespace fsdp

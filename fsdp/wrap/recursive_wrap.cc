@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "fsdp/base/names.h"
 #include "fsdp/wrap/module_tree.h"
@@ -37,6 +38,12 @@ RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
   }
   const WrapPlan plan = plan_recursive_wrap(tree, policy, plan_options);
 
+  // The tree holds const modules; the parents we replace children of are found in
+  // `root`, which we hold mutably.
+  absl::flat_hash_map<const torch::nn::Module*, torch::nn::Module*> mutable_module;
+  apply_to_modules(*root, [&](torch::nn::Module& module, const std::string&, int) {
+    mutable_module.emplace(&module, &module);
+  });
   RecursiveWrapResult result{root, plan.wrapped_numel, {}};
   for (const PlannedUnit& unit : plan.units) result.wrapped_fqns.push_back(unit.fqn);
   for (int k : plan.wrap_order) {
@@ -48,8 +55,11 @@ RecursiveWrapResult recursive_wrap(std::shared_ptr<torch::nn::Module> root,
                   "for the root module");
       continue;
     }
-    // The tree was read from `root`, which we hold mutably.
-    auto& parent = const_cast<torch::nn::Module&>(*tree.node(node.parent).cpp_module);
+    const auto parent_it = mutable_module.find(tree.node(node.parent).cpp_module);
+    TORCH_CHECK(parent_it != mutable_module.end(), "recursive_wrap: the parent of '", node.fqn,
+                "' is not a registered module of the root; options.unwrap() must return a "
+                "wrapper's registered child");
+    torch::nn::Module& parent = *parent_it->second;
     std::shared_ptr<torch::nn::Module> child = parent.named_children()[node.name];
     std::shared_ptr<torch::nn::Module> wrapped = wrapper_factory(child);
     TORCH_CHECK(wrapped != nullptr, "recursive_wrap: wrapper_factory returned null for '", node.fqn,

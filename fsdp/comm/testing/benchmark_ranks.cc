@@ -35,4 +35,16 @@ void run_benchmarks_on_rank(int rank) {
   benchmark::Shutdown();
 }
 
+int benchmark_main(int world_size, int argc, char** argv,
+                   const std::function<Communicator&()>& connect,
+                   const std::function<void(int rank)>& finish) {
+  if (std::optional<int> status = launch_self_as_ranks(world_size, argc, argv)) return *status;
+  benchmark::Initialize(&argc, argv);
+  Communicator& comm = connect();
+  run_benchmarks_on_rank(comm.rank());
+  comm.barrier();
+  if (finish) finish(comm.rank());
+  return 0;
+}
+
 }  // namespace fsdp::comm_internal

@@ -1,6 +1,7 @@
 #include "fsdp/state/internal/model_layout.h"
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -28,8 +29,15 @@ std::vector<Entry> module_entries(const torch::nn::Module& module) {
   return entries;
 }
 
+namespace {
+
+std::atomic<int64_t> layout_builds{0};
+
+}  // namespace
+
 ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
   model.check_idle(what);
+  layout_builds.fetch_add(1, std::memory_order_relaxed);
   ModelLayout layout;
   layout.root = &model;
   layout.rank = model.communicator().rank();
@@ -54,6 +62,8 @@ ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
   return layout;
 }
 
+int64_t model_layout_builds() { return layout_builds.load(std::memory_order_relaxed); }
+
 ParamSlice param_slice(const FlatParamHandle& handle, size_t info) {
   const FlatParamInfo& param = handle.param_infos()[info];
   const int64_t shard_start = handle.shard_offset();
@@ -77,12 +87,13 @@ std::string quoted_list(const std::vector<std::string>& names) {
 }  // namespace
 
 void check_same_keys(const std::vector<std::string>& expected,
-                     const std::vector<std::string>& found, const std::string& what) {
+                     const std::vector<std::string>& found, const std::string& what,
+                     KeySet key_set) {
   const absl::flat_hash_set<std::string> want(expected.begin(), expected.end());
   const absl::flat_hash_set<std::string> have(found.begin(), found.end());
   std::vector<std::string> missing, unexpected;
   for (const std::string& key : expected) {
-    if (!have.contains(key)) missing.push_back(key);
+    if (key_set == KeySet::kStateDict && !have.contains(key)) missing.push_back(key);
   }
   bool prefixed = false;
   for (const std::string& key : found) {
@@ -91,7 +102,9 @@ void check_same_keys(const std::vector<std::string>& expected,
     prefixed = prefixed || clean_tensor_name(key) != key;
   }
   if (missing.empty() && unexpected.empty()) return;
-  std::string message = absl::StrCat(what, ": the keys do not match the model's");
+  std::string message = absl::StrCat(what, key_set == KeySet::kStateDict
+                                               ? ": the keys do not match the model's"
+                                               : ": some keys are not the model's parameters");
   if (!missing.empty()) {
     absl::StrAppend(&message, "; missing keys (", missing.size(), "): ", quoted_list(missing));
   }
@@ -99,12 +112,32 @@ void check_same_keys(const std::vector<std::string>& expected,
     absl::StrAppend(&message, "; unexpected keys (", unexpected.size(),
                     "): ", quoted_list(unexpected));
   }
-  absl::StrAppend(&message, prefixed
-                                ? ". Some keys carry wrapper prefixes ('_fsdp_wrapped_module.', "
-                                  "'_checkpoint_wrapped_module.'): remove them with "
-                                  "fsdp::clean_tensor_name"
-                                : ". Load a state dict saved from the same model architecture");
+  if (prefixed) {
+    absl::StrAppend(&message,
+                    ". Some keys carry wrapper prefixes ('_fsdp_wrapped_module.', "
+                    "'_checkpoint_wrapped_module.'): remove them with fsdp::clean_tensor_name");
+  } else if (key_set == KeySet::kOptimState) {
+    absl::StrAppend(&message,
+                    ". Optimizer state is keyed by the model's parameter FQNs (a tied parameter "
+                    "by its first name in pre-order)");
+  } else {
+    absl::StrAppend(&message, ". Load a state dict saved from the same model architecture");
+  }
   TORCH_CHECK(false, message);
+}
+
+torch::NoGradGuard begin_load(const std::vector<std::string>& expected,
+                              const std::vector<std::string>& found, const std::string& what,
+                              KeySet key_set) {
+  check_same_keys(expected, found, what, key_set);
+  return torch::NoGradGuard();
+}
+
+std::vector<std::string> keys_of(const std::vector<Entry>& entries) {
+  std::vector<std::string> keys;
+  keys.reserve(entries.size());
+  for (const Entry& entry : entries) keys.push_back(entry.fqn);
+  return keys;
 }
 
 void check_tensor(const std::string& what, const std::string& fqn, at::IntArrayRef shape,
@@ -119,6 +152,14 @@ void check_tensor(const std::string& what, const std::string& fqn, at::IntArrayR
 
 bool writes_pieces(const FlatParamHandle& handle, const ModelLayout& layout) {
   return handle.communicator().rank() == layout.rank;
+}
+
+absl::flat_hash_set<std::string> pieces_written_elsewhere(const ModelLayout& layout) {
+  absl::flat_hash_set<std::string> fqns;
+  for (const Entry& entry : layout.entries) {
+    if (entry.handle != nullptr && !writes_pieces(*entry.handle, layout)) fqns.insert(entry.fqn);
+  }
+  return fqns;
 }
 
 std::string shape_string(at::IntArrayRef shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }

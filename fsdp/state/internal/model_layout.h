@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
@@ -47,8 +49,14 @@ struct ModelLayout {
 };
 
 // The layout of `model`; `what` names the calling function in errors. Throws c10::Error
-// if `model` is inside forward/backward.
+// if `model` is inside forward/backward. It walks the whole module tree, so a function
+// that needs it several times (a checkpoint save or load) builds it once and passes it
+// to the state_internal overloads of state_dict.h's and optim_state_dict.h's functions.
 ModelLayout model_layout(FullyShardedRoot& model, const char* what);
+
+// How many times model_layout has run in this process (any thread); tests count the
+// builds a call makes.
+int64_t model_layout_builds();
 
 // The elements of one original parameter inside a rank's shard of its flat parameter.
 struct ParamSlice {
@@ -66,11 +74,31 @@ ParamSlice param_slice(const FlatParamHandle& handle, size_t info);
 // other groups hold copies; always true otherwise.
 bool writes_pieces(const FlatParamHandle& handle, const ModelLayout& layout);
 
-// Throws c10::Error if `found` is not the key set of `expected` (order aside): names up
-// to 10 missing and 10 unexpected keys and the counts, and says what to do when the
-// keys still carry wrapper prefixes. `what`: the caller, e.g. "load_full_state_dict".
+// The FQNs of the parameters whose pieces this rank does not write (writes_pieces false).
+absl::flat_hash_set<std::string> pieces_written_elsewhere(const ModelLayout& layout);
+
+// What a loaded dict's keys must be: all of the model's (a state dict), or some of its
+// parameters' FQNs (optimizer state: a parameter the optimizer has not stepped has none).
+enum class KeySet { kStateDict, kOptimState };
+
+// Throws c10::Error if `found` is not the key set of `expected` (order aside), or with
+// KeySet::kOptimState not a subset of it: names up to 10 missing and 10 unexpected keys
+// and the counts, and says what to do when the keys still carry wrapper prefixes.
+// `what`: the caller, e.g. "load_full_state_dict".
 void check_same_keys(const std::vector<std::string>& expected,
-                     const std::vector<std::string>& found, const std::string& what);
+                     const std::vector<std::string>& found, const std::string& what,
+                     KeySet key_set = KeySet::kStateDict);
+
+// The preamble of every load_* function of state_dict.cc and optim_state_dict.cc:
+// check_same_keys, then the guard that keeps autograd from recording the copies into
+// the model's tensors and the optimizer's state while it lives.
+[[nodiscard]] torch::NoGradGuard begin_load(const std::vector<std::string>& expected,
+                                            const std::vector<std::string>& found,
+                                            const std::string& what,
+                                            KeySet key_set = KeySet::kStateDict);
+
+// The FQNs of `entries`, in order.
+std::vector<std::string> keys_of(const std::vector<Entry>& entries);
 
 // Throws c10::Error unless `value` has `shape` and `dtype`; `source` says where `value`
 // comes from ("the state dict", "the checkpoint").

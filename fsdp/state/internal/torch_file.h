@@ -4,39 +4,29 @@
 // None, bools, ints, floats, strings and CPU tensors. Anything else (arbitrary Python
 // objects) is refused, as torch.load(weights_only=True) does, so a checkpoint cannot run
 // code. LibTorch's own reader cannot be used: it turns an OrderedDict (what
-// Module.state_dict() returns) into None and rejects one-item dicts (SETITEM).
+// Module.state_dict() returns) into None and rejects one-item dicts (SETITEM). The pickle
+// itself is read by fsdp/formats/pickle.h.
 //
 // Errors: c10::Error saying what is wrong with the file (not a zip archive, a missing
 // record, an unsupported object, a truncated or inconsistent pickle). Not a public API.
 #ifndef FSDP_STATE_INTERNAL_TORCH_FILE_H_
 #define FSDP_STATE_INTERNAL_TORCH_FILE_H_
 
-#include <cstdint>
-#include <memory>
 #include <string>
-#include <utility>
-#include <vector>
+#include <string_view>
 
-#include <ATen/core/Tensor.h>
+#include "fsdp/formats/pickle.h"
 
 namespace fsdp::state_internal {
 
-struct PyValue {
-  enum class Kind { kNone, kBool, kInt, kFloat, kString, kTuple, kList, kDict, kTensor };
-  Kind kind = Kind::kNone;
-  int64_t integer = 0;                          // kBool, kInt
-  double real = 0;                              // kFloat
-  std::string string;                           // kString
-  std::vector<std::shared_ptr<PyValue>> items;  // kTuple, kList; kDict: key, value, ...
-  at::Tensor tensor;                            // kTensor
-};
-using PyValuePtr = std::shared_ptr<PyValue>;
+using PyValue = PickleValue;
+using PyValuePtr = PickleValuePtr;
 
 // "dict", "int", ... for messages.
-const char* kind_name(PyValue::Kind kind);
+inline const char* kind_name(PyValue::Kind kind) { return pickle_kind_name(kind); }
 
 // Parses the archive in `bytes`; `name` (a path) is used in messages.
-PyValuePtr read_torch_file(const std::string& bytes, const std::string& name);
+PyValuePtr read_torch_file(std::string_view bytes, const std::string& name);
 
 }  // namespace fsdp::state_internal
 

@@ -1,0 +1,187 @@
+#include "fsdp/formats/dcp.h"
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "fsdp/formats/internal/python_testing.h"
+#include <ATen/ops/arange.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using formats_testing::read_bytes;
+using formats_testing::run_python;
+using formats_testing::scratch_path;
+using formats_testing::write_bytes;
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+// A folder dcp.save wrote in one process: a float tensor, a bf16 tensor, an int and a
+// tuple of floats.
+std::string python_folder() {
+  const std::string dir = scratch_path("python_dcp");
+  fs::remove_all(dir);
+  run_python(absl::StrCat(R"(
+import torch, torch.distributed.checkpoint as dcp
+w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+b = torch.arange(3, dtype=torch.bfloat16)
+dcp.save({"model": {"w": w, "b": b}, "step": 7, "betas": (0.9, 0.999)}, checkpoint_id=")",
+                          dir, "\")\n"));
+  return dir;
+}
+
+TEST(DcpMetadata, ReadsWhatDcpSaveWrote) {
+  const std::string dir = python_folder();
+  const DcpMetadata md = read_dcp_metadata(dir);
+  EXPECT_EQ(md.version, "1.0.0");
+  ASSERT_EQ(md.entries.size(), 4u);
+  const DcpEntryMetadata* w = md.find("model.w");
+  ASSERT_NE(w, nullptr);
+  EXPECT_TRUE(w->is_tensor);
+  EXPECT_EQ(w->dtype, c10::ScalarType::Float);
+  EXPECT_EQ(w->size, (std::vector<int64_t>{4, 3}));
+  ASSERT_EQ(w->chunks.size(), 1u);
+  EXPECT_EQ(w->chunks[0].offsets, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(w->chunks[0].sizes, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(w->path, (std::vector<DcpPathElement>{std::string("model"), std::string("w")}));
+  EXPECT_EQ(md.find("model.b")->dtype, c10::ScalarType::BFloat16);
+  EXPECT_FALSE(md.find("step")->is_tensor);
+  EXPECT_EQ(md.find("step")->path, (std::vector<DcpPathElement>{std::string("step")}));
+  ASSERT_EQ(md.storage.size(), 4u);
+  const DcpStorageInfo* sw = md.find_storage("model.w", std::vector<int64_t>{0, 0});
+  ASSERT_NE(sw, nullptr);
+  EXPECT_EQ(sw->relative_path, "__0_0.distcp");
+  EXPECT_EQ(sw->index, 0);
+  const DcpStorageInfo* step = md.find_storage("step", std::nullopt);
+  ASSERT_NE(step, nullptr);
+  EXPECT_FALSE(step->index.has_value());
+  // Each entry is a whole torch.save archive at its byte range.
+  const std::string file = read_bytes(dir + "/__0_0.distcp");
+  int64_t total = 0;
+  for (const DcpStorageInfo& s : md.storage) {
+    const std::string entry = read_dcp_entry(dir, s);
+    EXPECT_EQ(entry, file.substr(s.offset, s.length));
+    EXPECT_EQ(entry.substr(0, 2), "PK");
+    total += s.length;
+  }
+  EXPECT_EQ(total, static_cast<int64_t>(file.size()));
+  // Our writer's pickle of it parses to the same metadata.
+  const DcpMetadata again = parse_dcp_metadata(serialize_dcp_metadata(md), "again");
+  EXPECT_EQ(serialize_dcp_metadata(again), serialize_dcp_metadata(md));
+}
+
+// A tensor split into two chunks over two files, a bf16 tensor and an int: dcp.load and
+// dcp_to_torch_save read the folder.
+TEST(DcpMetadata, DcpLoadReadsWhatWeWrite) {
+  const std::string dir = scratch_path("our_dcp");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const at::Tensor w = at::arange(12, at::kFloat).reshape({4, 3});
+  const at::Tensor b = at::arange(3, at::kBFloat16);
+  DcpMetadata md;
+  md.entries.push_back({"model.w",
+                        true,
+                        c10::ScalarType::Float,
+                        false,
+                        {4, 3},
+                        {{{0, 0}, {3, 3}}, {{3, 0}, {1, 3}}},
+                        {std::string("model"), std::string("w")}});
+  md.entries.push_back({"model.b",
+                        true,
+                        c10::ScalarType::BFloat16,
+                        false,
+                        {3},
+                        {{{0}, {3}}},
+                        {std::string("model"), std::string("b")}});
+  md.entries.push_back({"step", false, {}, false, {}, {}, {std::string("step")}});
+  std::string files[2];
+  auto add = [&](int rank, const std::string& fqn, std::optional<std::vector<int64_t>> offsets,
+                 const c10::IValue& value) {
+    const std::vector<char> bytes = torch::jit::pickle_save(value);
+    md.storage.push_back({fqn, offsets, offsets ? std::optional<int64_t>(0) : std::nullopt,
+                          dcp_data_file(rank), static_cast<int64_t>(files[rank].size()),
+                          static_cast<int64_t>(bytes.size())});
+    files[rank].append(bytes.begin(), bytes.end());
+  };
+  add(0, "model.w", std::vector<int64_t>{0, 0}, w.slice(0, 0, 3).clone());
+  add(1, "model.w", std::vector<int64_t>{3, 0}, w.slice(0, 3, 4).clone());
+  add(1, "model.b", std::vector<int64_t>{0}, b);
+  add(0, "step", std::nullopt, int64_t{42});
+  md.storage[1].index = 1;
+  write_bytes(dir + "/" + dcp_data_file(0), files[0]);
+  write_bytes(dir + "/" + dcp_data_file(1), files[1]);
+  write_bytes(dir + "/" + kDcpMetadataFile, serialize_dcp_metadata(md));
+  EXPECT_EQ(run_python(absl::StrCat(R"(
+import torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+sd = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 0}
+dcp.load(sd, checkpoint_id=")",
+                                    dir, R"(")
+print(sd["model"]["w"].flatten().tolist(), sd["model"]["b"].tolist(), sd["step"])
+dcp_to_torch_save(")",
+                                    dir, R"(", ")", dir, R"(/full.pt")
+full = torch.load(")",
+                                    dir, R"(/full.pt")
+print(sorted(full), full["model"]["w"].sum().item(), full["step"])
+)")),
+            "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0] [0.0, 1.0, 2.0] 42\n"
+            "['model', 'step'] 66.0 42\n");
+}
+
+TEST(DcpMetadata, BadInputIsOneClearError) {
+  const std::string dir = python_folder();
+  const DcpMetadata md = read_dcp_metadata(dir);
+  // A chunk outside its tensor.
+  DcpMetadata bad = md;
+  bad.entries[0].chunks[0].offsets[0] = 1;
+  EXPECT_THAT(
+      [&] { parse_dcp_metadata(serialize_dcp_metadata(bad), "bad"); },
+      ThrowsMessage<c10::Error>(HasSubstr(
+          "'bad' is not Distributed Checkpoint metadata fsdp can read: a chunk of 'model.w' "
+          "at offsets (1, 0) with sizes (4, 3) lies outside its tensor of size (4, 3)")));
+  // A record of a key the metadata does not list.
+  bad = md;
+  bad.storage[0].fqn = "model.other";
+  EXPECT_THAT([&] { parse_dcp_metadata(serialize_dcp_metadata(bad), "bad"); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "storage_data has a record for 'model.other', which state_dict_metadata does "
+                  "not list")));
+  // An unexpected class.
+  EXPECT_THAT([&] { parse_dcp_metadata("\x80\x02\x63os\nsystem\n)R.", "evil"); },
+              ThrowsMessage<c10::Error>(HasSubstr("an unexpected class or function 'os.system'")));
+  // Not a Metadata object.
+  EXPECT_THAT([&] { parse_dcp_metadata("\x80\x02}.", "dict"); },
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("'dict' is not Distributed Checkpoint metadata fsdp can read: the "
+                            "file must be a Metadata, found a dict")));
+  // A truncated .distcp file, then a missing one.
+  const DcpStorageInfo& last = md.storage.back();
+  const std::string file = dir + "/" + last.relative_path;
+  const std::string bytes = read_bytes(file);
+  write_bytes(file, bytes.substr(0, bytes.size() - 1));
+  EXPECT_THAT([&] { read_dcp_entry(dir, last); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  absl::StrCat("has ", bytes.size() - 1, " bytes, but .metadata puts '", last.fqn,
+                               "' at bytes [", last.offset, ", ", last.offset + last.length,
+                               "): the file is truncated or belongs to another checkpoint"))));
+  fs::remove(file);
+  EXPECT_THAT([&] { read_dcp_entry(dir, last); },
+              ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
+                  "is not a complete Distributed Checkpoint: its .metadata says '", last.fqn,
+                  "' is in '__0_0.distcp', which cannot be opened (No such file or directory)"))));
+  fs::remove(dir + "/.metadata");
+  EXPECT_THAT([&] { read_dcp_metadata(dir); },
+              ThrowsMessage<c10::Error>(HasSubstr("is not a complete Distributed Checkpoint: it "
+                                                  "has no .metadata")));
+}
+
+}  // namespace
+}  // namespace fsdp

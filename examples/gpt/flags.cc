@@ -17,9 +17,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include <c10/util/Exception.h>
+
 #include "fsdp/comm/nccl.h"
 #include "fsdp/comm/rendezvous.h"
-#include <c10/util/Exception.h>
 #include "fsdp/core/flat_param.h"
 
 namespace fsdp::examples {

@@ -18,7 +18,7 @@
 
 #include "fsdp/comm/launcher.h"
 #include "fsdp/core/flat_param.h"
-#include "fsdp/core/mixed_precision.h"
+#include "fsdp/core/options.h"
 
 namespace fsdp::examples {
 

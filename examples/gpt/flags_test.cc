@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <c10/util/Exception.h>
 
 namespace fsdp::examples {
 namespace {

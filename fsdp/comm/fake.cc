@@ -3,8 +3,8 @@
 #include <condition_variable>
 #include <exception>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>

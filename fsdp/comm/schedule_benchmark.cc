@@ -6,8 +6,8 @@
 // bazel run -c opt //fsdp/comm:schedule_benchmark
 #include <memory>
 
-#include <benchmark/benchmark.h>
 #include <ATen/Functions.h>
+#include <benchmark/benchmark.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/internal/schedule.h"

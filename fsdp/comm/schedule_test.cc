@@ -2,20 +2,21 @@
 // step 1, at step 7 and in the last step stop with one error naming the step, the first
 // differing collective and what each rank ran, on the fake backend (ranks as threads) and
 // on Gloo (ranks as processes), within the communicator's timeout.
+#include "fsdp/comm/internal/schedule.h"
+
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/testing/multiprocess.h"
-#include "fsdp/comm/internal/schedule.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/multiprocess.h"
 
 namespace fsdp {
 namespace {

@@ -6,8 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "fsdp/base/shard_geometry.h"
 #include <c10/util/Exception.h>
+
+#include "fsdp/base/shard_geometry.h"
 
 namespace fsdp {
 

@@ -34,11 +34,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 
-#include "absl/strings/string_view.h"
 #include "fsdp/comm/communicator.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/training_state.h"

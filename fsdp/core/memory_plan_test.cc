@@ -2,22 +2,23 @@
 // while training (FullyShardedRoot::check_plan) on ranks as threads for every strategy at
 // W = 1, 2, 3, 4: parameters, gradients, optimizer state and traffic within [0.95, 1.05]
 // of the plan, the whole peak within [0.90, 1.10].
+#include "fsdp/core/memory_plan.h"
+
 #include <algorithm>
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
-#include "absl/strings/str_format.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/testing/mlp_model.h"
-#include "fsdp/core/memory_plan.h"
 #include "fsdp/core/tracking_allocator.h"
 
 namespace fsdp {

@@ -5,15 +5,16 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/internal/runtime.h"
-#include "fsdp/core/memory_plan.h"
 #include <c10/util/Exception.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/internal/runtime.h"
+#include "fsdp/core/memory_plan.h"
 
 namespace fsdp {
 namespace {

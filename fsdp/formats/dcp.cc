@@ -13,8 +13,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/formats/pickle.h"
 #include <c10/util/Exception.h>
+
+#include "fsdp/formats/pickle.h"
 
 namespace fsdp {
 namespace {

@@ -4,14 +4,14 @@
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_cat.h"
-#include "fsdp/formats/internal/python_testing.h"
 #include <ATen/ops/arange.h>
 #include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+
+#include "fsdp/formats/testing/python_testing.h"
 
 namespace fsdp {
 namespace {

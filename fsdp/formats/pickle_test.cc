@@ -3,12 +3,12 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "absl/strings/str_cat.h"
-#include "fsdp/formats/internal/python_testing.h"
-#include <c10/util/Exception.h>
+#include "fsdp/formats/testing/python_testing.h"
 
 namespace fsdp {
 namespace {

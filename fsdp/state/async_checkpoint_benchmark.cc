@@ -24,18 +24,18 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
 #include "absl/strings/str_format.h"
-#include "fsdp/comm/testing/benchmark_ranks.h"
-#include "fsdp/comm/rendezvous.h"
-#include "fsdp/core/fully_sharded.h"
-#include "fsdp/state/async_checkpoint.h"
-#include "fsdp/state/checkpoint.h"
 #include <ATen/Functions.h>
+#include <benchmark/benchmark.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/state/async_checkpoint.h"
+#include "fsdp/state/checkpoint.h"
 
 namespace fsdp {
 namespace {

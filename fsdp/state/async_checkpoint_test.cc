@@ -11,11 +11,11 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adagrad.h>
 
-#include "absl/strings/str_cat.h"
 #include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +22,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <zlib.h>
+
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/formats/dcp.h"
 #include "fsdp/state/internal/durable_files.h"
@@ -30,10 +35,6 @@
 #include "fsdp/state/internal/optim_state_dict_layout.h"
 #include "fsdp/state/internal/state_dict_layout.h"
 #include "fsdp/state/internal/torch_file.h"
-#include <ATen/ops/empty.h>
-#include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/Exception.h>
 
 namespace fsdp {
 namespace {

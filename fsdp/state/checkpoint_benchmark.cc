@@ -23,17 +23,17 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
 #include "absl/strings/str_format.h"
-#include "fsdp/comm/testing/benchmark_ranks.h"
+#include <ATen/Functions.h>
+#include <benchmark/benchmark.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/internal/model_layout.h"
-#include <ATen/Functions.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
 
 namespace fsdp {
 namespace {

@@ -10,6 +10,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/formats/pickle.h"
 #include "fsdp/state/internal/durable_files.h"
@@ -19,10 +24,6 @@
 #include "fsdp/state/internal/torch_file.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
-#include <ATen/ops/empty.h>
-#include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/Exception.h>
 
 namespace fsdp {
 namespace {

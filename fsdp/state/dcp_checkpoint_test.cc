@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
-#include "fsdp/core/internal/parity_testing.h"
+#include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/formats/dcp.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/optim_state_dict.h"

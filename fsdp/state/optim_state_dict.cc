@@ -9,9 +9,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/torch_compat.h"
-#include "fsdp/state/internal/model_layout.h"
-#include "fsdp/state/internal/optim_state_dict_layout.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
@@ -22,6 +19,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+
+#include "fsdp/base/torch_compat.h"
+#include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/optim_state_dict_layout.h"
 
 namespace fsdp {
 namespace {

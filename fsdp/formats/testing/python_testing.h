@@ -1,7 +1,7 @@
 // Test helpers: run a script with the pinned environment's Python (FSDP_PYTHON, set by
 // the test's BUILD rule) and read the files it writes.
-#ifndef FSDP_FORMATS_INTERNAL_PYTHON_TESTING_H_
-#define FSDP_FORMATS_INTERNAL_PYTHON_TESTING_H_
+#ifndef FSDP_FORMATS_TESTING_PYTHON_TESTING_H_
+#define FSDP_FORMATS_TESTING_PYTHON_TESTING_H_
 
 #include <cstdio>
 #include <cstdlib>
@@ -9,9 +9,8 @@
 #include <sstream>
 #include <string>
 
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_cat.h"
+#include <gtest/gtest.h>
 
 namespace fsdp::formats_testing {
 
@@ -51,4 +50,4 @@ inline void write_bytes(const std::string& path, const std::string& bytes) {
 
 }  // namespace fsdp::formats_testing
 
-#endif  // FSDP_FORMATS_INTERNAL_PYTHON_TESTING_H_
+#endif  // FSDP_FORMATS_TESTING_PYTHON_TESTING_H_

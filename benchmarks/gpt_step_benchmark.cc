@@ -62,23 +62,23 @@
 #include <utility>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-#include <torch/nn/functional/loss.h>
-#include <torch/optim/adam.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+
 #include "examples/gpt/model.h"
 #include "fsdp/comm/communicator.h"
+#include "fsdp/comm/rendezvous.h"
 #include "fsdp/comm/testing/benchmark_ranks.h"
 #include "fsdp/comm/testing/loopback.h"
-#include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
-#include <ATen/Functions.h>
-#include <c10/util/Exception.h>
-#include <ATen/Parallel.h>
 
 ABSL_FLAG(int, world_size, 4, "ranks to start: W = 1, 2, 4 benchmarks run when W >= 1, 2, 4");
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include <ATen/Functions.h>
+
 #include "fsdp/comm/rendezvous.h"
 
 int main() {

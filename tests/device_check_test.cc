@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
 #include <c10/core/TensorImpl.h>
@@ -28,8 +30,6 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "examples/fashion_mnist/model.h"
 #include "examples/gpt/model.h"
 #include "fsdp/core/testing/parity_testing.h"

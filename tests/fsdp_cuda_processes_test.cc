@@ -17,8 +17,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/core/testing/cuda_testing.h"
 #include "fsdp/core/testing/parity_testing.h"
 

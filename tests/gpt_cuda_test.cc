@@ -10,16 +10,16 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
+#include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
 #include "examples/gpt/model.h"
-#include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/comm/nccl.h"
+#include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/core/fully_sharded.h"
 
 namespace fsdp {

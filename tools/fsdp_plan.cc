@@ -27,13 +27,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"
 #include "fsdp/wrap/torchscript_tree.h"
 #include "tools/plan_report.h"
-#include <c10/util/Exception.h>
-#include <caffe2/serialize/inline_container.h>
 
 ABSL_FLAG(std::string, model, "", "TorchScript file of the model (required)");
 ABSL_FLAG(std::string, policy, "size",

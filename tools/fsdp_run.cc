@@ -22,6 +22,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+
 #include "fsdp/comm/launcher.h"
 
 ABSL_FLAG(int, nproc_per_node, 1, "ranks (processes) to start on this node, >= 1");

@@ -4,10 +4,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "fsdp/base/shard_geometry.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include <c10/util/Exception.h>
+
+#include "fsdp/base/shard_geometry.h"
 
 namespace fsdp::tools {
 namespace {

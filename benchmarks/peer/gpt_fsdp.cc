@@ -55,6 +55,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
@@ -63,11 +68,6 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "examples/gpt/corpus.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"

@@ -36,6 +36,8 @@
 // Step losses are the global batch's mean; the epoch's train loss is the mean of its
 // steps' losses. Bad flags: one line on stderr, status 2. A failing rank prints
 // "fashion_mnist: rank R: ..." on stderr and exits with status 1.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -48,17 +50,15 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
-#include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <torch/torch.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
 #include "examples/fashion_mnist/idx.h"
 #include "examples/fashion_mnist/model.h"
 #include "fsdp/base/shard_geometry.h"

@@ -1,20 +1,18 @@
 #include "examples/fashion_mnist/idx.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
-
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <zlib.h>
 
 namespace fsdp::examples {
 namespace {

@@ -2,8 +2,6 @@
 // broken), and on Debian's Fashion-MNIST test split when it is installed.
 #include "examples/fashion_mnist/idx.h"
 
-#include <zlib.h>
-
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -15,6 +13,7 @@
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 namespace fsdp::examples {
 namespace {

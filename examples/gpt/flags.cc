@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+
 #include "fsdp/comm/nccl.h"
 #include "fsdp/core/flat_param.h"
 

@@ -1,10 +1,8 @@
 #include "examples/gpt/mfu.h"
 
-#include <cuda_runtime_api.h>
-
-#include <c10/util/Exception.h>
-
 #include "absl/strings/match.h"
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 
 namespace fsdp::examples {
 namespace {

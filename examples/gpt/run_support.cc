@@ -1,5 +1,9 @@
 #include "examples/gpt/run_support.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -8,10 +12,6 @@
 #include <filesystem>
 #include <iostream>
 #include <optional>
-
-#include <fcntl.h>
-#include <sys/file.h>
-#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"

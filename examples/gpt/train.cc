@@ -19,23 +19,23 @@
 // on the CPU (Note [The compute device] in flags.h): on CUDA rank r uses cuda:LOCAL_RANK
 // over NCCL with bf16 mixed precision, a GPT-2-small-sized model for the model flags not
 // given, and the progress lines add the model FLOP utilisation (mfu.h).
-#include <cerrno>
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstring>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <iostream>
-#include <string>
-
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/private_handle_accessor.h"

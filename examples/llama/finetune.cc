@@ -24,6 +24,8 @@
 // holds them merged into the base weights. Without RANK in its environment it starts --world_size
 // ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is
 // one line on stderr and exit status 2.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,8 +37,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"

@@ -21,17 +21,17 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
 #include "absl/strings/str_cat.h"
-#include "fsdp/comm/communicator.h"
-#include "fsdp/comm/testing/benchmark_ranks.h"
-#include "fsdp/comm/testing/loopback.h"
-#include "fsdp/comm/gloo.h"
-#include "fsdp/comm/rendezvous.h"
 #include <ATen/Functions.h>
+#include <benchmark/benchmark.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "fsdp/comm/communicator.h"
+#include "fsdp/comm/gloo.h"
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
+#include "fsdp/comm/testing/loopback.h"
 
 namespace fsdp {
 namespace {

@@ -1,7 +1,5 @@
 #include "fsdp/comm/communicator.h"
 
-#include "fsdp/comm/internal/size_checks.h"
-
 #include <algorithm>
 #include <utility>
 
@@ -9,6 +7,8 @@
 #include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+
+#include "fsdp/comm/internal/size_checks.h"
 
 namespace fsdp {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 
 #include "fsdp/comm/testing/collective_checks.h"
 

@@ -20,9 +20,9 @@
 #include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <gloo/common/logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <gloo/common/logging.h>
 
 #include "fsdp/comm/internal/size_checks.h"
 

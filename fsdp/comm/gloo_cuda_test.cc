@@ -8,10 +8,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "fsdp/comm/rendezvous.h"
 #include "fsdp/comm/testing/collective_checks.h"
 #include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/comm/testing/multiprocess.h"
-#include "fsdp/comm/rendezvous.h"
 
 namespace fsdp {
 namespace {

@@ -2,8 +2,8 @@
 // checks as every backend, subgroups, and a peer killed mid-collective.
 #include "fsdp/comm/gloo.h"
 
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -11,14 +11,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 
-#include "absl/strings/str_cat.h"
+#include "fsdp/comm/rendezvous.h"
 #include "fsdp/comm/testing/collective_checks.h"
 #include "fsdp/comm/testing/multiprocess.h"
-#include "fsdp/comm/rendezvous.h"
 
 namespace fsdp {
 namespace {

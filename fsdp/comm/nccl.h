@@ -64,9 +64,9 @@
 #ifndef FSDP_COMM_NCCL_H_
 #define FSDP_COMM_NCCL_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
-#include <chrono>
 #include <string>
 
 #include <torch/arg.h>

@@ -11,20 +11,20 @@
 #include <thread>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
-#include <c10/util/Exception.h>
-#include <cuda_runtime_api.h>
-#include <nccl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nccl.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/comm/internal/nccl_utils.h"
 #include "fsdp/comm/internal/size_checks.h"
+#include "fsdp/comm/testing/gpu_testing.h"
 
 namespace fsdp {
 namespace {

@@ -11,13 +11,13 @@
 #include <string>
 #include <thread>
 
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 
+#include "fsdp/comm/nccl.h"
 #include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/comm/testing/multiprocess.h"
-#include "fsdp/comm/nccl.h"
 
 namespace fsdp {
 namespace {

@@ -8,15 +8,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 #include <torch/nn/functional/dropout.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
-#include "absl/strings/str_format.h"
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"

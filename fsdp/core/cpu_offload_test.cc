@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -14,7 +15,6 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
-#include "absl/container/flat_hash_map.h"
 #include "fsdp/base/torch_compat_cuda.h"
 
 namespace fsdp {

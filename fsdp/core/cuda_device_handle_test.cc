@@ -6,14 +6,14 @@
 
 #include <string>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 #include "fsdp/comm/fake.h"
+#include "fsdp/comm/nccl.h"                 // cuda_device_count
 #include "fsdp/comm/testing/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU
-#include "fsdp/comm/nccl.h"                  // cuda_device_count
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 

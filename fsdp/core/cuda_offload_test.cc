@@ -6,8 +6,8 @@
 #include <iostream>
 #include <memory>
 
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
+#include <gtest/gtest.h>
 #include <torch/optim/adam.h>
 
 #include "fsdp/comm/fake.h"

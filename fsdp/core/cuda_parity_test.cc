@@ -12,17 +12,17 @@
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/checkpoint_wrapper.h"

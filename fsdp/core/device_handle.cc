@@ -7,10 +7,10 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include "absl/container/flat_hash_map.h"
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/core/tracking_allocator.h"
 

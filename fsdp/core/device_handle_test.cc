@@ -7,9 +7,9 @@
 
 #include <thread>
 
+#include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/Functions.h>
 
 #include "fsdp/core/tracking_allocator.h"
 

@@ -9,17 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <c10/util/Exception.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/optim/sgd.h>
 
-#include "absl/strings/str_format.h"
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/testing/mlp_model.h"
 #include "fsdp/core/testing/parity_testing.h"

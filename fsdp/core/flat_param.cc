@@ -5,10 +5,11 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/shard_geometry.h"
 #include <ATen/Functions.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
+
+#include "fsdp/base/shard_geometry.h"
 
 namespace fsdp {
 

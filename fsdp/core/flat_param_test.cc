@@ -4,10 +4,10 @@
 #include <memory>
 #include <string>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/testing/forwarding.h"

@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <c10/util/Exception.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"

@@ -10,15 +10,16 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Type.h>
+#include <torch/nn/modules/container/sequential.h>
+
 #include "fsdp/base/names.h"
 #include "fsdp/core/internal/runtime.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/recursive_wrap.h"
-#include <c10/util/Type.h>
-#include <ATen/Functions.h>
-#include <ATen/core/grad_mode.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <c10/util/Exception.h>
 
 namespace fsdp {
 namespace core_internal {

@@ -8,12 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <c10/util/Exception.h>
 #include <torch/nn/modules/linear.h>
 
-#include "absl/strings/str_cat.h"
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"

@@ -4,28 +4,27 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_join.h"
-#include <mutex>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/activation.h>
-#include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/functional/linear.h>
-#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"

@@ -9,8 +9,8 @@
 #include <gtest/gtest.h>
 
 #include "fsdp/comm/fake.h"
-#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/testing/parity_testing.h"
 

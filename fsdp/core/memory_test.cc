@@ -30,14 +30,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
-#include "absl/strings/str_format.h"
-#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/multiprocess.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/testing/mlp_model.h"
 #include "fsdp/core/tracking_allocator.h"

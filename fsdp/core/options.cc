@@ -1,9 +1,8 @@
 #include "fsdp/core/options.h"
 
-#include <torch/nn/modules/batchnorm.h>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/strip.h"
+#include <torch/nn/modules/batchnorm.h>
 
 namespace fsdp {
 

@@ -23,12 +23,11 @@
 
 #include <functional>
 
+#include "absl/strings/string_view.h"
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
-
-#include "absl/strings/string_view.h"
 
 namespace fsdp {
 

@@ -5,11 +5,11 @@
 #include <thread>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
 #include <ATen/native/Resize.h>
 #include <c10/core/CPUAllocator.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 namespace fsdp {
 namespace {

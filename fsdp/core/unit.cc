@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+
 #include "fsdp/core/internal/runtime.h"
 
 namespace fsdp {

@@ -43,11 +43,11 @@
 #include <utility>
 #include <vector>
 
+#include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Type.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/core/flat_param.h"

@@ -8,9 +8,10 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/formats/safetensors.h"
 #include "nlohmann/json.hpp"
 #include <c10/util/Exception.h>
+
+#include "fsdp/formats/safetensors.h"
 
 namespace fsdp::lora {
 

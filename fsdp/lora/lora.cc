@@ -7,12 +7,13 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/names.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
+
+#include "fsdp/base/names.h"
 
 namespace fsdp::lora {
 

@@ -20,18 +20,18 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
 #include "absl/strings/str_format.h"
-#include "fsdp/comm/testing/benchmark_ranks.h"
-#include "fsdp/comm/rendezvous.h"
-#include "fsdp/core/fully_sharded.h"
-#include "fsdp/lora/lora.h"
 #include <ATen/Functions.h>
+#include <benchmark/benchmark.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/optim/adamw.h>
+
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/lora/lora.h"
 
 namespace fsdp {
 namespace {

@@ -7,13 +7,13 @@
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
+#include "absl/strings/match.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "absl/strings/match.h"
 #include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/state_dict.h"
 

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,13 +22,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/torch_compat.h"
-#include "fsdp/state/internal/model_layout.h"
-#include "fsdp/state/internal/torch_file.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <zlib.h>
+
+#include "fsdp/base/torch_compat.h"
+#include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/internal/torch_file.h"
 
 namespace fsdp {
 namespace {

@@ -22,16 +22,16 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
 #include "absl/strings/str_format.h"
-#include "fsdp/comm/testing/benchmark_ranks.h"
-#include "fsdp/comm/rendezvous.h"
-#include "fsdp/core/fully_sharded.h"
-#include "fsdp/state/checkpoint.h"
 #include <ATen/Functions.h>
+#include <benchmark/benchmark.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+
+#include "fsdp/comm/rendezvous.h"
+#include "fsdp/comm/testing/benchmark_ranks.h"
+#include "fsdp/core/fully_sharded.h"
+#include "fsdp/state/checkpoint.h"
 
 namespace fsdp {
 namespace {

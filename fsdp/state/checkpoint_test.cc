@@ -11,15 +11,15 @@
 #include <mutex>
 #include <thread>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/pickle.h>
-#include <torch/optim/adam.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include <caffe2/serialize/inline_container.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/optim/adam.h>
+
 #include "fsdp/core/testing/parity_testing.h"
 
 namespace fsdp {

@@ -10,8 +10,8 @@
 
 #include "fsdp/core/testing/cuda_testing.h"
 #include "fsdp/core/testing/parity_testing.h"
-#include "fsdp/state/testing/state_dict_testing.h"
 #include "fsdp/state/state_dict.h"
+#include "fsdp/state/testing/state_dict_testing.h"
 
 namespace fsdp {
 namespace {

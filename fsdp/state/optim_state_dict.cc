@@ -10,8 +10,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/torch_compat.h"
-#include "fsdp/state/internal/model_layout.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
@@ -21,6 +19,9 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+
+#include "fsdp/base/torch_compat.h"
+#include "fsdp/state/internal/model_layout.h"
 
 namespace fsdp {
 namespace {

@@ -5,10 +5,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "fsdp/formats/safetensors.h"
-#include "fsdp/state/internal/model_layout.h"
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include "fsdp/formats/safetensors.h"
+#include "fsdp/state/internal/model_layout.h"
 
 namespace fsdp {
 namespace {

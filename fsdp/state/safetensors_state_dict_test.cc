@@ -9,13 +9,13 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_replace.h"
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "absl/strings/str_replace.h"
 #include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/formats/safetensors.h"

@@ -4,10 +4,11 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "fsdp/state/internal/model_layout.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include "fsdp/state/internal/model_layout.h"
 
 namespace fsdp {
 namespace {

@@ -8,9 +8,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "fsdp/base/names.h"
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
+
+#include "fsdp/base/names.h"
 
 namespace fsdp {
 namespace {

@@ -17,12 +17,12 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include <benchmark/benchmark.h>
+
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"

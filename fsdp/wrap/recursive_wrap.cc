@@ -3,10 +3,11 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include <c10/util/Exception.h>
+
 #include "fsdp/base/names.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/plan.h"
-#include <c10/util/Exception.h>
 
 namespace fsdp {
 

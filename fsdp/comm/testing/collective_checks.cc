@@ -1,8 +1,8 @@
 #include "fsdp/comm/testing/collective_checks.h"
 
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
+#include <gtest/gtest.h>
 
 namespace fsdp::comm_internal {
 namespace {

@@ -11,11 +11,10 @@
 #include <sstream>
 #include <thread>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_cat.h"
 #include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 namespace fsdp::comm_internal {
 namespace {

@@ -6,12 +6,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/torch_compat.h"
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include "fsdp/base/torch_compat.h"
 
 namespace fsdp {
 

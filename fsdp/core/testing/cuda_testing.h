@@ -31,11 +31,11 @@
 #include <memory>
 #include <string>
 
-#include <gtest/gtest.h>
 #include <c10/core/AutogradState.h>
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <gtest/gtest.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/comm/testing/gpu_testing.h"  // FSDP_SKIP_WITHOUT_GPU

@@ -11,8 +11,9 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
 #include <ATen/Functions.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/functional/loss.h>
@@ -23,7 +24,6 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"

@@ -7,8 +7,9 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fsdp/base/names.h"
 #include <c10/util/Exception.h>
+
+#include "fsdp/base/names.h"
 
 namespace fsdp::state_internal {
 

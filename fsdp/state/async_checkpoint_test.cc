@@ -17,6 +17,7 @@
 #include <torch/optim/adagrad.h>
 
 #include "fsdp/core/testing/parity_testing.h"
+#include "fsdp/state/testing/state_dict_testing.h"
 
 namespace fsdp {
 namespace {
@@ -26,13 +27,7 @@ using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 
-fs::path scratch(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  fs::path dir = fs::path(tmp != nullptr ? tmp : "/tmp") / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using ::fsdp::state_testing::scratch;
 
 void train(FullyShardedDataParallel<TinyLmImpl>& model, torch::optim::Optimizer& optimizer,
            int first_step, int steps, const Communicator& comm) {

@@ -22,6 +22,7 @@
 
 #include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/internal/model_layout.h"
+#include "fsdp/state/testing/state_dict_testing.h"
 
 namespace fsdp {
 namespace {
@@ -32,13 +33,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 
-fs::path scratch(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  fs::path dir = fs::path(tmp != nullptr ? tmp : "/tmp") / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using ::fsdp::state_testing::scratch;
 
 size_t entries(const fs::path& dir) {
   return std::distance(fs::directory_iterator(dir), fs::directory_iterator());

@@ -18,6 +18,7 @@
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/optim_state_dict.h"
 #include "fsdp/state/state_dict.h"
+#include "fsdp/state/testing/state_dict_testing.h"
 
 namespace fsdp {
 namespace {
@@ -27,13 +28,7 @@ using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 
-fs::path scratch(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  fs::path dir = fs::path(tmp != nullptr ? tmp : "/tmp") / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using ::fsdp::state_testing::scratch;
 
 using Model = FullyShardedDataParallel<TinyLmImpl>;
 

@@ -1,7 +1,12 @@
 // State-dict round trips inside training (REFERENCE §7: save -> zero -> load after every
-// step), shared by the CPU and GPU state-dict tests (testonly).
+// step), shared by the CPU and GPU state-dict tests, and the checkpoint tests' scratch
+// directories (testonly).
 #ifndef FSDP_STATE_TESTING_STATE_DICT_TESTING_H_
 #define FSDP_STATE_TESTING_STATE_DICT_TESTING_H_
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
 
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -10,6 +15,15 @@
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp::state_testing {
+
+// An empty directory `name` under the test's TEST_TMPDIR (/tmp outside Bazel), made anew.
+inline std::filesystem::path scratch(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::filesystem::path dir = std::filesystem::path(tmp != nullptr ? tmp : "/tmp") / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 // Every shard and buffer set to zero (what a fresh, wrongly initialised model holds).
 template <typename Net>

@@ -130,19 +130,24 @@ TEST(FsdpGlooTest, RanksDivergingAfterTheFirstIterationTerminateNamingTheCause) 
       << comm_internal::describe(ranks);
 }
 
-// With validate_execution_order the size checks stay on in every iteration: both ranks
-// raise the same CommError (before: rank 0 terminated as above).
+// With validate_execution_order the size checks stay on in every iteration: the failed
+// size check makes both ranks compare their collective schedules (on by default,
+// FullyShardedDataParallelOptions::schedule_check_every), so both raise the same
+// description of the divergence, naming the step and what each rank ran (before: rank 0
+// terminated as above).
 TEST(FsdpGlooTest, RanksDivergingAfterTheFirstIterationStopWithTheSameErrorUnderValidation) {
   const auto ranks = comm_internal::run_test_as_ranks(
       2, "DISABLED_FsdpWorker.RanksDivergingAfterTheFirstIteration", std::chrono::seconds(120),
       [](int /*rank*/, Environment& env) { env["FSDP_TEST_VALIDATE"] = "1"; });
   for (int rank : {0, 1}) {
     EXPECT_EQ(ranks[rank].exit_code, 0) << comm_internal::describe(ranks);
-    EXPECT_EQ(line_starting(ranks[rank].output, "error: "),
-              "error: all_gather_into_tensor #10 failed on rank " + std::to_string(rank) +
-                  ": rank 0 runs all_gather_into_tensor of 20 elements, rank 1 runs "
-                  "all_gather_into_tensor of 32 elements: the ranks are not running the same "
-                  "units in the same order")
+    EXPECT_THAT(line_starting(ranks[rank].output, "error: "),
+                ::testing::StartsWith(
+                    "error: schedule_check #1 failed on rank " + std::to_string(rank) +
+                    " (peer rank " + std::to_string(1 - rank) +
+                    "): the ranks ran different collectives in step 2, first at its collective "
+                    "#2: rank 0 ran all_gather_into_tensor of 20 Float in the world, rank 1 ran "
+                    "all_gather_into_tensor of 32 Float in the world"))
         << comm_internal::describe(ranks);
   }
 }

@@ -15,12 +15,14 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 
 #include "fsdp/core/flat_param.h"
+#include "fsdp/formats/values.h"
 #include "fsdp/state/checkpoint.h"
 
 namespace fsdp::examples {
@@ -80,14 +82,19 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
 
 namespace {
 
-// A checkpoint's step: its "step" entry (a DCP folder's), else its step_NNNNNNNN name.
+// A checkpoint's step: its "step" entry (a DCP folder's), else its step_NNNNNNNN name;
+// either must be an integer in [0, 2^53).
 std::optional<int64_t> step_of(const std::string& dir, const DcpExtras& extras) {
   for (const auto& [name, value] : extras) {
-    if (name == "step" && value.isInt()) return value.toInt();
+    if (name == "step" && value.isInt()) {
+      return checked_count(value.toInt(), absl::StrCat("'", dir, "': its \"step\" entry"));
+    }
   }
   int64_t step = 0;
   const std::string name = std::filesystem::path(dir).filename().string();
-  if (absl::StartsWith(name, "step_") && absl::SimpleAtoi(name.substr(5), &step)) return step;
+  if (absl::StartsWith(name, "step_") && absl::SimpleAtoi(name.substr(5), &step)) {
+    return checked_count(step, absl::StrCat("'", dir, "': the step in its name"));
+  }
   return std::nullopt;
 }
 
@@ -151,6 +158,12 @@ int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
   if (scheduler != nullptr && loaded_scheduler) *scheduler = *loaded_scheduler;
   if (lead) std::cout << "resumed from " << dir << " at step " << *step << "\n";
   return *step;
+}
+
+void check_resumed_step(int64_t step, int64_t steps) {
+  TORCH_CHECK(step <= steps, "--resume: the checkpoint is at step ", step, ", beyond --steps=",
+              steps, " (the resumed step must be in [0, ", steps,
+              "]); pass a --steps of at least ", step, " to continue it, or another checkpoint");
 }
 
 void allow_bare_resume_flag(int argc, char** argv) {

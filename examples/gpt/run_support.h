@@ -60,6 +60,10 @@ int64_t resume_step(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
 int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer, Communicator& comm,
                     const std::string& dir, bool lead, SchedulerState* scheduler = nullptr);
 
+// A resumed step (from resume_step or resume_from, so in [0, 2^53)) must not be beyond
+// the run's --steps: throws naming both.
+void check_resumed_step(int64_t step, int64_t steps);
+
 // The trainers' --resume takes no value (newest checkpoint) or a folder: rewrites a bare
 // "--resume" in argv to "--resume=latest" (and "--noresume" to "--resume=") before
 // absl::ParseCommandLine, since a string flag needs a value.

@@ -442,6 +442,7 @@ int train() {
       !resume.dir.empty()
           ? resume_from(*model, adamw, *comm, resume.dir, lead, &scheduler)
           : resume_step(*model, adamw, checkpoint_dir(), resume.resume, lead, &scheduler);
+  check_resumed_step(first, absl::GetFlag(FLAGS_steps));
   // A checkpoint without a scheduler state (an older fsdp) resumes at its step.
   if (scheduler.last_epoch == 0) scheduler = {first, {learning_rate(first)}};
   TORCH_CHECK(scheduler.last_epoch == first, "--resume: the checkpoint of step ", first,

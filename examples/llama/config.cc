@@ -1,11 +1,12 @@
 #include "examples/llama/config.h"
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
+
+#include "fsdp/formats/files.h"
+#include "fsdp/formats/json.h"
 
 namespace fsdp::llama {
 namespace {
@@ -96,9 +97,8 @@ double read_rope_theta(const Fields& fields) {
 }  // namespace
 
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& source) {
-  json object = json::parse(json_text, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(!object.is_discarded(), source,
-              ": not valid JSON; expected the config.json of a Hugging Face model folder");
+  const json object = parse_untrusted_json(
+      json_text, source, "expected the config.json of a Hugging Face model folder");
   TORCH_CHECK(object.is_object(), source, ": expected a JSON object, found ", object.type_name());
   const Fields fields(object, source);
   const json* model_type = fields.find("model_type");
@@ -153,12 +153,14 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
 }
 
 LlamaConfig load_llama_config(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot open ", path,
-              "; --from must be a Hugging Face model folder holding config.json");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_llama_config(text.str(), path);
+  std::string text;
+  try {
+    text = read_regular_file(path, "config.json", kMaxJsonBytes);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.what_without_backtrace(),
+                "; --from must be a Hugging Face model folder holding config.json");
+  }
+  return parse_llama_config(text, path);
 }
 
 }  // namespace fsdp::llama

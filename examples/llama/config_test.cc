@@ -118,8 +118,8 @@ TEST(LlamaConfigTest, MissingFileSaysWhatToPass) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "cannot open /nonexistent/config.json; --from must be a Hugging Face model "
-              "folder holding config.json");
+              "cannot open config.json '/nonexistent/config.json': No such file or directory; "
+              "--from must be a Hugging Face model folder holding config.json");
   }
 }
 

@@ -352,6 +352,7 @@ int finetune() {
       !resume.dir.empty()
           ? examples::resume_from(*model, adamw, *comm, resume.dir, lead)
           : examples::resume_step(*model, adamw, checkpoint_dir(), resume.resume, lead);
+  examples::check_resumed_step(first, absl::GetFlag(FLAGS_steps));
   examples::check_fresh_checkpoints(*comm, checkpoint_dir(), resume.resume,
                                     absl::GetFlag(FLAGS_overwrite));
   if (lead) std::filesystem::create_directories(checkpoint_dir());

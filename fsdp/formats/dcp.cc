@@ -1,20 +1,17 @@
 #include "fsdp/formats/dcp.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <sstream>
+#include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/hash/hash.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include <c10/util/Exception.h>
 
+#include "fsdp/formats/files.h"
 #include "fsdp/formats/pickle.h"
 
 namespace fsdp {
@@ -67,19 +64,23 @@ class Parser {
   DcpMetadata parse(const PickleValuePtr& root) {
     const PickleValuePtr& state = object_state(root, "Metadata", "the file");
     DcpMetadata md;
+    absl::flat_hash_map<std::string, size_t> position;  // fqn -> md.entries index
     for (const auto& [fqn, value] :
          items(field(state, "state_dict_metadata"), "state_dict_metadata")) {
       md.entries.push_back(entry(string_of(fqn, "a state_dict_metadata key"), value));
+      check(position.emplace(md.entries.back().fqn, md.entries.size() - 1).second,
+            "state_dict_metadata lists '", md.entries.back().fqn, "' twice");
     }
     const PickleValuePtr planner = state->get("planner_data");
     if (planner != nullptr && planner->kind == Kind::kDict) {
       for (const auto& [fqn, path] : items(planner, "planner_data")) {
-        set_path(md, string_of(fqn, "a planner_data key"), path);
+        auto it = position.find(string_of(fqn, "a planner_data key"));
+        if (it != position.end()) set_path(md.entries[it->second], path);
       }
     }
     for (const auto& [index, info] : items(field(state, "storage_data"), "storage_data")) {
       md.storage.push_back(storage(index, info));
-      check(md.find(md.storage.back().fqn) != nullptr, "storage_data has a record for '",
+      check(position.contains(md.storage.back().fqn), "storage_data has a record for '",
             md.storage.back().fqn, "', which state_dict_metadata does not list");
     }
     const PickleValuePtr version = state->get("version");
@@ -154,6 +155,11 @@ class Parser {
     const PickleValuePtr& state = object_state(value, "TensorStorageMetadata", "'" + e.fqn + "'");
     properties(field(state, "properties"), e);
     e.size = size_of(field(state, "size"), "the size of '" + e.fqn + "'");
+    int64_t numel = 1;
+    for (int64_t d : e.size) {
+      check(d >= 0 && !__builtin_mul_overflow(numel, d, &numel), "the size of '", e.fqn, "' (",
+            absl::StrJoin(e.size, ", "), ") is negative or has more than 2^63 elements");
+    }
     const PickleValuePtr chunks = field(state, "chunks");
     check(chunks->kind == Kind::kList, "the chunks of '", e.fqn, "' must be a list");
     for (const PickleValuePtr& c : chunks->items) {
@@ -164,7 +170,77 @@ class Parser {
       check_chunk(e, chunk);
       e.chunks.push_back(std::move(chunk));
     }
+    check_cover(e, numel);
     return e;
+  }
+
+  // Note [Chunks cover a tensor exactly once]
+  // Counting the elements the chunks hold is not enough: rows 74..109 and 76..79 add up
+  // to as many as rows 74..113, and the rows never stored would be read as whatever
+  // memory held. The chunks (boxes inside the tensor, checked above) cover each element
+  // exactly once iff the sum of their indicator functions is the tensor's indicator.
+  // An indicator of a box [a, b) is the product over dimensions of (H(x - a) - H(x - b))
+  // (H the step function); expanded, it is a signed sum over the box's 2^d corners of
+  // products of steps, and such products at distinct points are linearly independent.
+  // So the chunks tile the tensor exactly when, for every corner point, the signs the
+  // chunks put there add up to the sign the tensor's own corners put there: one pass
+  // over the chunks' corners with a hash map, O(k 2^d) for k chunks, whatever their
+  // sizes (no per-element bitmap). Only dimensions some chunk splits count in d (in
+  // practice 1 or 2); empty chunks cover nothing and are skipped. A layout splitting so
+  // many dimensions that the corners exceed kMaxCorners is refused.
+  void check_cover(const DcpEntryMetadata& e, int64_t numel) {
+    constexpr int64_t kMaxCorners = int64_t{1} << 24;
+    const size_t ndim = e.size.size();
+    std::vector<const DcpChunk*> chunks;
+    std::vector<size_t> split;  // the dimensions some chunk does not span
+    std::vector<bool> is_split(ndim, false);
+    unsigned __int128 stored = 0;
+    for (const DcpChunk& c : e.chunks) {
+      int64_t volume = 1;
+      for (int64_t s : c.sizes) volume *= s;  // <= numel: the chunk is inside the tensor
+      if (volume == 0) continue;
+      stored += static_cast<unsigned __int128>(volume);
+      chunks.push_back(&c);
+      for (size_t d = 0; d < ndim; ++d) {
+        if (!is_split[d] && c.sizes[d] != e.size[d]) {
+          is_split[d] = true;
+          split.push_back(d);
+        }
+      }
+    }
+    auto refuse = [&](const char* what) {
+      check(false, "the ", e.chunks.size(), " chunks of '", e.fqn, "' hold ",
+            static_cast<uint64_t>(std::min<unsigned __int128>(stored, UINT64_MAX)),
+            " elements of its tensor of size (", absl::StrJoin(e.size, ", "), ") with ", numel,
+            " elements: ", what, "; the checkpoint is damaged or was edited");
+    };
+    if (stored != static_cast<unsigned __int128>(numel)) {
+      refuse(stored > static_cast<unsigned __int128>(numel) ? "some elements are stored twice"
+                                                            : "some elements are not stored");
+    }
+    if (numel == 0) return;
+    check(split.size() < 24 && (int64_t(chunks.size()) << split.size()) <= kMaxCorners,
+          "the chunks of '", e.fqn, "' split it along ", split.size(),
+          " dimensions into ", chunks.size(), " pieces, more than fsdp checks");
+    absl::flat_hash_map<std::vector<int64_t>, int64_t> weight;
+    std::vector<int64_t> corner(split.size());
+    auto add_corners = [&](const std::vector<int64_t>& lo, const std::vector<int64_t>& extent,
+                           int64_t sign) {
+      for (uint64_t bits = 0; bits < (uint64_t{1} << split.size()); ++bits) {
+        int64_t s = sign;
+        for (size_t i = 0; i < split.size(); ++i) {
+          const bool high = (bits >> i) & 1;
+          corner[i] = lo[split[i]] + (high ? extent[split[i]] : 0);
+          if (high) s = -s;
+        }
+        weight[corner] += s;
+      }
+    };
+    for (const DcpChunk* c : chunks) add_corners(c->offsets, c->sizes, 1);
+    add_corners(std::vector<int64_t>(ndim, 0), e.size, -1);
+    for (const auto& [point, w] : weight) {
+      if (w != 0) refuse("some elements are stored twice and others not at all");
+    }
   }
   void check_chunk(const DcpEntryMetadata& e, const DcpChunk& c) {
     bool inside = c.offsets.size() == e.size.size() && c.sizes.size() == e.size.size();
@@ -201,20 +277,17 @@ class Parser {
     e.requires_grad = requires_grad != nullptr && requires_grad->kind == Kind::kBool &&
                       requires_grad->integer != 0;
   }
-  void set_path(DcpMetadata& md, const std::string& fqn, const PickleValuePtr& path) {
-    for (DcpEntryMetadata& e : md.entries) {
-      if (e.fqn != fqn) continue;
-      check(path->kind == Kind::kTuple || path->kind == Kind::kList, "the planner_data of '", fqn,
-            "' must be a tuple");
-      e.path.clear();
-      for (const PickleValuePtr& p : path->items) {
-        check(p->kind == Kind::kString || p->kind == Kind::kInt, "the planner_data of '", fqn,
-              "' must hold strs and ints");
-        if (p->kind == Kind::kString) {
-          e.path.emplace_back(p->string);
-        } else {
-          e.path.emplace_back(p->integer);
-        }
+  void set_path(DcpEntryMetadata& e, const PickleValuePtr& path) {
+    check(path->kind == Kind::kTuple || path->kind == Kind::kList, "the planner_data of '", e.fqn,
+          "' must be a tuple");
+    e.path.clear();
+    for (const PickleValuePtr& p : path->items) {
+      check(p->kind == Kind::kString || p->kind == Kind::kInt, "the planner_data of '", e.fqn,
+            "' must hold strs and ints");
+      if (p->kind == Kind::kString) {
+        e.path.emplace_back(p->string);
+      } else {
+        e.path.emplace_back(p->integer);
       }
     }
   }
@@ -324,8 +397,6 @@ PickleValuePtr storage_value(const DcpStorageInfo& s) {
                            {"length", P::integer_value(s.length)}}));
 }
 
-std::string errno_text() { return std::strerror(errno); }
-
 }  // namespace
 
 std::string dcp_data_file(int rank) { return absl::StrCat("__", rank, "_0.distcp"); }
@@ -353,12 +424,14 @@ DcpMetadata parse_dcp_metadata(std::string_view bytes, const std::string& name) 
 
 DcpMetadata read_dcp_metadata(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kDcpMetadataFile);
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "'", dir, "' is not a complete Distributed Checkpoint: it has no ",
-              kDcpMetadataFile, " (", errno_text(), ")");
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  return parse_dcp_metadata(bytes.str(), path);
+  std::string bytes;
+  try {
+    bytes = read_regular_file(path, "Distributed Checkpoint metadata");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "'", dir, "' is not a complete Distributed Checkpoint: ",
+                e.what_without_backtrace());
+  }
+  return parse_dcp_metadata(bytes, path);
 }
 
 std::string serialize_dcp_metadata(const DcpMetadata& md) {
@@ -384,31 +457,18 @@ std::string serialize_dcp_metadata(const DcpMetadata& md) {
 
 std::string read_dcp_entry(const std::string& dir, const DcpStorageInfo& info) {
   const std::string path = absl::StrCat(dir, "/", info.relative_path);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "'", dir, "' is not a complete Distributed Checkpoint: its .metadata says '",
-              info.fqn, "' is in '", info.relative_path, "', which cannot be opened (",
-              errno_text(), ")");
-  struct stat st = {};
-  const bool statted = ::fstat(fd, &st) == 0;
-  const int64_t size = statted ? static_cast<int64_t>(st.st_size) : -1;
-  std::string bytes;
-  bool ok = statted && info.offset <= size && info.length <= size - info.offset;
-  if (ok) {
-    bytes.resize(static_cast<size_t>(info.length));
-    size_t done = 0;
-    while (ok && done < bytes.size()) {
-      const ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done,
-                                static_cast<off_t>(info.offset) + static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      ok = n > 0;
-      if (ok) done += static_cast<size_t>(n);
-    }
+  std::optional<ReadableFile> file;
+  try {
+    file = ReadableFile::open(path, "Distributed Checkpoint data");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "'", dir, "' is not a complete Distributed Checkpoint: its .metadata says '",
+                info.fqn, "' is in '", info.relative_path, "': ", e.what_without_backtrace());
   }
-  ::close(fd);
-  TORCH_CHECK(ok, "'", path, "' has ", size, " bytes, but .metadata puts '", info.fqn,
-              "' at bytes [", info.offset, ", ", info.offset + info.length,
+  TORCH_CHECK(info.offset <= file->size() && info.length <= file->size() - info.offset, "'", path,
+              "' has ", file->size(), " bytes, but .metadata puts '", info.fqn, "' at bytes [",
+              info.offset, ", ", info.offset + info.length,
               "): the file is truncated or belongs to another checkpoint");
-  return bytes;
+  return file->read(info.offset, info.length);
 }
 
 }  // namespace fsdp

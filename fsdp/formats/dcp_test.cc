@@ -1,5 +1,7 @@
 #include "fsdp/formats/dcp.h"
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -176,11 +178,99 @@ TEST(DcpMetadata, BadInputIsOneClearError) {
   EXPECT_THAT([&] { read_dcp_entry(dir, last); },
               ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
                   "is not a complete Distributed Checkpoint: its .metadata says '", last.fqn,
-                  "' is in '__0_0.distcp', which cannot be opened (No such file or directory)"))));
+                  "' is in '__0_0.distcp': cannot open Distributed Checkpoint data '", file,
+                  "': No such file or directory"))));
   fs::remove(dir + "/.metadata");
   EXPECT_THAT([&] { read_dcp_metadata(dir); },
-              ThrowsMessage<c10::Error>(HasSubstr("is not a complete Distributed Checkpoint: it "
-                                                  "has no .metadata")));
+              ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
+                  "'", dir, "' is not a complete Distributed Checkpoint: cannot open Distributed ",
+                  "Checkpoint metadata '", dir, "/.metadata': No such file or directory"))));
+}
+
+// Metadata of one float tensor of `size` stored as `chunks` (offsets, sizes).
+DcpMetadata one_tensor(std::vector<int64_t> size, std::vector<DcpChunk> chunks) {
+  DcpMetadata md;
+  md.entries.push_back({"model.w", true, c10::ScalarType::Float, false, std::move(size),
+                        std::move(chunks), {std::string("model"), std::string("w")}});
+  return md;
+}
+
+std::string cover_error(std::vector<int64_t> size, std::vector<DcpChunk> chunks) {
+  try {
+    parse_dcp_metadata(serialize_dcp_metadata(one_tensor(std::move(size), std::move(chunks))),
+                       "x");
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+// Issue 38: chunks whose element counts add up but that overlap (rows 74..109 once,
+// 76..79 twice, 110..113 never) were read with rows 110..113 left uninitialised.
+TEST(DcpMetadata, ChunksMustCoverTheTensorExactlyOnce) {
+  EXPECT_EQ(cover_error({114, 4}, {{{0, 0}, {74, 4}}, {{74, 0}, {36, 4}}, {{76, 0}, {4, 4}}}),
+            "'x' is not Distributed Checkpoint metadata fsdp can read: the 3 chunks of 'model.w' "
+            "hold 456 elements of its tensor of size (114, 4) with 456 elements: some elements "
+            "are stored twice and others not at all; the checkpoint is damaged or was edited");
+  EXPECT_EQ(cover_error({114, 4}, {{{0, 0}, {74, 4}}, {{74, 0}, {36, 4}}}),
+            "'x' is not Distributed Checkpoint metadata fsdp can read: the 2 chunks of 'model.w' "
+            "hold 440 elements of its tensor of size (114, 4) with 456 elements: some elements "
+            "are not stored; the checkpoint is damaged or was edited");
+  EXPECT_THAT(cover_error({4, 4}, {{{0, 0}, {4, 4}}, {{1, 1}, {1, 1}}}),
+              HasSubstr("hold 17 elements of its tensor of size (4, 4) with 16 elements: some "
+                        "elements are stored twice"));
+  // Two columns swapped in the second half: counts and rows agree, columns do not.
+  EXPECT_THAT(cover_error({4, 4}, {{{0, 0}, {2, 4}}, {{2, 0}, {2, 2}}, {{2, 0}, {2, 2}}}),
+              HasSubstr("stored twice and others not at all"));
+  // Layouts that tile: row slabs, column slabs (tensor parallel), a brick wall, empty
+  // chunks, a 0-dim tensor, a tensor with no elements.
+  EXPECT_EQ(cover_error({4, 4}, {{{0, 0}, {1, 4}}, {{1, 0}, {3, 4}}}), "");
+  EXPECT_EQ(cover_error({4, 4}, {{{0, 0}, {4, 1}}, {{0, 1}, {4, 3}}}), "");
+  EXPECT_EQ(cover_error({4, 4, 2}, {{{0, 0, 0}, {2, 4, 2}},
+                                     {{2, 0, 0}, {2, 1, 2}},
+                                     {{2, 1, 0}, {2, 3, 2}},
+                                     {{4, 0, 0}, {0, 4, 2}}}),
+            "");
+  EXPECT_EQ(cover_error({}, {{{}, {}}}), "");
+  EXPECT_THAT(cover_error({}, {{{}, {}}, {{}, {}}}), HasSubstr("stored twice"));
+  EXPECT_EQ(cover_error({0, 3}, {}), "");
+  EXPECT_THAT(cover_error({3}, {}), HasSubstr("hold 0 elements"));
+}
+
+// Issue 38: .metadata as /dev/zero read until the OOM killer came; as a FIFO it hung.
+TEST(DcpMetadata, MetadataMustBeARegularFile) {
+  const std::string dir = scratch_path("dcp_special");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::create_symlink("/dev/zero", dir + "/.metadata");
+  EXPECT_THAT([&] { read_dcp_metadata(dir); },
+              ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
+                  "'", dir, "' is not a complete Distributed Checkpoint: '", dir,
+                  "/.metadata' is a character device; Distributed Checkpoint metadata must be a "
+                  "regular file (or a symlink to one)"))));
+  fs::remove(dir + "/.metadata");
+  ASSERT_EQ(::mkfifo((dir + "/.metadata").c_str(), 0600), 0);
+  EXPECT_THAT([&] { read_dcp_metadata(dir); },
+              ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
+                  "'", dir, "/.metadata' is a FIFO (named pipe); Distributed Checkpoint metadata "
+                  "must be a regular file (or a symlink to one)"))));
+  // A symlink to a regular file is read.
+  fs::remove(dir + "/.metadata");
+  write_bytes(dir + "/real", serialize_dcp_metadata(one_tensor({2}, {{{0}, {2}}})));
+  fs::create_symlink(dir + "/real", dir + "/.metadata");
+  EXPECT_EQ(read_dcp_metadata(dir).entries.size(), 1u);
+}
+
+// Issue 38: a .metadata holding a list nested 300,000 deep crashed the reader (SIGSEGV).
+TEST(DcpMetadata, DeeplyNestedMetadataIsRefused) {
+  std::string bytes = "\x80\x02";
+  bytes.append(300'000, ']');
+  bytes.append(299'999, 'a');
+  bytes.push_back('.');
+  EXPECT_THAT([&] { parse_dcp_metadata(bytes, "deep"); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "cannot read the pickle 'deep' at byte 600001: it nests containers deeper "
+                  "than 1000 levels, which fsdp does not read")));
 }
 
 }  // namespace

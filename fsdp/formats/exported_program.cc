@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -12,8 +13,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include <c10/util/Exception.h>
-#include <caffe2/serialize/inline_container.h>
 #include <nlohmann/json.hpp>
+
+#include "fsdp/formats/files.h"
+#include "fsdp/formats/json.h"
+#include "fsdp/formats/torch_zip.h"
 
 namespace fsdp {
 namespace {
@@ -60,8 +64,7 @@ int64_t int_at(const Json& obj, const char* key, const std::string& path,
 }
 
 Json parse_json(std::string_view text, const std::string& where, const char* what) {
-  Json json = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(!json.is_discarded(), where, ": ", what, " is not valid JSON; ", kExpected);
+  Json json = parse_untrusted_json(text, absl::StrCat(where, ": ", what), kExpected);
   TORCH_CHECK(json.is_object(), where, ": ", what, " is not a JSON object; ", kExpected);
   return json;
 }
@@ -415,11 +418,12 @@ bool is_exported_program_records(const std::vector<std::string>& records) {
 }
 
 ExportedProgramInfo read_exported_program(const std::string& path) {
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  const ReadableFile file = ReadableFile::open(path, ".pt2 archive");
+  std::optional<TorchZipArchive> archive;
   std::vector<std::string> records;
   try {
-    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
-    records = reader->getAllRecords();
+    archive = TorchZipArchive::open_file(file);
+    records = archive->reader().getAllRecords();
   } catch (const std::exception&) {
     TORCH_CHECK(false, "'", path, "' is not a readable zip archive (missing, truncated or ",
                 "damaged: its directory of files cannot be read); ", kExpected);
@@ -433,8 +437,7 @@ ExportedProgramInfo read_exported_program(const std::string& path) {
   }
   auto text = [&](const char* name) {
     try {
-      auto [data, size] = reader->getRecord(name);
-      return std::string(static_cast<const char*>(data.get()), size);
+      return archive->read(name);
     } catch (const std::exception&) {
       TORCH_CHECK(false, "'", path, "': ", name, " cannot be read (a damaged archive); ",
                   kExpected);
@@ -448,7 +451,7 @@ ExportedProgramInfo read_exported_program(const std::string& path) {
       const std::string record = kWeightsDir + tensor.weight_file;
       TORCH_CHECK(names.count(record) > 0, "'", path, "': the weight of ", tensor.fqn, " (", record,
                   ") is missing from the archive; ", kExpected);
-      tensor.stored_bytes = static_cast<int64_t>(reader->getRecordSize(record));
+      tensor.stored_bytes = archive->record_size(record);
       TORCH_CHECK(
           tensor.device == "meta" || tensor.pickled || tensor.stored_bytes >= tensor.nbytes(), "'",
           path, "': the weight of ", tensor.fqn, " (", record, ") holds ", tensor.stored_bytes,

@@ -4,6 +4,9 @@
 // 8.17 schema of torch 2.11); tests/plan_oracle_test.sh reads archives torch itself wrote.
 #include "fsdp/formats/exported_program.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <functional>
 #include <map>
@@ -269,7 +272,14 @@ TEST(ExportedProgramTest, FileErrorsSayWhatTheFileIs) {
   EXPECT_THAT(error_of([&] { read_exported_program(dir + "text.pt2"); }),
               HasSubstr("is not a readable zip archive (missing, truncated or damaged"));
   EXPECT_THAT(error_of([&] { read_exported_program(dir + "absent.pt2"); }),
-              HasSubstr("is not a readable zip archive"));
+              HasSubstr("cannot open .pt2 archive '" + dir +
+                        "absent.pt2': No such file or directory"));
+  // A FIFO is refused by name, before anything opens it (which would block).
+  ::unlink((dir + "fifo.pt2").c_str());
+  ASSERT_EQ(::mkfifo((dir + "fifo.pt2").c_str(), 0600), 0);
+  EXPECT_THAT(error_of([&] { read_exported_program(dir + "fifo.pt2"); }),
+              HasSubstr("fifo.pt2' is a FIFO (named pipe); .pt2 archive must be a regular file "
+                        "(or a symlink to one)"));
 
   const std::string good = Archive().write("whole");
   std::stringstream bytes;

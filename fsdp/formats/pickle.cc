@@ -1,5 +1,6 @@
 #include "fsdp/formats/pickle.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -22,6 +23,23 @@ using Kind = PickleValue::Kind;
 // frozensets as tuples. Nothing is ever called: a class is a tag. A container can be made
 // to contain itself through the memo; such a value is refused, and the shared_ptr cycles
 // of an unfinished read are taken apart in the destructor so nothing leaks.
+//
+// Note [A bounded pickle reader]
+// Every opcode costs time and memory proportional to the bytes it consumes, or to the
+// values it takes off the stack (each pushed once), so a read is O(n) plus hashing:
+// - a memo reference (BINGET, DUP) pushes a pointer to the value it names; nothing is
+//   ever expanded, so a "memo bomb" (a list of n references to a list of n references
+//   ...) costs n pointers, not n^depth values;
+// - REDUCE/NEWOBJ copy the argument tuple into the object they make; a tuple reused
+//   through the memo would make that quadratic, so the items copied are counted and
+//   may not exceed the pickle's size (every item of a tuple written once took a byte);
+// - a length is compared with the bytes left before anything is allocated;
+// - GLOBAL and STACK_GLOBAL names are at most 256 bytes.
+// Depth is measured once, at STOP, by one walk over the finished value (iterative, each
+// value visited once however often it is shared), together with the cycle check; a
+// value nested deeper than kMaxPickleDepth is refused, so the recursive code that
+// walks a value afterwards (consumers, write_pickle) stays bounded. Destruction is
+// iterative (~PickleValue), so even a refused 300,000-deep list is taken apart safely.
 class Reader {
  public:
   Reader(std::string_view bytes, const PickleHooks& hooks, const std::string& name)
@@ -43,7 +61,7 @@ class Reader {
       step(op);
     }
     check(stack_.size() == 1 && marks_.empty(), "it does not end with exactly one value");
-    check(!has_cycle(stack_[0]), "it holds a container that contains itself");
+    check_shape(stack_[0]);
     finished_ = true;
     return stack_[0];
   }
@@ -158,6 +176,8 @@ class Reader {
         const PickleValuePtr module = pop();
         check(module->kind == Kind::kString && name->kind == Kind::kString,
               "STACK_GLOBAL needs two strings");
+        check(module->string.size() < kMaxName && name->string.size() < kMaxName,
+              "an overlong STACK_GLOBAL name");
         global(module->string, name->string);
         return;
       }
@@ -263,7 +283,7 @@ class Reader {
     std::string out;
     for (char c = static_cast<char>(byte()); c != '\n'; c = static_cast<char>(byte())) {
       out.push_back(c);
-      check(out.size() < 256, "an overlong GLOBAL name");
+      check(out.size() < kMaxName, "an overlong GLOBAL name");
     }
     return out;
   }
@@ -285,7 +305,13 @@ class Reader {
           pickle_kind_name(args->kind));
     PickleValuePtr value;
     if (hooks_.reduce) value = hooks_.reduce(callable->string, args->items);
-    if (!value) value = PickleValue::object(callable->string, args->items);
+    if (!value) {
+      // See Note [A bounded pickle reader].
+      copied_ += args->items.size();
+      check(copied_ <= data_.size(), "its calls copy ", copied_,
+            " arguments, more than its size allows (an argument tuple reused through the memo)");
+      value = PickleValue::object(callable->string, args->items);
+    }
     push(std::move(value));
   }
   void build(PickleValuePtr state) {
@@ -338,34 +364,49 @@ class Reader {
     return it->second;
   }
 
-  // Depth-first over items and states, without recursion (nesting may be deep).
-  static bool has_cycle(const PickleValuePtr& root) {
+  // One depth-first walk over items and states, without recursion: refuses a cycle and
+  // a value nested deeper than kMaxPickleDepth. See Note [A bounded pickle reader].
+  void check_shape(const PickleValuePtr& root) const {
+    auto is_container = [](const PickleValue* v) {
+      return v->kind == Kind::kTuple || v->kind == Kind::kList || v->kind == Kind::kDict ||
+             v->kind == Kind::kObject;
+    };
     auto children = [](const PickleValue* v) { return v->items.size() + (v->state ? 1 : 0); };
     auto child = [](const PickleValue* v, size_t i) {
       return i < v->items.size() ? v->items[i].get() : v->state.get();
     };
-    absl::flat_hash_map<const PickleValue*, bool> on_path;  // false: finished
-    std::vector<std::pair<const PickleValue*, size_t>> path = {{root.get(), 0}};
-    on_path[root.get()] = true;
+    constexpr int kOnPath = -1;
+    absl::flat_hash_map<const PickleValue*, int> depth;  // kOnPath until finished
+    struct Frame {
+      const PickleValue* node;
+      size_t next;
+      int deepest_child;
+    };
+    std::vector<Frame> path = {{root.get(), 0, 0}};
+    depth[root.get()] = kOnPath;
     while (!path.empty()) {
-      const PickleValue* node = path.back().first;
-      const size_t next = path.back().second++;
-      if (next == children(node)) {
-        on_path[node] = false;
+      Frame& frame = path.back();
+      if (frame.next == children(frame.node)) {
+        const int d = frame.deepest_child + (is_container(frame.node) ? 1 : 0);
+        check(d <= kMaxPickleDepth, "it nests containers deeper than ", kMaxPickleDepth,
+              " levels, which fsdp does not read");
+        depth[frame.node] = d;
         path.pop_back();
+        if (!path.empty()) path.back().deepest_child = std::max(path.back().deepest_child, d);
         continue;
       }
-      const PickleValue* c = child(node, next);
-      auto [it, first] = on_path.try_emplace(c, true);
+      const PickleValue* c = child(frame.node, frame.next++);
+      auto [it, first] = depth.try_emplace(c, kOnPath);
       if (first) {
-        path.emplace_back(c, 0);
-      } else if (it->second) {
-        return true;
+        path.push_back({c, 0, 0});
+      } else {
+        check(it->second != kOnPath, "it holds a container that contains itself");
+        frame.deepest_child = std::max(frame.deepest_child, it->second);
       }
     }
-    return false;
   }
 
+  static constexpr size_t kMaxName = 256;
   std::string_view data_;
   const PickleHooks& hooks_;
   const std::string& name_;
@@ -375,6 +416,7 @@ class Reader {
   std::vector<size_t> marks_;
   absl::flat_hash_map<int64_t, PickleValuePtr> memo_;
   std::vector<PickleValuePtr> made_;  // every container and object made
+  size_t copied_ = 0;                 // argument items copied by REDUCE/NEWOBJ
   bool finished_ = false;
 };
 
@@ -496,6 +538,27 @@ class Writer {
 };
 
 }  // namespace
+
+// Note [Taking a value tree apart]
+// The default destructor of a 300,000-deep list recurses 300,000 times and overflows the
+// stack. Instead each value moves its children into a local worklist and destroys them
+// one at a time, first moving out the children of any it owns alone (use_count 1), so
+// every value is destroyed with no children left and the recursion is at most two deep.
+// A child someone else still holds is only released; its last owner takes it apart.
+PickleValue::~PickleValue() {
+  if (items.empty() && state == nullptr) return;
+  std::vector<PickleValuePtr> pending = std::move(items);
+  if (state != nullptr) pending.push_back(std::move(state));
+  while (!pending.empty()) {
+    PickleValuePtr value = std::move(pending.back());
+    pending.pop_back();
+    if (value != nullptr && value.use_count() == 1) {
+      for (PickleValuePtr& child : value->items) pending.push_back(std::move(child));
+      value->items.clear();
+      if (value->state != nullptr) pending.push_back(std::move(value->state));
+    }
+  }
+}
 
 PickleValuePtr PickleValue::make(Kind kind) {
   auto value = std::make_shared<PickleValue>();

@@ -14,9 +14,15 @@
 // stores its state in the object. A global the hooks do not allow is an error, as
 // torch.load(weights_only=True) refuses one.
 //
+// A pickle is hostile data: the reader's work and memory are O(n log n) in its size n
+// whatever it holds (a memo reference shares a value, never copies it), values nest at
+// most kMaxPickleDepth containers deep, and a value tree of any depth is destroyed
+// without recursion.
+//
 // Errors: c10::Error naming the input, the byte offset and what is wrong (truncated,
 // unsupported opcode, a class not allowed, a memo entry never stored, a stack or MARK
-// misuse, a container that contains itself). Threading: functions are reentrant.
+// misuse, a container that contains itself, nesting deeper than kMaxPickleDepth).
+// Threading: functions are reentrant.
 // PyTorch counterpart: Python's pickle module (pickle.load / pickle.dumps(protocol=2)).
 #ifndef FSDP_FORMATS_PICKLE_H_
 #define FSDP_FORMATS_PICKLE_H_
@@ -31,6 +37,11 @@
 #include <ATen/core/Tensor.h>
 
 namespace fsdp {
+
+// The deepest nesting of containers (tuple, list, dict, object) read_pickle accepts: a
+// value that is not a container has depth 0, a list of them depth 1. Python's own
+// pickle.dumps cannot write deeper values (its recursion limit is 1000).
+constexpr int kMaxPickleDepth = 1000;
 
 struct PickleValue;
 using PickleValuePtr = std::shared_ptr<PickleValue>;
@@ -63,6 +74,14 @@ struct PickleValue {
   // writer writes an object with a state as NEWOBJ + BUILD, one without as REDUCE.
   PickleValuePtr state;
   at::Tensor tensor;  // kTensor (only a hook makes one)
+
+  PickleValue() = default;
+  PickleValue(const PickleValue&) = default;
+  PickleValue(PickleValue&&) = default;
+  PickleValue& operator=(const PickleValue&) = default;
+  PickleValue& operator=(PickleValue&&) = default;
+  // Takes the tree below apart without recursion, however deep it is.
+  ~PickleValue();
 
   static PickleValuePtr make(Kind kind);
   static PickleValuePtr none();
@@ -98,7 +117,7 @@ struct PickleHooks {
 };
 
 // Reads the pickle in `bytes` (one value ending in STOP). `name` is used in messages.
-// Throws c10::Error on bad input, never reads past `bytes`.
+// Throws c10::Error on bad input (see above), never reads past `bytes`.
 PickleValuePtr read_pickle(std::string_view bytes, const PickleHooks& hooks,
                            const std::string& name);
 

@@ -16,6 +16,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
 using Kind = PickleValue::Kind;
+using namespace std::string_literals;
 
 using formats_testing::read_bytes;
 using formats_testing::run_python;
@@ -160,6 +161,9 @@ void expect_error(const char (&literal)[N], const std::string& message) {
   const std::string bytes(literal, N - 1);
   EXPECT_THAT([&] { read(bytes); }, ThrowsMessage<c10::Error>(HasSubstr(message)));
 }
+void expect_error(const std::string& bytes, const std::string& message) {
+  EXPECT_THAT([&] { read(bytes); }, ThrowsMessage<c10::Error>(HasSubstr(message)));
+}
 
 TEST(ReadPickle, BadInputIsOneClearError) {
   expect_error("\x80\x02]q\x00(K\x01K\x02",
@@ -195,6 +199,80 @@ TEST(ReadPickle, BadInputIsOneClearError) {
       "\x80\x02]q\x00h\x00"
       "a.",
       "it holds a container that contains itself");
+}
+
+// A list nested `depth` deep: `depth` EMPTY_LISTs, then APPENDs folding each into the
+// one below (a valid pickle Python reads back as [[[...]]]).
+std::string nested_lists(int depth) {
+  std::string bytes = "\x80\x02";
+  bytes.append(depth, ']');
+  bytes.append(depth - 1, 'a');
+  bytes.push_back('.');
+  return bytes;
+}
+
+int depth_of(PickleValuePtr v) {
+  int depth = 0;
+  for (; v->kind == Kind::kList; v = v->items.empty() ? PickleValue::none() : v->items[0]) ++depth;
+  return depth;
+}
+
+TEST(ReadPickle, NestingIsBounded) {
+  EXPECT_EQ(depth_of(read(nested_lists(kMaxPickleDepth))), kMaxPickleDepth);
+  // 300,000 deep (a .metadata of 600 KB): refused with a message, no stack overflow
+  // reading it or taking it apart.
+  expect_error(nested_lists(300'000),
+               "cannot read the pickle 'test.pkl' at byte 600001: it nests containers deeper "
+               "than 1000 levels, which fsdp does not read");
+  expect_error(nested_lists(kMaxPickleDepth + 1), "deeper than 1000 levels");
+}
+
+TEST(PickleValue, DestroyingADeepTreeDoesNotRecurse) {
+  PickleValuePtr root = PickleValue::list({});
+  PickleValue* leaf = root.get();
+  for (int i = 0; i < 1'000'000; ++i) {
+    leaf->items.push_back(PickleValue::list({}));
+    leaf = leaf->items.back().get();
+  }
+  leaf->state = PickleValue::str("end");
+  root.reset();  // would overflow the stack with a recursive destructor
+  SUCCEED();
+}
+
+TEST(ReadPickle, MemoReferencesAreSharedNotCopied) {
+  // l0 = [1]; l(i+1) = [l(i), l(i)] 40 times: 2^40 leaves if expanded, 81 values shared.
+  std::string bytes = "\x80\x02]q\x00K\x01"s + "a0";
+  for (int i = 0; i < 40; ++i) {
+    absl::StrAppend(&bytes, "](h", std::string(1, char(i)), "h", std::string(1, char(i)),
+                    "eq", std::string(1, char(i + 1)), "0");
+  }
+  bytes += "h\x28.";  // memo entry 40
+  PickleValuePtr v = read(bytes);
+  int depth = 0;
+  for (; v->kind == Kind::kList && v->items.size() == 2; v = v->items[0]) {
+    EXPECT_EQ(v->items[0].get(), v->items[1].get());
+    ++depth;
+  }
+  EXPECT_EQ(depth, 40);
+}
+
+TEST(ReadPickle, ReusedCallArgumentsAreBounded) {
+  // One 1000-item argument tuple, memoized, then the same call 2000 times: 2 million
+  // copied items from a 20 KB pickle.
+  std::string bytes = "\x80\x02(";
+  bytes.append(1000, 'N');
+  bytes += "tq\x00("s;
+  for (int i = 0; i < 2000; ++i) bytes += "ctorch\nSize\nh\x00R"s;
+  bytes += "l.";
+  expect_error(bytes, "its calls copy ");
+  expect_error(bytes, "arguments, more than its size allows");
+}
+
+TEST(ReadPickle, OverlongNamesAreRefused) {
+  std::string bytes = "\x80\x02X\x00\x01\x00\x00"s;
+  bytes.append(256, 'm');
+  bytes += "\x8c\x04Size\x93.";
+  expect_error(bytes, "at byte 269: an overlong STACK_GLOBAL name");
 }
 
 }  // namespace

@@ -16,6 +16,9 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "fsdp/formats/files.h"
+#include "fsdp/formats/json.h"
+
 namespace fsdp {
 namespace {
 
@@ -24,8 +27,9 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 using Json = nlohmann::json;
 
-// The format's own limit on the header (safetensors' MAX_HEADER_SIZE).
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// The format's own limit on the header (safetensors' MAX_HEADER_SIZE), the shared JSON
+// limit.
+constexpr uint64_t kMaxHeaderBytes = kMaxJsonBytes;
 
 struct DtypeName {
   const char* name;
@@ -171,22 +175,6 @@ void check_tiling(const std::vector<SafetensorsTensorInfo>& tensors,
               " bytes after its last tensor's data; expected the tensors to end the file");
 }
 
-// pread until `size` bytes are in `out` or throws (short file, I/O error).
-void pread_all(int fd, char* out, size_t size, int64_t offset, const std::string& file,
-               const std::string& tensor) {
-  while (size > 0) {
-    const ssize_t n = ::pread(fd, out, size, offset);
-    if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n >= 0, "safetensors file '", file, "': reading tensor '", tensor, "' at byte ",
-                offset, " failed: ", errno_text());
-    TORCH_CHECK(n > 0, "safetensors file '", file, "': tensor '", tensor, "' is cut short at byte ",
-                offset, ": the file shrank after it was opened");
-    out += n;
-    size -= static_cast<size_t>(n);
-    offset += n;
-  }
-}
-
 void write_all(int fd, const char* data, size_t size, const std::string& file) {
   while (size > 0) {
     const ssize_t n = ::write(fd, data, size);
@@ -195,19 +183,6 @@ void write_all(int fd, const char* data, size_t size, const std::string& file) {
     data += n;
     size -= static_cast<size_t>(n);
   }
-}
-
-Json parse_json(std::string_view text, const std::string& what) {
-  try {
-    return Json::parse(text.begin(), text.end());
-  } catch (const Json::parse_error& e) {
-    TORCH_CHECK(false, what, " is not UTF-8 JSON: ", e.what());
-  }
-}
-
-bool is_regular_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 }  // namespace
@@ -245,8 +220,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view head, uint64_t file_
   const uint64_t length = checked_header_length(head, file_size, file);
   TORCH_INTERNAL_ASSERT(head.size() >= 8 + length, "parse_safetensors_header: got ", head.size(),
                         " bytes of a header of ", length);
-  const Json json =
-      parse_json(head.substr(8, length), "the header of safetensors file '" + file + "'");
+  const Json json = parse_untrusted_json(head.substr(8, length),
+                                         "the header of safetensors file '" + file + "'", "");
   TORCH_CHECK(json.is_object(), "safetensors file '", file, "': the header is a JSON ",
               json_type(json), "; expected an object of tensors");
   SafetensorsHeader header;
@@ -284,30 +259,20 @@ SafetensorsHeader parse_safetensors_header(std::string_view head, uint64_t file_
 
 // ---- SafetensorsFile ----
 
-SafetensorsFile::SafetensorsFile(std::string path, std::shared_ptr<int> fd,
-                                 SafetensorsHeader header)
-    : path_(std::move(path)), fd_(std::move(fd)), header_(std::move(header)) {
+SafetensorsFile::SafetensorsFile(ReadableFile file, SafetensorsHeader header)
+    : file_(std::move(file)), header_(std::move(header)) {
   for (size_t i = 0; i < header_.tensors.size(); ++i) index_[header_.tensors[i].name] = i;
 }
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(raw >= 0, "cannot open safetensors file '", path, "': ", errno_text());
-  auto fd = std::shared_ptr<int>(new int(raw), [](int* p) {
-    ::close(*p);
-    delete p;
-  });
-  struct stat st {};
-  TORCH_CHECK(::fstat(raw, &st) == 0, "cannot stat '", path, "': ", errno_text());
-  TORCH_CHECK(S_ISREG(st.st_mode), "'", path,
-              "' is not a regular file; expected a .safetensors file");
-  const auto size = static_cast<uint64_t>(st.st_size);
-  std::string head(std::min<uint64_t>(size, 8), '\0');
-  pread_all(raw, head.data(), head.size(), 0, path, "(header length)");
+  ReadableFile file = ReadableFile::open(path, "safetensors file");
+  const auto size = static_cast<uint64_t>(file.size());
+  std::string head = file.read(0, std::min<int64_t>(file.size(), 8));
   const uint64_t length = checked_header_length(head, size, path);
   head.resize(8 + length);
-  pread_all(raw, head.data() + 8, length, 8, path, "(header)");
-  return SafetensorsFile(path, std::move(fd), parse_safetensors_header(head, size, path));
+  file.read_into(head.data() + 8, 8, static_cast<int64_t>(length));
+  SafetensorsHeader header = parse_safetensors_header(head, size, path);
+  return SafetensorsFile(std::move(file), std::move(header));
 }
 
 const SafetensorsTensorInfo* SafetensorsFile::find(const std::string& name) const {
@@ -337,8 +302,7 @@ void SafetensorsFile::read_range_into(const std::string& name, int64_t begin, in
                                            out.is_contiguous() ? "" : ", not contiguous")
                             : std::string("an undefined tensor"));
   const auto item = static_cast<int64_t>(c10::elementSize(t.dtype));
-  pread_all(*fd_, static_cast<char*>(out.data_ptr()), static_cast<size_t>(numel * item),
-            t.offset + begin * item, path_, name);
+  file_.read_into(static_cast<char*>(out.data_ptr()), t.offset + begin * item, numel * item);
 }
 
 at::Tensor SafetensorsFile::read_range(const std::string& name, int64_t begin,
@@ -378,24 +342,13 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& path) {
   const std::string index_path = (fs::path(path) / kSafetensorsIndexName).string();
   if (!fs::exists(index_path, ec)) {
     const std::string single = (fs::path(path) / kSafetensorsSingleName).string();
-    TORCH_CHECK(is_regular_file(single), "folder '", path, "' holds neither ",
+    TORCH_CHECK(fs::exists(single, ec), "folder '", path, "' holds neither ",
                 kSafetensorsIndexName, " nor ", kSafetensorsSingleName,
                 "; expected a Hugging Face model folder (save_pretrained)");
     add_whole_file(single);
     return ckpt;
   }
-  std::string text;
-  {
-    const int fd = ::open(index_path.c_str(), O_RDONLY | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0, "cannot open '", index_path, "': ", errno_text());
-    char buffer[65536];
-    ssize_t n = 0;
-    while ((n = ::read(fd, buffer, sizeof(buffer))) > 0 || (n < 0 && errno == EINTR)) {
-      if (n > 0) text.append(buffer, static_cast<size_t>(n));
-    }
-    ::close(fd);
-  }
-  const Json index = parse_json(text, "index '" + index_path + "'");
+  const Json index = read_json_file(index_path, "safetensors index", "");
   TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
               "index '", index_path,
               "' has no \"weight_map\" object; expected {\"metadata\": {...}, \"weight_map\": "
@@ -408,7 +361,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& path) {
     auto it = file_position.find(name);
     if (it == file_position.end()) {
       const std::string file = (fs::path(path) / name).string();
-      TORCH_CHECK(name.find('/') == std::string::npos && name != ".." && is_regular_file(file),
+      TORCH_CHECK(name.find('/') == std::string::npos && name != ".." && fs::exists(file, ec),
                   "index '", index_path, "' names file '", name, "' for tensor '", item.key(),
                   "', but '", file, "' does not exist; expected every file of the index in '", path,
                   "'");

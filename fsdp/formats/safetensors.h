@@ -45,6 +45,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include "fsdp/formats/files.h"
+
 namespace fsdp {
 
 // __metadata__: string keys to string values.
@@ -83,7 +85,7 @@ class SafetensorsFile {
  public:
   static SafetensorsFile open(const std::string& path);
 
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
   const SafetensorsHeader& header() const { return header_; }
   // The entry of `name`, or nullptr.
   const SafetensorsTensorInfo* find(const std::string& name) const;
@@ -101,9 +103,8 @@ class SafetensorsFile {
   at::Tensor read(const std::string& name) const;
 
  private:
-  SafetensorsFile(std::string path, std::shared_ptr<int> fd, SafetensorsHeader header);
-  std::string path_;
-  std::shared_ptr<int> fd_;  // closed when the last copy goes
+  SafetensorsFile(ReadableFile file, SafetensorsHeader header);
+  ReadableFile file_;  // closed when the last copy goes
   SafetensorsHeader header_;
   std::map<std::string, size_t> index_;  // name -> header_.tensors position
 };

@@ -278,12 +278,12 @@ TEST(SafetensorsBadInput, UnknownDtype) {
 
 TEST(SafetensorsBadInput, NonUtf8OrNonJsonHeader) {
   EXPECT_EQ(open_error("{\"w\xff\":1}", ""),
-            "the header of safetensors file '<file>' is not UTF-8 JSON: "
+            "the header of safetensors file '<file>' is not valid JSON: "
             "[json.exception.parse_error.101] parse error at line 1, "
             "column 4: syntax error while parsing object key - invalid string: ill-formed "
             "UTF-8 byte; last read: '\"w\xff'; expected string literal");
   EXPECT_EQ(open_error("not json", ""),
-            "the header of safetensors file '<file>' is not UTF-8 JSON: "
+            "the header of safetensors file '<file>' is not valid JSON: "
             "[json.exception.parse_error.101] parse error at line 1, "
             "column 2: syntax error while parsing value - invalid literal; last read: 'no'");
   EXPECT_EQ(open_error("[1, 2]", ""),

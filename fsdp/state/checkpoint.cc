@@ -30,6 +30,8 @@
 
 #include "fsdp/base/torch_compat.h"
 #include "fsdp/formats/dcp.h"
+#include "fsdp/formats/files.h"
+#include "fsdp/formats/values.h"
 #include "fsdp/state/internal/durable_files.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/internal/optim_state_dict_layout.h"
@@ -46,7 +48,6 @@ using state_internal::message_of;
 using state_internal::publish;
 using state_internal::PyValue;
 using state_internal::PyValuePtr;
-using state_internal::read_file;
 using state_internal::remove_partial;
 using state_internal::space_note;
 using state_internal::write_file_durably;
@@ -255,7 +256,8 @@ class CheckpointReader {
     const std::string path = (fs::path(dir_) / kMetadata).string();
     TORCH_CHECK(fs::exists(path), "'", dir_, "' is not a complete checkpoint: it has no ",
                 kMetadata);
-    const PyValuePtr root = state_internal::read_torch_file(read_file(path), path);
+    const PyValuePtr root =
+        state_internal::read_torch_file(read_regular_file(path, "checkpoint metadata"), path);
     const PyValuePtr format = dict_get(root, "format", path);
     TORCH_CHECK(format->kind == PyValue::Kind::kString && format->string == kFormat, "'", path,
                 "' is not the metadata of an fsdp sharded checkpoint");
@@ -287,14 +289,38 @@ class CheckpointReader {
                     "'");
         meta.pieces.push_back({static_cast<int>(pieces[i]), pieces[i + 1], pieces[i + 2]});
       }
+      check_cover(path, key, meta);
       keys_.push_back(key);
       tensors_[key] = std::move(meta);
     }
   }
 
+  const std::string& dir() const { return dir_; }
   const std::vector<std::string>& keys() const { return keys_; }
   const TensorMeta& meta(const std::string& key) const { return tensors_.at(key); }
+  // The number of elements of tensor `key` (its shape was checked when it was read).
+  int64_t numel(const std::string& key) const {
+    int64_t n = 1;
+    for (int64_t d : meta(key).shape) n *= d;
+    return n;
+  }
   bool has(const std::string& key) const { return tensors_.contains(key); }
+
+  // Throws unless the files holding the pieces of `key` have at least `numel` elements
+  // of `dtype` (called before allocating a tensor whose size comes from the metadata).
+  void check_backed(const std::string& key, int64_t numel, at::ScalarType dtype) {
+    int64_t available = 0;
+    absl::flat_hash_set<int> ranks;
+    for (const Piece& p : meta(key).pieces) {
+      if (!ranks.insert(p.rank).second) continue;
+      const std::string path = (fs::path(dir_) / rank_file(p.rank)).string();
+      available += ReadableFile::open(path, "checkpoint file").size();
+    }
+    TORCH_CHECK(numel <= available / static_cast<int64_t>(c10::elementSize(dtype)), "'", dir_,
+                "': '", key, "' has ", numel, " elements of ", c10::toString(dtype),
+                ", but the files holding it have ", available,
+                " bytes; the checkpoint is damaged or was edited");
+  }
 
   // Copies elements [begin, begin + out.numel()) of tensor `key` (flattened) into `out`.
   void read(const std::string& key, int64_t begin, at::Tensor out) {
@@ -323,7 +349,7 @@ class CheckpointReader {
     const std::string path = (fs::path(dir_) / name).string();
     auto meta = files_.find(name);
     TORCH_CHECK(meta != files_.end(), "'", dir_, "' metadata lists no file ", name);
-    const std::string bytes = read_file(path);
+    const std::string bytes = read_regular_file(path, "checkpoint file");
     TORCH_CHECK(int64_t(bytes.size()) == meta->second.bytes, "checkpoint file '", path, "' has ",
                 bytes.size(), " bytes, the metadata says ", meta->second.bytes,
                 ": it is truncated or damaged; use another checkpoint");
@@ -333,6 +359,42 @@ class CheckpointReader {
         .emplace(rank,
                  tensor_dict(state_internal::read_torch_file(bytes, path), "the pieces", path))
         .first->second;
+  }
+
+  // Note [Pieces cover a tensor exactly once]
+  // Each piece is a flat range [offset, offset + numel) of the tensor's row-major
+  // flattening. Sorted by offset (O(k log k) for k pieces), the non-empty ones must
+  // start where the previous one ends, the first at 0 and the last ending at the
+  // tensor's size: no overlap, no hole, nothing outside, checked before a byte is read.
+  // Counting the elements copied is not enough (an overlap can make up for a hole).
+  static void check_cover(const std::string& path, const std::string& key, TensorMeta& meta) {
+    int64_t numel = 1;
+    for (int64_t d : meta.shape) {
+      TORCH_CHECK(d >= 0 && !__builtin_mul_overflow(numel, d, &numel), "'", path, "': '", key,
+                  "' has shape ", state_internal::shape_string(meta.shape),
+                  ", which is negative or has more than 2^63 elements");
+    }
+    std::vector<const Piece*> pieces;
+    for (const Piece& p : meta.pieces) {
+      TORCH_CHECK(p.offset >= 0 && p.numel >= 0 && p.offset <= numel && p.numel <= numel - p.offset,
+                  "'", path, "': a piece of '", key, "' (elements [", p.offset, ", ",
+                  p.offset + p.numel, ") in rank ", p.rank, "'s file) lies outside its ", numel,
+                  " elements");
+      if (p.numel > 0) pieces.push_back(&p);
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const Piece* a, const Piece* b) { return a->offset < b->offset; });
+    int64_t end = 0;
+    for (const Piece* p : pieces) {
+      TORCH_CHECK(p->offset == end, "'", path, "': the pieces of '", key, "' ",
+                  p->offset < end ? "overlap" : "leave a hole", ": elements [",
+                  std::min(p->offset, end), ", ", std::max(p->offset, end), ") are stored ",
+                  p->offset < end ? "twice" : "nowhere",
+                  "; the checkpoint is damaged or was edited");
+      end = p->offset + p->numel;
+    }
+    TORCH_CHECK(end == numel, "'", path, "': the pieces of '", key, "' leave a hole: elements [",
+                end, ", ", numel, ") are stored nowhere; the checkpoint is damaged or was edited");
   }
 
   std::string dir_;
@@ -349,13 +411,17 @@ std::optional<SchedulerState> read_scheduler(CheckpointReader& reader) {
   SchedulerState scheduler;
   at::Tensor last_epoch = at::empty({1}, at::kLong);
   reader.read(kSchedulerLastEpoch, 0, last_epoch);
-  scheduler.last_epoch = last_epoch.item<int64_t>();
+  scheduler.last_epoch = checked_count(last_epoch.item<int64_t>(),
+                                       absl::StrCat("'", reader.dir(), "': ", kSchedulerLastEpoch));
   if (reader.has(kSchedulerLastLr)) {
-    int64_t numel = 1;
-    for (int64_t d : reader.meta(kSchedulerLastLr).shape) numel *= d;
+    const int64_t numel = reader.numel(kSchedulerLastLr);
+    reader.check_backed(kSchedulerLastLr, numel, at::kDouble);
     at::Tensor last_lr = at::empty({numel}, at::kDouble);
     reader.read(kSchedulerLastLr, 0, last_lr);
-    scheduler.last_lr.assign(last_lr.data_ptr<double>(), last_lr.data_ptr<double>() + numel);
+    for (int64_t i = 0; i < numel; ++i) {
+      scheduler.last_lr.push_back(checked_finite(
+          last_lr.data_ptr<double>()[i], absl::StrCat("'", reader.dir(), "': ", kSchedulerLastLr)));
+    }
   }
   return scheduler;
 }
@@ -458,8 +524,8 @@ void save_state_dict(const StateDict& state_dict, const std::string& path) {
 }
 
 StateDict load_state_dict(const std::string& path) {
-  return tensor_dict(state_internal::read_torch_file(read_file(path), path), "the state dict",
-                     path);
+  return tensor_dict(state_internal::read_torch_file(read_regular_file(path, "torch.save file"), path),
+                     "the state dict", path);
 }
 
 void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& path) {
@@ -472,7 +538,8 @@ void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& 
 
 OptimStateDict load_optim_state_dict(const std::string& path) {
   OptimStateDict state_dict;
-  const PyValuePtr root = state_internal::read_torch_file(read_file(path), path);
+  const PyValuePtr root =
+      state_internal::read_torch_file(read_regular_file(path, "torch.save file"), path);
   for (const auto& [fqn, value] : dict_items(root, "the optimizer state dict", path)) {
     state_dict.insert(fqn, tensor_dict(value, "the state of '" + fqn + "'", path));
   }
@@ -550,12 +617,13 @@ std::optional<SchedulerState> scheduler_from_dcp_extras(const DcpExtras& extras)
               " and ", lr == nullptr ? "no " + lr_key : "'" + lr_key + "' a " + lr->tagKind(),
               ": save it with scheduler_dcp_extra");
   SchedulerState scheduler;
-  scheduler.last_epoch = epoch->toInt();
+  scheduler.last_epoch = checked_count(epoch->toInt(), "the checkpoint's '" + epoch_key + "'");
   for (const c10::IValue& value : lr->toListRef()) {
     TORCH_CHECK(value.isDouble() || value.isInt(), "the checkpoint's '", lr_key,
                 "' must hold numbers (one learning rate per param group), found a ",
                 value.tagKind());
-    scheduler.last_lr.push_back(value.isDouble() ? value.toDouble() : double(value.toInt()));
+    scheduler.last_lr.push_back(checked_finite(
+        value.isDouble() ? value.toDouble() : double(value.toInt()), "the checkpoint's '" + lr_key + "'"));
   }
   return scheduler;
 }
@@ -598,11 +666,11 @@ std::optional<SchedulerState> load_sharded_checkpoint(FullyShardedRoot& model,
       ShardedTensor piece;
       piece.global_shape = meta.shape;
       piece.replicated = meta.replicated;
-      int64_t numel = 1;
-      for (int64_t d : meta.shape) numel *= d;
       piece.offset = meta.replicated ? 0 : param->offset;
-      piece.local =
-          at::empty({meta.replicated ? numel : param->local.numel()}, dtype_named(meta.dtype, dir));
+      const at::ScalarType dtype = dtype_named(meta.dtype, dir);
+      const int64_t numel = meta.replicated ? reader.numel(key) : param->local.numel();
+      if (meta.replicated) reader.check_backed(key, numel, dtype);
+      piece.local = at::empty({numel}, dtype);
       reader.read(key, piece.offset, piece.local);
       if (!optim_state.contains(fqn)) optim_state.insert(fqn, ShardedParamOptimState());
       optim_state[fqn].insert(key.substr(slash + 1), std::move(piece));

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -478,6 +479,50 @@ TEST_F(BadCheckpointTest, NewerVersion) {
       "version 1");
 }
 
+// Issue 38: pieces whose element counts add up but overlap (and so leave a hole) were
+// read with the hole left uninitialised.
+TEST_F(BadCheckpointTest, OverlappingPiecesThatAddUp) {
+  c10::IValue metadata = torch::jit::pickle_load(
+      [&] {
+        const std::string bytes = read_bytes(dir_ / "metadata.pt");
+        return std::vector<char>(bytes.begin(), bytes.end());
+      }());
+  c10::impl::GenericDict tensors = metadata.toGenericDict().at("tensors").toGenericDict();
+  c10::impl::GenericDict entry = tensors.at("model/l1.weight").toGenericDict();
+  c10::List<int64_t> pieces = entry.at("pieces").toIntList();
+  ASSERT_EQ(pieces.size(), 6u);  // (rank, offset, numel) on each of 2 ranks
+  const int64_t second = pieces[4];
+  pieces.set(4, second - 2);  // rank 1's piece starts 2 elements early
+  entry.insert_or_assign("pieces", pieces);
+  const std::vector<char> bytes = torch::jit::pickle_save(metadata);
+  write_bytes(dir_ / "metadata.pt", std::string(bytes.begin(), bytes.end()));
+  expect_load_error(absl::StrCat("metadata.pt': the pieces of 'model/l1.weight' overlap: elements [",
+                                 second - 2, ", ", second,
+                                 ") are stored twice; the checkpoint is damaged or was edited"));
+}
+
+TEST_F(BadCheckpointTest, MetadataThatIsADevice) {
+  fs::remove(dir_ / "metadata.pt");
+  fs::create_symlink("/dev/zero", dir_ / "metadata.pt");
+  expect_load_error("metadata.pt' is a character device; checkpoint metadata must be a regular "
+                    "file (or a symlink to one)");
+}
+
+TEST(SchedulerState, LastEpochMustBeACount) {
+  const DcpExtras extras = {{"lr_scheduler.last_epoch", int64_t{-1'000'000'000'000}},
+                            {"lr_scheduler._last_lr", c10::List<double>({0.1})}};
+  EXPECT_THAT([&] { scheduler_from_dcp_extras(extras); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "the checkpoint's 'lr_scheduler.last_epoch' is -1000000000000; expected an "
+                  "integer in [0, 2^53) (the file is damaged or was edited: use another "
+                  "checkpoint)")));
+  const DcpExtras nan_lr = {{"lr_scheduler.last_epoch", int64_t{3}},
+                            {"lr_scheduler._last_lr", c10::List<double>({std::nan("")})}};
+  EXPECT_THAT([&] { scheduler_from_dcp_extras(nan_lr); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "the checkpoint's 'lr_scheduler._last_lr' is nan; expected a finite number")));
+}
+
 TEST_F(BadCheckpointTest, AnotherModel) {
   on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
@@ -492,7 +537,9 @@ TEST_F(BadCheckpointTest, AnotherModel) {
 TEST(StateDictFile, ErrorsNameTheFile) {
   const fs::path dir = scratch("bad_full");
   EXPECT_THAT([&] { load_state_dict((dir / "absent.pt").string()); },
-              ThrowsMessage<c10::Error>(HasSubstr("absent.pt': no such readable file")));
+              ThrowsMessage<c10::Error>(HasSubstr("cannot open torch.save file '" +
+                                                  (dir / "absent.pt").string() +
+                                                  "': No such file or directory")));
   write_bytes(dir / "text.pt", "hello");
   EXPECT_THAT([&] { load_state_dict((dir / "text.pt").string()); },
               ThrowsMessage<c10::Error>(HasSubstr("cannot read '" + (dir / "text.pt").string())));

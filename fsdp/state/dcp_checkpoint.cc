@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/base/torch_compat.h"
+#include "fsdp/formats/files.h"
 #include "fsdp/formats/pickle.h"
 #include "fsdp/state/internal/durable_files.h"
 #include "fsdp/state/internal/model_layout.h"
@@ -328,7 +329,12 @@ void write_into(const StagedDcpCheckpoint& staged, const fs::path& partial, cons
 // Reads the folder's entries, each chunk at most once.
 class FolderReader {
  public:
-  explicit FolderReader(std::string dir) : dir_(std::move(dir)), md_(read_dcp_metadata(dir_)) {}
+  explicit FolderReader(std::string dir) : dir_(std::move(dir)), md_(read_dcp_metadata(dir_)) {
+    for (const DcpStorageInfo& s : md_.storage) {
+      storage_.try_emplace(std::make_pair(s.fqn, s.chunk_offsets.value_or(std::vector<int64_t>{})),
+                           &s);
+    }
+  }
 
   const DcpMetadata& metadata() const { return md_; }
 
@@ -364,9 +370,29 @@ class FolderReader {
                 ") this rank needs; the checkpoint is incomplete or damaged");
   }
 
+  // Throws unless the records of `entry`'s chunks lie inside their files and hold at
+  // least `numel` elements: called before allocating a tensor whose size comes from the
+  // metadata.
+  void check_backed(const DcpEntryMetadata& entry, int64_t numel) {
+    int64_t stored = 0;
+    for (const DcpChunk& chunk : entry.chunks) {
+      const DcpStorageInfo* s = find(entry.fqn, chunk.offsets);
+      if (s == nullptr) continue;
+      const int64_t size = file_size(s->relative_path);
+      if (s->offset <= size && s->length <= size - s->offset) {
+        stored = s->length > INT64_MAX - stored ? INT64_MAX : stored + s->length;
+      }
+    }
+    const auto item = static_cast<int64_t>(c10::elementSize(entry.dtype));
+    TORCH_CHECK(numel <= stored / item, "'", dir_, "': '", entry.fqn, "' has size ",
+                state_internal::shape_string(entry.size), " (", numel, " elements of ",
+                c10::toString(entry.dtype), "), but its chunks' records in the folder's files hold ",
+                stored, " bytes; the checkpoint is damaged or was edited");
+  }
+
   // A non-tensor entry.
   c10::IValue value(const DcpEntryMetadata& entry) {
-    const DcpStorageInfo* s = md_.find_storage(entry.fqn, std::nullopt);
+    const DcpStorageInfo* s = find(entry.fqn, std::nullopt);
     TORCH_CHECK(s != nullptr, "'", dir_, "' lists '", entry.fqn, "' but stores no value for it");
     return to_ivalue(parse(*s), entry.fqn);
   }
@@ -378,7 +404,7 @@ class FolderReader {
     return state_internal::read_torch_file(read_dcp_entry(dir_, s), name);
   }
   at::Tensor chunk_data(const DcpEntryMetadata& entry, const DcpChunk& chunk) {
-    const DcpStorageInfo* s = md_.find_storage(entry.fqn, chunk.offsets);
+    const DcpStorageInfo* s = find(entry.fqn, chunk.offsets);
     TORCH_CHECK(s != nullptr, "'", dir_, "': no file holds the chunk of '", entry.fqn,
                 "' at offsets (", absl::StrJoin(chunk.offsets, ", "), ")");
     const PyValuePtr value = parse(*s);
@@ -424,8 +450,31 @@ class FolderReader {
     }
   }
 
+  const DcpStorageInfo* find(const std::string& fqn,
+                             const std::optional<std::vector<int64_t>>& chunk_offsets) const {
+    auto it = storage_.find(std::make_pair(fqn, chunk_offsets.value_or(std::vector<int64_t>{})));
+    if (it == storage_.end() || it->second->chunk_offsets.has_value() != chunk_offsets.has_value())
+      return nullptr;
+    return it->second;
+  }
+  int64_t file_size(const std::string& relative_path) {
+    auto it = file_sizes_.find(relative_path);
+    if (it != file_sizes_.end()) return it->second;
+    const std::string path = absl::StrCat(dir_, "/", relative_path);
+    try {
+      return file_sizes_[relative_path] =
+                 ReadableFile::open(path, "Distributed Checkpoint data").size();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "'", dir_, "' is not a complete Distributed Checkpoint: ",
+                  e.what_without_backtrace());
+    }
+  }
+
   std::string dir_;
   DcpMetadata md_;
+  // (fqn, chunk offsets, or {} for a value) -> its record.
+  absl::flat_hash_map<std::pair<std::string, std::vector<int64_t>>, const DcpStorageInfo*> storage_;
+  absl::flat_hash_map<std::string, int64_t> file_sizes_;
 };
 
 bool is_string(const DcpPathElement& e, const char* s) {
@@ -499,6 +548,7 @@ void load_optim(FolderReader& reader, const state_internal::ModelLayout& layout,
                 "', which the model does not have");
     // State shaped like its parameter is sharded like it; anything else (step) is whole.
     const bool replicated = e.size != param->global_shape;
+    if (replicated) reader.check_backed(e, numel_of(e.size));
     ShardedTensor piece{e.size, replicated ? 0 : param->offset,
                         at::empty({replicated ? numel_of(e.size) : param->local.numel()},
                                   at::TensorOptions().dtype(e.dtype)),

@@ -157,9 +157,13 @@ TEST(DcpCheckpoint, BadFoldersAreOneClearError) {
   fs::resize_file(file, size / 2);
   expect_load_error("__1_0.distcp' has " + std::to_string(size / 2) + " bytes, but .metadata puts");
   fs::remove(file);
-  expect_load_error("is in '__1_0.distcp', which cannot be opened (No such file or directory)");
+  expect_load_error("is in '__1_0.distcp': cannot open Distributed Checkpoint data '" + file +
+                    "': No such file or directory");
   fs::remove(dir / ".metadata");
-  expect_load_error("is not a complete Distributed Checkpoint: it has no .metadata", false);
+  expect_load_error("is not a complete Distributed Checkpoint: cannot open Distributed Checkpoint "
+                    "metadata '" +
+                        (dir / ".metadata").string() + "': No such file or directory",
+                    false);
 }
 
 // As for sharded checkpoints (issue 25): staging a DCP save builds the model layout once

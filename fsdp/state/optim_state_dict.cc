@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -21,6 +22,7 @@
 #include <torch/optim/sgd.h>
 
 #include "fsdp/base/torch_compat.h"
+#include "fsdp/formats/values.h"
 #include "fsdp/state/internal/model_layout.h"
 #include "fsdp/state/internal/optim_state_dict_layout.h"
 
@@ -141,7 +143,11 @@ Source source_of(const Dict& state_dict, const char* what, decltype(Source::elem
     const auto* step = state_dict[fqn].find(kStep);
     TORCH_CHECK(step != nullptr && local_of(*step).numel() == 1, what, ": '", fqn,
                 "' has no 'step' (a one-element tensor); it was made by another optimizer");
-    return local_of(*step).template item<int64_t>();
+    const at::Tensor& value = local_of(*step);
+    const std::string field = absl::StrCat(what, ": the step of '", fqn, "'");
+    return at::isIntegralType(value.scalar_type(), /*includeBool=*/false)
+               ? checked_count(value.template item<int64_t>(), field)
+               : checked_count(value.template item<double>(), field);
   };
   return source;
 }
@@ -405,7 +411,8 @@ class GroupReader {
     if (const c10::IValue* v = find(name)) {
       TORCH_CHECK(v->isDouble() || v->isInt(), where(name), " must be a number, found ",
                   v->tagKind());
-      set(v->isDouble() ? v->toDouble() : static_cast<double>(v->toInt()));
+      set(checked_finite(v->isDouble() ? v->toDouble() : static_cast<double>(v->toInt()),
+                         where(name)));
     }
   }
   void set_bool(const char* name, const std::function<void(bool)>& set) const {
@@ -422,7 +429,8 @@ class GroupReader {
       const auto elements = v->isTuple() ? v->toTupleRef().elements().vec() : v->toListRef().vec();
       auto number = [&](const c10::IValue& e) {
         TORCH_CHECK(e.isDouble() || e.isInt(), where("betas"), " must be a pair of numbers");
-        return e.isDouble() ? e.toDouble() : static_cast<double>(e.toInt());
+        return checked_finite(e.isDouble() ? e.toDouble() : static_cast<double>(e.toInt()),
+                              where("betas"));
       };
       set({number(elements[0]), number(elements[1])});
     }

@@ -176,6 +176,27 @@ TEST(Errors, UnexpectedKeysWrongOptimizerAndUnsupportedOptimizer) {
   });
 }
 
+// Issue 38: a step of -10^12 (or one that is not a whole number) in a loaded optimizer
+// state is refused with the parameter, the value and the range.
+TEST(Errors, StepsMustBeCounts) {
+  on_ranks(1, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<NestedImpl> model(make<NestedImpl>(),
+                                               FullyShardedDataParallelOptions(comm));
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    train_step(model, adamw, 0, comm->rank(), 1);
+    OptimStateDict saved = full_optim_state_dict(*model, adamw);
+    saved["l1.weight"].insert_or_assign("step", at::scalar_tensor(int64_t{-1'000'000'000'000}));
+    EXPECT_THAT([&] { load_full_optim_state_dict(*model, adamw, saved); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                    "the step of 'l1.weight' is -1000000000000; expected an integer in [0, 2^53) "
+                    "(the file is damaged or was edited: use another checkpoint)")));
+    saved["l1.weight"].insert_or_assign("step", at::scalar_tensor(2.5, at::kFloat));
+    EXPECT_THAT([&] { load_full_optim_state_dict(*model, adamw, saved); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                    "the step of 'l1.weight' is 2.5; expected an integer in [0, 2^53)")));
+  });
+}
+
 // Adagrad and RMSprop (momentum, centered): an optimizer over `params`, named for messages.
 struct OptimizerCase {
   const char* name;

@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -68,17 +67,6 @@ void write_file_durably(const std::string& path, std::string_view bytes) {
     TORCH_CHECK(false, "cannot write '", path, "': ", error);
   }
   fsync_directory(fs::path(path).parent_path());
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  TORCH_CHECK(in.good() && !fs::is_directory(path), "cannot open '", path,
-              "': no such readable file");
-  std::string bytes(static_cast<size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  TORCH_CHECK(in.read(bytes.data(), static_cast<std::streamsize>(bytes.size())), "cannot read '",
-              path, "'");
-  return bytes;
 }
 
 std::string space_note(const fs::path& dir, int64_t needed) {

@@ -34,9 +34,6 @@ inline void write_file_durably(const std::string& path, const std::vector<char>&
   write_file_durably(path, std::string_view(bytes.data(), bytes.size()));
 }
 
-// The whole file; raises naming it when it cannot be read.
-std::string read_file(const std::string& path);
-
 // How much space a failed save needed and how much the file system holding `dir` has
 // free, after its partial directory is gone.
 std::string space_note(const std::filesystem::path& dir, int64_t needed);

@@ -1,6 +1,5 @@
 #include "fsdp/state/internal/torch_file.h"
 
-#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -9,7 +8,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/in_memory_adapter.h>
-#include <caffe2/serialize/inline_container.h>
+
+#include "fsdp/formats/torch_zip.h"
 
 namespace fsdp::state_internal {
 namespace {
@@ -104,7 +104,7 @@ PyValuePtr reduce(const std::string& name, const std::vector<PyValuePtr>& args) 
 
 class StorageLoader {
  public:
-  explicit StorageLoader(caffe2::serialize::PyTorchStreamReader& archive) : archive_(archive) {}
+  explicit StorageLoader(const TorchZipArchive& archive) : archive_(archive) {}
 
   PyValuePtr operator()(const PyValuePtr& pid) {
     constexpr const char* kWhat = "persistent id";
@@ -128,18 +128,18 @@ class StorageLoader {
  private:
   at::Tensor load(const std::string& key, at::ScalarType dtype, int64_t numel) {
     const std::string record = "data/" + key;
-    TORCH_CHECK(archive_.hasRecord(record), "the archive has no record '", record, "'");
-    auto [data, size] = archive_.getRecord(record);
-    const size_t itemsize = c10::elementSize(dtype);
-    TORCH_CHECK(numel >= 0 && size % itemsize == 0 && int64_t(size / itemsize) == numel, "record '",
-                record, "' holds ", size, " bytes, not ", numel, " elements of ",
-                c10::toString(dtype));
+    // Checked against the archive's size (Note [Zip records are no larger than their
+    // archive]) and against numel before the storage is allocated.
+    const int64_t size = archive_.record_size(record);
+    const auto itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+    TORCH_CHECK(numel >= 0 && size % itemsize == 0 && size / itemsize == numel, "record '", record,
+                "' holds ", size, " bytes, not ", numel, " elements of ", c10::toString(dtype));
     at::Tensor storage = at::empty({numel}, at::TensorOptions().dtype(dtype));
-    if (size > 0) std::memcpy(storage.data_ptr(), data.get(), size);
+    archive_.read_into(record, storage.data_ptr(), size);
     return storage;
   }
 
-  caffe2::serialize::PyTorchStreamReader& archive_;
+  const TorchZipArchive& archive_;
   absl::flat_hash_map<std::string, at::Tensor> storages_;
 };
 
@@ -147,17 +147,15 @@ class StorageLoader {
 
 PyValuePtr read_torch_file(std::string_view bytes, const std::string& name) {
   try {
-    auto adapter =
-        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), bytes.size());
-    caffe2::serialize::PyTorchStreamReader archive(adapter);
-    TORCH_CHECK(archive.hasRecord("data.pkl"), "the archive has no data.pkl");
-    auto [data, size] = archive.getRecord("data.pkl");
+    const TorchZipArchive archive = TorchZipArchive::open(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), bytes.size()),
+        "the archive");
+    const std::string pickle = archive.read("data.pkl");
     PickleHooks hooks;
     hooks.allow_global = allowed;
     hooks.reduce = reduce;
     hooks.persistent_load = StorageLoader(archive);
-    PyValuePtr root = read_pickle(std::string_view(static_cast<const char*>(data.get()), size),
-                                  hooks, "data.pkl");
+    PyValuePtr root = read_pickle(pickle, hooks, "data.pkl");
     TORCH_CHECK(root->kind != Kind::kGlobal && root->kind != Kind::kObject,
                 "the pickle does not end with one value");
     return root;

@@ -1,0 +1,37 @@
+#include "fsdp/formats/json.h"
+
+#include "absl/strings/str_cat.h"
+#include <c10/util/Exception.h>
+
+#include "fsdp/formats/files.h"
+
+namespace fsdp {
+
+nlohmann::json parse_untrusted_json(std::string_view text, const std::string& what,
+                                    std::string_view hint) {
+  const std::string tail = hint.empty() ? "" : absl::StrCat("; ", hint);
+  TORCH_CHECK(static_cast<int64_t>(text.size()) <= kMaxJsonBytes, what, " has ", text.size(),
+              " bytes of JSON, more than the ", kMaxJsonBytes, " fsdp reads", tail);
+  // The callback sees each array or object start with the depth of its parent.
+  auto bounded = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
+    if (event == nlohmann::json::parse_event_t::object_start ||
+        event == nlohmann::json::parse_event_t::array_start) {
+      TORCH_CHECK(depth < kMaxJsonDepth, what, " nests arrays and objects deeper than ",
+                  kMaxJsonDepth, " levels, which fsdp does not read", tail);
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(text.begin(), text.end(), bounded);
+  } catch (const nlohmann::json::parse_error& e) {
+    TORCH_CHECK(false, what, " is not valid JSON: ", e.what(), tail);
+  }
+}
+
+nlohmann::json read_json_file(const std::string& path, std::string_view what,
+                              std::string_view hint) {
+  return parse_untrusted_json(read_regular_file(path, what, kMaxJsonBytes),
+                              absl::StrCat(what, " '", path, "'"), hint);
+}
+
+}  // namespace fsdp

@@ -161,8 +161,8 @@ int64_t resume_from(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
 }
 
 void check_resumed_step(int64_t step, int64_t steps) {
-  TORCH_CHECK(step <= steps, "--resume: the checkpoint is at step ", step, ", beyond --steps=",
-              steps, " (the resumed step must be in [0, ", steps,
+  TORCH_CHECK(step <= steps, "--resume: the checkpoint is at step ", step,
+              ", beyond --steps=", steps, " (the resumed step must be in [0, ", steps,
               "]); pass a --steps of at least ", step, " to continue it, or another checkpoint");
 }
 

@@ -220,8 +220,8 @@ class Parser {
     }
     if (numel == 0) return;
     check(split.size() < 24 && (int64_t(chunks.size()) << split.size()) <= kMaxCorners,
-          "the chunks of '", e.fqn, "' split it along ", split.size(),
-          " dimensions into ", chunks.size(), " pieces, more than fsdp checks");
+          "the chunks of '", e.fqn, "' split it along ", split.size(), " dimensions into ",
+          chunks.size(), " pieces, more than fsdp checks");
     absl::flat_hash_map<std::vector<int64_t>, int64_t> weight;
     std::vector<int64_t> corner(split.size());
     auto add_corners = [&](const std::vector<int64_t>& lo, const std::vector<int64_t>& extent,
@@ -428,8 +428,8 @@ DcpMetadata read_dcp_metadata(const std::string& dir) {
   try {
     bytes = read_regular_file(path, "Distributed Checkpoint metadata");
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "'", dir, "' is not a complete Distributed Checkpoint: ",
-                e.what_without_backtrace());
+    TORCH_CHECK(false, "'", dir,
+                "' is not a complete Distributed Checkpoint: ", e.what_without_backtrace());
   }
   return parse_dcp_metadata(bytes, path);
 }

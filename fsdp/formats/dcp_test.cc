@@ -190,15 +190,19 @@ TEST(DcpMetadata, BadInputIsOneClearError) {
 // Metadata of one float tensor of `size` stored as `chunks` (offsets, sizes).
 DcpMetadata one_tensor(std::vector<int64_t> size, std::vector<DcpChunk> chunks) {
   DcpMetadata md;
-  md.entries.push_back({"model.w", true, c10::ScalarType::Float, false, std::move(size),
-                        std::move(chunks), {std::string("model"), std::string("w")}});
+  md.entries.push_back({"model.w",
+                        true,
+                        c10::ScalarType::Float,
+                        false,
+                        std::move(size),
+                        std::move(chunks),
+                        {std::string("model"), std::string("w")}});
   return md;
 }
 
 std::string cover_error(std::vector<int64_t> size, std::vector<DcpChunk> chunks) {
   try {
-    parse_dcp_metadata(serialize_dcp_metadata(one_tensor(std::move(size), std::move(chunks))),
-                       "x");
+    parse_dcp_metadata(serialize_dcp_metadata(one_tensor(std::move(size), std::move(chunks))), "x");
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
   }
@@ -227,9 +231,9 @@ TEST(DcpMetadata, ChunksMustCoverTheTensorExactlyOnce) {
   EXPECT_EQ(cover_error({4, 4}, {{{0, 0}, {1, 4}}, {{1, 0}, {3, 4}}}), "");
   EXPECT_EQ(cover_error({4, 4}, {{{0, 0}, {4, 1}}, {{0, 1}, {4, 3}}}), "");
   EXPECT_EQ(cover_error({4, 4, 2}, {{{0, 0, 0}, {2, 4, 2}},
-                                     {{2, 0, 0}, {2, 1, 2}},
-                                     {{2, 1, 0}, {2, 3, 2}},
-                                     {{4, 0, 0}, {0, 4, 2}}}),
+                                    {{2, 0, 0}, {2, 1, 2}},
+                                    {{2, 1, 0}, {2, 3, 2}},
+                                    {{4, 0, 0}, {0, 4, 2}}}),
             "");
   EXPECT_EQ(cover_error({}, {{{}, {}}}), "");
   EXPECT_THAT(cover_error({}, {{{}, {}}, {{}, {}}}), HasSubstr("stored twice"));
@@ -252,7 +256,8 @@ TEST(DcpMetadata, MetadataMustBeARegularFile) {
   ASSERT_EQ(::mkfifo((dir + "/.metadata").c_str(), 0600), 0);
   EXPECT_THAT([&] { read_dcp_metadata(dir); },
               ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
-                  "'", dir, "/.metadata' is a FIFO (named pipe); Distributed Checkpoint metadata "
+                  "'", dir,
+                  "/.metadata' is a FIFO (named pipe); Distributed Checkpoint metadata "
                   "must be a regular file (or a symlink to one)"))));
   // A symlink to a regular file is read.
   fs::remove(dir + "/.metadata");

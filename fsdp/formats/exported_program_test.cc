@@ -271,9 +271,9 @@ TEST(ExportedProgramTest, FileErrorsSayWhatTheFileIs) {
   std::ofstream(dir + "text.pt2") << "not a zip at all";
   EXPECT_THAT(error_of([&] { read_exported_program(dir + "text.pt2"); }),
               HasSubstr("is not a readable zip archive (missing, truncated or damaged"));
-  EXPECT_THAT(error_of([&] { read_exported_program(dir + "absent.pt2"); }),
-              HasSubstr("cannot open .pt2 archive '" + dir +
-                        "absent.pt2': No such file or directory"));
+  EXPECT_THAT(
+      error_of([&] { read_exported_program(dir + "absent.pt2"); }),
+      HasSubstr("cannot open .pt2 archive '" + dir + "absent.pt2': No such file or directory"));
   // A FIFO is refused by name, before anything opens it (which would block).
   ::unlink((dir + "fifo.pt2").c_str());
   ASSERT_EQ(::mkfifo((dir + "fifo.pt2").c_str(), 0600), 0);

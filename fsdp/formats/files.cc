@@ -42,8 +42,8 @@ void check_regular(const struct stat& st, const std::string& path, std::string_v
 // content is compared with it before any buffer is allocated.
 ReadableFile ReadableFile::open(const std::string& path, std::string_view what) {
   struct stat st {};
-  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "cannot open ", what, " '", path, "': ",
-              errno_text());
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "cannot open ", what, " '", path,
+              "': ", errno_text());
   check_regular(st, path, what);
   const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   TORCH_CHECK(raw >= 0, "cannot open ", what, " '", path, "': ", errno_text());

@@ -1,6 +1,5 @@
 #include "fsdp/formats/json.h"
 
-#include "absl/strings/str_cat.h"
 #include <c10/util/Exception.h>
 
 #include "fsdp/formats/files.h"
@@ -9,7 +8,7 @@ namespace fsdp {
 
 nlohmann::json parse_untrusted_json(std::string_view text, const std::string& what,
                                     std::string_view hint) {
-  const std::string tail = hint.empty() ? "" : absl::StrCat("; ", hint);
+  const std::string tail = hint.empty() ? "" : "; " + std::string(hint);
   TORCH_CHECK(static_cast<int64_t>(text.size()) <= kMaxJsonBytes, what, " has ", text.size(),
               " bytes of JSON, more than the ", kMaxJsonBytes, " fsdp reads", tail);
   // The callback sees each array or object start with the depth of its parent.
@@ -21,17 +20,21 @@ nlohmann::json parse_untrusted_json(std::string_view text, const std::string& wh
     }
     return true;
   };
+  nlohmann::json json;
+  std::string error;
   try {
-    return nlohmann::json::parse(text.begin(), text.end(), bounded);
+    json = nlohmann::json::parse(text.begin(), text.end(), bounded);
   } catch (const nlohmann::json::parse_error& e) {
-    TORCH_CHECK(false, what, " is not valid JSON: ", e.what(), tail);
+    error = e.what();
   }
+  TORCH_CHECK(error.empty(), what, " is not valid JSON: ", error, tail);
+  return json;
 }
 
 nlohmann::json read_json_file(const std::string& path, std::string_view what,
                               std::string_view hint) {
   return parse_untrusted_json(read_regular_file(path, what, kMaxJsonBytes),
-                              absl::StrCat(what, " '", path, "'"), hint);
+                              std::string(what) + " '" + path + "'", hint);
 }
 
 }  // namespace fsdp

@@ -398,6 +398,11 @@ class Reader {
       const PickleValue* c = child(frame.node, frame.next++);
       auto [it, first] = depth.try_emplace(c, kOnPath);
       if (first) {
+        // Every value on the path holds the next, so all are containers: refuse at once
+        // rather than walk the rest of a deep value.
+        check(!is_container(c) || path.size() < static_cast<size_t>(kMaxPickleDepth),
+              "it nests containers deeper than ", kMaxPickleDepth,
+              " levels, which fsdp does not read");
         path.push_back({c, 0, 0});
       } else {
         check(it->second != kOnPath, "it holds a container that contains itself");

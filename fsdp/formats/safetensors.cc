@@ -282,19 +282,19 @@ const SafetensorsTensorInfo* SafetensorsFile::find(const std::string& name) cons
 
 const SafetensorsTensorInfo& SafetensorsFile::info(const std::string& name) const {
   const SafetensorsTensorInfo* info = find(name);
-  TORCH_CHECK(info != nullptr, "safetensors file '", path_, "' holds no tensor '", name, "'");
+  TORCH_CHECK(info != nullptr, "safetensors file '", path(), "' holds no tensor '", name, "'");
   return *info;
 }
 
 void SafetensorsFile::read_range_into(const std::string& name, int64_t begin, int64_t numel,
                                       const at::Tensor& out) const {
   const SafetensorsTensorInfo& t = info(name);
-  TORCH_CHECK(begin >= 0 && numel >= 0 && begin <= t.numel() - numel, "safetensors file '", path_,
+  TORCH_CHECK(begin >= 0 && numel >= 0 && begin <= t.numel() - numel, "safetensors file '", path(),
               "': elements [", begin, ", ", begin + numel, ") are outside tensor '", name, "' (",
               t.numel(), " elements)");
   TORCH_CHECK(out.defined() && out.device().is_cpu() && out.is_contiguous() &&
                   out.scalar_type() == t.dtype && out.numel() == numel,
-              "safetensors file '", path_, "': reading tensor '", name,
+              "safetensors file '", path(), "': reading tensor '", name,
               "' needs a contiguous CPU tensor of ", c10::toString(t.dtype), " with ", numel,
               " elements to read into, got ",
               out.defined() ? absl::StrCat(c10::toString(out.scalar_type()), " on ",
@@ -342,8 +342,8 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& path) {
   const std::string index_path = (fs::path(path) / kSafetensorsIndexName).string();
   if (!fs::exists(index_path, ec)) {
     const std::string single = (fs::path(path) / kSafetensorsSingleName).string();
-    TORCH_CHECK(fs::exists(single, ec), "folder '", path, "' holds neither ",
-                kSafetensorsIndexName, " nor ", kSafetensorsSingleName,
+    TORCH_CHECK(fs::exists(single, ec), "folder '", path, "' holds neither ", kSafetensorsIndexName,
+                " nor ", kSafetensorsSingleName,
                 "; expected a Hugging Face model folder (save_pretrained)");
     add_whole_file(single);
     return ckpt;

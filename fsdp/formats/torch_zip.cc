@@ -56,8 +56,8 @@ TorchZipArchive TorchZipArchive::open_file(ReadableFile file) {
 int64_t TorchZipArchive::record_size(const std::string& record) const {
   TORCH_CHECK(reader_->hasRecord(record), name_, " has no record '", record, "'");
   const auto size = static_cast<uint64_t>(reader_->getRecordSize(record));
-  TORCH_CHECK(size <= static_cast<uint64_t>(bytes_), name_, ": record '", record, "' says it holds ",
-              size, " bytes, more than the whole archive (", bytes_,
+  TORCH_CHECK(size <= static_cast<uint64_t>(bytes_), name_, ": record '", record,
+              "' says it holds ", size, " bytes, more than the whole archive (", bytes_,
               " bytes); PyTorch stores records uncompressed, so the archive is damaged or "
               "hostile");
   return static_cast<int64_t>(size);

@@ -524,8 +524,9 @@ void save_state_dict(const StateDict& state_dict, const std::string& path) {
 }
 
 StateDict load_state_dict(const std::string& path) {
-  return tensor_dict(state_internal::read_torch_file(read_regular_file(path, "torch.save file"), path),
-                     "the state dict", path);
+  return tensor_dict(
+      state_internal::read_torch_file(read_regular_file(path, "torch.save file"), path),
+      "the state dict", path);
 }
 
 void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& path) {
@@ -622,8 +623,9 @@ std::optional<SchedulerState> scheduler_from_dcp_extras(const DcpExtras& extras)
     TORCH_CHECK(value.isDouble() || value.isInt(), "the checkpoint's '", lr_key,
                 "' must hold numbers (one learning rate per param group), found a ",
                 value.tagKind());
-    scheduler.last_lr.push_back(checked_finite(
-        value.isDouble() ? value.toDouble() : double(value.toInt()), "the checkpoint's '" + lr_key + "'"));
+    scheduler.last_lr.push_back(
+        checked_finite(value.isDouble() ? value.toDouble() : double(value.toInt()),
+                       "the checkpoint's '" + lr_key + "'"));
   }
   return scheduler;
 }

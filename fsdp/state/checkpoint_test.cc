@@ -482,11 +482,10 @@ TEST_F(BadCheckpointTest, NewerVersion) {
 // Issue 38: pieces whose element counts add up but overlap (and so leave a hole) were
 // read with the hole left uninitialised.
 TEST_F(BadCheckpointTest, OverlappingPiecesThatAddUp) {
-  c10::IValue metadata = torch::jit::pickle_load(
-      [&] {
-        const std::string bytes = read_bytes(dir_ / "metadata.pt");
-        return std::vector<char>(bytes.begin(), bytes.end());
-      }());
+  c10::IValue metadata = torch::jit::pickle_load([&] {
+    const std::string bytes = read_bytes(dir_ / "metadata.pt");
+    return std::vector<char>(bytes.begin(), bytes.end());
+  }());
   c10::impl::GenericDict tensors = metadata.toGenericDict().at("tensors").toGenericDict();
   c10::impl::GenericDict entry = tensors.at("model/l1.weight").toGenericDict();
   c10::List<int64_t> pieces = entry.at("pieces").toIntList();
@@ -496,16 +495,17 @@ TEST_F(BadCheckpointTest, OverlappingPiecesThatAddUp) {
   entry.insert_or_assign("pieces", pieces);
   const std::vector<char> bytes = torch::jit::pickle_save(metadata);
   write_bytes(dir_ / "metadata.pt", std::string(bytes.begin(), bytes.end()));
-  expect_load_error(absl::StrCat("metadata.pt': the pieces of 'model/l1.weight' overlap: elements [",
-                                 second - 2, ", ", second,
-                                 ") are stored twice; the checkpoint is damaged or was edited"));
+  expect_load_error(
+      absl::StrCat("metadata.pt': the pieces of 'model/l1.weight' overlap: elements [", second - 2,
+                   ", ", second, ") are stored twice; the checkpoint is damaged or was edited"));
 }
 
 TEST_F(BadCheckpointTest, MetadataThatIsADevice) {
   fs::remove(dir_ / "metadata.pt");
   fs::create_symlink("/dev/zero", dir_ / "metadata.pt");
-  expect_load_error("metadata.pt' is a character device; checkpoint metadata must be a regular "
-                    "file (or a symlink to one)");
+  expect_load_error(
+      "metadata.pt' is a character device; checkpoint metadata must be a regular "
+      "file (or a symlink to one)");
 }
 
 TEST(SchedulerState, LastEpochMustBeACount) {

@@ -386,8 +386,9 @@ class FolderReader {
     const auto item = static_cast<int64_t>(c10::elementSize(entry.dtype));
     TORCH_CHECK(numel <= stored / item, "'", dir_, "': '", entry.fqn, "' has size ",
                 state_internal::shape_string(entry.size), " (", numel, " elements of ",
-                c10::toString(entry.dtype), "), but its chunks' records in the folder's files hold ",
-                stored, " bytes; the checkpoint is damaged or was edited");
+                c10::toString(entry.dtype),
+                "), but its chunks' records in the folder's files hold ", stored,
+                " bytes; the checkpoint is damaged or was edited");
   }
 
   // A non-tensor entry.
@@ -465,8 +466,8 @@ class FolderReader {
       return file_sizes_[relative_path] =
                  ReadableFile::open(path, "Distributed Checkpoint data").size();
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "'", dir_, "' is not a complete Distributed Checkpoint: ",
-                  e.what_without_backtrace());
+      TORCH_CHECK(false, "'", dir_,
+                  "' is not a complete Distributed Checkpoint: ", e.what_without_backtrace());
     }
   }
 

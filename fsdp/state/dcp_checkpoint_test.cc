@@ -160,10 +160,11 @@ TEST(DcpCheckpoint, BadFoldersAreOneClearError) {
   expect_load_error("is in '__1_0.distcp': cannot open Distributed Checkpoint data '" + file +
                     "': No such file or directory");
   fs::remove(dir / ".metadata");
-  expect_load_error("is not a complete Distributed Checkpoint: cannot open Distributed Checkpoint "
-                    "metadata '" +
-                        (dir / ".metadata").string() + "': No such file or directory",
-                    false);
+  expect_load_error(
+      "is not a complete Distributed Checkpoint: cannot open Distributed Checkpoint "
+      "metadata '" +
+          (dir / ".metadata").string() + "': No such file or directory",
+      false);
 }
 
 // As for sharded checkpoints (issue 25): staging a DCP save builds the model layout once

@@ -192,8 +192,8 @@ TEST(Errors, StepsMustBeCounts) {
                     "(the file is damaged or was edited: use another checkpoint)")));
     saved["l1.weight"].insert_or_assign("step", at::scalar_tensor(2.5, at::kFloat));
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, adamw, saved); },
-                ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                    "the step of 'l1.weight' is 2.5; expected an integer in [0, 2^53)")));
+                ::testing::ThrowsMessage<c10::Error>(
+                    HasSubstr("the step of 'l1.weight' is 2.5; expected an integer in [0, 2^53)")));
   });
 }
 

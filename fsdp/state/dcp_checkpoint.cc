@@ -462,13 +462,15 @@ class FolderReader {
     auto it = file_sizes_.find(relative_path);
     if (it != file_sizes_.end()) return it->second;
     const std::string path = absl::StrCat(dir_, "/", relative_path);
+    std::string error;
+    int64_t size = 0;
     try {
-      return file_sizes_[relative_path] =
-                 ReadableFile::open(path, "Distributed Checkpoint data").size();
+      size = ReadableFile::open(path, "Distributed Checkpoint data").size();
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "'", dir_,
-                  "' is not a complete Distributed Checkpoint: ", e.what_without_backtrace());
+      error = e.what_without_backtrace();
     }
+    TORCH_CHECK(error.empty(), "'", dir_, "' is not a complete Distributed Checkpoint: ", error);
+    return file_sizes_[relative_path] = size;
   }
 
   std::string dir_;

@@ -185,12 +185,12 @@ TEST(Errors, StepsMustBeCounts) {
     torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
     train_step(model, adamw, 0, comm->rank(), 1);
     OptimStateDict saved = full_optim_state_dict(*model, adamw);
-    saved["l1.weight"].insert_or_assign("step", at::scalar_tensor(int64_t{-1'000'000'000'000}));
+    saved["l1.weight"]["step"] = at::scalar_tensor(int64_t{-1'000'000'000'000}, at::kLong);
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, adamw, saved); },
                 ::testing::ThrowsMessage<c10::Error>(HasSubstr(
                     "the step of 'l1.weight' is -1000000000000; expected an integer in [0, 2^53) "
                     "(the file is damaged or was edited: use another checkpoint)")));
-    saved["l1.weight"].insert_or_assign("step", at::scalar_tensor(2.5, at::kFloat));
+    saved["l1.weight"]["step"] = at::scalar_tensor(2.5, at::kFloat);
     EXPECT_THAT([&] { load_full_optim_state_dict(*model, adamw, saved); },
                 ::testing::ThrowsMessage<c10::Error>(
                     HasSubstr("the step of 'l1.weight' is 2.5; expected an integer in [0, 2^53)")));

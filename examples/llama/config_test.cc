@@ -108,7 +108,13 @@ TEST(LlamaConfigTest, BadValuesNameTheField) {
             "cfg.json: the field \"model_type\" is missing; expected \"llama\" (a LlamaConfig "
             "saved by transformers)");
   EXPECT_EQ(error_of("{\"model_type\": \"llama\","),
-            "cfg.json: not valid JSON; expected the config.json of a Hugging Face model folder");
+            "cfg.json is not valid JSON: [json.exception.parse_error.101] parse error at line 1, "
+            "column 24: syntax error while parsing object key - unexpected end of input; "
+            "expected string literal; expected the config.json of a Hugging Face model folder");
+  // Nesting is bounded (fsdp/formats/json.h) before anything recurses over the value.
+  EXPECT_EQ(error_of("{\"x\": " + std::string(2000, '[') + std::string(2000, ']') + "}"),
+            "cfg.json nests arrays and objects deeper than 1000 levels, which fsdp does not "
+            "read; expected the config.json of a Hugging Face model folder");
   EXPECT_EQ(error_of("[1, 2]"), "cfg.json: expected a JSON object, found array");
 }
 

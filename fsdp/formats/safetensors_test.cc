@@ -3,6 +3,8 @@
 #include "fsdp/formats/safetensors.h"
 
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -274,6 +276,32 @@ TEST(SafetensorsBadInput, UnknownDtype) {
             "safetensors file '<file>': tensor 'w' has dtype 'F8_E4M3', which fsdp does not read; "
             "expected one of "
             "F32, F64, F16, BF16, I64, I32, I16, I8, U8, BOOL");
+}
+
+// JSON nests at most kMaxJsonDepth levels (json.h): a deeper header is refused while it
+// is parsed, one at the limit is only a header of the wrong shape.
+TEST(SafetensorsBadInput, DeeplyNestedHeader) {
+  const std::string deep = std::string(200'000, '[') + std::string(200'000, ']');
+  EXPECT_EQ(open_error(deep, ""),
+            "the header of safetensors file '<file>' nests arrays and objects deeper than 1000 "
+            "levels, which fsdp does not read");
+  const std::string limit = std::string(1000, '[') + std::string(1000, ']');
+  EXPECT_EQ(open_error(limit, ""),
+            "safetensors file '<file>': the header is a JSON array; expected an object of "
+            "tensors");
+}
+
+// Issue 38: a FIFO (or a device) in a model folder is refused by name, never opened.
+TEST(SafetensorsBadInput, NotARegularFile) {
+  const std::string path = temp_dir() + "/fifo.safetensors";
+  ::unlink(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  EXPECT_EQ(open_error_at(path),
+            "'<file>' is a FIFO (named pipe); safetensors file must be a regular file (or a "
+            "symlink to one)");
+  EXPECT_EQ(open_error_at("/dev/zero"),
+            "'<file>' is a character device; safetensors file must be a regular file (or a "
+            "symlink to one)");
 }
 
 TEST(SafetensorsBadInput, NonUtf8OrNonJsonHeader) {

@@ -12,9 +12,13 @@
 //
 // Metadata we write is a protocol-2 pickle with PyTorch's class names (torch 2.11's
 // dcp.load and format_utils.dcp_to_torch_save read it); storage_meta is left None.
+// Every file is read as hostile data (SECURITY.md): `.metadata` and `.distcp` must be
+// regular files (files.h), the pickle reader is bounded (pickle.h), and the chunks of
+// each tensor must cover every element exactly once before anything reads them.
 // Errors: c10::Error naming the file and what is wrong (not a DCP metadata pickle, an
-// unknown dtype, a chunk outside its tensor, a storage record for an unknown key, a
-// missing or truncated .distcp file). Threading: reentrant.
+// unknown dtype, a chunk outside its tensor, chunks that overlap or leave a hole, a
+// storage record for an unknown key, a missing, truncated or non-regular .metadata or
+// .distcp file). Threading: reentrant.
 // PyTorch: torch.distributed.checkpoint.metadata.Metadata, FileSystemReader/Writer.
 #ifndef FSDP_FORMATS_DCP_H_
 #define FSDP_FORMATS_DCP_H_
@@ -82,8 +86,8 @@ struct DcpMetadata {
 };
 
 // Parses the bytes of a `.metadata` file (any pickle protocol up to 5); `name` is used
-// in messages. Checks every chunk against its tensor and every storage record against
-// the entries.
+// in messages. Checks every chunk against its tensor, that each tensor's chunks cover it
+// exactly once, and every storage record against the entries.
 DcpMetadata parse_dcp_metadata(std::string_view bytes, const std::string& name);
 // The `.metadata` of `dir`.
 DcpMetadata read_dcp_metadata(const std::string& dir);
@@ -91,7 +95,8 @@ DcpMetadata read_dcp_metadata(const std::string& dir);
 std::string serialize_dcp_metadata(const DcpMetadata& metadata);
 
 // The bytes of the entry `info` describes (a whole torch.save archive), read from
-// `dir`/info.relative_path with one positioned read.
+// `dir`/info.relative_path (a regular file) with one positioned read, its range checked
+// against the file's size first.
 std::string read_dcp_entry(const std::string& dir, const DcpStorageInfo& info);
 
 }  // namespace fsdp

@@ -37,7 +37,8 @@ void check_regular(const struct stat& st, const std::string& path, std::string_v
 // /dev/zero (or any character device) never reaches the end: both turn a hostile path
 // into a hang or an out-of-memory kill. So the path is stat'ed (following symlinks)
 // before it is opened, which never opens a device, and the descriptor is fstat'ed after
-// an O_NONBLOCK open, which cannot block even if a FIFO was swapped in meanwhile. The
+// an O_NONBLOCK open, which cannot block even if a FIFO was swapped in meanwhile (the
+// flag is cleared once the descriptor is known to be a regular file). The
 // size taken from that fstat bounds every read: a length or offset from the file's own
 // content is compared with it before any buffer is allocated.
 ReadableFile ReadableFile::open(const std::string& path, std::string_view what) {
@@ -53,6 +54,10 @@ ReadableFile ReadableFile::open(const std::string& path, std::string_view what) 
   });
   TORCH_CHECK(::fstat(raw, &st) == 0, "cannot stat ", what, " '", path, "': ", errno_text());
   check_regular(st, path, what);
+  // A regular file: back to ordinary (blocking) reads.
+  const int flags = ::fcntl(raw, F_GETFL);
+  TORCH_CHECK(flags >= 0 && ::fcntl(raw, F_SETFL, flags & ~O_NONBLOCK) == 0, "cannot set up ", what,
+              " '", path, "': ", errno_text());
   return ReadableFile(path, std::string(what), std::move(fd), static_cast<int64_t>(st.st_size));
 }
 

@@ -6,9 +6,9 @@
 # model.json and model_weights_config.json written by torch.export.save) or the pickle
 # reader (fsdp/formats:pickle_fuzzer, Distributed Checkpoint metadata and plain values
 # pickled by Python) or whole checkpoint folders (fsdp/state:checkpoint_folder_fuzzer: DCP
-# and fsdp sharded folders, metadata fuzzed beside real data files; its seeds, among them
-# overlapping chunks, huge sizes, deep nesting and a memo bomb, are written by the target
-# itself from a real save). A crash, a sanitizer report or a hang fails the run; libFuzzer writes
+# and fsdp sharded folders, metadata fuzzed beside real data files; seeds with deep nesting
+# and a memo bomb, and, written by the target from a real save, with overlapping chunks,
+# holes and huge sizes). A crash, a sanitizer report or a hang fails the run; libFuzzer writes
 # the input to crash-*/timeout-* in the current directory: turn it into a test
 # (checkpoint_test.cc, fsdp/formats/safetensors_test.cc, exported_program_test.cc,
 # fsdp/formats/pickle_test.cc, dcp_checkpoint_test.cc).
@@ -39,7 +39,8 @@ case "$target" in
     label=//fsdp/formats:pickle_fuzzer
     ;;
   checkpoint_folder)
-    export FSDP_FUZZ_SEED_DIR="$corpus"
+    "$python" tools/checkpoint_folder_fuzz_seeds.py "$corpus"
+    export FSDP_FUZZ_SEED_DIR="$corpus"  # the target adds seeds from a real save
     label=//fsdp/state:checkpoint_folder_fuzzer
     ;;
   *)

@@ -15,9 +15,10 @@
 //      value such as "step" is stored).
 // The data files are the ones a real save wrote: TinyLm (fsdp/core/testing) trained one
 // AdamW step at W = 2 and saved in both formats when the target starts. With
-// FSDP_FUZZ_SEED_DIR set, the start also writes the seed corpus there (good folders, chunks
-// that overlap and leave a hole, huge sizes, a step of -10^12, a 100,000-deep list, a memo
-// bomb): tools/fuzz.sh does so. Run with tools/fuzz.sh.
+// FSDP_FUZZ_SEED_DIR set, the start also writes the seeds derived from that save there
+// (good folders, chunks or pieces that overlap and leave a hole, huge sizes, a step of
+// -10^12); tools/checkpoint_folder_fuzz_seeds.py adds deep nesting and a memo bomb. Run with
+// tools/fuzz.sh.
 #include <unistd.h>
 
 #include <cstddef>
@@ -177,31 +178,6 @@ void overlap_chunks(fsdp::DcpMetadata& md, fsdp::DcpEntryMetadata& entry) {
   }
 }
 
-// A list nested `depth` deep: EMPTY_LIST ... APPEND ..., one value.
-std::string deep_list(int depth) {
-  std::string p = "\x80\x02";
-  p.append(depth, ']');
-  p.append(depth - 1, 'a');
-  p += '.';
-  return p;
-}
-
-// A list of 2 references to a list of 2 references to ... (30 levels): 2^30 leaves if
-// expanded, 300 bytes as written.
-std::string memo_bomb() {
-  std::string p = "\x80\x02]q\x00";  // memo 0 = []
-  for (int i = 1; i <= 30; ++i) {
-    p += "](h";
-    p += static_cast<char>(i - 1);
-    p += 'h';
-    p += static_cast<char>(i - 1);
-    p += "eq";
-    p += static_cast<char>(i);
-  }
-  p += '.';
-  return p;
-}
-
 // The metadata.pt pickle with `change` applied to each tensor's "pieces" or "shape" ints.
 std::string edit_fsdp_metadata(
     const std::string& pickle, const std::string& field,
@@ -261,8 +237,6 @@ void write_seeds(const fs::path& dir) {
     }
   }
   write_seed(dir, "dcp_negative_step", 0, {fsdp::serialize_dcp_metadata(step), step_pickle});
-  write_seed(dir, "dcp_deep_list", 0, {deep_list(100000)});
-  write_seed(dir, "dcp_memo_bomb", 0, {memo_bomb()});
 
   const std::string good_fsdp = data_pkl(f.fsdp / "metadata.pt");
   write_seed(dir, "fsdp_good", 1, {good_fsdp});
@@ -276,8 +250,6 @@ void write_seeds(const fs::path& dir) {
              {edit_fsdp_metadata(good_fsdp, "shape", [](std::vector<fsdp::PickleValuePtr>& ints) {
                if (!ints.empty()) ints[0]->integer = int64_t{1} << 40;
              })});
-  write_seed(dir, "fsdp_deep_list", 1, {deep_list(100000)});
-  write_seed(dir, "fsdp_memo_bomb", 1, {memo_bomb()});
 }
 
 }  // namespace

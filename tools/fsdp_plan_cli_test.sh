@@ -150,7 +150,7 @@ expect_error scripted_function "holds a scripted function, not a module" --model
 # Read as data: the file's __setstate__ never runs, and the module it would restore is
 # refused by name.
 expect_error setstate_refused \
-  "'$tmp/evil.pt': module class __torch__.Evil restores its attributes with its own __setstate__, code the archive carries; fsdp reads TorchScript archives as data and never runs their code" \
+  "'$tmp/evil.pt': module class evil_module.Evil restores its attributes with its own __setstate__, code the archive carries; fsdp reads TorchScript archives as data and never runs their code" \
   --model="$tmp/evil.pt"
 if [[ -e "$tmp/pwned" ]]; then
   echo "FAIL setstate_not_run: fsdp_plan ran the archive's __setstate__ ($tmp/pwned exists)"

@@ -117,9 +117,9 @@ void read_class_decls(absl::string_view text, absl::string_view module, const st
       TORCH_CHECK(end != absl::string_view::npos && end > 0, where, ": a malformed class line; ",
                   kExpected);
       const std::string name = absl::StrCat(module, ".", line.substr(0, end));
-      const bool inserted = decls.try_emplace(name).second;
+      const auto [decl, inserted] = decls.try_emplace(name);
       TORCH_CHECK(inserted, where, ": class ", name, " is declared twice; ", kExpected);
-      current = &decls[name];
+      current = &decl->second;
       current->is_module = absl::StartsWith(line.substr(end), "(Module)");
     } else if (!absl::StartsWith(line, " ")) {
       current = nullptr;  // a top-level function or blank line ends the class
@@ -301,13 +301,14 @@ ModuleTree load_torchscript_tree(const std::string& path) {
   };
   std::vector<Frame> stack = {{root.get(), -1, ""}};
   while (!stack.empty()) {
-    const Frame frame = std::move(stack.back());
+    Frame frame = std::move(stack.back());
     stack.pop_back();
     const std::string& class_name = frame.module->string;
     const ClassDecl& decl = *module_class(*frame.module);
     TORCH_CHECK(tree.size() < kMaxModules, "'", path, "' has more than ", kMaxModules,
                 " modules (a module object reached through many paths?); ", kExpected);
-    TORCH_CHECK(!decl.has_setstate, "'", path, "': module class ", class_name,
+    TORCH_CHECK(!decl.has_setstate, "'", path, "': module class ",
+                normalize_torchscript_type_name(class_name),
                 " restores its attributes with its own __setstate__, code the archive carries; ",
                 kTrust);
     const PickleValue* state = frame.module->state.get();

@@ -46,14 +46,21 @@ std::vector<std::string> describe(const ModuleTree& tree) {
   return lines;
 }
 
-// Net: Linear(3, 4); Linear(3, 4, bias=False) whose weight is the first's; Sequential of
-// a Linear(4, 4) and a ReLU; ModuleList of a LayerNorm; a buffer and an int attribute.
-std::string write_net() {
-  const std::string path = scratch_path("net.pt");
-  const std::string module = scratch_path("torchscript_net.py");
-  formats_testing::write_bytes(module, R"(
+// Made once by the pinned environment's Python (one interpreter start for all tests):
+// net.pt: Net, a Linear(3, 4); a Linear(3, 4, bias=False) whose weight is the first's; a
+//   Sequential of a Linear(4, 4) and a ReLU; a ModuleList of a LayerNorm; a buffer and an
+//   int attribute;
+// evil.pt: a module whose __setstate__ writes the file setstate_ran;
+// short.pt: net.pt with its storage record data/1 4 bytes short;
+// function.pt: a scripted function.
+class TorchScriptTreeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = std::filesystem::path(scratch_path("x")).parent_path().string();
+    formats_testing::write_bytes(scratch_path("torchscript_models.py"), absl::StrCat(R"(
 import torch
 from torch import nn
+from typing import Tuple
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -66,19 +73,44 @@ class Net(nn.Module):
         self.count = 7
     def forward(self, x):
         return self.seq(self.a(x) + self.b(x)) + self.lst[0](self.a(x)) + self.count
-)");
-  run_python(absl::StrCat(
-      "import sys, torch\nsys.path.insert(0, '",
-      std::filesystem::path(module).parent_path().string(),
-      "')\nimport torchscript_net\ntorch.jit.script(torchscript_net.Net()).save('", path, "')\n"));
-  return path;
-}
+class Evil(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+    def forward(self, x):
+        return self.lin(x)
+    @torch.jit.export
+    def __getstate__(self) -> Tuple[torch.Tensor, bool]:
+        return (self.lin.weight, self.training)
+    @torch.jit.export
+    def __setstate__(self, state: Tuple[torch.Tensor, bool]) -> None:
+        torch.save(state[0], ")",
+                                                                                     marker(), R"(")
+        self.training = state[1]
+)"));
+    run_python(absl::StrCat("import sys, zipfile, torch\nsys.path.insert(0, '", dir, R"(')
+import torchscript_models as m
+dir = sys.path[0]
+torch.jit.script(m.Net()).save(dir + '/net.pt')
+torch.jit.script(m.Evil()).save(dir + '/evil.pt')
+with zipfile.ZipFile(dir + '/net.pt') as z:
+    records = {i.filename: z.read(i.filename) for i in z.infolist()}
+with zipfile.ZipFile(dir + '/short.pt', 'w') as z:
+    for name, data in records.items():
+        z.writestr(name, data[:-4] if name == 'net/data/1' else data)
+def double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+torch.jit.save(torch.jit.script(double), dir + '/function.pt')
+)"));
+  }
+  static std::string marker() { return scratch_path("setstate_ran"); }
+};
 
-TEST(TorchScriptTreeTest, DataReaderGivesTheTreeTorchJitLoadGives) {
-  const std::string path = write_net();
+TEST_F(TorchScriptTreeTest, DataReaderGivesTheTreeTorchJitLoadGives) {
+  const std::string path = scratch_path("net.pt");
   const ModuleTree tree = load_torchscript_tree(path);
   EXPECT_THAT(describe(tree),
-              ElementsAre(" torchscript_net.Net",  // the root: an empty FQN
+              ElementsAre(" torchscript_models.Net",  // the root: an empty FQN
                           "a torch.nn.modules.linear.Linear weight:12:0 bias:4:1",
                           "b torch.nn.modules.linear.Linear weight:12:0",
                           "seq torch.nn.modules.container.Sequential",
@@ -90,63 +122,23 @@ TEST(TorchScriptTreeTest, DataReaderGivesTheTreeTorchJitLoadGives) {
   EXPECT_EQ(describe(load_torchscript_tree_trusted(path)), describe(tree));
 }
 
-TEST(TorchScriptTreeTest, SetstateIsRefusedAndNeverRun) {
-  const std::string path = scratch_path("evil.pt");
-  const std::string marker = scratch_path("setstate_ran");
-  std::filesystem::remove(marker);
-  formats_testing::write_bytes(scratch_path("torchscript_evil.py"), absl::StrCat(R"(
-import torch
-from typing import Tuple
-class Evil(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 2)
-    def forward(self, x):
-        return self.lin(x)
-    @torch.jit.export
-    def __getstate__(self) -> Tuple[torch.Tensor, bool]:
-        return (self.lin.weight, self.training)
-    @torch.jit.export
-    def __setstate__(self, state: Tuple[torch.Tensor, bool]) -> None:
-        torch.save(state[0], ")",
-                                                                                 marker, R"(")
-        self.training = state[1]
-)"));
-  run_python(absl::StrCat("import sys, torch\nsys.path.insert(0, '",
-                          std::filesystem::path(path).parent_path().string(),
-                          "')\nimport torchscript_evil\ntorch.jit.script(torchscript_evil.Evil())"
-                          ".save('",
-                          path, "')\n"));
-  EXPECT_THAT(error_of([&] { load_torchscript_tree(path); }),
-              HasSubstr("module class __torch__.Evil restores its attributes with its own "
-                        "__setstate__, code the archive carries; fsdp reads TorchScript archives "
-                        "as data and never runs their code; if you trust the file, "
-                        "--trust_torchscript"));
-  EXPECT_FALSE(std::filesystem::exists(marker));
+TEST_F(TorchScriptTreeTest, SetstateIsRefusedAndNeverRun) {
+  EXPECT_THAT(error_of([&] { load_torchscript_tree(scratch_path("evil.pt")); }),
+              HasSubstr("evil.pt': module class torchscript_models.Evil restores its attributes "
+                        "with its own __setstate__, code the archive carries; fsdp reads "
+                        "TorchScript archives as data and never runs their code; if you trust "
+                        "the file, --trust_torchscript"));
+  EXPECT_FALSE(std::filesystem::exists(marker()));
 }
 
-TEST(TorchScriptTreeTest, DamagedRecordsAreNamed) {
-  const std::string path = write_net();
-  // A storage record cut short, and a scripted function instead of a module.
-  run_python(absl::StrCat(R"(
-import zipfile, torch
-src = ')",
-                          path, R"('
-with zipfile.ZipFile(src) as z:
-    records = {i.filename: z.read(i.filename) for i in z.infolist()}
-with zipfile.ZipFile(src.replace('net.pt', 'short.pt'), 'w') as z:
-    for name, data in records.items():
-        z.writestr(name, data[:-4] if name == 'net/data/1' else data)
-def double(x: torch.Tensor) -> torch.Tensor:
-    return 2 * x
-torch.jit.save(torch.jit.script(double), src.replace('net.pt', 'function.pt'))
-)"));
+TEST_F(TorchScriptTreeTest, DamagedRecordsAreNamed) {
   EXPECT_THAT(error_of([&] { load_torchscript_tree(scratch_path("short.pt")); }),
-              HasSubstr("record data/1 holds 44 bytes, not the 48 of 12 elements of Float"));
+              HasSubstr("short.pt': record data/1 holds 44 bytes, not the 48 of 12 elements of "
+                        "Float"));
   EXPECT_THAT(error_of([&] { load_torchscript_tree(scratch_path("function.pt")); }),
-              HasSubstr("holds a scripted function, not a module"));
+              HasSubstr("function.pt' holds a scripted function, not a module"));
   EXPECT_THAT(error_of([&] { load_torchscript_tree(scratch_path("absent.pt")); }),
-              HasSubstr("not a regular file"));
+              HasSubstr("cannot open '" + scratch_path("absent.pt") + "': not a regular file"));
 }
 
 }  // namespace

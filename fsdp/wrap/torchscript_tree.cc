@@ -37,6 +37,12 @@ constexpr char kTrust[] =
 constexpr int64_t kMaxPickleBytes = int64_t{256} << 20;
 constexpr int64_t kMaxCodeBytes = int64_t{256} << 20;
 constexpr int kMaxModules = 1 << 20;
+// The walk over module objects is bounded by what it builds, not only by the file: a module
+// object may be reached through many paths (each becomes a node, as torch::jit::load's
+// named_children gives it), so a small file could otherwise ask for a huge tree.
+constexpr int kMaxDepth = 1000;                       // modules from the root
+constexpr int64_t kMaxAttributes = int64_t{1} << 24;  // attributes examined, all nodes
+constexpr int64_t kMaxFqnBytes = int64_t{256} << 20;  // FQN characters, all nodes
 
 // The first non-empty line of an error: PyTorch's messages may start with a newline and
 // end with a C++ stack trace.
@@ -88,7 +94,10 @@ using ClassDecls = absl::flat_hash_map<std::string, ClassDecl>;
 // torch::jit::load's Module gives. A module with its own __setstate__ saved its
 // __getstate__'s result instead of its attributes, which only its code can interpret: it
 // is refused. Sizes come from the tensor records, each checked against its storage, and
-// each storage against the size of its record in the archive.
+// each storage against the size of its record in the archive. A module object may be
+// reached through many paths (each becomes a node, as with torch::jit::load), so the walk
+// is bounded by what it builds (modules, depth, attributes examined, bytes of FQNs) as well
+// as by the bytes it reads.
 
 // `["weight", "bias", ]` -> {"weight", "bias"}.
 absl::flat_hash_set<std::string> name_list(absl::string_view text, const std::string& where) {
@@ -297,16 +306,23 @@ ModuleTree load_torchscript_tree(const std::string& path) {
   struct Frame {
     const PickleValue* module;
     int parent;
-    std::string name;
+    const std::string* name;  // the key in the parent's attributes (alive with `root`)
+    int depth;
+    int64_t fqn_bytes;
   };
-  std::vector<Frame> stack = {{root.get(), -1, ""}};
+  std::vector<Frame> stack = {{root.get(), -1, nullptr, 0, 0}};
+  int64_t attributes = 0;
+  int64_t fqn_bytes = 0;
   while (!stack.empty()) {
     Frame frame = std::move(stack.back());
     stack.pop_back();
     const std::string& class_name = frame.module->string;
     const ClassDecl& decl = *module_class(*frame.module);
-    TORCH_CHECK(tree.size() < kMaxModules, "'", path, "' has more than ", kMaxModules,
-                " modules (a module object reached through many paths?); ", kExpected);
+    fqn_bytes += frame.fqn_bytes;
+    TORCH_CHECK(tree.size() < kMaxModules && frame.depth <= kMaxDepth && fqn_bytes <= kMaxFqnBytes,
+                "'", path, "' makes a module tree larger than this reader accepts (", kMaxModules,
+                " modules, ", kMaxDepth, " levels, ", kMaxFqnBytes,
+                " bytes of names; a module object reached through many paths?); ", kExpected);
     TORCH_CHECK(!decl.has_setstate, "'", path, "': module class ",
                 normalize_torchscript_type_name(class_name),
                 " restores its attributes with its own __setstate__, code the archive carries; ",
@@ -317,7 +333,10 @@ ModuleTree load_torchscript_tree(const std::string& path) {
                 " does not hold a dict of its attributes; ", kExpected);
     const std::string type_name = normalize_torchscript_type_name(class_name);
     const int index = frame.parent < 0 ? tree.add_root(type_name)
-                                       : tree.add_child(frame.parent, frame.name, type_name);
+                                       : tree.add_child(frame.parent, *frame.name, type_name);
+    attributes += static_cast<int64_t>(state->items.size() / 2);
+    TORCH_CHECK(attributes <= kMaxAttributes, "'", path, "': its modules have more than ",
+                kMaxAttributes, " attributes in all; ", kExpected);
     std::vector<Frame> children;
     for (size_t i = 0; i + 1 < state->items.size(); i += 2) {
       const PickleValue& key = *state->items[i];
@@ -331,7 +350,9 @@ ModuleTree load_torchscript_tree(const std::string& path) {
                     " of ", class_name, " is not a dense tensor record; ", kExpected);
         tree.add_param(index, key.string, &value, numel->second);
       } else if (module_class(value) != nullptr) {
-        children.push_back({&value, index, key.string});
+        const int64_t child_fqn_bytes =
+            frame.fqn_bytes + static_cast<int64_t>(key.string.size()) + 1;
+        children.push_back({&value, index, &key.string, frame.depth + 1, child_fqn_bytes});
       }
     }
     for (auto it = children.rbegin(); it != children.rend(); ++it) {

@@ -90,7 +90,8 @@ void UnitBase::rethrow_forward_error() const {
 }
 
 void UnitBase::throw_not_a(const char* type_name) const {
-  const torch::nn::Module& actual = *wrapped_module();  // typeid of a plain reference
+  const std::shared_ptr<torch::nn::Module> module = wrapped_module();
+  const torch::nn::Module& actual = *module;  // typeid of a plain reference
   TORCH_CHECK(false, "fsdp::forward_as: expected the unit's module to be a ",
               c10::demangle(type_name), ", but it is a ", c10::demangle(typeid(actual).name()));
 }

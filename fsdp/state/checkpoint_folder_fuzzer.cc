@@ -155,56 +155,27 @@ void write_seed(const fs::path& dir, const std::string& name, char kind,
   write_bytes(dir / name, input);
 }
 
-// The first tensor entry with two chunks split along dimension 0 (a row-sharded weight).
-fsdp::DcpEntryMetadata* two_chunk_entry(fsdp::DcpMetadata& md) {
+// The first 2-D tensor entry stored in several chunks whose last chunk starts below row 0.
+fsdp::DcpEntryMetadata* split_entry(fsdp::DcpMetadata& md) {
   for (fsdp::DcpEntryMetadata& entry : md.entries) {
-    if (entry.is_tensor && entry.chunks.size() == 2 && entry.size.size() == 2 &&
-        entry.chunks[1].offsets[0] > 1) {
+    if (entry.is_tensor && entry.size.size() == 2 && entry.chunks.size() >= 2 &&
+        entry.chunks.back().offsets[0] >= 1) {
       return &entry;
     }
   }
   return nullptr;
 }
 
-// Moves chunk 1 of `entry` up by one row, keeping its size: rows overlap chunk 0 and the
-// tensor's last row is never stored.
+// Moves the last chunk of `entry` up by one row, keeping its size: it overlaps the chunk
+// before it and the row it ended on is no longer stored.
 void overlap_chunks(fsdp::DcpMetadata& md, fsdp::DcpEntryMetadata& entry) {
-  const std::vector<int64_t> old = entry.chunks[1].offsets;
-  entry.chunks[1].offsets[0] -= 1;
+  const std::vector<int64_t> old = entry.chunks.back().offsets;
+  entry.chunks.back().offsets[0] -= 1;
   for (fsdp::DcpStorageInfo& info : md.storage) {
     if (info.fqn == entry.fqn && info.chunk_offsets == old) {
-      info.chunk_offsets = entry.chunks[1].offsets;
+      info.chunk_offsets = entry.chunks.back().offsets;
     }
   }
-}
-
-// The metadata.pt pickle with `change` applied to each tensor's "pieces" or "shape" ints.
-std::string edit_fsdp_metadata(
-    const std::string& pickle, const std::string& field,
-    const std::function<void(std::vector<fsdp::PickleValuePtr>&)>& change) {
-  fsdp::PickleHooks hooks;
-  hooks.allow_global = [](const std::string&) { return true; };
-  fsdp::PickleValuePtr root = fsdp::read_pickle(pickle, hooks, "metadata.pt");
-  // Every dict in the value (bounded: our own file, a few levels deep); LibTorch's typed
-  // containers are objects whose first argument is the container.
-  std::vector<fsdp::PickleValue*> stack = {root.get()};
-  while (!stack.empty()) {
-    fsdp::PickleValue* value = stack.back();
-    stack.pop_back();
-    if (value->kind == fsdp::PickleValue::Kind::kDict) {
-      for (size_t i = 0; i + 1 < value->items.size(); i += 2) {
-        fsdp::PickleValue* item = value->items[i + 1].get();
-        while (item->kind == fsdp::PickleValue::Kind::kObject && !item->items.empty()) {
-          item = item->items[0].get();
-        }
-        if (value->items[i]->string == field && item->kind == fsdp::PickleValue::Kind::kList) {
-          change(item->items);
-        }
-      }
-    }
-    for (const fsdp::PickleValuePtr& child : value->items) stack.push_back(child.get());
-  }
-  return fsdp::write_pickle(*root);
 }
 
 void write_seeds(const fs::path& dir) {
@@ -215,14 +186,14 @@ void write_seeds(const fs::path& dir) {
 
   fsdp::DcpMetadata md = fsdp::parse_dcp_metadata(good_dcp, "seed");
   fsdp::DcpMetadata overlap = md;
-  if (fsdp::DcpEntryMetadata* entry = two_chunk_entry(overlap)) {
+  if (fsdp::DcpEntryMetadata* entry = split_entry(overlap)) {
     overlap_chunks(overlap, *entry);
     write_seed(dir, "dcp_overlap_and_hole", 0, {fsdp::serialize_dcp_metadata(overlap)});
   }
   fsdp::DcpMetadata huge = md;
-  if (fsdp::DcpEntryMetadata* entry = two_chunk_entry(huge)) {
+  if (fsdp::DcpEntryMetadata* entry = split_entry(huge)) {
     entry->size[0] = int64_t{1} << 40;
-    entry->chunks[1].sizes[0] = (int64_t{1} << 40) - entry->chunks[1].offsets[0];
+    entry->chunks.back().sizes[0] = (int64_t{1} << 40) - entry->chunks.back().offsets[0];
     write_seed(dir, "dcp_huge_sizes", 0, {fsdp::serialize_dcp_metadata(huge)});
   }
   // "step" = -10^12, stored after the saved bytes of __0_0.distcp.

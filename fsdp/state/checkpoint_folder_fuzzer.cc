@@ -178,6 +178,35 @@ void overlap_chunks(fsdp::DcpMetadata& md, fsdp::DcpEntryMetadata& entry) {
   }
 }
 
+// The metadata.pt pickle with `change` applied to each tensor's "pieces" or "shape" ints.
+std::string edit_fsdp_metadata(
+    const std::string& pickle, const std::string& field,
+    const std::function<void(std::vector<fsdp::PickleValuePtr>&)>& change) {
+  fsdp::PickleHooks hooks;
+  hooks.allow_global = [](const std::string&) { return true; };
+  fsdp::PickleValuePtr root = fsdp::read_pickle(pickle, hooks, "metadata.pt");
+  // Every dict in the value (bounded: our own file, a few levels deep); LibTorch's typed
+  // containers are objects whose first argument is the container.
+  std::vector<fsdp::PickleValue*> stack = {root.get()};
+  while (!stack.empty()) {
+    fsdp::PickleValue* value = stack.back();
+    stack.pop_back();
+    if (value->kind == fsdp::PickleValue::Kind::kDict) {
+      for (size_t i = 0; i + 1 < value->items.size(); i += 2) {
+        fsdp::PickleValue* item = value->items[i + 1].get();
+        while (item->kind == fsdp::PickleValue::Kind::kObject && !item->items.empty()) {
+          item = item->items[0].get();
+        }
+        if (value->items[i]->string == field && item->kind == fsdp::PickleValue::Kind::kList) {
+          change(item->items);
+        }
+      }
+    }
+    for (const fsdp::PickleValuePtr& child : value->items) stack.push_back(child.get());
+  }
+  return fsdp::write_pickle(*root);
+}
+
 void write_seeds(const fs::path& dir) {
   Fixture& f = fixture();
   fs::create_directories(dir);

@@ -7,9 +7,22 @@ Gpt) under fully_shard over Gloo, AdamW, and Distributed Checkpoint folders.
                        2. dcp_to_torch_save of DIR/cpp_ckpt holds DIR/cpp_full.pt's tensors
                        3. fully_shard at W = 2: 2 steps, dcp.save to DIR/py_ckpt, the full
                           model to DIR/py_full.pt, 20 more steps' losses to py_losses.txt
+
+Each rank is a spawned process that ends on its own terms (worker): once its work is done
+it meets the others at a barrier, destroys the process group and leaves with os._exit.
+destroy_process_group does not free the Gloo backend here: DTensor's sharding-propagation
+caches (module globals) keep DTensorSpecs, their DeviceMesh and through it the process
+group alive (the FileStore file, removed when the last reference to the group goes, is
+still there after destroy_process_group and gc.collect). A spawned process that returns
+normally therefore tears Gloo down during Python's interpreter finalization, racing its
+own worker threads and the autograd engine's, and a rank whose work had succeeded
+sometimes aborted there ("terminate called without an active exception", exit -6, as
+PyTorch issue 190489 reports). os._exit skips that teardown; results were already written
+(SimpleQueue.put writes to the pipe before returning; files are closed).
 """
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -95,11 +108,19 @@ def save_ours(rank, world, out, results):
 
 def worker(rank, world, store, fn, out, results):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    status = 1
     try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world)
         fn(rank, world, out, results)
-    finally:
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
         dist.destroy_process_group()
+        status = 0
+    except BaseException:  # noqa: B036: reported, then the exit status says it
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # results.put wrote to the pipe already; see the module docstring
 
 
 def run(fn, world, out, tag):

@@ -8,8 +8,10 @@
 // The model is a .pt2 archive (torch.export.save(ep, path)) or a TorchScript file
 // (torch.jit.script(model).save(path)), told apart by content; a state dict or checkpoint
 // from torch.save, a folder, an empty or a truncated file is named as such, and a .pt2
-// archive that cannot be read says why (exported_program.h). Bad input prints one line on stderr
-// and exits with status 2 (an unknown flag name is Abseil's to reject, with status 1).
+// archive that cannot be read says why (exported_program.h). A TorchScript file is read
+// as data, running none of its code (torchscript_tree.h); --trust_torchscript loads it
+// with torch::jit::load instead, which runs the file's code. Bad input prints one line on
+// stderr and exits with status 2 (an unknown flag name is Abseil's to reject, with status 1).
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -67,6 +69,10 @@ ABSL_FLAG(std::string, hybrid_shard_group_size, "0",
           "ranks per shard group: also plan HYBRID_SHARD (0: not planned)");
 ABSL_FLAG(std::string, backward_prefetch, "pre", "backward prefetch: pre, post or none");
 ABSL_FLAG(bool, cpu_offload, false, "plan CPUOffload(offload_params) on a CUDA device");
+ABSL_FLAG(bool, trust_torchscript, false,
+          "load a TorchScript --model with torch::jit::load, which RUNS CODE FROM THE FILE (its "
+          "classes' __setstate__): only for a file from a trusted source that cannot be read "
+          "as data (a module class with its own __setstate__)");
 
 namespace {
 
@@ -187,7 +193,10 @@ LoadedModel load_model(const std::string& path) {
   if (check_model_file(path) == ModelFormat::kExportedProgram) {
     model.exported = fsdp::load_exported_program_tree(path);
   } else {
-    model.torchscript = fsdp::load_torchscript_tree(path);
+    // See fsdp/wrap/torchscript_tree.h: read as data unless the user vouches for the file.
+    model.torchscript = absl::GetFlag(FLAGS_trust_torchscript)
+                            ? fsdp::load_torchscript_tree_trusted(path)
+                            : fsdp::load_torchscript_tree(path);
   }
   return model;
 }

@@ -41,6 +41,31 @@ def future(r):
     model["schema_version"]["major"] = 99
     r["model/models/model.json"] = json.dumps(model)
 rewrite("future.pt2", future)
+# A TorchScript module whose __setstate__ (code the file carries, run by torch.jit.load)
+# writes a file next to it (issue 38): TorchScript compiles a class from its source file.
+import os
+evil = os.path.join(os.path.dirname(sys.argv[1]), "evil_module.py")
+with open(evil, "w") as f:
+    f.write(f"""
+import torch
+from typing import Tuple
+class Evil(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+    def forward(self, x):
+        return self.lin(x)
+    @torch.jit.export
+    def __getstate__(self) -> Tuple[torch.Tensor, bool]:
+        return (self.lin.weight, self.training)
+    @torch.jit.export
+    def __setstate__(self, state: Tuple[torch.Tensor, bool]) -> None:
+        torch.save(state[0], {os.path.join(os.path.dirname(sys.argv[1]), "pwned")!r})
+        self.training = state[1]
+""")
+sys.path.insert(0, os.path.dirname(evil))
+import evil_module
+torch.jit.script(evil_module.Evil()).save(sys.argv[1].replace("model.pt", "evil.pt"))
 PY
 "$python" "$tmp/make_models.py" "$tmp/model.pt" || { echo "cannot create the test models"; exit 1; }
 echo "not a zip" > "$tmp/corrupt.pt"
@@ -122,6 +147,18 @@ expect_error trailing_comma "--ignored_modules has an empty entry" --model="$tmp
 expect_error layer_cls_with_size "--layer_cls is used by --policy=transformer and --policy=module only" \
   --model="$tmp/model.pt" --layer_cls=torch.nn.modules.linear.Linear
 expect_error scripted_function "holds a scripted function, not a module" --model="$tmp/function.pt"
+# Read as data: the file's __setstate__ never runs, and the module it would restore is
+# refused by name.
+expect_error setstate_refused \
+  "'$tmp/evil.pt': module class evil_module.Evil restores its attributes with its own __setstate__, code the archive carries; fsdp reads TorchScript archives as data and never runs their code" \
+  --model="$tmp/evil.pt"
+if [[ -e "$tmp/pwned" ]]; then
+  echo "FAIL setstate_not_run: fsdp_plan ran the archive's __setstate__ ($tmp/pwned exists)"
+  failed=$((failed + 1))
+else
+  echo "ok setstate_not_run"
+  passed=$((passed + 1))
+fi
 expect_error unknown_class "unknown class path 'torch.nn.modules.linear.Linearr'" \
   --model="$tmp/model.pt" --policy=transformer --layer_cls=torch.nn.modules.linear.Linearr
 expect_error transformer_without_layers "needs --layer_cls" --model="$tmp/model.pt" \
@@ -145,6 +182,17 @@ if [[ $? -eq 0 && "$out" == *"$want"* ]]; then
   passed=$((passed + 1))
 else
   echo "FAIL good_run: $out"
+  failed=$((failed + 1))
+fi
+
+# --trust_torchscript (torch::jit::load) gives the plan the data reader gives.
+out=$("$plan" --model="$tmp/model.pt" --policy=size --min_num_params=1e2 --world_size=4 \
+  --format=json --trust_torchscript 2>&1)
+if [[ $? -eq 0 && "$out" == *"$want"* ]]; then
+  echo "ok good_run_trusted"
+  passed=$((passed + 1))
+else
+  echo "FAIL good_run_trusted: $out"
   failed=$((failed + 1))
 fi
 

@@ -5,11 +5,14 @@
 # library), the .pt2 reader's JSON side (fsdp/formats:exported_program_fuzzer,
 # model.json and model_weights_config.json written by torch.export.save) or the pickle
 # reader (fsdp/formats:pickle_fuzzer, Distributed Checkpoint metadata and plain values
-# pickled by Python). A crash, a sanitizer report or a hang fails the run; libFuzzer writes
+# pickled by Python) or whole checkpoint folders (fsdp/state:checkpoint_folder_fuzzer: DCP
+# and fsdp sharded folders, metadata fuzzed beside real data files; seeds with deep nesting
+# and a memo bomb, and, written by the target from a real save, with overlapping chunks,
+# holes and huge sizes). A crash, a sanitizer report or a hang fails the run; libFuzzer writes
 # the input to crash-*/timeout-* in the current directory: turn it into a test
 # (checkpoint_test.cc, fsdp/formats/safetensors_test.cc, exported_program_test.cc,
-# fsdp/formats/pickle_test.cc).
-#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors|exported_program|pickle]
+# fsdp/formats/pickle_test.cc, dcp_checkpoint_test.cc).
+#   bash tools/fuzz.sh [SECONDS] [torch_file|safetensors|exported_program|pickle|checkpoint_folder]
 #   (default 60 torch_file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +38,14 @@ case "$target" in
     "$python" tools/pickle_fuzz_seeds.py "$corpus"
     label=//fsdp/formats:pickle_fuzzer
     ;;
+  checkpoint_folder)
+    "$python" tools/checkpoint_folder_fuzz_seeds.py "$corpus"
+    export FSDP_FUZZ_SEED_DIR="$corpus"  # the target adds seeds from a real save
+    label=//fsdp/state:checkpoint_folder_fuzzer
+    ;;
   *)
     echo "fuzz.sh: unknown target '$target'; expected torch_file, safetensors," \
-      "exported_program or pickle" >&2
+      "exported_program, pickle or checkpoint_folder" >&2
     exit 2
     ;;
 esac

@@ -1,6 +1,7 @@
 """Seed corpus for fsdp/state:torch_file_fuzzer: the pickles (data.pkl) of torch.save
 files like the ones fsdp reads, each with one storage of 16 floats (the fuzzer's archive
-holds one 64-byte record "data/0").
+holds one 64-byte record "data/0"), and pickle_fuzz_seeds.py's hostile pickles (deep
+nesting, a memo bomb).
 
   fuzz_seeds.py DIR
 """
@@ -11,6 +12,8 @@ import sys
 import zipfile
 
 import torch
+
+from pickle_fuzz_seeds import hostile_pickles
 
 
 def pickle_of(obj):
@@ -38,6 +41,9 @@ def main(out):
     for name, obj in seeds.items():
         with open(os.path.join(out, name), "wb") as f:
             f.write(pickle_of(obj))
+    for name in ("deep_list", "deep_tuple", "memo_bomb"):
+        with open(os.path.join(out, f"hostile_{name}"), "wb") as f:
+            f.write(hostile_pickles()[name])
 
 
 if __name__ == "__main__":

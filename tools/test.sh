@@ -3,9 +3,9 @@
 # (the NCCL backend's among them: its GPU tests skip without a GPU), the consumer
 # workspace (examples/consumer: fsdp used from another workspace), the unit tests and a
 # 2-rank training run under ASan + UBSan (--config=asan), the clang-format check of every
-# C++ source, and fuzzing of the checkpoint, safetensors, .pt2 and pickle readers
-# (tools/fuzz.sh). Prints
-# "N passed, M failed" last; exits non-zero on any failure.
+# C++ source, and fuzzing of the checkpoint, safetensors, .pt2 and pickle readers and of
+# whole checkpoint folders (tools/fuzz.sh). Prints "N passed, M failed" last; exits
+# non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -29,9 +29,10 @@ else
   status=1
 fi
 echo "//:clang_format $format_result (clang-format --dry-run -Werror)" | tee -a "$log"
-# 60 s of the checkpoint reader, 30 s of the safetensors reader, 20 s of the .pt2 reader,
-# 30 s of the pickle reader.
-for fuzz in "torch_file 60 //fsdp/state:torch_file_fuzzer" \
+# 30 s of the checkpoint file reader, 30 s of whole checkpoint folders, 30 s of the
+# safetensors reader, 20 s of the .pt2 reader, 30 s of the pickle reader.
+for fuzz in "torch_file 30 //fsdp/state:torch_file_fuzzer" \
+  "checkpoint_folder 30 //fsdp/state:checkpoint_folder_fuzzer" \
   "safetensors 30 //fsdp/formats:safetensors_fuzzer" \
   "exported_program 20 //fsdp/formats:exported_program_fuzzer" \
   "pickle 30 //fsdp/formats:pickle_fuzzer"; do

@@ -90,9 +90,10 @@ void UnitBase::rethrow_forward_error() const {
 }
 
 void UnitBase::throw_not_a(const char* type_name) const {
+  const std::shared_ptr<torch::nn::Module> module = wrapped_module();
+  const torch::nn::Module& actual = *module;  // typeid of a plain reference
   TORCH_CHECK(false, "fsdp::forward_as: expected the unit's module to be a ",
-              c10::demangle(type_name), ", but it is a ",
-              c10::demangle(typeid(*wrapped_module()).name()));
+              c10::demangle(type_name), ", but it is a ", c10::demangle(typeid(actual).name()));
 }
 
 }  // namespace fsdp

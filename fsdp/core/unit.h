@@ -267,8 +267,10 @@ decltype(auto) forward_as(const std::shared_ptr<Pointee>& module, Args&&... args
     return unit->template forward_wrapped_as<Module>(std::forward<Args>(args)...);
   }
   auto* typed = dynamic_cast<Module*>(base.get());
+  const torch::nn::Module& actual = *base;  // typeid of a plain reference: clang's -Wall is quiet
   TORCH_CHECK(typed != nullptr, "fsdp::forward_as: expected a ", c10::demangle_type<Module>(),
-              " (or a unit around one), but the module is a ", c10::demangle(typeid(*base).name()));
+              " (or a unit around one), but the module is a ",
+              c10::demangle(typeid(actual).name()));
   return typed->forward(std::forward<Args>(args)...);
 }
 template <typename Module, typename... Args>

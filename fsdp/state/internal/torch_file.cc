@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/in_memory_adapter.h>
 
+#include "fsdp/formats/torch_tensor_record.h"
 #include "fsdp/formats/torch_zip.h"
 
 namespace fsdp::state_internal {
@@ -20,17 +21,6 @@ using Kind = PyValue::Kind;
 // is not a "module.name" the hooks allow) holding a 1-D tensor.
 constexpr const char* kStorageTag = "<storage>";
 
-const absl::flat_hash_map<std::string, at::ScalarType>& storage_types() {
-  static const auto* kTypes = new absl::flat_hash_map<std::string, at::ScalarType>{
-      {"torch.FloatStorage", at::kFloat}, {"torch.DoubleStorage", at::kDouble},
-      {"torch.HalfStorage", at::kHalf},   {"torch.BFloat16Storage", at::kBFloat16},
-      {"torch.LongStorage", at::kLong},   {"torch.IntStorage", at::kInt},
-      {"torch.ShortStorage", at::kShort}, {"torch.CharStorage", at::kChar},
-      {"torch.ByteStorage", at::kByte},   {"torch.BoolStorage", at::kBool},
-  };
-  return *kTypes;
-}
-
 bool allowed(const std::string& name) {
   static const auto* kCalls = new absl::flat_hash_set<std::string>{
       "collections.OrderedDict",          "torch._utils._rebuild_tensor_v2",
@@ -38,7 +28,7 @@ bool allowed(const std::string& name) {
       "torch.jit._pickle.build_intlist",  "torch.jit._pickle.build_doublelist",
       "torch.jit._pickle.build_boollist", "torch.jit._pickle.build_tensorlist",
   };
-  return kCalls->contains(name) || storage_types().contains(name);
+  return kCalls->contains(name) || torch_storage_dtype(name).has_value();
 }
 
 const PyValuePtr& arg(const std::vector<PyValuePtr>& args, size_t i, Kind kind,
@@ -48,39 +38,15 @@ const PyValuePtr& arg(const std::vector<PyValuePtr>& args, size_t i, Kind kind,
   return args[i];
 }
 
-std::vector<int64_t> int_tuple(const PyValuePtr& value, const char* what) {
-  std::vector<int64_t> ints;
-  for (const PyValuePtr& item : value->items) {
-    TORCH_CHECK(item->kind == Kind::kInt, what, ": sizes and strides must be ints");
-    ints.push_back(item->integer);
-  }
-  return ints;
-}
-
 PyValuePtr rebuild_tensor(const std::vector<PyValuePtr>& args) {
   constexpr const char* kWhat = "_rebuild_tensor_v2";
   const PyValuePtr& storage_value = arg(args, 0, Kind::kObject, kWhat);
   TORCH_CHECK(storage_value->string == kStorageTag, kWhat, ": argument 0 must be a storage");
   const at::Tensor& storage = storage_value->tensor;
-  const int64_t offset = arg(args, 1, Kind::kInt, kWhat)->integer;
-  const std::vector<int64_t> sizes = int_tuple(arg(args, 2, Kind::kTuple, kWhat), kWhat);
-  const std::vector<int64_t> strides = int_tuple(arg(args, 3, Kind::kTuple, kWhat), kWhat);
-  TORCH_CHECK(sizes.size() == strides.size() && offset >= 0, kWhat,
-              ": sizes and strides differ in length or the offset is negative");
-  int64_t last = offset;  // the last element the view reaches
-  bool empty = false;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    TORCH_CHECK(sizes[i] >= 0 && strides[i] >= 0 && sizes[i] < (int64_t(1) << 40) &&
-                    strides[i] < (int64_t(1) << 40),
-                kWhat, ": invalid size or stride");
-    empty = empty || sizes[i] == 0;
-    if (sizes[i] > 0) last += (sizes[i] - 1) * strides[i];
-  }
-  TORCH_CHECK(empty || last < storage.numel(), kWhat, ": the tensor reaches element ", last,
-              " of a storage of ", storage.numel());
+  const TorchTensorView view = read_torch_tensor_view(args, storage.numel(), kWhat);
   PyValuePtr value = PyValue::make(Kind::kTensor);
-  value->tensor =
-      empty ? at::empty(sizes, storage.options()) : storage.as_strided(sizes, strides, offset);
+  value->tensor = view.numel == 0 ? at::empty(view.sizes, storage.options())
+                                  : storage.as_strided(view.sizes, view.strides, view.offset);
   return value;
 }
 
@@ -107,18 +73,11 @@ class StorageLoader {
   explicit StorageLoader(const TorchZipArchive& archive) : archive_(archive) {}
 
   PyValuePtr operator()(const PyValuePtr& pid) {
-    constexpr const char* kWhat = "persistent id";
-    TORCH_CHECK(pid->kind == Kind::kTuple && pid->items.size() == 5 &&
-                    pid->items[0]->kind == Kind::kString && pid->items[0]->string == "storage",
-                "the pickle has a persistent id that is not a tensor storage");
-    const std::string& type = arg(pid->items, 1, Kind::kGlobal, kWhat)->string;
-    auto dtype = storage_types().find(type);
-    TORCH_CHECK(dtype != storage_types().end(), "unsupported storage type ", type);
-    const std::string& key = arg(pid->items, 2, Kind::kString, kWhat)->string;
-    const int64_t numel = arg(pid->items, 4, Kind::kInt, kWhat)->integer;
+    const TorchStorageId id = read_torch_storage_id(*pid);
+    const std::string& key = id.key;
     auto cached = storages_.find(key);
     if (cached == storages_.end()) {
-      cached = storages_.emplace(key, load(key, dtype->second, numel)).first;
+      cached = storages_.emplace(key, load(key, id.dtype, id.numel)).first;
     }
     PyValuePtr value = PyValue::object(kStorageTag, {});
     value->tensor = cached->second;

@@ -138,7 +138,8 @@ TEST_F(TorchScriptTreeTest, DamagedRecordsAreNamed) {
   EXPECT_THAT(error_of([&] { load_torchscript_tree(scratch_path("function.pt")); }),
               HasSubstr("function.pt' holds a scripted function, not a module"));
   EXPECT_THAT(error_of([&] { load_torchscript_tree(scratch_path("absent.pt")); }),
-              HasSubstr("cannot open '" + scratch_path("absent.pt") + "': not a regular file"));
+              HasSubstr("cannot open TorchScript archive '" + scratch_path("absent.pt") +
+                        "': No such file or directory"));
 }
 
 }  // namespace

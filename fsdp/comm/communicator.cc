@@ -218,13 +218,6 @@ void Communicator::enable_schedule_checks() {
   schedule_->schedule.store(schedule_->owner.get());
 }
 
-void Communicator::leave_collective_schedule() {
-  TORCH_CHECK(is_subgroup_,
-              "leave_collective_schedule: expected a subgroup (new_subgroup); a root "
-              "communicator owns the schedule: do not call enable_schedule_checks instead");
-  schedule_ = std::make_shared<comm_internal::ScheduleSlot>();  // never enabled
-}
-
 bool Communicator::supports_schedule_checks() const {
   return !is_subgroup_ && supports_device(c10::Device(c10::kCPU));
 }
@@ -401,7 +394,8 @@ std::shared_ptr<Communicator> Communicator::new_host_subgroup(const std::vector<
   const std::optional<SubgroupSpec> spec = subgroup_spec("new_host_subgroup", "host-group", ranks);
   if (!spec) return nullptr;
   // Not in the family's schedule: it keeps the schedule slot it was made with, never
-  // enabled (as leave_collective_schedule leaves it).
+  // enabled, so its collectives are neither recorded nor compared (they run at times
+  // that differ from rank to rank).
   return do_new_host_subgroup(*spec);
 }
 

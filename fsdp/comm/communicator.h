@@ -223,13 +223,13 @@ class Communicator {
   // not in the list; only the members call it, in the same order) whose collectives move
   // CPU buffers and make no device call, for host-side bookkeeping on a thread other
   // than the one that owns this communicator (an asynchronous checkpoint's writes):
-  // outside this family's collective schedule, used from its own thread. For a backend
-  // that moves CPU buffers (gloo, and the fake one, whose host groups are worlds of their
-  // own) a group of the same backend; for nccl a Gloo group over the same store (Note
-  // [Host groups of the NCCL backend] in nccl.cc), so that no NCCL call is ever made
-  // from another thread. Collective over the members (it connects them). Throws
-  // c10::Error as new_subgroup, or when the backend cannot make one. PyTorch:
-  // dist.new_group(ranks, backend="gloo").
+  // outside this family's collective schedule, and used by one thread at a time like any
+  // communicator. For a backend that moves CPU buffers a group of the same backend (gloo:
+  // a subgroup of this family; fake: a fake world of its own); for nccl a Gloo group over
+  // the same store (Note [Host groups of the NCCL backend] in nccl.cc), so that no NCCL
+  // call is ever made from another thread. Collective over the members (it connects
+  // them). Throws c10::Error as new_subgroup, or when the backend cannot make one.
+  // PyTorch: dist.new_group(ranks, backend="gloo").
   std::shared_ptr<Communicator> new_host_subgroup(const std::vector<int>& ranks);
 
   // Whether this backend moves buffers on `device` (gloo: CPU and CUDA; nccl: its CUDA
@@ -278,13 +278,6 @@ class Communicator {
   // Whether enable_schedule_checks can be called here: a root communicator of a backend
   // that moves CPU buffers.
   bool supports_schedule_checks() const;
-  // Takes this subgroup out of its family's schedule: its collectives are not recorded
-  // nor compared, and a failure of one does not compare schedules. For a group whose
-  // collectives run on another thread at times that differ from rank to rank, so that
-  // their place among the family's differs too (an asynchronous checkpoint's writes,
-  // make_checkpoint_communicator). Call it on every member before the group's first
-  // collective. Throws c10::Error on a root communicator.
-  void leave_collective_schedule();
   // Ends a step of the schedule (FSDP's root calls it at the end of each iteration):
   // later collectives count towards the next step. Steps are counted from 1, on every
   // rank alike. No traffic. Does nothing while the checks are off.

@@ -315,7 +315,7 @@ void run(benchmark::State& state, int world_size, const Variant& ours,
   std::optional<Training> reference;
   if (baseline) reference = prepare(*baseline, comm, batch);
   Training training = prepare(ours, comm, batch);
-  comm->barrier();
+  comm->barrier();  // host ordering: timing starts when every rank is ready
   for (auto _ : state) {
     if (reference) timed_step(*reference, batch);
     state.SetIterationTime(timed_step(training, batch));
@@ -336,7 +336,7 @@ void run_first_steps(benchmark::State& state, int world_size, const Variant& our
   for (auto _ : state) {
     Training reference = make_training(baseline, comm);
     Training training = make_training(ours, comm);
-    comm->barrier();
+    comm->barrier();  // host ordering: timing starts when every rank is ready
     baseline_seconds += timed_step(reference, batch);
     const double seconds = timed_step(training, batch);
     ours_seconds += seconds;

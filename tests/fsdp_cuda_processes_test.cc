@@ -66,7 +66,7 @@ TEST(DISABLED_CudaProcessWorker, NcclTwoRanksOnOneDevice) {
   try {
     std::shared_ptr<Communicator> comm = init_from_environment(
         RendezvousOptions().timeout(std::chrono::seconds(60)).backend(Backend::kNccl));
-    comm->barrier();
+    comm->barrier();  // the first collective; no ordering needed
     ADD_FAILURE() << "NCCL made a communicator of two ranks on one device";
   } catch (const c10::Error& e) {  // CommError included
     std::cout << "nccl error: " << e.what_without_backtrace() << std::endl;

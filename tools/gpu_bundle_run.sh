@@ -13,7 +13,10 @@
 # that crashed, timed out or never ran is a failure). Then, with a CUDA device, the GPT
 # on the GPU (issue 18): a 30-step training run of examples/gpt (bin/examples/gpt/train,
 # one rank on cuda:0, its CUDA defaults: a GPT-2-small-sized model in bf16; it passes if
-# the validation loss falls) and the side by side at W = 1 on cuda:0 of the same GPT
+# the validation loss falls); checkpoints and CPU offload (issue 39: a small GPT at W = 1,
+# or W = 2 with two devices, saving in the background and resumed from its step-10
+# checkpoint to the same loss at step 20, and trained with --cpu_offload to the same loss
+# at step 10); and the side by side at W = 1 on cuda:0 of the same GPT
 # (width 768, 12 layers, 12 heads, context 256, bf16, batch 32, from the same weights on
 # the same batches) trained by fsdp (bin/benchmarks/gpt_fsdp), by plain LibTorch without
 # FSDP (gpt_fsdp --mode=plain, autocast bf16) and by PyTorch FSDP2 eager
@@ -21,9 +24,14 @@
 # ratios ours/FSDP2 and ours/plain, and fsdp once more with TORCH_NCCL_BLOCKING_WAIT=1
 # (the host waiting for every collective) for the host-side time per step with and
 # without. Each failed run counts as one failure in the last line. Then one summary
-# table: test binaries, GPU main job (tokens/s, MFU, peak memory, last loss), the W = 1
-# side by side (tokens/s, peak memory, MFU, ratios), host ms/step. Without a CUDA device
-# a last line says so. Logs go to .gpu_bundle/logs/.
+# table: test binaries, GPU main job (tokens/s, MFU, peak memory, last loss), async save
+# and resume and CPU offload (the losses compared), the W = 1 side by side (tokens/s,
+# peak memory, MFU, ratios), host ms/step; it is also written to
+# .gpu_bundle/logs/summary.txt and, when $OUT names a folder (the device machine returns
+# what is there), to $OUT/gpu_check_summary.txt with the logs in $OUT/gpu_check_logs/
+# (docs/GPU.md says how to record it). Without a CUDA device a last line says so. Logs go
+# to .gpu_bundle/logs/. Each step has its own time limit (timeout, then SIGKILL 10 s
+# later; a launched rank dies with its launcher), all within BUDGET_S.
 # Exit status: 0 every case passed with a device; 1 a failure; 2 nothing failed but no
 # CUDA device was found (the GPU cases were skipped); 3 no usable torch 2.11.
 set -uo pipefail
@@ -199,6 +207,60 @@ if ((devices > 0)); then
     main_mfu=$(sed -n 's/.*| MFU \([0-9.]*\)%.*/\1/p' <<<"$line")
     main_peak=$(sed -n 's/^rank 0: peak memory \([0-9.]*\) MB.*/\1/p' "$log")
   fi
+  # Checkpoints and CPU offload on the GPU (issue 39): a small GPT (width 128, 2 layers,
+  # context 64, bf16) at W = 1, or W = 2 where two devices are visible (NCCL, and the
+  # checkpoint writes' own Gloo group). Run A trains 20 steps saving DCP checkpoints in the
+  # background at steps 10 and 20; run B resumes from A's step-10 checkpoint and must reach
+  # A's training loss at step 20 (within 1%); run C trains 10 steps with --cpu_offload and
+  # must reach A's loss at step 10 (within 2%: the optimizer steps on the CPU).
+  small_w=$((devices >= 2 ? 2 : 1))
+  small_gpt() {  # time limit, out_dir, flags...
+    local limit=$1 out=$2
+    shift 2
+    timeout --kill-after=10 "$limit" "$here/bin/examples/gpt/train" --world_size="$small_w" \
+      --device=cuda --width=128 --layers=2 --heads=4 --context=64 --batch_size=16 \
+      --log_interval=1 --eval_interval=1000 --eval_batches=1 --sample_length=0 \
+      --data_dir="$here/fortunes" --out_dir="$out" --timeout_s=60 "$@"
+  }
+  # The training loss of step $2 in metrics.csv of out_dir $1.
+  loss_at() { awk -F, -v s="$2" '$1 == s { v = $2 } END { print v }' "$1/metrics.csv" 2>/dev/null; }
+  close_to() {  # a b tolerance: |a - b| <= tolerance * |a|, both present
+    awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = a < 0 ? -a : a
+      exit !(a != "" && b != "" && d <= t * m) }'
+  }
+  async_a() { small_gpt "$1" "$gpu/async_a" --steps=20 --checkpoint_interval=10 --async_save; }
+  async_b() {
+    small_gpt "$1" "$gpu/async_b" --steps=20 --checkpoint_interval=10 --async_save \
+      --resume="$gpu/async_a/checkpoints/step_00000010"
+  }
+  offload() { small_gpt "$1" "$gpu/offload" --steps=10 --checkpoint_interval=0 --cpu_offload; }
+  echo "Checkpoints and CPU offload on the GPU (W = $small_w):"
+  async_result="not run" offload_result="not run"
+  if gpu_step async_save_train 60 async_a && gpu_step async_save_resume 60 async_b; then
+    a20=$(loss_at "$gpu/async_a" 20) b20=$(loss_at "$gpu/async_b" 20)
+    async_result="W = $small_w: loss at step 20 $a20 uninterrupted, $b20 resumed from step 10"
+    if [[ -f "$gpu/async_a/checkpoints/step_00000020/.metadata" ]] && close_to "$a20" "$b20" 0.01; then
+      echo "  async save then resume: ok ($async_result)"
+      async_result="ok, $async_result"
+    else
+      echo "  async save then resume: FAILED ($async_result; step 20's checkpoint" \
+           "$([[ -f "$gpu/async_a/checkpoints/step_00000020/.metadata" ]] && echo complete || echo missing))"
+      async_result="FAILED, $async_result"
+      failed=$((failed + 1))
+    fi
+  fi
+  if gpu_step cpu_offload 60 offload; then
+    a10=$(loss_at "$gpu/async_a" 10) c10=$(loss_at "$gpu/offload" 10)
+    offload_result="W = $small_w: loss at step 10 $c10 with --cpu_offload, $a10 without"
+    if close_to "$a10" "$c10" 0.02; then
+      echo "  CPU offload: ok ($offload_result)"
+      offload_result="ok, $offload_result"
+    else
+      echo "  CPU offload: FAILED ($offload_result)"
+      offload_result="FAILED, $offload_result"
+      failed=$((failed + 1))
+    fi
+  fi
   peer=$gpu/peer
   mkdir -p "$peer"
   prepare() {
@@ -255,9 +317,18 @@ else
        "the side by side of fsdp, plain LibTorch and PyTorch FSDP2 (benchmarks/peer)"
 fi
 
-# --- one table (issue 29 item 7) -----------------------------------------------------------
+# --- one table (issue 29 item 7), also in a file (issue 39) ---------------------------------
+# logs/summary.txt, and $OUT/gpu_check_summary.txt with the logs in $OUT/gpu_check_logs/
+# when $OUT names a folder (the device machine returns what is there): docs/GPU.md is
+# updated from it.
+summary="$logs/summary.txt"
+echo "fsdp GPU check of commit $(sed -n 's/^commit: //p' "$here/BUILD_INFO" 2>/dev/null)," \
+     "run $(date -u '+%Y-%m-%d %H:%M UTC'): torch $torch_version (CUDA $torch_cuda)," \
+     "$devices CUDA device(s)${device_names:+: $device_names}" >"$summary"
+{
 MAIN_TOKENS=${main_tokens:-} MAIN_MFU=${main_mfu:-} MAIN_PEAK=${main_peak:-} \
 MAIN_LOSS=${main_loss:-} PEER_DIR=${peer:-} BINARIES=$(wc -l <"$here/tests.tsv") \
+ASYNC_RESULT=${async_result:-} OFFLOAD_RESULT=${offload_result:-} \
 PASSED=$passed FAILED=$failed SKIPPED=$skipped DEVICES=$devices \
 "$python" - <<'PY' || echo "(the summary table could not be printed)"
 import json, os
@@ -268,10 +339,14 @@ rows = [("test binaries", f"{e['BINARIES']} binaries: {e['PASSED']} cases passed
                           f"{e['FAILED']} failed, {e['SKIPPED']} skipped")]
 if e["DEVICES"] == "0":
     rows.append(("GPU main job", "not run (no CUDA device)"))
+    rows.append(("async save + resume", "not run (no CUDA device)"))
+    rows.append(("CPU offload", "not run (no CUDA device)"))
     rows.append(("W = 1 side by side", "not run (no CUDA device)"))
 else:
     rows.append(("GPU main job", f"{cell(e['MAIN_TOKENS'])} tokens/s, MFU {cell(e['MAIN_MFU'])}%, "
                                  f"peak {cell(e['MAIN_PEAK'])} MB, loss at step 30 {cell(e['MAIN_LOSS'])}"))
+    rows.append(("async save + resume", cell(e["ASYNC_RESULT"])))
+    rows.append(("CPU offload", cell(e["OFFLOAD_RESULT"])))
     runs = {}
     for name in ("fsdp", "plain", "fsdp2", "fsdp_blocking"):
         path = os.path.join(e["PEER_DIR"], name + ".json") if e["PEER_DIR"] else ""
@@ -312,6 +387,15 @@ echo "$passed passed, $failed failed"
 if ((devices == 0)); then
   echo "no CUDA device found: torch.cuda.device_count() is 0 on this machine, so the GPU" \
        "cases were skipped, not run"
+fi
+} 2>&1 | tee -a "$summary"
+if [[ -n ${OUT:-} && -d $OUT ]]; then
+  cp "$summary" "$OUT/gpu_check_summary.txt"
+  mkdir -p "$OUT/gpu_check_logs"
+  cp "$logs"/*.log "$OUT/gpu_check_logs/" 2>/dev/null
+  echo "summary and logs copied to $OUT"
+fi
+if ((devices == 0)); then
   ((failed > 0)) && exit 1
   exit 2
 fi

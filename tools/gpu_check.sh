@@ -9,7 +9,8 @@
 # tag a new one and it is bundled), built with --config=gpu: optimised, with our code,
 # Abseil and GoogleTest linked in and no run path into this machine's torch; run.sh
 # (tools/gpu_bundle_run.sh), tests.tsv (label and binary of each test) and BUILD_INFO.
-# For the GPT on the GPU that run.sh runs after the tests (issue 18), also the trainer
+# For the GPT on the GPU that run.sh runs after the tests (issue 18; and the checkpoint
+# and CPU-offload runs of issue 39), also the trainer
 # (bin/examples/gpt/train), benchmarks/peer's two sides (bin/benchmarks/gpt_fsdp and
 # peer/fsdp2_gpt.py) and the text they train on (fortunes/: this machine's Debian fortune
 # files, 2.5 MB).

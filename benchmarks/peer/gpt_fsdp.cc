@@ -217,6 +217,8 @@ int train(const std::string& dir) {
 
   std::vector<double> losses, step_ms, host_ms;
   const int64_t local = batch / world;
+  // Host ordering: the timed steps start when every rank is ready (NCCL included: Note
+  // [A barrier that blocks the host] in fsdp/comm/nccl.cc).
   if (comm != nullptr) comm->barrier();
   std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
   const double start_rss = status_mb("VmRSS");

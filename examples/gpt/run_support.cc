@@ -77,7 +77,9 @@ void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_d
       }
     }
   }
-  comm.barrier();  // no rank writes a checkpoint before the old ones are gone
+  // Host ordering (files): no rank writes a checkpoint before the old ones are gone; on
+  // NCCL too, see Note [A barrier that blocks the host] in fsdp/comm/nccl.cc.
+  comm.barrier();
 }
 
 namespace {

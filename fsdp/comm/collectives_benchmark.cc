@@ -104,7 +104,7 @@ void run_ours(benchmark::State& state, Op op) {
   Communicator& comm = *ranks().comm;
   at::Tensor shard = at::ones({n});
   at::Tensor full = at::ones({n * kWorldSize});
-  comm.barrier();
+  comm.barrier();  // host ordering: the byte counter and timing start on every rank together
   const int64_t lo_before = comm_internal::loopback_tx_bytes();
   for (auto _ : state) {
     switch (op) {

@@ -218,13 +218,6 @@ void Communicator::enable_schedule_checks() {
   schedule_->schedule.store(schedule_->owner.get());
 }
 
-void Communicator::leave_collective_schedule() {
-  TORCH_CHECK(is_subgroup_,
-              "leave_collective_schedule: expected a subgroup (new_subgroup); a root "
-              "communicator owns the schedule: do not call enable_schedule_checks instead");
-  schedule_ = std::make_shared<comm_internal::ScheduleSlot>();  // never enabled
-}
-
 bool Communicator::supports_schedule_checks() const {
   return !is_subgroup_ && supports_device(c10::Device(c10::kCPU));
 }
@@ -371,23 +364,45 @@ void Communicator::broadcast(const at::Tensor& tensor, int root) {
 }
 void Communicator::barrier() { barrier_async()->wait(timeout_); }
 
-std::shared_ptr<Communicator> Communicator::new_subgroup(const std::vector<int>& ranks) {
-  TORCH_CHECK(!ranks.empty(), "new_subgroup: expected at least one rank");
+std::optional<Communicator::SubgroupSpec> Communicator::subgroup_spec(
+    const char* what, const std::string& kind, const std::vector<int>& ranks) {
+  TORCH_CHECK(!ranks.empty(), what, ": expected at least one rank");
   for (size_t i = 0; i < ranks.size(); ++i) {
     TORCH_CHECK(ranks[i] >= 0 && ranks[i] < world_size_ && (i == 0 || ranks[i - 1] < ranks[i]),
-                "new_subgroup: expected distinct ascending ranks in [0, ", world_size_, "), got [",
+                what, ": expected distinct ascending ranks in [0, ", world_size_, "), got [",
                 absl::StrJoin(ranks, ", "), "]");
   }
-  if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) return nullptr;
-  const int count = subgroups_made_[ranks]++;
+  if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) return std::nullopt;
+  const int count = subgroups_made_[{kind, ranks}]++;
   SubgroupSpec spec;
   spec.ranks = ranks;
   spec.rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-  spec.tag = absl::StrCat("group[", absl::StrJoin(ranks, ","), "]#", count);
+  spec.tag = absl::StrCat(kind, "[", absl::StrJoin(ranks, ","), "]#", count);
   for (int r : ranks) spec.global_ranks.push_back(global_ranks_[r]);
-  std::shared_ptr<Communicator> subgroup = do_new_subgroup(spec);
+  return spec;
+}
+
+std::shared_ptr<Communicator> Communicator::new_subgroup(const std::vector<int>& ranks) {
+  const std::optional<SubgroupSpec> spec = subgroup_spec("new_subgroup", "group", ranks);
+  if (!spec) return nullptr;
+  std::shared_ptr<Communicator> subgroup = do_new_subgroup(*spec);
   subgroup->schedule_ = schedule_;  // one schedule for the family
   return subgroup;
+}
+
+std::shared_ptr<Communicator> Communicator::new_host_subgroup(const std::vector<int>& ranks) {
+  const std::optional<SubgroupSpec> spec = subgroup_spec("new_host_subgroup", "host-group", ranks);
+  if (!spec) return nullptr;
+  // Not in the family's schedule: it keeps the schedule slot it was made with, never
+  // enabled, so its collectives are neither recorded nor compared (they run at times
+  // that differ from rank to rank).
+  return do_new_host_subgroup(*spec);
+}
+
+std::shared_ptr<Communicator> Communicator::do_new_host_subgroup(const SubgroupSpec& spec) {
+  TORCH_CHECK(supports_device(c10::Device(c10::kCPU)), "new_host_subgroup: the ", backend_name(),
+              " backend moves no CPU buffers and makes no host group");
+  return do_new_subgroup(spec);
 }
 
 HybridGroups Communicator::split_hybrid(int shard_group_size) {

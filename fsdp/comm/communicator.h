@@ -219,6 +219,23 @@ class Communicator {
   // dist.new_group.
   std::shared_ptr<Communicator> new_subgroup(const std::vector<int>& ranks);
 
+  // A communicator over `ranks` (as new_subgroup: ascending, distinct; nullptr on ranks
+  // not in the list; only the members call it, in the same order) whose collectives move
+  // CPU buffers and make no device call, for host-side bookkeeping on a thread other
+  // than the one that owns this communicator (an asynchronous checkpoint's writes):
+  // outside this family's collective schedule, and used by one thread at a time like any
+  // communicator. For a backend that moves CPU buffers a group of the same backend (gloo:
+  // a subgroup of this family; fake: a fake world of its own); for nccl a Gloo group over
+  // the same store (Note [Host groups of the NCCL backend] in nccl.cc), so that no NCCL
+  // call is ever made from another thread. Collective over the members (it connects
+  // them). Throws c10::Error as new_subgroup, or when the backend cannot make one.
+  // PyTorch: dist.new_group(ranks, backend="gloo").
+  std::shared_ptr<Communicator> new_host_subgroup(const std::vector<int>& ranks);
+
+  // Whether this backend moves buffers on `device` (gloo: CPU and CUDA; nccl: its CUDA
+  // device; fake: CPU and CUDA). Collectives on other devices throw c10::Error.
+  bool moves_buffers_on(const c10::Device& device) const { return supports_device(device); }
+
   // Hybrid sharding groups with `shard_group_size` F ranks per shard group; world_size
   // must be a multiple of F. Every rank calls it. PyTorch: the process groups of
   // ShardingStrategy.HYBRID_SHARD (_init_intra_and_inter_node_groups).
@@ -261,13 +278,6 @@ class Communicator {
   // Whether enable_schedule_checks can be called here: a root communicator of a backend
   // that moves CPU buffers.
   bool supports_schedule_checks() const;
-  // Takes this subgroup out of its family's schedule: its collectives are not recorded
-  // nor compared, and a failure of one does not compare schedules. For a group whose
-  // collectives run on another thread at times that differ from rank to rank, so that
-  // their place among the family's differs too (an asynchronous checkpoint's writes,
-  // make_checkpoint_communicator). Call it on every member before the group's first
-  // collective. Throws c10::Error on a root communicator.
-  void leave_collective_schedule();
   // Ends a step of the schedule (FSDP's root calls it at the end of each iteration):
   // later collectives count towards the next step. Steps are counted from 1, on every
   // rank alike. No traffic. Does nothing while the checks are off.
@@ -314,6 +324,9 @@ class Communicator {
   virtual WorkHandle do_barrier(int64_t sequence) = 0;
   // `spec.ranks` is validated and contains this rank.
   virtual std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) = 0;
+  // The group of new_host_subgroup (`spec` as for do_new_subgroup). The default, for
+  // backends that move CPU buffers, is do_new_subgroup; a device backend overrides it.
+  virtual std::shared_ptr<Communicator> do_new_host_subgroup(const SubgroupSpec& spec);
   // Devices this backend moves (checked for every buffer).
   virtual bool supports_device(const c10::Device& device) const = 0;
   // The side channel of enable_schedule_checks: a communicator over `spec`'s ranks (all
@@ -335,6 +348,10 @@ class Communicator {
   void mark_broken(const CommError& error);
 
  private:
+  // The spec of a new subgroup over `ranks` (validated), tagged "<kind>[r0,r1,...]#n" for
+  // the n-th such group of those ranks; nullopt if this rank is not among them.
+  std::optional<SubgroupSpec> subgroup_spec(const char* what, const std::string& kind,
+                                            const std::vector<int>& ranks);
   int64_t begin_collective(CollectiveKind kind, int64_t numel, c10::ScalarType dtype,
                            int64_t bytes_sent, int64_t bytes_received);
   // The work of a collective, wrapped while schedule checks are on (see
@@ -348,7 +365,8 @@ class Communicator {
   std::vector<int> global_ranks_;
   bool is_subgroup_;
   int64_t sequence_ = 0;
-  std::map<std::vector<int>, int> subgroups_made_;  // rank list -> subgroups made
+  // (kind, rank list) -> groups made (subgroup_spec)
+  std::map<std::pair<std::string, std::vector<int>>, int> subgroups_made_;
   TrafficCounters counters_;
   // The family's schedule (shared with every subgroup made from this one) and this
   // communicator's group as the schedule names it (comm_internal::group_code).

@@ -43,12 +43,35 @@ struct Arrival {
 // collective), exact and simple: for tests. CPU buffers skip the synchronizations.
 class FakeGroup {
  public:
-  // `global_ranks`: a subgroup's members as world ranks; empty for the world.
-  FakeGroup(int world_size, std::chrono::milliseconds timeout, std::vector<int> global_ranks = {})
-      : world_size_(world_size), timeout_(timeout), global_ranks_(std::move(global_ranks)) {}
+  // What FakeWorld::calls() returns: one log for a world and its subgroups.
+  class CallLog {
+   public:
+    void add(FakeWorld::Call call) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      calls_.push_back(std::move(call));
+    }
+    std::vector<FakeWorld::Call> calls() const {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return calls_;
+    }
+
+   private:
+    mutable std::mutex mutex_;
+    std::vector<FakeWorld::Call> calls_;
+  };
+
+  // `global_ranks`: a subgroup's members as world ranks; empty for the world. `log`: the
+  // world's (null: a world of its own, with a new log).
+  FakeGroup(int world_size, std::chrono::milliseconds timeout, std::vector<int> global_ranks = {},
+            std::shared_ptr<CallLog> log = nullptr)
+      : world_size_(world_size),
+        timeout_(timeout),
+        global_ranks_(std::move(global_ranks)),
+        log_(log != nullptr ? std::move(log) : std::make_shared<CallLog>()) {}
 
   int world_size() const { return world_size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  CallLog& log() { return *log_; }
 
   // Blocks until every rank arrived at `sequence` (phase 0) or finished reading (phase
   // 1). Returns all arrivals. Throws CommError naming a missing or mismatched rank (see
@@ -90,14 +113,18 @@ class FakeGroup {
     return all;
   }
 
-  // `timeout`: the group's, if not this one's.
+  // The subgroup `tag` (made by the first member that asks). `timeout`: the group's, if
+  // not this one's. `own_log`: a world of its own (a host group), else it shares this
+  // group's log.
   std::shared_ptr<FakeGroup> subgroup(const std::string& tag, const std::vector<int>& global_ranks,
-                                      std::optional<std::chrono::milliseconds> timeout = {}) {
+                                      std::optional<std::chrono::milliseconds> timeout = {},
+                                      bool own_log = false) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& group = subgroups_[tag];
     if (!group) {
       group = std::make_shared<FakeGroup>(static_cast<int>(global_ranks.size()),
-                                          timeout.value_or(timeout_), global_ranks);
+                                          timeout.value_or(timeout_), global_ranks,
+                                          own_log ? nullptr : log_);
     }
     return group;
   }
@@ -122,6 +149,7 @@ class FakeGroup {
   const int world_size_;
   const std::chrono::milliseconds timeout_;
   const std::vector<int> global_ranks_;
+  const std::shared_ptr<CallLog> log_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<std::pair<int64_t, int>, Meeting> meetings_;
@@ -213,6 +241,13 @@ class FakeCommunicator : public Communicator {
                                               spec.rank, spec.global_ranks);
   }
 
+  // A world of its own. See "Host groups" in fake.h.
+  std::shared_ptr<Communicator> do_new_host_subgroup(const SubgroupSpec& spec) override {
+    return std::make_shared<FakeCommunicator>(
+        group_->subgroup(spec.tag, spec.global_ranks, std::nullopt, /*own_log=*/true), spec.rank,
+        spec.global_ranks);
+  }
+
   std::shared_ptr<Communicator> do_new_side_channel(const SubgroupSpec& spec,
                                                     std::chrono::milliseconds timeout) override {
     return std::make_shared<FakeCommunicator>(
@@ -233,6 +268,8 @@ class FakeCommunicator : public Communicator {
 
   template <typename Compute>
   WorkHandle run(const Arrival& mine, int64_t sequence, Compute compute, const CommBuffer& output) {
+    group_->log().add(
+        {global_rank(), mine.kind, error_group(), std::this_thread::get_id(), mine.input.device});
     try {
       if (group_->should_fail(rank(), sequence)) {
         throw comm_error(mine.kind, sequence, -1, "injected failure (FakeWorld::inject_failure)");
@@ -280,6 +317,8 @@ void FakeWorld::inject_failure(int rank, int64_t sequence) {
 }
 
 int FakeWorld::world_size() const { return group_->world_size(); }
+
+std::vector<FakeWorld::Call> FakeWorld::calls() const { return group_->log().calls(); }
 
 void FakeWorld::run(const std::shared_ptr<FakeWorld>& world,
                     const std::function<void(Communicator&)>& fn) {

@@ -29,6 +29,12 @@
 // backward on one shared device thread, and a collective issued there by one rank's hook waits for
 // peers that cannot run.
 //
+// Host groups (Communicator::new_host_subgroup) are fake worlds of their own, as a device
+// backend's are Gloo groups over its store: their collectives are not among the world's
+// calls(). calls() records which thread issued each collective of the world and its
+// subgroups, on which device, for tests of what runs where (e.g. that no thread but a
+// rank's own issues a collective of that rank's family, as a device backend requires).
+//
 // Threading: each rank's communicator is used by that rank's thread; a FakeWorld is
 // shared by all of them.
 #ifndef FSDP_COMM_FAKE_H_
@@ -38,7 +44,9 @@
 #include <functional>
 #include <memory>
 #include <set>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "fsdp/comm/communicator.h"
 
@@ -69,6 +77,19 @@ class FakeWorld {
                   const std::function<void(Communicator&)>& fn);
 
   int world_size() const;
+
+  // One collective as one rank issued it.
+  struct Call {
+    int rank;  // global
+    CollectiveKind kind;
+    std::vector<int> group;  // the subgroup's global ranks; empty for the world
+    std::thread::id thread;  // the issuing thread
+    c10::Device device;      // its buffers' (CPU for a barrier)
+  };
+  // Every collective issued so far on a communicator of this world or of a subgroup made
+  // from one (new_subgroup, split_hybrid, the schedule checks' side channel), in the
+  // order they were issued; not those of host groups. Thread-safe.
+  std::vector<Call> calls() const;
 
  private:
   explicit FakeWorld(std::shared_ptr<comm_internal::FakeGroup> group);

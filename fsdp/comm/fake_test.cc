@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -202,6 +203,49 @@ TEST(FakeCommunicatorTest, SubgroupErrorsNameGlobalRanksAndTheGroup) {
     }
   });
   EXPECT_EQ(failures, 1);
+}
+
+// calls() names the rank, kind, group, thread and device of every collective of the
+// world and its subgroups; a host group's collectives (here from another thread) are a
+// world of their own and not among them.
+TEST(FakeCommunicatorTest, CallsRecordTheIssuingThreadAndHostGroupsAreWorldsOfTheirOwn) {
+  auto world = FakeWorld::create(2);
+  std::vector<std::thread::id> threads(2);
+  FakeWorld::run(world, [&](Communicator& comm) {
+    threads[comm.rank()] = std::this_thread::get_id();
+    comm.barrier();
+    std::shared_ptr<Communicator> alone = comm.new_subgroup({comm.rank()});
+    alone->all_reduce(at::ones({2}, at::kLong));
+    std::shared_ptr<Communicator> host = comm.new_host_subgroup({0, 1});
+    ASSERT_NE(host, nullptr);
+    EXPECT_EQ(host->backend_name(), "fake");
+    EXPECT_EQ(host->global_ranks(), (std::vector<int>{0, 1}));
+    at::Tensor t = at::full({3}, comm.rank() + 1.0);
+    std::thread([&] { host->all_reduce(t); }).join();  // another thread, another world
+    EXPECT_TRUE(t.equal(at::full({3}, 3.0)));
+    EXPECT_EQ(comm.new_host_subgroup({1}) == nullptr, comm.rank() == 0);
+    EXPECT_THROW(comm.new_host_subgroup({1, 0}), c10::Error);
+  });
+  const std::vector<FakeWorld::Call> calls = world->calls();
+  ASSERT_EQ(calls.size(), 4u);
+  for (int rank = 0; rank < 2; ++rank) {
+    int barriers = 0, all_reduces = 0;
+    for (const FakeWorld::Call& call : calls) {
+      if (call.rank != rank) continue;
+      EXPECT_EQ(call.thread, threads[rank]);
+      EXPECT_EQ(call.device, c10::Device(c10::kCPU));
+      if (call.kind == CollectiveKind::kBarrier) {
+        ++barriers;
+        EXPECT_TRUE(call.group.empty());
+      } else {
+        ++all_reduces;
+        EXPECT_EQ(call.kind, CollectiveKind::kAllReduce);
+        EXPECT_EQ(call.group, std::vector<int>{rank});
+      }
+    }
+    EXPECT_EQ(barriers, 1) << "rank " << rank;
+    EXPECT_EQ(all_reduces, 1) << "rank " << rank;
+  }
 }
 
 }  // namespace

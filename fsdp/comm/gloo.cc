@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include "fsdp/comm/internal/gloo_group.h"
 #include "fsdp/comm/internal/size_checks.h"
 
 namespace fsdp {
@@ -256,13 +258,15 @@ class GlooCommunicator;
 // peer]. Thread-safe.
 class GlooFamily {
  public:
-  // `parent`: for the side channel of schedule checks, the family it watches; a failed
-  // side channel then keeps rank 0's store up at exit only if the parent did not already.
-  GlooFamily(c10::intrusive_ptr<c10d::Store> store, int global_rank, int world_size,
+  // `ranks`: the global ranks that probe in find_lost_peer (every rank of the root; the
+  // members of a host group, make_gloo_group). `parent`: for the side channel of schedule
+  // checks, the family it watches; a failed side channel then keeps rank 0's store up at
+  // exit only if the parent did not already.
+  GlooFamily(c10::intrusive_ptr<c10d::Store> store, int global_rank, std::vector<int> ranks,
              std::shared_ptr<GlooFamily> parent = nullptr)
       : store_(std::move(store)),
         global_rank_(global_rank),
-        world_size_(world_size),
+        ranks_(std::move(ranks)),
         parent_(std::move(parent)) {}
   ~GlooFamily() {
     if (failed_ && global_rank_ == 0 && !(parent_ && parent_->failed_)) {
@@ -295,8 +299,8 @@ class GlooFamily {
       const auto deadline = std::chrono::steady_clock::now() + kProbeTime;
       while (true) {
         int missing = -1;
-        for (int r = world_size_ - 1; r >= 0; --r) {
-          if (!store_->check({absl::StrCat(prefix, r)})) missing = r;
+        for (auto r = ranks_.rbegin(); r != ranks_.rend(); ++r) {
+          if (!store_->check({absl::StrCat(prefix, *r)})) missing = *r;
         }
         if (missing < 0 || std::chrono::steady_clock::now() > deadline) return missing;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -309,7 +313,7 @@ class GlooFamily {
  private:
   const c10::intrusive_ptr<c10d::Store> store_;
   const int global_rank_;
-  const int world_size_;
+  const std::vector<int> ranks_;
   const std::shared_ptr<GlooFamily> parent_;
   std::atomic<bool> failed_{false};
   std::atomic<bool> size_checks_{false};
@@ -560,7 +564,7 @@ class GlooCommunicator : public Communicator,
     GlooOptions options = options_;
     options.timeout(timeout);
     return std::make_shared<GlooCommunicator>(
-        std::make_shared<GlooFamily>(store_, global_rank(), world_size(), family_),
+        std::make_shared<GlooFamily>(store_, global_rank(), global_ranks(), family_),
         c10::make_intrusive<c10d::PrefixStore>(spec.tag, store_), spec.rank,
         static_cast<int>(spec.ranks.size()), options, spec.global_ranks);
   }
@@ -741,9 +745,28 @@ std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::St
   ignore_sigpipe_by_default();
   last_collective().rank = rank;
   name_gloo_terminations_by_default();
-  auto family = std::make_shared<GlooFamily>(store, rank, world_size);
+  std::vector<int> ranks(world_size);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  auto family = std::make_shared<GlooFamily>(store, rank, std::move(ranks));
   return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank, world_size,
                                             options);
 }
 
+namespace comm_internal {
+
+std::shared_ptr<Communicator> make_gloo_group(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                              std::vector<int> global_ranks,
+                                              const GlooOptions& options) {
+  TORCH_CHECK(store, "make_gloo_group: store is null");
+  const int world_size = static_cast<int>(global_ranks.size());
+  TORCH_INTERNAL_ASSERT(rank >= 0 && rank < world_size, "make_gloo_group: rank ", rank,
+                        " of a group of ", world_size);
+  ignore_sigpipe_by_default();
+  name_gloo_terminations_by_default();
+  auto family = std::make_shared<GlooFamily>(store, global_ranks[rank], global_ranks);
+  return std::make_shared<GlooCommunicator>(std::move(family), std::move(store), rank, world_size,
+                                            options, std::move(global_ranks));
+}
+
+}  // namespace comm_internal
 }  // namespace fsdp

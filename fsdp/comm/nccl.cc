@@ -17,13 +17,20 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "fsdp/comm/internal/device_calls.h"
+#include "fsdp/comm/internal/gloo_group.h"
 #include "fsdp/comm/internal/nccl_utils.h"
 #include "fsdp/comm/internal/size_checks.h"
 
 namespace fsdp {
 namespace comm_internal {
 namespace {
+
+// Every CUDA and NCCL call below goes through this table. See Note [A seam for the device
+// calls] in internal/device_calls.cc.
+const DeviceCalls& api() { return device_calls(); }
 
 // For destructors and cleanup: runs `step` (one checked call, see Note [Checking NCCL and
 // CUDA results]) and turns a failure into a warning.
@@ -39,16 +46,17 @@ void best_effort(Step step) noexcept {
   }
 }
 
-// Makes `device` the current CUDA device for a scope and restores the caller's.
+// Makes `device` the current CUDA device for a scope and restores the caller's. See Note
+// [Every call on the communicator's device].
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) : device_(device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+    check_cuda(api().cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device_) check_cuda(api().cudaSetDevice(device_), "cudaSetDevice");
   }
   ~DeviceGuard() {
     if (previous_ == device_) return;
-    best_effort([&] { check_cuda(cudaSetDevice(previous_), "cudaSetDevice"); });
+    best_effort([&] { check_cuda(api().cudaSetDevice(previous_), "cudaSetDevice"); });
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
@@ -61,7 +69,7 @@ class DeviceGuard {
 // True once every work captured by `event` ran, false while some is pending; throws
 // NcclCallError if the query itself fails.
 bool event_done(cudaEvent_t event) {
-  const cudaError_t result = cudaEventQuery(event);
+  const cudaError_t result = api().cudaEventQuery(event);
   if (result == cudaErrorNotReady) return false;
   check_cuda(result, "cudaEventQuery");
   return true;
@@ -93,7 +101,7 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t result,
   auto pause = std::chrono::microseconds(10);
   while (result == ncclInProgress) {
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t query = api().ncclCommGetAsyncError(comm, &state);
     if (query != ncclSuccess) return query;
     if (state != ncclInProgress) return state;
     if (std::chrono::steady_clock::now() >= deadline) return ncclInProgress;
@@ -136,16 +144,23 @@ constexpr auto kWatchdogPeriod = std::chrono::milliseconds(2);
 // One issued collective: its completion event and outcome. Guarded by the owning
 // NcclResources' mutex.
 struct WorkRecord {
-  WorkRecord(CollectiveKind kind, int64_t sequence) : kind(kind), sequence(sequence) {}
+  WorkRecord(CollectiveKind kind, int64_t sequence, int device)
+      : kind(kind), sequence(sequence), device(device) {}
   ~WorkRecord() {
-    if (done != nullptr)
-      best_effort([&] { check_cuda(cudaEventDestroy(done), "cudaEventDestroy"); });
+    if (done == nullptr) return;
+    // Whichever thread drops the last reference. See Note [Every call on the
+    // communicator's device].
+    best_effort([&] {
+      DeviceGuard guard(device);
+      check_cuda(api().cudaEventDestroy(done), "cudaEventDestroy");
+    });
   }
   WorkRecord(const WorkRecord&) = delete;
   WorkRecord& operator=(const WorkRecord&) = delete;
 
   const CollectiveKind kind;
   const int64_t sequence;
+  const int device;  // the communicator's, which owns `done`
   // Past it, the watchdog fails the work (issue time + timeout; wait(timeout) may move it
   // earlier).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
@@ -175,7 +190,40 @@ enum StreamIndex { kAllGatherStream = 0, kReduceScatterStream, kOtherStream, kNu
 // (ncclCommWatchdog) with TORCH_NCCL_ASYNC_ERROR_HANDLING, which aborts the communicator;
 // it also tears down the process, which we leave to the caller, who gets the CommError.
 // The thread sleeps on a condition variable while nothing is pending. Every NCCL and CUDA
-// call of a communicator, the watchdog's included, is made under its mutex.
+// call of a communicator that uses its NCCL communicator, the watchdog's included, is
+// made under its mutex; the abort is not (Note [Aborting outside the lock]). The thread
+// makes its rank's device current before anything else (Note [Every call on the
+// communicator's device]).
+//
+// Note [Every call on the communicator's device]
+// The CUDA runtime binds a thread to a device: its first call that needs a context makes
+// the primary context of the thread's current device, which is device 0 on a new thread.
+// A watchdog that queried events from a thread with no device set would put a context
+// (hundreds of MB) on GPU 0 for every rank of the node, and so would any thread that
+// polls or waits on a Work, or drops the last reference to one (its event is destroyed
+// there). So every path that calls CUDA or NCCL makes the communicator's device current
+// first and restores the caller's afterwards (DeviceGuard), and the watchdog sets it once
+// when it starts (cudaSetDevice, as ProcessGroupNCCL's watchdog does with
+// c10::cuda::set_device). nccl_device_calls_test.cc checks it: every call on a stream,
+// event or NCCL communicator is made with that object's device current.
+//
+// Note [Aborting outside the lock]
+// ncclCommAbort can block: it stops NCCL's proxy threads and waits for the communicator's
+// kernels to end, which, with a peer hung or gone, may take seconds. Every issuing call,
+// every poll of a Work and the watchdog take the communicator's mutex, so an abort made
+// under it would stall them all (a training thread that only asked is_completed(), or
+// its next collective, which should fail at once). So the mutex only detaches the NCCL
+// communicator: under it, whichever thread saw the failure fails every pending work and
+// moves the handle from `comm_` to `detached_` (every thread checks `comm_` under the
+// mutex before using the handle, so none uses it from then on, and each finds the
+// communicator aborted), and wakes the watchdog, which takes the detached handle and
+// calls ncclCommAbort with the mutex released. The thread that saw the failure returns
+// at once (a Work's wait() throws the CommError). If the watchdog is gone (close()),
+// close() aborts what is left the same way; a creation that fails aborts before anyone
+// else knows the communicator. Destruction likewise calls ncclCommFinalize and
+// ncclCommDestroy, and frees the streams, events and buffers, after releasing the mutex
+// (cudaFree may wait for the device). PyTorch: ProcessGroupNCCL's watchdog aborts the
+// communicators of a failed work, without the lock its collectives take.
 
 // The NCCL communicator and CUDA objects of one NcclCommunicator, shared with its works
 // (which may outlive it). Everything is guarded by `mutex_`.
@@ -201,31 +249,36 @@ class NcclResources {
   // buffers, and the watchdog. Throws NcclCallError; a communicator that did not finish
   // in time is aborted, and close() frees whatever was made.
   void init(int world_size, const ncclUniqueId& id) {
+    DeviceGuard device(device_);
     std::lock_guard<std::mutex> lock(mutex_);
-    DeviceGuard guard(device_);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = nullptr;
-    const ncclResult_t started = ncclCommInitRankConfig(&comm, world_size, id, rank_, &config);
+    const ncclResult_t started =
+        api().ncclCommInitRankConfig(&comm, world_size, id, rank_, &config);
     if (comm == nullptr) check_nccl(started, "ncclCommInitRankConfig");
-    comm_ = comm;  // from here on a failure aborts it (abort_locked)
+    comm_ = comm;  // from here on close() destroys it
     try {
       check_settled(settle(comm, started, deadline_after(timeout_)), "ncclCommInitRankConfig",
                     timeout_);
     } catch (const NcclCallError&) {
-      abort_locked("ncclCommInitRankConfig failed");
+      // No other thread knows this communicator yet: nothing waits for the mutex.
+      comm_ = nullptr;
+      abort(comm);
       throw;
     }
-    for (cudaStream_t& stream : streams_) {
-      check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+    for (cudaStream_t& stream : cuda_.streams) {
+      check_cuda(api().cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
                  "cudaStreamCreateWithFlags");
     }
-    check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming),
+    check_cuda(api().cudaEventCreateWithFlags(&cuda_.ready, cudaEventDisableTiming),
                "cudaEventCreateWithFlags");
-    check_cuda(cudaMalloc(&barrier_buffer_, sizeof(float)), "cudaMalloc");
-    check_cuda(cudaMemset(barrier_buffer_, 0, sizeof(float)), "cudaMemset");
+    check_cuda(api().cudaMalloc(reinterpret_cast<void**>(&cuda_.barrier_buffer), sizeof(float)),
+               "cudaMalloc");
+    check_cuda(api().cudaMemset(cuda_.barrier_buffer, 0, sizeof(float)), "cudaMemset");
     const size_t check_bytes = sizeof(int64_t) * 2 * static_cast<size_t>(world_size + 1);
-    check_cuda(cudaMalloc(&size_check_buffer_, check_bytes), "cudaMalloc");
+    check_cuda(api().cudaMalloc(reinterpret_cast<void**>(&cuda_.size_check_buffer), check_bytes),
+               "cudaMalloc");
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -235,7 +288,7 @@ class NcclResources {
     on_failure_ = std::move(on_failure);
   }
 
-  float* barrier_buffer() const { return barrier_buffer_; }
+  float* barrier_buffer() const { return cuda_.barrier_buffer; }
 
   // Issues `call` on stream `which` (after the compute stream's queued work when
   // `after_compute`) and returns its record, watched from now on with the deadline
@@ -244,7 +297,7 @@ class NcclResources {
       CollectiveKind kind, int64_t sequence, StreamIndex which, const char* call_name,
       const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call,
       bool after_compute = true) {
-    auto record = std::make_shared<WorkRecord>(kind, sequence);
+    auto record = std::make_shared<WorkRecord>(kind, sequence, device_);
     record->timeout = timeout_;
     record->deadline = deadline_after(timeout_);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -252,19 +305,19 @@ class NcclResources {
       set_error(*record, "the NCCL communicator was aborted or destroyed");
       return record;
     }
-    forget_finished_locked();
     try {
-      DeviceGuard guard(device_);
-      check_cuda(cudaEventCreateWithFlags(&record->done, cudaEventDisableTiming),
+      DeviceGuard device(device_);
+      forget_finished_locked();
+      const cudaStream_t stream = cuda_.streams[which];
+      check_cuda(api().cudaEventCreateWithFlags(&record->done, cudaEventDisableTiming),
                  "cudaEventCreateWithFlags");
       if (after_compute) {
-        check_cuda(cudaEventRecord(ready_, compute_stream_of(compute_, device_)),
+        check_cuda(api().cudaEventRecord(cuda_.ready, compute_stream_of(compute_, device_)),
                    "cudaEventRecord");
-        check_cuda(cudaStreamWaitEvent(streams_[which], ready_, 0), "cudaStreamWaitEvent");
+        check_cuda(api().cudaStreamWaitEvent(stream, cuda_.ready, 0), "cudaStreamWaitEvent");
       }
-      check_settled(settle(comm_, call(comm_, streams_[which]), record->deadline), call_name,
-                    timeout_);
-      check_cuda(cudaEventRecord(record->done, streams_[which]), "cudaEventRecord");
+      check_settled(settle(comm_, call(comm_, stream), record->deadline), call_name, timeout_);
+      check_cuda(api().cudaEventRecord(record->done, stream), "cudaEventRecord");
       pending_.push_back(record);
     } catch (const NcclCallError& error) {
       fail_locked(*record, error.what_without_backtrace());
@@ -275,7 +328,7 @@ class NcclResources {
 
   // Blocks the host while `limit` or more collectives of `kind` are pending (issued, not
   // known to be complete), so that at most `limit` are in flight once the caller issues
-  // the next one: PyTorch FSDP's limit_all_gathers. The watchdog ends the wait on a
+  // the next one: PyTorch FSDP1's limit_all_gathers. The watchdog ends the wait on a
   // failure or an expired deadline (the pending works are then failed). limit 0: no bound.
   void wait_for_slot(CollectiveKind kind, int limit) {
     if (limit <= 0) return;
@@ -302,13 +355,14 @@ class NcclResources {
                                           const std::vector<int>& global_ranks,
                                           int64_t published_numel) {
     const int64_t mine[2] = {static_cast<int64_t>(kind), published_numel};
-    int64_t* buffer = size_check_buffer_;
+    int64_t* buffer = cuda_.size_check_buffer;
     std::shared_ptr<WorkRecord> gathered = launch(
         kind, sequence, kOtherStream, "ncclAllGather (size check)",
         [&](ncclComm_t comm, cudaStream_t stream) {
-          check_cuda(cudaMemcpyAsync(buffer, mine, sizeof(mine), cudaMemcpyHostToDevice, stream),
-                     "cudaMemcpyAsync");
-          return ncclAllGather(buffer, buffer + 2, 2, ncclInt64, comm, stream);
+          check_cuda(
+              api().cudaMemcpyAsync(buffer, mine, sizeof(mine), cudaMemcpyHostToDevice, stream),
+              "cudaMemcpyAsync");
+          return api().ncclAllGather(buffer, buffer + 2, 2, ncclInt64, comm, stream);
         },
         /*after_compute=*/false);
     try {
@@ -319,11 +373,12 @@ class NcclResources {
     std::vector<int64_t> records(2 * global_ranks.size());
     std::lock_guard<std::mutex> lock(mutex_);
     try {
-      DeviceGuard guard(device_);
-      check_cuda(cudaMemcpyAsync(records.data(), buffer + 2, records.size() * sizeof(int64_t),
-                                 cudaMemcpyDeviceToHost, streams_[kOtherStream]),
+      DeviceGuard device(device_);
+      const cudaStream_t stream = cuda_.streams[kOtherStream];
+      check_cuda(api().cudaMemcpyAsync(records.data(), buffer + 2, records.size() * sizeof(int64_t),
+                                       cudaMemcpyDeviceToHost, stream),
                  "cudaMemcpyAsync");
-      check_cuda(cudaStreamSynchronize(streams_[kOtherStream]), "cudaStreamSynchronize");
+      check_cuda(api().cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     } catch (const NcclCallError& error) {
       fail_locked(*gathered, error.what_without_backtrace());
       return gathered;
@@ -343,10 +398,10 @@ class NcclResources {
   }
 
   // See Note [NCCL streams and events]. `blocking`: the host waits until the record
-  // completed, failed or missed `timeout` (NcclOptions::blocking_wait); otherwise the
-  // compute stream waits for its completion event and the watchdog enforces the
-  // deadline, moved to now + timeout if that is earlier. Throws the record's CommError
-  // once it failed.
+  // completed, failed or missed `timeout` (NcclOptions::blocking_wait, and every
+  // barrier: Note [A barrier that blocks the host]); otherwise the compute stream waits
+  // for its completion event and the watchdog enforces the deadline, moved to now +
+  // timeout if that is earlier. Throws the record's CommError once it failed.
   void wait(WorkRecord& record, std::chrono::milliseconds timeout, bool blocking) {
     if (!blocking) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -383,8 +438,9 @@ class NcclResources {
   }
 
   // Waits until no collective is pending (each completes, or the watchdog fails it at its
-  // deadline), stops the watchdog, destroys the NCCL communicator (aborts it if something
-  // is still pending), frees the CUDA objects. Idempotent.
+  // deadline), stops the watchdog, then, outside the mutex (Note [Aborting outside the
+  // lock]), aborts the NCCL communicator if it failed or something is still pending, else
+  // destroys it, and frees the CUDA objects. Idempotent.
   void close() {
     drain();
     {
@@ -395,19 +451,35 @@ class NcclResources {
     }
     watch_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    std::lock_guard<std::mutex> lock(mutex_);
-    forget_finished_locked();
-    if (!pending_.empty()) {
-      abort_locked(absl::StrCat("the communicator was destroyed while ", pending_.size(),
-                                " collective(s) were pending; its NCCL communicator was "
-                                "aborted"));
-    } else if (comm_ != nullptr) {
-      destroy_locked();
+    ncclComm_t detached = nullptr;
+    ncclComm_t comm = nullptr;
+    CudaObjects cuda;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      forget_finished_locked();
+      if (!pending_.empty()) {
+        abort_locked(absl::StrCat("the communicator was destroyed while ", pending_.size(),
+                                  " collective(s) were pending; its NCCL communicator was "
+                                  "aborted"));
+      }
+      detached = std::exchange(detached_, nullptr);
+      comm = std::exchange(comm_, nullptr);
+      cuda = std::exchange(cuda_, CudaObjects());
     }
-    free_cuda_objects_locked();
+    if (detached != nullptr) abort(detached);
+    if (comm != nullptr) destroy(comm);
+    free_cuda_objects(cuda);
   }
 
  private:
+  // The CUDA objects a communicator owns (made by init, freed by close).
+  struct CudaObjects {
+    std::array<cudaStream_t, kNumStreams> streams{};
+    cudaEvent_t ready = nullptr;  // re-recorded on the compute stream for every launch
+    float* barrier_buffer = nullptr;
+    int64_t* size_check_buffer = nullptr;  // this rank's record, then every rank's
+  };
+
   // Returns once nothing is pending: without host waits a collective that was waited for
   // may still run on the device when its communicator goes, and aborting would cut it
   // short. Bounded by the deadlines the watchdog enforces.
@@ -431,16 +503,25 @@ class NcclResources {
                         "compute stream did not reach it)");
   }
 
-  // See Note [The NCCL watchdog].
+  // See Note [The NCCL watchdog] and Note [Aborting outside the lock].
   void watch() {
+    // See Note [Every call on the communicator's device]: before any other CUDA call.
+    best_effort([&] { check_cuda(api().cudaSetDevice(device_), "cudaSetDevice"); });
     std::unique_lock<std::mutex> lock(mutex_);
     while (!closed_) {
+      if (detached_ != nullptr) {
+        const ncclComm_t comm = std::exchange(detached_, nullptr);
+        lock.unlock();
+        abort(comm);
+        lock.lock();
+        continue;
+      }
       if (pending_.empty()) {
-        watch_.wait(lock, [&] { return closed_ || !pending_.empty(); });
+        watch_.wait(lock, [&] { return closed_ || !pending_.empty() || detached_ != nullptr; });
         continue;
       }
       check_pending_locked();
-      watch_.wait_for(lock, kWatchdogPeriod);
+      if (detached_ == nullptr) watch_.wait_for(lock, kWatchdogPeriod);
     }
   }
 
@@ -464,13 +545,14 @@ class NcclResources {
     if (record.error) return WorkState::kFailed;
     if (record.finished) return WorkState::kDone;
     try {
+      DeviceGuard device(device_);
       if (event_done(record.done)) {
         record.finished = true;
         return WorkState::kDone;
       }
       TORCH_INTERNAL_ASSERT(comm_ != nullptr, "a pending work outlived its NCCL communicator");
       ncclResult_t async_error = ncclSuccess;
-      check_nccl(ncclCommGetAsyncError(comm_, &async_error), "ncclCommGetAsyncError");
+      check_nccl(api().ncclCommGetAsyncError(comm_, &async_error), "ncclCommGetAsyncError");
       check_nccl(async_error, "the NCCL kernel (ncclCommGetAsyncError)");
       return WorkState::kPending;
     } catch (const NcclCallError& error) {
@@ -483,8 +565,8 @@ class NcclResources {
   // completed).
   void order_compute_after_locked(WorkRecord& record) {
     try {
-      DeviceGuard guard(device_);
-      check_cuda(cudaStreamWaitEvent(compute_stream_of(compute_, device_), record.done, 0),
+      DeviceGuard device(device_);
+      check_cuda(api().cudaStreamWaitEvent(compute_stream_of(compute_, device_), record.done, 0),
                  "cudaStreamWaitEvent");
     } catch (const NcclCallError& error) {
       record.finished = false;
@@ -502,8 +584,9 @@ class NcclResources {
     if (on_failure_) on_failure_(error);
   }
 
-  // Fails every pending record that has not finished with `reason`, then aborts the NCCL
-  // communicator.
+  // Fails every pending record that has not finished with `reason`, and detaches the NCCL
+  // communicator for the watchdog to abort without the mutex (Note [Aborting outside the
+  // lock]).
   void abort_locked(const std::string& reason) {
     forget_finished_locked();
     for (const std::shared_ptr<WorkRecord>& record : pending_) {
@@ -513,17 +596,19 @@ class NcclResources {
     }
     pending_.clear();
     if (comm_ == nullptr) return;
-    best_effort([&] { check_nccl(ncclCommAbort(comm_), "ncclCommAbort"); });
-    comm_ = nullptr;
+    TORCH_INTERNAL_ASSERT(detached_ == nullptr, "two NCCL communicators detached at once");
+    detached_ = std::exchange(comm_, nullptr);
+    watch_.notify_all();
   }
 
   // Drops finished records from pending_ (a failed query leaves the record pending).
   void forget_finished_locked() {
-    for (const std::shared_ptr<WorkRecord>& record : pending_) {
-      if (!record->finished && !record->error) {
-        best_effort([&] { record->finished = event_done(record->done); });
+    best_effort([&] {
+      DeviceGuard device(device_);
+      for (const std::shared_ptr<WorkRecord>& record : pending_) {
+        if (!record->finished && !record->error) record->finished = event_done(record->done);
       }
-    }
+    });
     pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                   [](const std::shared_ptr<WorkRecord>& record) {
                                     return record->finished || record->error;
@@ -531,38 +616,45 @@ class NcclResources {
                    pending_.end());
   }
 
-  // ncclCommFinalize (non-blocking: settled under the timeout), then ncclCommDestroy;
-  // ncclCommAbort if finalizing fails or does not finish in time.
-  void destroy_locked() {
-    const ncclResult_t finalized = settle(comm_, ncclCommFinalize(comm_), deadline_after(timeout_));
-    if (finalized == ncclSuccess) {
-      best_effort([&] { check_nccl(ncclCommDestroy(comm_), "ncclCommDestroy"); });
-    } else {
-      best_effort([&] { check_nccl(ncclCommAbort(comm_), "ncclCommAbort"); });
-    }
-    comm_ = nullptr;
+  // Without the mutex: ncclCommAbort on a detached communicator.
+  void abort(ncclComm_t comm) const noexcept {
+    best_effort([&] {
+      DeviceGuard device(device_);
+      check_nccl(api().ncclCommAbort(comm), "ncclCommAbort");
+    });
   }
 
-  void free_cuda_objects_locked() {
-    if (barrier_buffer_ == nullptr && ready_ == nullptr && streams_[0] == nullptr) return;
+  // Without the mutex: ncclCommFinalize (non-blocking: settled under the timeout), then
+  // ncclCommDestroy; ncclCommAbort if finalizing fails or does not finish in time.
+  void destroy(ncclComm_t comm) const noexcept {
+    ncclResult_t finalized = ncclInternalError;
+    best_effort([&] {
+      DeviceGuard device(device_);
+      finalized = settle(comm, api().ncclCommFinalize(comm), deadline_after(timeout_));
+      if (finalized == ncclSuccess) check_nccl(api().ncclCommDestroy(comm), "ncclCommDestroy");
+    });
+    if (finalized != ncclSuccess) abort(comm);
+  }
+
+  // Without the mutex: nothing uses them any more.
+  void free_cuda_objects(CudaObjects& cuda) const noexcept {
+    if (cuda.barrier_buffer == nullptr && cuda.ready == nullptr && cuda.streams[0] == nullptr) {
+      return;
+    }
     std::optional<DeviceGuard> guard;
     best_effort([&] { guard.emplace(device_); });
-    if (barrier_buffer_ != nullptr) {
-      best_effort([&] { check_cuda(cudaFree(barrier_buffer_), "cudaFree"); });
-      barrier_buffer_ = nullptr;
+    if (cuda.barrier_buffer != nullptr) {
+      best_effort([&] { check_cuda(api().cudaFree(cuda.barrier_buffer), "cudaFree"); });
     }
-    if (size_check_buffer_ != nullptr) {
-      best_effort([&] { check_cuda(cudaFree(size_check_buffer_), "cudaFree"); });
-      size_check_buffer_ = nullptr;
+    if (cuda.size_check_buffer != nullptr) {
+      best_effort([&] { check_cuda(api().cudaFree(cuda.size_check_buffer), "cudaFree"); });
     }
-    if (ready_ != nullptr) {
-      best_effort([&] { check_cuda(cudaEventDestroy(ready_), "cudaEventDestroy"); });
-      ready_ = nullptr;
+    if (cuda.ready != nullptr) {
+      best_effort([&] { check_cuda(api().cudaEventDestroy(cuda.ready), "cudaEventDestroy"); });
     }
-    for (cudaStream_t& stream : streams_) {
+    for (cudaStream_t stream : cuda.streams) {
       if (stream == nullptr) continue;
-      best_effort([&] { check_cuda(cudaStreamDestroy(stream), "cudaStreamDestroy"); });
-      stream = nullptr;
+      best_effort([&] { check_cuda(api().cudaStreamDestroy(stream), "cudaStreamDestroy"); });
     }
   }
 
@@ -578,12 +670,10 @@ class NcclResources {
   const int global_rank_;
   const std::vector<int> error_group_;
   std::mutex mutex_;
-  std::condition_variable watch_;  // wakes the watchdog: a launch, or close()
-  ncclComm_t comm_ = nullptr;      // null once aborted or destroyed
-  std::array<cudaStream_t, kNumStreams> streams_{};
-  cudaEvent_t ready_ = nullptr;  // re-recorded on the compute stream for every launch
-  float* barrier_buffer_ = nullptr;
-  int64_t* size_check_buffer_ = nullptr;              // this rank's record, then every rank's
+  std::condition_variable watch_;  // wakes the watchdog: a launch, a detach, or close()
+  ncclComm_t comm_ = nullptr;      // null once detached (aborted) or destroyed
+  ncclComm_t detached_ = nullptr;  // failed: the watchdog (or close()) aborts it
+  CudaObjects cuda_;
   std::vector<std::shared_ptr<WorkRecord>> pending_;  // launched, not known to be done
   std::function<void(const CommError&)> on_failure_;
   bool closed_ = false;
@@ -612,7 +702,7 @@ class NcclWork : public Work {
 
 ncclUniqueId new_unique_id() {
   ncclUniqueId id;
-  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  check_nccl(api().ncclGetUniqueId(&id), "ncclGetUniqueId");
   return id;
 }
 
@@ -676,8 +766,9 @@ class NcclCommunicator : public Communicator {
     const ncclDataType_t type = to_nccl_dtype(input.dtype);
     return launch(CollectiveKind::kAllGather, sequence, input.numel, kAllGatherStream,
                   "ncclAllGather", [&](ncclComm_t comm, cudaStream_t stream) {
-                    return ncclAllGather(input.data, output.data, static_cast<size_t>(input.numel),
-                                         type, comm, stream);
+                    return api().ncclAllGather(input.data, output.data,
+                                               static_cast<size_t>(input.numel), type, comm,
+                                               stream);
                   });
   }
 
@@ -687,9 +778,9 @@ class NcclCommunicator : public Communicator {
     const ncclRedOp_t nccl_op = to_nccl_op(op);
     return launch(CollectiveKind::kReduceScatter, sequence, input.numel, kReduceScatterStream,
                   "ncclReduceScatter", [&](ncclComm_t comm, cudaStream_t stream) {
-                    return ncclReduceScatter(input.data, output.data,
-                                             static_cast<size_t>(output.numel), type, nccl_op, comm,
-                                             stream);
+                    return api().ncclReduceScatter(input.data, output.data,
+                                                   static_cast<size_t>(output.numel), type, nccl_op,
+                                                   comm, stream);
                   });
   }
 
@@ -698,9 +789,9 @@ class NcclCommunicator : public Communicator {
     const ncclRedOp_t nccl_op = to_nccl_op(op);
     return launch(CollectiveKind::kAllReduce, sequence, tensor.numel, kOtherStream, "ncclAllReduce",
                   [&](ncclComm_t comm, cudaStream_t stream) {
-                    return ncclAllReduce(tensor.data, tensor.data,
-                                         static_cast<size_t>(tensor.numel), type, nccl_op, comm,
-                                         stream);
+                    return api().ncclAllReduce(tensor.data, tensor.data,
+                                               static_cast<size_t>(tensor.numel), type, nccl_op,
+                                               comm, stream);
                   });
   }
 
@@ -708,20 +799,31 @@ class NcclCommunicator : public Communicator {
     const ncclDataType_t type = to_nccl_dtype(tensor.dtype);
     return launch(CollectiveKind::kBroadcast, sequence, tensor.numel, kOtherStream, "ncclBroadcast",
                   [&](ncclComm_t comm, cudaStream_t stream) {
-                    return ncclBroadcast(tensor.data, tensor.data,
-                                         static_cast<size_t>(tensor.numel), type, root, comm,
-                                         stream);
+                    return api().ncclBroadcast(tensor.data, tensor.data,
+                                               static_cast<size_t>(tensor.numel), type, root, comm,
+                                               stream);
                   });
   }
 
-  // A one-element float all-reduce on a device buffer allocated at init: its completion
-  // on this rank implies that every rank entered the barrier.
+  // Note [A barrier that blocks the host]
+  // A one-element float all-reduce on a device buffer allocated at init, ordered after the
+  // compute stream: its completion on this rank implies that every rank entered the
+  // barrier and that the work queued on the compute stream before it ran. Its Work's
+  // wait() (so barrier()) blocks the host until then, whatever NcclOptions::blocking_wait
+  // says, under the timeout: callers use a barrier to order host-side effects between
+  // ranks (a file written before a peer reads it, old checkpoints removed before a new one
+  // is written, a timer started when every rank is ready), which a wait of the compute
+  // stream alone would not order. PyTorch's dist.barrier() on NCCL blocks the same way
+  // (its barrier work synchronizes the stream it ran on). Collectives that only order
+  // device work stay stream waits.
   WorkHandle do_barrier(int64_t sequence) override {
     float* buffer = resources_->barrier_buffer();
-    return launch(CollectiveKind::kBarrier, sequence, 0, kOtherStream, "ncclAllReduce",
-                  [&](ncclComm_t comm, cudaStream_t stream) {
-                    return ncclAllReduce(buffer, buffer, 1, ncclFloat32, ncclSum, comm, stream);
-                  });
+    return launch(
+        CollectiveKind::kBarrier, sequence, 0, kOtherStream, "ncclAllReduce",
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          return api().ncclAllReduce(buffer, buffer, 1, ncclFloat32, ncclSum, comm, stream);
+        },
+        /*host_waits=*/true);
   }
 
   std::shared_ptr<Communicator> do_new_subgroup(const SubgroupSpec& spec) override {
@@ -730,6 +832,26 @@ class NcclCommunicator : public Communicator {
     return std::make_shared<NcclCommunicator>(store_, spec.rank,
                                               static_cast<int>(spec.ranks.size()),
                                               std::move(options), spec.global_ranks, size_checks_);
+  }
+
+  // Note [Host groups of the NCCL backend]
+  // new_host_subgroup serves bookkeeping that runs off the thread that owns this
+  // communicator (an asynchronous checkpoint's writes: Note [A communicator for
+  // checkpoint I/O] in fsdp/state/async_checkpoint.cc). An NCCL subgroup would not do:
+  // its collectives, issued from another thread, are ordered after that thread's current
+  // stream (the legacy default stream, which synchronizes with every blocking stream of
+  // the device), and two NCCL communicators whose kernels different ranks launch in
+  // different orders can deadlock each other (NCCL's documentation on using multiple
+  // communicators concurrently). None of that bookkeeping needs the device: it moves a
+  // few bytes. So a host group is a Gloo group over the same store, under
+  // "<store_prefix>/<tag>", with NcclOptions::host_group_options, a family of its own
+  // (its failures do not break this one, nor the other way round), on CPU buffers: no
+  // CUDA or NCCL call is ever made for it. PyTorch: dist.new_group(backend="gloo"), which
+  // dcp.async_save's users pass as its process_group.
+  std::shared_ptr<Communicator> do_new_host_subgroup(const SubgroupSpec& spec) override {
+    return make_gloo_group(c10::make_intrusive<c10d::PrefixStore>(
+                               absl::StrCat(options_.store_prefix(), "/", spec.tag), store_),
+                           spec.rank, spec.global_ranks, options_.host_group_options());
   }
 
  private:
@@ -745,10 +867,12 @@ class NcclCommunicator : public Communicator {
   // with validate_execution_order); they cost a host round trip per collective.
   //
   // Issues collective `sequence`: its size check if on, then, for an all-gather, a wait
-  // for a slot (NcclOptions::max_in_flight_all_gathers), then the NCCL call.
+  // for a slot (NcclOptions::max_in_flight_all_gathers), then the NCCL call. `host_waits`:
+  // the Work's wait() blocks the host (as with NcclOptions::blocking_wait).
   WorkHandle launch(CollectiveKind kind, int64_t sequence, int64_t numel, StreamIndex which,
                     const char* call_name,
-                    const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call) {
+                    const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call,
+                    bool host_waits = false) {
     std::shared_ptr<WorkRecord> record;
     if (size_checks_->load()) {
       record = resources_->check_sizes(kind, sequence, numel, global_ranks(),
@@ -761,7 +885,7 @@ class NcclCommunicator : public Communicator {
       record = resources_->launch(kind, sequence, which, call_name, call);
     }
     return std::make_shared<NcclWork>(resources_, std::move(record), timeout(),
-                                      options_.blocking_wait());
+                                      host_waits || options_.blocking_wait());
   }
 
   c10::intrusive_ptr<c10d::Store> store_;

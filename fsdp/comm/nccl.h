@@ -44,13 +44,17 @@
 // failed, and moves the work's deadline to now + timeout if that is earlier. The host
 // blocks only to bound the all-gathers in flight (NcclOptions::
 // max_in_flight_all_gathers) and in size checks; with NcclOptions::blocking_wait, wait()
-// blocks until the collective completed. Every buffer a collective touches must be
+// blocks until the collective completed. A barrier's wait() (so barrier()) always blocks
+// the host until the barrier completed on the device, after the work queued on the
+// compute stream before it, as dist.barrier() does (Note [A barrier that blocks the
+// host] in nccl.cc). Every buffer a collective touches must be
 // allocated on the compute stream (as FSDP does), so that memory freed after wait() is
 // reused only by work queued behind the collective.
 //   A watchdog thread per communicator polls the pending collectives' events and
 // ncclCommGetAsyncError; on an error or a missed deadline (issue time + timeout) it aborts
 // the NCCL communicator (ncclCommAbort, which also ends the kernels a stream would
-// otherwise wait on forever), fails every pending work of this communicator, and marks
+// otherwise wait on forever; made without holding the lock that issuing and polling take,
+// so a slow abort stalls neither), fails every pending work of this communicator, and marks
 // the communicator broken: wait(), and any later call, throws a CommError naming the
 // collective, its sequence number, this rank, the group and what NCCL (or CUDA)
 // reported. Peers see the failure as an error or a timeout of their own.
@@ -58,9 +62,12 @@
 // buffer allocated until the work completed, as with c10d.
 //
 // Threading: collectives of one communicator are issued from one thread at a time (see
-// communicator.h); its works may be waited on or polled from any thread. Every call sets
-// the current CUDA device to options.device_index while it runs and restores the
-// caller's afterwards.
+// communicator.h); its works may be waited on or polled from any thread. Every call
+// that reaches CUDA or NCCL, on any thread (a poll, a wait, the watchdog, the release of
+// the last reference to a Work), makes options.device_index the current CUDA device while
+// it runs and restores the caller's afterwards; the watchdog thread sets it when it
+// starts. Host-side work on another thread (an asynchronous checkpoint's writes) goes
+// over new_host_subgroup, a Gloo group over the same store: no NCCL call is made for it.
 #ifndef FSDP_COMM_NCCL_H_
 #define FSDP_COMM_NCCL_H_
 
@@ -73,6 +80,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "fsdp/comm/communicator.h"
+#include "fsdp/comm/gloo.h"
 
 namespace fsdp {
 
@@ -106,6 +114,10 @@ struct NcclOptions {
   // under "<store_prefix>/nccl_unique_id", a subgroup's under "<store_prefix>/<tag>/...".
   // Keys are never deleted: every communicator made from one store needs its own prefix.
   TORCH_ARG(std::string, store_prefix) = "fsdp/nccl";
+  // How the Gloo groups of new_host_subgroup connect: their timeout and network
+  // interface or host name (rendezvous.h's init_communicator passes those of its Gloo
+  // communicator). PyTorch: the options of dist.new_group(backend="gloo").
+  TORCH_ARG(GlooOptions, host_group_options) = {};
 };
 
 // Makes this rank's NCCL communicator of `world_size` ranks (PyTorch:
@@ -121,14 +133,17 @@ struct NcclOptions {
 // new_subgroup() makes a new NCCL communicator among the members (same device, timeout
 // and compute stream, its own streams), exchanging its unique id through the same store
 // under "<store_prefix>/<tag>". Not ncclCommSplit: that is collective over every rank of
-// the parent, while new_subgroup is called by the members only.
+// the parent, while new_subgroup is called by the members only. new_host_subgroup()
+// makes a Gloo group (make_gloo_communicator's backend, NcclOptions::host_group_options)
+// over the same store under "<store_prefix>/<tag>", on CPU buffers.
 //
 // Destruction first waits until no collective is pending (each completes, or the watchdog
 // fails it at its deadline: Work::wait() does not wait on the host, so a collective may
 // still run on the device), then calls ncclCommFinalize and ncclCommDestroy, or
 // ncclCommAbort if the communicator is broken (pending works then throw a CommError from
-// wait()). Then it destroys the streams and events and
-// frees the barrier buffer (cudaFree may wait for kernels already running on the device).
+// wait()). Then it destroys the streams and events and frees the barrier buffer (cudaFree
+// may wait for kernels already running on the device). None of this holds the lock
+// that works polled from other threads take.
 //
 // Throws c10::Error if `store` is null, rank/world_size/options are out of range, the id
 // cannot be exchanged (e.g. rank 0 did not publish it within the store's timeout), or a

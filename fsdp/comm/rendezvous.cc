@@ -226,6 +226,13 @@ std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
       choose_backend(options.backend(), cuda_devices, env.local_rank, why_no_cuda);
   c10::intrusive_ptr<c10d::Store> store = connect_store(env, options);
   check_same_backend(*store, env, options.backend(), backend, cuda_devices);
+  GlooOptions gloo;
+  gloo.timeout(options.timeout());
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
+    gloo.interface(interface);
+  } else if (env.master_addr.empty() || is_loopback(env.master_addr)) {
+    gloo.hostname("127.0.0.1");
+  }
   if (backend == Backend::kNccl) {
     // PyTorch's switch for ProcessGroupNCCL's blocking wait, read the same way.
     const char* blocking = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
@@ -234,14 +241,8 @@ std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
         NcclOptions()
             .device_index(env.local_rank)
             .timeout(options.timeout())
-            .blocking_wait(blocking != nullptr && std::string(blocking) == "1"));
-  }
-  GlooOptions gloo;
-  gloo.timeout(options.timeout());
-  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
-    gloo.interface(interface);
-  } else if (env.master_addr.empty() || is_loopback(env.master_addr)) {
-    gloo.hostname("127.0.0.1");
+            .blocking_wait(blocking != nullptr && std::string(blocking) == "1")
+            .host_group_options(gloo));
   }
   return make_gloo_communicator(store, env.rank, env.world_size, gloo);
 }

@@ -108,10 +108,11 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
 
 // choose_backend (with this process's CUDA device count), connect_store, then the
 // communicator over all ranks: NCCL on cuda:LOCAL_RANK (NcclOptions with this timeout;
-// blocking_wait when TORCH_NCCL_BLOCKING_WAIT=1, PyTorch's variable), or Gloo (bound to loopback
-// when the master is local, else to this host's address, or to GLOO_SOCKET_IFNAME). With kGloo no
-// CUDA call is made. PyTorch: dist.init_process_group(backend, init_method="env://").
-// It also reports uncaught errors as report_uncaught_errors(env.rank) does.
+// blocking_wait when TORCH_NCCL_BLOCKING_WAIT=1, PyTorch's variable; its host groups bound
+// as the Gloo communicator would be), or Gloo (bound to loopback when the master is local,
+// else to this host's address, or to GLOO_SOCKET_IFNAME). With kGloo no CUDA call is made. PyTorch:
+// dist.init_process_group(backend, init_method="env://"). It also reports uncaught errors as
+// report_uncaught_errors(env.rank) does.
 std::shared_ptr<Communicator> init_from_environment(const RendezvousOptions& options = {});
 std::shared_ptr<Communicator> init_communicator(const LaunchEnvironment& env,
                                                 const RendezvousOptions& options = {});

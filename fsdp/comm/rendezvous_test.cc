@@ -193,7 +193,7 @@ TEST(InitBackendTest, DefaultIsNcclOnTheLocalRanksDevice) {
   FSDP_SKIP_WITHOUT_GPU();
   std::shared_ptr<Communicator> comm = init_communicator(LaunchEnvironment());
   EXPECT_EQ(comm->backend_name(), "nccl");
-  comm->barrier();
+  comm->barrier();  // a collective completes (no ordering needed)
 }
 
 LaunchEnvironment two_ranks(int rank, int port) {

@@ -120,7 +120,7 @@ void fine_tune(benchmark::State& state, bool lora_only) {
   c.counters().reset();
   double seconds = 0;
   for (auto _ : state) {
-    c.barrier();
+    c.barrier();  // host ordering: each timed step starts when every rank is ready
     const auto start = std::chrono::steady_clock::now();
     step();
     const double t =

@@ -104,36 +104,43 @@ class Registry {
 // communicator the two streams of collectives would interleave in a different order on
 // different ranks, and a collective of one rank would meet another kind of collective
 // (or another size) of its peer: a hang, corrupt data, or Gloo terminating the process.
-// So each asynchronous save writes over a communicator of its own: new_subgroup over
-// every rank of the model's communicator (for Gloo a second c10d process group over the
-// same store under its own prefix, as dist.new_group makes one; PyTorch's
-// dcp.async_save writes over the process_group it is given, and users give it one of
-// its own). It is made on the caller's
-// thread, at the same point on every rank, so every rank makes the same subgroups in the
-// same order: once (make_checkpoint_communicator, passed as AsyncSaveOptions'
+// So each asynchronous save writes over a communicator of its own, made on the caller's
+// thread at the same point on every rank (so every rank makes the same groups in the
+// same order): once (make_checkpoint_communicator, passed as AsyncSaveOptions'
 // communicator: what the GPT trainer does), or by each save, dropped when its write ends
 // (no option: simple, but it costs a connection set-up per save, and a rank killed
 // during that set-up is reported as a connect error rather than as a collective's). It is
 // not cached behind the caller's back: a cache keyed by the communicator's address would
-// hand a dead family's group to a new communicator at the same address. A store-only
-// commit protocol was the other choice; it would duplicate the sync save's protocol
-// (agreement on failure, the metadata gather), whereas this way the background thread
-// runs exactly the code of save_sharded_checkpoint. Saves never overlap each other
+// hand a dead family's group to a new communicator at the same address.
+//   It is a host group (Communicator::new_host_subgroup) and the write's collectives run
+// on CPU tensors, whatever the model's device. Those collectives move a few bytes and
+// need no GPU, and a device backend must not see them: with NCCL, a collective issued
+// from the save thread would be ordered after that thread's current stream (the legacy
+// default stream, which synchronizes with the training thread's blocking streams), and
+// two NCCL communicators whose kernels the ranks launch in different orders can deadlock
+// (NCCL's documentation on using several communicators at once). So for NCCL the host
+// group is a Gloo group over the same store (Note [Host groups of the NCCL backend] in
+// fsdp/comm/nccl.cc), and no NCCL call is ever made off the training thread. For Gloo it
+// is a second Gloo group of the family over the same store (as dist.new_group makes one),
+// for the fake backend a fake world of its own. PyTorch's dcp.async_save writes over the
+// process_group it is given, and users give it dist.new_group(backend="gloo").
+//   A store-only commit protocol was the other choice; it would duplicate the sync save's
+// protocol (agreement on failure, the metadata gather), whereas this way the background
+// thread runs exactly the code of save_sharded_checkpoint. Saves never overlap each other
 // (a save waits for the previous one), so at most one such communicator exists at a
-// time. A rank lost during the write fails the write's collectives like the training
-// loop's (the communicators of one family fail together). One switch is shared: size
-// checks (Communicator::set_size_checks) are set for a whole family. FSDP turns them on
-// for its first iteration only (and for every one with validate_execution_order), so a
-// save made before the first iteration has ended could see them switch mid-write on one
-// rank and not yet on another: save after the first step (as the trainer does).
+// time. A rank lost during the write fails the write's collectives (Gloo sees its
+// connections close, or the timeout). A host group is outside the family's collective
+// schedule (its collectives run at times that differ from rank to rank). With Gloo, size
+// checks (Communicator::set_size_checks) are one switch for a whole family, the host
+// group included; FSDP turns them on for its first iteration only (and for every one with
+// validate_execution_order), so a save made before the first iteration has ended could
+// see them switch mid-write on one rank and not yet on another: save after the first step
+// (as the trainer does).
 
 std::shared_ptr<Communicator> make_checkpoint_communicator(Communicator& comm) {
   std::vector<int> ranks(comm.world_size());
   std::iota(ranks.begin(), ranks.end(), 0);
-  std::shared_ptr<Communicator> io = comm.new_subgroup(ranks);
-  // Its collectives run beside training's at times that differ from rank to rank.
-  io->leave_collective_schedule();
-  return io;
+  return comm.new_host_subgroup(ranks);
 }
 
 AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>& stage,
@@ -149,6 +156,11 @@ AsyncSave async_save(Communicator& comm, const std::function<CheckpointWrite()>&
                 "their order; found rank ",
                 given->rank(), " of ", given->world_size(), " on rank ", comm.rank(), " of ",
                 comm.world_size(), ": pass make_checkpoint_communicator(comm)");
+    TORCH_CHECK(given->moves_buffers_on(at::kCPU),
+                "async_save: AsyncSaveOptions::communicator must move CPU buffers (the "
+                "writes' collectives run on CPU tensors); the ",
+                given->backend_name(),
+                " backend's does not: pass make_checkpoint_communicator(comm)");
   }
   const std::shared_ptr<Slot> slot = Registry::get().slot(comm);
   std::lock_guard<std::mutex> lock(slot->mutex());
@@ -173,8 +185,9 @@ AsyncSave async_save_sharded_checkpoint(FullyShardedRoot& model,
   return async_save(
       model.communicator(),
       [&]() -> CheckpointWrite {
-        auto staged = std::make_shared<const StagedShardedCheckpoint>(
-            stage_sharded_checkpoint(model, optimizer, scheduler));
+        StagedShardedCheckpoint staged_here = stage_sharded_checkpoint(model, optimizer, scheduler);
+        staged_here.device = at::kCPU;  // See Note [A communicator for checkpoint I/O].
+        auto staged = std::make_shared<const StagedShardedCheckpoint>(std::move(staged_here));
         return [staged, dir](Communicator& comm) { write_sharded_checkpoint(*staged, dir, comm); };
       },
       options);
@@ -191,8 +204,9 @@ AsyncSave async_save_dcp_checkpoint(FullyShardedRoot& model,
         DcpCheckpointOptions with_scheduler = dcp_options;
         if (scheduler != nullptr)
           with_scheduler.extras().push_back(scheduler_dcp_extra(*scheduler));
-        auto staged = std::make_shared<const StagedDcpCheckpoint>(
-            stage_dcp_checkpoint(model, optimizer, with_scheduler));
+        StagedDcpCheckpoint staged_here = stage_dcp_checkpoint(model, optimizer, with_scheduler);
+        staged_here.collective_device = at::kCPU;  // See Note [A communicator for checkpoint I/O].
+        auto staged = std::make_shared<const StagedDcpCheckpoint>(std::move(staged_here));
         return [staged, dir](Communicator& comm) { write_dcp_checkpoint(*staged, dir, comm); };
       },
       options);

@@ -17,7 +17,8 @@
 //     else a new one per save; see Note [A communicator for checkpoint I/O] in
 //     async_checkpoint.cc) and returns;
 //  4. a background thread writes the staged pieces over that communicator exactly as
-//     save_sharded_checkpoint does (checkpoint.h), so the same crash safety holds: a
+//     save_sharded_checkpoint does (checkpoint.h), its bookkeeping collectives on CPU
+//     tensors (no device call, no NCCL call), so the same crash safety holds: a
 //     process killed (kill -9, Ctrl-C) during the write leaves the previous checkpoint
 //     complete and loadable, and at most a hidden partial directory that
 //     remove_partial_checkpoints clears.
@@ -63,12 +64,13 @@ class AsyncSave {
   std::shared_ptr<State> state_;
 };
 
-// A communicator for checkpoint writes over `comm`'s ranks in the same order: a new
-// group of the same backend (for Gloo, a second c10d process group over the same store
-// under its own prefix), outside the family's collective schedule (its collectives run at
-// times that differ from rank to rank: Communicator::leave_collective_schedule). Every
-// rank of `comm` calls it at the same point. PyTorch:
-// dist.new_group(backend="gloo") for dcp.async_save's process_group.
+// A communicator for checkpoint writes over `comm`'s ranks in the same order:
+// comm.new_host_subgroup of every rank, a group that moves CPU buffers and makes no device
+// call (for Gloo, a second c10d process group over the same store under its own prefix;
+// for NCCL, a Gloo group over its store, so that the save thread never calls NCCL),
+// outside the family's collective schedule (its collectives run at times that differ from
+// rank to rank). Every rank of `comm` calls it at the same point, on the thread that owns
+// `comm`. PyTorch: dist.new_group(backend="gloo") for dcp.async_save's process_group.
 std::shared_ptr<Communicator> make_checkpoint_communicator(Communicator& comm);
 
 struct AsyncSaveOptions {
@@ -86,8 +88,8 @@ using CheckpointWrite = std::function<void(Communicator& comm)>;
 // The generic asynchronous save: waits for the previous one (step 1 above), calls
 // `stage` on this thread (it copies what the write needs and returns the write), takes
 // the checkpoint's communicator (step 3) and runs the write on a background thread.
-// Collective over `comm`. Raises c10::Error if options.communicator() is `comm` itself or
-// spans other ranks. PyTorch: dcp.async_save.
+// Collective over `comm`. Raises c10::Error if options.communicator() is `comm` itself,
+// spans other ranks, or moves no CPU buffers. PyTorch: dcp.async_save.
 [[nodiscard]] AsyncSave async_save(Communicator& comm,
                                    const std::function<CheckpointWrite()>& stage,
                                    const AsyncSaveOptions& options = {});

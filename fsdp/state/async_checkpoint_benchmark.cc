@@ -101,7 +101,7 @@ Setup& setup() {
     const char* tmp = std::getenv("TMPDIR");
     s->dir = fs::path(tmp != nullptr ? tmp : "/tmp") / "fsdp_async_checkpoint_benchmark";
     if (s->comm->rank() == 0) fs::create_directories(s->dir);
-    s->comm->barrier();
+    s->comm->barrier();  // host ordering (files): the folder exists before any rank writes
     return s;
   }();
   return *s;
@@ -116,7 +116,7 @@ void BM_Save(benchmark::State& state, bool async) {
   Setup& s = setup();
   double stall = 0, inflight = 0, idle = 0, wait = 0;
   for (auto _ : state) {
-    s.comm->barrier();
+    s.comm->barrier();  // host ordering: timing starts when every rank is ready
     const std::string dir = (s.dir / absl::StrFormat("step_%08d", ++s.saves)).string();
     auto start = std::chrono::steady_clock::now();
     AsyncSave save;
@@ -135,7 +135,7 @@ void BM_Save(benchmark::State& state, bool async) {
     start = std::chrono::steady_clock::now();
     save.wait();
     wait += ms_since(start);
-    s.comm->barrier();
+    s.comm->barrier();  // host ordering: every rank's write is done before timing again
     start = std::chrono::steady_clock::now();
     for (int i = 0; i < kStepsAfter; ++i) step(s);
     idle += ms_since(start) / kStepsAfter;
@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
   fsdp::Setup& s = fsdp::setup();
   fsdp::comm_internal::run_benchmarks_on_rank(s.comm->rank());
   fsdp::wait_for_async_saves();
-  s.comm->barrier();
+  s.comm->barrier();  // host ordering: every rank's results are in before rank 0 prints
   auto& r = fsdp::results();
   if (s.comm->rank() == 0 && r.count("sync") && r.count("async")) {
     std::cout << absl::StrFormat(

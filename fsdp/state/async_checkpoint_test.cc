@@ -10,12 +10,14 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adagrad.h>
 
+#include "fsdp/comm/fake.h"
 #include "fsdp/core/testing/parity_testing.h"
 #include "fsdp/state/testing/state_dict_testing.h"
 
@@ -162,6 +164,44 @@ TEST(AsyncSave, DcpFolderWithTheSchedulerLoadsAtAnotherWorldSize) {
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(
           "'lr_scheduler.last_epoch' (an int) and 'lr_scheduler._last_lr' (a list of "
           "floats)")));
+}
+
+// Note [A communicator for checkpoint I/O]: the writes' collectives go over a host group
+// on CPU tensors, so no collective of the model's communicator family (with NCCL: no
+// NCCL call) is issued by any thread but the rank's own while asynchronous saves (both
+// formats, with and without a given communicator) run beside training, at W = 2 and 4.
+TEST(AsyncSave, NoCollectiveOfTheModelsCommunicatorLeavesItsRanksThread) {
+  for (const int w : {2, 4}) {
+    const fs::path root = scratch(absl::StrCat("async_threads_", w));
+    const auto world = FakeWorld::create(w);
+    std::vector<std::thread::id> owners(w);
+    FakeWorld::run(world, [&](Communicator& rank_comm) {
+      const std::shared_ptr<Communicator> comm(&rank_comm, [](Communicator*) {});
+      owners[comm->rank()] = std::this_thread::get_id();
+      FullyShardedDataParallel<TinyLmImpl> model(make<TinyLmImpl>(),
+                                                 FullyShardedDataParallelOptions(comm));
+      torch::optim::Adagrad adagrad(model->parameters(), torch::optim::AdagradOptions(0.05));
+      train(model, adagrad, 0, 1, *comm);
+      AsyncSave sharded =
+          async_save_sharded_checkpoint(*model, &adagrad, (root / "sharded").string());
+      train(model, adagrad, 1, 1, *comm);
+      AsyncSave dcp = async_save_dcp_checkpoint(
+          *model, &adagrad, (root / "dcp").string(), {}, nullptr,
+          AsyncSaveOptions().communicator(make_checkpoint_communicator(*comm)));
+      train(model, adagrad, 2, 1, *comm);
+      sharded.wait();
+      dcp.wait();
+    });
+    EXPECT_TRUE(fs::exists(root / "sharded" / "metadata.pt")) << "W = " << w;
+    EXPECT_TRUE(fs::exists(root / "dcp" / ".metadata")) << "W = " << w;
+    const std::vector<FakeWorld::Call> calls = world->calls();
+    EXPECT_GT(calls.size(), 0u);
+    int64_t elsewhere = 0;
+    for (const FakeWorld::Call& call : calls) elsewhere += call.thread != owners[call.rank];
+    EXPECT_EQ(elsewhere, 0) << "W = " << w << ": " << elsewhere << " of " << calls.size()
+                            << " collectives of the model's communicator family were issued "
+                               "off their rank's thread";
+  }
 }
 
 TEST(AsyncSave, ASecondSaveWaitsForTheFirstAndWritesRunOffTheCallersThread) {

@@ -72,7 +72,7 @@ Setup& setup() {
     const char* tmp = std::getenv("TMPDIR");
     s->dir = fs::path(tmp != nullptr ? tmp : "/tmp") / "fsdp_checkpoint_benchmark";
     if (s->comm->rank() == 0) fs::create_directories(s->dir);
-    s->comm->barrier();
+    s->comm->barrier();  // host ordering (files): the folder exists before any rank writes
     return s;
   }();
   return *s;
@@ -90,7 +90,7 @@ void measure(benchmark::State& state, const std::string& name, int64_t bytes, Bo
   Setup& s = setup();
   double seconds = 0;
   for (auto _ : state) {
-    s.comm->barrier();
+    s.comm->barrier();  // host ordering: timing starts when every rank is ready
     const auto start = std::chrono::steady_clock::now();
     body();
     s.comm->barrier();

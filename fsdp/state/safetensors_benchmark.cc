@@ -75,7 +75,7 @@ void run_fsdp(const std::string& dir, int n, int world_size) {
         std::make_shared<SlabsImpl>(n),
         FullyShardedDataParallelOptions(
             std::shared_ptr<Communicator>(&comm, [](Communicator*) {})));
-    comm.barrier();  // every rank's model built before any load starts
+    comm.barrier();  // host ordering: every rank's model built before any load starts
     shard[rank] = memory_allocated(rank);
     reset_peak_memory_stats(rank);
     const auto begin = std::chrono::steady_clock::now();

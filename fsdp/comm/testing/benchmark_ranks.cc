@@ -42,7 +42,7 @@ int benchmark_main(int world_size, int argc, char** argv,
   benchmark::Initialize(&argc, argv);
   Communicator& comm = connect();
   run_benchmarks_on_rank(comm.rank());
-  comm.barrier();
+  comm.barrier();  // host ordering: no rank finishes while a peer still measures
   if (finish) finish(comm.rank());
   return 0;
 }

@@ -46,8 +46,8 @@ struct Trained {
   std::map<std::string, at::Tensor> params;
 };
 
-Trained train(Communicator& comm, bool shard_on_construction) {
-  const FullyShardedDataParallelOptions options(borrow(comm));
+Trained train(Communicator& comm, bool shard_on_construction,
+              const FullyShardedDataParallelOptions& options) {
   std::shared_ptr<NestedImpl> net;
   {
     std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
@@ -85,8 +85,9 @@ Trained train(Communicator& comm, bool shard_on_construction) {
 
 TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
-    const Trained whole = train(comm, false);
-    const Trained deferred = train(comm, true);
+    const FullyShardedDataParallelOptions options(borrow(comm));
+    const Trained whole = train(comm, false, options);
+    const Trained deferred = train(comm, true, options);
     EXPECT_EQ(deferred.losses, whole.losses);
     EXPECT_EQ(deferred.flat_fqns, whole.flat_fqns);  // "l1.weight", not "weight"
     EXPECT_THAT(deferred.flat_fqns, ElementsAre("head.weight", "head.bias", "l1.weight", "l1.bias",
@@ -95,6 +96,26 @@ TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
       EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
     }
   });
+}
+
+// HYBRID strategies at W = 4 (two shard groups of 2): the scope splits the groups, the
+// root reuses them, and training is exactly the model built whole's.
+TEST(ShardOnConstructionTest, HybridStrategiesTrainExactlyLikeAModelBuiltWhole) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+    SCOPED_TRACE(sharding_strategy_name(strategy));
+    FakeWorld::run(FakeWorld::create(4), [&](Communicator& comm) {
+      const auto options = FullyShardedDataParallelOptions(borrow(comm))
+                               .sharding_strategy(strategy)
+                               .hybrid_shard_group_size(2);
+      const Trained whole = train(comm, false, options);
+      const Trained deferred = train(comm, true, options);
+      EXPECT_EQ(deferred.losses, whole.losses);
+      for (const auto& [fqn, value] : whole.params) {
+        EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
+      }
+    });
+  }
 }
 
 TEST(ShardOnConstructionTest, UnitsAreShardedAsTheyAreBuilt) {
@@ -116,11 +137,12 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
     EXPECT_THAT([&] { EnableWrap nested(options); },
                 ThrowsMessage<c10::Error>(HasSubstr("nested wrap scopes are not supported")));
   }
-  auto hybrid =
-      FullyShardedDataParallelOptions(options).sharding_strategy(ShardingStrategy::kHybridShard);
-  EXPECT_THAT([&] { EnableWrap scope(hybrid, EnableWrapOptions().shard_on_construction(true)); },
-              ThrowsMessage<c10::Error>(HasSubstr("HYBRID strategies and auto_wrap_policy are "
-                                                  "not supported")));
+  auto policy = FullyShardedDataParallelOptions(options).auto_wrap_policy(
+      size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(50)));
+  EXPECT_THAT([&] { EnableWrap scope(policy, EnableWrapOptions().shard_on_construction(true)); },
+              ThrowsMessage<c10::Error>(HasSubstr("EnableWrap: auto_wrap_policy is not supported "
+                                                  "(nor param_exec_order_wrap_policy) when "
+                                                  "sharding at construction")));
   std::shared_ptr<NetImpl> net;
   {
     EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
@@ -226,7 +248,9 @@ TEST(ShardOnConstructionTest, SharedParametersOutsideTheUnitThatTookThemAreNamed
 
 // ---- fsdp::wrap: PyTorch's enable_wrap / wrap with per-unit overrides. ----
 
-// NetImpl's layers, annotated with fsdp::wrap: l2 asks for NO_SHARD.
+// NetImpl's layers, annotated with fsdp::wrap: l2 asks for NO_SHARD. The members keep
+// their own type (the root registers each unit in its place), so forward calls them
+// through fsdp::forward_as.
 struct WrappedNetImpl : torch::nn::Module {
   WrappedNetImpl() {
     l1 = register_module("l1", wrap(torch::nn::Linear(4, 8)));
@@ -236,13 +260,13 @@ struct WrappedNetImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     namespace F = torch::nn::functional;
-    return head(F::relu(l2(F::relu(l1(x)))));
+    return head(F::relu(fsdp::forward_as(l2, F::relu(fsdp::forward_as(l1, x)))));
   }
   static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
   static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
     return NestedImpl::loss(out, y);
   }
-  Unit<torch::nn::LinearImpl> l1{nullptr}, l2{nullptr};
+  torch::nn::Linear l1{nullptr}, l2{nullptr};
   torch::nn::Linear head{nullptr};
   int step = 0;
 };
@@ -261,8 +285,7 @@ std::vector<std::string> describe_units(const FullyShardedRoot& model) {
 
 TEST(WrapTest, OutsideAScopeWrapMakesNoUnit) {
   auto net = make<WrappedNetImpl>();
-  EXPECT_FALSE(net->l1->annotated());
-  EXPECT_FALSE(net->l1->unit_options().sharding_strategy().has_value());  // no scope to read
+  EXPECT_FALSE(wrap_annotation(*net->l1).has_value());  // PyTorch: the module unchanged
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<WrappedNetImpl> model(make<WrappedNetImpl>(),
                                                    FullyShardedDataParallelOptions(comm));
@@ -283,10 +306,12 @@ TEST(WrapTest, ModelBuiltInsideTheScopeWithOverridesTrainsLikeOneProcess) {
       auto build_in_scope = [&] {
         EnableWrap scope(options, EnableWrapOptions().shard_on_construction(shard_on_construction));
         auto net = make<WrappedNetImpl>();
-        EXPECT_TRUE(net->l1->annotated());
-        EXPECT_EQ(net->l1->unit_options().sharding_strategy(), ShardingStrategy::kFullShard);
-        EXPECT_EQ(net->l2->unit_options().sharding_strategy(), ShardingStrategy::kNoShard);
-        EXPECT_EQ(net->l2->constructed_handle() != nullptr, shard_on_construction);
+        const c10::optional<WrapAnnotation> l1 = wrap_annotation(*net->l1);
+        const c10::optional<WrapAnnotation> l2 = wrap_annotation(*net->l2);
+        EXPECT_TRUE(l1.has_value() && l2.has_value());
+        EXPECT_EQ(l1->options.sharding_strategy(), ShardingStrategy::kFullShard);
+        EXPECT_EQ(l2->options.sharding_strategy(), ShardingStrategy::kNoShard);
+        EXPECT_EQ(l2->constructed_handle != nullptr, shard_on_construction);
         return net;
       };
       expect_parity_on<WrappedNetImpl>(comm, want, options, /*adam=*/false, nullptr,
@@ -366,8 +391,8 @@ TEST(WrapTest, ConflictingStrategiesAreNamed) {
   });
 }
 
-// An auto_wrap_policy sees through units fsdp::wrap made outside a scope and may pick them.
-TEST(WrapTest, AutoWrapPolicyPicksUnannotatedUnits) {
+// fsdp::wrap outside a scope leaves the module alone; an auto_wrap_policy may pick it.
+TEST(WrapTest, AutoWrapPolicyPicksModulesWrappedOutsideAScope) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<WrappedNetImpl> model(
         make<WrappedNetImpl>(),

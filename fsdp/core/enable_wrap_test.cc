@@ -46,8 +46,10 @@ struct Trained {
   std::map<std::string, at::Tensor> params;
 };
 
+// `wrap_root`: the whole model is fsdp::wrap'ed in the scope too, so the root's own
+// parameters are sharded as soon as it is built.
 Trained train(Communicator& comm, bool shard_on_construction,
-              const FullyShardedDataParallelOptions& options) {
+              const FullyShardedDataParallelOptions& options, bool wrap_root = false) {
   std::shared_ptr<NestedImpl> net;
   {
     std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
@@ -55,6 +57,12 @@ Trained train(Communicator& comm, bool shard_on_construction,
     if (shard_on_construction) {
       EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
       net = std::make_shared<NestedImpl>();
+      if (wrap_root) {
+        net = wrap(net);
+        const c10::optional<WrapAnnotation> root = wrap_annotation(*net);
+        EXPECT_TRUE(root.has_value() && root->constructed_handle != nullptr);
+        EXPECT_EQ(net->head->weight.storage().nbytes(), 0u);  // only the shard is held
+      }
     } else {
       net = std::make_shared<NestedImpl>();
     }
@@ -95,6 +103,82 @@ TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
     for (const auto& [fqn, value] : whole.params) {
       EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
     }
+  });
+}
+
+// The root's own parameters (head) are sharded when the model itself is wrapped in the
+// scope; the root takes that flat parameter over, and training is unchanged.
+TEST(ShardOnConstructionTest, TheRootsOwnParametersShardWhenTheModelIsWrapped) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    const FullyShardedDataParallelOptions options(borrow(comm));
+    const Trained whole = train(comm, false, options);
+    const Trained deferred = train(comm, true, options, /*wrap_root=*/true);
+    EXPECT_EQ(deferred.losses, whole.losses);
+    EXPECT_EQ(deferred.flat_fqns, whole.flat_fqns);
+    for (const auto& [fqn, value] : whole.params) {
+      EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
+    }
+  });
+}
+
+// NetImpl as one annotated unit whose head it ignores (fsdp::wrap's ignored_modules).
+struct IgnoredHeadImpl : torch::nn::Module {
+  explicit IgnoredHeadImpl(bool in_unit) {
+    auto net = std::make_shared<NetImpl>();
+    body = register_module(
+        "body", in_unit ? wrap(net, UnitOptions().ignored_modules({net->head.get()})) : net);
+  }
+  at::Tensor forward(at::Tensor x) { return fsdp::forward_as<NetImpl>(body, x); }
+  std::shared_ptr<NetImpl> body;
+};
+
+// Ignored modules inside a unit sharded as it is built: given to the unit, they stay whole
+// (only the root's ignored_modules could not reach them), and training is exactly that of
+// the model built whole with the root ignoring them.
+TEST(ShardOnConstructionTest, AUnitsIgnoredModulesStayWhole) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    const FullyShardedDataParallelOptions options(borrow(comm));
+    const auto run = [&](bool deferred) {
+      std::shared_ptr<IgnoredHeadImpl> net;
+      {
+        std::lock_guard<std::mutex> lock(seed_mutex());
+        torch::manual_seed(0);
+        if (deferred) {
+          EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
+          net = std::make_shared<IgnoredHeadImpl>(true);
+          EXPECT_EQ(wrap_annotation(*net->body)->constructed_handle, nullptr);  // head only
+          EXPECT_EQ(net->body->head->weight.storage().nbytes(), 7u * 3u * 4u);
+        } else {
+          net = std::make_shared<IgnoredHeadImpl>(false);
+        }
+      }
+      FullyShardedDataParallel<IgnoredHeadImpl> model(
+          net, deferred ? options
+                        : FullyShardedDataParallelOptions(options).ignored_modules(
+                              {net->body->head.get()}));
+      std::vector<std::string> fqns;
+      for (const auto& unit : model->units()) fqns.push_back(unit->fqn());
+      std::vector<float> losses;
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      for (int step = 0; step < 2; ++step) {
+        sgd.zero_grad();
+        const Batch batch = NestedImpl::batch(step, 4);
+        at::Tensor loss =
+            NestedImpl::loss(model->forward(batch.input.narrow(0, 2 * comm.rank(), 2)),
+                             batch.target.narrow(0, 2 * comm.rank(), 2));
+        loss.backward();
+        sgd.step();
+        losses.push_back(loss.item<float>());
+      }
+      EXPECT_EQ(model->parameters().size(), 4u);  // l1, l2 shards; head weight and bias
+      return std::make_tuple(fqns, losses, net->body->head->weight.clone());
+    };
+    const auto whole = run(false);
+    const auto deferred = run(true);
+    EXPECT_THAT(std::get<0>(deferred), ElementsAre("", "body", "body.l1", "body.l2"));
+    EXPECT_THAT(std::get<0>(whole), ElementsAre("", "body.l1", "body.l2"));
+    EXPECT_EQ(std::get<1>(deferred), std::get<1>(whole));
+    EXPECT_TRUE(at::equal(std::get<2>(deferred), std::get<2>(whole)));
   });
 }
 

@@ -169,12 +169,20 @@ struct Ignored {
   std::vector<at::Tensor> trained;                     // those that require grad, once each
 };
 
-Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
+// `root`'s units add the ignored_modules of their UnitOptions.
+Ignored resolve_ignored(const FullyShardedDataParallelOptions& options,
+                        const torch::nn::Module& root) {
   TORCH_CHECK(options.ignored_modules().empty() || options.ignored_states().empty(),
               "FullyShardedDataParallel: give ignored_modules or ignored_states, not both "
               "(ignored_states takes modules too)");
   Ignored ignored;
   ignored.modules = options.ignored_modules();
+  for (const auto& module : root.modules()) {
+    if (const auto* unit = dynamic_cast<const UnitBase*>(module.get())) {
+      const std::vector<const torch::nn::Module*>& own = unit->unit_options().ignored_modules();
+      ignored.modules.insert(ignored.modules.end(), own.begin(), own.end());
+    }
+  }
   std::vector<at::Tensor> params;
   for (const IgnoredState& state : options.ignored_states()) {
     if (state.module() != nullptr) {
@@ -559,7 +567,6 @@ void make_annotated_units(UnitBase& root) {
 // if a unit sharded at construction lies under an ignored module.
 std::vector<FoundUnit> select_units(UnitBase& root, const FullyShardedDataParallelOptions& options,
                                     const Ignored& ignored) {
-  make_annotated_units(root);
   std::vector<FoundUnit> units;
   if (wrap_policy(options) != nullptr) {
     const absl::flat_hash_set<const UnitBase*> active = apply_policy(root, options, ignored);
@@ -609,7 +616,8 @@ void check_constructed_params(const FlatParamHandle& handle, const FoundUnit& un
     TORCH_CHECK(!ignored.params.contains(key), "FullyShardedDataParallel: '", fqn,
                 "' is ignored, but unit '", unit.fqn,
                 "' sharded it at construction "
-                "(EnableWrap); build ignored modules outside units made under "
+                "(EnableWrap); give the unit its ignored modules "
+                "(UnitOptions::ignored_modules) or build them outside units made under "
                 "that scope");
     TORCH_CHECK(owners.unit.at(key) == k, "FullyShardedDataParallel: unit '", unit.fqn,
                 "' sharded '", fqn,
@@ -933,7 +941,8 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options) {
   TORCH_CHECK(options.communicator() != nullptr,
               "FullyShardedDataParallel: options.communicator is null");
-  const Ignored ignored = resolve_ignored(options);
+  make_annotated_units(root);  // first: their UnitOptions may ignore modules
+  const Ignored ignored = resolve_ignored(options, root);
   std::vector<FoundUnit> units = select_units(root, options, ignored);
   UnitParams params = collect_unit_params(root, units, ignored);
   std::shared_ptr<DeviceHandle> device = compute_device(options, params);
@@ -1024,6 +1033,11 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& 
     const FlatParamHandle* inner = constructed_handle_of(*module);
     if (inner == nullptr) continue;
     for (const at::Tensor& p : inner->original_params()) nested.insert(p.unsafeGetTensorImpl());
+  }
+  // The unit's ignored modules stay whole (the root ignores them too).
+  for (const torch::nn::Module* module : own.ignored_modules()) {
+    TORCH_CHECK(module != nullptr, "EnableWrap: a null module in a unit's ignored_modules");
+    for (const at::Tensor& p : module->parameters()) nested.insert(p.unsafeGetTensorImpl());
   }
   std::vector<NamedParam> params;
   absl::flat_hash_set<const c10::TensorImpl*> seen;

@@ -287,18 +287,22 @@ struct WrapConfig;  // the scope's settings and what it sharded (fully_sharded.c
 // built inside it took) as soon as it is constructed, so building a model holds its
 // units' shards plus one unit's full parameters at a time, never the whole model; the
 // root made later takes those flat parameters over. Parameters outside units (the
-// root's own) stay whole until the root is made. PyTorch: constructing each layer and
-// wrapping it in FSDP at once, the C++ counterpart of deferring initialisation to the
-// meta device. Every rank must build the same model (same units, same order); the
-// root's options must give each unit what the scope gave it (strategy, mixed precision,
-// communicator); units made so cannot contain ignored modules (they do not exist yet
-// when the unit shards), and sync_module_states leaves their parameters alone (each rank
-// keeps its own chunk's initial values: build them from the same seed). HYBRID strategies
-// work (the scope splits the shard and replicate groups once, hybrid_shard_group_size as
-// for the root, and the root reuses them); an auto_wrap_policy does not (the units must
-// exist as they are built: build on the meta device to combine deferred initialisation
-// with a policy, see the file comment). A parameter shared by two units built so must be
-// inside the later one's module.
+// root's own: embeddings, head) stay whole until the root is made, unless the model itself
+// is annotated in the scope (`net = fsdp::wrap(std::make_shared<NetImpl>());`), which
+// shards them as soon as it is built; the root takes that flat parameter over too. PyTorch:
+// constructing each layer and wrapping it in FSDP at once, the C++ counterpart of deferring
+// initialisation to the meta device. Every rank must build the same model (same units, same order);
+// the root's options must give each unit what the scope gave it (strategy, mixed precision,
+// communicator); the root's ignored_modules cannot lie inside units made so (they do not
+// exist yet when the unit shards): give them to the unit instead, as PyTorch's
+// wrap(module, ignored_modules=...) does (`fsdp::wrap(block,
+// fsdp::UnitOptions().ignored_modules({block->adapter.get()}))`), and sync_module_states leaves
+// their parameters alone (each rank keeps its own chunk's initial values: build them from the same
+// seed). HYBRID strategies work (the scope splits the shard and replicate groups once,
+// hybrid_shard_group_size as for the root, and the root reuses them); an auto_wrap_policy does not
+// (the units must exist as they are built: build on the meta device to combine deferred
+// initialisation with a policy, see the file comment). A parameter shared by two units built so
+// must be inside the later one's module.
 //
 // Errors: c10::Error (also when a scope is already active on the thread: scopes do not
 // nest). One per thread (ranks may be threads).

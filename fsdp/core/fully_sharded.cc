@@ -950,6 +950,8 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   Communicator& comm = *options.communicator();
   check_same_construction(comm, device->device(), options, unit_names(units),
                           unit_numels(params));  // first
+  // See Note [Initialisation on the meta device].
+  std::vector<at::Tensor> materialized = materialize_meta_states(root, device->device(), ignored);
   if (options.sync_module_states() && comm.world_size() > 1) {
     for (const std::vector<NamedParam>& unit : params.to_flatten) {
       for (const NamedParam& p : unit) {
@@ -962,8 +964,6 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     }
     sync_module_states(comm, root, ignored, params.to_flatten);
   }
-  // See Note [Initialisation on the meta device].
-  std::vector<at::Tensor> materialized = materialize_meta_states(root, device->device(), ignored);
   const ShardingStrategy strategy = effective_strategy(options);
   auto root_state = std::make_shared<core_internal::RootState>(
       options.communicator(), device, strategy, options.backward_prefetch(),

@@ -84,7 +84,13 @@ TEST(MetaInitTest, ShardsEqualAOneProcessBuildForEveryStrategy) {
             }
           }
         }
-        // Before init: NaN, never whatever the allocator returned.
+        // Before init: NaN, never whatever the allocator returned (padding: zeros).
+        for (const auto& unit : model->units()) {
+          const FlatParamHandle& h = *unit->handle();
+          const int64_t real =
+              std::max<int64_t>(0, std::min(h.shard_numel(), h.numel() - h.shard_offset()));
+          EXPECT_EQ(at::isnan(h.sharded_flat_param()).sum().item<int64_t>(), real);
+        }
         EXPECT_TRUE(
             at::isnan(lm->layers[0]->as<MetaBlockImpl>()->rope->inv_freq).all().item<bool>());
         init_from_seed(*model);

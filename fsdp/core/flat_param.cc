@@ -166,6 +166,11 @@ void FlatParamHandle::init_from_meta(const std::vector<NamedParam>& params, bool
 void FlatParamHandle::copy_into_shard(size_t index, const at::Tensor& value) {
   TORCH_CHECK(index < infos_.size(), "FlatParamHandle::copy_into_shard: parameter index ", index,
               " out of range (", infos_.size(), " parameters)");
+  // An unsharded buffer of its own would keep the old values: write while sharded.
+  TORCH_CHECK(state_ == FlatParamState::kSharded ||
+                  (strategy_ == ShardingStrategy::kNoShard && !separate_unsharded()),
+              "FlatParamHandle::copy_into_shard: '", infos_[index].fqn, "' is ",
+              flat_param_state_name(state_), "; call it while the handle is sharded");
   const FlatParamInfo& info = infos_[index];
   TORCH_CHECK(value.sizes().vec() == info.shape, "FlatParamHandle::copy_into_shard: '", info.fqn,
               "' has shape ", c10::IntArrayRef(info.shape), " but the value has shape ",

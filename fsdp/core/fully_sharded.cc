@@ -177,7 +177,8 @@ Ignored resolve_ignored(const FullyShardedDataParallelOptions& options,
               "(ignored_states takes modules too)");
   Ignored ignored;
   ignored.modules = options.ignored_modules();
-  for (const auto& module : root.modules()) {
+  // The root itself has no settings of its own (and is not in a shared_ptr yet).
+  for (const auto& module : root.modules(/*include_self=*/false)) {
     if (const auto* unit = dynamic_cast<const UnitBase*>(module.get())) {
       const std::vector<const torch::nn::Module*>& own = unit->unit_options().ignored_modules();
       ignored.modules.insert(ignored.modules.end(), own.begin(), own.end());
@@ -1188,7 +1189,8 @@ void FullyShardedRoot::init_parameters(const ModuleInit& init) {
   };
   at::NoGradGuard no_grad;
   const c10::Device device = state_->device().device();
-  for (const auto& item : root_->named_modules()) {
+  // The root unit itself holds no state of its own.
+  for (const auto& item : root_->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     torch::nn::Module& module = *item.value();
     if (dynamic_cast<const UnitBase*>(&module) != nullptr) continue;  // no state of its own
     const auto params = module.named_parameters(/*recurse=*/false);

@@ -4,6 +4,7 @@
 // (non-persistent buffers recomputed, tied weights one parameter, nothing left unwritten),
 // and construction peaks at the shards plus one unit. See Note [Initialisation on the meta
 // device] in fully_sharded.cc.
+#include <iostream>
 #include <map>
 #include <memory>
 #include <string>
@@ -208,6 +209,9 @@ TEST(MetaInitTest, ConstructionPeaksAtTheShardsPlusOneUnit) {
     }
     int64_t buffers = 0;
     for (const at::Tensor& b : model->buffers()) buffers += b.numel() * 4;
+    std::cout << "rank " << comm->rank() << ": construction and init peak " << peak
+              << " bytes; shards " << shards << ", buffers " << buffers << ", largest unit "
+              << largest_unit << ", whole model " << whole << std::endl;
     EXPECT_EQ(memory_allocated(comm->rank()) - before, shards + buffers);
     EXPECT_GE(peak, shards + buffers);
     EXPECT_LE(peak, shards + buffers + largest_unit) << "whole model: " << whole;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <ATen/native/Resize.h>
+#include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/jit/serialization/export.h>
@@ -13,6 +14,15 @@ namespace fsdp::compat {
 
 void resize_cpu_storage_bytes(c10::StorageImpl* storage, size_t bytes) {
   at::native::resize_bytes_cpu(storage, bytes);
+}
+
+void materialize_meta_tensor(const at::Tensor& meta, const at::Tensor& value) {
+  TORCH_CHECK(meta.defined() && meta.is_meta() && value.defined() && !value.is_meta(),
+              "materialize_meta_tensor: expected a meta tensor and a tensor with storage, got ",
+              meta.defined() ? meta.device().str() : "undefined", " and ",
+              value.defined() ? value.device().str() : "undefined");
+  // set_data's own step, less its check that both tensors have one backend.
+  meta.unsafeGetTensorImpl()->shallow_copy_from(value.getIntrusivePtr());
 }
 
 void queue_end_of_backward_callback(std::function<void()> callback) {

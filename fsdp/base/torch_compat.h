@@ -27,6 +27,15 @@ inline void* optimizer_state_key(const at::Tensor& param) { return param.unsafeG
 // counterpart is `tensor.untyped_storage().resize_(bytes)`.
 void resize_cpu_storage_bytes(c10::StorageImpl* storage, size_t bytes);
 
+// Makes the meta tensor `meta` hold `value` (its storage, sizes, strides, dtype and device),
+// in place: every handle to that TensorImpl (a module's member, its registered parameter or
+// buffer) then sees `value`, and `meta` keeps its autograd settings (requires_grad). What
+// set_data does, for the one case set_data refuses (a meta tensor takes no tensor of another
+// backend); PyTorch's Module.to_empty replaces the Parameter object instead, which C++
+// members holding the tensor would not see. Throws c10::Error unless `meta` is a meta
+// tensor and `value` is not. Not thread-safe for one tensor.
+void materialize_meta_tensor(const at::Tensor& meta, const at::Tensor& value);
+
 // Runs `callback` once the autograd engine has finished the current backward pass (call it
 // from inside backward: a Node or a hook). PyTorch: Variable._execution_engine.queue_callback.
 void queue_end_of_backward_callback(std::function<void()> callback);

@@ -46,8 +46,10 @@ struct Trained {
   std::map<std::string, at::Tensor> params;
 };
 
-Trained train(Communicator& comm, bool shard_on_construction) {
-  const FullyShardedDataParallelOptions options(borrow(comm));
+// `wrap_root`: the whole model is fsdp::wrap'ed in the scope too, so the root's own
+// parameters are sharded as soon as it is built.
+Trained train(Communicator& comm, bool shard_on_construction,
+              const FullyShardedDataParallelOptions& options, bool wrap_root = false) {
   std::shared_ptr<NestedImpl> net;
   {
     std::lock_guard<std::mutex> lock(seed_mutex());  // the seed is process-wide
@@ -55,6 +57,12 @@ Trained train(Communicator& comm, bool shard_on_construction) {
     if (shard_on_construction) {
       EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
       net = std::make_shared<NestedImpl>();
+      if (wrap_root) {
+        net = wrap(net);
+        const c10::optional<WrapAnnotation> root = wrap_annotation(*net);
+        EXPECT_TRUE(root.has_value() && root->constructed_handle != nullptr);
+        EXPECT_EQ(net->head->weight.storage().nbytes(), 0u);  // only the shard is held
+      }
     } else {
       net = std::make_shared<NestedImpl>();
     }
@@ -85,8 +93,9 @@ Trained train(Communicator& comm, bool shard_on_construction) {
 
 TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
   FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
-    const Trained whole = train(comm, false);
-    const Trained deferred = train(comm, true);
+    const FullyShardedDataParallelOptions options(borrow(comm));
+    const Trained whole = train(comm, false, options);
+    const Trained deferred = train(comm, true, options);
     EXPECT_EQ(deferred.losses, whole.losses);
     EXPECT_EQ(deferred.flat_fqns, whole.flat_fqns);  // "l1.weight", not "weight"
     EXPECT_THAT(deferred.flat_fqns, ElementsAre("head.weight", "head.bias", "l1.weight", "l1.bias",
@@ -95,6 +104,102 @@ TEST(ShardOnConstructionTest, TrainsExactlyLikeAModelBuiltWhole) {
       EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
     }
   });
+}
+
+// The root's own parameters (head) are sharded when the model itself is wrapped in the
+// scope; the root takes that flat parameter over, and training is unchanged.
+TEST(ShardOnConstructionTest, TheRootsOwnParametersShardWhenTheModelIsWrapped) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    const FullyShardedDataParallelOptions options(borrow(comm));
+    const Trained whole = train(comm, false, options);
+    const Trained deferred = train(comm, true, options, /*wrap_root=*/true);
+    EXPECT_EQ(deferred.losses, whole.losses);
+    EXPECT_EQ(deferred.flat_fqns, whole.flat_fqns);
+    for (const auto& [fqn, value] : whole.params) {
+      EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
+    }
+  });
+}
+
+// NetImpl as one annotated unit whose head it ignores (fsdp::wrap's ignored_modules).
+struct IgnoredHeadImpl : torch::nn::Module {
+  explicit IgnoredHeadImpl(bool in_unit) {
+    auto net = std::make_shared<NetImpl>();
+    body = register_module(
+        "body", in_unit ? wrap(net, UnitOptions().ignored_modules({net->head.get()})) : net);
+  }
+  at::Tensor forward(at::Tensor x) { return fsdp::forward_as<NetImpl>(body, x); }
+  std::shared_ptr<NetImpl> body;
+};
+
+// Ignored modules inside a unit sharded as it is built: given to the unit, they stay whole
+// (only the root's ignored_modules could not reach them), and training is exactly that of
+// the model built whole with the root ignoring them.
+TEST(ShardOnConstructionTest, AUnitsIgnoredModulesStayWhole) {
+  FakeWorld::run(FakeWorld::create(2), [](Communicator& comm) {
+    const FullyShardedDataParallelOptions options(borrow(comm));
+    const auto run = [&](bool deferred) {
+      std::shared_ptr<IgnoredHeadImpl> net;
+      {
+        std::lock_guard<std::mutex> lock(seed_mutex());
+        torch::manual_seed(0);
+        if (deferred) {
+          EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
+          net = std::make_shared<IgnoredHeadImpl>(true);
+          EXPECT_EQ(wrap_annotation(*net->body)->constructed_handle, nullptr);  // head only
+          EXPECT_EQ(net->body->head->weight.storage().nbytes(), 7u * 3u * 4u);
+        } else {
+          net = std::make_shared<IgnoredHeadImpl>(false);
+        }
+      }
+      FullyShardedDataParallel<IgnoredHeadImpl> model(
+          net, deferred ? options
+                        : FullyShardedDataParallelOptions(options).ignored_modules(
+                              {net->body->head.get()}));
+      std::vector<std::string> fqns;
+      for (const auto& unit : model->units()) fqns.push_back(unit->fqn());
+      std::vector<float> losses;
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      for (int step = 0; step < 2; ++step) {
+        sgd.zero_grad();
+        const Batch batch = NestedImpl::batch(step, 4);
+        at::Tensor loss =
+            NestedImpl::loss(model->forward(batch.input.narrow(0, 2 * comm.rank(), 2)),
+                             batch.target.narrow(0, 2 * comm.rank(), 2));
+        loss.backward();
+        sgd.step();
+        losses.push_back(loss.item<float>());
+      }
+      EXPECT_EQ(model->parameters().size(), 4u);  // l1, l2 shards; head weight and bias
+      return std::make_tuple(fqns, losses, net->body->head->weight.clone());
+    };
+    const auto whole = run(false);
+    const auto deferred = run(true);
+    EXPECT_THAT(std::get<0>(deferred), ElementsAre("", "body", "body.l1", "body.l2"));
+    EXPECT_THAT(std::get<0>(whole), ElementsAre("", "body.l1", "body.l2"));
+    EXPECT_EQ(std::get<1>(deferred), std::get<1>(whole));
+    EXPECT_TRUE(at::equal(std::get<2>(deferred), std::get<2>(whole)));
+  });
+}
+
+// HYBRID strategies at W = 4 (two shard groups of 2): the scope splits the groups, the
+// root reuses them, and training is exactly the model built whole's.
+TEST(ShardOnConstructionTest, HybridStrategiesTrainExactlyLikeAModelBuiltWhole) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+    SCOPED_TRACE(sharding_strategy_name(strategy));
+    FakeWorld::run(FakeWorld::create(4), [&](Communicator& comm) {
+      const auto options = FullyShardedDataParallelOptions(borrow(comm))
+                               .sharding_strategy(strategy)
+                               .hybrid_shard_group_size(2);
+      const Trained whole = train(comm, false, options);
+      const Trained deferred = train(comm, true, options);
+      EXPECT_EQ(deferred.losses, whole.losses);
+      for (const auto& [fqn, value] : whole.params) {
+        EXPECT_TRUE(at::equal(deferred.params.at(fqn), value)) << fqn;
+      }
+    });
+  }
 }
 
 TEST(ShardOnConstructionTest, UnitsAreShardedAsTheyAreBuilt) {
@@ -116,11 +221,12 @@ TEST(ShardOnConstructionTest, MisuseIsNamed) {
     EXPECT_THAT([&] { EnableWrap nested(options); },
                 ThrowsMessage<c10::Error>(HasSubstr("nested wrap scopes are not supported")));
   }
-  auto hybrid =
-      FullyShardedDataParallelOptions(options).sharding_strategy(ShardingStrategy::kHybridShard);
-  EXPECT_THAT([&] { EnableWrap scope(hybrid, EnableWrapOptions().shard_on_construction(true)); },
-              ThrowsMessage<c10::Error>(HasSubstr("HYBRID strategies and auto_wrap_policy are "
-                                                  "not supported")));
+  auto policy = FullyShardedDataParallelOptions(options).auto_wrap_policy(
+      size_based_auto_wrap_policy(SizeBasedPolicyOptions().min_num_params(50)));
+  EXPECT_THAT([&] { EnableWrap scope(policy, EnableWrapOptions().shard_on_construction(true)); },
+              ThrowsMessage<c10::Error>(HasSubstr("EnableWrap: auto_wrap_policy is not supported "
+                                                  "(nor param_exec_order_wrap_policy) when "
+                                                  "sharding at construction")));
   std::shared_ptr<NetImpl> net;
   {
     EnableWrap scope(options, EnableWrapOptions().shard_on_construction(true));
@@ -226,7 +332,9 @@ TEST(ShardOnConstructionTest, SharedParametersOutsideTheUnitThatTookThemAreNamed
 
 // ---- fsdp::wrap: PyTorch's enable_wrap / wrap with per-unit overrides. ----
 
-// NetImpl's layers, annotated with fsdp::wrap: l2 asks for NO_SHARD.
+// NetImpl's layers, annotated with fsdp::wrap: l2 asks for NO_SHARD. The members keep
+// their own type (the root registers each unit in its place), so forward calls them
+// through fsdp::forward_as.
 struct WrappedNetImpl : torch::nn::Module {
   WrappedNetImpl() {
     l1 = register_module("l1", wrap(torch::nn::Linear(4, 8)));
@@ -236,13 +344,13 @@ struct WrappedNetImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     namespace F = torch::nn::functional;
-    return head(F::relu(l2(F::relu(l1(x)))));
+    return head(F::relu(fsdp::forward_as(l2, F::relu(fsdp::forward_as(l1, x)))));
   }
   static Batch batch(int step, int64_t rows) { return NestedImpl::batch(step, rows); }
   static at::Tensor loss(const at::Tensor& out, const at::Tensor& y) {
     return NestedImpl::loss(out, y);
   }
-  Unit<torch::nn::LinearImpl> l1{nullptr}, l2{nullptr};
+  torch::nn::Linear l1{nullptr}, l2{nullptr};
   torch::nn::Linear head{nullptr};
   int step = 0;
 };
@@ -261,8 +369,7 @@ std::vector<std::string> describe_units(const FullyShardedRoot& model) {
 
 TEST(WrapTest, OutsideAScopeWrapMakesNoUnit) {
   auto net = make<WrappedNetImpl>();
-  EXPECT_FALSE(net->l1->annotated());
-  EXPECT_FALSE(net->l1->unit_options().sharding_strategy().has_value());  // no scope to read
+  EXPECT_FALSE(wrap_annotation(*net->l1).has_value());  // PyTorch: the module unchanged
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<WrappedNetImpl> model(make<WrappedNetImpl>(),
                                                    FullyShardedDataParallelOptions(comm));
@@ -283,10 +390,12 @@ TEST(WrapTest, ModelBuiltInsideTheScopeWithOverridesTrainsLikeOneProcess) {
       auto build_in_scope = [&] {
         EnableWrap scope(options, EnableWrapOptions().shard_on_construction(shard_on_construction));
         auto net = make<WrappedNetImpl>();
-        EXPECT_TRUE(net->l1->annotated());
-        EXPECT_EQ(net->l1->unit_options().sharding_strategy(), ShardingStrategy::kFullShard);
-        EXPECT_EQ(net->l2->unit_options().sharding_strategy(), ShardingStrategy::kNoShard);
-        EXPECT_EQ(net->l2->constructed_handle() != nullptr, shard_on_construction);
+        const c10::optional<WrapAnnotation> l1 = wrap_annotation(*net->l1);
+        const c10::optional<WrapAnnotation> l2 = wrap_annotation(*net->l2);
+        EXPECT_TRUE(l1.has_value() && l2.has_value());
+        EXPECT_EQ(l1->options.sharding_strategy(), ShardingStrategy::kFullShard);
+        EXPECT_EQ(l2->options.sharding_strategy(), ShardingStrategy::kNoShard);
+        EXPECT_EQ(l2->constructed_handle != nullptr, shard_on_construction);
         return net;
       };
       expect_parity_on<WrappedNetImpl>(comm, want, options, /*adam=*/false, nullptr,
@@ -366,8 +475,8 @@ TEST(WrapTest, ConflictingStrategiesAreNamed) {
   });
 }
 
-// An auto_wrap_policy sees through units fsdp::wrap made outside a scope and may pick them.
-TEST(WrapTest, AutoWrapPolicyPicksUnannotatedUnits) {
+// fsdp::wrap outside a scope leaves the module alone; an auto_wrap_policy may pick it.
+TEST(WrapTest, AutoWrapPolicyPicksModulesWrappedOutsideAScope) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<WrappedNetImpl> model(
         make<WrappedNetImpl>(),

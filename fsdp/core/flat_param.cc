@@ -1,15 +1,18 @@
 #include "fsdp/core/flat_param.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include "fsdp/base/shard_geometry.h"
+#include "fsdp/base/torch_compat.h"
 
 namespace fsdp {
 
@@ -76,8 +79,10 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
               absl::StrJoin(trained, ", "), "] require grad and [", absl::StrJoin(frozen, ", "),
               "] do not; make one handle per kind (FullyShardedDataParallel does so for a "
               "unit that mixes them: FullyShardedUnit::frozen_handle)");
-  if (device_ == nullptr) device_ = DeviceHandle::for_device(first.device());
-  TORCH_CHECK(device_->device() == first.device(), "FlatParamHandle: the device handle is ",
+  // Meta parameters: see Note [Flat parameters of meta parameters].
+  const bool meta = first.is_meta();
+  if (device_ == nullptr) device_ = DeviceHandle::for_device(meta ? c10::kCPU : first.device());
+  TORCH_CHECK(meta || device_->device() == first.device(), "FlatParamHandle: the device handle is ",
               device_->device(), "'s but the parameters (e.g. '", params.front().fqn, "') are on ",
               first.device());
   // PyTorch infers the reduce dtype from param_dtype when only the latter is given.
@@ -94,6 +99,10 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
   shard_numel_ = range.numel();
   padded_numel_ = fsdp::padded_numel(numel_, shards);
 
+  if (meta) {
+    init_from_meta(params, /*trained=*/frozen.empty());
+    return;
+  }
   const auto options_of_params = first.options().requires_grad(false);
   at::Tensor flat = at::zeros({padded_numel_}, options_of_params);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -114,6 +123,65 @@ FlatParamHandle::FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr
                                             : flat;
   use_views_of(unsharded_flat_);
   reshard();  // sharded from the start: only the shard's memory stays allocated
+}
+
+// Note [Flat parameters of meta parameters]
+// Parameters on c10::kMeta have a shape and a dtype but no values and no memory: a model built
+// so (deferred initialisation, PyTorch's meta device) costs nothing until FSDP shards it. The
+// handle then allocates only what it would keep after resharding: the shard (shard_numel
+// elements, on the device or, with offload_params, on the host) and an unsharded flat buffer
+// whose memory reshard() frees at once. The original parameters become views into that buffer
+// in place (compat::materialize_meta_tensor: set_data refuses a meta tensor), so the modules'
+// members see them. The shard holds NaN (its padding zeros) until something writes the
+// parameters' values: FullyShardedRoot::init_parameters, or a state-dict reader that copies
+// each rank's bytes into its shard. NaN, not uninitialised memory, so that a value nothing
+// wrote shows up in the first loss instead of training on whatever the allocator returned.
+void FlatParamHandle::init_from_meta(const std::vector<NamedParam>& params, bool trained) {
+  const c10::ScalarType dtype = params.front().param.scalar_type();
+  sharded_ = offload_ ? device_->empty_host(shard_numel_, dtype)
+                      : at::empty({shard_numel_}, device_options(dtype));
+  sharded_.fill_(std::numeric_limits<double>::quiet_NaN());
+  const int64_t padding_in_shard = std::max<int64_t>(0, shard_offset_ + shard_numel_ - numel_);
+  if (padding_in_shard > 0) {
+    sharded_
+        .narrow(0, shard_numel_ - std::min(padding_in_shard, shard_numel_),
+                std::min(padding_in_shard, shard_numel_))
+        .zero_();
+  }
+  sharded_.set_requires_grad(trained);
+  const bool no_shard = strategy_ == ShardingStrategy::kNoShard;
+  unsharded_flat_ = no_shard && !separate_unsharded()
+                        ? sharded_.detach()
+                        : at::empty({padded_numel_}, device_options(param_dtype_));
+  for (size_t i = 0; i < params.size(); ++i) {
+    compat::materialize_meta_tensor(
+        params[i].param,
+        unsharded_flat_.narrow(0, infos_[i].offset, infos_[i].numel).view(infos_[i].shape));
+    originals_.push_back(params[i].param);
+  }
+  state_ = FlatParamState::kUnsharded;
+  reshard();  // frees the unsharded buffer's memory: only the shard stays allocated
+}
+
+void FlatParamHandle::copy_into_shard(size_t index, const at::Tensor& value) {
+  TORCH_CHECK(index < infos_.size(), "FlatParamHandle::copy_into_shard: parameter index ", index,
+              " out of range (", infos_.size(), " parameters)");
+  // An unsharded buffer of its own would keep the old values: write while sharded.
+  TORCH_CHECK(state_ == FlatParamState::kSharded ||
+                  (strategy_ == ShardingStrategy::kNoShard && !separate_unsharded()),
+              "FlatParamHandle::copy_into_shard: '", infos_[index].fqn, "' is ",
+              flat_param_state_name(state_), "; call it while the handle is sharded");
+  const FlatParamInfo& info = infos_[index];
+  TORCH_CHECK(value.sizes().vec() == info.shape, "FlatParamHandle::copy_into_shard: '", info.fqn,
+              "' has shape ", c10::IntArrayRef(info.shape), " but the value has shape ",
+              value.sizes());
+  const int64_t first = std::max(info.offset, shard_offset_);
+  const int64_t last = std::min(info.offset + info.numel, shard_offset_ + shard_numel_);
+  if (first >= last) return;  // no element of it in this rank's shard
+  at::NoGradGuard no_grad;
+  sharded_.detach()
+      .narrow(0, first - shard_offset_, last - first)
+      .copy_(value.detach().reshape({-1}).narrow(0, first - info.offset, last - first));
 }
 
 void FlatParamHandle::use_views_of(const at::Tensor& flat) {

@@ -145,9 +145,14 @@ class FlatParamHandle {
   // at least one, all of one floating dtype and device, all trained or all frozen
   // (requires_grad; a frozen flat parameter does not require grad), contiguous or not.
   // Their values
-  // become the flat parameter; rank r of `comm` keeps its shard. Throws c10::Error on bad
-  // input (and for a HYBRID strategy without options.replicate_communicator, or a
-  // device handle of another device than the parameters').
+  // become the flat parameter; rank r of `comm` keeps its shard. Parameters on c10::kMeta
+  // (deferred initialisation) are allowed: the handle allocates only the shard, on
+  // options.device_handle's device (CPU without one), holding NaN (zeros in the padding)
+  // until copy_into_shard writes it, and the meta parameters become views of the
+  // unsharded buffer in place (see Note [Flat parameters of meta parameters] in
+  // flat_param.cc). Throws c10::Error on bad input (and for a HYBRID strategy without
+  // options.replicate_communicator, or a device handle of another device than the
+  // parameters').
   FlatParamHandle(std::vector<NamedParam> params, std::shared_ptr<Communicator> comm,
                   ShardingStrategy strategy, const FlatParamOptions& options = {});
 
@@ -166,6 +171,11 @@ class FlatParamHandle {
   Communicator& communicator() const { return *comm_; }
   // HYBRID: the replicas gradients are all-reduced over; null otherwise.
   Communicator* replicate_communicator() const { return replicate_comm_.get(); }
+  // The same two, shared (a root reuses the groups of units sharded at construction).
+  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
+  const std::shared_ptr<Communicator>& shared_replicate_communicator() const {
+    return replicate_comm_;
+  }
   const std::vector<FlatParamInfo>& param_infos() const { return infos_; }
   // This rank's shard as ShardParamInfos.
   std::vector<ShardParamInfo> local_shard_param_infos() const;
@@ -255,6 +265,14 @@ class FlatParamHandle {
   // precision).
   void write_back_shard();
 
+  // Copies the elements of original_params()[index] that lie in this rank's shard from
+  // `value`, the parameter's full value (its shape; any device and dtype, converted), into
+  // sharded_flat_param(), without unsharding or communicating: how a meta-initialised
+  // handle's shard is filled (FullyShardedRoot::init_parameters). Needs the handle sharded
+  // (kSharded), or NO_SHARD without a separate unsharded buffer. Throws c10::Error for an
+  // index out of range or another shape.
+  void copy_into_shard(size_t index, const at::Tensor& value);
+
   // Prepends `prefix` to every parameter's FQN: for a handle made before its unit's
   // place in the model was known (EnableWrap in fully_sharded.h).
   void add_fqn_prefix(const std::string& prefix);
@@ -296,6 +314,9 @@ class FlatParamHandle {
   // Ranks the gradients are averaged over: the shard group's, times the groups (HYBRID).
   int64_t total_replicas() const;
   void use_views_of(const at::Tensor& flat);
+  // The constructor's allocation for meta parameters (Note [Flat parameters of meta
+  // parameters]).
+  void init_from_meta(const std::vector<NamedParam>& params, bool trained);
   at::Tensor flatten_grads(std::vector<at::Tensor>& grads) const;  // releases each grad
 
   at::Tensor sharded_;  // the optimizer's leaf

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <map>
+#include <mutex>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -17,6 +19,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "fsdp/base/names.h"
+#include "fsdp/base/torch_compat.h"
 #include "fsdp/core/internal/runtime.h"
 #include "fsdp/wrap/module_tree.h"
 #include "fsdp/wrap/recursive_wrap.h"
@@ -24,9 +27,73 @@
 namespace fsdp {
 namespace core_internal {
 
+// Note [Annotated modules]
+// fsdp::wrap inside an EnableWrap scope leaves the module as it is, so its parent holds
+// and calls the user's type (a ModuleList entry stays a BlockImpl), and records the
+// annotation here, keyed by the module: the unit settings and, if the scope shards on
+// construction, the flat parameter made at once. The root that binds the model registers
+// a unit in the module's place exactly as for a module its auto_wrap_policy picks
+// (make_picked_unit: a Sequential child is swapped for an AnyUnitImpl, any other parent
+// keeps calling the module, through fsdp::forward_as, and a direct call is the error of
+// Note [A unit's module called directly] in unit.cc) and hands the unit the annotation.
+// Entries hold their module weakly: one whose module is gone is dropped at the next
+// annotation. Ranks may be threads, so the table is locked.
+struct WrapAnnotationEntry {
+  std::weak_ptr<torch::nn::Module> module;
+  UnitOptions options;
+  std::unique_ptr<FlatParamHandle> handle;
+};
+
+struct WrapAnnotations {
+  std::mutex mutex;
+  absl::flat_hash_map<const torch::nn::Module*, WrapAnnotationEntry> entries;
+  // The live entry of `module`, or null (the caller holds the lock).
+  WrapAnnotationEntry* find(const torch::nn::Module& module) {
+    auto it = entries.find(&module);
+    if (it == entries.end()) return nullptr;
+    if (it->second.module.lock().get() != &module) {  // gone; the address was reused
+      entries.erase(it);
+      return nullptr;
+    }
+    return &it->second;
+  }
+};
+
+WrapAnnotations& wrap_annotations() {
+  static auto* annotations = new WrapAnnotations();  // never destroyed: modules outlive statics
+  return *annotations;
+}
+
+// The flat parameter a unit or an annotated module below a module being sharded made.
+const FlatParamHandle* constructed_handle_of(const torch::nn::Module& module) {
+  if (const auto* unit = dynamic_cast<const UnitBase*>(&module)) return unit->constructed_handle();
+  WrapAnnotations& annotations = wrap_annotations();
+  std::lock_guard<std::mutex> lock(annotations.mutex);
+  const WrapAnnotationEntry* entry = annotations.find(module);
+  return entry == nullptr ? nullptr : entry->handle.get();
+}
+
+// The annotation fsdp::wrap recorded for `module`, removed, or nullopt.
+c10::optional<WrapAnnotationEntry> take_wrap_annotation(const torch::nn::Module& module) {
+  WrapAnnotations& annotations = wrap_annotations();
+  std::lock_guard<std::mutex> lock(annotations.mutex);
+  WrapAnnotationEntry* entry = annotations.find(module);
+  if (entry == nullptr) return c10::nullopt;
+  WrapAnnotationEntry taken = std::move(*entry);
+  annotations.entries.erase(&module);
+  return taken;
+}
+
 struct UnitBinder {
   static void bind(UnitBase& unit, std::shared_ptr<UnitState> state) {
     unit.bind(std::move(state));
+  }
+  // An fsdp::wrap annotation, for the unit registered in its module's place (Note
+  // [Annotated modules]).
+  static void annotate(UnitBase& unit, const UnitOptions& options,
+                       std::unique_ptr<FlatParamHandle> handle) {
+    unit.annotation_ = {/*annotated=*/true, options};
+    unit.constructed_handle_ = std::move(handle);
   }
   // CustomPolicy's overrides for a unit it picked.
   static void override_options(UnitBase& unit, const UnitOptions& options) {
@@ -70,7 +137,7 @@ class HeldModuleUnit : public UnitBase {
 
 // recursive_wrap's replace_child for FSDP (see the Note): makes the picked `child` a unit
 // where `parent` calls it and adds it to `picked`.
-UnitBase* make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
+UnitBase* make_picked_unit(torch::nn::Module& parent, const std::string& child_name,
                            std::shared_ptr<torch::nn::Module> registered,
                            absl::flat_hash_set<const UnitBase*>& picked) {
   if (auto* unit = dynamic_cast<UnitBase*>(registered.get())) {
@@ -82,13 +149,13 @@ UnitBase* make_picked_unit(torch::nn::Module& parent, const ModuleNode& child,
       if (it->ptr() != registered) continue;
       auto unit = std::make_shared<AnyUnitImpl>(std::move(*it));
       *it = torch::nn::AnyModule(unit);
-      sequential->replace_module(child.name, unit);
+      sequential->replace_module(child_name, unit);
       picked.insert(unit.get());
       return unit.get();
     }
   }
   auto unit = std::make_shared<HeldModuleUnit>(std::move(registered));
-  parent.replace_module(child.name, unit);
+  parent.replace_module(child_name, unit);
   picked.insert(unit.get());
   return unit.get();
 }
@@ -102,12 +169,21 @@ struct Ignored {
   std::vector<at::Tensor> trained;                     // those that require grad, once each
 };
 
-Ignored resolve_ignored(const FullyShardedDataParallelOptions& options) {
+// `root`'s units add the ignored_modules of their UnitOptions.
+Ignored resolve_ignored(const FullyShardedDataParallelOptions& options,
+                        const torch::nn::Module& root) {
   TORCH_CHECK(options.ignored_modules().empty() || options.ignored_states().empty(),
               "FullyShardedDataParallel: give ignored_modules or ignored_states, not both "
               "(ignored_states takes modules too)");
   Ignored ignored;
   ignored.modules = options.ignored_modules();
+  // The root itself has no settings of its own (and is not in a shared_ptr yet).
+  for (const auto& module : root.modules(/*include_self=*/false)) {
+    if (const auto* unit = dynamic_cast<const UnitBase*>(module.get())) {
+      const std::vector<const torch::nn::Module*>& own = unit->unit_options().ignored_modules();
+      ignored.modules.insert(ignored.modules.end(), own.begin(), own.end());
+    }
+  }
   std::vector<at::Tensor> params;
   for (const IgnoredState& state : options.ignored_states()) {
     if (state.module() != nullptr) {
@@ -171,7 +247,7 @@ absl::flat_hash_set<const UnitBase*> apply_policy(UnitBase& root,
   }
   wrap_options.replace_child([&picked, custom](torch::nn::Module& parent, const ModuleNode& child,
                                                std::shared_ptr<torch::nn::Module> registered) {
-    UnitBase* unit = make_picked_unit(parent, child, std::move(registered), picked);
+    UnitBase* unit = make_picked_unit(parent, child.name, std::move(registered), picked);
     if (custom == nullptr) return;
     if (c10::optional<UnitOptions> own = custom->unit_options(child)) {
       core_internal::UnitBinder::override_options(*unit, *own);
@@ -270,13 +346,16 @@ ShardingStrategy effective_strategy(const FullyShardedDataParallelOptions& optio
 
 // The strategy of `unit` (the root if `is_root`): its own from fsdp::wrap, or the one
 // unit_sharding_strategies gives it, or the root's. `fqn` names it in errors.
-ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options, const UnitBase& unit,
-                               bool is_root, const std::string& fqn) {
+// `unit` may be null (a module fsdp::wrap annotated, being sharded on construction).
+ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options,
+                               const UnitOptions& own, const torch::nn::Module* unit,
+                               const torch::nn::Module& wrapped, bool is_root,
+                               const std::string& fqn) {
   const ShardingStrategy root = effective_strategy(options);
-  c10::optional<ShardingStrategy> asked = unit.unit_options().sharding_strategy();
+  c10::optional<ShardingStrategy> asked = own.sharding_strategy();
   const char* source = "fsdp::wrap";
   for (const auto& [module, strategy] : options.unit_sharding_strategies()) {
-    if (module != &unit && module != unit.wrapped_module().get()) continue;
+    if ((unit == nullptr || module != unit) && module != &wrapped) continue;
     TORCH_CHECK(!asked, "FullyShardedDataParallel: unit '", fqn,
                 "' has a sharding strategy from fsdp::wrap and from unit_sharding_strategies; "
                 "give it one");
@@ -293,11 +372,15 @@ ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options, c
   return options.communicator()->world_size() == 1 ? ShardingStrategy::kNoShard : *asked;
 }
 
-// The mixed precision of `unit`: its own from fsdp::wrap, or the root's.
+ShardingStrategy unit_strategy(const FullyShardedDataParallelOptions& options, const UnitBase& unit,
+                               bool is_root, const std::string& fqn) {
+  return unit_strategy(options, unit.unit_options(), &unit, *unit.wrapped_module(), is_root, fqn);
+}
+
+// The mixed precision of a unit with settings `own`: its own from fsdp::wrap, or the root's.
 const c10::optional<MixedPrecision>& unit_mixed_precision(
-    const FullyShardedDataParallelOptions& options, const UnitBase& unit) {
-  const c10::optional<MixedPrecision>& own = unit.unit_options().mixed_precision();
-  return own ? own : options.mixed_precision();
+    const FullyShardedDataParallelOptions& options, const UnitOptions& own) {
+  return own.mixed_precision() ? own.mixed_precision() : options.mixed_precision();
 }
 
 bool is_full_precision(const c10::optional<MixedPrecision>& mp, const torch::nn::Module& wrapped) {
@@ -447,6 +530,39 @@ void check_same_construction(Communicator& comm, c10::Device device,
   }
 }
 
+// Registers a unit in the place of every module below `root` that fsdp::wrap annotated
+// (Note [Annotated modules]); the root's own module, if annotated, gives the root its
+// annotation's flat parameter.
+void make_annotated_units(UnitBase& root) {
+  if (c10::optional<core_internal::WrapAnnotationEntry> own =
+          core_internal::take_wrap_annotation(*root.wrapped_module())) {
+    if (own->handle != nullptr) {
+      core_internal::UnitBinder::annotate(root, root.unit_options(), std::move(own->handle));
+    }
+  }
+  // Depth-first over the module tree (finite: LibTorch refuses cycles).
+  std::vector<std::shared_ptr<torch::nn::Module>> stack = {root.wrapped_module()};
+  while (!stack.empty()) {
+    std::shared_ptr<torch::nn::Module> parent = std::move(stack.back());
+    stack.pop_back();
+    for (const auto& item : parent->named_children()) {
+      std::shared_ptr<torch::nn::Module> child = item.value();
+      if (auto* unit = dynamic_cast<UnitBase*>(child.get())) {
+        stack.push_back(unit->wrapped_module());
+        continue;
+      }
+      if (c10::optional<core_internal::WrapAnnotationEntry> annotation =
+              core_internal::take_wrap_annotation(*child)) {
+        absl::flat_hash_set<const UnitBase*> made;
+        UnitBase* unit = make_picked_unit(*parent, item.key(), child, made);
+        core_internal::UnitBinder::annotate(*unit, annotation->options,
+                                            std::move(annotation->handle));
+      }
+      stack.push_back(std::move(child));
+    }
+  }
+}
+
 // The units this root binds, in pre-order (the root first): every annotated unit outside
 // ignored modules, or those the auto_wrap_policy picks. Throws if one is bound already or
 // if a unit sharded at construction lies under an ignored module.
@@ -501,7 +617,8 @@ void check_constructed_params(const FlatParamHandle& handle, const FoundUnit& un
     TORCH_CHECK(!ignored.params.contains(key), "FullyShardedDataParallel: '", fqn,
                 "' is ignored, but unit '", unit.fqn,
                 "' sharded it at construction "
-                "(EnableWrap); build ignored modules outside units made under "
+                "(EnableWrap); give the unit its ignored modules "
+                "(UnitOptions::ignored_modules) or build them outside units made under "
                 "that scope");
     TORCH_CHECK(owners.unit.at(key) == k, "FullyShardedDataParallel: unit '", unit.fqn,
                 "' sharded '", fqn,
@@ -580,9 +697,16 @@ struct ShardGroups {
   std::shared_ptr<Communicator> replicate;  // HYBRID only
 };
 
-ShardGroups shard_groups(const FullyShardedDataParallelOptions& options,
-                         ShardingStrategy strategy) {
+// Units sharded at construction under a HYBRID strategy (EnableWrap) used the groups
+// their scope split; the root reuses them, so every unit shares one pair of groups.
+ShardGroups shard_groups(const FullyShardedDataParallelOptions& options, ShardingStrategy strategy,
+                         const std::vector<std::unique_ptr<FlatParamHandle>>& constructed = {}) {
   if (!is_hybrid(strategy)) return {options.communicator(), nullptr};
+  for (const std::unique_ptr<FlatParamHandle>& handle : constructed) {
+    if (handle != nullptr && handle->replicate_communicator() != nullptr) {
+      return {handle->shared_communicator(), handle->shared_replicate_communicator()};
+    }
+  }
   Communicator& comm = *options.communicator();
   const int f = options.hybrid_shard_group_size();
   TORCH_CHECK(f >= 1 && comm.world_size() % f == 0,
@@ -633,7 +757,8 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
   std::vector<const torch::nn::Module*> full_precision_modules;
   for (size_t k = 0; k < units.size(); ++k) {
     const torch::nn::Module& wrapped = *units[k].unit->wrapped_module();
-    const c10::optional<MixedPrecision>& mp = unit_mixed_precision(options, *units[k].unit);
+    const c10::optional<MixedPrecision>& mp =
+        unit_mixed_precision(options, units[k].unit->unit_options());
     const bool full_precision = is_full_precision(mp, wrapped);
     FlatParamOptions unit_options = flat_param_options(mp, wrapped, options.cpu_offload());
     unit_options.replicate_communicator(groups.replicate);
@@ -715,7 +840,10 @@ std::shared_ptr<DeviceHandle> compute_device(const FullyShardedDataParallelOptio
     if (handle != nullptr) return DeviceHandle::for_device(handle->device());
   }
   for (const std::vector<NamedParam>& unit : params.to_flatten) {
-    if (!unit.empty()) return DeviceHandle::for_device(unit.front().param.device());
+    // Meta parameters have no device yet: see Note [Initialisation on the meta device].
+    if (!unit.empty() && !unit.front().param.is_meta()) {
+      return DeviceHandle::for_device(unit.front().param.device());
+    }
   }
   return DeviceHandle::for_device(c10::Device(c10::kCPU));
 }
@@ -735,7 +863,7 @@ void move_to_device(torch::nn::Module& root, c10::Device device, const Ignored& 
   }
   at::NoGradGuard no_grad;
   const auto move = [&](const std::string& name, const at::Tensor& tensor) {
-    if (!tensor.defined() || stay.contains(tensor.unsafeGetTensorImpl()) ||
+    if (!tensor.defined() || stay.contains(tensor.unsafeGetTensorImpl()) || tensor.is_meta() ||
         tensor.device() == device) {
       return;
     }
@@ -747,6 +875,56 @@ void move_to_device(torch::nn::Module& root, c10::Device device, const Ignored& 
   };
   for (const auto& item : root.named_parameters()) move(item.key(), item.value());
   for (const auto& item : root.named_buffers()) move(item.key(), item.value());
+}
+
+// Note [Initialisation on the meta device]
+// A model whose code creates its tensors on c10::kMeta (PyTorch: built under
+// torch.device("meta")) has shapes and dtypes but no values and no memory, so every rank
+// can build the whole model and let FSDP decide what to allocate: the policy sees the meta
+// tree (numels only), each unit's FlatParamHandle allocates just this rank's shard on the
+// compute device (Note [Flat parameters of meta parameters] in flat_param.cc), and what
+// FSDP leaves whole (buffers, ignored modules' and ignored_states' parameters) is allocated
+// here, full, on the compute device. Every fresh allocation holds NaN (zeros for integer
+// buffers) until something writes it, so a value nothing computed shows up instead of
+// garbage. Values then come from FullyShardedRoot::init_parameters (PyTorch: to_empty, then
+// reset_parameters) or from a state-dict reader, which copies each rank's bytes into its
+// shards; non-persistent buffers (a RoPE inv_freq) are in no checkpoint, so init_parameters
+// computes them. sync_module_states has nothing to broadcast and is refused.
+//
+// init_parameters walks the model's modules in pre-order (the order a constructor that
+// builds and initialises children one after another draws random numbers in), and for each
+// module with parameters or buffers of its own points each of its parameters at a scratch
+// full tensor (NaN) on the compute device, calls the user's init, checks that every scratch
+// value was written, copies this rank's elements into the shard
+// (FlatParamHandle::copy_into_shard) and drops the scratch. So the peak is the shards plus
+// one module's own parameters (at most one unit's), and since every rank draws the whole
+// module from the same generator state and keeps its part, the shards equal the chunks of a
+// one-process build that constructs the same modules in the same order from the same seed.
+// A parameter registered by several modules (tied weights) keeps the values of its first
+// registration in pre-order; the later modules' init writes a scratch that is dropped (it
+// still draws, as in a one-process build that ties the head to the embedding after both
+// were built).
+std::vector<at::Tensor> materialize_meta_states(torch::nn::Module& root, c10::Device device,
+                                                const Ignored& ignored) {
+  std::vector<at::Tensor> materialized;
+  absl::flat_hash_set<const c10::TensorImpl*> seen;
+  const auto allocate = [&](const at::Tensor& tensor) {
+    if (!tensor.defined() || !tensor.is_meta() ||
+        !seen.insert(tensor.unsafeGetTensorImpl()).second) {
+      return;
+    }
+    at::Tensor value = at::empty(tensor.sizes(), tensor.options().device(device));
+    if (at::isFloatingType(value.scalar_type()) || at::isComplexType(value.scalar_type())) {
+      value.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      value.zero_();
+    }
+    compat::materialize_meta_tensor(tensor, value);
+    materialized.push_back(tensor);
+  };
+  for (const at::Tensor& buffer : root.buffers()) allocate(buffer);
+  for (const at::Tensor& param : ignored.param_list) allocate(param);
+  return materialized;
 }
 
 // Note [Original parameters are not leaves]
@@ -764,7 +942,8 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
     UnitBase& root, const FullyShardedDataParallelOptions& options) {
   TORCH_CHECK(options.communicator() != nullptr,
               "FullyShardedDataParallel: options.communicator is null");
-  const Ignored ignored = resolve_ignored(options);
+  make_annotated_units(root);  // first: their UnitOptions may ignore modules
+  const Ignored ignored = resolve_ignored(options, root);
   std::vector<FoundUnit> units = select_units(root, options, ignored);
   UnitParams params = collect_unit_params(root, units, ignored);
   std::shared_ptr<DeviceHandle> device = compute_device(options, params);
@@ -772,7 +951,18 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
   Communicator& comm = *options.communicator();
   check_same_construction(comm, device->device(), options, unit_names(units),
                           unit_numels(params));  // first
+  // See Note [Initialisation on the meta device].
+  std::vector<at::Tensor> materialized = materialize_meta_states(root, device->device(), ignored);
   if (options.sync_module_states() && comm.world_size() > 1) {
+    for (const std::vector<NamedParam>& unit : params.to_flatten) {
+      for (const NamedParam& p : unit) {
+        TORCH_CHECK(!p.param.is_meta(), "FullyShardedDataParallel: sync_module_states with '",
+                    p.fqn,
+                    "' on the meta device: it has no values to broadcast yet; drop "
+                    "sync_module_states and fill the shards with init_parameters (the same "
+                    "seed on every rank) or a checkpoint reader");
+      }
+    }
     sync_module_states(comm, root, ignored, params.to_flatten);
   }
   const ShardingStrategy strategy = effective_strategy(options);
@@ -781,8 +971,10 @@ std::shared_ptr<core_internal::RootState> bind_fully_sharded(
       options.forward_prefetch());
   if (options.param_exec_order_wrap_policy()) root_state->prefetch_in_first_iteration_order();
   const std::vector<const torch::nn::Module*> full_precision_modules =
-      bind_units(options, shard_groups(options, strategy), device, units, params, *root_state);
+      bind_units(options, shard_groups(options, strategy, params.constructed), device, units,
+                 params, *root_state);
   configure_root(root, options, ignored, full_precision_modules, *root_state);
+  root_state->set_materialized(std::move(materialized));
   return root_state;
 }
 
@@ -794,32 +986,59 @@ namespace core_internal {
 struct WrapConfig {
   FullyShardedDataParallelOptions options;
   bool shard_on_construction;
+  ShardGroups groups;  // with shard_on_construction: what the units shard over
   absl::flat_hash_set<const c10::TensorImpl*> sharded;
 };
 
-UnitAnnotation annotation_for_wrap(const UnitOptions& overrides) {
+void annotate_for_wrap(const std::shared_ptr<torch::nn::Module>& module,
+                       const UnitOptions& overrides) {
+  TORCH_CHECK(module != nullptr, "fsdp::wrap: the module is null");
   WrapScope<WrapConfig>* scope = WrapScope<WrapConfig>::active();
-  if (scope == nullptr) return {/*annotated=*/false, {}};
+  if (scope == nullptr) return;  // PyTorch's wrap outside enable_wrap: the module unchanged
+  TORCH_CHECK(dynamic_cast<const UnitBase*>(module.get()) == nullptr,
+              "fsdp::wrap: the module is already a unit (a Unit<T>); wrap the module it "
+              "holds, or use the Unit<T> alone");
   const FullyShardedDataParallelOptions& defaults = scope->config().options;
   UnitOptions options = overrides;
   if (!options.sharding_strategy()) options.sharding_strategy(defaults.sharding_strategy());
   if (!options.mixed_precision()) options.mixed_precision(defaults.mixed_precision());
-  return {/*annotated=*/true, std::move(options)};
+  {
+    WrapAnnotations& annotations = wrap_annotations();
+    std::lock_guard<std::mutex> lock(annotations.mutex);
+    TORCH_CHECK(annotations.find(*module) == nullptr,
+                "fsdp::wrap: the module is annotated already; wrap it once");
+  }
+  std::unique_ptr<FlatParamHandle> handle = shard_on_construction(*module, nullptr, options);
+  WrapAnnotations& annotations = wrap_annotations();
+  std::lock_guard<std::mutex> lock(annotations.mutex);
+  for (auto it = annotations.entries.begin(); it != annotations.entries.end();) {
+    if (it->second.module.expired()) {
+      annotations.entries.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  annotations.entries[module.get()] = {module, std::move(options), std::move(handle)};
 }
 
-std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped,
+                                                       const UnitBase* unit,
+                                                       const UnitOptions& own) {
   WrapScope<WrapConfig>* scope = WrapScope<WrapConfig>::active();
   if (scope == nullptr || !scope->config().shard_on_construction) return nullptr;
   WrapConfig& config = scope->config();
-  const torch::nn::Module& wrapped = *unit.wrapped_module();
   // Units built inside this one took their parameters already.
   absl::flat_hash_set<const c10::TensorImpl*> nested;
   for (const auto& module : wrapped.modules()) {
-    const auto* inner = dynamic_cast<const UnitBase*>(module.get());
-    if (inner == nullptr || inner->constructed_handle() == nullptr) continue;
-    for (const at::Tensor& p : inner->constructed_handle()->original_params()) {
-      nested.insert(p.unsafeGetTensorImpl());
-    }
+    if (module.get() == &wrapped) continue;
+    const FlatParamHandle* inner = constructed_handle_of(*module);
+    if (inner == nullptr) continue;
+    for (const at::Tensor& p : inner->original_params()) nested.insert(p.unsafeGetTensorImpl());
+  }
+  // The unit's ignored modules stay whole (the root ignores them too).
+  for (const torch::nn::Module* module : own.ignored_modules()) {
+    TORCH_CHECK(module != nullptr, "EnableWrap: a null module in a unit's ignored_modules");
+    for (const at::Tensor& p : module->parameters()) nested.insert(p.unsafeGetTensorImpl());
   }
   std::vector<NamedParam> params;
   absl::flat_hash_set<const c10::TensorImpl*> seen;
@@ -835,26 +1054,35 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit) {
   }
   if (params.empty()) return nullptr;
   for (const NamedParam& p : params) config.sharded.insert(p.param.unsafeGetTensorImpl());
-  FlatParamOptions flat = flat_param_options(unit_mixed_precision(config.options, unit), wrapped,
+  FlatParamOptions flat = flat_param_options(unit_mixed_precision(config.options, own), wrapped,
                                              config.options.cpu_offload());
+  flat.replicate_communicator(config.groups.replicate);
   if (const c10::optional<c10::Device>& device_id = config.options.device_id()) {
     // See Note [Compute device]: the unit's parameters move before they are flattened.
     flat.device_handle(DeviceHandle::for_device(*device_id));
     const c10::Device device = flat.device_handle()->device();
     at::NoGradGuard no_grad;
     for (const NamedParam& p : params) {
-      TORCH_CHECK(p.param.device() == device || p.param.device().is_cpu(), "EnableWrap: '", p.fqn,
-                  "' is on ", p.param.device(), " but device_id is ", device,
-                  "; FSDP moves only CPU tensors to device_id");
-      if (p.param.device() != device) p.param.set_data(p.param.to(device));
+      if (p.param.is_meta() || p.param.device() == device) continue;  // meta: the handle's
+      TORCH_CHECK(p.param.device().is_cpu(), "EnableWrap: '", p.fqn, "' is on ", p.param.device(),
+                  " but device_id is ", device, "; FSDP moves only CPU tensors to device_id");
+      p.param.set_data(p.param.to(device));
     }
   }
   return std::make_unique<FlatParamHandle>(
-      std::move(params), config.options.communicator(),
-      unit_strategy(config.options, unit, /*is_root=*/false, "<being built>"), flat);
+      std::move(params), config.groups.shard,
+      unit_strategy(config.options, own, unit, wrapped, /*is_root=*/false, "<being built>"), flat);
 }
 
 }  // namespace core_internal
+
+c10::optional<WrapAnnotation> wrap_annotation(const torch::nn::Module& module) {
+  core_internal::WrapAnnotations& annotations = core_internal::wrap_annotations();
+  std::lock_guard<std::mutex> lock(annotations.mutex);
+  const core_internal::WrapAnnotationEntry* entry = annotations.find(module);
+  if (entry == nullptr) return c10::nullopt;
+  return WrapAnnotation{entry->options, entry->handle.get()};
+}
 
 c10::optional<UnitOptions> CustomPolicy::unit_options(const ModuleNode& module) const {
   const Result result = lambda_fn_(module);
@@ -870,14 +1098,16 @@ EnableWrap::EnableWrap(const FullyShardedDataParallelOptions& options,
                        const EnableWrapOptions& wrap_options) {
   const bool shard_on_construction = wrap_options.shard_on_construction();
   TORCH_CHECK(options.communicator() != nullptr, "EnableWrap: options.communicator is null");
-  TORCH_CHECK(!shard_on_construction ||
-                  (!is_hybrid(options.sharding_strategy()) && wrap_policy(options) == nullptr),
-              "EnableWrap: HYBRID strategies and auto_wrap_policy are not supported "
-              "(nor param_exec_order_wrap_policy) "
-              "when sharding at construction; annotate units with fsdp::wrap or fsdp::Unit "
-              "and use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+  TORCH_CHECK(!shard_on_construction || wrap_policy(options) == nullptr,
+              "EnableWrap: auto_wrap_policy is not supported (nor param_exec_order_wrap_policy) "
+              "when sharding at construction; annotate units with fsdp::wrap or fsdp::Unit, or "
+              "build the model on the meta device (fully_sharded.h) to use a policy");
+  ShardGroups groups;
+  if (shard_on_construction) {  // split once: the root reuses these groups
+    groups = shard_groups(options, effective_strategy(options));
+  }
   scope_ = std::make_unique<WrapScope<core_internal::WrapConfig>>(
-      core_internal::WrapConfig{options, shard_on_construction, {}});
+      core_internal::WrapConfig{options, shard_on_construction, std::move(groups), {}});
 }
 
 EnableWrap::~EnableWrap() = default;
@@ -927,6 +1157,108 @@ at::Tensor FullyShardedRoot::clip_grad_norm_(double max_norm, double norm_type) 
 void FullyShardedRoot::check_collective_schedule() {
   check_idle("check_collective_schedule");
   state_->comm().check_collective_schedule();
+}
+
+void FullyShardedRoot::init_parameters(const ModuleInit& init) {
+  // See Note [Initialisation on the meta device].
+  TORCH_CHECK(init != nullptr, "init_parameters: the init function is empty");
+  check_idle("init_parameters");
+  struct Slot {
+    FlatParamHandle* handle;
+    size_t index;
+  };
+  absl::flat_hash_map<const c10::TensorImpl*, Slot> slots;
+  for (const auto& unit : state_->units()) {
+    for (FlatParamHandle* handle : unit->handles()) {
+      TORCH_CHECK(handle->state() == FlatParamState::kSharded ||
+                      (handle->strategy() == ShardingStrategy::kNoShard &&
+                       handle->state() == FlatParamState::kUnsharded),
+                  "init_parameters: unit '", unit->fqn(), "' is unsharded (",
+                  flat_param_state_name(handle->state()), "); call it outside summon_full_params");
+      for (size_t i = 0; i < handle->original_params().size(); ++i) {
+        slots[handle->original_params()[i].unsafeGetTensorImpl()] = {handle, i};
+      }
+    }
+  }
+  absl::flat_hash_set<const c10::TensorImpl*> unwritten;  // buffers still NaN from construction
+  for (const at::Tensor& t : state_->materialized()) unwritten.insert(t.unsafeGetTensorImpl());
+  absl::flat_hash_set<const c10::TensorImpl*> done;  // parameters initialised
+  const auto has_nan = [](const at::Tensor& t) {
+    return (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) &&
+           at::isnan(t).any().item<bool>();
+  };
+  at::NoGradGuard no_grad;
+  const c10::Device device = state_->device().device();
+  // The root unit itself holds no state of its own.
+  for (const auto& item : root_->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    torch::nn::Module& module = *item.value();
+    if (dynamic_cast<const UnitBase*>(&module) != nullptr) continue;  // no state of its own
+    const auto params = module.named_parameters(/*recurse=*/false);
+    const auto buffers = module.named_buffers(/*recurse=*/false);
+    if (params.is_empty() && buffers.is_empty()) continue;
+    struct Swapped {
+      std::string fqn;
+      at::Tensor param;  // the registered tensor, pointed at `scratch` during init
+      at::Tensor own;    // its own data, restored after
+      bool first;        // its first registration: keep what init wrote
+    };
+    std::vector<Swapped> swapped;
+    for (const auto& p : params) {
+      const at::Tensor& param = p.value();
+      if (!param.defined()) continue;
+      // In the shard's dtype: a unit's parameters are views of a buffer in the mixed
+      // precision param_dtype.
+      auto slot = slots.find(param.unsafeGetTensorImpl());
+      const c10::ScalarType dtype = slot != slots.end()
+                                        ? slot->second.handle->sharded_flat_param().scalar_type()
+                                        : param.scalar_type();
+      at::Tensor scratch = at::full(param.sizes(), std::numeric_limits<double>::quiet_NaN(),
+                                    at::TensorOptions().dtype(dtype).device(device));
+      at::Tensor own = param.data();
+      param.set_data(scratch);
+      swapped.push_back(
+          {clean_tensor_name(item.key().empty() ? p.key() : item.key() + "." + p.key()), param, own,
+           done.insert(param.unsafeGetTensorImpl()).second});
+    }
+    try {
+      init(module);
+    } catch (...) {
+      for (Swapped& s : swapped) s.param.set_data(s.own);
+      throw;
+    }
+    for (Swapped& s : swapped) {
+      const at::Tensor value = s.param.data();
+      s.param.set_data(s.own);
+      if (!s.first) continue;  // a tied parameter met again: its first registration's values
+      TORCH_CHECK(!has_nan(value), "init_parameters: parameter '", s.fqn,
+                  "' holds NaN after the init function ran on its module (",
+                  c10::demangle(typeid(module).name()),
+                  "); it must write every parameter and buffer of the module it is given");
+      unwritten.erase(s.param.unsafeGetTensorImpl());
+      auto slot = slots.find(s.param.unsafeGetTensorImpl());
+      if (slot != slots.end()) {
+        slot->second.handle->copy_into_shard(slot->second.index, value);
+      } else {
+        s.param.detach().copy_(value);  // ignored: whole on every rank
+      }
+    }
+    for (const auto& b : buffers) {
+      if (!unwritten.contains(b.value().unsafeGetTensorImpl())) continue;
+      TORCH_CHECK(!has_nan(b.value()), "init_parameters: buffer '",
+                  clean_tensor_name(item.key().empty() ? b.key() : item.key() + "." + b.key()),
+                  "' was built on the meta device and the init function did not compute it on "
+                  "its module (",
+                  c10::demangle(typeid(module).name()),
+                  "); a buffer computed in the constructor (a RoPE inv_freq) must be computed "
+                  "again by init");
+      unwritten.erase(b.value().unsafeGetTensorImpl());
+    }
+  }
+  std::vector<at::Tensor> still;
+  for (const at::Tensor& t : state_->materialized()) {
+    if (unwritten.contains(t.unsafeGetTensorImpl())) still.push_back(t);
+  }
+  state_->set_materialized(std::move(still));
 }
 
 const std::vector<std::shared_ptr<FullyShardedUnit>>& FullyShardedRoot::units() const {

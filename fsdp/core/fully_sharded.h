@@ -55,6 +55,33 @@
 // unit sharded at construction (EnableWrap) cannot mix them (its handle is made before
 // the root splits units). See Note [Frozen parameters in a unit] in internal/runtime.cc.
 //
+// Models built on the meta device (deferred initialisation; PyTorch: a model built under
+// torch.device("meta"), fully_shard, then to_empty and init, or a checkpoint load). Model
+// code that takes tensor options creates its parameters and buffers on c10::kMeta: no
+// memory, no values. FullyShardedDataParallel then takes any auto_wrap_policy (it sees the
+// meta tree), any strategy (HYBRID too), ignored modules and frozen parameters as for any
+// model, and each rank allocates only its shard of each flat parameter, the root's own
+// (embeddings, head) included, on device_id (the CPU without it); buffers and ignored
+// parameters are allocated whole. Everything allocated so holds NaN (integer buffers:
+// zeros) until init_parameters computes it or a state-dict reader (fsdp/state: safetensors,
+// DCP, fsdp's own checkpoints) copies each rank's bytes into its shards. A checkpoint has
+// no non-persistent buffers (a RoPE inv_freq): compute them with init_parameters before
+// loading. sync_module_states is refused (nothing to broadcast).
+//
+//   auto lm = std::make_shared<LmImpl>(config, at::TensorOptions().device(c10::kMeta));
+//   fsdp::FullyShardedDataParallel<LmImpl> model(lm, options);   // allocates the shards
+//   torch::manual_seed(0);                                       // the same on every rank
+//   model->init_parameters([](torch::nn::Module& m) { reset_parameters_of(m); });
+//
+// Ordinary LibTorch modules (torch::nn::Linear, ...) allocate and initialise on the CPU in
+// their constructors and cannot be built on the meta device (LibTorch has no default-device
+// context). A model of them built whole and then wrapped (with or without an
+// auto_wrap_policy) holds one whole copy on every rank until this constructor has sharded
+// it. Two ways around it: build the large parts in model code that takes tensor options
+// and build them on c10::kMeta (above), or annotate the units (fsdp::wrap or Unit<T>) and
+// build the model inside an EnableWrap scope that shards on construction, so each unit is
+// sharded as soon as it is built.
+//
 // Threading: one root per rank, used by that rank's thread. Errors: c10::Error.
 #ifndef FSDP_CORE_FULLY_SHARDED_H_
 #define FSDP_CORE_FULLY_SHARDED_H_
@@ -260,15 +287,22 @@ struct WrapConfig;  // the scope's settings and what it sharded (fully_sharded.c
 // built inside it took) as soon as it is constructed, so building a model holds its
 // units' shards plus one unit's full parameters at a time, never the whole model; the
 // root made later takes those flat parameters over. Parameters outside units (the
-// root's own) stay whole until the root is made. PyTorch: constructing each layer and
-// wrapping it in FSDP at once, the C++ counterpart of deferring initialisation to the
-// meta device. Every rank must build the same model (same units, same order); the
-// root's options must give each unit what the scope gave it (strategy, mixed precision,
-// communicator); units made so cannot contain ignored modules (they do not exist yet
-// when the unit shards), and sync_module_states leaves their parameters alone (each rank
-// keeps its own chunk's initial values: build them from the same seed). HYBRID
-// strategies and auto_wrap_policy are not supported with it. A parameter shared by two
-// units built so must be inside the later one's module.
+// root's own: embeddings, head) stay whole until the root is made, unless the model itself
+// is annotated in the scope (`net = fsdp::wrap(std::make_shared<NetImpl>());`), which
+// shards them as soon as it is built; the root takes that flat parameter over too. PyTorch:
+// constructing each layer and wrapping it in FSDP at once, the C++ counterpart of deferring
+// initialisation to the meta device. Every rank must build the same model (same units, same order);
+// the root's options must give each unit what the scope gave it (strategy, mixed precision,
+// communicator); the root's ignored_modules cannot lie inside units made so (they do not
+// exist yet when the unit shards): give them to the unit instead, as PyTorch's
+// wrap(module, ignored_modules=...) does (`fsdp::wrap(block,
+// fsdp::UnitOptions().ignored_modules({block->adapter.get()}))`), and sync_module_states leaves
+// their parameters alone (each rank keeps its own chunk's initial values: build them from the same
+// seed). HYBRID strategies work (the scope splits the shard and replicate groups once,
+// hybrid_shard_group_size as for the root, and the root reuses them); an auto_wrap_policy does not
+// (the units must exist as they are built: build on the meta device to combine deferred
+// initialisation with a policy, see the file comment). A parameter shared by two units built so
+// must be inside the later one's module.
 //
 // Errors: c10::Error (also when a scope is already active on the thread: scopes do not
 // nest). One per thread (ranks may be threads).
@@ -398,6 +432,30 @@ class FullyShardedRoot {
   // method: units below it cannot clip alone (PyTorch raises for a non-root instance).
   // PyTorch: FullyShardedDataParallel.clip_grad_norm_.
   at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  // Computes every parameter's and buffer's initial values with `init`, one module at a
+  // time, and keeps only this rank's shard of each: how a model built on c10::kMeta gets
+  // its values (see "Models built on the meta device" in the file comment). `init` is
+  // called once per module that has parameters or buffers of its own, in pre-order (the
+  // order a constructor builds and initialises modules in), with the module's own
+  // parameters (recurse = false) pointed at full tensors on the compute device in the
+  // shards' dtype, filled with NaN; it must write each of them and recompute each buffer
+  // the constructor computed (a RoPE inv_freq), in place, without registering new ones:
+  // e.g. `[](torch::nn::Module& m) { if (auto* l = m.as<MyLinearImpl>())
+  // l->reset_parameters(); ... }`. Each rank then copies its elements into its shards and
+  // drops the full tensors, so the peak is the shards plus one module's own parameters.
+  // With the same seed on every rank (torch::manual_seed before the call), the shards
+  // hold the chunks of a one-process build that creates and initialises the same modules
+  // in the same order from that seed. A parameter registered by several modules (tied
+  // weights) keeps what its first registration's init wrote; later ones write a copy that
+  // is dropped. Works on any idle model (it re-initialises one that has values). Errors:
+  // c10::Error if a parameter still holds NaN after its module's init, if a buffer that was
+  // on the meta device was not computed (naming it and its module), if the model is not
+  // idle; an exception from `init` passes through with the module's parameters restored.
+  // Every rank calls it (no collectives). PyTorch: module.to_empty(device=...) then each
+  // module's reset_parameters() (FSDP1's param_init_fn, torchtitan's init_weights).
+  using ModuleInit = std::function<void(torch::nn::Module&)>;
+  void init_parameters(const ModuleInit& init);
 
   // The plan of one training step of this model on this rank (memory_plan.h): its units
   // (in pre-order), world size, strategy, shard group, dtypes, prefetching, CPU offload and

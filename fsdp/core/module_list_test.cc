@@ -66,13 +66,17 @@ struct GptBlockImpl : torch::nn::Module {
 
 // The new user's GPT: blocks in a ModuleList, a tied output head. kThroughUnit: the one
 // documented change, fsdp::forward_as<GptBlockImpl>(m, x) for
-// m->as<GptBlockImpl>()->forward(x).
-template <bool kThroughUnit>
+// m->as<GptBlockImpl>()->forward(x). kAnnotated: each block appended as
+// fsdp::wrap(block) (a unit inside an EnableWrap scope).
+template <bool kThroughUnit, bool kAnnotated = false>
 struct PlainGptImpl : torch::nn::Module {
   PlainGptImpl() {
     embedding = register_module("embedding", torch::nn::Embedding(kVocab, kWidth));
     blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < 3; ++i) blocks->push_back(std::make_shared<GptBlockImpl>());
+    for (int i = 0; i < 3; ++i) {
+      auto block = std::make_shared<GptBlockImpl>();
+      blocks->push_back(kAnnotated ? fsdp::wrap(block) : block);
+    }
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
   }
   at::Tensor forward(at::Tensor tokens) {
@@ -102,6 +106,15 @@ struct PlainGptImpl : torch::nn::Module {
 };
 using ThroughUnitGptImpl = PlainGptImpl<true>;
 using DirectGptImpl = PlainGptImpl<false>;
+using AnnotatedThroughUnitGptImpl = PlainGptImpl<true, /*kAnnotated=*/true>;
+using AnnotatedDirectGptImpl = PlainGptImpl<false, /*kAnnotated=*/true>;
+
+// Builds Net inside an EnableWrap scope with `options` (its fsdp::wrap calls annotate).
+template <typename Net>
+std::shared_ptr<Net> make_in_scope(const FullyShardedDataParallelOptions& options) {
+  EnableWrap scope(options);
+  return make<Net>();
+}
 
 FullyShardedDataParallelOptions block_policy(std::shared_ptr<Communicator> comm,
                                              ShardingStrategy strategy) {
@@ -186,6 +199,42 @@ TEST(ModuleListTest, CallingABlockDirectlyIsAnErrorNamingTheUnit) {
               "its parameters were not gathered for it; call it through its unit with "
               "fsdp::forward_as, e.g. `x = fsdp::forward_as<fsdp::(anonymous "
               "namespace)::GptBlockImpl>(m, x);`")));
+    }
+  });
+}
+
+// Issue 36, item 6: blocks annotated with fsdp::wrap behave as policy-picked ones. The
+// list keeps the blocks themselves (the units registered in their place), so the
+// forward_as model trains in parity with one process and names and units are the policy
+// path's, and the unchanged model meets the policy path's error instead of a null
+// as<GptBlockImpl>().
+TEST(ModuleListTest, AnnotatedBlocksAreUnitsInTheListsPlace) {
+  const core_testing::Reference sgd = core_testing::reference<ThroughUnitGptImpl>(2, false);
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                      ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(sharding_strategy_name(strategy));
+      const auto options = FullyShardedDataParallelOptions(comm).sharding_strategy(strategy);
+      auto net = make_in_scope<AnnotatedThroughUnitGptImpl>(options);
+      EXPECT_NE(net->blocks[0]->as<GptBlockImpl>(), nullptr);
+      EXPECT_TRUE(wrap_annotation(*net->blocks[0]).has_value());
+      core_testing::expect_parity_on<AnnotatedThroughUnitGptImpl>(
+          comm, sgd, options, /*adam=*/false, nullptr,
+          [&] { return make_in_scope<AnnotatedThroughUnitGptImpl>(options); });
+
+      FullyShardedDataParallel<AnnotatedThroughUnitGptImpl> model(net, options);
+      std::vector<std::string> fqns;
+      for (const auto& unit : model->units()) fqns.push_back(unit->fqn());
+      EXPECT_THAT(fqns, ElementsAre("", "blocks.0", "blocks.1", "blocks.2"));
+      EXPECT_NE(model->module()->blocks[0]->as<GptBlockImpl>(), nullptr);
+      EXPECT_FALSE(wrap_annotation(*net->blocks[0]).has_value());  // the unit took it
+
+      FullyShardedDataParallel<AnnotatedDirectGptImpl> direct(
+          make_in_scope<AnnotatedDirectGptImpl>(options), options);
+      EXPECT_THAT([&] { direct->forward(AnnotatedDirectGptImpl::batch(0, 2).input); },
+                  ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                      "FullyShardedDataParallel: the forward called the module of unit 'blocks.0' "
+                      "(fsdp::(anonymous namespace)::GptBlockImpl) directly, bypassing the unit")));
     }
   });
 }

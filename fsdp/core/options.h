@@ -22,6 +22,7 @@
 #define FSDP_CORE_OPTIONS_H_
 
 #include <functional>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include <c10/core/ScalarType.h>
@@ -117,6 +118,12 @@ struct UnitOptions {
   // This unit's parameter and reduction dtypes, input casting (cast_forward_inputs) and
   // full_precision_modules; buffers follow the root's.
   TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision);
+  // Modules inside this unit's module that FSDP leaves alone, with everything below them,
+  // as if given to the root's ignored_modules (which it adds them to): not flattened, also
+  // when an EnableWrap scope shards the unit as it is built, when the root's modules do not
+  // exist yet. Given to fsdp::wrap or a Unit<T>; a CustomPolicy's are not read. PyTorch:
+  // wrap(module, ignored_modules=[...]).
+  TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);
 };
 
 // What FullyShardedRoot::summon_full_params (fully_sharded.h) gathers and how. PyTorch:

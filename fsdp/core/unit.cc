@@ -48,7 +48,8 @@ UnitBase* UnitBase::bound_unit_of(const torch::nn::Module& module) {
 }
 
 void UnitBase::shard_if_constructing() {
-  constructed_handle_ = core_internal::shard_on_construction(*this);
+  constructed_handle_ =
+      core_internal::shard_on_construction(*wrapped_module(), this, unit_options());
 }
 
 void UnitBase::pre_forward() { state_->pre_forward(); }

@@ -24,13 +24,14 @@
 // cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
 // FullyShardedDataParallel instance.
 //
-// fsdp::wrap(module) is PyTorch's wrap(): inside an EnableWrap scope (fully_sharded.h)
-// it makes a unit with the scope's settings and per-unit overrides; outside any scope the
-// unit it returns stays a pass-through that no root binds unless an auto_wrap_policy
-// picks it (PyTorch's `wrap` returns the module itself there; C++ needs one return type):
+// fsdp::wrap(module) is PyTorch's wrap(): it returns the module itself, annotated inside an
+// EnableWrap scope (fully_sharded.h) as a unit with the scope's settings and per-unit
+// overrides; the root registers the unit in the module's place, so the parent keeps the
+// user's type and calls it through fsdp::forward_as (see wrap below):
 //
-//   block1 = register_module("block1", fsdp::wrap(Block(64), fsdp::UnitOptions().sharding_strategy(
-//                                                                fsdp::ShardingStrategy::kNoShard)));
+//   blocks->push_back(fsdp::wrap(Block(64), fsdp::UnitOptions().sharding_strategy(
+//                                               fsdp::ShardingStrategy::kNoShard)));
+//   for (auto& m : *blocks) x = fsdp::forward_as<BlockImpl>(m, x);
 //
 // Threading: a unit runs on its rank's thread.
 #ifndef FSDP_CORE_UNIT_H_
@@ -67,19 +68,32 @@ namespace core_internal {
 class UnitState;    // the runtime state of a bound unit (internal/runtime.h)
 struct UnitBinder;  // how a FullyShardedDataParallel root binds units (fully_sharded.cc)
 
-// What fsdp::wrap makes (see EnableWrap in fully_sharded.h): annotated, with the active
-// scope's settings edited by `overrides`; outside any scope, not annotated.
-UnitAnnotation annotation_for_wrap(const UnitOptions& overrides);
+// What fsdp::wrap does (see EnableWrap in fully_sharded.h): inside a scope, records the
+// annotation of `module` (the scope's settings edited by `overrides`) and shards it if the
+// scope shards on construction; outside any scope, nothing.
+void annotate_for_wrap(const std::shared_ptr<torch::nn::Module>& module,
+                       const UnitOptions& overrides);
 }  // namespace core_internal
+
+// What fsdp::wrap recorded for a module inside an EnableWrap scope.
+struct WrapAnnotation {
+  UnitOptions options;  // the scope's strategy and mixed precision, edited by the overrides
+  // The flat parameter made at once if the scope shards on construction (FQNs relative to
+  // the module), else null. Owned by the annotation: valid until a root takes it.
+  const FlatParamHandle* constructed_handle = nullptr;
+};
+// The annotation fsdp::wrap recorded for `module`, until a FullyShardedDataParallel root
+// registers a unit in its place; nullopt if there is none. Thread-safe.
+c10::optional<WrapAnnotation> wrap_annotation(const torch::nn::Module& module);
 
 // What the runtime finds in a module tree: any Unit<T>.
 class UnitBase : public torch::nn::Module {
  public:
-  // Whether a root makes this a unit without an auto_wrap_policy: true for a Unit<T> made
-  // directly and for fsdp::wrap inside an EnableWrap scope, false for fsdp::wrap outside
-  // any scope.
+  // Whether a root makes this a unit without an auto_wrap_policy: true unless made with a
+  // UnitAnnotation saying otherwise (a Unit<T> made directly is; so is the unit a root
+  // registers for an fsdp::wrap annotation).
   bool annotated() const { return annotation_.annotated; }
-  // The unit's own settings (set by fsdp::wrap).
+  // The unit's own settings (from fsdp::wrap's annotation).
   const UnitOptions& unit_options() const { return annotation_.options; }
   // The wrapped module.
   virtual std::shared_ptr<torch::nn::Module> wrapped_module() const = 0;
@@ -288,19 +302,31 @@ Unit<Contained> make_unit(const torch::nn::ModuleHolder<Contained>& module) {
   return Unit<Contained>(module.ptr());
 }
 
-// PyTorch's wrap(module, **overrides): inside an EnableWrap scope on this thread, a unit
-// with the scope's sharding_strategy and mixed_precision, each replaced by `overrides`
-// where set (and sharded at once if the scope shards on construction); outside any
-// scope, a pass-through unit (see the file comment). PyTorch:
-// torch.distributed.fsdp.wrap.wrap.
-template <typename Contained>
-Unit<Contained> wrap(const torch::nn::ModuleHolder<Contained>& module,
-                     const UnitOptions& overrides = {}) {
-  return Unit<Contained>(module.ptr(), core_internal::annotation_for_wrap(overrides));
+// PyTorch's wrap(module, **overrides): returns `module` itself, and inside an EnableWrap
+// scope on this thread annotates it as a unit with the scope's sharding_strategy and
+// mixed_precision, each replaced by `overrides` where set (and shards it at once if the
+// scope shards on construction); outside any scope it does nothing (an auto_wrap_policy
+// may still pick the module). The parent registers and calls the module as its own type
+// (a ModuleList entry stays a BlockImpl); the root that binds the model registers a unit
+// in its place, as for a module an auto_wrap_policy picks (fully_sharded.h), so a parent
+// that holds it calls it with fsdp::forward_as, and a direct call
+// (m->as<BlockImpl>()->forward(x)) under FSDP is the error naming the unit. A
+// torch::nn::Sequential child is swapped for a unit around it. Errors: c10::Error for a
+// null module, a module annotated twice, or a Unit<T> (wrap the module it holds). PyTorch:
+// torch.distributed.fsdp.wrap.wrap. Before issue 36 it returned a Unit<T>; a Unit<T> built
+// directly still is one and is called as the module's own forward.
+template <typename Holder, typename = typename Holder::ContainedType>
+Holder wrap(Holder module, const UnitOptions& overrides = {}) {
+  static_assert(std::is_base_of_v<torch::nn::ModuleHolder<typename Holder::ContainedType>, Holder>,
+                "fsdp::wrap takes a module holder (e.g. torch::nn::Linear) or a shared_ptr");
+  core_internal::annotate_for_wrap(module.ptr(), overrides);
+  return module;
 }
 template <typename Contained>
-Unit<Contained> wrap(std::shared_ptr<Contained> module, const UnitOptions& overrides = {}) {
-  return Unit<Contained>(std::move(module), core_internal::annotation_for_wrap(overrides));
+std::shared_ptr<Contained> wrap(std::shared_ptr<Contained> module,
+                                const UnitOptions& overrides = {}) {
+  core_internal::annotate_for_wrap(module, overrides);
+  return module;
 }
 
 }  // namespace fsdp

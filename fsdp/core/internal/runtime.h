@@ -26,10 +26,13 @@ namespace core_internal {
 
 class RootState;
 
-// The unit's parameters flattened and sharded, if an EnableWrap scope that shards on
-// construction (fully_sharded.h) is active on this thread; else null. Defined in
-// fully_sharded.cc.
-std::unique_ptr<FlatParamHandle> shard_on_construction(const UnitBase& unit);
+// The parameters of `wrapped` (the module of `unit`, or of a module fsdp::wrap annotates:
+// `unit` null) flattened and sharded with the unit settings `own`, if an EnableWrap scope
+// that shards on construction (fully_sharded.h) is active on this thread; else null.
+// Defined in fully_sharded.cc.
+std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& wrapped,
+                                                       const UnitBase* unit,
+                                                       const UnitOptions& own);
 
 // A bound unit: FullyShardedUnit's fields (fqn, handle, handle state) plus the hooks.
 class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<UnitState> {
@@ -178,6 +181,12 @@ class RootState {
   void set_ignored_params(std::vector<at::Tensor> params) { ignored_params_ = std::move(params); }
   // Ignored parameters that require grad (ignored_modules' and ignored_states').
   const std::vector<at::Tensor>& ignored_params() const { return ignored_params_; }
+  // Buffers and ignored parameters that were on c10::kMeta at construction, allocated on
+  // the device and filled with NaN (zeros if not floating) until
+  // FullyShardedRoot::init_parameters computes them (Note [Initialisation on the meta
+  // device] in fully_sharded.cc).
+  void set_materialized(std::vector<at::Tensor> tensors) { materialized_ = std::move(tensors); }
+  const std::vector<at::Tensor>& materialized() const { return materialized_; }
   // See Note [Execution order validation] and Note [First-iteration size checks] in
   // runtime.cc.
   void set_validate_execution_order(bool validate) { validate_execution_order_ = validate; }
@@ -229,6 +238,7 @@ class RootState {
   std::vector<c10::ScalarType> buffer_dtypes_;  // cast_buffers_' own dtypes
   c10::optional<c10::ScalarType> buffer_dtype_;
   std::vector<at::Tensor> ignored_params_;
+  std::vector<at::Tensor> materialized_;
   PlanWindow plan_window_;
   TrainingState training_state_ = TrainingState::kIdle;
   // Set from the first pre-backward hook of a pass until finish_backward; still set at

@@ -1,0 +1,110 @@
+// The architecture of a Hugging Face decoder-only model folder: its config.json as
+// transformers writes it (save_pretrained), read into one DecoderConfig whose fields are the
+// per-family options of the decoder (decoder.h). Families (`model_type`):
+//
+//   "llama"        Llama 1-3.x, SmolLM, TinyLlama (attention_bias, mlp_bias read)
+//   "mistral"      sliding-window attention in every layer (sliding_window, or null)
+//   "qwen2"        biases on q/k/v; sliding window switched on by use_sliding_window for the
+//                  layers from max_window_layers on (or as layer_types says)
+//   "qwen3"        per-head RMSNorm on queries and keys, explicit head_dim
+//   "gemma2"       Gemma: sqrt(hidden) embedding scale, (1 + w) RMSNorm, norms before and
+//                  after attention and MLP, query_pre_attn_scalar, GeLU-tanh MLP,
+//                  layer_types sliding/full; attention and final logit soft-caps
+//   "gemma3_text"  Gemma 3's language model: as gemma2 with (1 + w) q/k norms and RoPE
+//                  parameters per layer type (sliding layers: rope_local_base_freq)
+//
+//   fsdp::models::DecoderConfig config =
+//   fsdp::models::load_decoder_config("/models/q/config.json"); config.layer_types[3];   //
+//   LayerType::kSliding: attends to the last sliding_window tokens
+//
+// Both spellings transformers has used are read: 5.x's "rope_parameters" (flat, or nested per
+// layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
+// "rope_theta" + "rope_scaling" (+ Gemma 3's "rope_local_base_freq"), with the rope type
+// under "rope_type" or "type"; 5.x's "layer_types" and 4.x's "sliding_window_pattern".
+// RoPE types: "default", "linear", "llama3", "yarn". PyTorch/transformers counterpart:
+// AutoConfig.from_pretrained, then the family's RotaryEmbedding and attention masks.
+//
+// Errors (c10::Error, one line naming the file, the field and its value, and what is
+// supported): a file that cannot be read or is not a JSON object; a missing or mistyped
+// required field; anything the decoder does not implement, refused by name, never ignored:
+// another model_type (mixture-of-experts families such as "mixtral", "qwen3_moe",
+// "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried), experts
+// fields (num_local_experts, num_experts), linear-attention layer types, rope types such as
+// "dynamic" or "longrope", partial rotary embeddings, quantised weights
+// (quantization_config), another activation, attention dropout, ...
+#ifndef FSDP_MODELS_CONFIG_H_
+#define FSDP_MODELS_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::models {
+
+// The rotary embedding of one layer type (transformers' rope_parameters entry).
+struct RopeConfig {
+  std::string type = "default";  // default, linear, llama3 or yarn
+  double theta = 10000.0;        // rope_theta
+  double factor = 1.0;           // linear, llama3, yarn: the context extension factor
+  // llama3: frequencies below original_max_position_embeddings / low_freq_factor
+  // wavelengths are divided by factor, those above .. / high_freq_factor kept, smoothed
+  // in between.
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn (default max_position_embeddings)
+  // yarn (transformers' defaults): the correction range's rotations and the cos/sin
+  // scale (attention_factor; 0: from factor, mscale and mscale_all_dim).
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double attention_factor = 0.0;
+  double mscale = 0.0;
+  double mscale_all_dim = 0.0;
+  bool truncate = true;
+};
+
+enum class LayerType { kFull, kSliding };
+
+struct DecoderConfig {
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;  // the gated MLP's inner width
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // default num_attention_heads; must divide it
+  int64_t head_dim = 0;             // even
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;  // lm_head.weight is model.embed_tokens.weight
+  std::string dtype = "float32";     // "dtype" (or 4.x's "torch_dtype"): the weights' dtype
+
+  bool qkv_bias = false;  // q/k/v_proj have biases (qwen2; attention_bias elsewhere)
+  bool o_bias = false;    // o_proj has a bias (attention_bias; never for qwen2)
+  bool mlp_bias = false;  // gate/up/down_proj have biases (llama's mlp_bias)
+  bool qk_norm = false;   // RMSNorm over head_dim on queries and keys before RoPE (qwen3, gemma3)
+  // Gemma: embeddings x sqrt(hidden_size), RMSNorm x (1 + w), four norms per layer
+  // (pre_feedforward_layernorm, post_feedforward_layernorm added), GeLU-tanh MLP.
+  bool gemma = false;
+  double attention_scale = 0.0;          // query_pre_attn_scalar^-0.5 (gemma), else head_dim^-0.5
+  double attn_logit_softcapping = 0.0;   // 0: none; else scores = cap * tanh(scores / cap)
+  double final_logit_softcapping = 0.0;  // 0: none; else logits = cap * tanh(logits / cap)
+  int64_t sliding_window = 0;            // tokens a sliding layer's query sees, itself included
+  std::vector<LayerType> layer_types;    // one per layer
+  RopeConfig rope;                       // full-attention layers (every layer but gemma3's sliding)
+  RopeConfig sliding_rope;               // gemma3's sliding layers; else equal to `rope`
+
+  bool has_sliding_layers() const;
+};
+
+// Parses and checks the text of a config.json; `source` names it in errors.
+DecoderConfig parse_decoder_config(const std::string& json_text, const std::string& source);
+
+// Reads and checks `path` (an HF folder's config.json).
+DecoderConfig load_decoder_config(const std::string& path);
+
+// The families parse_decoder_config accepts, for messages: "llama, mistral, ...".
+std::string supported_model_types();
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_CONFIG_H_

@@ -1,0 +1,134 @@
+// The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
+// MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM and
+// Gemma3ForCausalLM in LibTorch: one module tree whose per-family options come from a
+// DecoderConfig (config.h), with the families' own module and parameter names, so a
+// checkpoint's tensors load under their own names with no renaming:
+//
+//   model.embed_tokens.weight                         [vocab_size, hidden_size]
+//   model.layers.N.self_attn.{q,k,v,o}_proj.weight    q: [heads * head_dim, hidden_size],
+//                                                     k, v: [kv_heads * head_dim, hidden_size],
+//                                                     o: [hidden_size, heads * head_dim]
+//   model.layers.N.self_attn.{q,k,v}_proj.bias        qkv_bias (qwen2; attention_bias)
+//   model.layers.N.self_attn.o_proj.bias              o_bias (attention_bias)
+//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3_text)
+//   model.layers.N.mlp.{gate,up,down}_proj.weight     gate, up: [intermediate, hidden],
+//                                                     down: [hidden, intermediate] (+ .bias:
+//                                                     llama's mlp_bias)
+//   model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  [hidden_size]
+//   model.layers.N.{pre,post}_feedforward_layernorm.weight                     (gemma)
+//   lm_head.weight                                    [vocab_size, hidden_size]; absent when
+//                                                     tie_word_embeddings
+//
+//   auto model = std::make_shared<fsdp::models::CausalLMImpl>(config);
+//   at::Tensor logits = model->forward(ids);   // ids [batch, time] int64
+//
+// Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
+// binds the model; embeddings, final norm and head stay in the root). Per layer:
+// pre-norm x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed
+// again before the residual add). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
+// cast); rotary embeddings in HF's rotate_half convention with the layer type's RoPE
+// (default, linear, llama3 or yarn); grouped-query attention, causal, over the last
+// sliding_window keys in sliding layers; scores scaled by attention_scale, soft-capped
+// when attn_logit_softcapping (then computed eagerly, softmax in fp32, as transformers'
+// eager attention) and otherwise through at::scaled_dot_product_attention; gated MLP
+// down(act(gate(x)) * up(x)), act SiLU or GeLU-tanh. No dropout, no KV cache. The
+// projections are fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds
+// an adapter; lora_targets.h lists each family's).
+// Threading: as any LibTorch module (one forward at a time per instance).
+#ifndef FSDP_MODELS_DECODER_H_
+#define FSDP_MODELS_DECODER_H_
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include "fsdp/core/unit.h"
+#include "fsdp/lora/lora.h"
+#include "models/config.h"
+
+namespace fsdp::models {
+
+// x / sqrt(mean(x^2) + eps) over the last dimension in fp32, then: `weight` times it cast
+// back to x's dtype (Llama, Qwen), or times (1 + weight) in fp32 and then cast (`gemma`).
+// weight [dim]: ones at construction, zeros for Gemma (so both start as the identity).
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps, bool gemma);
+  at::Tensor forward(const at::Tensor& x);
+
+  at::Tensor weight;
+  double eps;
+  bool gemma;
+};
+TORCH_MODULE(RMSNorm);
+
+// Input [batch, time, hidden]; cos, sin [time, head_dim] (DecoderModelImpl::rotary).
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(const DecoderConfig& config, LayerType type);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  int64_t heads, kv_heads, head_dim;
+  int64_t window;  // 0: causal over every earlier position
+  double scale, softcap;
+  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // null without qk_norm
+};
+TORCH_MODULE(Attention);
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(const DecoderConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+
+  bool gelu_tanh;
+  lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(MLP);
+
+// One decoder layer, one FSDP unit. Input and output [batch, time, hidden].
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(const DecoderConfig& config, int64_t index);
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin);
+
+  LayerType type;
+  Attention self_attn{nullptr};
+  MLP mlp{nullptr};
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};  // gemma
+};
+
+// Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden].
+struct DecoderModelImpl : torch::nn::Module {
+  explicit DecoderModelImpl(const DecoderConfig& config);
+  at::Tensor forward(const at::Tensor& ids);
+  // cos and sin of `rope` at positions 0..time-1: [time, head_dim] each, in `dtype`
+  // (computed in fp32 and scaled by yarn's attention factor, as transformers' rotary
+  // embeddings do).
+  std::pair<at::Tensor, at::Tensor> rotary(const RopeConfig& rope, int64_t time, c10::Device device,
+                                           at::ScalarType dtype) const;
+
+  DecoderConfig config;
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  std::vector<Unit<DecoderLayerImpl>> units;  // the layers, typed
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(DecoderModel);
+
+// Token ids [batch, time] (int64, time <= max_position_embeddings) -> logits
+// [batch, time, vocab_size] in the parameters' dtype. PyTorch: transformers'
+// AutoModelForCausalLM.from_config(config)(input_ids).logits (attn_implementation "eager").
+struct CausalLMImpl : torch::nn::Module {
+  explicit CausalLMImpl(const DecoderConfig& config);
+  at::Tensor forward(const at::Tensor& ids);
+
+  DecoderConfig config;
+  DecoderModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+};
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_DECODER_H_

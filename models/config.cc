@@ -14,7 +14,8 @@ namespace {
 
 using nlohmann::json;
 
-const char* const kModelTypes[] = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"};
+const char* const kModelTypes[] = {"llama",  "mistral",     "qwen2",   "qwen3",
+                                   "gemma2", "gemma3_text", "granite", "olmo2"};
 
 // Reads the fields of one JSON object of a config.json, each error naming the file and
 // the field (`prefix` is the path of the object, e.g. "rope_parameters.").
@@ -245,7 +246,7 @@ void read_layer_types(const Fields& fields, DecoderConfig& config) {
   const std::string& type = config.model_type;
   const int64_t layers = config.num_hidden_layers;
   const json* given = fields.find("layer_types");
-  if (type == "llama") {
+  if (type == "llama" || type == "granite" || type == "olmo2") {
     config.layer_types.assign(layers, LayerType::kFull);
     return;
   }
@@ -331,7 +332,7 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   TORCH_CHECK(dropout == nullptr || (dropout->is_number() && dropout->get<double>() == 0.0), source,
               ": \"attention_dropout\" = ", dropout == nullptr ? "" : dropout->dump(),
               " is not supported: fsdp's decoder has no attention dropout (0.0)");
-  if (type == "llama") {
+  if (type == "llama" || type == "granite") {
     config.mlp_bias = fields.boolean("mlp_bias", false);
   } else {
     fields.require("mlp_bias", false, "the " + type + " MLP has no biases (mlp_bias false)");
@@ -344,6 +345,10 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
     config.qkv_bias = config.o_bias = fields.boolean("attention_bias", false);
   }
   config.qk_norm = type == "qwen3" || type == "gemma3_text";
+  config.qk_norm_full_width = config.post_norms = type == "olmo2";
+  config.norm_style = config.gemma      ? NormStyle::kGemma
+                      : type == "olmo2" ? NormStyle::kOlmo
+                                        : NormStyle::kLlama;
 
   config.vocab_size = fields.positive("vocab_size");
   config.hidden_size = fields.positive("hidden_size");
@@ -367,12 +372,12 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
       family_head_dim > 0 ? family_head_dim : config.hidden_size / config.num_attention_heads);
   TORCH_CHECK(config.head_dim % 2 == 0, source, ": \"head_dim\" = ", config.head_dim,
               ": expected an even number (rotary embeddings rotate pairs of dimensions)");
-  const int64_t default_positions = type == "llama"                      ? 2048
-                                    : type == "gemma2"                   ? 8192
-                                    : type == "qwen2" || type == "qwen3" ? 32768
+  const int64_t default_positions = type == "llama" || type == "granite" || type == "olmo2" ? 2048
+                                    : type == "gemma2"                                      ? 8192
+                                    : type == "qwen2" || type == "qwen3"                    ? 32768
                                                                          : 131072;
   config.max_position_embeddings = fields.positive("max_position_embeddings", default_positions);
-  config.rms_norm_eps = fields.positive_number("rms_norm_eps", 1e-6);
+  config.rms_norm_eps = fields.positive_number("rms_norm_eps", type == "olmo2" ? 1e-5 : 1e-6);
   config.tie_word_embeddings = fields.boolean("tie_word_embeddings", config.gemma);
   if (config.gemma) {
     config.attention_scale = 1.0 / std::sqrt(fields.positive_number("query_pre_attn_scalar", 256));
@@ -388,9 +393,15 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
       }
     }
   } else {
-    config.attention_scale = 1.0 / std::sqrt(double(config.head_dim));
+    config.attention_scale = type == "granite" ? fields.positive_number("attention_multiplier", 1.0)
+                                               : 1.0 / std::sqrt(double(config.head_dim));
     fields.refuse("attn_logit_softcapping", "the " + type + " attention has no soft-cap");
     fields.refuse("final_logit_softcapping", "the " + type + " head has no soft-cap");
+  }
+  if (type == "granite") {
+    config.embedding_multiplier = fields.positive_number("embedding_multiplier", 1.0);
+    config.residual_multiplier = fields.positive_number("residual_multiplier", 1.0);
+    config.logits_scaling = fields.positive_number("logits_scaling", 1.0);
   }
   read_ropes(fields, config);
   read_layer_types(fields, config);

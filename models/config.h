@@ -12,6 +12,10 @@
 //                  layer_types sliding/full; attention and final logit soft-caps
 //   "gemma3_text"  Gemma 3's language model: as gemma2 with (1 + w) q/k norms and RoPE
 //                  parameters per layer type (sliding layers: rope_local_base_freq)
+//   "granite"      Llama with four scalars: embedding_multiplier, attention_multiplier (the
+//                  attention scale), residual_multiplier, logits_scaling (logits divided)
+//   "olmo2"        norms after each sublayer only (x + norm(attn(x))), RMSNorm on the
+//                  full width of the query and key projections, weight applied in fp32
 //
 //   fsdp::models::DecoderConfig config =
 //   fsdp::models::load_decoder_config("/models/q/config.json"); config.layer_types[3];   //
@@ -64,8 +68,12 @@ struct RopeConfig {
 
 enum class LayerType { kFull, kSliding };
 
+// How an RMSNorm applies its weight w to n = x / rms(x) (computed in fp32): kLlama
+// w * n.to(dtype); kOlmo (w * n).to(dtype); kGemma (n * (1 + w)).to(dtype).
+enum class NormStyle { kLlama, kOlmo, kGemma };
+
 struct DecoderConfig {
-  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"
+  std::string model_type;  // one of supported_model_types()
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;  // the gated MLP's inner width
@@ -82,10 +90,17 @@ struct DecoderConfig {
   bool o_bias = false;    // o_proj has a bias (attention_bias; never for qwen2)
   bool mlp_bias = false;  // gate/up/down_proj have biases (llama's mlp_bias)
   bool qk_norm = false;   // RMSNorm over head_dim on queries and keys before RoPE (qwen3, gemma3)
+  bool qk_norm_full_width = false;  // olmo2: over the whole q_proj / k_proj output instead
   // Gemma: embeddings x sqrt(hidden_size), RMSNorm x (1 + w), four norms per layer
   // (pre_feedforward_layernorm, post_feedforward_layernorm added), GeLU-tanh MLP.
   bool gemma = false;
-  double attention_scale = 0.0;          // query_pre_attn_scalar^-0.5 (gemma), else head_dim^-0.5
+  bool post_norms = false;  // olmo2: x + post_attention_layernorm(attn(x)), no input norm
+  NormStyle norm_style = NormStyle::kLlama;
+  // query_pre_attn_scalar^-0.5 (gemma), attention_multiplier (granite), else head_dim^-0.5.
+  double attention_scale = 0.0;
+  double embedding_multiplier = 1.0;     // granite: embeddings times it
+  double residual_multiplier = 1.0;      // granite: each sublayer's output times it
+  double logits_scaling = 1.0;           // granite: logits divided by it
   double attn_logit_softcapping = 0.0;   // 0: none; else scores = cap * tanh(scores / cap)
   double final_logit_softcapping = 0.0;  // 0: none; else logits = cap * tanh(logits / cap)
   int64_t sliding_window = 0;            // tokens a sliding layer's query sees, itself included

@@ -1,5 +1,6 @@
 #include "models/config.h"
 
+#include <cmath>
 #include <string>
 
 #include <c10/util/Exception.h>
@@ -78,7 +79,7 @@ TEST(DecoderConfigTest, UnsupportedFieldsAreOneErrorNamingFieldAndValue) {
 // Item 3 of the families issue: each architecture feature the decoder lacks stops the run
 // at its config with one line naming the field, its value and what is supported.
 TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
-  const std::string families = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text";
+  const std::string families = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2";
   EXPECT_EQ(
       error_of(config_json(R"(, "model_type": "phi3")")),
       "cfg.json: \"model_type\" = \"phi3\" is not supported: fsdp's decoder builds " + families);
@@ -220,6 +221,24 @@ TEST(DecoderConfigTest, GemmaFamilies) {
   EXPECT_EQ(c.layer_types, std::vector<LayerType>(4, LayerType::kSliding));  // pattern 6
 }
 
+TEST(DecoderConfigTest, GraniteMultipliersAndOlmo2Norms) {
+  DecoderConfig c =
+      parse_decoder_config(config_json(R"(, "model_type": "granite", "embedding_multiplier": 12.0,
+          "attention_multiplier": 0.015625, "residual_multiplier": 0.22, "logits_scaling": 8.0)"),
+                           "cfg.json");
+  EXPECT_EQ(c.embedding_multiplier, 12.0);
+  EXPECT_EQ(c.attention_scale, 0.015625);
+  EXPECT_EQ(c.residual_multiplier, 0.22);
+  EXPECT_EQ(c.logits_scaling, 8.0);
+  EXPECT_EQ(c.norm_style, NormStyle::kLlama);
+  c = parse_decoder_config(config_json(R"(, "model_type": "olmo2")"), "cfg.json");
+  EXPECT_TRUE(c.qk_norm_full_width && c.post_norms);
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_EQ(c.norm_style, NormStyle::kOlmo);
+  EXPECT_EQ(c.attention_scale, 1.0 / std::sqrt(8.0));
+  EXPECT_EQ(c.embedding_multiplier, 1.0);
+}
+
 TEST(DecoderConfigTest, BadValuesNameTheField) {
   EXPECT_EQ(error_of(config_json(R"(, "num_key_value_heads": 3)")),
             "cfg.json: \"num_key_value_heads\" = 3 does not divide \"num_attention_heads\" = 4; "
@@ -237,7 +256,7 @@ TEST(DecoderConfigTest, BadValuesNameTheField) {
             "transformers has it");
   EXPECT_EQ(error_of(R"({"vocab_size": 5})"),
             "cfg.json: the field \"model_type\" is missing; expected one of llama, mistral, "
-            "qwen2, qwen3, gemma2, gemma3_text (a config saved by transformers)");
+            "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2 (a config saved by transformers)");
   EXPECT_EQ(error_of("{\"model_type\": \"llama\","),
             "cfg.json: not valid JSON; expected the config.json of a Hugging Face model folder");
   EXPECT_EQ(error_of("[1, 2]"), "cfg.json: expected a JSON object, found array");

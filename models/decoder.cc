@@ -115,14 +115,21 @@ std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_
 // and the `linear` factory above, and the embedding and head in DecoderModelImpl and
 // CausalLMImpl.
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps, bool gemma) : eps(eps), gemma(gemma) {
-  weight = register_parameter("weight", new_parameter(dim, gemma ? 0.0 : 1.0));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, NormStyle style) : eps(eps), style(style) {
+  weight = register_parameter("weight", new_parameter(dim, style == NormStyle::kGemma ? 0.0 : 1.0));
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   const at::Tensor x32 = x.to(at::kFloat);
   const at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  if (gemma) return (normed * (1.0 + weight.to(at::kFloat))).to(x.scalar_type());
+  switch (style) {
+    case NormStyle::kGemma:
+      return (normed * (1.0 + weight.to(at::kFloat))).to(x.scalar_type());
+    case NormStyle::kOlmo:
+      return (weight * normed).to(x.scalar_type());
+    case NormStyle::kLlama:
+      break;
+  }
   return weight * normed.to(x.scalar_type());
 }
 
@@ -139,19 +146,27 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type)
   v_proj = register_module("v_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
   o_proj = register_module("o_proj", linear(heads * head_dim, hidden, config.o_bias));
   if (config.qk_norm) {
-    q_norm = register_module("q_norm", RMSNorm(head_dim, config.rms_norm_eps, config.gemma));
-    k_norm = register_module("k_norm", RMSNorm(head_dim, config.rms_norm_eps, config.gemma));
+    q_norm = register_module("q_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
+    k_norm = register_module("k_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
+  } else if (config.qk_norm_full_width) {
+    full_width_norm = true;
+    q_norm = register_module("q_norm",
+                             RMSNorm(heads * head_dim, config.rms_norm_eps, config.norm_style));
+    k_norm = register_module("k_norm",
+                             RMSNorm(kv_heads * head_dim, config.rms_norm_eps, config.norm_style));
   }
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1);
-  // [batch, heads, time, head_dim]: normed per head (qk_norm), then rotated (cos, sin
-  // broadcast over batch and heads).
+  // [batch, heads, time, head_dim]: normed per head or over the full width, then rotated
+  // (cos, sin broadcast over batch and heads).
   const auto project = [&](lora::LoraLinear& proj, RMSNorm& norm, int64_t n) {
-    at::Tensor y = proj(x).view({b, t, n, head_dim});
-    if (norm) y = norm(y);
+    at::Tensor y = proj(x);
+    if (norm && full_width_norm) y = norm(y);
+    y = y.view({b, t, n, head_dim});
+    if (norm && !full_width_norm) y = norm(y);
     return y.transpose(1, 2);
   };
   at::Tensor q = project(q_proj, q_norm, heads), k = project(k_proj, k_norm, kv_heads);
@@ -195,22 +210,31 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index)
-    : type(config.layer_types.at(index)) {
+    : type(config.layer_types.at(index)), residual_multiplier(config.residual_multiplier) {
   const auto norm = [&](const char* name) {
-    return register_module(name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma));
+    return register_module(name,
+                           RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style));
   };
   self_attn = register_module("self_attn", Attention(config, type));
   mlp = register_module("mlp", MLP(config));
-  input_layernorm = norm("input_layernorm");
+  if (!config.post_norms) input_layernorm = norm("input_layernorm");
   post_attention_layernorm = norm("post_attention_layernorm");
-  if (config.gemma) {
-    pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
+  if (config.gemma) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
+  if (config.gemma || config.post_norms) {
     post_feedforward_layernorm = norm("post_feedforward_layernorm");
   }
 }
 
 at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  if (!input_layernorm) {  // olmo2: norms after the sublayers only
+    x = x + post_attention_layernorm(self_attn(x, cos, sin));
+    return x + post_feedforward_layernorm(mlp(x));
+  }
   if (!pre_feedforward_layernorm) {
+    if (residual_multiplier != 1.0) {  // granite
+      x = x + self_attn(input_layernorm(x), cos, sin) * residual_multiplier;
+      return x + mlp(post_attention_layernorm(x)) * residual_multiplier;
+    }
     x = x + self_attn(input_layernorm(x), cos, sin);
     return x + mlp(post_attention_layernorm(x));
   }
@@ -226,7 +250,8 @@ DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config) : config(config)
     units.push_back(Unit<DecoderLayerImpl>(std::make_shared<DecoderLayerImpl>(config, i)));
     layers->push_back(units.back());
   }
-  norm = register_module("norm", RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma));
+  norm =
+      register_module("norm", RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style));
 }
 
 std::pair<at::Tensor, at::Tensor> DecoderModelImpl::rotary(const RopeConfig& rope, int64_t time,
@@ -253,6 +278,7 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids) {
                 .to(x.scalar_type())
                 .to(x.device());
   }
+  if (config.embedding_multiplier != 1.0) x = x * config.embedding_multiplier;  // granite
   const auto full = rotary(config.rope, t, x.device(), x.scalar_type());
   const auto sliding = config.model_type == "gemma3_text"
                            ? rotary(config.sliding_rope, t, x.device(), x.scalar_type())
@@ -277,6 +303,7 @@ CausalLMImpl::CausalLMImpl(const DecoderConfig& config) : config(config) {
 at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
   const at::Tensor hidden = model(ids);
   at::Tensor logits = lm_head ? lm_head(hidden) : at::linear(hidden, model->embed_tokens->weight);
+  if (config.logits_scaling != 1.0) logits = logits / config.logits_scaling;  // granite
   if (config.final_logit_softcapping > 0) {
     logits = at::tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping;
   }

@@ -1,8 +1,8 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
-// MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM and
-// Gemma3ForCausalLM in LibTorch: one module tree whose per-family options come from a
-// DecoderConfig (config.h), with the families' own module and parameter names, so a
-// checkpoint's tensors load under their own names with no renaming:
+// MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
+// Gemma3ForCausalLM, GraniteForCausalLM and Olmo2ForCausalLM in LibTorch: one module tree whose
+// per-family options come from a DecoderConfig (config.h), with the families' own module and
+// parameter names, so a checkpoint's tensors load under their own names with no renaming:
 //
 //   model.embed_tokens.weight                         [vocab_size, hidden_size]
 //   model.layers.N.self_attn.{q,k,v,o}_proj.weight    q: [heads * head_dim, hidden_size],
@@ -10,12 +10,16 @@
 //                                                     o: [hidden_size, heads * head_dim]
 //   model.layers.N.self_attn.{q,k,v}_proj.bias        qkv_bias (qwen2; attention_bias)
 //   model.layers.N.self_attn.o_proj.bias              o_bias (attention_bias)
-//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3_text)
+//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3_text);
+//                                                     olmo2: q [heads * head_dim],
+//                                                     k [kv_heads * head_dim]
 //   model.layers.N.mlp.{gate,up,down}_proj.weight     gate, up: [intermediate, hidden],
 //                                                     down: [hidden, intermediate] (+ .bias:
 //                                                     llama's mlp_bias)
 //   model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  [hidden_size]
-//   model.layers.N.{pre,post}_feedforward_layernorm.weight                     (gemma)
+//                                                     (no input_layernorm in olmo2)
+//   model.layers.N.pre_feedforward_layernorm.weight   (gemma)
+//   model.layers.N.post_feedforward_layernorm.weight  (gemma, olmo2)
 //   lm_head.weight                                    [vocab_size, hidden_size]; absent when
 //                                                     tie_word_embeddings
 //
@@ -25,7 +29,9 @@
 // Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
 // binds the model; embeddings, final norm and head stay in the root). Per layer:
 // pre-norm x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed
-// again before the residual add). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
+// again before the residual add; OLMo 2: only they are; Granite: they are scaled by
+// residual_multiplier, the embeddings by embedding_multiplier, the logits divided by
+// logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
 // cast); rotary embeddings in HF's rotate_half convention with the layer type's RoPE
 // (default, linear, llama3 or yarn); grouped-query attention, causal, over the last
 // sliding_window keys in sliding layers; scores scaled by attention_scale, soft-capped
@@ -52,16 +58,16 @@
 
 namespace fsdp::models {
 
-// x / sqrt(mean(x^2) + eps) over the last dimension in fp32, then: `weight` times it cast
-// back to x's dtype (Llama, Qwen), or times (1 + weight) in fp32 and then cast (`gemma`).
-// weight [dim]: ones at construction, zeros for Gemma (so both start as the identity).
+// x / sqrt(mean(x^2) + eps) over the last dimension in fp32, then the weight applied as
+// `style` says (config.h) and cast back to x's dtype. weight [dim]: ones at construction,
+// zeros for kGemma (so every style starts as the identity).
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, bool gemma);
+  RMSNormImpl(int64_t dim, double eps, NormStyle style);
   at::Tensor forward(const at::Tensor& x);
 
   at::Tensor weight;
   double eps;
-  bool gemma;
+  NormStyle style;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -74,7 +80,10 @@ struct AttentionImpl : torch::nn::Module {
   int64_t window;  // 0: causal over every earlier position
   double scale, softcap;
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // null without qk_norm
+  // [head_dim] each (qk_norm), or [heads * head_dim] / [kv_heads * head_dim]
+  // (qk_norm_full_width); null without either.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  bool full_width_norm = false;
 };
 TORCH_MODULE(Attention);
 
@@ -93,10 +102,13 @@ struct DecoderLayerImpl : torch::nn::Module {
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
   LayerType type;
+  double residual_multiplier;
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
-  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};  // gemma
+  RMSNorm input_layernorm{nullptr};  // null for olmo2 (norms after the sublayers only)
+  RMSNorm post_attention_layernorm{nullptr};
+  RMSNorm pre_feedforward_layernorm{nullptr};   // gemma
+  RMSNorm post_feedforward_layernorm{nullptr};  // gemma, olmo2
 };
 
 // Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden].

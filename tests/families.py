@@ -87,6 +87,16 @@ VARIANTS = {
         ("sliding window off", {"layer_types": ["full_attention"] * 3}, None),
         ("q/k norm weights -> 0 (identity scale)", {}, "qk_norm"),
     ]),
+    "granite": ("GraniteConfig", dict(SMALL, embedding_multiplier=3.0, attention_multiplier=0.5,
+                                      residual_multiplier=0.5, logits_scaling=2.0), True, None, [
+        ("embedding_multiplier -> 1", {"embedding_multiplier": 1.0}, None),
+        ("attention_multiplier -> 1", {"attention_multiplier": 1.0}, None),
+        ("residual_multiplier -> 1", {"residual_multiplier": 1.0}, None),
+        ("logits_scaling -> 1", {"logits_scaling": 1.0}, None),
+    ]),
+    "olmo2": ("Olmo2Config", dict(SMALL), True, None, [
+        ("full-width q/k norm weights -> 1", {}, "qk_norm"),
+    ]),
     "gemma3_text_4x": ("Gemma3TextConfig", dict(SMALL, **GEMMA, layer_types=[
         "sliding_attention", "sliding_attention", "full_attention"], rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Each decoder family of //models (Llama 3.x with llama3 RoPE and biases, Llama with linear
 # RoPE in transformers 4.x spelling, Qwen2 with YaRN, biases, tied embeddings and sliding
-# layers, Qwen3, Mistral, Gemma 2, Gemma 3 text in 5.x and 4.x spellings) against
+# layers, Qwen3, Mistral, Gemma 2, Gemma 3 text in 5.x and 4.x spellings, Granite, OLMo 2)
+# against
 # transformers 5.23 on tiny checkpoints it wrote (families.py make: each family feature
 # shown to change the loss by >= 5x the tolerance). Per family, examples/llama:finetune
 # with --steps=0 at W = 1 and W = 3 (W = 3 divides no tensor): eval loss within 1e-5

@@ -1,6 +1,6 @@
 // Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-// Gemma 3 text: the families of //models) with FSDP and writes the result back as a Hugging
-// Face folder.
+// Gemma 3 text, Granite, OLMo 2: the families of //models) with FSDP and writes the result
+// back as a Hugging Face folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)

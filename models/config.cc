@@ -14,8 +14,8 @@ namespace {
 
 using nlohmann::json;
 
-const char* const kModelTypes[] = {"llama",  "mistral",     "qwen2",   "qwen3",
-                                   "gemma2", "gemma3_text", "granite", "olmo2"};
+const char* const kModelTypes[] = {"llama",       "mistral", "qwen2", "qwen3", "gemma2",
+                                   "gemma3_text", "granite", "olmo2", "phi3"};
 
 // Reads the fields of one JSON object of a config.json, each error naming the file and
 // the field (`prefix` is the path of the object, e.g. "rope_parameters.").
@@ -150,29 +150,50 @@ void refuse_other_architectures(const Fields& fields, const std::string& model_t
                  "fsdp's decoder is causal (use_bidirectional_attention false)");
 }
 
-// One rope_parameters / rope_scaling entry; `theta` when it has no rope_theta.
-RopeConfig read_rope(const json& entry, double theta, int64_t max_position_embeddings,
-                     const Fields& top, const std::string& name) {
+// A list of positive numbers (longrope's factors).
+std::vector<double> positive_numbers(const Fields& fields, const char* name) {
+  const json* value = fields.find(name);
+  TORCH_CHECK(value != nullptr, fields.source(), ": the field \"", fields.prefix(), name,
+              "\" is missing; rope type \"longrope\" needs it");
+  TORCH_CHECK(value->is_array() && !value->empty(), fields.source(), ": \"", fields.prefix(), name,
+              "\" = ", value->dump(), ": expected a list of positive numbers");
+  std::vector<double> numbers;
+  for (const json& number : *value) {
+    TORCH_CHECK(number.is_number() && number.get<double>() > 0, fields.source(), ": \"",
+                fields.prefix(), name, "\" = ", value->dump(),
+                ": expected a list of positive numbers");
+    numbers.push_back(number.get<double>());
+  }
+  return numbers;
+}
+
+// One rope_parameters / rope_scaling entry; `defaults` gives rope_theta and
+// partial_rotary_factor when the entry has none. `top_original`: a top-level
+// original_max_position_embeddings (0: none), which wins, as in transformers.
+RopeConfig read_rope(const json& entry, const RopeConfig& defaults, int64_t max_position_embeddings,
+                     int64_t top_original, const Fields& top, const std::string& name) {
   TORCH_CHECK(entry.is_object(), top.source(), ": \"", name, "\" = ", entry.dump(),
               ": expected an object or null");
   const Fields fields(entry, top.source(), name + ".");
   RopeConfig rope;
   rope.type = fields.string("rope_type", fields.string("type", "default"));
   TORCH_CHECK(rope.type == "default" || rope.type == "linear" || rope.type == "llama3" ||
-                  rope.type == "yarn",
+                  rope.type == "yarn" || rope.type == "longrope",
               top.source(), ": \"", name, ".rope_type\" = \"", rope.type,
               "\" is not supported: fsdp's decoder implements the rope types default, linear, "
-              "llama3 and yarn");
-  rope.theta = fields.positive_number("rope_theta", theta);
-  const json* partial = fields.find("partial_rotary_factor");
-  TORCH_CHECK(partial == nullptr || (partial->is_number() && partial->get<double>() == 1.0),
-              top.source(), ": \"", name,
-              ".partial_rotary_factor\" = ", partial == nullptr ? "" : partial->dump(),
-              " is not supported: fsdp's decoder rotates the whole head (1.0)");
+              "llama3, yarn and longrope");
+  rope.theta = fields.positive_number("rope_theta", defaults.theta);
+  rope.partial_rotary_factor =
+      fields.positive_number("partial_rotary_factor", defaults.partial_rotary_factor);
+  TORCH_CHECK(rope.partial_rotary_factor <= 1.0, top.source(), ": \"", name,
+              ".partial_rotary_factor\" = ", rope.partial_rotary_factor,
+              ": expected a fraction of the head in (0, 1]");
   if (rope.type == "default") return rope;
   rope.original_max_position_embeddings =
-      fields.positive("original_max_position_embeddings", max_position_embeddings);
-  if (rope.type == "yarn" && fields.find("factor") == nullptr) {
+      top_original > 0
+          ? top_original
+          : fields.positive("original_max_position_embeddings", max_position_embeddings);
+  if ((rope.type == "yarn" || rope.type == "longrope") && fields.find("factor") == nullptr) {
     rope.factor = double(max_position_embeddings) / double(rope.original_max_position_embeddings);
   } else {
     rope.factor = fields.positive_number("factor", 0.0);
@@ -193,18 +214,33 @@ RopeConfig read_rope(const json& entry, double theta, int64_t max_position_embed
     rope.mscale = fields.positive_number("mscale", 0.0);
     rope.mscale_all_dim = fields.positive_number("mscale_all_dim", 0.0);
   }
+  if (rope.type == "longrope") {
+    rope.long_factor = positive_numbers(fields, "long_factor");
+    rope.short_factor = positive_numbers(fields, "short_factor");
+    rope.attention_factor = fields.positive_number("attention_factor", 0.0);
+    if (rope.attention_factor == 0) {
+      rope.attention_factor =
+          rope.factor <= 1.0
+              ? 1.0
+              : std::sqrt(1 + std::log(rope.factor) /
+                                  std::log(double(rope.original_max_position_embeddings)));
+    }
+  }
   return rope;
 }
 
 // The RoPE of full-attention layers and (gemma3_text) of sliding ones. See Note [RoPE
 // spellings].
 void read_ropes(const Fields& fields, DecoderConfig& config) {
-  fields.require("partial_rotary_factor", 1.0, "fsdp's decoder rotates the whole head (1.0)");
   const bool gemma3 = config.model_type == "gemma3_text";
   const json* scaling = fields.object("rope_scaling");
   const json* parameters = fields.object("rope_parameters");
-  const double theta = fields.positive_number("rope_theta", gemma3 ? 1e6 : 10000.0);
-  const double local_theta = fields.positive_number("rope_local_base_freq", 10000.0);
+  RopeConfig defaults, local_defaults;
+  defaults.theta = fields.positive_number("rope_theta", gemma3 ? 1e6 : 10000.0);
+  local_defaults.theta = fields.positive_number("rope_local_base_freq", 10000.0);
+  defaults.partial_rotary_factor = local_defaults.partial_rotary_factor =
+      fields.positive_number("partial_rotary_factor", 1.0);
+  const int64_t top_original = fields.count_or_null("original_max_position_embeddings", 0);
   const bool nested = parameters != nullptr && (parameters->contains("full_attention") ||
                                                 parameters->contains("sliding_attention"));
   if (nested) {
@@ -226,19 +262,36 @@ void read_ropes(const Fields& fields, DecoderConfig& config) {
   if (gemma3) {
     json full = nested ? entry("full_attention") : (parameters ? *parameters : json::object());
     if (scaling != nullptr) full.update(*scaling);  // 4.x: rope_scaling applies to full layers
-    config.rope = read_rope(full, theta, config.max_position_embeddings, fields,
+    config.rope = read_rope(full, defaults, config.max_position_embeddings, top_original, fields,
                             nested ? "rope_parameters.full_attention" : "rope_scaling");
     config.sliding_rope =
-        read_rope(entry("sliding_attention"), local_theta, config.max_position_embeddings, fields,
-                  "rope_parameters.sliding_attention");
-    return;
+        read_rope(entry("sliding_attention"), local_defaults, config.max_position_embeddings,
+                  top_original, fields, "rope_parameters.sliding_attention");
+  } else {
+    // transformers: rope_scaling, when given, wins over rope_parameters.
+    const char* name = scaling != nullptr ? "rope_scaling" : "rope_parameters";
+    const json* rope = scaling != nullptr ? scaling : parameters;
+    config.rope = read_rope(rope != nullptr ? *rope : json::object(), defaults,
+                            config.max_position_embeddings, top_original, fields, name);
+    config.sliding_rope = config.rope;
   }
-  // transformers: rope_scaling, when given, wins over rope_parameters.
-  const char* name = scaling != nullptr ? "rope_scaling" : "rope_parameters";
-  const json* rope = scaling != nullptr ? scaling : parameters;
-  config.rope = read_rope(rope != nullptr ? *rope : json::object(), theta,
-                          config.max_position_embeddings, fields, name);
-  config.sliding_rope = config.rope;
+  TORCH_CHECK(config.rope.partial_rotary_factor == config.sliding_rope.partial_rotary_factor,
+              fields.source(), ": the full and sliding layers' partial_rotary_factor differ (",
+              config.rope.partial_rotary_factor, ", ", config.sliding_rope.partial_rotary_factor,
+              "); fsdp's decoder rotates the same dimensions in every layer");
+  config.rotary_dim = int64_t(double(config.head_dim) * config.rope.partial_rotary_factor);
+  TORCH_CHECK(config.rotary_dim > 0 && config.rotary_dim % 2 == 0, fields.source(),
+              ": partial_rotary_factor ", config.rope.partial_rotary_factor, " of head_dim ",
+              config.head_dim, " rotates ", config.rotary_dim,
+              " dimensions: expected a positive even number");
+  for (const RopeConfig* rope : {&config.rope, &config.sliding_rope}) {
+    if (rope->type != "longrope") continue;
+    TORCH_CHECK(int64_t(rope->long_factor.size()) == config.rotary_dim / 2 &&
+                    int64_t(rope->short_factor.size()) == config.rotary_dim / 2,
+                fields.source(), ": longrope's long_factor and short_factor have ",
+                rope->long_factor.size(), " and ", rope->short_factor.size(),
+                " entries: expected one per rotated pair, ", config.rotary_dim / 2);
+  }
 }
 
 // Which layers attend through a sliding window, and its width. See Note [Sliding windows].
@@ -250,7 +303,7 @@ void read_layer_types(const Fields& fields, DecoderConfig& config) {
     config.layer_types.assign(layers, LayerType::kFull);
     return;
   }
-  if (type == "mistral") {
+  if (type == "mistral" || type == "phi3") {
     config.sliding_window = fields.count_or_null("sliding_window", 4096);
     config.layer_types.assign(layers,
                               config.sliding_window > 0 ? LayerType::kSliding : LayerType::kFull);
@@ -339,12 +392,19 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   }
   if (type == "qwen2") {
     config.qkv_bias = true;  // Qwen2Attention: q, k, v with bias, o without
-  } else if (type == "mistral") {
-    fields.require("attention_bias", false, "Mistral's attention has no biases");
+  } else if (type == "mistral" || type == "phi3") {
+    fields.require("attention_bias", false, "the " + type + " attention has no biases");
   } else {
     config.qkv_bias = config.o_bias = fields.boolean("attention_bias", false);
   }
   config.qk_norm = type == "qwen3" || type == "gemma3_text";
+  config.fused_projections = type == "phi3";
+  for (const char* dropout : {"resid_pdrop", "embd_pdrop"}) {
+    const json* value = fields.find(dropout);
+    TORCH_CHECK(value == nullptr || (value->is_number() && value->get<double>() == 0.0), source,
+                ": \"", dropout, "\" = ", value == nullptr ? "" : value->dump(),
+                " is not supported: fsdp's decoder has no dropout (0.0)");
+  }
   config.qk_norm_full_width = config.post_norms = type == "olmo2";
   config.norm_style = config.gemma      ? NormStyle::kGemma
                       : type == "olmo2" ? NormStyle::kOlmo

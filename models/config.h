@@ -16,6 +16,8 @@
 //                  attention scale), residual_multiplier, logits_scaling (logits divided)
 //   "olmo2"        norms after each sublayer only (x + norm(attn(x))), RMSNorm on the
 //                  full width of the query and key projections, weight applied in fp32
+//   "phi3"         Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary
+//                  embeddings, longrope; sliding_window in every layer when set
 //
 //   fsdp::models::DecoderConfig config =
 //   fsdp::models::load_decoder_config("/models/q/config.json"); config.layer_types[3];   //
@@ -25,7 +27,7 @@
 // layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
 // "rope_theta" + "rope_scaling" (+ Gemma 3's "rope_local_base_freq"), with the rope type
 // under "rope_type" or "type"; 5.x's "layer_types" and 4.x's "sliding_window_pattern".
-// RoPE types: "default", "linear", "llama3", "yarn". PyTorch/transformers counterpart:
+// RoPE types: "default", "linear", "llama3", "yarn", "longrope". PyTorch/transformers counterpart:
 // AutoConfig.from_pretrained, then the family's RotaryEmbedding and attention masks.
 //
 // Errors (c10::Error, one line naming the file, the field and its value, and what is
@@ -34,7 +36,7 @@
 // another model_type (mixture-of-experts families such as "mixtral", "qwen3_moe",
 // "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried), experts
 // fields (num_local_experts, num_experts), linear-attention layer types, rope types such as
-// "dynamic" or "longrope", partial rotary embeddings, quantised weights
+// "dynamic", quantised weights
 // (quantization_config), another activation, attention dropout, ...
 #ifndef FSDP_MODELS_CONFIG_H_
 #define FSDP_MODELS_CONFIG_H_
@@ -47,7 +49,7 @@ namespace fsdp::models {
 
 // The rotary embedding of one layer type (transformers' rope_parameters entry).
 struct RopeConfig {
-  std::string type = "default";  // default, linear, llama3 or yarn
+  std::string type = "default";  // default, linear, llama3, yarn or longrope
   double theta = 10000.0;        // rope_theta
   double factor = 1.0;           // linear, llama3, yarn: the context extension factor
   // llama3: frequencies below original_max_position_embeddings / low_freq_factor
@@ -64,6 +66,12 @@ struct RopeConfig {
   double mscale = 0.0;
   double mscale_all_dim = 0.0;
   bool truncate = true;
+  // longrope (Phi-3): the frequency divisors per rotated pair, long_factor when the sequence
+  // is longer than original_max_position_embeddings, else short_factor; cos and sin scaled
+  // by attention_factor (sqrt(1 + ln(factor) / ln(original)) unless given).
+  std::vector<double> long_factor, short_factor;
+  // The fraction of each head that is rotated (its first dimensions; Phi-4-mini 0.75).
+  double partial_rotary_factor = 1.0;
 };
 
 enum class LayerType { kFull, kSliding };
@@ -91,6 +99,10 @@ struct DecoderConfig {
   bool mlp_bias = false;  // gate/up/down_proj have biases (llama's mlp_bias)
   bool qk_norm = false;   // RMSNorm over head_dim on queries and keys before RoPE (qwen3, gemma3)
   bool qk_norm_full_width = false;  // olmo2: over the whole q_proj / k_proj output instead
+  // phi3: q, k, v in one qkv_proj [(heads + 2 kv_heads) * head_dim, hidden] and gate, up in
+  // one gate_up_proj [2 intermediate, hidden], as the checkpoint holds them.
+  bool fused_projections = false;
+  int64_t rotary_dim = 0;  // head_dim x partial_rotary_factor: the rotated dimensions
   // Gemma: embeddings x sqrt(hidden_size), RMSNorm x (1 + w), four norms per layer
   // (pre_feedforward_layernorm, post_feedforward_layernorm added), GeLU-tanh MLP.
   bool gemma = false;

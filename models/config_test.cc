@@ -79,10 +79,11 @@ TEST(DecoderConfigTest, UnsupportedFieldsAreOneErrorNamingFieldAndValue) {
 // Item 3 of the families issue: each architecture feature the decoder lacks stops the run
 // at its config with one line naming the field, its value and what is supported.
 TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
-  const std::string families = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2";
-  EXPECT_EQ(
-      error_of(config_json(R"(, "model_type": "phi3")")),
-      "cfg.json: \"model_type\" = \"phi3\" is not supported: fsdp's decoder builds " + families);
+  const std::string families =
+      "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3";
+  EXPECT_EQ(error_of(config_json(R"(, "model_type": "gpt_neox")")),
+            "cfg.json: \"model_type\" = \"gpt_neox\" is not supported: fsdp's decoder builds " +
+                families);
   for (const char* moe : {"mixtral", "qwen3_moe", "deepseek_v3"}) {
     EXPECT_EQ(error_of(config_json(std::string(R"(, "model_type": ")") + moe + "\"")),
               std::string("cfg.json: \"model_type\" = \"") + moe +
@@ -111,22 +112,22 @@ TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
             "decoder implements \"full_attention\" and \"sliding_attention\" layers");
   EXPECT_EQ(error_of(config_json(R"(, "rope_scaling": {"type": "dynamic", "factor": 2.0})")),
             "cfg.json: \"rope_scaling.rope_type\" = \"dynamic\" is not supported: fsdp's "
-            "decoder implements the rope types default, linear, llama3 and yarn");
-  EXPECT_EQ(
-      error_of(config_json(R"(, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4})")),
-      "cfg.json: \"rope_parameters.rope_type\" = \"longrope\" is not supported: fsdp's "
-      "decoder implements the rope types default, linear, llama3 and yarn");
-  EXPECT_EQ(error_of(config_json(R"(, "partial_rotary_factor": 0.5)")),
-            "cfg.json: \"partial_rotary_factor\" = 0.5 is not supported: "
-            "fsdp's decoder rotates the whole head (1.0)");
+            "decoder implements the rope types default, linear, llama3, yarn and longrope");
+  EXPECT_EQ(error_of(config_json(
+                R"(, "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4})")),
+            "cfg.json: \"rope_parameters.rope_type\" = \"proportional\" is not supported: fsdp's "
+            "decoder implements the rope types default, linear, llama3, yarn and longrope");
+  EXPECT_EQ(error_of(config_json(R"(, "model_type": "phi3", "resid_pdrop": 0.1)")),
+            "cfg.json: \"resid_pdrop\" = 0.1 is not supported: fsdp's decoder has no dropout "
+            "(0.0)");
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gemma3_text",
                                     "hidden_activation": "gelu_pytorch_tanh",
                                     "use_bidirectional_attention": true)")),
             "cfg.json: \"use_bidirectional_attention\" = true is not supported: fsdp's decoder "
             "is causal (use_bidirectional_attention false)");
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "mistral", "attention_bias": true)")),
-            "cfg.json: \"attention_bias\" = true is not supported: Mistral's attention has no "
-            "biases");
+            "cfg.json: \"attention_bias\" = true is not supported: the mistral attention has "
+            "no biases");
 }
 
 // The per-family options, in transformers 5.x spellings and the 4.x ones (hand-written).
@@ -239,6 +240,32 @@ TEST(DecoderConfigTest, GraniteMultipliersAndOlmo2Norms) {
   EXPECT_EQ(c.embedding_multiplier, 1.0);
 }
 
+TEST(DecoderConfigTest, Phi3FusedProjectionsPartialRotaryLongrope) {
+  // 4.x spelling: rope_scaling with "type" and a top-level original_max_position_embeddings.
+  const DecoderConfig c = parse_decoder_config(
+      config_json(R"(, "model_type": "phi3", "rope_parameters": null, "rope_theta": 1e4,
+          "partial_rotary_factor": 0.5, "original_max_position_embeddings": 16,
+          "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5],
+                           "long_factor": [2.0, 3.0]}, "sliding_window": null)"),
+      "cfg.json");
+  EXPECT_TRUE(c.fused_projections);
+  EXPECT_EQ(c.rotary_dim, 4);  // head_dim 8 x 0.5
+  EXPECT_EQ(c.rope.type, "longrope");
+  EXPECT_EQ(c.rope.original_max_position_embeddings, 16);
+  EXPECT_EQ(c.rope.factor, 4.0);  // max_position_embeddings / original
+  EXPECT_EQ(c.rope.attention_factor, std::sqrt(1 + std::log(4.0) / std::log(16.0)));
+  EXPECT_EQ(c.rope.long_factor, (std::vector<double>{2.0, 3.0}));
+  EXPECT_EQ(c.rope.short_factor, (std::vector<double>{1.0, 1.5}));
+  EXPECT_FALSE(c.has_sliding_layers());
+  EXPECT_EQ(error_of(config_json(R"(, "model_type": "phi3", "rope_parameters": {"rope_type":
+          "longrope", "short_factor": [1.0], "long_factor": [2.0, 3.0, 4.0, 5.0]})")),
+            "cfg.json: longrope's long_factor and short_factor have 4 and 1 entries: expected "
+            "one per rotated pair, 4");
+  EXPECT_EQ(error_of(config_json(R"(, "partial_rotary_factor": 0.25, "head_dim": 6)")),
+            "cfg.json: partial_rotary_factor 0.25 of head_dim 6 rotates 1 dimensions: expected "
+            "a positive even number");
+}
+
 TEST(DecoderConfigTest, BadValuesNameTheField) {
   EXPECT_EQ(error_of(config_json(R"(, "num_key_value_heads": 3)")),
             "cfg.json: \"num_key_value_heads\" = 3 does not divide \"num_attention_heads\" = 4; "
@@ -256,7 +283,8 @@ TEST(DecoderConfigTest, BadValuesNameTheField) {
             "transformers has it");
   EXPECT_EQ(error_of(R"({"vocab_size": 5})"),
             "cfg.json: the field \"model_type\" is missing; expected one of llama, mistral, "
-            "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2 (a config saved by transformers)");
+            "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3 (a config saved by "
+            "transformers)");
   EXPECT_EQ(error_of("{\"model_type\": \"llama\","),
             "cfg.json: not valid JSON; expected the config.json of a Hugging Face model folder");
   EXPECT_EQ(error_of("[1, 2]"), "cfg.json: expected a JSON object, found array");

@@ -5,6 +5,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -29,6 +30,15 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// x [..., head_dim] with its first cos.size(-1) dimensions rotated (all of them unless the
+// rotary embedding is partial), as transformers' apply_rotary_pos_emb.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t d = cos.size(-1);
+  if (d == x.size(-1)) return x * cos + rotate_half(x) * sin;
+  const at::Tensor rotated = x.narrow(-1, 0, d);
+  return at::cat({rotated * cos + rotate_half(rotated) * sin, x.narrow(-1, d, x.size(-1) - d)}, -1);
+}
+
 // True where query i may attend to key j: j <= i, and j > i - window when window > 0.
 at::Tensor attention_mask(int64_t time, int64_t window, c10::Device device) {
   const auto ids = at::TensorOptions().dtype(at::kLong).device(device);
@@ -48,10 +58,16 @@ double yarn_mscale(double scale, double mscale) {
 
 // The inverse frequencies [head_dim / 2] (fp32) of `rope` and the factor its cos and sin
 // are scaled by. See Note [RoPE types].
-std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_t dim,
+std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_t dim, int64_t time,
                                                   c10::Device device) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const at::Tensor exponents = at::arange(0, dim, 2, at::kLong).to(f32) / double(dim);
+  if (rope.type == "longrope") {
+    const std::vector<double>& factors =
+        time > rope.original_max_position_embeddings ? rope.long_factor : rope.short_factor;
+    const at::Tensor ext = at::tensor(factors, at::kDouble).to(f32);
+    return {rdiv(1.0, ext * at::pow(rope.theta, exponents)), rope.attention_factor};
+  }
   if (rope.type == "yarn") {
     const at::Tensor pos_freqs = at::pow(rope.theta, exponents);
     const at::Tensor extrapolation = rdiv(1.0, pos_freqs);
@@ -104,8 +120,11 @@ std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_
 // high ones (below .. / high_freq_factor) and blends in between; "yarn" blends
 // interpolated and extrapolated frequencies over the dimensions between the correction
 // range of beta_fast and beta_slow rotations, and scales cos and sin by its attention
-// factor (0.1 ln(factor) + 1 unless given). "dynamic" (which changes the frequencies with
-// the sequence length) and "longrope" are refused by the config reader.
+// factor (0.1 ln(factor) + 1 unless given); "longrope" divides them by short_factor, or by
+// long_factor when the sequence is longer than original_max_position_embeddings (as
+// transformers' longrope_frequency_update picks them per forward), and scales cos and sin
+// by its attention factor. "dynamic" (NTK scaling recomputed past the trained length) is
+// refused by the config reader.
 //
 // Note [Where the decoder's tensors are created]
 // The norms' weights come from new_parameter; embeddings and projections are LibTorch
@@ -141,9 +160,14 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type)
       scale(config.attention_scale),
       softcap(config.attn_logit_softcapping) {
   const int64_t hidden = config.hidden_size;
-  q_proj = register_module("q_proj", linear(hidden, heads * head_dim, config.qkv_bias));
-  k_proj = register_module("k_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
-  v_proj = register_module("v_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
+  if (config.fused_projections) {
+    qkv_proj = register_module("qkv_proj",
+                               linear(hidden, (heads + 2 * kv_heads) * head_dim, config.qkv_bias));
+  } else {
+    q_proj = register_module("q_proj", linear(hidden, heads * head_dim, config.qkv_bias));
+    k_proj = register_module("k_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
+    v_proj = register_module("v_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
+  }
   o_proj = register_module("o_proj", linear(heads * head_dim, hidden, config.o_bias));
   if (config.qk_norm) {
     q_norm = register_module("q_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
@@ -162,8 +186,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   const int64_t b = x.size(0), t = x.size(1);
   // [batch, heads, time, head_dim]: normed per head or over the full width, then rotated
   // (cos, sin broadcast over batch and heads).
+  const at::Tensor qkv = qkv_proj ? qkv_proj(x) : at::Tensor();
+  int64_t offset = 0;  // into qkv: q, then k, then v
   const auto project = [&](lora::LoraLinear& proj, RMSNorm& norm, int64_t n) {
-    at::Tensor y = proj(x);
+    at::Tensor y = qkv.defined() ? qkv.narrow(-1, offset, n * head_dim) : proj(x);
+    offset += n * head_dim;
     if (norm && full_width_norm) y = norm(y);
     y = y.view({b, t, n, head_dim});
     if (norm && !full_width_norm) y = norm(y);
@@ -172,8 +199,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   at::Tensor q = project(q_proj, q_norm, heads), k = project(k_proj, k_norm, kv_heads);
   RMSNorm none{nullptr};
   at::Tensor v = project(v_proj, none, kv_heads);
-  q = q * cos + rotate_half(q) * sin;
-  k = k * cos + rotate_half(k) * sin;
+  q = rotate(q, cos, sin);
+  k = rotate(k, cos, sin);
   at::Tensor attended;
   if (softcap > 0) {
     // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32.
@@ -198,15 +225,25 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
 
 MLPImpl::MLPImpl(const DecoderConfig& config) : gelu_tanh(config.gemma) {
   const int64_t hidden = config.hidden_size, inner = config.intermediate_size;
-  gate_proj = register_module("gate_proj", linear(hidden, inner, config.mlp_bias));
-  up_proj = register_module("up_proj", linear(hidden, inner, config.mlp_bias));
+  if (config.fused_projections) {
+    gate_up_proj = register_module("gate_up_proj", linear(hidden, 2 * inner, config.mlp_bias));
+  } else {
+    gate_proj = register_module("gate_proj", linear(hidden, inner, config.mlp_bias));
+    up_proj = register_module("up_proj", linear(hidden, inner, config.mlp_bias));
+  }
   down_proj = register_module("down_proj", linear(inner, hidden, config.mlp_bias));
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  const at::Tensor gate = gate_proj(x);
-  return down_proj((gelu_tanh ? at::gelu(gate, "tanh") : torch::nn::functional::silu(gate)) *
-                   up_proj(x));
+  at::Tensor gate, up;
+  if (gate_up_proj) {  // the first half is the gate
+    const at::Tensor both = gate_up_proj(x);
+    const int64_t inner = both.size(-1) / 2;
+    gate = both.narrow(-1, 0, inner), up = both.narrow(-1, inner, inner);
+  } else {
+    gate = gate_proj(x), up = up_proj(x);
+  }
+  return down_proj((gelu_tanh ? at::gelu(gate, "tanh") : torch::nn::functional::silu(gate)) * up);
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index)
@@ -258,7 +295,8 @@ std::pair<at::Tensor, at::Tensor> DecoderModelImpl::rotary(const RopeConfig& rop
                                                            c10::Device device,
                                                            at::ScalarType dtype) const {
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  const auto [inv_freq, attention_factor] = inverse_frequencies(rope, config.head_dim, device);
+  const auto [inv_freq, attention_factor] =
+      inverse_frequencies(rope, config.rotary_dim, time, device);
   const at::Tensor freqs = at::arange(time, at::kLong).to(f32).unsqueeze(1) * inv_freq;
   const at::Tensor angles = at::cat({freqs, freqs}, -1);
   return {(angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)};

@@ -1,11 +1,14 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
 // MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-// Gemma3ForCausalLM, GraniteForCausalLM and Olmo2ForCausalLM in LibTorch: one module tree whose
-// per-family options come from a DecoderConfig (config.h), with the families' own module and
-// parameter names, so a checkpoint's tensors load under their own names with no renaming:
+// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch: one
+// module tree whose per-family options come from a DecoderConfig (config.h), with the families' own
+// module and parameter names, so a checkpoint's tensors load under their own names with no
+// renaming:
 //
 //   model.embed_tokens.weight                         [vocab_size, hidden_size]
 //   model.layers.N.self_attn.{q,k,v,o}_proj.weight    q: [heads * head_dim, hidden_size],
+//     (phi3: self_attn.qkv_proj.weight [(heads + 2 kv_heads) * head_dim, hidden_size] and
+//     mlp.gate_up_proj.weight [2 intermediate, hidden] instead of q/k/v and gate/up)
 //                                                     k, v: [kv_heads * head_dim, hidden_size],
 //                                                     o: [hidden_size, heads * head_dim]
 //   model.layers.N.self_attn.{q,k,v}_proj.bias        qkv_bias (qwen2; attention_bias)
@@ -33,7 +36,8 @@
 // residual_multiplier, the embeddings by embedding_multiplier, the logits divided by
 // logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
 // cast); rotary embeddings in HF's rotate_half convention with the layer type's RoPE
-// (default, linear, llama3 or yarn); grouped-query attention, causal, over the last
+// (default, linear, llama3, yarn or longrope; on the first rotary_dim dimensions of
+// each head); grouped-query attention, causal, over the last
 // sliding_window keys in sliding layers; scores scaled by attention_scale, soft-capped
 // when attn_logit_softcapping (then computed eagerly, softmax in fp32, as transformers'
 // eager attention) and otherwise through at::scaled_dot_product_attention; gated MLP
@@ -71,7 +75,7 @@ struct RMSNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-// Input [batch, time, hidden]; cos, sin [time, head_dim] (DecoderModelImpl::rotary).
+// Input [batch, time, hidden]; cos, sin [time, rotary_dim] (DecoderModelImpl::rotary).
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DecoderConfig& config, LayerType type);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -80,6 +84,7 @@ struct AttentionImpl : torch::nn::Module {
   int64_t window;  // 0: causal over every earlier position
   double scale, softcap;
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  lora::LoraLinear qkv_proj{nullptr};  // fused_projections: q, k, v in one (the others null)
   // [head_dim] each (qk_norm), or [heads * head_dim] / [kv_heads * head_dim]
   // (qk_norm_full_width); null without either.
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
@@ -93,6 +98,7 @@ struct MLPImpl : torch::nn::Module {
 
   bool gelu_tanh;
   lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  lora::LoraLinear gate_up_proj{nullptr};  // fused_projections: gate, up in one
 };
 TORCH_MODULE(MLP);
 
@@ -115,7 +121,7 @@ struct DecoderLayerImpl : torch::nn::Module {
 struct DecoderModelImpl : torch::nn::Module {
   explicit DecoderModelImpl(const DecoderConfig& config);
   at::Tensor forward(const at::Tensor& ids);
-  // cos and sin of `rope` at positions 0..time-1: [time, head_dim] each, in `dtype`
+  // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
   // (computed in fp32 and scaled by yarn's attention factor, as transformers' rotary
   // embeddings do).
   std::pair<at::Tensor, at::Tensor> rotary(const RopeConfig& rope, int64_t time, c10::Device device,

@@ -7,11 +7,15 @@
 
 namespace fsdp::models {
 
-std::vector<std::string> lora_target_modules(const DecoderConfig&) {
+std::vector<std::string> lora_target_modules(const DecoderConfig& config) {
+  if (config.fused_projections) return {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
   return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 }
 
-std::vector<std::string> default_lora_targets(const DecoderConfig&) { return {"q_proj", "v_proj"}; }
+std::vector<std::string> default_lora_targets(const DecoderConfig& config) {
+  if (config.fused_projections) return {"qkv_proj"};
+  return {"q_proj", "v_proj"};
+}
 
 std::string lora_targets_error(const DecoderConfig& config,
                                const std::vector<std::string>& targets) {

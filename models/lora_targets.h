@@ -4,11 +4,12 @@
 //
 //   std::string error = fsdp::models::lora_targets_error(config, {"q_proj", "v_proj"});
 //
-// Every family has the same seven projections: q_proj, k_proj, v_proj, o_proj (attention)
-// and gate_proj, up_proj, down_proj (MLP); the norms, embeddings and head take none.
-// PEFT's defaults (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) are q_proj and v_proj
-// for each of these families, which default_lora_targets returns. Pure functions, no errors
-// raised.
+// Every family but phi3 has the same seven projections: q_proj, k_proj, v_proj, o_proj
+// (attention) and gate_proj, up_proj, down_proj (MLP); phi3 has its fused qkv_proj and
+// gate_up_proj instead (with o_proj and down_proj). The norms, embeddings and head take
+// none. default_lora_targets returns PEFT's defaults
+// (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): q_proj and v_proj, qkv_proj for
+// phi3. Pure functions, no errors raised.
 #ifndef FSDP_MODELS_LORA_TARGETS_H_
 #define FSDP_MODELS_LORA_TARGETS_H_
 

@@ -19,6 +19,13 @@ TEST(LoraTargetsTest, EveryProjectionAndNothingElse) {
   EXPECT_EQ(lora_targets_error(config, {}),
             "--lora_target_modules: expected one or more of q_proj, k_proj, v_proj, o_proj, "
             "gate_proj, up_proj, down_proj");
+  config.fused_projections = true;  // phi3
+  EXPECT_EQ(lora_target_modules(config),
+            (std::vector<std::string>{"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}));
+  EXPECT_EQ(default_lora_targets(config), (std::vector<std::string>{"qkv_proj"}));
+  EXPECT_EQ(lora_targets_error(config, {"q_proj"}),
+            "--lora_target_modules: \"q_proj\" is not a module of a qwen3 decoder; expected "
+            "some of qkv_proj, o_proj, gate_up_proj, down_proj");
 }
 
 }  // namespace

@@ -3,8 +3,8 @@
     families.py make DIR    one tiny checkpoint per variant below, written by transformers'
                             save_pretrained (DIR/<variant>/model; the 4.x variants' config.json
                             then rewritten by hand in transformers 4.x spellings), token files
-                            DIR/train.bin and DIR/eval.bin, DIR/variants.txt ("name trains" per
-                            line); prints, per family feature, how much turning it off changes
+                            DIR/train.bin and DIR/eval.bin, DIR/variants.txt ("name trains
+                            lora_targets" per line); prints, per family feature, how much turning it off changes
                             transformers' loss (each must change it by >= 5x the tolerance)
     families.py check DIR   against the finetune runs families_test.sh made: fsdp's eval loss
                             at W = 1 and W = 3 equals transformers' (eager attention, fp32)
@@ -97,6 +97,18 @@ VARIANTS = {
     "olmo2": ("Olmo2Config", dict(SMALL), True, None, [
         ("full-width q/k norm weights -> 1", {}, "qk_norm"),
     ]),
+    "phi3": ("Phi3Config", dict(SMALL, pad_token_id=None, original_max_position_embeddings=16,
+                                rope_parameters={"rope_type": "longrope", "rope_theta": 100.0,
+                                                 "short_factor": [1.0, 1.5],
+                                                 "long_factor": [3.0, 5.0],
+                                                 "partial_rotary_factor": 0.5}), True, None, [
+        ("longrope -> default", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
+                                                     "partial_rotary_factor": 0.5}}, None),
+        ("long factors -> the short ones", {"rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 100.0, "short_factor": [1.0, 1.5],
+            "long_factor": [1.0, 1.5], "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 16}}, None),
+    ]),
     "gemma3_text_4x": ("Gemma3TextConfig", dict(SMALL, **GEMMA, layer_types=[
         "sliding_attention", "sliding_attention", "full_attention"], rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -141,6 +153,8 @@ def sharpen(model, family):
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(3.0)
+            elif name.endswith("qkv_proj.weight"):  # phi3: the rows of 4 q and 2 k heads of 8
+                p[: p.shape[0] * 3 // 4].mul_(3.0)
             elif name.endswith("norm.weight"):
                 # Gemma's norms scale by (1 + w); Qwen3's q/k norms as Llama's by w.
                 p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
@@ -211,7 +225,10 @@ def make(root):
                 failed += not ok
                 print(f"  {what}: loss changes by {change:.3g} relative "
                       f"({'ok' if ok else 'FAIL'}: >= {5 * TOLERANCE:g})")
-            listing.write(f"{name} {int(trains)}\n")
+            targets = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cls == "Phi3Config"
+                       else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"])
+            listing.write(f"{name} {int(trains)} {','.join(targets)}\n")
     return failed
 
 
@@ -246,7 +263,7 @@ def check(root):
 
     with open(os.path.join(root, "variants.txt")) as f:
         variants = [line.split() for line in f if line.strip()]
-    for name, trains in variants:
+    for name, trains, _ in variants:
         d = os.path.join(root, name)
         model = os.path.join(d, "model")
         print(f"{name}:")

@@ -1,6 +1,6 @@
 // Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-// Gemma 3 text, Granite, OLMo 2: the families of //models) with FSDP and writes the result
-// back as a Hugging Face folder.
+// Gemma 3 text, Granite, OLMo 2, Phi-3: the families of //models) with FSDP and writes the
+// result back as a Hugging Face folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
@@ -104,9 +104,10 @@ ABSL_FLAG(int64_t, lora_rank, 0,
           "every other weight frozen");
 ABSL_FLAG(double, lora_alpha, 16, "LoRA's alpha: the update is scaled by alpha / rank");
 ABSL_FLAG(double, lora_dropout, 0.0, "dropout on the LoRA adapters' input, in [0, 1)");
-ABSL_FLAG(std::string, lora_target_modules, "q_proj,v_proj",
+ABSL_FLAG(std::string, lora_target_modules, "",
           "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
-          "gate_proj, up_proj, down_proj: models/lora_targets.h)");
+          "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
+          "empty: PEFT's default for the family (q_proj,v_proj; phi3: qkv_proj)");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 
@@ -169,9 +170,11 @@ std::string token_file_error(const char* flag, const std::string& path, int64_t 
   return "";
 }
 
-// The module names of --lora_target_modules.
-std::vector<std::string> lora_targets() {
-  return absl::StrSplit(absl::GetFlag(FLAGS_lora_target_modules), ',', absl::SkipWhitespace());
+// The module names of --lora_target_modules, or the family's default.
+std::vector<std::string> lora_targets(const DecoderConfig& config) {
+  const std::string flag = absl::GetFlag(FLAGS_lora_target_modules);
+  if (flag.empty()) return default_lora_targets(config);
+  return absl::StrSplit(flag, ',', absl::SkipWhitespace());
 }
 
 // Every flag checked before a rank starts or a file is touched: "" or one line.
@@ -232,7 +235,7 @@ std::string flag_error() {
   }
   if (!(absl::GetFlag(FLAGS_lora_alpha) > 0)) return "--lora_alpha: expected a positive number";
   if (absl::GetFlag(FLAGS_lora_rank) > 0) {
-    if (std::string error = lora_targets_error(config, lora_targets()); !error.empty()) {
+    if (std::string error = lora_targets_error(config, lora_targets(config)); !error.empty()) {
       return error;
     }
   }
@@ -252,8 +255,8 @@ std::string flag_error() {
 }
 
 // The LoRA adapters of --lora_rank (PEFT's LoraConfig).
-lora::LoraConfig lora_config() {
-  const std::vector<std::string> targets = lora_targets();
+lora::LoraConfig lora_config(const DecoderConfig& model) {
+  const std::vector<std::string> targets = lora_targets(model);
   lora::LoraConfig config;
   config.r(absl::GetFlag(FLAGS_lora_rank))
       .lora_alpha(absl::GetFlag(FLAGS_lora_alpha))
@@ -332,7 +335,7 @@ int finetune() {
     // first, whole, into the plain module; the same seed gives every rank the same A.
     load_module_safetensors(*net, from);
     at::manual_seed(absl::GetFlag(FLAGS_seed));
-    const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config());
+    const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config(config));
     if (comm->rank() == 0) std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
   }
   int64_t numel = 0, trainable = 0;
@@ -429,8 +432,8 @@ int finetune() {
     const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
     if (lead) {
       prepare_hf_folder(from, hf);
-      lora::save_merged(full, lora_config(), hf, shard_size);
-      lora::save_adapter(full, lora_config(), dir + "/adapter");  // PEFT's layout
+      lora::save_merged(full, lora_config(config), hf, shard_size);
+      lora::save_adapter(full, lora_config(config), dir + "/adapter");  // PEFT's layout
     }
   }
   if (lead) {

@@ -439,6 +439,14 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   config.max_position_embeddings = fields.positive("max_position_embeddings", default_positions);
   config.rms_norm_eps = fields.positive_number("rms_norm_eps", type == "olmo2" ? 1e-5 : 1e-6);
   config.tie_word_embeddings = fields.boolean("tie_word_embeddings", config.gemma);
+  if (const json* pad = fields.find("pad_token_id"); pad != nullptr) {
+    TORCH_CHECK(pad->is_number_integer() && pad->get<int64_t>() >= -config.vocab_size &&
+                    pad->get<int64_t>() < config.vocab_size,
+                source, ": \"pad_token_id\" = ", pad->dump(),
+                ": expected null or a token id below vocab_size = ", config.vocab_size,
+                " (transformers' embedding takes it as padding_idx)");
+    config.pad_token_id = (pad->get<int64_t>() + config.vocab_size) % config.vocab_size;
+  }
   if (config.gemma) {
     config.attention_scale = 1.0 / std::sqrt(fields.positive_number("query_pre_attn_scalar", 256));
     const bool gemma2 = type == "gemma2";

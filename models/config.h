@@ -92,7 +92,10 @@ struct DecoderConfig {
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;  // lm_head.weight is model.embed_tokens.weight
-  std::string dtype = "float32";     // "dtype" (or 4.x's "torch_dtype"): the weights' dtype
+  // The embedding's padding_idx (-1: none): its row gets no gradient through the lookup,
+  // as transformers' nn.Embedding(vocab, hidden, pad_token_id).
+  int64_t pad_token_id = -1;
+  std::string dtype = "float32";  // "dtype" (or 4.x's "torch_dtype"): the weights' dtype
 
   bool qkv_bias = false;  // q/k/v_proj have biases (qwen2; attention_bias elsewhere)
   bool o_bias = false;    // o_proj has a bias (attention_bias; never for qwen2)

@@ -47,6 +47,12 @@ TEST(DecoderConfigTest, ReadsTransformers5Config) {
   EXPECT_EQ(c.rope.type, "default");
   EXPECT_TRUE(c.tie_word_embeddings);
   EXPECT_EQ(c.dtype, "bfloat16");
+  EXPECT_EQ(c.pad_token_id, -1);  // null
+  EXPECT_EQ(parse_decoder_config(config_json(R"(, "pad_token_id": 3)"), "cfg.json").pad_token_id,
+            3);
+  EXPECT_EQ(error_of(config_json(R"(, "pad_token_id": 97)")),
+            "cfg.json: \"pad_token_id\" = 97: expected null or a token id below vocab_size = 97 "
+            "(transformers' embedding takes it as padding_idx)");
 }
 
 TEST(DecoderConfigTest, ReadsTransformers4SpellingAndDefaults) {

@@ -280,8 +280,9 @@ at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor si
 }
 
 DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config) : config(config) {
-  embed_tokens =
-      register_module("embed_tokens", torch::nn::Embedding(config.vocab_size, config.hidden_size));
+  torch::nn::EmbeddingOptions embedding(config.vocab_size, config.hidden_size);
+  if (config.pad_token_id >= 0) embedding.padding_idx(config.pad_token_id);
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     units.push_back(Unit<DecoderLayerImpl>(std::make_shared<DecoderLayerImpl>(config, i)));

@@ -274,6 +274,16 @@ def check(root):
             print(f"  --steps=0 at W = {world}: {n} tensors written back bit for bit")
         if trains == "0":
             continue
+        config = json.load(open(os.path.join(model, "config.json")))
+        pad = config.get("pad_token_id")
+        if pad is not None and not config.get("tie_word_embeddings"):
+            # transformers' embedding has padding_idx = pad_token_id: no gradient, no update.
+            name = "model.embed_tokens.weight"
+            row_before, row_after = tensors(model)[name][pad], tensors(f"{d}/full/hf")[name][pad]
+            ok = torch.equal(row_before, row_after)
+            failed += not ok
+            print(f"  full fine-tune kept the padding row {pad} of the embeddings "
+                  f"({'ok' if ok else 'FAIL'})")
         for run in ("full", "lora"):
             before, after = logged(f"{d}/{run}.log", "before"), logged(f"{d}/{run}.log", "after")
             ok = after < before

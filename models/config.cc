@@ -414,6 +414,12 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   config.hidden_size = fields.positive("hidden_size");
   config.intermediate_size = fields.positive("intermediate_size");
   config.num_hidden_layers = fields.positive("num_hidden_layers");
+  // A per-layer list is built from this count before any weight is read: bound it (the
+  // deepest released decoders have a few hundred layers).
+  constexpr int64_t kMaxLayers = 100000;
+  TORCH_CHECK(config.num_hidden_layers <= kMaxLayers, source,
+              ": \"num_hidden_layers\" = ", config.num_hidden_layers, ": expected at most ",
+              kMaxLayers);
   config.num_attention_heads = fields.positive("num_attention_heads");
   config.num_key_value_heads = fields.positive("num_key_value_heads", config.num_attention_heads);
   TORCH_CHECK(config.num_attention_heads % config.num_key_value_heads == 0, source,

@@ -277,6 +277,8 @@ TEST(DecoderConfigTest, BadValuesNameTheField) {
             "cfg.json: \"num_key_value_heads\" = 3 does not divide \"num_attention_heads\" = 4; "
             "grouped-query attention shares each key/value head among an equal number of "
             "query heads");
+  EXPECT_EQ(error_of(config_json(R"(, "num_hidden_layers": 1000000000)")),
+            "cfg.json: \"num_hidden_layers\" = 1000000000: expected at most 100000");
   EXPECT_EQ(error_of(config_json(R"(, "vocab_size": 0)")),
             "cfg.json: \"vocab_size\" = 0: expected a positive integer");
   EXPECT_EQ(error_of(config_json(R"(, "hidden_size": "32")")),

@@ -1,5 +1,5 @@
-// The C++ half of llama_hf_test.sh: loads a Hugging Face Llama folder into fsdp's
-// LlamaForCausalLM (examples/llama) at several world sizes (ranks as threads, FULL_SHARD,
+// The C++ half of llama_hf_test.sh: loads a Hugging Face folder into fsdp's decoder
+// (//models) at several world sizes (ranks as threads, FULL_SHARD,
 // each decoder layer a unit) and writes the logits of the same token ids for each.
 //
 //   llama_logits HF_DIR IDS_FILE OUT_FILE W...
@@ -12,28 +12,28 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "examples/llama/config.h"
-#include "examples/llama/hf_checkpoint.h"
-#include "examples/llama/model.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/state/checkpoint.h"
+#include "models/config.h"
+#include "models/decoder.h"
+#include "models/hf_checkpoint.h"
 
 namespace fsdp {
 namespace {
 
 at::Tensor logits_at(const std::string& dir, const at::Tensor& ids, int world_size) {
-  const llama::LlamaConfig config = llama::load_llama_config(dir + "/config.json");
+  const models::DecoderConfig config = models::load_decoder_config(dir + "/config.json");
   at::Tensor result;
   FakeWorld::run(FakeWorld::create(world_size), [&](Communicator& comm) {
     std::shared_ptr<Communicator> self(&comm, [](Communicator*) {});
-    auto module = std::make_shared<llama::LlamaForCausalLMImpl>(config);
-    module->to(llama::hf_weights_dtype(dir));
-    FullyShardedDataParallel<llama::LlamaForCausalLMImpl> model(
-        module, FullyShardedDataParallelOptions(self));
+    auto module = std::make_shared<models::CausalLMImpl>(config);
+    module->to(models::hf_weights_dtype(dir));
+    FullyShardedDataParallel<models::CausalLMImpl> model(module,
+                                                         FullyShardedDataParallelOptions(self));
     TORCH_CHECK(int64_t(model->units().size()) == config.num_hidden_layers + 1,
                 "expected a unit per decoder layer and the root, got ", model->units().size());
-    llama::load_hf_weights(*model, dir);
+    models::load_hf_weights(*model, dir);
     torch::NoGradGuard no_grad;
     const at::Tensor logits = model->forward(ids);
     if (comm.rank() == 0) result = logits;

@@ -21,7 +21,7 @@ bazel test --config=asan //fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_tes
   --nocache_test_results "$@" 2>&1 | sed -E 's#^(//[^ ]+) #\1 (asan) #' | tee -a "$log" ||
   status=$?
 # House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).
-if find fsdp examples benchmarks tests tools \( -name '*.cc' -o -name '*.h' \) -print0 |
+if find fsdp models examples benchmarks tests tools \( -name '*.cc' -o -name '*.h' \) -print0 |
   xargs -0 clang-format --dry-run -Werror; then
   format_result=PASSED
 else

@@ -1,10 +1,11 @@
-// Fine-tunes a Llama-family Hugging Face model folder with FSDP and writes the result back
-// as a Hugging Face folder.
+// Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+// Gemma 3 text, Granite, OLMo 2, Phi-3: the families of //models) with FSDP and writes the
+// result back as a Hugging Face folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
 //
-// The model is fsdp::llama::LlamaForCausalLMImpl (model.h) built from HF_DIR/config.json,
+// The model is fsdp::models::CausalLMImpl (models/decoder.h) built from HF_DIR/config.json,
 // each decoder layer an FSDP unit (FULL_SHARD by default), its weights read from HF_DIR
 // (hf_checkpoint.h), trained with AdamW on random windows of --context + 1 tokens of
 // --data (the same windows at any world size). A token file is a flat little-endian array
@@ -19,7 +20,7 @@
 // --eval_data it prints `eval loss before: X` and `eval loss after: Y`: the mean next-token
 // cross-entropy over the file cut into consecutive windows of --context + 1 tokens (no overlap, the
 // remainder dropped). At the end it writes OUT/hf/ (config.json and the weights, in files of at
-// most --max_shard_size) that transformers' LlamaForCausalLM.from_pretrained loads; --steps=0
+// most --max_shard_size) that transformers' AutoModelForCausalLM.from_pretrained loads; --steps=0
 // writes the weights it read, bit for bit. With --lora_rank it trains LoRA adapters only
 // (fsdp/lora), writes them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and
 // OUT/hf/ holds them merged into the base weights. Without RANK in its environment it starts
@@ -54,9 +55,6 @@
 #include "examples/gpt/flags.h"
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/run_support.h"
-#include "examples/llama/config.h"
-#include "examples/llama/hf_checkpoint.h"
-#include "examples/llama/model.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/flat_param.h"
@@ -68,6 +66,10 @@
 #include "fsdp/state/dcp_checkpoint.h"
 #include "fsdp/state/safetensors_state_dict.h"
 #include "fsdp/state/state_dict.h"
+#include "models/config.h"
+#include "models/decoder.h"
+#include "models/hf_checkpoint.h"
+#include "models/lora_targets.h"
 
 ABSL_FLAG(std::string, from, "", "Hugging Face model folder (config.json + safetensors)");
 ABSL_FLAG(std::string, data, "", "training tokens: a flat little-endian array of token ids");
@@ -102,20 +104,21 @@ ABSL_FLAG(int64_t, lora_rank, 0,
           "every other weight frozen");
 ABSL_FLAG(double, lora_alpha, 16, "LoRA's alpha: the update is scaled by alpha / rank");
 ABSL_FLAG(double, lora_dropout, 0.0, "dropout on the LoRA adapters' input, in [0, 1)");
-ABSL_FLAG(std::string, lora_target_modules, "q_proj,v_proj",
+ABSL_FLAG(std::string, lora_target_modules, "",
           "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
-          "gate_proj, up_proj, down_proj)");
+          "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
+          "empty: PEFT's default for the family (q_proj,v_proj; phi3: qkv_proj)");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 
-namespace fsdp::llama {
+namespace fsdp::models {
 namespace {
 
 using examples::global_mean;
 using examples::next_token_loss;
 using examples::sharding_strategy_error;
 using examples::sharding_strategy_flag;
-using Model = FullyShardedDataParallel<LlamaForCausalLMImpl>;
+using Model = FullyShardedDataParallel<CausalLMImpl>;
 
 std::string checkpoint_dir() { return absl::GetFlag(FLAGS_out_dir) + "/checkpoints"; }
 
@@ -167,13 +170,20 @@ std::string token_file_error(const char* flag, const std::string& path, int64_t 
   return "";
 }
 
+// The module names of --lora_target_modules, or the family's default.
+std::vector<std::string> lora_targets(const DecoderConfig& config) {
+  const std::string flag = absl::GetFlag(FLAGS_lora_target_modules);
+  if (flag.empty()) return default_lora_targets(config);
+  return absl::StrSplit(flag, ',', absl::SkipWhitespace());
+}
+
 // Every flag checked before a rank starts or a file is touched: "" or one line.
 std::string flag_error() {
   const std::string from = absl::GetFlag(FLAGS_from);
   if (from.empty()) return "--from: expected a Hugging Face model folder (config.json)";
-  LlamaConfig config;
+  DecoderConfig config;
   try {
-    config = load_llama_config(from + "/config.json");
+    config = load_decoder_config(from + "/config.json");
     parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
@@ -224,6 +234,11 @@ std::string flag_error() {
     return absl::StrCat("--lora_dropout=", dropout, ": expected a value in [0, 1)");
   }
   if (!(absl::GetFlag(FLAGS_lora_alpha) > 0)) return "--lora_alpha: expected a positive number";
+  if (absl::GetFlag(FLAGS_lora_rank) > 0) {
+    if (std::string error = lora_targets_error(config, lora_targets(config)); !error.empty()) {
+      return error;
+    }
+  }
   if (!(absl::GetFlag(FLAGS_lr) >= 0) || !std::isfinite(absl::GetFlag(FLAGS_lr))) {
     return "--lr: expected a finite number >= 0";
   }
@@ -240,9 +255,8 @@ std::string flag_error() {
 }
 
 // The LoRA adapters of --lora_rank (PEFT's LoraConfig).
-lora::LoraConfig lora_config() {
-  const std::vector<std::string> targets =
-      absl::StrSplit(absl::GetFlag(FLAGS_lora_target_modules), ',', absl::SkipWhitespace());
+lora::LoraConfig lora_config(const DecoderConfig& model) {
+  const std::vector<std::string> targets = lora_targets(model);
   lora::LoraConfig config;
   config.r(absl::GetFlag(FLAGS_lora_rank))
       .lora_alpha(absl::GetFlag(FLAGS_lora_alpha))
@@ -306,43 +320,44 @@ int finetune() {
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   const int lock = examples::lock_out_dir(*comm, dir, device);
   const std::string from = absl::GetFlag(FLAGS_from);
-  const LlamaConfig config = load_llama_config(from + "/config.json");
+  const DecoderConfig config = load_decoder_config(from + "/config.json");
   const int64_t bytes = token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size);
   const at::Tensor train_tokens = read_tokens(absl::GetFlag(FLAGS_data), bytes, config.vocab_size);
   const std::string eval_path = absl::GetFlag(FLAGS_eval_data);
   const at::Tensor eval_tokens =
       eval_path.empty() ? at::Tensor() : read_tokens(eval_path, bytes, config.vocab_size);
 
-  auto llama = std::make_shared<LlamaForCausalLMImpl>(config);
-  llama->to(hf_weights_dtype(from));  // trained in the dtype the folder holds
+  auto net = std::make_shared<CausalLMImpl>(config);
+  net->to(hf_weights_dtype(from));  // trained in the dtype the folder holds
   const bool lora = absl::GetFlag(FLAGS_lora_rank) > 0;
   if (lora) {
     // Adapters are added before FSDP wraps the model, so the base weights are read
     // first, whole, into the plain module; the same seed gives every rank the same A.
-    load_module_safetensors(*llama, from);
+    load_module_safetensors(*net, from);
     at::manual_seed(absl::GetFlag(FLAGS_seed));
-    const std::vector<std::string> adapted = lora::apply_lora(*llama, lora_config());
+    const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config(config));
     if (comm->rank() == 0) std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
   }
   int64_t numel = 0, trainable = 0;
-  for (const auto& p : llama->parameters()) {
+  for (const auto& p : net->parameters()) {
     numel += p.numel();
     if (p.requires_grad()) trainable += p.numel();
   }
-  Model model(llama, FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
-                         "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
-                         /*allow_hybrid=*/false)));
+  Model model(net, FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
+                       "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
+                       /*allow_hybrid=*/false)));
   if (!lora) load_hf_weights(*model, from);  // each rank reads only its shards' bytes
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
                                 .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
   if (lead) {
     std::cout << absl::StrFormat(
-        "model: %s, %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "
+        "model: %s (%s), %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "
         "%d units over %d ranks (%s)\ndata: %d training tokens%s\n",
-        from, numel, trainable, config.num_hidden_layers, config.num_attention_heads,
-        config.num_key_value_heads, model->units().size(), comm->world_size(),
-        sharding_strategy_name(model->sharding_strategy()), train_tokens.numel(),
+        from, config.model_type, numel, trainable, config.num_hidden_layers,
+        config.num_attention_heads, config.num_key_value_heads, model->units().size(),
+        comm->world_size(), sharding_strategy_name(model->sharding_strategy()),
+        train_tokens.numel(),
         eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
                               : std::string());
   }
@@ -418,8 +433,8 @@ int finetune() {
     const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
     if (lead) {
       prepare_hf_folder(from, hf);
-      lora::save_merged(full, lora_config(), hf, shard_size);
-      lora::save_adapter(full, lora_config(), dir + "/adapter");  // PEFT's layout
+      lora::save_merged(full, lora_config(config), hf, shard_size);
+      lora::save_adapter(full, lora_config(config), dir + "/adapter");  // PEFT's layout
     }
   }
   if (lead) {
@@ -433,12 +448,12 @@ int finetune() {
 }
 
 }  // namespace
-}  // namespace fsdp::llama
+}  // namespace fsdp::models
 
 int main(int argc, char** argv) {
   fsdp::examples::allow_bare_resume_flag(argc, argv);
   absl::ParseCommandLine(argc, argv);
-  const std::string error = fsdp::llama::flag_error();
+  const std::string error = fsdp::models::flag_error();
   if (!error.empty()) {
     std::cerr << "finetune: " << error << "\n";
     return 2;
@@ -447,7 +462,7 @@ int main(int argc, char** argv) {
     return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }
   try {
-    return fsdp::llama::finetune();
+    return fsdp::models::finetune();
   } catch (const std::exception& e) {
     std::string what = e.what();
     std::cerr << "finetune: " << what.substr(0, what.find('\n')) << "\n";

@@ -1,20 +1,24 @@
-// A Hugging Face model folder in and out of an FSDP-wrapped LlamaForCausalLM (model.h).
+// A Hugging Face model folder in and out of an FSDP-wrapped CausalLM (decoder.h).
 //
 //   const std::string dir = "/models/tiny";
-//   fsdp::llama::LlamaConfig config = fsdp::llama::load_llama_config(dir + "/config.json");
-//   auto llama = std::make_shared<fsdp::llama::LlamaForCausalLMImpl>(config);
-//   llama->to(fsdp::llama::hf_weights_dtype(dir));   // the dtype the files hold
-//   fsdp::FullyShardedDataParallel<fsdp::llama::LlamaForCausalLMImpl> model(llama, options);
-//   fsdp::llama::load_hf_weights(*model, dir);         // each rank reads its shards' bytes
-//   fsdp::llama::save_hf_folder(*model, dir, "/out/hf", 5'000'000'000);
+//   fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(dir + "/config.json");
+//   auto net = std::make_shared<fsdp::models::CausalLMImpl>(config);
+//   net->to(fsdp::models::hf_weights_dtype(dir));   // the dtype the files hold
+//   fsdp::FullyShardedDataParallel<fsdp::models::CausalLMImpl> model(net, options);
+//   fsdp::models::load_hf_weights(*model, dir);         // each rank reads its shards' bytes
+//   fsdp::models::save_hf_folder(*model, dir, "/out/hf", 5'000'000'000);
 //
-// The folder's tensors carry the model's own names (model.h), so no renaming happens
-// (fsdp/state/safetensors_state_dict.h does the reading and writing). PyTorch /
-// transformers: LlamaForCausalLM.from_pretrained / save_pretrained(max_shard_size=...).
+// Names both ways: every family the decoder builds (config.h) names its tensors in the
+// checkpoint as transformers' *ForCausalLM names its parameters, and the decoder's modules
+// carry those names (decoder.h), so the mapping is the identity in both directions and no
+// renaming happens (fsdp/state/safetensors_state_dict.h does the reading and writing); a
+// folder whose names differ (a multimodal "gemma3" folder's model.language_model.*) is
+// refused by its config. PyTorch / transformers: AutoModelForCausalLM.from_pretrained /
+// save_pretrained(max_shard_size=...).
 // Errors: c10::Error naming the file and the tensor (missing, unexpected, another shape
 // or dtype, a malformed file).
-#ifndef FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_
-#define FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_
+#ifndef FSDP_MODELS_HF_CHECKPOINT_H_
+#define FSDP_MODELS_HF_CHECKPOINT_H_
 
 #include <cstdint>
 #include <string>
@@ -23,7 +27,7 @@
 
 #include "fsdp/core/fully_sharded.h"
 
-namespace fsdp::llama {
+namespace fsdp::models {
 
 // The dtype of the floating tensors of HF folder `dir` (headers only are read). Throws
 // naming two tensors when they differ.
@@ -53,6 +57,6 @@ void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir);
 // 2147483648. Throws c10::Error naming the value otherwise.
 int64_t parse_shard_size(const std::string& text);
 
-}  // namespace fsdp::llama
+}  // namespace fsdp::models
 
-#endif  // FSDP_EXAMPLES_LLAMA_HF_CHECKPOINT_H_
+#endif  // FSDP_MODELS_HF_CHECKPOINT_H_

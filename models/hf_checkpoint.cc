@@ -1,4 +1,4 @@
-#include "examples/llama/hf_checkpoint.h"
+#include "models/hf_checkpoint.h"
 
 #include <filesystem>
 #include <utility>
@@ -10,7 +10,7 @@
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/state/safetensors_state_dict.h"
 
-namespace fsdp::llama {
+namespace fsdp::models {
 namespace {
 
 // The files of an HF folder that describe the model besides its weights.
@@ -50,7 +50,7 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
       dtype = found;
     }
     TORCH_CHECK(found == dtype, dir, ": tensor ", name, " is ", found, " but ", first, " is ",
-                dtype, "; examples/llama trains one dtype (convert the folder first)");
+                dtype, "; fsdp's decoder trains one dtype (convert the folder first)");
   }
   return dtype;
 }
@@ -95,4 +95,4 @@ int64_t parse_shard_size(const std::string& text) {
   return value * unit;
 }
 
-}  // namespace fsdp::llama
+}  // namespace fsdp::models

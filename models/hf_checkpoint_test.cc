@@ -1,11 +1,11 @@
-#include "examples/llama/hf_checkpoint.h"
+#include "models/hf_checkpoint.h"
 
 #include <string>
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
-namespace fsdp::llama {
+namespace fsdp::models {
 namespace {
 
 TEST(ParseShardSizeTest, TransformersUnits) {
@@ -33,4 +33,4 @@ TEST(ParseShardSizeTest, BadValuesNameTheFlag) {
 }
 
 }  // namespace
-}  // namespace fsdp::llama
+}  // namespace fsdp::models

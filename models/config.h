@@ -1,0 +1,140 @@
+// The architecture of a Hugging Face decoder-only model folder: its config.json as
+// transformers writes it (save_pretrained), read into one DecoderConfig whose fields are the
+// per-family options of the decoder (decoder.h). Families (`model_type`):
+//
+//   "llama"        Llama 1-3.x, SmolLM, TinyLlama (attention_bias, mlp_bias read)
+//   "mistral"      sliding-window attention in every layer (sliding_window, or null)
+//   "qwen2"        biases on q/k/v; sliding window switched on by use_sliding_window for the
+//                  layers from max_window_layers on (or as layer_types says)
+//   "qwen3"        per-head RMSNorm on queries and keys, explicit head_dim
+//   "gemma2"       Gemma: sqrt(hidden) embedding scale, (1 + w) RMSNorm, norms before and
+//                  after attention and MLP, query_pre_attn_scalar, GeLU-tanh MLP,
+//                  layer_types sliding/full; attention and final logit soft-caps
+//   "gemma3_text"  Gemma 3's language model: as gemma2 with (1 + w) q/k norms and RoPE
+//                  parameters per layer type (sliding layers: rope_local_base_freq)
+//   "granite"      Llama with four scalars: embedding_multiplier, attention_multiplier (the
+//                  attention scale), residual_multiplier, logits_scaling (logits divided)
+//   "olmo2"        norms after each sublayer only (x + norm(attn(x))), RMSNorm on the
+//                  full width of the query and key projections, weight applied in fp32
+//   "phi3"         Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary
+//                  embeddings, longrope; sliding_window in every layer when set
+//
+//   fsdp::models::DecoderConfig config =
+//   fsdp::models::load_decoder_config("/models/q/config.json"); config.layer_types[3];   //
+//   LayerType::kSliding: attends to the last sliding_window tokens
+//
+// Both spellings transformers has used are read: 5.x's "rope_parameters" (flat, or nested per
+// layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
+// "rope_theta" + "rope_scaling" (+ Gemma 3's "rope_local_base_freq"), with the rope type
+// under "rope_type" or "type"; 5.x's "layer_types" and 4.x's "sliding_window_pattern".
+// RoPE types: "default", "linear", "llama3", "yarn", "longrope". PyTorch/transformers counterpart:
+// AutoConfig.from_pretrained, then the family's RotaryEmbedding and attention masks.
+//
+// Errors (c10::Error, one line naming the file, the field and its value, and what is
+// supported): a file that cannot be read or is not a JSON object; a missing or mistyped
+// required field; anything the decoder does not implement, refused by name, never ignored:
+// another model_type (mixture-of-experts families such as "mixtral", "qwen3_moe",
+// "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried), experts
+// fields (num_local_experts, num_experts), linear-attention layer types, rope types such as
+// "dynamic", quantised weights
+// (quantization_config), another activation, attention dropout, ...
+#ifndef FSDP_MODELS_CONFIG_H_
+#define FSDP_MODELS_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::models {
+
+// The rotary embedding of one layer type (transformers' rope_parameters entry).
+struct RopeConfig {
+  std::string type = "default";  // default, linear, llama3, yarn or longrope
+  double theta = 10000.0;        // rope_theta
+  double factor = 1.0;           // linear, llama3, yarn: the context extension factor
+  // llama3: frequencies below original_max_position_embeddings / low_freq_factor
+  // wavelengths are divided by factor, those above .. / high_freq_factor kept, smoothed
+  // in between.
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn (default max_position_embeddings)
+  // yarn (transformers' defaults): the correction range's rotations and the cos/sin
+  // scale (attention_factor; 0: from factor, mscale and mscale_all_dim).
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double attention_factor = 0.0;
+  double mscale = 0.0;
+  double mscale_all_dim = 0.0;
+  bool truncate = true;
+  // longrope (Phi-3): the frequency divisors per rotated pair, long_factor when the sequence
+  // is longer than original_max_position_embeddings, else short_factor; cos and sin scaled
+  // by attention_factor (sqrt(1 + ln(factor) / ln(original)) unless given).
+  std::vector<double> long_factor, short_factor;
+  // The fraction of each head that is rotated (its first dimensions; Phi-4-mini 0.75).
+  double partial_rotary_factor = 1.0;
+};
+
+enum class LayerType { kFull, kSliding };
+
+// How an RMSNorm applies its weight w to n = x / rms(x) (computed in fp32): kLlama
+// w * n.to(dtype); kOlmo (w * n).to(dtype); kGemma (n * (1 + w)).to(dtype).
+enum class NormStyle { kLlama, kOlmo, kGemma };
+
+struct DecoderConfig {
+  std::string model_type;  // one of supported_model_types()
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;  // the gated MLP's inner width
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // default num_attention_heads; must divide it
+  int64_t head_dim = 0;             // even
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;  // lm_head.weight is model.embed_tokens.weight
+  // The embedding's padding_idx (-1: none): its row gets no gradient through the lookup,
+  // as transformers' nn.Embedding(vocab, hidden, pad_token_id).
+  int64_t pad_token_id = -1;
+  std::string dtype = "float32";  // "dtype" (or 4.x's "torch_dtype"): the weights' dtype
+
+  bool qkv_bias = false;  // q/k/v_proj have biases (qwen2; attention_bias elsewhere)
+  bool o_bias = false;    // o_proj has a bias (attention_bias; never for qwen2)
+  bool mlp_bias = false;  // gate/up/down_proj have biases (llama's mlp_bias)
+  bool qk_norm = false;   // RMSNorm over head_dim on queries and keys before RoPE (qwen3, gemma3)
+  bool qk_norm_full_width = false;  // olmo2: over the whole q_proj / k_proj output instead
+  // phi3: q, k, v in one qkv_proj [(heads + 2 kv_heads) * head_dim, hidden] and gate, up in
+  // one gate_up_proj [2 intermediate, hidden], as the checkpoint holds them.
+  bool fused_projections = false;
+  int64_t rotary_dim = 0;  // head_dim x partial_rotary_factor: the rotated dimensions
+  // Gemma: embeddings x sqrt(hidden_size), RMSNorm x (1 + w), four norms per layer
+  // (pre_feedforward_layernorm, post_feedforward_layernorm added), GeLU-tanh MLP.
+  bool gemma = false;
+  bool post_norms = false;  // olmo2: x + post_attention_layernorm(attn(x)), no input norm
+  NormStyle norm_style = NormStyle::kLlama;
+  // query_pre_attn_scalar^-0.5 (gemma), attention_multiplier (granite), else head_dim^-0.5.
+  double attention_scale = 0.0;
+  double embedding_multiplier = 1.0;     // granite: embeddings times it
+  double residual_multiplier = 1.0;      // granite: each sublayer's output times it
+  double logits_scaling = 1.0;           // granite: logits divided by it
+  double attn_logit_softcapping = 0.0;   // 0: none; else scores = cap * tanh(scores / cap)
+  double final_logit_softcapping = 0.0;  // 0: none; else logits = cap * tanh(logits / cap)
+  int64_t sliding_window = 0;            // tokens a sliding layer's query sees, itself included
+  std::vector<LayerType> layer_types;    // one per layer
+  RopeConfig rope;                       // full-attention layers (every layer but gemma3's sliding)
+  RopeConfig sliding_rope;               // gemma3's sliding layers; else equal to `rope`
+
+  bool has_sliding_layers() const;
+};
+
+// Parses and checks the text of a config.json; `source` names it in errors.
+DecoderConfig parse_decoder_config(const std::string& json_text, const std::string& source);
+
+// Reads and checks `path` (an HF folder's config.json).
+DecoderConfig load_decoder_config(const std::string& path);
+
+// The families parse_decoder_config accepts, for messages: "llama, mistral, ...".
+std::string supported_model_types();
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_CONFIG_H_

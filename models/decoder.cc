@@ -1,0 +1,352 @@
+#include "models/decoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/activation.h>
+
+namespace fsdp::models {
+namespace {
+
+// Every tensor the decoder creates itself (norm weights) comes from here, in the default
+// dtype on the CPU; the projections and embeddings are LibTorch modules that allocate in
+// their constructors (see Note [Where the decoder's tensors are created]).
+at::Tensor new_parameter(int64_t size, double value) { return at::full({size}, value); }
+
+lora::LoraLinear linear(int64_t in, int64_t out, bool bias) {
+  return lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// HF's rotate_half: [-x2, x1] with x1, x2 the two halves of the last dimension.
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// x [..., head_dim] with its first cos.size(-1) dimensions rotated (all of them unless the
+// rotary embedding is partial), as transformers' apply_rotary_pos_emb.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t d = cos.size(-1);
+  if (d == x.size(-1)) return x * cos + rotate_half(x) * sin;
+  const at::Tensor rotated = x.narrow(-1, 0, d);
+  return at::cat({rotated * cos + rotate_half(rotated) * sin, x.narrow(-1, d, x.size(-1) - d)}, -1);
+}
+
+// True where query i may attend to key j: j <= i, and j > i - window when window > 0.
+at::Tensor attention_mask(int64_t time, int64_t window, c10::Device device) {
+  const auto ids = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor q = at::arange(time, ids).unsqueeze(1), k = at::arange(time, ids).unsqueeze(0);
+  at::Tensor mask = k <= q;
+  if (window > 0) mask = mask & (k > q - window);
+  return mask;
+}
+
+// s / t as Python computes a number divided by a tensor (t.reciprocal() * s), so that the
+// frequencies agree with transformers' to the bit.
+at::Tensor rdiv(double s, const at::Tensor& t) { return t.reciprocal() * s; }
+
+double yarn_mscale(double scale, double mscale) {
+  return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+
+// The inverse frequencies [head_dim / 2] (fp32) of `rope` and the factor its cos and sin
+// are scaled by. See Note [RoPE types].
+std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_t dim, int64_t time,
+                                                  c10::Device device) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const at::Tensor exponents = at::arange(0, dim, 2, at::kLong).to(f32) / double(dim);
+  if (rope.type == "longrope") {
+    const std::vector<double>& factors =
+        time > rope.original_max_position_embeddings ? rope.long_factor : rope.short_factor;
+    const at::Tensor ext = at::tensor(factors, at::kDouble).to(f32);
+    return {rdiv(1.0, ext * at::pow(rope.theta, exponents)), rope.attention_factor};
+  }
+  if (rope.type == "yarn") {
+    const at::Tensor pos_freqs = at::pow(rope.theta, exponents);
+    const at::Tensor extrapolation = rdiv(1.0, pos_freqs);
+    const at::Tensor interpolation = rdiv(1.0, rope.factor * pos_freqs);
+    const double original = double(rope.original_max_position_embeddings);
+    const auto correction_dim = [&](double rotations) {
+      return dim * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(rope.theta));
+    };
+    double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+    if (rope.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, double(dim - 1));
+    if (low == high) high += 0.001;
+    const at::Tensor ramp = at::clamp((at::arange(dim / 2, f32) - low) / (high - low), 0, 1);
+    const at::Tensor extrapolation_factor = 1 - ramp;
+    double attention = rope.attention_factor;
+    if (attention == 0) {
+      attention = rope.mscale > 0 && rope.mscale_all_dim > 0
+                      ? yarn_mscale(rope.factor, rope.mscale) /
+                            yarn_mscale(rope.factor, rope.mscale_all_dim)
+                      : yarn_mscale(rope.factor, 1.0);
+    }
+    return {interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor,
+            attention};
+  }
+  at::Tensor inv_freq = rdiv(1.0, at::pow(rope.theta, exponents));
+  if (rope.type == "linear") inv_freq = inv_freq / rope.factor;
+  if (rope.type == "llama3") {
+    const double original = double(rope.original_max_position_embeddings);
+    const double low_wavelen = original / rope.low_freq_factor;
+    const double high_wavelen = original / rope.high_freq_factor;
+    const at::Tensor wavelen = rdiv(2 * M_PI, inv_freq);
+    const at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq);
+    const at::Tensor smooth = (rdiv(original, wavelen) - rope.low_freq_factor) /
+                              (rope.high_freq_factor - rope.low_freq_factor);
+    const at::Tensor smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled;
+    const at::Tensor medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
+    inv_freq = at::where(medium, smoothed, scaled);
+  }
+  return {inv_freq, 1.0};
+}
+
+}  // namespace
+
+// Note [RoPE types]
+// The inverse frequencies follow transformers' ROPE_INIT_FUNCTIONS operation for operation
+// in fp32 (so the angles agree to the bit): "default" 1 / theta^(2i / d); "linear" those
+// divided by factor (position interpolation); "llama3" divides the low frequencies (wave
+// lengths above original_max_position_embeddings / low_freq_factor) by factor, keeps the
+// high ones (below .. / high_freq_factor) and blends in between; "yarn" blends
+// interpolated and extrapolated frequencies over the dimensions between the correction
+// range of beta_fast and beta_slow rotations, and scales cos and sin by its attention
+// factor (0.1 ln(factor) + 1 unless given); "longrope" divides them by short_factor, or by
+// long_factor when the sequence is longer than original_max_position_embeddings (as
+// transformers' longrope_frequency_update picks them per forward), and scales cos and sin
+// by its attention factor. "dynamic" (NTK scaling recomputed past the trained length) is
+// refused by the config reader.
+//
+// Note [Where the decoder's tensors are created]
+// The norms' weights come from new_parameter; embeddings and projections are LibTorch
+// modules (torch::nn::Embedding, fsdp::lora::LoraLinear) that allocate and initialise in
+// their constructors, as any LibTorch module does, on the CPU in the default dtype. A
+// meta-device construction path replaces these allocations in one place each: new_parameter
+// and the `linear` factory above, and the embedding and head in DecoderModelImpl and
+// CausalLMImpl.
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, NormStyle style) : eps(eps), style(style) {
+  weight = register_parameter("weight", new_parameter(dim, style == NormStyle::kGemma ? 0.0 : 1.0));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  switch (style) {
+    case NormStyle::kGemma:
+      return (normed * (1.0 + weight.to(at::kFloat))).to(x.scalar_type());
+    case NormStyle::kOlmo:
+      return (weight * normed).to(x.scalar_type());
+    case NormStyle::kLlama:
+      break;
+  }
+  return weight * normed.to(x.scalar_type());
+}
+
+AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type)
+    : heads(config.num_attention_heads),
+      kv_heads(config.num_key_value_heads),
+      head_dim(config.head_dim),
+      window(type == LayerType::kSliding ? config.sliding_window : 0),
+      scale(config.attention_scale),
+      softcap(config.attn_logit_softcapping) {
+  const int64_t hidden = config.hidden_size;
+  if (config.fused_projections) {
+    qkv_proj = register_module("qkv_proj",
+                               linear(hidden, (heads + 2 * kv_heads) * head_dim, config.qkv_bias));
+  } else {
+    q_proj = register_module("q_proj", linear(hidden, heads * head_dim, config.qkv_bias));
+    k_proj = register_module("k_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
+    v_proj = register_module("v_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
+  }
+  o_proj = register_module("o_proj", linear(heads * head_dim, hidden, config.o_bias));
+  if (config.qk_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
+    k_norm = register_module("k_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
+  } else if (config.qk_norm_full_width) {
+    full_width_norm = true;
+    q_norm = register_module("q_norm",
+                             RMSNorm(heads * head_dim, config.rms_norm_eps, config.norm_style));
+    k_norm = register_module("k_norm",
+                             RMSNorm(kv_heads * head_dim, config.rms_norm_eps, config.norm_style));
+  }
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
+  const int64_t b = x.size(0), t = x.size(1);
+  // [batch, heads, time, head_dim]: normed per head or over the full width, then rotated
+  // (cos, sin broadcast over batch and heads).
+  const at::Tensor qkv = qkv_proj ? qkv_proj(x) : at::Tensor();
+  int64_t offset = 0;  // into qkv: q, then k, then v
+  const auto project = [&](lora::LoraLinear& proj, RMSNorm& norm, int64_t n) {
+    at::Tensor y = qkv.defined() ? qkv.narrow(-1, offset, n * head_dim) : proj(x);
+    offset += n * head_dim;
+    if (norm && full_width_norm) y = norm(y);
+    y = y.view({b, t, n, head_dim});
+    if (norm && !full_width_norm) y = norm(y);
+    return y.transpose(1, 2);
+  };
+  at::Tensor q = project(q_proj, q_norm, heads), k = project(k_proj, k_norm, kv_heads);
+  RMSNorm none{nullptr};
+  at::Tensor v = project(v_proj, none, kv_heads);
+  q = rotate(q, cos, sin);
+  k = rotate(k, cos, sin);
+  at::Tensor attended;
+  if (softcap > 0) {
+    // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32.
+    if (kv_heads != heads) {  // each key/value head serves heads / kv_heads query heads
+      k = k.repeat_interleave(heads / kv_heads, 1);
+      v = v.repeat_interleave(heads / kv_heads, 1);
+    }
+    at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
+    scores = at::tanh(scores / softcap) * softcap;
+    scores = scores.masked_fill(attention_mask(t, window, x.device()).logical_not(),
+                                -std::numeric_limits<double>::infinity());
+    attended = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
+  } else {
+    attended = at::scaled_dot_product_attention(
+        q, k, v,
+        window > 0 ? std::optional<at::Tensor>(attention_mask(t, window, x.device()))
+                   : std::nullopt,
+        /*dropout_p=*/0.0, /*is_causal=*/window == 0, scale, /*enable_gqa=*/kv_heads != heads);
+  }
+  return o_proj(attended.transpose(1, 2).reshape({b, t, heads * head_dim}));
+}
+
+MLPImpl::MLPImpl(const DecoderConfig& config) : gelu_tanh(config.gemma) {
+  const int64_t hidden = config.hidden_size, inner = config.intermediate_size;
+  if (config.fused_projections) {
+    gate_up_proj = register_module("gate_up_proj", linear(hidden, 2 * inner, config.mlp_bias));
+  } else {
+    gate_proj = register_module("gate_proj", linear(hidden, inner, config.mlp_bias));
+    up_proj = register_module("up_proj", linear(hidden, inner, config.mlp_bias));
+  }
+  down_proj = register_module("down_proj", linear(inner, hidden, config.mlp_bias));
+}
+
+at::Tensor MLPImpl::forward(const at::Tensor& x) {
+  at::Tensor gate, up;
+  if (gate_up_proj) {  // the first half is the gate
+    const at::Tensor both = gate_up_proj(x);
+    const int64_t inner = both.size(-1) / 2;
+    gate = both.narrow(-1, 0, inner), up = both.narrow(-1, inner, inner);
+  } else {
+    gate = gate_proj(x), up = up_proj(x);
+  }
+  return down_proj((gelu_tanh ? at::gelu(gate, "tanh") : torch::nn::functional::silu(gate)) * up);
+}
+
+DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index)
+    : type(config.layer_types.at(index)), residual_multiplier(config.residual_multiplier) {
+  const auto norm = [&](const char* name) {
+    return register_module(name,
+                           RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style));
+  };
+  self_attn = register_module("self_attn", Attention(config, type));
+  mlp = register_module("mlp", MLP(config));
+  if (!config.post_norms) input_layernorm = norm("input_layernorm");
+  post_attention_layernorm = norm("post_attention_layernorm");
+  if (config.gemma) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
+  if (config.gemma || config.post_norms) {
+    post_feedforward_layernorm = norm("post_feedforward_layernorm");
+  }
+}
+
+at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  if (!input_layernorm) {  // olmo2: norms after the sublayers only
+    x = x + post_attention_layernorm(self_attn(x, cos, sin));
+    return x + post_feedforward_layernorm(mlp(x));
+  }
+  if (!pre_feedforward_layernorm) {
+    if (residual_multiplier != 1.0) {  // granite
+      x = x + self_attn(input_layernorm(x), cos, sin) * residual_multiplier;
+      return x + mlp(post_attention_layernorm(x)) * residual_multiplier;
+    }
+    x = x + self_attn(input_layernorm(x), cos, sin);
+    return x + mlp(post_attention_layernorm(x));
+  }
+  x = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin));
+  return x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)));
+}
+
+DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config) : config(config) {
+  torch::nn::EmbeddingOptions embedding(config.vocab_size, config.hidden_size);
+  if (config.pad_token_id >= 0) embedding.padding_idx(config.pad_token_id);
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    units.push_back(Unit<DecoderLayerImpl>(std::make_shared<DecoderLayerImpl>(config, i)));
+    layers->push_back(units.back());
+  }
+  norm =
+      register_module("norm", RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style));
+}
+
+std::pair<at::Tensor, at::Tensor> DecoderModelImpl::rotary(const RopeConfig& rope, int64_t time,
+                                                           c10::Device device,
+                                                           at::ScalarType dtype) const {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const auto [inv_freq, attention_factor] =
+      inverse_frequencies(rope, config.rotary_dim, time, device);
+  const at::Tensor freqs = at::arange(time, at::kLong).to(f32).unsqueeze(1) * inv_freq;
+  const at::Tensor angles = at::cat({freqs, freqs}, -1);
+  return {(angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)};
+}
+
+at::Tensor DecoderModelImpl::forward(const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong,
+              "DecoderModel: expected token ids [batch, time] of int64, got ", ids.sizes(), " of ",
+              ids.scalar_type());
+  const int64_t t = ids.size(1);
+  TORCH_CHECK(t <= config.max_position_embeddings, "DecoderModel: a sequence of ", t,
+              " tokens is longer than max_position_embeddings = ", config.max_position_embeddings,
+              "; use shorter windows");
+  at::Tensor x = embed_tokens(ids);
+  if (config.gemma) {  // transformers: a fp32 scalar sqrt(hidden), cast to the weights' dtype
+    x = x * at::scalar_tensor(std::sqrt(double(config.hidden_size)), at::kFloat)
+                .to(x.scalar_type())
+                .to(x.device());
+  }
+  if (config.embedding_multiplier != 1.0) x = x * config.embedding_multiplier;  // granite
+  const auto full = rotary(config.rope, t, x.device(), x.scalar_type());
+  const auto sliding = config.model_type == "gemma3_text"
+                           ? rotary(config.sliding_rope, t, x.device(), x.scalar_type())
+                           : full;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const auto& [cos, sin] = config.layer_types[i] == LayerType::kSliding ? sliding : full;
+    x = units[i](x, cos, sin);
+  }
+  return norm(x);
+}
+
+CausalLMImpl::CausalLMImpl(const DecoderConfig& config) : config(config) {
+  model = register_module("model", DecoderModel(config));
+  if (!config.tie_word_embeddings) {
+    lm_head = register_module(
+        "lm_head",
+        torch::nn::Linear(
+            torch::nn::LinearOptions(config.hidden_size, config.vocab_size).bias(false)));
+  }
+}
+
+at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
+  const at::Tensor hidden = model(ids);
+  at::Tensor logits = lm_head ? lm_head(hidden) : at::linear(hidden, model->embed_tokens->weight);
+  if (config.logits_scaling != 1.0) logits = logits / config.logits_scaling;  // granite
+  if (config.final_logit_softcapping > 0) {
+    logits = at::tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping;
+  }
+  return logits;
+}
+
+}  // namespace fsdp::models

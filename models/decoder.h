@@ -1,0 +1,152 @@
+// The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
+// MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
+// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch: one
+// module tree whose per-family options come from a DecoderConfig (config.h), with the families' own
+// module and parameter names, so a checkpoint's tensors load under their own names with no
+// renaming:
+//
+//   model.embed_tokens.weight                         [vocab_size, hidden_size]
+//   model.layers.N.self_attn.{q,k,v,o}_proj.weight    q: [heads * head_dim, hidden_size],
+//     (phi3: self_attn.qkv_proj.weight [(heads + 2 kv_heads) * head_dim, hidden_size] and
+//     mlp.gate_up_proj.weight [2 intermediate, hidden] instead of q/k/v and gate/up)
+//                                                     k, v: [kv_heads * head_dim, hidden_size],
+//                                                     o: [hidden_size, heads * head_dim]
+//   model.layers.N.self_attn.{q,k,v}_proj.bias        qkv_bias (qwen2; attention_bias)
+//   model.layers.N.self_attn.o_proj.bias              o_bias (attention_bias)
+//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3_text);
+//                                                     olmo2: q [heads * head_dim],
+//                                                     k [kv_heads * head_dim]
+//   model.layers.N.mlp.{gate,up,down}_proj.weight     gate, up: [intermediate, hidden],
+//                                                     down: [hidden, intermediate] (+ .bias:
+//                                                     llama's mlp_bias)
+//   model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  [hidden_size]
+//                                                     (no input_layernorm in olmo2)
+//   model.layers.N.pre_feedforward_layernorm.weight   (gemma)
+//   model.layers.N.post_feedforward_layernorm.weight  (gemma, olmo2)
+//   lm_head.weight                                    [vocab_size, hidden_size]; absent when
+//                                                     tie_word_embeddings
+//
+//   auto model = std::make_shared<fsdp::models::CausalLMImpl>(config);
+//   at::Tensor logits = model->forward(ids);   // ids [batch, time] int64
+//
+// Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
+// binds the model; embeddings, final norm and head stay in the root). Per layer:
+// pre-norm x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed
+// again before the residual add; OLMo 2: only they are; Granite: they are scaled by
+// residual_multiplier, the embeddings by embedding_multiplier, the logits divided by
+// logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
+// cast); rotary embeddings in HF's rotate_half convention with the layer type's RoPE
+// (default, linear, llama3, yarn or longrope; on the first rotary_dim dimensions of
+// each head); grouped-query attention, causal, over the last
+// sliding_window keys in sliding layers; scores scaled by attention_scale, soft-capped
+// when attn_logit_softcapping (then computed eagerly, softmax in fp32, as transformers'
+// eager attention) and otherwise through at::scaled_dot_product_attention; gated MLP
+// down(act(gate(x)) * up(x)), act SiLU or GeLU-tanh. No dropout, no KV cache. The
+// projections are fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds
+// an adapter; lora_targets.h lists each family's).
+// Threading: as any LibTorch module (one forward at a time per instance).
+#ifndef FSDP_MODELS_DECODER_H_
+#define FSDP_MODELS_DECODER_H_
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include "fsdp/core/unit.h"
+#include "fsdp/lora/lora.h"
+#include "models/config.h"
+
+namespace fsdp::models {
+
+// x / sqrt(mean(x^2) + eps) over the last dimension in fp32, then the weight applied as
+// `style` says (config.h) and cast back to x's dtype. weight [dim]: ones at construction,
+// zeros for kGemma (so every style starts as the identity).
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps, NormStyle style);
+  at::Tensor forward(const at::Tensor& x);
+
+  at::Tensor weight;
+  double eps;
+  NormStyle style;
+};
+TORCH_MODULE(RMSNorm);
+
+// Input [batch, time, hidden]; cos, sin [time, rotary_dim] (DecoderModelImpl::rotary).
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(const DecoderConfig& config, LayerType type);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  int64_t heads, kv_heads, head_dim;
+  int64_t window;  // 0: causal over every earlier position
+  double scale, softcap;
+  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  lora::LoraLinear qkv_proj{nullptr};  // fused_projections: q, k, v in one (the others null)
+  // [head_dim] each (qk_norm), or [heads * head_dim] / [kv_heads * head_dim]
+  // (qk_norm_full_width); null without either.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  bool full_width_norm = false;
+};
+TORCH_MODULE(Attention);
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(const DecoderConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+
+  bool gelu_tanh;
+  lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  lora::LoraLinear gate_up_proj{nullptr};  // fused_projections: gate, up in one
+};
+TORCH_MODULE(MLP);
+
+// One decoder layer, one FSDP unit. Input and output [batch, time, hidden].
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(const DecoderConfig& config, int64_t index);
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin);
+
+  LayerType type;
+  double residual_multiplier;
+  Attention self_attn{nullptr};
+  MLP mlp{nullptr};
+  RMSNorm input_layernorm{nullptr};  // null for olmo2 (norms after the sublayers only)
+  RMSNorm post_attention_layernorm{nullptr};
+  RMSNorm pre_feedforward_layernorm{nullptr};   // gemma
+  RMSNorm post_feedforward_layernorm{nullptr};  // gemma, olmo2
+};
+
+// Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden].
+struct DecoderModelImpl : torch::nn::Module {
+  explicit DecoderModelImpl(const DecoderConfig& config);
+  at::Tensor forward(const at::Tensor& ids);
+  // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
+  // (computed in fp32 and scaled by yarn's attention factor, as transformers' rotary
+  // embeddings do).
+  std::pair<at::Tensor, at::Tensor> rotary(const RopeConfig& rope, int64_t time, c10::Device device,
+                                           at::ScalarType dtype) const;
+
+  DecoderConfig config;
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  std::vector<Unit<DecoderLayerImpl>> units;  // the layers, typed
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(DecoderModel);
+
+// Token ids [batch, time] (int64, time <= max_position_embeddings) -> logits
+// [batch, time, vocab_size] in the parameters' dtype. PyTorch: transformers'
+// AutoModelForCausalLM.from_config(config)(input_ids).logits (attn_implementation "eager").
+struct CausalLMImpl : torch::nn::Module {
+  explicit CausalLMImpl(const DecoderConfig& config);
+  at::Tensor forward(const at::Tensor& ids);
+
+  DecoderConfig config;
+  DecoderModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+};
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_DECODER_H_

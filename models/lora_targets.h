@@ -1,0 +1,36 @@
+// The modules of each family's decoder (decoder.h) that fsdp::lora::apply_lora can give
+// adapters, checked before training so that a misspelt or absent target is one line
+// rather than a run with nothing trained.
+//
+//   std::string error = fsdp::models::lora_targets_error(config, {"q_proj", "v_proj"});
+//
+// Every family but phi3 has the same seven projections: q_proj, k_proj, v_proj, o_proj
+// (attention) and gate_proj, up_proj, down_proj (MLP); phi3 has its fused qkv_proj and
+// gate_up_proj instead (with o_proj and down_proj). The norms, embeddings and head take
+// none. default_lora_targets returns PEFT's defaults
+// (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): q_proj and v_proj, qkv_proj for
+// phi3. Pure functions, no errors raised.
+#ifndef FSDP_MODELS_LORA_TARGETS_H_
+#define FSDP_MODELS_LORA_TARGETS_H_
+
+#include <string>
+#include <vector>
+
+#include "models/config.h"
+
+namespace fsdp::models {
+
+// The LoraLinear module names of `config`'s decoder, in module order.
+std::vector<std::string> lora_target_modules(const DecoderConfig& config);
+
+// PEFT's default target modules for the family.
+std::vector<std::string> default_lora_targets(const DecoderConfig& config);
+
+// "" when every name of `targets` is one of lora_target_modules(config) and there is at
+// least one; else one line naming the first bad name, the model_type and the choices.
+std::string lora_targets_error(const DecoderConfig& config,
+                               const std::vector<std::string>& targets);
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_LORA_TARGETS_H_

@@ -1,0 +1,311 @@
+"""The Python half of families_test.sh: each decoder family of //models against transformers.
+
+    families.py make DIR    one tiny checkpoint per variant below, written by transformers'
+                            save_pretrained (DIR/<variant>/model; the 4.x variants' config.json
+                            then rewritten by hand in transformers 4.x spellings), token files
+                            DIR/train.bin and DIR/eval.bin, DIR/variants.txt ("name trains
+                            lora_targets" per line); prints, per family feature, how much turning it off changes
+                            transformers' loss (each must change it by >= 5x the tolerance)
+    families.py check DIR   against the finetune runs families_test.sh made: fsdp's eval loss
+                            at W = 1 and W = 3 equals transformers' (eager attention, fp32)
+                            within 1e-5 relative; --steps=0 wrote every tensor back bit for
+                            bit; full and LoRA fine-tunes lowered the eval loss, and
+                            transformers (full, merged LoRA) and PEFT (base + adapter) compute
+                            the eval loss fsdp printed after training
+"""
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_finetune import tensors  # noqa: E402
+
+TOLERANCE = 1e-5
+CONTEXT = 40  # longer than the sliding windows (8) and the original RoPE lengths (16)
+VOCAB = 64
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-5, initializer_range=0.15)
+GEMMA = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=8,
+             head_dim=8)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# name: (config class, kwargs, trains, 4.x config.json written by hand or None, ablations).
+# An ablation (what, config overrides, weight edit) turns one family feature off.
+VARIANTS = {
+    "llama3": ("LlamaConfig", dict(SMALL, rope_parameters=LLAMA3, attention_bias=True,
+                                   mlp_bias=True), True, None, [
+        ("rope llama3 -> default", {"rope_parameters": {"rope_type": "default",
+                                                        "rope_theta": 10000.0}}, None),
+        ("attention and MLP biases zeroed", {}, "bias"),
+    ]),
+    "llama_linear_4x": ("LlamaConfig", dict(SMALL, rope_parameters={
+        "rope_type": "linear", "rope_theta": 100.0, "factor": 4.0}), False, {
+        "rope_parameters": None, "rope_theta": 100.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0}, "torch_dtype": "float32"}, [
+        ("rope linear -> default", {"rope_parameters": {"rope_type": "default",
+                                                        "rope_theta": 100.0}}, None),
+    ]),
+    "qwen2_yarn": ("Qwen2Config", dict(SMALL, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+        "original_max_position_embeddings": 16}, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1), True, None, [
+        ("rope yarn -> default", {"rope_parameters": {"rope_type": "default",
+                                                      "rope_theta": 1e6}}, None),
+        ("sliding window off", {"layer_types": ["full_attention"] * 3}, None),
+        ("q/k/v biases zeroed", {}, "bias"),
+    ]),
+    "qwen3": ("Qwen3Config", dict(SMALL, head_dim=16, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6}), True, None, [
+        ("q/k norm weights -> 1", {}, "qk_norm"),
+    ]),
+    "mistral": ("MistralConfig", dict(SMALL, sliding_window=8), True, None, [
+        ("sliding window off", {"sliding_window": None}, None),
+    ]),
+    "gemma2": ("Gemma2Config", dict(SMALL, **GEMMA, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0), True, None, [
+        ("attention soft-cap off", {"attn_logit_softcapping": None}, None),
+        ("final soft-cap off", {"final_logit_softcapping": None}, None),
+        ("sliding window off", {"layer_types": ["full_attention"] * 3}, None),
+        ("query_pre_attn_scalar -> head_dim", {"query_pre_attn_scalar": 8}, None),
+    ]),
+    "gemma3_text": ("Gemma3TextConfig", dict(SMALL, **GEMMA, layer_types=[
+        "sliding_attention", "sliding_attention", "full_attention"], rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), True, None, [
+        ("full layers' linear rope -> default", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, None),
+        ("sliding layers' rope_theta -> the full layers'", {"rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}}, None),
+        ("sliding window off", {"layer_types": ["full_attention"] * 3}, None),
+        ("q/k norm weights -> 0 (identity scale)", {}, "qk_norm"),
+    ]),
+    "granite": ("GraniteConfig", dict(SMALL, embedding_multiplier=3.0, attention_multiplier=0.5,
+                                      residual_multiplier=0.5, logits_scaling=2.0), True, None, [
+        ("embedding_multiplier -> 1", {"embedding_multiplier": 1.0}, None),
+        ("attention_multiplier -> 1", {"attention_multiplier": 1.0}, None),
+        ("residual_multiplier -> 1", {"residual_multiplier": 1.0}, None),
+        ("logits_scaling -> 1", {"logits_scaling": 1.0}, None),
+    ]),
+    "olmo2": ("Olmo2Config", dict(SMALL), True, None, [
+        ("full-width q/k norm weights -> 1", {}, "qk_norm"),
+    ]),
+    "phi3": ("Phi3Config", dict(SMALL, pad_token_id=None, original_max_position_embeddings=16,
+                                rope_parameters={"rope_type": "longrope", "rope_theta": 100.0,
+                                                 "short_factor": [1.0, 1.5],
+                                                 "long_factor": [3.0, 5.0],
+                                                 "partial_rotary_factor": 0.5}), True, None, [
+        ("longrope -> default", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
+                                                     "partial_rotary_factor": 0.5}}, None),
+        ("long factors -> the short ones", {"rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 100.0, "short_factor": [1.0, 1.5],
+            "long_factor": [1.0, 1.5], "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 16}}, None),
+    ]),
+    "gemma3_text_4x": ("Gemma3TextConfig", dict(SMALL, **GEMMA, layer_types=[
+        "sliding_attention", "sliding_attention", "full_attention"], rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), False, {
+        "layer_types": None, "_sliding_window_pattern": None, "rope_parameters": None,
+        "sliding_window_pattern": 3,
+        "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "torch_dtype": "float32"}, [
+        ("rope_scaling linear -> none", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, None),
+    ]),
+}
+
+
+def load(folder, config=None):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if config is None else {"config": config}
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+
+
+def windows(root):
+    ids = torch.from_numpy(np.fromfile(os.path.join(root, "eval.bin"), dtype="<u2").astype(np.int64))
+    n = ids.numel() // (CONTEXT + 1)
+    return ids[: n * (CONTEXT + 1)].view(n, CONTEXT + 1)
+
+
+def loss_of(model, w):
+    """Mean next-token cross-entropy over windows `w`, as finetune's eval loss."""
+    with torch.no_grad():
+        logits = model(input_ids=w[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), w[:, 1:].reshape(-1)).item()
+
+
+def sharpen(model, family):
+    """Weights that make every feature count: sharp q/k, non-trivial norms and biases."""
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(3.0)
+            elif name.endswith("qkv_proj.weight"):  # phi3: the rows of 4 q and 2 k heads of 8
+                p[: p.shape[0] * 3 // 4].mul_(3.0)
+            elif name.endswith("norm.weight"):
+                # Gemma's norms scale by (1 + w); Qwen3's q/k norms as Llama's by w.
+                p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+
+
+def token_stream(n, seed):
+    """A learnable sequence: mostly token t + 7 after t (mod VOCAB), a tenth random."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(n, dtype=torch.int64)
+    out[0] = 0
+    noise = torch.rand(n, generator=g) < 0.1
+    random = torch.randint(0, VOCAB, (n,), generator=g)
+    for i in range(1, n):
+        out[i] = random[i] if noise[i] else (out[i - 1] + 7) % VOCAB
+    return out.numpy().astype("<u2")
+
+
+def ablate(folder, family, overrides, edit, w):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = load(folder, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if edit == "bias" and name.endswith(".bias"):
+                p.zero_()
+            if edit == "qk_norm" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.fill_(0.0 if family.startswith("gemma") else 1.0)
+    return loss_of(model, w)
+
+
+def make(root):
+    import transformers
+
+    token_stream(4000, 1).tofile(os.path.join(root, "train.bin"))
+    token_stream(6 * (CONTEXT + 1), 2).tofile(os.path.join(root, "eval.bin"))
+    w = windows(root)
+    failed = 0
+    with open(os.path.join(root, "variants.txt"), "w") as listing:
+        for name, (cls, kwargs, trains, handwritten, ablations) in VARIANTS.items():
+            torch.manual_seed(0)
+            config = getattr(transformers, cls)(**kwargs)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            sharpen(model, name)
+            folder = os.path.join(root, name, "model")
+            model.save_pretrained(folder, max_shard_size="40KB")
+            if handwritten is not None:  # the same architecture in transformers 4.x spellings
+                path = os.path.join(folder, "config.json")
+                with open(path) as f:
+                    saved = json.load(f)
+                saved.pop("dtype", None)
+                for key, value in handwritten.items():
+                    if value is None:
+                        saved.pop(key, None)
+                    else:
+                        saved[key] = value
+                with open(path, "w") as f:
+                    json.dump(saved, f, indent=2)
+            base = loss_of(load(folder), w)
+            print(f"{name}: transformers' eval loss {base:.6f}")
+            for what, overrides, edit in ablations:
+                change = abs(ablate(folder, name, overrides, edit, w) - base) / base
+                ok = change >= 5 * TOLERANCE
+                failed += not ok
+                print(f"  {what}: loss changes by {change:.3g} relative "
+                      f"({'ok' if ok else 'FAIL'}: >= {5 * TOLERANCE:g})")
+            targets = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cls == "Phi3Config"
+                       else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"])
+            listing.write(f"{name} {int(trains)} {','.join(targets)}\n")
+    return failed
+
+
+def logged(path, what):
+    with open(path) as f:
+        return float(re.search(rf"eval loss {what}: ([0-9.]+)", f.read()).group(1))
+
+
+def same(a, b):
+    ta, tb = tensors(a), tensors(b)
+    assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and ta[name].shape == tb[name].shape, name
+        assert torch.equal(ta[name].view(-1).view(torch.uint8),
+                           tb[name].view(-1).view(torch.uint8)), f"{b}: {name} differs"
+    return len(ta)
+
+
+def check(root):
+    from peft import PeftModel
+
+    w = windows(root)
+    failed = 0
+
+    def compare(label, ours, theirs):
+        nonlocal failed
+        gap = abs(ours - theirs) / theirs
+        ok = gap <= TOLERANCE
+        failed += not ok
+        print(f"  {label}: fsdp {ours:.6f}, transformers {theirs:.6f}, relative difference "
+              f"{gap:.2g} ({'ok' if ok else 'FAIL'})")
+
+    with open(os.path.join(root, "variants.txt")) as f:
+        variants = [line.split() for line in f if line.strip()]
+    for name, trains, _ in variants:
+        d = os.path.join(root, name)
+        model = os.path.join(d, "model")
+        print(f"{name}:")
+        expected = loss_of(load(model), w)
+        for world in (1, 3):
+            compare(f"eval loss at W = {world}", logged(f"{d}/w{world}.log", "before"), expected)
+            n = same(model, f"{d}/w{world}/hf")
+            print(f"  --steps=0 at W = {world}: {n} tensors written back bit for bit")
+        if trains == "0":
+            continue
+        config = json.load(open(os.path.join(model, "config.json")))
+        pad = config.get("pad_token_id")
+        if pad is not None and not config.get("tie_word_embeddings"):
+            # transformers' embedding has padding_idx = pad_token_id: no gradient, no update.
+            name = "model.embed_tokens.weight"
+            row_before, row_after = tensors(model)[name][pad], tensors(f"{d}/full/hf")[name][pad]
+            ok = torch.equal(row_before, row_after)
+            failed += not ok
+            print(f"  full fine-tune kept the padding row {pad} of the embeddings "
+                  f"({'ok' if ok else 'FAIL'})")
+        for run in ("full", "lora"):
+            before, after = logged(f"{d}/{run}.log", "before"), logged(f"{d}/{run}.log", "after")
+            ok = after < before
+            failed += not ok
+            print(f"  {run} fine-tune at W = 3: eval loss {before:.6f} -> {after:.6f} "
+                  f"({'ok' if ok else 'FAIL'})")
+            compare(f"{run}: {run}/hf loaded by transformers", after,
+                    loss_of(load(f"{d}/{run}/hf"), w))
+        peft = PeftModel.from_pretrained(load(model), f"{d}/lora/adapter").eval()
+        compare("lora: base + adapter loaded by PEFT", logged(f"{d}/lora.log", "after"),
+                loss_of(peft, w))
+    return failed
+
+
+if __name__ == "__main__":
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    command, root = sys.argv[1], sys.argv[2]
+    if command == "make":
+        sys.exit(1 if make(root) else 0)
+    elif command == "check":
+        sys.exit(1 if check(root) else 0)
+    else:
+        sys.exit(f"unknown command {command}")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Each decoder family of //models (Llama 3.x with llama3 RoPE and biases, Llama with linear
+# RoPE in transformers 4.x spelling, Qwen2 with YaRN, biases, tied embeddings and sliding
+# layers, Qwen3, Mistral, Gemma 2, Gemma 3 text in 5.x and 4.x spellings, Granite, OLMo 2,
+# Phi-3 with fused projections, partial rotary embeddings and longrope) against
+# transformers 5.23 on tiny checkpoints it wrote (families.py make: each family feature
+# shown to change the loss by >= 5x the tolerance). Per family, examples/llama:finetune
+# with --steps=0 at W = 1 and W = 3 (W = 3 divides no tensor): eval loss within 1e-5
+# relative of transformers' (eager, fp32) and every tensor written back bit for bit; full
+# and LoRA fine-tunes (every projection adapted) at W = 3 lower the eval loss, and transformers (the written folder)
+# and PEFT (base + adapter) compute the eval loss fsdp printed.
+#   families_test.sh FINETUNE FAMILIES_PY PYTHON
+set -euo pipefail
+finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON}
+script=${2:?} python=${3:?}
+dir=${TEST_TMPDIR:-$(mktemp -d)}/families
+rm -rf "$dir" && mkdir -p "$dir"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+"$python" "$script" make "$dir"
+while read -r name trains targets; do
+  d="$dir/$name"
+  common=(--from="$d/model" --data="$dir/train.bin" --eval_data="$dir/eval.bin" --context=40
+          --batch_size=3 --checkpoint_interval=0 --max_shard_size=40KB)
+  for w in 1 3; do
+    "$finetune" "${common[@]}" --world_size=$w --steps=0 --out_dir="$d/w$w" > "$d/w$w.log"
+  done
+  [ "$trains" = 1 ] || continue
+  train=(--world_size=3 --steps=8 --lr=1e-2 --warmup_steps=0 --log_interval=8)
+  "$finetune" "${common[@]}" "${train[@]}" --out_dir="$d/full" > "$d/full.log"
+  "$finetune" "${common[@]}" "${train[@]}" --out_dir="$d/lora" --lora_rank=4 \
+      --lora_target_modules="$targets" > "$d/lora.log"
+done < "$dir/variants.txt"
+"$python" "$script" check "$dir"
+echo "PASS: every family's loss matches transformers' at W = 1 and 3, and trains"

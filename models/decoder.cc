@@ -10,18 +10,15 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/activation.h>
 
 namespace fsdp::models {
 namespace {
 
-// Every tensor the decoder creates itself (norm weights) comes from here, in the default
-// dtype on the CPU; the projections and embeddings are LibTorch modules that allocate in
-// their constructors (see Note [Where the decoder's tensors are created]).
-at::Tensor new_parameter(int64_t size, double value) { return at::full({size}, value); }
-
-lora::LoraLinear linear(int64_t in, int64_t out, bool bias) {
-  return lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(bias));
+// See Note [Where the decoder's tensors are created].
+lora::LoraLinear linear(int64_t in, int64_t out, bool bias, const at::TensorOptions& options) {
+  return lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(bias), options);
 }
 
 // HF's rotate_half: [-x2, x1] with x1, x2 the two halves of the last dimension.
@@ -127,15 +124,29 @@ std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_
 // refused by the config reader.
 //
 // Note [Where the decoder's tensors are created]
-// The norms' weights come from new_parameter; embeddings and projections are LibTorch
-// modules (torch::nn::Embedding, fsdp::lora::LoraLinear) that allocate and initialise in
-// their constructors, as any LibTorch module does, on the CPU in the default dtype. A
-// meta-device construction path replaces these allocations in one place each: new_parameter
-// and the `linear` factory above, and the embedding and head in DecoderModelImpl and
-// CausalLMImpl.
+// Every parameter is created with the tensor options the CausalLMImpl constructor takes,
+// in three kinds of module: RMSNormImpl (its weight), fsdp::lora::LoraLinear (projections
+// and head, through `linear` above) and torch::nn::Embedding, given its weight through
+// EmbeddingOptions::_weight (its own constructor would allocate on the CPU in the default
+// dtype). On a real device each module initialises itself as it is built, in construction
+// order, so the values equal the decoder's before it took tensor options (fp32 on the
+// CPU: torch::nn::Embedding's and Linear's own initialisation). On c10::kMeta nothing is
+// allocated or drawn, and reset_decoder_parameters, passed to
+// FullyShardedRoot::init_parameters, gives each module what its constructor would have:
+// init_parameters visits the modules in pre-order, the order the constructors run in, so
+// with the same seed a meta build equals a CPU build. The decoder has no buffers: RoPE's
+// cos and sin and Gemma's embedding scale are computed in forward from the config, so a
+// checkpoint load, which has no non-persistent buffers, leaves nothing uncomputed.
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps, NormStyle style) : eps(eps), style(style) {
-  weight = register_parameter("weight", new_parameter(dim, style == NormStyle::kGemma ? 0.0 : 1.0));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, NormStyle style, const at::TensorOptions& options)
+    : eps(eps), style(style) {
+  weight = register_parameter("weight", at::empty({dim}, options));
+  if (!options.device().is_meta()) reset_parameters();
+}
+
+void RMSNormImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  weight.fill_(style == NormStyle::kGemma ? 0.0 : 1.0);
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
@@ -152,7 +163,8 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return weight * normed.to(x.scalar_type());
 }
 
-AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type)
+AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type,
+                             const at::TensorOptions& options)
     : heads(config.num_attention_heads),
       kv_heads(config.num_key_value_heads),
       head_dim(config.head_dim),
@@ -161,23 +173,26 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type)
       softcap(config.attn_logit_softcapping) {
   const int64_t hidden = config.hidden_size;
   if (config.fused_projections) {
-    qkv_proj = register_module("qkv_proj",
-                               linear(hidden, (heads + 2 * kv_heads) * head_dim, config.qkv_bias));
+    qkv_proj = register_module(
+        "qkv_proj", linear(hidden, (heads + 2 * kv_heads) * head_dim, config.qkv_bias, options));
   } else {
-    q_proj = register_module("q_proj", linear(hidden, heads * head_dim, config.qkv_bias));
-    k_proj = register_module("k_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
-    v_proj = register_module("v_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias));
+    q_proj = register_module("q_proj", linear(hidden, heads * head_dim, config.qkv_bias, options));
+    k_proj =
+        register_module("k_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias, options));
+    v_proj =
+        register_module("v_proj", linear(hidden, kv_heads * head_dim, config.qkv_bias, options));
   }
-  o_proj = register_module("o_proj", linear(heads * head_dim, hidden, config.o_bias));
+  o_proj = register_module("o_proj", linear(heads * head_dim, hidden, config.o_bias, options));
+  const auto norm = [&](const char* name, int64_t dim) {
+    return register_module(name, RMSNorm(dim, config.rms_norm_eps, config.norm_style, options));
+  };
   if (config.qk_norm) {
-    q_norm = register_module("q_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
-    k_norm = register_module("k_norm", RMSNorm(head_dim, config.rms_norm_eps, config.norm_style));
+    q_norm = norm("q_norm", head_dim);
+    k_norm = norm("k_norm", head_dim);
   } else if (config.qk_norm_full_width) {
     full_width_norm = true;
-    q_norm = register_module("q_norm",
-                             RMSNorm(heads * head_dim, config.rms_norm_eps, config.norm_style));
-    k_norm = register_module("k_norm",
-                             RMSNorm(kv_heads * head_dim, config.rms_norm_eps, config.norm_style));
+    q_norm = norm("q_norm", heads * head_dim);
+    k_norm = norm("k_norm", kv_heads * head_dim);
   }
 }
 
@@ -223,15 +238,17 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   return o_proj(attended.transpose(1, 2).reshape({b, t, heads * head_dim}));
 }
 
-MLPImpl::MLPImpl(const DecoderConfig& config) : gelu_tanh(config.gemma) {
+MLPImpl::MLPImpl(const DecoderConfig& config, const at::TensorOptions& options)
+    : gelu_tanh(config.gemma) {
   const int64_t hidden = config.hidden_size, inner = config.intermediate_size;
   if (config.fused_projections) {
-    gate_up_proj = register_module("gate_up_proj", linear(hidden, 2 * inner, config.mlp_bias));
+    gate_up_proj =
+        register_module("gate_up_proj", linear(hidden, 2 * inner, config.mlp_bias, options));
   } else {
-    gate_proj = register_module("gate_proj", linear(hidden, inner, config.mlp_bias));
-    up_proj = register_module("up_proj", linear(hidden, inner, config.mlp_bias));
+    gate_proj = register_module("gate_proj", linear(hidden, inner, config.mlp_bias, options));
+    up_proj = register_module("up_proj", linear(hidden, inner, config.mlp_bias, options));
   }
-  down_proj = register_module("down_proj", linear(inner, hidden, config.mlp_bias));
+  down_proj = register_module("down_proj", linear(inner, hidden, config.mlp_bias, options));
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
@@ -246,14 +263,15 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
   return down_proj((gelu_tanh ? at::gelu(gate, "tanh") : torch::nn::functional::silu(gate)) * up);
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index)
+DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
+                                   const at::TensorOptions& options)
     : type(config.layer_types.at(index)), residual_multiplier(config.residual_multiplier) {
   const auto norm = [&](const char* name) {
-    return register_module(name,
-                           RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style));
+    return register_module(
+        name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style, options));
   };
-  self_attn = register_module("self_attn", Attention(config, type));
-  mlp = register_module("mlp", MLP(config));
+  self_attn = register_module("self_attn", Attention(config, type, options));
+  mlp = register_module("mlp", MLP(config, options));
   if (!config.post_norms) input_layernorm = norm("input_layernorm");
   post_attention_layernorm = norm("post_attention_layernorm");
   if (config.gemma) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
@@ -279,17 +297,21 @@ at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor si
   return x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)));
 }
 
-DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config) : config(config) {
+DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options)
+    : config(config) {
+  // See Note [Where the decoder's tensors are created].
   torch::nn::EmbeddingOptions embedding(config.vocab_size, config.hidden_size);
   if (config.pad_token_id >= 0) embedding.padding_idx(config.pad_token_id);
+  embedding._weight(at::empty({config.vocab_size, config.hidden_size}, options));
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
+  if (!options.device().is_meta()) embed_tokens->reset_parameters();
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    units.push_back(Unit<DecoderLayerImpl>(std::make_shared<DecoderLayerImpl>(config, i)));
+    units.push_back(Unit<DecoderLayerImpl>(std::make_shared<DecoderLayerImpl>(config, i, options)));
     layers->push_back(units.back());
   }
-  norm =
-      register_module("norm", RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style));
+  norm = register_module(
+      "norm", RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style, options));
 }
 
 std::pair<at::Tensor, at::Tensor> DecoderModelImpl::rotary(const RopeConfig& rope, int64_t time,
@@ -329,13 +351,12 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids) {
   return norm(x);
 }
 
-CausalLMImpl::CausalLMImpl(const DecoderConfig& config) : config(config) {
-  model = register_module("model", DecoderModel(config));
+CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options)
+    : config(config) {
+  model = register_module("model", DecoderModel(config, options));
   if (!config.tie_word_embeddings) {
     lm_head = register_module(
-        "lm_head",
-        torch::nn::Linear(
-            torch::nn::LinearOptions(config.hidden_size, config.vocab_size).bias(false)));
+        "lm_head", linear(config.hidden_size, config.vocab_size, /*bias=*/false, options));
   }
 }
 
@@ -347,6 +368,12 @@ at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
     logits = at::tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping;
   }
   return logits;
+}
+
+void reset_decoder_parameters(torch::nn::Module& module) {
+  if (auto* norm = module.as<RMSNormImpl>()) return norm->reset_parameters();
+  if (auto* linear = module.as<lora::LoraLinearImpl>()) return linear->reset_parameters();
+  if (auto* embedding = module.as<torch::nn::EmbeddingImpl>()) embedding->reset_parameters();
 }
 
 }  // namespace fsdp::models

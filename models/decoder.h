@@ -29,6 +29,18 @@
 //   auto model = std::make_shared<fsdp::models::CausalLMImpl>(config);
 //   at::Tensor logits = model->forward(ids);   // ids [batch, time] int64
 //
+// Built on the meta device, no process holds the whole model (fsdp/core/fully_sharded.h,
+// "Models built on the meta device"): every parameter is created with the constructor's
+// tensor options, so on c10::kMeta it has a shape and a dtype but no memory, and FSDP
+// allocates each rank's shards only; a checkpoint reader (hf_checkpoint.h) or
+// init_parameters with reset_decoder_parameters then fills them:
+//
+//   auto net = std::make_shared<fsdp::models::CausalLMImpl>(
+//       config, at::TensorOptions().device(c10::kMeta).dtype(at::kBFloat16));
+//   fsdp::FullyShardedDataParallel<fsdp::models::CausalLMImpl> model(net, options);
+//   fsdp::models::load_hf_weights(*model, dir);    // or, for random weights:
+//   // torch::manual_seed(seed); model->init_parameters(fsdp::models::reset_decoder_parameters);
+//
 // Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
 // binds the model; embeddings, final norm and head stay in the root). Per layer:
 // pre-norm x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed
@@ -42,8 +54,16 @@
 // when attn_logit_softcapping (then computed eagerly, softmax in fp32, as transformers'
 // eager attention) and otherwise through at::scaled_dot_product_attention; gated MLP
 // down(act(gate(x)) * up(x)), act SiLU or GeLU-tanh. No dropout, no KV cache. The
-// projections are fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds
-// an adapter; lora_targets.h lists each family's).
+// projections and the head are fsdp::lora::LoraLinear (plain Linear until
+// fsdp::lora::apply_lora adds an adapter; lora_targets.h lists each family's targets, the
+// head is none of them). The decoder registers no buffers: RoPE's cos and sin and Gemma's
+// embedding scale are computed in each forward from the config, so nothing is left
+// uncomputed after a build on the meta device.
+//
+// Every module takes `options` (at::TensorOptions: device and dtype; default the CPU and
+// the default dtype) and creates its parameters with them; on a real device each module
+// initialises itself as it is built (torch::nn::Linear's and Embedding's initialisation,
+// norms ones, Gemma's norms zeros), on c10::kMeta it has shapes only.
 // Threading: as any LibTorch module (one forward at a time per instance).
 #ifndef FSDP_MODELS_DECODER_H_
 #define FSDP_MODELS_DECODER_H_
@@ -66,8 +86,10 @@ namespace fsdp::models {
 // `style` says (config.h) and cast back to x's dtype. weight [dim]: ones at construction,
 // zeros for kGemma (so every style starts as the identity).
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, NormStyle style);
+  RMSNormImpl(int64_t dim, double eps, NormStyle style, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x);
+  // The constructor's values, in place: ones, zeros for kGemma.
+  void reset_parameters();
 
   at::Tensor weight;
   double eps;
@@ -77,7 +99,7 @@ TORCH_MODULE(RMSNorm);
 
 // Input [batch, time, hidden]; cos, sin [time, rotary_dim] (DecoderModelImpl::rotary).
 struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(const DecoderConfig& config, LayerType type);
+  AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
   int64_t heads, kv_heads, head_dim;
@@ -93,7 +115,7 @@ struct AttentionImpl : torch::nn::Module {
 TORCH_MODULE(Attention);
 
 struct MLPImpl : torch::nn::Module {
-  explicit MLPImpl(const DecoderConfig& config);
+  explicit MLPImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x);
 
   bool gelu_tanh;
@@ -104,7 +126,8 @@ TORCH_MODULE(MLP);
 
 // One decoder layer, one FSDP unit. Input and output [batch, time, hidden].
 struct DecoderLayerImpl : torch::nn::Module {
-  DecoderLayerImpl(const DecoderConfig& config, int64_t index);
+  DecoderLayerImpl(const DecoderConfig& config, int64_t index,
+                   const at::TensorOptions& options = {});
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
   LayerType type;
@@ -119,7 +142,7 @@ struct DecoderLayerImpl : torch::nn::Module {
 
 // Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden].
 struct DecoderModelImpl : torch::nn::Module {
-  explicit DecoderModelImpl(const DecoderConfig& config);
+  explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
   // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
   // (computed in fp32 and scaled by yarn's attention factor, as transformers' rotary
@@ -137,15 +160,26 @@ TORCH_MODULE(DecoderModel);
 
 // Token ids [batch, time] (int64, time <= max_position_embeddings) -> logits
 // [batch, time, vocab_size] in the parameters' dtype. PyTorch: transformers'
-// AutoModelForCausalLM.from_config(config)(input_ids).logits (attn_implementation "eager").
+// AutoModelForCausalLM.from_config(config)(input_ids).logits (attn_implementation "eager");
+// on c10::kMeta: from_config under torch.device("meta").
 struct CausalLMImpl : torch::nn::Module {
-  explicit CausalLMImpl(const DecoderConfig& config);
+  explicit CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
 
   DecoderConfig config;
   DecoderModel model{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+  // [vocab_size, hidden_size], no bias; null when tie_word_embeddings (the logits then use
+  // model.embed_tokens.weight: one parameter, whose gradient sums both uses).
+  lora::LoraLinear lm_head{nullptr};
 };
+
+// The init function for FullyShardedRoot::init_parameters of a decoder built on the meta
+// device: gives `module`'s own parameters, in place, the values its constructor gives on
+// a real device (RMSNormImpl, LoraLinearImpl and torch::nn::EmbeddingImpl each by its
+// reset_parameters; other modules have no parameters of their own). With the same seed
+// (torch::manual_seed before init_parameters) the shards equal a CPU build's chunks.
+// Adapters (lora_A, lora_B) are not the decoder's: apply_lora gives them values.
+void reset_decoder_parameters(torch::nn::Module& module);
 
 }  // namespace fsdp::models
 

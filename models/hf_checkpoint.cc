@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/formats/safetensors.h"
+#include "fsdp/lora/adapter_file.h"
 #include "fsdp/state/safetensors_state_dict.h"
 
 namespace fsdp::models {
@@ -56,7 +57,7 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
 }
 
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
-  load_safetensors(model, dir);
+  load_safetensors(model, dir, LoadSafetensorsOptions().skip(lora::is_adapter_key));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
@@ -64,6 +65,42 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
   save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
+}
+
+// Note [Merging LoRA adapters one unit at a time]
+// save_safetensors gathers a unit's flat parameters together (the frozen one, holding
+// the base weights, with the trainable one, holding the adapters), skips the adapter
+// entries, and hands each base weight with its unit's gathered entries to the transform
+// below, which returns weight + B A x scaling when the unit holds that module's lora_A
+// and lora_B. The adapters are copied on rank 0 as they go by (r (in + out) elements per
+// module), so the adapter file needs no second gather. The merged values are those of
+// fsdp::lora::merged_state_dict over a full state dict, computed one weight at a time.
+void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& config,
+                          const std::string& from_dir, const std::string& out_dir,
+                          const std::string& adapter_dir, int64_t max_shard_size) {
+  TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
+  const bool lead = model.communicator().rank() == 0;
+  if (lead) prepare_hf_folder(from_dir, out_dir);
+  lora::StateDict adapters;  // rank 0: copies, in module order
+  const auto merge = [&](const std::string& fqn, const at::Tensor& value,
+                         const torch::OrderedDict<std::string, at::Tensor>& unit) {
+    static constexpr char kWeight[] = ".weight";
+    if (!absl::EndsWith(fqn, kWeight)) return value;
+    const std::string module = fqn.substr(0, fqn.size() - (sizeof(kWeight) - 1));
+    const at::Tensor* a = unit.find(module + ".lora_A.weight");
+    const at::Tensor* b = unit.find(module + ".lora_B.weight");
+    if (a == nullptr) return value;
+    TORCH_INTERNAL_ASSERT(b != nullptr, "'", module, "' has lora_A but no lora_B in its unit");
+    adapters.insert(module + ".lora_A.weight", a->clone());
+    adapters.insert(module + ".lora_B.weight", b->clone());
+    return lora::merged_weight(module, value, *a, *b, config);
+  };
+  save_safetensors(model, out_dir,
+                   SaveSafetensorsOptions()
+                       .max_shard_size(max_shard_size)
+                       .skip(lora::is_adapter_key)
+                       .transform(merge));
+  if (lead) lora::save_adapter(adapters, config, adapter_dir);
 }
 
 void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir) {

@@ -2,11 +2,17 @@
 //
 //   const std::string dir = "/models/tiny";
 //   fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(dir + "/config.json");
-//   auto net = std::make_shared<fsdp::models::CausalLMImpl>(config);
-//   net->to(fsdp::models::hf_weights_dtype(dir));   // the dtype the files hold
-//   fsdp::FullyShardedDataParallel<fsdp::models::CausalLMImpl> model(net, options);
+//   auto net = std::make_shared<fsdp::models::CausalLMImpl>(   // no memory, no values
+//       config, at::TensorOptions().device(c10::kMeta).dtype(fsdp::models::hf_weights_dtype(dir)));
+//   fsdp::FullyShardedDataParallel<fsdp::models::CausalLMImpl> model(net, options);  // shards
 //   fsdp::models::load_hf_weights(*model, dir);         // each rank reads its shards' bytes
 //   fsdp::models::save_hf_folder(*model, dir, "/out/hf", 5'000'000'000);
+//
+// No process holds the whole model at any point: the model is built on the meta device
+// (decoder.h), FSDP allocates each rank's shards, each rank reads only its shards' bytes,
+// and saving gathers one unit at a time. LoRA adapters added before loading
+// (fsdp::lora::apply_lora on the meta-built model) keep their values; save_lora_hf_folders
+// writes the merged model and the adapter the same way.
 //
 // Names both ways: every family the decoder builds (config.h) names its tensors in the
 // checkpoint as transformers' *ForCausalLM names its parameters, and the decoder's modules
@@ -26,6 +32,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/lora/lora.h"
 
 namespace fsdp::models {
 
@@ -35,8 +42,10 @@ at::ScalarType hf_weights_dtype(const std::string& dir);
 
 // Loads the weights of HF folder `dir` (model.safetensors, or the shards of
 // model.safetensors.index.json) into `model`: each rank reads only the bytes of its own
-// flat-parameter shards. No communication; every rank calls it.
-void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
+// flat-parameter shards (fsdp::load_safetensors), straight into them, so a model built on
+// the meta device gets its values with no full copy anywhere. LoRA adapters the model
+// carries (fsdp::lora::apply_lora) are not looked for in the folder and keep their
+// values. No communication; every rank calls it.
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
 // the weights in their dtype (split into files of at most `max_shard_size` bytes, with the
@@ -47,9 +56,21 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);
 
-// Readies `out_dir` for a model's weights written by other means (e.g. fsdp::lora::
-// save_merged): makes it, removes weight files an earlier save left there, and copies the
-// files of `from_dir` that describe the model, as save_hf_folder does. Call on one rank.
+// For a model with LoRA adapters (fsdp::lora::apply_lora with `config`): writes the model
+// with every adapter merged into its base weight (fsdp::lora::merged_weight) as an HF
+// folder `out_dir`, as save_hf_folder does (PEFT: merge_and_unload, then save_pretrained),
+// and the adapters alone to `adapter_dir` as PEFT's save_pretrained does
+// (fsdp::lora::save_adapter: PeftModel.from_pretrained loads it). Collective: the units
+// are gathered one at a time, each unit's frozen base weights with its adapters, and rank
+// 0 merges and writes that unit's tensors before the next is gathered (peak: one unit
+// unsharded, plus a weight's merge in fp32); no process holds the whole model.
+void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& config,
+                          const std::string& from_dir, const std::string& out_dir,
+                          const std::string& adapter_dir, int64_t max_shard_size);
+
+// Readies `out_dir` for a model's weights written by other means: makes it, removes weight
+// files an earlier save left there, and copies the files of `from_dir` that describe the
+// model, as save_hf_folder does. Call on one rank.
 void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir);
 
 // A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,

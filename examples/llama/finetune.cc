@@ -7,7 +7,8 @@
 //
 // The model is fsdp::models::CausalLMImpl (models/decoder.h) built from HF_DIR/config.json,
 // each decoder layer an FSDP unit (FULL_SHARD by default), its weights read from HF_DIR
-// (hf_checkpoint.h), trained with AdamW on random windows of --context + 1 tokens of
+// (hf_checkpoint.h) with no process ever holding the whole model (see Note [No rank holds
+// the whole model]), trained with AdamW on random windows of --context + 1 tokens of
 // --data (the same windows at any world size). A token file is a flat little-endian array
 // of token ids (nanoGPT / llm.c): uint16 when the vocabulary fits, else uint32
 // (--data_dtype; examples/llama/tokenize.py makes one with the folder's tokenizer).
@@ -23,7 +24,8 @@
 // most --max_shard_size) that transformers' AutoModelForCausalLM.from_pretrained loads; --steps=0
 // writes the weights it read, bit for bit. With --lora_rank it trains LoRA adapters only
 // (fsdp/lora), writes them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and
-// OUT/hf/ holds them merged into the base weights. Without RANK in its environment it starts
+// OUT/hf/ holds them merged into the base weights (both written one unit at a time). Without RANK
+// in its environment it starts
 // --world_size ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts:
 // a bad one is one line on stderr and exit status 2.
 #include <unistd.h>
@@ -60,12 +62,9 @@
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/tracking_allocator.h"
-#include "fsdp/lora/adapter_file.h"
 #include "fsdp/lora/lora.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/dcp_checkpoint.h"
-#include "fsdp/state/safetensors_state_dict.h"
-#include "fsdp/state/state_dict.h"
 #include "models/config.h"
 #include "models/decoder.h"
 #include "models/hf_checkpoint.h"
@@ -266,6 +265,54 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
   return config;
 }
 
+// Note [No rank holds the whole model]
+// The decoder is built on the meta device in the folder's dtype (shapes, no memory), the
+// LoRA adapters are added to it from --seed (apply_lora: PEFT's initialisation, on the
+// CPU: they are small) before any base weight is read, FSDP then allocates each rank's
+// shards only, and each rank reads only its shards' bytes of the folder
+// (load_hf_weights). Saving gathers one unit at a time (save_hf_folder, or
+// save_lora_hf_folders merging each unit's adapters on the way). So a rank's peak is its
+// shards, gradients and AdamW state plus one gathered unit, never the whole model: a
+// model larger than one process fits at a large enough world size. The values are those
+// the trainer had when it built the model whole on every rank: the same adapters from the
+// same seed (the same draws), the same bytes from the folder.
+
+// The model of --from, sharded (see Note [No rank holds the whole model]), wrapped with
+// `options`; `numel` and `trainable` count its parameters (adapters included).
+Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOptions& options,
+                 int64_t* numel, int64_t* trainable) {
+  const std::string from = absl::GetFlag(FLAGS_from);
+  auto net = std::make_shared<CausalLMImpl>(
+      config, at::TensorOptions().device(c10::kMeta).dtype(hf_weights_dtype(from)));
+  if (absl::GetFlag(FLAGS_lora_rank) > 0) {
+    at::manual_seed(absl::GetFlag(FLAGS_seed));  // every rank draws the same adapters
+    const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config(config));
+    if (options.communicator()->rank() == 0) {
+      std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
+    }
+  }
+  *numel = *trainable = 0;
+  for (const auto& p : net->parameters()) {
+    *numel += p.numel();
+    if (p.requires_grad()) *trainable += p.numel();
+  }
+  Model model(net, options);  // allocates this rank's shards only
+  load_hf_weights(*model, from);
+  return model;
+}
+
+// OUT/hf (and OUT/adapter with --lora_rank), one unit gathered at a time. Collective.
+void save_model(Model& model, const DecoderConfig& config) {
+  const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  const int64_t shard_size = parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
+  if (absl::GetFlag(FLAGS_lora_rank) > 0) {
+    save_lora_hf_folders(*model, lora_config(config), absl::GetFlag(FLAGS_from), dir + "/hf",
+                         dir + "/adapter", shard_size);
+  } else {
+    save_hf_folder(*model, absl::GetFlag(FLAGS_from), dir + "/hf", shard_size);
+  }
+}
+
 // This rank's share of global batch `index`: random windows of --context + 1 tokens, the
 // same whatever the world size.
 std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
@@ -327,26 +374,14 @@ int finetune() {
   const at::Tensor eval_tokens =
       eval_path.empty() ? at::Tensor() : read_tokens(eval_path, bytes, config.vocab_size);
 
-  auto net = std::make_shared<CausalLMImpl>(config);
-  net->to(hf_weights_dtype(from));  // trained in the dtype the folder holds
-  const bool lora = absl::GetFlag(FLAGS_lora_rank) > 0;
-  if (lora) {
-    // Adapters are added before FSDP wraps the model, so the base weights are read
-    // first, whole, into the plain module; the same seed gives every rank the same A.
-    load_module_safetensors(*net, from);
-    at::manual_seed(absl::GetFlag(FLAGS_seed));
-    const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config(config));
-    if (comm->rank() == 0) std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
-  }
+  // Trained in the dtype the folder holds.
   int64_t numel = 0, trainable = 0;
-  for (const auto& p : net->parameters()) {
-    numel += p.numel();
-    if (p.requires_grad()) trainable += p.numel();
-  }
-  Model model(net, FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
-                       "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
-                       /*allow_hybrid=*/false)));
-  if (!lora) load_hf_weights(*model, from);  // each rank reads only its shards' bytes
+  Model model =
+      load_model(config,
+                 FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
+                     "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
+                     /*allow_hybrid=*/false)),
+                 &numel, &trainable);
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
                                 .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
@@ -423,20 +458,8 @@ int finetune() {
     const double after = eval_loss(model, eval_tokens, *comm);
     if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
   }
+  save_model(model, config);
   const std::string hf = dir + "/hf";
-  const int64_t shard_size = parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
-  if (!lora) {
-    save_hf_folder(*model, from, hf, shard_size);  // one unit gathered at a time
-  } else {
-    // The adapters merged into the base weights (PEFT's merge_and_unload), gathered to
-    // rank 0.
-    const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
-    if (lead) {
-      prepare_hf_folder(from, hf);
-      lora::save_merged(full, lora_config(config), hf, shard_size);
-      lora::save_adapter(full, lora_config(config), dir + "/adapter");  // PEFT's layout
-    }
-  }
   if (lead) {
     std::cout << absl::StrFormat("peak memory (rank 0): %.1f MB tracked, %.1f MB resident\n",
                                  model->device_handle().max_memory_allocated() / 1e6,

@@ -17,10 +17,19 @@
 
 namespace fsdp::lora {
 
-LoraLinearImpl::LoraLinearImpl(const torch::nn::LinearOptions& options_) : options(options_) {
+LoraLinearImpl::LoraLinearImpl(const torch::nn::LinearOptions& options_,
+                               at::TensorOptions tensor_options)
+    : options(options_) {
   // torch::nn::Linear's parameters and initialisation (LinearImpl::reset_parameters).
-  weight = register_parameter("weight", at::empty({options.out_features(), options.in_features()}));
-  if (options.bias()) bias = register_parameter("bias", at::empty({options.out_features()}));
+  weight = register_parameter(
+      "weight", at::empty({options.out_features(), options.in_features()}, tensor_options));
+  if (options.bias()) {
+    bias = register_parameter("bias", at::empty({options.out_features()}, tensor_options));
+  }
+  if (!tensor_options.device().is_meta()) reset_parameters();
+}
+
+void LoraLinearImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
   torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
   if (bias.defined()) {
@@ -41,7 +50,10 @@ void LoraLinearImpl::add_adapter(const LoraConfig& config) {
   TORCH_CHECK(config.r() >= 1, "LoraLinear: expected LoRA rank r >= 1, got ", config.r());
   TORCH_CHECK(config.lora_dropout() >= 0 && config.lora_dropout() < 1,
               "LoraLinear: expected lora_dropout in [0, 1), got ", config.lora_dropout());
-  const auto like_weight = weight.options().requires_grad(false);
+  // On the CPU for a base weight on the meta device: see the header.
+  const auto like_weight = weight.options()
+                               .device(weight.is_meta() ? c10::Device(c10::kCPU) : weight.device())
+                               .requires_grad(false);
   lora_dropout = register_module(
       "lora_dropout", torch::nn::Dropout(torch::nn::DropoutOptions(config.lora_dropout())));
   lora_A = register_module(
@@ -161,17 +173,25 @@ StateDict merged_state_dict(const StateDict& state_dict, const LoraConfig& confi
     TORCH_CHECK(b != nullptr && weight != nullptr, "merged_state_dict: '", item.key(), "' needs '",
                 module, kLoraB, "' and '", module,
                 ".weight' beside it in the state dict; pass the model's full state dict");
-    const at::Tensor& a = item.value();
-    TORCH_CHECK(
-        a.dim() == 2 && b->dim() == 2 && a.size(0) == config.r() && b->size(1) == config.r() &&
-            weight->dim() == 2 && weight->size(0) == b->size(0) && weight->size(1) == a.size(1),
-        "merged_state_dict: for '", module, "' expected lora_A [r, in], lora_B [out, r] ",
-        "and weight [out, in] with r = ", config.r(), ", got ", shape_of(a), ", ", shape_of(*b),
-        " and ", shape_of(*weight), "; pass the LoraConfig the adapters were made with");
-    const at::Tensor delta = at::matmul(b->to(at::kFloat), a.to(at::kFloat)) * config.scaling();
-    *weight = (weight->to(at::kFloat) + delta.to(weight->device())).to(weight->scalar_type());
+    *weight = merged_weight(module, *weight, item.value(), *b, config);
   }
   return merged;
+}
+
+at::Tensor merged_weight(const std::string& module, const at::Tensor& weight,
+                         const at::Tensor& lora_A, const at::Tensor& lora_B,
+                         const LoraConfig& config) {
+  const at::Tensor& a = lora_A;
+  const at::Tensor& b = lora_B;
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == config.r() && b.size(1) == config.r() &&
+                  weight.dim() == 2 && weight.size(0) == b.size(0) && weight.size(1) == a.size(1),
+              "merged_weight: for '", module, "' expected lora_A [r, in], lora_B [out, r] ",
+              "and weight [out, in] with r = ", config.r(), ", got ", shape_of(a), ", ",
+              shape_of(b), " and ", shape_of(weight),
+              "; pass the LoraConfig the adapters were made with");
+  torch::NoGradGuard no_grad;
+  const at::Tensor delta = at::matmul(b.to(at::kFloat), a.to(at::kFloat)) * config.scaling();
+  return (weight.to(at::kFloat) + delta.to(weight.device())).to(weight.scalar_type());
 }
 
 }  // namespace fsdp::lora

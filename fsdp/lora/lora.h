@@ -82,16 +82,29 @@ class LoraLinearImpl : public torch::nn::Module {
  public:
   LoraLinearImpl(int64_t in_features, int64_t out_features)
       : LoraLinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
-  explicit LoraLinearImpl(const torch::nn::LinearOptions& options);
+  // weight and bias are created with `tensor_options` (default: the CPU, the default
+  // dtype) and initialised by reset_parameters(), except on c10::kMeta, where they have a
+  // shape and a dtype only (fsdp/core/fully_sharded.h, "Models built on the meta
+  // device": FullyShardedRoot::init_parameters or a checkpoint reader gives them values).
+  explicit LoraLinearImpl(const torch::nn::LinearOptions& options,
+                          at::TensorOptions tensor_options = {});
 
   // input: (*, in_features); output: (*, out_features).
   at::Tensor forward(const at::Tensor& input);
 
+  // torch::nn::Linear's initialisation of weight and bias, in place: weight
+  // kaiming_uniform_ with a = sqrt(5), bias uniform in +-1 / sqrt(in_features). Draws from
+  // the default generator; leaves the adapter alone. PyTorch: nn.Linear.reset_parameters.
+  void reset_parameters();
+
   // Adds the adapter: lora_A (r x in_features, kaiming_uniform_ with a = sqrt(5), as
   // PEFT's init_lora_weights=True), lora_B (out_features x r, zeros: the layer's output
-  // is unchanged until it trains), both on the base weight's device and dtype and
-  // requiring grad; freezes weight and bias. Draws from the default generator. Throws if
-  // the layer has an adapter already, r < 1, or lora_dropout is outside [0, 1).
+  // is unchanged until it trains), both in the base weight's dtype on its device (on the
+  // CPU when the base weight is on c10::kMeta: the adapter is small and gets its values
+  // now, so a layer built on the meta device gets the adapter one built on the CPU gets
+  // from the same generator state) and requiring grad; freezes weight and bias. Draws
+  // from the default generator. Throws if the layer has an adapter already, r < 1, or
+  // lora_dropout is outside [0, 1).
   void add_adapter(const LoraConfig& config);
   bool has_adapter() const { return !lora_A.is_empty(); }
   // lora_alpha / r of the adapter (0 without one).
@@ -135,11 +148,19 @@ bool is_adapter_key(const std::string& key);
 // "base_model.model." + key. The tensors are shared, not copied. Throws if there is none.
 StateDict adapter_state_dict(const StateDict& state_dict);
 
+// The base weight of LoraLinear `module` (its FQN, for errors) with its adapter merged
+// in: weight + lora_B @ lora_A x config.scaling(), computed in float32 and cast back to
+// the weight's dtype (PEFT: merge). weight [out, in], lora_A [r, in], lora_B [out, r], on
+// any device (the result on the weight's). Throws naming the module if the shapes
+// disagree with each other or with config.r().
+at::Tensor merged_weight(const std::string& module, const at::Tensor& weight,
+                         const at::Tensor& lora_A, const at::Tensor& lora_B,
+                         const LoraConfig& config);
+
 // The model's full state dict with every adapter merged into its base weight
-// (weight + lora_B.weight @ lora_A.weight x config.scaling(), computed in float32 and
-// cast back to the weight's dtype; PEFT: merge_and_unload) and the adapter entries
-// dropped: the keys of the model without adapters. Throws if a lora_A has no lora_B or
-// base weight beside it, or the shapes disagree with config.r().
+// (merged_weight; PEFT: merge_and_unload) and the adapter entries dropped: the keys of
+// the model without adapters. Throws if a lora_A has no lora_B or base weight beside it,
+// or the shapes disagree with config.r().
 StateDict merged_state_dict(const StateDict& state_dict, const LoraConfig& config);
 
 }  // namespace fsdp::lora

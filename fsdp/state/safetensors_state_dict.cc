@@ -1,5 +1,7 @@
 #include "fsdp/state/safetensors_state_dict.h"
 
+#include <algorithm>
+#include <functional>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -29,7 +31,8 @@ struct Group {
   std::string chosen;              // the name read (load) or written (save)
 };
 
-std::vector<Group> groups_of(const std::vector<Entry>& entries, const SafetensorsRename& rename) {
+std::vector<Group> groups_of(const std::vector<Entry>& entries, const SafetensorsRename& rename,
+                             const SafetensorsSkip& skip) {
   std::vector<Group> groups;
   absl::flat_hash_map<std::pair<const void*, size_t>, size_t> group_of;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -46,6 +49,12 @@ std::vector<Group> groups_of(const std::vector<Entry>& entries, const Safetensor
     group.names.push_back(rename ? rename(entry.fqn) : entry.fqn);
   }
   for (Group& group : groups) group.chosen = group.names.front();
+  if (skip) {
+    groups.erase(std::remove_if(
+                     groups.begin(), groups.end(),
+                     [&](const Group& group) { return skip(entries[group.entries.front()].fqn); }),
+                 groups.end());
+  }
   return groups;
 }
 
@@ -133,7 +142,7 @@ void load_safetensors(FullyShardedRoot& model, const std::string& path,
   static const std::string kWhat = "load_safetensors";
   const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
-  std::vector<Group> groups = groups_of(layout.entries, options.rename());
+  std::vector<Group> groups = groups_of(layout.entries, options.rename(), options.skip());
   match(groups, layout.entries, ckpt, path, options, kWhat);
   load_groups(layout.entries, groups, ckpt);
 }
@@ -143,7 +152,7 @@ void load_module_safetensors(torch::nn::Module& module, const std::string& path,
   static const std::string kWhat = "load_module_safetensors";
   const std::vector<Entry> entries = state_internal::module_entries(module);
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
-  std::vector<Group> groups = groups_of(entries, options.rename());
+  std::vector<Group> groups = groups_of(entries, options.rename(), options.skip());
   match(groups, entries, ckpt, path, options, kWhat);
   load_groups(entries, groups, ckpt);
 }
@@ -151,8 +160,9 @@ void load_module_safetensors(torch::nn::Module& module, const std::string& path,
 std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::string& dir,
                                           const SaveSafetensorsOptions& options) {
   const ModelLayout layout = state_internal::model_layout(model, "save_safetensors");
-  const std::vector<Group> groups = groups_of(layout.entries, options.rename());
-  // Written in gathering order: tensors outside the units, then each unit's parameters.
+  const std::vector<Group> groups = groups_of(layout.entries, options.rename(), options.skip());
+  // Written in gathering order: tensors outside the units, then each unit's parameters
+  // (its flat parameters in order).
   std::vector<const Group*> order;
   for (const Group& group : groups) {
     if (layout.entries[group.entries.front()].handle == nullptr) order.push_back(&group);
@@ -171,21 +181,54 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
     writer = std::make_unique<SafetensorsFolderWriter>(
         dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
   }
+  // The full value of an entry whose unit (if any) is unsharded.
+  const auto value_of = [](const Entry& entry) {
+    return entry.handle == nullptr ? entry.tensor : entry.handle->original_params()[entry.info];
+  };
+  // Writes order[next...] while `in_unit` holds for them; `unit`: the unit's entries.
   size_t next = 0;
-  for (; next < order.size(); ++next) {
-    const Entry& entry = layout.entries[order[next]->entries.front()];
-    if (entry.handle != nullptr) break;
-    if (writer) writer->write(order[next]->chosen, entry.tensor);
-  }
-  // One unit unsharded at a time, in full precision (as full_state_dict).
-  for (const state_internal::FlatParam& flat : layout.flat_params) {
-    flat.handle->unshard_full_precision();
+  const auto write_while = [&](const std::function<bool(const Entry&)>& in_unit,
+                               const torch::OrderedDict<std::string, at::Tensor>& unit) {
     for (; next < order.size(); ++next) {
       const Entry& entry = layout.entries[order[next]->entries.front()];
-      if (entry.handle != flat.handle) break;
-      if (writer) writer->write(order[next]->chosen, flat.handle->original_params()[entry.info]);
+      if (!in_unit(entry)) break;
+      if (!writer) continue;
+      const at::Tensor value = value_of(entry);
+      writer->write(order[next]->chosen,
+                    options.transform() ? options.transform()(entry.fqn, value, unit) : value);
     }
-    flat.handle->reshard();
+  };
+  // The entries (all names) of the unit `handles` belong to, or outside the units.
+  const auto unit_entries = [&](const std::vector<FlatParamHandle*>& handles) {
+    torch::OrderedDict<std::string, at::Tensor> unit;
+    if (!writer || !options.transform()) return unit;
+    for (const Entry& entry : layout.entries) {
+      if (std::find(handles.begin(), handles.end(), entry.handle) != handles.end()) {
+        unit.insert(entry.fqn, value_of(entry));
+      }
+    }
+    return unit;
+  };
+  write_while([](const Entry& entry) { return entry.handle == nullptr; }, unit_entries({nullptr}));
+  // One unit unsharded at a time, all its flat parameters together, in full precision (as
+  // full_state_dict).
+  for (size_t first = 0; first < layout.flat_params.size();) {
+    std::vector<FlatParamHandle*> handles;
+    size_t end = first;
+    for (; end < layout.flat_params.size() &&
+           layout.flat_params[end].unit_fqn == layout.flat_params[first].unit_fqn;
+         ++end) {
+      handles.push_back(layout.flat_params[end].handle);
+    }
+    for (FlatParamHandle* handle : handles) handle->unshard_full_precision();
+    const torch::OrderedDict<std::string, at::Tensor> unit = unit_entries(handles);
+    write_while(
+        [&](const Entry& entry) {
+          return std::find(handles.begin(), handles.end(), entry.handle) != handles.end();
+        },
+        unit);
+    for (FlatParamHandle* handle : handles) handle->reshard();
+    first = end;
   }
   TORCH_INTERNAL_ASSERT(next == order.size());
   return writer ? writer->commit() : std::vector<std::string>{};
@@ -195,13 +238,21 @@ std::vector<std::string> save_module_safetensors(const torch::nn::Module& module
                                                  const std::string& dir,
                                                  const SaveSafetensorsOptions& options) {
   const std::vector<Entry> entries = state_internal::module_entries(module);
-  const std::vector<Group> groups = groups_of(entries, options.rename());
+  const std::vector<Group> groups = groups_of(entries, options.rename(), options.skip());
   std::vector<SafetensorsTensorSpec> specs;
   for (const Group& group : groups) specs.push_back(spec_of(group, entries[group.entries.front()]));
   SafetensorsFolderWriter writer(
       dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
-  for (const Group& group : groups)
-    writer.write(group.chosen, entries[group.entries.front()].tensor);
+  torch::OrderedDict<std::string, at::Tensor> all;
+  if (options.transform()) {
+    for (const Entry& entry : entries) all.insert(entry.fqn, entry.tensor);
+  }
+  for (const Group& group : groups) {
+    const Entry& entry = entries[group.entries.front()];
+    writer.write(group.chosen, options.transform()
+                                   ? options.transform()(entry.fqn, entry.tensor, all)
+                                   : entry.tensor);
+  }
   return writer.commit();
 }
 

@@ -31,6 +31,7 @@
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
 
 #include "fsdp/core/fully_sharded.h"
 
@@ -38,11 +39,18 @@ namespace fsdp {
 
 // Model FQN -> tensor name in the files.
 using SafetensorsRename = std::function<std::string(const std::string& fqn)>;
+// Model FQN (cleaned) -> whether the entry is left out.
+using SafetensorsSkip = std::function<bool(const std::string& fqn)>;
 
 struct LoadSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Tensors in the files that the model lacks are skipped instead of an error.
   TORCH_ARG(bool, allow_unexpected) = false;
+  // Model entries not read (and not looked for in the files): they keep the values they
+  // hold, e.g. LoRA adapters added to a model built on the meta device before its base
+  // weights are read (fsdp::lora::is_adapter_key). A tied group is skipped when its first
+  // name is.
+  TORCH_ARG(SafetensorsSkip, skip) = nullptr;
 };
 
 // Loads a .safetensors file or a Hugging Face folder (safetensors.h) into `model`: each
@@ -53,15 +61,32 @@ struct LoadSafetensorsOptions {
 void load_safetensors(FullyShardedRoot& model, const std::string& path,
                       const LoadSafetensorsOptions& options = {});
 
+// Called on rank 0 for each tensor save_safetensors writes, with its cleaned FQN, its full
+// value and the full values of every entry of its unit (cleaned FQN -> tensor, all
+// gathered at that moment; for tensors outside the units, those tensors; for
+// save_module_safetensors, the whole module's); returns what
+// to write instead, of the same shape and dtype. The tensors are the model's: read them,
+// do not write them.
+using SafetensorsTransform =
+    std::function<at::Tensor(const std::string& fqn, const at::Tensor& value,
+                             const torch::OrderedDict<std::string, at::Tensor>& unit)>;
+
 struct SaveSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Bytes per file at most (save_pretrained's max_shard_size; transformers' default).
   TORCH_ARG(int64_t, max_shard_size) = 50'000'000'000;
+  // Model entries not written (e.g. LoRA adapters: fsdp::lora::is_adapter_key). A tied
+  // group is skipped when its first name is.
+  TORCH_ARG(SafetensorsSkip, skip) = nullptr;
+  // What is written for each tensor (nullptr: the values themselves), e.g. a base weight
+  // with its LoRA adapter merged in (models/hf_checkpoint.h: save_merged_hf_folder).
+  TORCH_ARG(SafetensorsTransform, transform) = nullptr;
 };
 
 // Writes the full model to the folder `dir` as save_pretrained does (safetensors.h:
 // model.safetensors or sharded files with the index, __metadata__ {"format": "pt"},
-// each file atomically). Collective: the units are gathered one at a time, in full
+// each file atomically). Collective: the units are gathered one at a time (all flat
+// parameters of a unit together: the frozen one beside the trainable one), in full
 // precision, and rank 0 writes each unit's tensors before the next is gathered (peak: one
 // unit unsharded); the other ranks write nothing. Returns the file names on rank 0 (empty
 // elsewhere).

@@ -46,6 +46,7 @@ at::ScalarType hf_weights_dtype(const std::string& dir);
 // the meta device gets its values with no full copy anywhere. LoRA adapters the model
 // carries (fsdp::lora::apply_lora) are not looked for in the folder and keep their
 // values. No communication; every rank calls it.
+void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
 // the weights in their dtype (split into files of at most `max_shard_size` bytes, with the

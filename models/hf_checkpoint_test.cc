@@ -1,9 +1,36 @@
+// Hugging Face folders in and out of the decoder: shard sizes; a model built on the meta
+// device and read as shards equals the one built whole (weights, adapters, losses); each
+// rank reads exactly its shards' bytes (counted by Linux's per-thread I/O accounting);
+// the merged LoRA folder and the adapter are written one unit at a time (tracked memory).
 #include "models/hf_checkpoint.h"
 
-#include <string>
+#include <stdlib.h>
 
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include "fsdp/comm/fake.h"
+#include "fsdp/core/tracking_allocator.h"
+#include "fsdp/formats/safetensors.h"
+#include "fsdp/lora/adapter_file.h"
+#include "fsdp/lora/lora.h"
+#include "fsdp/state/safetensors_state_dict.h"
+#include "fsdp/state/state_dict.h"
+#include "models/config.h"
+#include "models/decoder.h"
 
 namespace fsdp::models {
 namespace {
@@ -30,6 +57,251 @@ TEST(ParseShardSizeTest, BadValuesNameTheFlag) {
                     "(e.g. 5GB)");
     }
   }
+}
+
+constexpr int kWorld = 2;
+constexpr int64_t kAdapterSeed = 7;
+
+// A small Llama (transformers 5's config.json): 4 layers, hidden 32, 4 heads, 2 key/value
+// heads, intermediate 64, vocab 64, its own head. Per layer 9280 parameters (q, o
+// 32 x 32; k, v 16 x 32; gate, up, down 64 x 32; two norms of 32); outside the layers
+// 4128 (embeddings and head 64 x 32, the final norm): 41248 in all, 164992 bytes in fp32.
+constexpr int64_t kModelBytes = (4 * 9280 + 4128) * 4;
+DecoderConfig tiny_llama() {
+  return parse_decoder_config(
+      R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "vocab_size": 64,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": false})",
+      "tiny.json");
+}
+
+lora::LoraConfig lora_config() {
+  lora::LoraConfig config;
+  config.r(4).lora_alpha(8).target_modules({"q_proj", "v_proj"});
+  return config;
+}
+
+std::string temp_dir() {
+  std::string pattern = testing::TempDir() + "hf_ckpt_XXXXXX";
+  TORCH_INTERNAL_ASSERT(::mkdtemp(pattern.data()) != nullptr);
+  return pattern;
+}
+
+// Ranks are threads: one seeds and draws from the default generator at a time.
+std::mutex& draw_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+void on_ranks(const std::function<void(std::shared_ptr<Communicator>)>& fn) {
+  FakeWorld::run(FakeWorld::create(kWorld), [&](Communicator& comm) {
+    MemoryTagGuard tag(comm.rank());
+    fn(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+  });
+}
+
+// A folder of random weights (a CPU build from seed 1) in files of at most 40 KB.
+std::string write_folder() {
+  const std::string dir = temp_dir() + "/model";
+  at::manual_seed(1);
+  save_module_safetensors(CausalLMImpl(tiny_llama()), dir,
+                          SaveSafetensorsOptions().max_shard_size(40'000));
+  return dir;
+}
+
+using Model = FullyShardedDataParallel<CausalLMImpl>;
+
+// What examples/llama:finetune did before: every rank built the whole model on the CPU,
+// read the whole folder into it (LoRA) and added the adapters from the seed, then wrapped.
+Model whole_then_wrap(const std::string& dir, bool lora, std::shared_ptr<Communicator> comm) {
+  auto net = std::make_shared<CausalLMImpl>(tiny_llama());
+  if (lora) {
+    load_module_safetensors(*net, dir);
+    std::lock_guard<std::mutex> lock(draw_mutex());
+    at::manual_seed(kAdapterSeed);
+    lora::apply_lora(*net, lora_config());
+  }
+  Model model(net, FullyShardedDataParallelOptions(comm));
+  if (!lora) load_hf_weights(*model, dir);
+  return model;
+}
+
+// What it does now: built on the meta device, adapters from the seed, wrapped, then each
+// rank reads its shards.
+Model meta_then_load(const std::string& dir, bool lora, std::shared_ptr<Communicator> comm) {
+  auto net = std::make_shared<CausalLMImpl>(tiny_llama(), at::TensorOptions().device(c10::kMeta));
+  if (lora) {
+    std::lock_guard<std::mutex> lock(draw_mutex());
+    at::manual_seed(kAdapterSeed);
+    lora::apply_lora(*net, lora_config());
+  }
+  Model model(net, FullyShardedDataParallelOptions(comm));
+  load_hf_weights(*model, dir);
+  return model;
+}
+
+// Next-token loss on a fixed batch of this rank, then an AdamW step.
+double train_step(Model& model, torch::optim::AdamW& adamw, int rank) {
+  const at::Tensor ids = (at::arange(18, at::kLong).view({2, 9}) * (7 + rank)) % 64;
+  adamw.zero_grad();
+  const at::Tensor logits = model->forward(ids.narrow(1, 0, 8));
+  const at::Tensor loss =
+      at::cross_entropy_loss(logits.reshape({-1, 64}), ids.narrow(1, 1, 8).reshape({-1}));
+  loss.backward();
+  adamw.step();
+  return loss.item<double>();
+}
+
+void expect_equal(const StateDict& got, const StateDict& want) {
+  ASSERT_EQ(got.keys(), want.keys());
+  for (const auto& item : want) EXPECT_TRUE(at::equal(got[item.key()], item.value())) << item.key();
+}
+
+// The model the trainer builds now equals the one it built whole: the same weights, the
+// same adapters from the same seed, the same losses and updates (full and LoRA).
+TEST(MetaLoadTest, SameWeightsAndLossesAsBuildingTheWholeModel) {
+  const std::string dir = write_folder();
+  for (bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "LoRA" : "full");
+    on_ranks([&](std::shared_ptr<Communicator> comm) {
+      Model before = whole_then_wrap(dir, lora, comm);
+      Model now = meta_then_load(dir, lora, comm);
+      expect_equal(full_state_dict(*now), full_state_dict(*before));
+      torch::optim::AdamW adam_before(before->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW adam_now(now->parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int step = 0; step < 2; ++step) {
+        EXPECT_EQ(train_step(now, adam_now, comm->rank()),
+                  train_step(before, adam_before, comm->rank()));
+      }
+      expect_equal(full_state_dict(*now), full_state_dict(*before));
+    });
+  }
+}
+
+// This thread's rchar (bytes its read and pread calls returned; Linux's
+// /proc/thread-self/io), and in `text_bytes` the bytes this read of it returned.
+int64_t thread_rchar(int64_t* text_bytes) {
+  std::ifstream in("/proc/thread-self/io");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  *text_bytes = static_cast<int64_t>(text.size());
+  const size_t at = text.find("rchar: ");
+  return at == std::string::npos ? -1 : std::stoll(text.substr(at + 7));
+}
+
+// Each rank reads its shards' bytes and the headers, nothing else: at W = 2 every flat
+// parameter's numel is even (the root's 4128, each layer's 9280), so each rank reads
+// exactly half the parameter bytes, 82496, plus the index and every file's header; the
+// LoRA adapters are not read (they keep their values from the seed).
+TEST(MetaLoadTest, EachRankReadsOnlyItsShardsBytes) {
+  int64_t probe = 0;
+  if (thread_rchar(&probe) < 0) GTEST_SKIP() << "no /proc/thread-self/io (Linux I/O accounting)";
+  const std::string dir = write_folder();
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  ASSERT_GT(ckpt.files().size(), 2u);
+  int64_t headers = std::filesystem::file_size(dir + "/model.safetensors.index.json");
+  int64_t data = 0;
+  for (const SafetensorsFile& file : ckpt.files()) {
+    headers += file.header().data_offset;
+    for (const SafetensorsTensorInfo& t : file.header().tensors) data += t.nbytes;
+  }
+  ASSERT_EQ(data, kModelBytes);
+  for (bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "LoRA" : "full");
+    std::vector<int64_t> read(kWorld), whole(kWorld), peak(kWorld);
+    on_ranks([&](std::shared_ptr<Communicator> comm) {
+      const int rank = comm->rank();
+      auto net =
+          std::make_shared<CausalLMImpl>(tiny_llama(), at::TensorOptions().device(c10::kMeta));
+      if (lora) {
+        std::lock_guard<std::mutex> lock(draw_mutex());
+        lora::apply_lora(*net, lora_config());
+      }
+      reset_peak_memory_stats(rank);
+      Model model(net, FullyShardedDataParallelOptions(comm));
+      int64_t text = 0;
+      const int64_t before = thread_rchar(&text);
+      load_hf_weights(*model, dir);
+      int64_t ignored = 0;
+      read[rank] = thread_rchar(&ignored) - before - text;
+      peak[rank] = max_memory_allocated(rank);
+      // The old way, for comparison: the whole folder into a whole model.
+      CausalLMImpl cpu(tiny_llama());
+      const int64_t before_whole = thread_rchar(&text);
+      load_module_safetensors(cpu, dir);
+      whole[rank] = thread_rchar(&ignored) - before_whole - text;
+    });
+    for (int rank = 0; rank < kWorld; ++rank) {
+      std::printf(
+          "%s, rank %d: read %lld bytes (model %lld, headers %lld; whole: %lld), peak "
+          "%lld bytes tracked while wrapping and loading\n",
+          lora ? "LoRA" : "full", rank, static_cast<long long>(read[rank]),
+          static_cast<long long>(kModelBytes), static_cast<long long>(headers),
+          static_cast<long long>(whole[rank]), static_cast<long long>(peak[rank]));
+      EXPECT_EQ(read[rank], kModelBytes / 2 + headers) << "rank " << rank;
+      EXPECT_EQ(whole[rank], kModelBytes + headers) << "rank " << rank;
+      EXPECT_LT(peak[rank], kModelBytes) << "rank " << rank;
+    }
+  }
+}
+
+StateDict read_folder(const std::string& path) {
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
+  StateDict out;
+  for (const std::string& name : ckpt.names()) out.insert(name, ckpt.read(name));
+  return out;
+}
+
+// save_lora_hf_folders writes what the trainer wrote from a full state dict gathered to
+// rank 0 (the merged weights, the adapter), while rank 0 holds at most one unit
+// unsharded beside its shards: its tracked peak above the shards is at most a layer
+// unit's gathered flat parameters, a merge's fp32 temporaries and the adapters' copies,
+// less than half the model, where gathering the full state dict takes the whole model.
+TEST(MergedLoraSaveTest, WritesWhatAFullStateDictGaveOneUnitAtATime) {
+  const std::string from = write_folder();
+  const std::string out = temp_dir();
+  const lora::LoraConfig config = lora_config();
+  // A layer unit's gathered flat parameters: 9280 base elements, adapters of q (4 x 32,
+  // 32 x 4) and v (4 x 32, 16 x 4); a merge of the largest adapted weight (32 x 32) in
+  // fp32 holds at most three such tensors; the adapters of all 4 layers are copied.
+  const int64_t unit_bytes = (9280 + 128 + 128 + 128 + 64) * 4;
+  const int64_t merge_bytes = 3 * 32 * 32 * 4;
+  const int64_t adapter_bytes = 4 * (128 + 128 + 128 + 64) * 4;
+  ASSERT_LT(unit_bytes + merge_bytes + adapter_bytes, kModelBytes / 2);
+  std::vector<int64_t> peak(kWorld), full_peak(kWorld);
+  on_ranks([&](std::shared_ptr<Communicator> comm) {
+    const int rank = comm->rank();
+    Model model = meta_then_load(from, /*lora=*/true, comm);
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    train_step(model, adamw, rank);  // lora_B no longer zero: merging changes the weights
+    const int64_t shards = memory_allocated(rank);
+    reset_peak_memory_stats(rank);
+    save_lora_hf_folders(*model, config, from, out + "/hf", out + "/adapter", 40'000);
+    peak[rank] = max_memory_allocated(rank) - shards;
+    reset_peak_memory_stats(rank);
+    {
+      // The trainer's save before: the full state dict on rank 0.
+      const StateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+      full_peak[rank] = max_memory_allocated(rank) - shards;
+      if (rank == 0) {
+        lora::save_merged(full, config, out + "/hf_before", 40'000);
+        lora::save_adapter(full, config, out + "/adapter_before");
+      }
+    }
+  });
+  std::printf(
+      "rank 0: peak %lld bytes above the shards saving one unit at a time, %lld "
+      "gathering the full state dict (model %lld)\n",
+      static_cast<long long>(peak[0]), static_cast<long long>(full_peak[0]),
+      static_cast<long long>(kModelBytes));
+  EXPECT_LE(peak[0], unit_bytes + merge_bytes + adapter_bytes);
+  EXPECT_GE(full_peak[0], kModelBytes);
+  expect_equal(read_folder(out + "/hf"), read_folder(out + "/hf_before"));
+  expect_equal(read_folder(out + "/adapter/adapter_model.safetensors"),
+               read_folder(out + "/adapter_before/adapter_model.safetensors"));
+  EXPECT_FALSE(at::equal(read_folder(out + "/hf")["model.layers.0.self_attn.q_proj.weight"],
+                         read_folder(from)["model.layers.0.self_attn.q_proj.weight"]));
 }
 
 }  // namespace

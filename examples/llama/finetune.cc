@@ -24,10 +24,9 @@
 // most --max_shard_size) that transformers' AutoModelForCausalLM.from_pretrained loads; --steps=0
 // writes the weights it read, bit for bit. With --lora_rank it trains LoRA adapters only
 // (fsdp/lora), writes them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and
-// OUT/hf/ holds them merged into the base weights (both written one unit at a time). Without RANK
-// in its environment it starts
-// --world_size ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts:
-// a bad one is one line on stderr and exit status 2.
+// OUT/hf/ holds them merged into the base weights (both written one unit at a time). Without
+// RANK in its environment it starts --world_size ranks of itself; Ctrl-C stops every rank. Flags
+// are checked before any rank starts: a bad one is one line on stderr and exit status 2.
 #include <unistd.h>
 
 #include <algorithm>

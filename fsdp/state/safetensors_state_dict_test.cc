@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include <fstream>
+#include <map>
 #include <string>
 
 #include "absl/strings/str_replace.h"
@@ -151,6 +152,55 @@ TEST(SaveSafetensors, WritesTheFullModelFromRankZeroOnly) {
     for (const auto& item : want) EXPECT_TRUE(at::equal(ckpt.read(item.key()), item.value()));
     EXPECT_EQ(ckpt.files()[0].header().metadata.at("format"), "pt");
   }
+}
+
+// skip leaves entries out both ways; transform sees each unit's entries gathered
+// together, also a unit that splits into a frozen and a trainable flat parameter (l1).
+TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {
+  const StateDict want = module_state_dict(*make<NetImpl>());
+  const std::string dir = temp_dir() + "/out";
+  const auto skip = [](const std::string& fqn) { return fqn == "l2.bias"; };
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make<NetImpl>();
+    net->named_parameters()["l1.bias"].set_requires_grad(
+        false);  // l1: a frozen and a trainable flat parameter
+    FullyShardedDataParallel<NetImpl> model(net, FullyShardedDataParallelOptions(comm));
+    ASSERT_NE(model->units()[1]->frozen_handle(), nullptr);
+    std::map<std::string, std::vector<std::string>> seen;  // fqn -> its unit's entries
+    save_safetensors(*model, dir,
+                     SaveSafetensorsOptions().skip(skip).transform(
+                         [&](const std::string& fqn, const at::Tensor& value,
+                             const torch::OrderedDict<std::string, at::Tensor>& unit) {
+                           seen[fqn] = unit.keys();
+                           for (const auto& item : unit)
+                             EXPECT_TRUE(at::equal(item.value(), want[item.key()]));
+                           return value * 2;
+                         }));
+    if (comm->rank() != 0) {
+      EXPECT_TRUE(seen.empty());
+      return;
+    }
+    using V = std::vector<std::string>;
+    EXPECT_EQ(seen, (std::map<std::string, V>{{"head.weight", V{"head.weight", "head.bias"}},
+                                              {"head.bias", V{"head.weight", "head.bias"}},
+                                              {"l1.weight", V{"l1.weight", "l1.bias"}},
+                                              {"l1.bias", V{"l1.weight", "l1.bias"}},
+                                              {"l2.weight", V{"l2.weight", "l2.bias"}}}));
+  });
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  EXPECT_THAT(ckpt.names(),
+              ElementsAre("head.bias", "head.weight", "l1.bias", "l1.weight", "l2.weight"));
+  for (const std::string& name : ckpt.names()) {
+    EXPECT_TRUE(at::equal(ckpt.read(name), want[name] * 2)) << name;
+  }
+  // Loading what is there, l2.bias skipped: it keeps the value it had.
+  on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
+    auto model = wrap<NetImpl>(comm);
+    load_safetensors(*model, dir, LoadSafetensorsOptions().skip(skip));
+    const StateDict got = full_state_dict(*model);
+    EXPECT_TRUE(at::equal(got["l2.bias"], want["l2.bias"]));
+    EXPECT_TRUE(at::equal(got["l2.weight"], want["l2.weight"] * 2));
+  });
 }
 
 // lm_head.weight is model.embed_tokens.weight: transformers writes only the embedding.

@@ -1,0 +1,81 @@
+// The decoder built on the meta device (decoder.h): no memory until FSDP allocates each
+// rank's shards, and init_parameters with reset_decoder_parameters gives the values a CPU
+// build from the same seed has (tied and untied heads), with no buffer left uncomputed.
+#include "models/decoder.h"
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <ATen/Functions.h>
+#include <ATen/ops/equal.h>
+#include <gtest/gtest.h>
+
+#include "fsdp/comm/fake.h"
+#include "fsdp/core/tracking_allocator.h"
+#include "fsdp/state/state_dict.h"
+
+namespace fsdp::models {
+namespace {
+
+constexpr int kWorld = 2;
+
+// A small Llama (transformers 5's config.json): 4 layers, hidden 32, 4 heads, 2 key/value
+// heads, intermediate 64, vocab 64.
+DecoderConfig tiny_llama(bool tied) {
+  return parse_decoder_config(
+      std::string(R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "vocab_size": 64,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": )") +
+          (tied ? "true" : "false") + "}",
+      "tiny.json");
+}
+
+// Ranks are threads: one seeds and draws from the default generator at a time.
+std::mutex& draw_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+at::Tensor tokens() { return (at::arange(18, at::kLong).view({2, 9}) * 7) % 64; }
+
+TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied head" : "own head");
+    const DecoderConfig config = tiny_llama(tied);
+    std::shared_ptr<CausalLMImpl> cpu;
+    {
+      std::lock_guard<std::mutex> lock(draw_mutex());
+      at::manual_seed(3);
+      cpu = std::make_shared<CausalLMImpl>(config);
+    }
+    EXPECT_TRUE(cpu->buffers().empty());  // RoPE and embedding scales come from the config
+    EXPECT_EQ(cpu->named_parameters().contains("lm_head.weight"), !tied);
+    const StateDict want = module_state_dict(*cpu);
+    const at::Tensor want_logits = cpu->forward(tokens());
+    MemoryTracker tracker;
+    FakeWorld::run(FakeWorld::create(kWorld), [&](Communicator& comm) {
+      MemoryTagGuard tag(comm.rank());
+      auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta));
+      for (const at::Tensor& p : net->parameters()) ASSERT_TRUE(p.is_meta());
+      EXPECT_EQ(memory_allocated(comm.rank()), 0);  // shapes only
+      FullyShardedDataParallel<CausalLMImpl> model(
+          net, FullyShardedDataParallelOptions(
+                   std::shared_ptr<Communicator>(&comm, [](Communicator*) {})));
+      {
+        std::lock_guard<std::mutex> lock(draw_mutex());
+        at::manual_seed(3);
+        model->init_parameters(reset_decoder_parameters);  // throws if one stays NaN
+      }
+      const StateDict got = full_state_dict(*model);
+      ASSERT_EQ(got.keys(), want.keys());
+      for (const auto& item : want) EXPECT_TRUE(at::equal(got[item.key()], item.value()));
+      EXPECT_TRUE(at::equal(model->forward(tokens()), want_logits));
+    });
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::models

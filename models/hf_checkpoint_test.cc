@@ -210,6 +210,7 @@ TEST(MetaLoadTest, EachRankReadsOnlyItsShardsBytes) {
   for (bool lora : {false, true}) {
     SCOPED_TRACE(lora ? "LoRA" : "full");
     std::vector<int64_t> read(kWorld), whole(kWorld), peak(kWorld);
+    MemoryTracker tracker;
     on_ranks([&](std::shared_ptr<Communicator> comm) {
       const int rank = comm->rank();
       auto net =
@@ -241,7 +242,13 @@ TEST(MetaLoadTest, EachRankReadsOnlyItsShardsBytes) {
           static_cast<long long>(whole[rank]), static_cast<long long>(peak[rank]));
       EXPECT_EQ(read[rank], kModelBytes / 2 + headers) << "rank " << rank;
       EXPECT_EQ(whole[rank], kModelBytes + headers) << "rank " << rank;
-      EXPECT_LT(peak[rank], kModelBytes) << "rank " << rank;
+      // The shards and one layer unit's flat parameter (9280 elements) unsharded while
+      // FSDP builds it from the meta device; LoRA: plus the adapters (at most all of them).
+      if (lora) {
+        EXPECT_LE(peak[rank], kModelBytes / 2 + 9280 * 4 + 4 * (128 + 128 + 128 + 64) * 4);
+      } else {
+        EXPECT_EQ(peak[rank], kModelBytes / 2 + 9280 * 4) << "rank " << rank;
+      }
     }
   }
 }
@@ -254,28 +261,32 @@ StateDict read_folder(const std::string& path) {
 }
 
 // save_lora_hf_folders writes what the trainer wrote from a full state dict gathered to
-// rank 0 (the merged weights, the adapter), while rank 0 holds at most one unit
-// unsharded beside its shards: its tracked peak above the shards is at most a layer
-// unit's gathered flat parameters, a merge's fp32 temporaries and the adapters' copies,
-// less than half the model, where gathering the full state dict takes the whole model.
+// rank 0 (the merged weights, the adapter), while rank 0 holds at most one unit gathered
+// beside its shards: its tracked peak above the shards is that of writing the same model
+// without merging (save_hf_folder, one unit at a time: the unit's unsharded flat
+// parameters and the fake communicator's all-gather staging) plus a merge's fp32
+// temporaries and the adapters' copies, below the whole model's bytes, which gathering
+// the full state dict takes.
 TEST(MergedLoraSaveTest, WritesWhatAFullStateDictGaveOneUnitAtATime) {
   const std::string from = write_folder();
   const std::string out = temp_dir();
   const lora::LoraConfig config = lora_config();
-  // A layer unit's gathered flat parameters: 9280 base elements, adapters of q (4 x 32,
-  // 32 x 4) and v (4 x 32, 16 x 4); a merge of the largest adapted weight (32 x 32) in
-  // fp32 holds at most three such tensors; the adapters of all 4 layers are copied.
-  const int64_t unit_bytes = (9280 + 128 + 128 + 128 + 64) * 4;
+  // A merge of the largest adapted weight (q_proj, 32 x 32) holds at most three fp32
+  // tensors of its size; the adapters of all 4 layers are copied (q: 4 x 32 and 32 x 4,
+  // v: 4 x 32 and 16 x 4).
   const int64_t merge_bytes = 3 * 32 * 32 * 4;
   const int64_t adapter_bytes = 4 * (128 + 128 + 128 + 64) * 4;
-  ASSERT_LT(unit_bytes + merge_bytes + adapter_bytes, kModelBytes / 2);
-  std::vector<int64_t> peak(kWorld), full_peak(kWorld);
+  std::vector<int64_t> peak(kWorld), plain_peak(kWorld), full_peak(kWorld);
+  MemoryTracker tracker;
   on_ranks([&](std::shared_ptr<Communicator> comm) {
     const int rank = comm->rank();
     Model model = meta_then_load(from, /*lora=*/true, comm);
     torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
     train_step(model, adamw, rank);  // lora_B no longer zero: merging changes the weights
     const int64_t shards = memory_allocated(rank);
+    reset_peak_memory_stats(rank);
+    save_hf_folder(*model, from, out + "/plain", 40'000);  // unmerged, for comparison
+    plain_peak[rank] = max_memory_allocated(rank) - shards;
     reset_peak_memory_stats(rank);
     save_lora_hf_folders(*model, config, from, out + "/hf", out + "/adapter", 40'000);
     peak[rank] = max_memory_allocated(rank) - shards;
@@ -291,11 +302,12 @@ TEST(MergedLoraSaveTest, WritesWhatAFullStateDictGaveOneUnitAtATime) {
     }
   });
   std::printf(
-      "rank 0: peak %lld bytes above the shards saving one unit at a time, %lld "
-      "gathering the full state dict (model %lld)\n",
-      static_cast<long long>(peak[0]), static_cast<long long>(full_peak[0]),
-      static_cast<long long>(kModelBytes));
-  EXPECT_LE(peak[0], unit_bytes + merge_bytes + adapter_bytes);
+      "rank 0: peak %lld bytes above the shards saving merged one unit at a time "
+      "(%lld unmerged), %lld gathering the full state dict (model %lld)\n",
+      static_cast<long long>(peak[0]), static_cast<long long>(plain_peak[0]),
+      static_cast<long long>(full_peak[0]), static_cast<long long>(kModelBytes));
+  EXPECT_LE(peak[0], plain_peak[0] + merge_bytes + adapter_bytes);
+  EXPECT_LT(peak[0], kModelBytes);
   EXPECT_GE(full_peak[0], kModelBytes);
   expect_equal(read_folder(out + "/hf"), read_folder(out + "/hf_before"));
   expect_equal(read_folder(out + "/adapter/adapter_model.safetensors"),

@@ -162,7 +162,7 @@ TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {
   const auto skip = [](const std::string& fqn) { return fqn == "l2.bias"; };
   on_ranks(2, [&](std::shared_ptr<Communicator> comm) {
     auto net = make<NetImpl>();
-    net->named_parameters()["l1.bias"].set_requires_grad(
+    net->named_parameters()["l1._fsdp_wrapped_module.bias"].set_requires_grad(
         false);  // l1: a frozen and a trainable flat parameter
     FullyShardedDataParallel<NetImpl> model(net, FullyShardedDataParallelOptions(comm));
     ASSERT_NE(model->units()[1]->frozen_handle(), nullptr);

@@ -64,9 +64,8 @@ void load_safetensors(FullyShardedRoot& model, const std::string& path,
 // Called on rank 0 for each tensor save_safetensors writes, with its cleaned FQN, its full
 // value and the full values of every entry of its unit (cleaned FQN -> tensor, all
 // gathered at that moment; for tensors outside the units, those tensors; for
-// save_module_safetensors, the whole module's); returns what
-// to write instead, of the same shape and dtype. The tensors are the model's: read them,
-// do not write them.
+// save_module_safetensors, the whole module's); returns what to write instead, of the
+// same shape and dtype. The tensors are the model's: read them, do not write them.
 using SafetensorsTransform =
     std::function<at::Tensor(const std::string& fqn, const at::Tensor& value,
                              const torch::OrderedDict<std::string, at::Tensor>& unit)>;
@@ -79,7 +78,7 @@ struct SaveSafetensorsOptions {
   // group is skipped when its first name is.
   TORCH_ARG(SafetensorsSkip, skip) = nullptr;
   // What is written for each tensor (nullptr: the values themselves), e.g. a base weight
-  // with its LoRA adapter merged in (models/hf_checkpoint.h: save_merged_hf_folder).
+  // with its LoRA adapter merged in (models/hf_checkpoint.h: save_lora_hf_folders).
   TORCH_ARG(SafetensorsTransform, transform) = nullptr;
 };
 

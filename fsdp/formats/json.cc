@@ -24,7 +24,8 @@ nlohmann::json parse_untrusted_json(std::string_view text, const std::string& wh
   std::string error;
   try {
     json = nlohmann::json::parse(text.begin(), text.end(), bounded);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number that overflows a double ("1e999999").
     error = e.what();
   }
   TORCH_CHECK(error.empty(), what, " is not valid JSON: ", error, tail);

@@ -291,6 +291,14 @@ TEST(SafetensorsBadInput, DeeplyNestedHeader) {
             "tensors");
 }
 
+// A number too large for a double is nlohmann's out_of_range, not a parse_error: the same
+// one error (found by tools/fuzz.sh safetensors).
+TEST(SafetensorsBadInput, NumberOverflowingADouble) {
+  EXPECT_EQ(open_error(R"({"w":{"dtype":"F32","shape":[3e999],"data_offsets":[0,4]}})", ""),
+            "the header of safetensors file '<file>' is not valid JSON: "
+            "[json.exception.out_of_range.406] number overflow parsing '3e999'");
+}
+
 // Issue 38: a FIFO (or a device) in a model folder is refused by name, never opened.
 TEST(SafetensorsBadInput, NotARegularFile) {
   const std::string path = temp_dir() + "/fifo.safetensors";

@@ -12,6 +12,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/activation.h>
 
+#include "fsdp/core/checkpoint_wrapper.h"
+
 namespace fsdp::models {
 namespace {
 
@@ -263,6 +265,13 @@ DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index)
 }
 
 at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  if (!checkpoint_activations) return compute(x, cos, sin);
+  return checkpoint(
+      [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2]); },
+      {x, cos, sin}, parameters());
+}
+
+at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   if (!input_layernorm) {  // olmo2: norms after the sublayers only
     x = x + post_attention_layernorm(self_attn(x, cos, sin));
     return x + post_feedforward_layernorm(mlp(x));

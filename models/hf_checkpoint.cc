@@ -56,14 +56,16 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
 }
 
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
-  load_safetensors(model, dir);
+  load_safetensors(model, dir, LoadSafetensorsOptions().cast_floating(true));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
-  save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
+  save_safetensors(
+      model, out_dir,
+      SaveSafetensorsOptions().max_shard_size(max_shard_size).dtype(hf_weights_dtype(from_dir)));
 }
 
 void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir) {

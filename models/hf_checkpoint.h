@@ -2,8 +2,7 @@
 //
 //   const std::string dir = "/models/tiny";
 //   fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(dir + "/config.json");
-//   auto net = std::make_shared<fsdp::models::CausalLMImpl>(config);
-//   net->to(fsdp::models::hf_weights_dtype(dir));   // the dtype the files hold
+//   auto net = std::make_shared<fsdp::models::CausalLMImpl>(config);  // fp32 master weights
 //   fsdp::FullyShardedDataParallel<fsdp::models::CausalLMImpl> model(net, options);
 //   fsdp::models::load_hf_weights(*model, dir);         // each rank reads its shards' bytes
 //   fsdp::models::save_hf_folder(*model, dir, "/out/hf", 5'000'000'000);
@@ -35,14 +34,17 @@ at::ScalarType hf_weights_dtype(const std::string& dir);
 
 // Loads the weights of HF folder `dir` (model.safetensors, or the shards of
 // model.safetensors.index.json) into `model`: each rank reads only the bytes of its own
-// flat-parameter shards. No communication; every rank calls it.
+// flat-parameter shards, floating tensors converted to the model's dtype (a bf16 folder
+// into fp32 master weights: exact). No communication; every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
-// the weights in their dtype (split into files of at most `max_shard_size` bytes, with the
-// index, as save_pretrained(max_shard_size=...)) and the other files of `from_dir` that
-// describe the model (config.json, generation_config.json and the tokenizer's files)
-// copied unchanged; weight files an earlier save left there are removed first.
+// the weights (split into files of at most `max_shard_size` bytes, with the index, as
+// save_pretrained(max_shard_size=...)), the floating ones in the dtype `from_dir` holds
+// (hf_weights_dtype: fp32 master weights go back as the bf16 folder they came from,
+// rounded to nearest), and the other files of `from_dir` that describe the model
+// (config.json, generation_config.json and the tokenizer's files) copied unchanged;
+// weight files an earlier save left there are removed first.
 // Collective: the units are gathered one at a time; rank 0 writes.
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);

@@ -20,7 +20,8 @@
 // model. Errors: c10::Error naming the file, the tensor and what was expected (fsdp
 // formats/safetensors.h for a malformed file), tensors missing from the files or that the
 // model lacks (with `allow_unexpected` off), a shape or dtype that differs from the
-// model's (no silent casts: convert the file, or the model, first).
+// model's (no silent casts: convert the file or the model first, or ask for the cast with
+// LoadSafetensorsOptions::cast_floating / SaveSafetensorsOptions::dtype).
 #ifndef FSDP_STATE_SAFETENSORS_STATE_DICT_H_
 #define FSDP_STATE_SAFETENSORS_STATE_DICT_H_
 
@@ -29,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
@@ -43,6 +46,12 @@ struct LoadSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Tensors in the files that the model lacks are skipped instead of an error.
   TORCH_ARG(bool, allow_unexpected) = false;
+  // A floating tensor whose dtype in the files differs from the model's floating dtype is
+  // converted as it is read (a bf16 checkpoint into fp32 master parameters: exact; the
+  // other way rounds to nearest): each piece is read in the file's dtype, then copied,
+  // so the peak rises by that piece too. Other dtype differences stay errors.
+  // transformers: from_pretrained(torch_dtype=...).
+  TORCH_ARG(bool, cast_floating) = false;
 };
 
 // Loads a .safetensors file or a Hugging Face folder (safetensors.h) into `model`: each
@@ -57,6 +66,10 @@ struct SaveSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Bytes per file at most (save_pretrained's max_shard_size; transformers' default).
   TORCH_ARG(int64_t, max_shard_size) = 50'000'000'000;
+  // The dtype of the floating tensors in the files (fp32 master parameters written back
+  // as the bf16 checkpoint they came from, rounded to nearest); none: the model's own.
+  // Other tensors keep theirs.
+  TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
 };
 
 // Writes the full model to the folder `dir` as save_pretrained does (safetensors.h:

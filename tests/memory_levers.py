@@ -4,7 +4,8 @@
                                   same weights in bfloat16 (DIR/model_bf16), both written
                                   by transformers' save_pretrained, and 16384 random token
                                   ids (uint16) in DIR/train.bin
-    memory_levers.py dtypes HF    prints the dtypes of HF folder's tensors, sorted, unique
+    memory_levers.py dtypes HF... prints a line per HF folder: the dtypes of its tensors,
+                                  sorted, unique
 """
 import glob
 import os
@@ -34,15 +35,16 @@ def make(root):
     ids.numpy().astype("<u2").tofile(os.path.join(root, "train.bin"))
 
 
-def dtypes(folder):
+def dtypes(*folders):
     from safetensors import safe_open
 
-    found = set()
-    for name in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        with safe_open(name, "pt") as f:
-            for key in f.keys():
-                found.add(str(f.get_slice(key).get_dtype()))
-    print(" ".join(sorted(found)))
+    for folder in folders:
+        found = set()
+        for name in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+            with safe_open(name, "pt") as f:
+                for key in f.keys():
+                    found.add(str(f.get_slice(key).get_dtype()))
+        print(" ".join(sorted(found)))
 
 
 if __name__ == "__main__":

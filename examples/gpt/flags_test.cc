@@ -238,9 +238,9 @@ TEST(TrainerFlagsTest, AutoMeansCudaWhenADeviceIsSeen) {
 TEST(SharedFlagsTest, GradientAccumulationSplitsEachRanksShareEvenly) {
   LeverFlags levers;
   levers.grad_accumulation_steps = 4;
-  EXPECT_EQ(lever_flag_error(levers, /*world=*/2, /*self_launched=*/true, /*batch_size=*/16,
-                             kMachine),
-            "");
+  EXPECT_EQ(
+      lever_flag_error(levers, /*world=*/2, /*self_launched=*/true, /*batch_size=*/16, kMachine),
+      "");
   EXPECT_EQ(lever_flag_error(levers, 2, true, 12, kMachine),
             "--batch_size=12: expected a positive multiple of the world size 2 x "
             "--grad_accumulation_steps=4 (every rank trains on an equal share, in equal "

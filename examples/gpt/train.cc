@@ -23,7 +23,10 @@
 // --device=auto (the default) trains on CUDA when this process sees a CUDA device, else
 // on the CPU (Note [The compute device] in flags.h): on CUDA rank r uses cuda:LOCAL_RANK
 // over NCCL with bf16 mixed precision, a GPT-2-small-sized model for the model flags not
-// given, and the progress lines add the model FLOP utilisation (mfu.h).
+// given, and the progress lines add the model FLOP utilisation (mfu.h). The memory levers
+// (--mixed_precision, --cpu_offload, --sharding_strategy, --hybrid_shard_group_size,
+// --activation_checkpointing, --grad_accumulation_steps) are those of examples/llama/finetune
+// too (lever_flags.h).
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/file.h>

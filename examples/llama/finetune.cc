@@ -26,6 +26,14 @@
 // OUT/hf/ holds them merged into the base weights. Without RANK in its environment it starts
 // --world_size ranks of itself; Ctrl-C stops every rank. Flags are checked before any rank starts:
 // a bad one is one line on stderr and exit status 2.
+//
+// The memory levers are the GPT trainer's, under the same flags (examples/gpt/lever_flags.h):
+// --device (auto, cpu, cuda: rank r on cuda:LOCAL_RANK over NCCL, one rank per visible device
+// unless --world_size says otherwise), --mixed_precision (auto: bf16 compute with fp32 master
+// weights for a bf16 or fp16 folder and on CUDA; see Note [Master weights of a 16-bit
+// folder]), --cpu_offload, --sharding_strategy (hybrid_shard with --hybrid_shard_group_size
+// too), --activation_checkpointing (each decoder layer recomputes its forward in backward)
+// and --grad_accumulation_steps (micro-batches, no_sync between).
 #include <unistd.h>
 
 #include <algorithm>

@@ -328,9 +328,9 @@ double eval_loss(Model& model, const at::Tensor& tokens, Communicator& comm) {
 // all-gathered and runs forward and backward in bf16 (param_dtype) and its gradients are
 // reduced in fp32 (reduce_dtype) -- --mixed_precision=auto resolves to bf16 for such a
 // folder (examples/gpt/flags.h). Updates smaller than bf16's resolution then accumulate
-// in the masters instead of being lost, at 4 bytes of master weight a parameter instead
-// of 2. --mixed_precision=pure_bf16 is the old way (everything bf16, 2 + 2 + 4 bytes a
-// parameter with AdamW); none trains in fp32. The folder written at the end holds the
+// in the masters instead of being lost, at 16 bytes a parameter with AdamW (weight,
+// gradient, two moments) instead of 8. --mixed_precision=pure_bf16 is the old way
+// (everything bf16); none trains in fp32. The folder written at the end holds the
 // folder's dtype again (save_hf_folder writes that; a LoRA run casts the frozen base
 // weights, which were read exactly, before merging, so the merged weight is rounded once).
 

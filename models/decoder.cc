@@ -13,6 +13,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/activation.h>
 
+#include "fsdp/core/checkpoint_wrapper.h"
+
 namespace fsdp::models {
 namespace {
 
@@ -58,7 +60,8 @@ double yarn_mscale(double scale, double mscale) {
 std::pair<at::Tensor, double> inverse_frequencies(const RopeConfig& rope, int64_t dim, int64_t time,
                                                   c10::Device device) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  const at::Tensor exponents = at::arange(0, dim, 2, at::kLong).to(f32) / double(dim);
+  // Made on `device` (tests/device_check_test.cc): no host tensor copied in each forward.
+  const at::Tensor exponents = at::arange(0, dim, 2, f32.dtype(at::kLong)).to(f32) / double(dim);
   if (rope.type == "longrope") {
     const std::vector<double>& factors =
         time > rope.original_max_position_embeddings ? rope.long_factor : rope.short_factor;
@@ -281,6 +284,13 @@ DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
 }
 
 at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  if (!checkpoint_activations) return compute(x, cos, sin);
+  return checkpoint(
+      [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2]); },
+      {x, cos, sin}, parameters());
+}
+
+at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   if (!input_layernorm) {  // olmo2: norms after the sublayers only
     x = x + post_attention_layernorm(self_attn(x, cos, sin));
     return x + post_feedforward_layernorm(mlp(x));
@@ -320,7 +330,7 @@ std::pair<at::Tensor, at::Tensor> DecoderModelImpl::rotary(const RopeConfig& rop
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const auto [inv_freq, attention_factor] =
       inverse_frequencies(rope, config.rotary_dim, time, device);
-  const at::Tensor freqs = at::arange(time, at::kLong).to(f32).unsqueeze(1) * inv_freq;
+  const at::Tensor freqs = at::arange(time, f32.dtype(at::kLong)).to(f32).unsqueeze(1) * inv_freq;
   const at::Tensor angles = at::cat({freqs, freqs}, -1);
   return {(angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)};
 }

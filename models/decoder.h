@@ -124,11 +124,16 @@ struct MLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(MLP);
 
-// One decoder layer, one FSDP unit. Input and output [batch, time, hidden].
+// One decoder layer, one FSDP unit. Input and output [batch, time, hidden]. With
+// checkpoint_activations (examples/llama/finetune's --activation_checkpointing), a forward
+// with grad mode on keeps only its inputs for backward and recomputes the layer there
+// (fsdp::checkpoint, inside the layer's unit; LoRA dropout draws the same masks again).
 struct DecoderLayerImpl : torch::nn::Module {
   DecoderLayerImpl(const DecoderConfig& config, int64_t index,
                    const at::TensorOptions& options = {});
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin);
+
+  bool checkpoint_activations = false;
 
   LayerType type;
   double residual_multiplier;
@@ -138,6 +143,9 @@ struct DecoderLayerImpl : torch::nn::Module {
   RMSNorm post_attention_layernorm{nullptr};
   RMSNorm pre_feedforward_layernorm{nullptr};   // gemma
   RMSNorm post_feedforward_layernorm{nullptr};  // gemma, olmo2
+
+ private:
+  at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 };
 
 // Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden].

@@ -57,14 +57,17 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
 }
 
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
-  load_safetensors(model, dir, LoadSafetensorsOptions().skip(lora::is_adapter_key));
+  load_safetensors(model, dir,
+                   LoadSafetensorsOptions().skip(lora::is_adapter_key).cast_floating(true));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
-  save_safetensors(model, out_dir, SaveSafetensorsOptions().max_shard_size(max_shard_size));
+  save_safetensors(
+      model, out_dir,
+      SaveSafetensorsOptions().max_shard_size(max_shard_size).dtype(hf_weights_dtype(from_dir)));
 }
 
 // Note [Merging LoRA adapters one unit at a time]
@@ -98,6 +101,7 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
   save_safetensors(model, out_dir,
                    SaveSafetensorsOptions()
                        .max_shard_size(max_shard_size)
+                       .dtype(hf_weights_dtype(from_dir))
                        .skip(lora::is_adapter_key)
                        .transform(merge));
   if (lead) lora::save_adapter(adapters, config, adapter_dir);

@@ -3,7 +3,7 @@
 //   const std::string dir = "/models/tiny";
 //   fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(dir + "/config.json");
 //   auto net = std::make_shared<fsdp::models::CausalLMImpl>(   // no memory, no values
-//       config, at::TensorOptions().device(c10::kMeta).dtype(fsdp::models::hf_weights_dtype(dir)));
+//       config, at::TensorOptions().device(c10::kMeta));       // fp32 master weights
 //   fsdp::FullyShardedDataParallel<fsdp::models::CausalLMImpl> model(net, options);  // shards
 //   fsdp::models::load_hf_weights(*model, dir);         // each rank reads its shards' bytes
 //   fsdp::models::save_hf_folder(*model, dir, "/out/hf", 5'000'000'000);
@@ -42,17 +42,20 @@ at::ScalarType hf_weights_dtype(const std::string& dir);
 
 // Loads the weights of HF folder `dir` (model.safetensors, or the shards of
 // model.safetensors.index.json) into `model`: each rank reads only the bytes of its own
-// flat-parameter shards (fsdp::load_safetensors), straight into them, so a model built on
-// the meta device gets its values with no full copy anywhere. LoRA adapters the model
-// carries (fsdp::lora::apply_lora) are not looked for in the folder and keep their
-// values. No communication; every rank calls it.
+// flat-parameter shards (fsdp::load_safetensors), straight into them, floating tensors
+// converted to the model's dtype (a bf16 folder into fp32 master weights: exact), so a
+// model built on the meta device gets its values with no full copy anywhere. LoRA
+// adapters the model carries (fsdp::lora::apply_lora) are not looked for in the folder
+// and keep their values. No communication; every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
-// the weights in their dtype (split into files of at most `max_shard_size` bytes, with the
-// index, as save_pretrained(max_shard_size=...)) and the other files of `from_dir` that
-// describe the model (config.json, generation_config.json and the tokenizer's files)
-// copied unchanged; weight files an earlier save left there are removed first.
+// the weights (split into files of at most `max_shard_size` bytes, with the index, as
+// save_pretrained(max_shard_size=...)), the floating ones in the dtype `from_dir` holds
+// (hf_weights_dtype: fp32 master weights go back as the bf16 folder they came from,
+// rounded to nearest), and the other files of `from_dir` that describe the model
+// (config.json, generation_config.json and the tokenizer's files) copied unchanged;
+// weight files an earlier save left there are removed first.
 // Collective: the units are gathered one at a time; rank 0 writes.
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);
@@ -64,7 +67,8 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
 // (fsdp::lora::save_adapter: PeftModel.from_pretrained loads it). Collective: the units
 // are gathered one at a time, each unit's frozen base weights with its adapters, and rank
 // 0 merges and writes that unit's tensors before the next is gathered (peak: one unit
-// unsharded, plus a weight's merge in fp32); no process holds the whole model.
+// unsharded, plus a weight's merge in fp32); no process holds the whole model. The
+// merged floating weights are written in the dtype of `from_dir`'s weights, rounded once.
 void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& config,
                           const std::string& from_dir, const std::string& out_dir,
                           const std::string& adapter_dir, int64_t max_shard_size);

@@ -1,10 +1,10 @@
-// The CPU-side device check (issue 29 item 1): every tensor a model creates in forward
-// and backward must take its device from an existing tensor or the configured device. On
-// the CPU a tensor made on the default device works by accident; on CUDA it stops the
-// first forward ("Expected all tensors to be on the same device"), as examples/gpt/
-// model.cc's `at::arange(t, at::kLong)` did. A global at::RecordFunction observer sees
-// every ATen operator with its boxed arguments, in forward and in backward (on the
-// autograd engine's threads), and records
+// The CPU-side device check (issue 29 item 1; the Llama decoder: issue 36 item 3): every
+// tensor a model creates in forward and backward must take its device from an existing
+// tensor or the configured device. On the CPU a tensor made on the default device works
+// by accident; on CUDA it stops the first forward ("Expected all tensors to be on the same
+// device"), as examples/gpt/model.cc's `at::arange(t, at::kLong)` did. A global
+// at::RecordFunction observer sees every ATen operator with its boxed arguments, in forward
+// and in backward (on the autograd engine's threads), and records
 // - each factory call (an operator with a `device` argument and no tensor argument, e.g.
 //   aten::arange, aten::zeros, aten::empty) whose device is unset, i.e. the default one,
 // - each tensor argument or result on another device than the model's,
@@ -33,6 +33,8 @@
 #include "examples/fashion_mnist/model.h"
 #include "examples/gpt/model.h"
 #include "fsdp/core/testing/parity_testing.h"
+#include "models/config.h"
+#include "models/decoder.h"
 
 namespace fsdp {
 namespace {
@@ -223,6 +225,36 @@ TEST(DeviceCheckTest, GptForwardAndBackwardStayOnTheModelsDevice) {
       },
       [&](const at::Tensor& logits) {
         return torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), tokens.reshape({-1}));
+      });
+}
+
+// The fine-tune trainer's decoder (//models, the Llama family with llama3 RoPE, grouped-query
+// attention and tied embeddings), its layers recomputing their forward in backward as
+// under --activation_checkpointing, so the recomputation is observed too (issue 36 item 3:
+// the Llama forward joins the GPT's device check).
+TEST(DeviceCheckTest, LlamaDecoderForwardAndBackwardStayOnTheModelsDevice) {
+  const models::DecoderConfig config = models::parse_decoder_config(
+      R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+          "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+          "max_position_embeddings": 64, "rms_norm_eps": 1e-05, "vocab_size": 97,
+          "tie_word_embeddings": true, "hidden_act": "silu",
+          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+          "rope_theta": 500000.0})",
+      "llama config");
+  models::CausalLMImpl model(config);
+  for (auto& unit : model.model->units) unit->module()->checkpoint_activations = true;
+  const at::Tensor tokens = at::zeros({2, 16}, at::kLong);
+  expect_on_its_device(
+      model,
+      [&] {
+        at::Tensor logits = model.forward(tokens);
+        EXPECT_EQ(logits.sizes(), at::IntArrayRef({2, 16, 97}));
+        EXPECT_NE(logits.grad_fn(), nullptr);
+        return logits;
+      },
+      [&](const at::Tensor& logits) {
+        return torch::nn::functional::cross_entropy(logits.reshape({-1, 97}), tokens.reshape({-1}));
       });
 }
 

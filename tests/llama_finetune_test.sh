@@ -2,7 +2,8 @@
 # examples/llama:finetune end to end against transformers: a random tiny Llama folder
 # with a BPE tokenizer trained on Debian's fortunes; tokenize.py makes the token files;
 # finetune at W = 2 with --steps=0 writes the weights it read bit for bit (and at W = 3
-# for a bfloat16 folder with tied embeddings, which then trains in bf16); 20 steps of
+# for a bfloat16 folder with tied embeddings, which then trains with bf16 compute over fp32
+# master weights and is written back in bf16); 20 steps of
 # full fine-tuning lower the eval loss, and the folder it writes loads in transformers'
 # from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's.
 #   llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON
@@ -21,7 +22,8 @@ common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=32
         --batch_size=4 --max_shard_size=30KB)
 "$finetune" "${common[@]}" --out_dir="$dir/out0" --steps=0 | tee "$dir/out0.log"
 "$python" "$script" same "$dir" "$dir/model" "$dir/out0/hf"
-# bfloat16 weights and tied embeddings, at W = 3: kept bit for bit, then trained in bf16.
+# bfloat16 weights and tied embeddings, at W = 3: kept bit for bit through the fp32 master
+# weights, then trained (bf16 compute) and written back in bf16.
 bf16=(--from="$dir/model_bf16" --data="$dir/train.bin" --world_size=3 --context=32
       --batch_size=3 --max_shard_size=30KB)
 "$finetune" "${bf16[@]}" --out_dir="$dir/bf16_0" --steps=0

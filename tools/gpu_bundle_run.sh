@@ -16,7 +16,10 @@
 # the validation loss falls); checkpoints and CPU offload (issue 39: a small GPT at W = 1,
 # or W = 2 with two devices, saving in the background and resumed from its step-10
 # checkpoint to the same loss at step 20, and trained with --cpu_offload to the same loss
-# at step 10); and the side by side at W = 1 on cuda:0 of the same GPT
+# at step 10); the Llama fine-tune (issue 39: bin/examples/llama/finetune on the bundled
+# tiny bf16 Llama, llama/, full and LoRA, bf16 compute with fp32 master weights, 5 steps at
+# the same W, each step's loss within 2% of the same command with --device=cpu); and the
+# side by side at W = 1 on cuda:0 of the same GPT
 # (width 768, 12 layers, 12 heads, context 256, bf16, batch 32, from the same weights on
 # the same batches) trained by fsdp (bin/benchmarks/gpt_fsdp), by plain LibTorch without
 # FSDP (gpt_fsdp --mode=plain, autocast bf16) and by PyTorch FSDP2 eager
@@ -25,7 +28,8 @@
 # (the host waiting for every collective) for the host-side time per step with and
 # without. Each failed run counts as one failure in the last line. Then one summary
 # table: test binaries, GPU main job (tokens/s, MFU, peak memory, last loss), async save
-# and resume and CPU offload (the losses compared), the W = 1 side by side (tokens/s,
+# and resume, CPU offload and the Llama fine-tune (the losses compared), the W = 1 side
+# by side (tokens/s,
 # peak memory, MFU, ratios), host ms/step; it is also written to
 # .gpu_bundle/logs/summary.txt and, when $OUT names a folder (the device machine returns
 # what is there), to $OUT/gpu_check_summary.txt with the logs in $OUT/gpu_check_logs/
@@ -261,6 +265,55 @@ if ((devices > 0)); then
       failed=$((failed + 1))
     fi
   fi
+  # The Llama fine-tune on the GPU (issue 39 item 3, issue 36 item 3): the bundled random
+  # tiny Llama in bf16 (llama/model_bf16, written by transformers; 2 layers, hidden 64)
+  # fine-tuned 5 steps on llama/train.bin at W = small_w over NCCL with the default for a
+  # bf16 folder (bf16 compute, fp32 master weights and AdamW state, fp32 gradient
+  # reduction), full and LoRA (rank 4 on q_proj, v_proj), each then run again with
+  # --device=cpu (Gloo, the same ranks): every step's training loss within 2% of the CPU
+  # run's (bf16 kernels differ between the devices), and the folder written back in bf16.
+  llama() {  # device, out_dir, time limit, flags...
+    local device=$1 out=$2 limit=$3
+    shift 3
+    timeout --kill-after=10 "$limit" "$here/bin/examples/llama/finetune" \
+      --from="$here/llama/model_bf16" --data="$here/llama/train.bin" --context=32 \
+      --batch_size=8 --steps=5 --lr=3e-3 --warmup_steps=0 --log_interval=1 \
+      --checkpoint_interval=0 --timeout_s=60 --world_size="$small_w" --device="$device" \
+      --out_dir="$gpu/$out" "$@"
+  }
+  llama_full_cuda() { llama cuda llama_full_cuda "$1"; }
+  llama_full_cpu() { llama cpu llama_full_cpu "$1"; }
+  llama_lora_cuda() { llama cuda llama_lora_cuda "$1" --lora_rank=4; }
+  llama_lora_cpu() { llama cpu llama_lora_cpu "$1" --lora_rank=4; }
+  # same_losses A B: every step's loss of run A within 2% of run B's (5 steps each).
+  same_losses() {
+    local s
+    for s in 1 2 3 4 5; do
+      close_to "$(loss_at "$gpu/$2" "$s")" "$(loss_at "$gpu/$1" "$s")" 0.02 || return 1
+    done
+  }
+  echo "Llama fine-tune on the GPU (W = $small_w, bf16 folder, fp32 master weights):"
+  llama_full_result="not run" llama_lora_result="not run"
+  for mode in full lora; do
+    if gpu_step "llama_${mode}_cuda" 90 "llama_${mode}_cuda" &&
+       gpu_step "llama_${mode}_cpu" 60 "llama_${mode}_cpu"; then
+      cuda_loss=$(loss_at "$gpu/llama_${mode}_cuda" 5) cpu_loss=$(loss_at "$gpu/llama_${mode}_cpu" 5)
+      result="loss at step 5 $cuda_loss on CUDA, $cpu_loss on the CPU"
+      precision=$(grep -c 'precision: BFloat16 weights; bf16 mixed precision' \
+                    "$logs/gpu_llama_${mode}_cuda.log")
+      if same_losses "llama_${mode}_cuda" "llama_${mode}_cpu" && ((precision == 1)) &&
+         [[ -f "$gpu/llama_${mode}_cuda/hf/model.safetensors" ]]; then
+        echo "  Llama $mode: ok ($result)"
+        result="ok, $result"
+      else
+        echo "  Llama $mode: FAILED ($result; steps 1-5 within 2%, bf16 with fp32 masters" \
+             "($precision precision line), hf/ written)"
+        result="FAILED, $result"
+        failed=$((failed + 1))
+      fi
+      if [[ $mode == full ]]; then llama_full_result=$result; else llama_lora_result=$result; fi
+    fi
+  done
   peer=$gpu/peer
   mkdir -p "$peer"
   prepare() {
@@ -329,6 +382,7 @@ echo "fsdp GPU check of commit $(sed -n 's/^commit: //p' "$here/BUILD_INFO" 2>/d
 MAIN_TOKENS=${main_tokens:-} MAIN_MFU=${main_mfu:-} MAIN_PEAK=${main_peak:-} \
 MAIN_LOSS=${main_loss:-} PEER_DIR=${peer:-} BINARIES=$(wc -l <"$here/tests.tsv") \
 ASYNC_RESULT=${async_result:-} OFFLOAD_RESULT=${offload_result:-} \
+LLAMA_FULL_RESULT=${llama_full_result:-} LLAMA_LORA_RESULT=${llama_lora_result:-} \
 PASSED=$passed FAILED=$failed SKIPPED=$skipped DEVICES=$devices \
 "$python" - <<'PY' || echo "(the summary table could not be printed)"
 import json, os
@@ -341,12 +395,15 @@ if e["DEVICES"] == "0":
     rows.append(("GPU main job", "not run (no CUDA device)"))
     rows.append(("async save + resume", "not run (no CUDA device)"))
     rows.append(("CPU offload", "not run (no CUDA device)"))
+    rows.append(("Llama fine-tune", "not run (no CUDA device)"))
     rows.append(("W = 1 side by side", "not run (no CUDA device)"))
 else:
     rows.append(("GPU main job", f"{cell(e['MAIN_TOKENS'])} tokens/s, MFU {cell(e['MAIN_MFU'])}%, "
                                  f"peak {cell(e['MAIN_PEAK'])} MB, loss at step 30 {cell(e['MAIN_LOSS'])}"))
     rows.append(("async save + resume", cell(e["ASYNC_RESULT"])))
     rows.append(("CPU offload", cell(e["OFFLOAD_RESULT"])))
+    rows.append(("Llama fine-tune, full", cell(e["LLAMA_FULL_RESULT"])))
+    rows.append(("Llama fine-tune, LoRA", cell(e["LLAMA_LORA_RESULT"])))
     runs = {}
     for name in ("fsdp", "plain", "fsdp2", "fsdp_blocking"):
         path = os.path.join(e["PEER_DIR"], name + ".json") if e["PEER_DIR"] else ""

@@ -13,7 +13,9 @@
 # and CPU-offload runs of issue 39), also the trainer
 # (bin/examples/gpt/train), benchmarks/peer's two sides (bin/benchmarks/gpt_fsdp and
 # peer/fsdp2_gpt.py) and the text they train on (fortunes/: this machine's Debian fortune
-# files, 2.5 MB).
+# files, 2.5 MB); for the Llama fine-tune on the GPU (issue 39), the fine-tune trainer
+# (bin/examples/llama/finetune) and a random tiny Llama written here by transformers
+# (llama/: model_bf16/ and 16384 random token ids, tests/memory_levers.py make; 0.7 MB).
 # LibTorch, NCCL and the CUDA runtime are the GPU machine's own, found through its
 # python3. The build fails if a binary needs a shared library that neither the C/C++
 # runtime nor the torch wheel provides, or if the bundle is over 64 MiB.
@@ -39,8 +41,8 @@ if ((${#targets[@]} == 0)); then
   echo "gpu_check: no test is tagged \"gpu\"" >&2
   exit 1
 fi
-readonly GPT_BINARIES=(//examples/gpt:train //benchmarks:gpt_fsdp)
-bazel build --config=gpu "${targets[@]}" "${GPT_BINARIES[@]}"
+readonly TRAINER_BINARIES=(//examples/gpt:train //benchmarks:gpt_fsdp //examples/llama:finetune)
+bazel build --config=gpu "${targets[@]}" "${TRAINER_BINARIES[@]}"
 bin_dir=$(bazel info --config=gpu bazel-bin 2>/dev/null)
 
 # What a bundled binary may load: the C and C++ runtime of the GPU machine, and the
@@ -73,12 +75,17 @@ for label in "${targets[@]}"; do
   path=${label#//}
   printf '%s\tbin/%s\n' "$label" "${path/://}" >>"$BUNDLE/tests.tsv"
 done
-for label in "${GPT_BINARIES[@]}"; do bundle_binary "$label"; done
+for label in "${TRAINER_BINARIES[@]}"; do bundle_binary "$label"; done
 install -m 755 tools/gpu_bundle_run.sh "$BUNDLE/run.sh"
 mkdir -p "$BUNDLE/peer" "$BUNDLE/fortunes"
 install -m 644 benchmarks/peer/fsdp2_gpt.py "$BUNDLE/peer/"
 # The fortune files as load_fortunes reads them (no .dat indexes, no .u8 copies).
 find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' -exec install -m 644 {} "$BUNDLE/fortunes/" \;
+# The Llama the fine-tune step trains (the GPU machine needs no transformers).
+mkdir -p "$BUNDLE/llama"
+HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error "$prefix/bin/python3" tests/memory_levers.py make "$BUNDLE/llama" >/dev/null 2>&1 ||
+  { echo "gpu_check: cannot write the tiny Llama (tests/memory_levers.py make)" >&2; exit 1; }
+rm -rf "$BUNDLE/llama/model"  # the step trains the bf16 copy
 
 # The newest glibc and libstdc++ symbol versions the binaries use: the GPU machine's C
 # and C++ runtime must be at least as new.
@@ -97,5 +104,5 @@ if ((bytes > MAX_BYTES)); then
   status=1
 fi
 ((status == 0)) || exit "$status"
-echo "gpu_check: wrote $BUNDLE: ${#targets[@]} test binaries, the GPT trainer and side by side, $(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }') MiB;" \
+echo "gpu_check: wrote $BUNDLE: ${#targets[@]} test binaries, the GPT trainer and side by side, the Llama fine-tune, $(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }') MiB;" \
      "copy it to a machine with an NVIDIA GPU and torch 2.11 and run: bash $BUNDLE/run.sh"

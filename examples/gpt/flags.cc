@@ -135,9 +135,12 @@ double lower_bound_bytes_per_rank(const TrainerFlags& f) {
   const int world = f.launched_world_size > 0 ? f.launched_world_size : f.world_size;
   const double d = static_cast<double>(f.width);
   const double params = 12 * f.layers * d * d + (f.vocab_size + f.context) * d;
-  const double per_rank_batch = std::ceil(double(f.batch_size) / std::max(1, world));
+  const double micro_batch = std::ceil(double(f.batch_size) / std::max(1, world) /
+                                       double(std::max<int64_t>(1, f.grad_accumulation_steps)));
+  // With activation checkpointing only the layer being recomputed keeps its scores.
+  const double layers = f.activation_checkpointing ? 1 : double(f.layers);
   const double attention =
-      8.0 * f.layers * per_rank_batch * f.heads * double(f.context) * double(f.context);
+      8.0 * layers * micro_batch * f.heads * double(f.context) * double(f.context);
   return 16 * params + attention;
 }
 
@@ -168,12 +171,92 @@ c10::optional<MixedPrecision> mixed_precision_flag(const std::string& value) {
   return MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat);
 }
 
+at::ScalarType model_dtype(const std::string& mixed_precision) {
+  return mixed_precision == "pure_bf16" ? at::kBFloat16 : at::kFloat;
+}
+
 std::string resolve_device(const std::string& requested, int cuda_devices) {
   return requested == "cuda" || (requested == "auto" && cuda_devices > 0) ? "cuda" : "cpu";
 }
 
-std::string resolve_mixed_precision(const std::string& requested, const std::string& device) {
-  return requested == "bf16" || (requested == "auto" && device == "cuda") ? "bf16" : "none";
+std::string resolve_mixed_precision(const std::string& requested, const std::string& device,
+                                    at::ScalarType weights) {
+  if (requested != "auto") return requested;
+  const bool half = weights == at::kBFloat16 || weights == at::kHalf;
+  return device == "cuda" || half ? "bf16" : "none";
+}
+
+int hybrid_group_size(ShardingStrategy strategy, int flag) {
+  if (!is_hybrid(strategy)) return 0;
+  return flag > 0 ? flag : read_launch_environment().local_world_size;
+}
+
+FullyShardedDataParallelOptions lever_options(std::shared_ptr<Communicator> comm,
+                                              const LeverFlags& f) {
+  const ShardingStrategy strategy =
+      sharding_strategy_flag("sharding_strategy", f.sharding_strategy, /*allow_hybrid=*/true);
+  return FullyShardedDataParallelOptions(std::move(comm))
+      .sharding_strategy(strategy)
+      .hybrid_shard_group_size(hybrid_group_size(strategy, f.hybrid_shard_group_size))
+      .device_id(compute_device(f.device))
+      .cpu_offload(CPUOffload(f.cpu_offload))
+      .mixed_precision(mixed_precision_flag(f.mixed_precision));
+}
+
+std::string lever_flag_error(const LeverFlags& f, int world, bool self_launched, int64_t batch_size,
+                             const MachineLimits& machine) {
+  if (f.device != "auto" && f.device != "cpu" && f.device != "cuda") {
+    return bad("device", f.device,
+               "auto (CUDA when this process sees a CUDA device, else the CPU), cpu or cuda");
+  }
+  const bool cuda = resolve_device(f.device, machine.cuda_devices) == "cuda";
+  if (cuda && machine.cuda_devices == 0) {
+    return bad("device", f.device,
+               absl::StrCat("a CUDA device, but this process sees none (",
+                            machine.why_no_cuda.empty() ? "no reason given" : machine.why_no_cuda,
+                            "); pass --device=cpu, or run where a GPU is visible"));
+  }
+  if (f.mixed_precision != "auto" && f.mixed_precision != "bf16" &&
+      f.mixed_precision != "pure_bf16" && f.mixed_precision != "none") {
+    return bad("mixed_precision", f.mixed_precision,
+               "auto (bf16 on CUDA or for a 16-bit checkpoint, else none), bf16 (bf16 "
+               "compute, fp32 master weights), pure_bf16 or none (fp32)");
+  }
+  if (cuda && self_launched && world > machine.cuda_devices) {
+    return bad("world_size", world,
+               absl::StrCat("1 to ", machine.cuda_devices,
+                            " ranks with --device=cuda (one CUDA device per rank; this "
+                            "process sees ",
+                            machine.cuda_devices, ")"));
+  }
+  if (f.grad_accumulation_steps < 1) {
+    return bad("grad_accumulation_steps", f.grad_accumulation_steps,
+               "at least 1 micro-batch per optimizer step");
+  }
+  const int64_t share = int64_t{world} * f.grad_accumulation_steps;
+  if (batch_size < 1 || batch_size % share != 0) {
+    return bad("batch_size", batch_size,
+               f.grad_accumulation_steps == 1
+                   ? absl::StrCat("a positive multiple of the world size ", world,
+                                  " (every rank trains on an equal share)")
+                   : absl::StrCat("a positive multiple of the world size ", world,
+                                  " x --grad_accumulation_steps=", f.grad_accumulation_steps,
+                                  " (every rank trains on an equal share, in equal "
+                                  "micro-batches)"));
+  }
+  if (std::string error = sharding_strategy_error("sharding_strategy", f.sharding_strategy,
+                                                  /*allow_hybrid=*/true);
+      !error.empty()) {
+    return error;
+  }
+  // One rank runs every strategy as NO_SHARD, so the group size matters only above it.
+  const bool hybrid = is_hybrid(*parse_sharding_strategy(f.sharding_strategy)) && world > 1;
+  if (f.hybrid_shard_group_size < 0 ||
+      (hybrid && f.hybrid_shard_group_size > 0 && world % f.hybrid_shard_group_size != 0)) {
+    return bad("hybrid_shard_group_size", f.hybrid_shard_group_size,
+               absl::StrCat("0 (the ranks of one host) or a divisor of the world size ", world));
+  }
+  return "";
 }
 
 std::vector<FlagValue> cuda_defaults(const TrainerFlags& f, int cuda_devices,
@@ -196,32 +279,10 @@ std::vector<FlagValue> cuda_defaults(const TrainerFlags& f, int cuda_devices,
 }
 
 std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
-  if (f.device != "auto" && f.device != "cpu" && f.device != "cuda") {
-    return bad("device", f.device,
-               "auto (CUDA when this process sees a CUDA device, else the CPU), cpu or cuda");
-  }
-  const bool cuda = resolve_device(f.device, machine.cuda_devices) == "cuda";
-  if (cuda && machine.cuda_devices == 0) {
-    return bad("device", f.device,
-               absl::StrCat("a CUDA device, but this process sees none (",
-                            machine.why_no_cuda.empty() ? "no reason given" : machine.why_no_cuda,
-                            "); pass --device=cpu, or run where a GPU is visible"));
-  }
-  if (f.mixed_precision != "auto" && f.mixed_precision != "bf16" && f.mixed_precision != "none") {
-    return bad("mixed_precision", f.mixed_precision,
-               "auto (bf16 on CUDA, none on the CPU), bf16 or none");
-  }
   if (!std::isfinite(f.peak_tflops) || f.peak_tflops < 0) {
     return bad("peak_tflops", f.peak_tflops,
                "0 (the device's peak from the table in examples/gpt/mfu.cc) or the peak "
                "dense bf16 TFLOP/s of the device");
-  }
-  if (cuda && f.launched_world_size == 0 && f.world_size > machine.cuda_devices) {
-    return bad("world_size", f.world_size,
-               absl::StrCat("1 to ", machine.cuda_devices,
-                            " ranks with --device=cuda (one CUDA device per rank; this "
-                            "process sees ",
-                            machine.cuda_devices, ")"));
   }
   if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > machine.max_ranks)) {
     return bad("world_size", f.world_size,
@@ -229,6 +290,12 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
                             " cores x ", kMaxRanksPerCore, "; each rank is a process)"));
   }
   const int world = f.launched_world_size > 0 ? f.launched_world_size : f.world_size;
+  if (std::string error =
+          lever_flag_error(f, world, f.launched_world_size == 0, f.batch_size, machine);
+      !error.empty()) {
+    return error;
+  }
+  const bool cuda = resolve_device(f.device, machine.cuda_devices) == "cuda";
   if (f.layers < 1) return bad("layers", f.layers, "at least 1 transformer block");
   if (f.width < 1) return bad("width", f.width, "a positive embedding width");
   if (f.heads < 1 || f.width % f.heads != 0) {
@@ -237,11 +304,6 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
                             " (each head gets width / heads channels)"));
   }
   if (f.context < 1) return bad("context", f.context, "at least 1 character");
-  if (f.batch_size < 1 || f.batch_size % world != 0) {
-    return bad("batch_size", f.batch_size,
-               absl::StrCat("a positive multiple of the world size ", world,
-                            " (every rank trains on an equal share)"));
-  }
   if (f.steps < 1) return bad("steps", f.steps, "at least 1 training step");
   if (!std::isfinite(f.lr) || f.lr <= 0) {
     return bad("lr", f.lr, "a finite learning rate > 0");
@@ -257,21 +319,8 @@ std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
   if (f.timeout_s < 1) {
     return bad("timeout_s", f.timeout_s, "at least 1 second to wait for the other ranks");
   }
-  if (std::string error = sharding_strategy_error("sharding_strategy", f.sharding_strategy,
-                                                  /*allow_hybrid=*/true);
-      !error.empty()) {
-    return error;
-  }
-  const auto strategy = parse_sharding_strategy(f.sharding_strategy);
   if (f.policy != "transformer" && f.policy != "root") {
     return bad("policy", f.policy, "transformer (each block a unit) or root (one unit)");
-  }
-  // One rank runs every strategy as NO_SHARD, so the group size matters only above it.
-  const bool hybrid = is_hybrid(*strategy) && world > 1;
-  if (f.hybrid_shard_group_size < 0 ||
-      (hybrid && f.hybrid_shard_group_size > 0 && world % f.hybrid_shard_group_size != 0)) {
-    return bad("hybrid_shard_group_size", f.hybrid_shard_group_size,
-               absl::StrCat("0 (the ranks of one host) or a divisor of the world size ", world));
   }
   if (cuda) return "";  // device memory is the bound there
   const double need = lower_bound_bytes_per_rank(f);

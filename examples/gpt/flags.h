@@ -10,33 +10,47 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 
+#include "fsdp/comm/communicator.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/core/flat_param.h"
+#include "fsdp/core/fully_sharded.h"
 #include "fsdp/core/options.h"
 
 namespace fsdp::examples {
 
-struct TrainerFlags {
+// The memory levers both trainers take (examples/gpt/train and examples/llama/finetune),
+// under the same flag names with the same meaning (lever_flags.h defines the flags). See
+// Note [The compute device] for device and mixed_precision.
+struct LeverFlags {
+  std::string device = "auto";  // auto, cpu or cuda
+  // auto (bf16 on CUDA or for a 16-bit checkpoint, else none), bf16, pure_bf16 or none.
+  std::string mixed_precision = "auto";
+  bool cpu_offload = false;  // CPUOffload(offload_params=true)
+  std::string sharding_strategy = "full_shard";
+  int hybrid_shard_group_size = 0;        // 0: the ranks of one host (LOCAL_WORLD_SIZE)
+  bool activation_checkpointing = false;  // each unit recomputes its forward in backward
+  int64_t grad_accumulation_steps = 1;    // micro-batches per optimizer step
+};
+
+struct TrainerFlags : LeverFlags {
   int world_size = 2;           // ranks this process starts (self-launch); 0: launched
   int launched_world_size = 0;  // WORLD_SIZE of fsdp_run/torchrun/...; 0: self-launch
-  std::string sharding_strategy = "full_shard";
   std::string policy = "transformer";
-  int hybrid_shard_group_size = 0;
   // The trainer's defaults (train.cc).
   int64_t layers = 4, width = 128, heads = 4, context = 128, batch_size = 32, steps = 1200;
   double lr = 3e-3;
   int64_t warmup_steps = 50, log_interval = 10, eval_interval = 200, eval_batches = 8;
   int64_t sample_length = 300, checkpoint_interval = 200, timeout_s = 300;
-  int64_t vocab_size = 256;              // an upper bound before the corpus is read (bytes)
-  std::string device = "auto";           // auto, cpu or cuda (Note [The compute device])
-  std::string mixed_precision = "auto";  // auto (bf16 on CUDA, none on the CPU), bf16, none
-  double peak_tflops = 0;                // 0: the table of mfu.cc
+  int64_t vocab_size = 256;  // an upper bound before the corpus is read (bytes)
+  double peak_tflops = 0;    // 0: the table of mfu.cc
 };
 
 // What the machine allows.
@@ -49,6 +63,16 @@ struct MachineLimits {
 };
 
 MachineLimits this_machine();
+
+// "" if the levers are usable for a run of `world` (>= 1) ranks and a global batch of
+// `batch_size` sequences on `machine`, else one line naming the flag, the value and what
+// is allowed: device and mixed_precision values (cuda needs a visible device, and a
+// `self_launched` run a device per rank), the strategy (hybrid included) and its group
+// size (a divisor of `world`), grad_accumulation_steps >= 1, and the batch a positive
+// multiple of world x grad_accumulation_steps (each rank's share split into equal
+// micro-batches). Both trainers' flag checks call it.
+std::string lever_flag_error(const LeverFlags& flags, int world, bool self_launched,
+                             int64_t batch_size, const MachineLimits& machine);
 
 // "" if the flags are usable on `machine`, else one line saying why not. On CUDA (after
 // resolve_device) a self-launched run needs a device per rank, and the host-memory bound
@@ -86,11 +110,16 @@ std::string path_flag_error(const PathFlags& flags);
 // `cuda_devices` usable CUDA devices. Pure; call after flag_error accepted the flag.
 std::string resolve_device(const std::string& requested, int cuda_devices);
 
-// "bf16" or "none": what --mixed_precision=`requested` (auto, bf16, none) means on
-// `device` ("cpu" or "cuda"). bf16 is FSDP's MixedPrecision with param_dtype bf16 (the
-// all-gathers, forward and backward) and reduce_dtype fp32 (the gradient reduction);
-// the sharded master parameters and AdamW's state stay fp32. Pure.
-std::string resolve_mixed_precision(const std::string& requested, const std::string& device);
+// "bf16", "pure_bf16" or "none": what --mixed_precision=`requested` (auto, bf16,
+// pure_bf16, none) means on `device` ("cpu" or "cuda") for weights of dtype `weights`
+// (the checkpoint's; fp32 for a model the trainer initialises). auto is bf16 on CUDA or
+// for 16-bit weights (bf16, fp16), else none. bf16 is FSDP's MixedPrecision with
+// param_dtype bf16 (the all-gathers, forward and backward) and reduce_dtype fp32 (the
+// gradient reduction); the sharded master parameters and AdamW's state stay fp32.
+// pure_bf16: the parameters, their gradients and AdamW's state all in bf16 (no master
+// copy: updates below bf16's resolution are lost). none: fp32 throughout. Pure.
+std::string resolve_mixed_precision(const std::string& requested, const std::string& device,
+                                    at::ScalarType weights = at::kFloat);
 
 // The GPT binaries' shared flag parsing (train.cc and benchmarks/peer/gpt_fsdp.cc).
 
@@ -108,10 +137,26 @@ ShardingStrategy sharding_strategy_flag(const char* flag, const std::string& val
 // cuda:LOCAL_RANK (torchrun's convention; Note [The compute device]).
 c10::Device compute_device(const std::string& device);
 
-// FSDP's mixed precision for --mixed_precision once resolved ("none" or "bf16"): none, or
-// param_dtype bf16 (all-gathers, forward, backward) with reduce_dtype fp32 (the gradient
-// reduction); the sharded master parameters stay fp32.
+// FSDP's mixed precision for --mixed_precision once resolved ("none", "pure_bf16" or
+// "bf16"): param_dtype bf16 (all-gathers, forward, backward) with reduce_dtype fp32 (the
+// gradient reduction) for bf16, the sharded master parameters staying fp32; none
+// otherwise (pure_bf16 is the model's own dtype: model_dtype).
 c10::optional<MixedPrecision> mixed_precision_flag(const std::string& value);
+
+// The dtype the trainer builds the model's parameters in for --mixed_precision once
+// resolved: bf16 for pure_bf16, else fp32 (the master parameters).
+at::ScalarType model_dtype(const std::string& mixed_precision);
+
+// Ranks per shard group of the hybrid strategies: `flag` when positive, else the ranks of
+// this host (LOCAL_WORLD_SIZE); 0 for the other strategies.
+int hybrid_group_size(ShardingStrategy strategy, int flag);
+
+// The FSDP options of the levers once resolved (device cpu or cuda, mixed_precision bf16,
+// pure_bf16 or none): the strategy (hybrid with hybrid_group_size), device_id (the
+// compute device), cpu_offload and mixed_precision. Throws c10::Error with the flag's
+// line for a strategy it does not take.
+FullyShardedDataParallelOptions lever_options(std::shared_ptr<Communicator> comm,
+                                              const LeverFlags& flags);
 
 // A flag and the value it takes.
 struct FlagValue {
@@ -134,7 +179,8 @@ std::vector<FlagValue> cuda_defaults(const TrainerFlags& flags, int cuda_devices
 
 // Bytes one rank needs at least: AdamW model state (16 bytes a parameter, unsharded as a
 // bound) and the attention scores and probabilities every layer keeps for backward
-// (layers x batch per rank x heads x context^2 x 8 bytes).
+// (layers x micro-batch per rank x heads x context^2 x 8 bytes; one layer with
+// activation checkpointing).
 double lower_bound_bytes_per_rank(const TrainerFlags& flags);
 
 }  // namespace fsdp::examples

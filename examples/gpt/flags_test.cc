@@ -158,8 +158,10 @@ TEST(TrainerFlagsTest, CudaWithoutADeviceIsRefusedWithTheRuntimesReason) {
   flags.device = "cpu";
   flags.mixed_precision = "fp16";
   EXPECT_EQ(flag_error(flags, machine),
-            "--mixed_precision=fp16: expected auto (bf16 on CUDA, none on the CPU), bf16 or "
-            "none");
+            "--mixed_precision=fp16: expected auto (bf16 on CUDA or for a 16-bit checkpoint, "
+            "else none), bf16 (bf16 compute, fp32 master weights), pure_bf16 or none (fp32)");
+  flags.mixed_precision = "pure_bf16";
+  EXPECT_EQ(flag_error(flags, machine), "");
   flags.mixed_precision = "none";
   flags.peak_tflops = -1;
   EXPECT_EQ(flag_error(flags, machine),
@@ -219,6 +221,66 @@ TEST(TrainerFlagsTest, AutoMeansCudaWhenADeviceIsSeen) {
   EXPECT_EQ(resolve_mixed_precision("auto", "cpu"), "none");
   EXPECT_EQ(resolve_mixed_precision("none", "cuda"), "none");
   EXPECT_EQ(resolve_mixed_precision("bf16", "cpu"), "bf16");
+  // A 16-bit checkpoint (the fine-tune trainer's folder): bf16 compute with fp32 master
+  // weights on the CPU too; pure bf16 only when asked.
+  EXPECT_EQ(resolve_mixed_precision("auto", "cpu", at::kBFloat16), "bf16");
+  EXPECT_EQ(resolve_mixed_precision("auto", "cpu", at::kHalf), "bf16");
+  EXPECT_EQ(resolve_mixed_precision("auto", "cpu", at::kFloat), "none");
+  EXPECT_EQ(resolve_mixed_precision("pure_bf16", "cpu", at::kBFloat16), "pure_bf16");
+  EXPECT_EQ(resolve_mixed_precision("none", "cpu", at::kBFloat16), "none");
+  EXPECT_EQ(model_dtype("pure_bf16"), at::kBFloat16);
+  EXPECT_EQ(model_dtype("bf16"), at::kFloat);
+  EXPECT_EQ(model_dtype("none"), at::kFloat);
+}
+
+// The levers both trainers check the same way (examples/llama/finetune calls
+// lever_flag_error too): micro-batches must split every rank's share evenly.
+TEST(SharedFlagsTest, GradientAccumulationSplitsEachRanksShareEvenly) {
+  LeverFlags levers;
+  levers.grad_accumulation_steps = 4;
+  EXPECT_EQ(
+      lever_flag_error(levers, /*world=*/2, /*self_launched=*/true, /*batch_size=*/16, kMachine),
+      "");
+  EXPECT_EQ(lever_flag_error(levers, 2, true, 12, kMachine),
+            "--batch_size=12: expected a positive multiple of the world size 2 x "
+            "--grad_accumulation_steps=4 (every rank trains on an equal share, in equal "
+            "micro-batches)");
+  levers.grad_accumulation_steps = 0;
+  EXPECT_EQ(lever_flag_error(levers, 2, true, 16, kMachine),
+            "--grad_accumulation_steps=0: expected at least 1 micro-batch per optimizer step");
+  levers.grad_accumulation_steps = 1;
+  levers.activation_checkpointing = true;
+  levers.cpu_offload = true;
+  EXPECT_EQ(lever_flag_error(levers, 2, true, 2, kMachine), "");
+  // The GPT trainer's message is the same one.
+  TrainerFlags flags;
+  flags.grad_accumulation_steps = 3;
+  EXPECT_EQ(flag_error(flags, kMachine),
+            "--batch_size=32: expected a positive multiple of the world size 2 x "
+            "--grad_accumulation_steps=3 (every rank trains on an equal share, in equal "
+            "micro-batches)");
+}
+
+TEST(SharedFlagsTest, LeverOptionsAreTheFsdpOptionsOfTheFlags) {
+  LeverFlags levers;
+  levers.device = "cpu";
+  levers.mixed_precision = "bf16";
+  levers.cpu_offload = true;
+  levers.sharding_strategy = "hybrid_shard";
+  levers.hybrid_shard_group_size = 2;
+  const FullyShardedDataParallelOptions options = lever_options(nullptr, levers);
+  EXPECT_EQ(options.sharding_strategy(), ShardingStrategy::kHybridShard);
+  EXPECT_EQ(options.hybrid_shard_group_size(), 2);
+  EXPECT_TRUE(options.cpu_offload().offload_params());
+  ASSERT_TRUE(options.mixed_precision().has_value());
+  EXPECT_EQ(options.mixed_precision()->param_dtype(), c10::optional<at::ScalarType>(at::kBFloat16));
+  EXPECT_EQ(options.mixed_precision()->reduce_dtype(), c10::optional<at::ScalarType>(at::kFloat));
+  levers.mixed_precision = "pure_bf16";  // the model's own dtype, no MixedPrecision
+  levers.sharding_strategy = "shard_grad_op";
+  const FullyShardedDataParallelOptions plain = lever_options(nullptr, levers);
+  EXPECT_EQ(plain.sharding_strategy(), ShardingStrategy::kShardGradOp);
+  EXPECT_EQ(plain.hybrid_shard_group_size(), 0);
+  EXPECT_FALSE(plain.mixed_precision().has_value());
 }
 
 TEST(TrainerFlagsTest, CudaDefaultsApplyOnlyToFlagsNotGiven) {

@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/activation.h>
 
+#include "fsdp/core/checkpoint_wrapper.h"
+
 namespace fsdp::examples {
 
 BlockImpl::BlockImpl(const GptOptions& options) : heads(options.heads()) {
@@ -21,6 +23,13 @@ BlockImpl::BlockImpl(const GptOptions& options) : heads(options.heads()) {
 }
 
 at::Tensor BlockImpl::forward(at::Tensor x) {
+  if (!checkpoint_activations) return compute(x);
+  return checkpoint([this](const std::vector<at::Tensor>& in) { return compute(in[0]); }, {x},
+                    parameters());
+}
+
+at::Tensor BlockImpl::compute(const at::Tensor& input) {
+  at::Tensor x = input;
   const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
   // Causal self-attention over `heads` heads of width d: PyTorch's fused kernel
   // (flash attention where the device and dtype allow, else the math kernel), the same

@@ -27,13 +27,20 @@ struct GptOptions {
 };
 
 // x + attention(norm(x)), then x + mlp(norm(x)). Input and output [batch, time, width].
+// With checkpoint_activations (the trainers' --activation_checkpointing), a forward with
+// grad mode on keeps only x for backward and recomputes the block there (fsdp::checkpoint,
+// inside the block's unit).
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const GptOptions& options);
   at::Tensor forward(at::Tensor x);
 
   int64_t heads;
+  bool checkpoint_activations = false;
   torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
+
+ private:
+  at::Tensor compute(const at::Tensor& x);
 };
 
 // Token ids [batch, time <= context] (int64) -> logits [batch, time, vocab_size].

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 
@@ -198,6 +199,25 @@ void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead) {
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
                                               targets.reshape({-1}));
+}
+
+at::Tensor accumulate_gradients(FullyShardedRoot& model, int64_t micro_batches,
+                                const std::function<at::Tensor(int64_t)>& micro_loss) {
+  TORCH_INTERNAL_ASSERT(micro_batches >= 1);
+  if (micro_batches == 1) {
+    at::Tensor loss = micro_loss(0);
+    loss.backward();
+    return loss.detach();
+  }
+  at::Tensor sum;
+  for (int64_t k = 0; k < micro_batches; ++k) {
+    std::optional<NoSyncScope> no_sync;
+    if (k + 1 < micro_batches) no_sync.emplace(model);
+    at::Tensor loss = micro_loss(k);
+    (loss / double(micro_batches)).backward();
+    sum = k == 0 ? loss.detach().clone() : sum + loss.detach();
+  }
+  return sum / double(micro_batches);
 }
 
 double global_mean(const at::Tensor& value, Communicator& comm) {

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,17 @@ void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead);
 // Mean next-token cross-entropy (nats) of `logits` [..., vocab] (any float dtype, taken in
 // fp32) against `targets` [...] (int64).
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+// One optimizer step's gradients over `micro_batches` (--grad_accumulation_steps) equal
+// micro-batches of this rank's share: micro_loss(k) runs micro-batch k's forward and
+// returns its mean loss (a scalar); each backward is scaled by 1 / micro_batches and all
+// but the last run inside model.no_sync(), so the gradients are those of the whole share,
+// reduced once, and the unsharded gradients of every unit are held between (PyTorch:
+// FullyShardedDataParallel.no_sync). Returns the mean of the micro-batches' losses (the
+// whole share's mean loss), detached. One micro-batch is a plain backward. Collective as
+// a backward is.
+at::Tensor accumulate_gradients(FullyShardedRoot& model, int64_t micro_batches,
+                                const std::function<at::Tensor(int64_t)>& micro_loss);
 
 // The mean over ranks of `value` (each rank's mean over an equal share). Collective.
 double global_mean(const at::Tensor& value, Communicator& comm);

@@ -23,7 +23,10 @@
 // --device=auto (the default) trains on CUDA when this process sees a CUDA device, else
 // on the CPU (Note [The compute device] in flags.h): on CUDA rank r uses cuda:LOCAL_RANK
 // over NCCL with bf16 mixed precision, a GPT-2-small-sized model for the model flags not
-// given, and the progress lines add the model FLOP utilisation (mfu.h).
+// given, and the progress lines add the model FLOP utilisation (mfu.h). The memory levers
+// (--mixed_precision, --cpu_offload, --sharding_strategy, --hybrid_shard_group_size,
+// --activation_checkpointing, --grad_accumulation_steps) are those of examples/llama/finetune
+// too (lever_flags.h).
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/file.h>
@@ -44,7 +47,6 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/internal/private_handle_accessor.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
@@ -61,6 +63,7 @@
 
 #include "examples/gpt/corpus.h"
 #include "examples/gpt/flags.h"
+#include "examples/gpt/lever_flags.h"
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
@@ -78,11 +81,6 @@
 #include "fsdp/wrap/policy.h"
 
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
-ABSL_FLAG(std::string, sharding_strategy, "full_shard",
-          "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2");
-ABSL_FLAG(int, hybrid_shard_group_size, 0,
-          "ranks per shard group for the hybrid strategies (0: the ranks on this host, "
-          "LOCAL_WORLD_SIZE)");
 ABSL_FLAG(std::string, policy, "transformer",
           "units: transformer (each block) or root (one unit for the whole model)");
 ABSL_FLAG(int64_t, batch_size, 32, "global batch (sequences), split evenly across ranks");
@@ -113,23 +111,10 @@ ABSL_FLAG(std::string, checkpoint_format, "dcp",
           "either one written in the background with --async_save");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
-ABSL_FLAG(std::string, device, "auto",
-          "auto: CUDA when this process sees a CUDA device, else the CPU; cpu (Gloo); cuda "
-          "(rank r on cuda:LOCAL_RANK, NCCL; the flags not given take CUDA defaults: one rank "
-          "per device, --width=768 --layers=12 --heads=12 --context=256 --lr=6e-4 "
-          "--batch_size=64 --checkpoint_interval=600)");
-ABSL_FLAG(std::string, mixed_precision, "auto",
-          "auto (bf16 on CUDA, none on the CPU), bf16 or none; bf16: parameters all-gathered "
-          "and run in bfloat16 (param_dtype), gradients reduced in float32 (reduce_dtype), "
-          "fp32 master shards and AdamW state");
 ABSL_FLAG(bool, plan_check, false,
           "check every step against the model's per-rank plan (fsdp/core/memory_plan.h): "
           "the progress line shows measured/planned, a rank above its plan stops naming the "
           "term, and rank 0 prints each term measured and planned at the end");
-ABSL_FLAG(bool, cpu_offload, false,
-          "keep the parameter shards, their gradients and the AdamW state in (pinned, on CUDA) "
-          "host memory and step the optimizer on the CPU (PyTorch's "
-          "CPUOffload(offload_params=True)); the device holds only the units in flight");
 ABSL_FLAG(int64_t, schedule_check_every, fsdp::kDefaultScheduleCheckEvery,
           "compare the ranks' collective schedules every N FSDP iterations (forward and "
           "backward, or an evaluation forward) and after the last step, so that ranks that "
@@ -144,14 +129,13 @@ using Model = FullyShardedDataParallel<GptImpl>;
 
 TrainerFlags flags_from_command_line() {
   TrainerFlags f;
+  static_cast<LeverFlags&>(f) = lever_flags_from_command_line();
   const char* launched = std::getenv("RANK") != nullptr ? std::getenv("WORLD_SIZE") : nullptr;
   if (launched == nullptr || !absl::SimpleAtoi(launched, &f.launched_world_size)) {
     f.launched_world_size = 0;
   }
   f.world_size = absl::GetFlag(FLAGS_world_size);
-  f.sharding_strategy = absl::GetFlag(FLAGS_sharding_strategy);
   f.policy = absl::GetFlag(FLAGS_policy);
-  f.hybrid_shard_group_size = absl::GetFlag(FLAGS_hybrid_shard_group_size);
   f.layers = absl::GetFlag(FLAGS_layers);
   f.width = absl::GetFlag(FLAGS_width);
   f.heads = absl::GetFlag(FLAGS_heads);
@@ -166,8 +150,6 @@ TrainerFlags flags_from_command_line() {
   f.sample_length = absl::GetFlag(FLAGS_sample_length);
   f.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
   f.timeout_s = absl::GetFlag(FLAGS_timeout_s);
-  f.device = absl::GetFlag(FLAGS_device);
-  f.mixed_precision = absl::GetFlag(FLAGS_mixed_precision);
   f.peak_tflops = absl::GetFlag(FLAGS_peak_tflops);
   return f;
 }
@@ -181,15 +163,8 @@ std::string apply_device_defaults(const MachineLimits& machine) {
       resolve_device(absl::GetFlag(FLAGS_device), machine.cuda_devices) != "cuda") {
     return "";
   }
-  const auto specified = [](const std::string& name) {
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    // Abseil 20220623 has no public IsSpecifiedOnCommandLine; this is how its own usage
-    // code asks.
-    return flag != nullptr &&
-           absl::flags_internal::PrivateHandleAccessor::IsSpecifiedOnCommandLine(*flag);
-  };
   for (const FlagValue& value :
-       cuda_defaults(flags_from_command_line(), machine.cuda_devices, specified)) {
+       cuda_defaults(flags_from_command_line(), machine.cuda_devices, specified_on_command_line)) {
     std::string error;
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(value.name);
     if (flag == nullptr || !flag->ParseFrom(value.value, &error)) {
@@ -200,21 +175,10 @@ std::string apply_device_defaults(const MachineLimits& machine) {
   return "";
 }
 
-ShardingStrategy parse_strategy(const std::string& name) {
-  return sharding_strategy_flag("sharding_strategy", name, /*allow_hybrid=*/true);
-}
-
 AutoWrapPolicy parse_policy(const std::string& name) {
   if (name == "transformer") return transformer_auto_wrap_policy({ModuleType::of<BlockImpl>()});
   if (name == "root") return lambda_auto_wrap_policy([](const ModuleNode&) { return false; });
   TORCH_CHECK(false, "--policy must be transformer or root, got '", name, "'");
-}
-
-// Ranks per shard group for the hybrid strategies: the flag, else the ranks on this host.
-int hybrid_group_size() {
-  if (!is_hybrid(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))) return 0;
-  const int flag = absl::GetFlag(FLAGS_hybrid_shard_group_size);
-  return flag > 0 ? flag : read_launch_environment().local_world_size;
 }
 
 double learning_rate(int64_t step) {
@@ -334,6 +298,10 @@ void check_same_flags(Communicator& comm, c10::Device device) {
       {"async_save", double(absl::GetFlag(FLAGS_async_save))},
       {"cuda", double(f.device == "cuda")},
       {"bf16", double(f.mixed_precision == "bf16")},
+      {"pure_bf16", double(f.mixed_precision == "pure_bf16")},
+      {"cpu_offload", double(f.cpu_offload)},
+      {"activation_checkpointing", double(f.activation_checkpointing)},
+      {"grad_accumulation_steps", double(f.grad_accumulation_steps)},
   };
   const int64_t n = static_cast<int64_t>(values.size());
   at::Tensor mine = at::empty({n}, at::kDouble);
@@ -395,17 +363,16 @@ int train() {
                                            .layers(absl::GetFlag(FLAGS_layers)));
   int64_t numel = 0;
   for (const auto& p : gpt->parameters()) numel += p.numel();
-  const bool bf16 = absl::GetFlag(FLAGS_mixed_precision) == "bf16";
+  const LeverFlags levers = lever_flags_from_command_line();
+  const bool bf16 = levers.mixed_precision == "bf16";
+  gpt->to(model_dtype(levers.mixed_precision));  // bf16 for pure_bf16, else fp32 masters
+  for (auto& unit : gpt->units)
+    unit->module()->checkpoint_activations = levers.activation_checkpointing;
   const FullyShardedDataParallelOptions options =
-      FullyShardedDataParallelOptions(comm)
-          .sharding_strategy(parse_strategy(absl::GetFlag(FLAGS_sharding_strategy)))
-          .hybrid_shard_group_size(hybrid_group_size())
+      lever_options(comm, levers)
           .auto_wrap_policy(parse_policy(absl::GetFlag(FLAGS_policy)))
-          .device_id(device)
-          .cpu_offload(CPUOffload(absl::GetFlag(FLAGS_cpu_offload)))
           .plan_check(absl::GetFlag(FLAGS_plan_check))
-          .schedule_check_every(absl::GetFlag(FLAGS_schedule_check_every))
-          .mixed_precision(mixed_precision_flag(absl::GetFlag(FLAGS_mixed_precision)));
+          .schedule_check_every(absl::GetFlag(FLAGS_schedule_check_every));
   Model model(gpt, options);
   DeviceHandle& handle = model->device_handle();
   // Model FLOP utilisation needs the device's peak (mfu.h); the CPU has one only by flag.
@@ -425,7 +392,9 @@ int train() {
     if (device.is_cuda()) {
       std::cout << absl::StrFormat(
           "device: cuda:LOCAL_RANK (%s), NCCL, %s; peak bf16 %s\n", device_name,
-          bf16 ? "bf16 mixed precision (param_dtype bf16, reduce_dtype fp32)" : "fp32",
+          bf16 ? "bf16 mixed precision (param_dtype bf16, reduce_dtype fp32)"
+          : levers.mixed_precision == "pure_bf16" ? "pure bf16"
+                                                  : "fp32",
           peak_flops ? absl::StrFormat("%.1f TFLOP/s; %s", *peak_flops / 1e12, kMfuFormula)
                      : std::string("unknown (pass --peak_tflops for the MFU)"));
     }
@@ -480,8 +449,13 @@ int train() {
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
     auto [x, y] = batch(corpus.train, step, *comm, device);
     adamw.zero_grad();
-    at::Tensor loss = next_token_loss(model->forward(x), y);
-    loss.backward();
+    // --grad_accumulation_steps: this rank's share in equal micro-batches, no_sync between.
+    const int64_t micro = x.size(0) / levers.grad_accumulation_steps;
+    const at::Tensor loss =
+        accumulate_gradients(*model, levers.grad_accumulation_steps, [&](int64_t k) {
+          return next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
+                                 y.narrow(0, k * micro, micro));
+        });
     adamw.step();
     scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
     // Before any other collective (global_mean): see FullyShardedRoot::check_plan.
@@ -614,12 +588,8 @@ int main(int argc, char** argv) {
     std::cerr << "train: " << error << "\n";
     return 2;
   }
-  // From here on --device is cpu or cuda and --mixed_precision bf16 or none.
-  absl::SetFlag(&FLAGS_device,
-                fsdp::examples::resolve_device(absl::GetFlag(FLAGS_device), machine.cuda_devices));
-  absl::SetFlag(&FLAGS_mixed_precision,
-                fsdp::examples::resolve_mixed_precision(absl::GetFlag(FLAGS_mixed_precision),
-                                                        absl::GetFlag(FLAGS_device)));
+  // From here on --device is cpu or cuda and --mixed_precision bf16, pure_bf16 or none.
+  fsdp::examples::resolve_lever_flags(machine.cuda_devices);
   if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
     return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }

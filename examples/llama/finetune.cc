@@ -27,6 +27,14 @@
 // OUT/hf/ holds them merged into the base weights (both written one unit at a time). Without
 // RANK in its environment it starts --world_size ranks of itself; Ctrl-C stops every rank. Flags
 // are checked before any rank starts: a bad one is one line on stderr and exit status 2.
+//
+// The memory levers are the GPT trainer's, under the same flags (examples/gpt/lever_flags.h):
+// --device (auto, cpu, cuda: rank r on cuda:LOCAL_RANK over NCCL, one rank per visible device
+// unless --world_size says otherwise), --mixed_precision (auto: bf16 compute with fp32 master
+// weights for a bf16 or fp16 folder and on CUDA; see Note [Master weights of a 16-bit
+// folder]), --cpu_offload, --sharding_strategy (hybrid_shard with --hybrid_shard_group_size
+// too), --activation_checkpointing (each decoder layer recomputes its forward in backward)
+// and --grad_accumulation_steps (micro-batches, no_sync between).
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +55,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/loss.h>
@@ -54,6 +63,7 @@
 
 #include "examples/gpt/corpus.h"
 #include "examples/gpt/flags.h"
+#include "examples/gpt/lever_flags.h"
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/run_support.h"
 #include "fsdp/comm/launcher.h"
@@ -76,7 +86,6 @@ ABSL_FLAG(std::string, data_dtype, "auto",
           "uint16, uint32, or auto: uint16 when the vocabulary fits (<= 65536), else uint32");
 ABSL_FLAG(std::string, out_dir, "", "where metrics.csv, checkpoints/ and hf/ go");
 ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
-ABSL_FLAG(std::string, sharding_strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
 ABSL_FLAG(int64_t, steps, 100, "training steps (0: write the weights read, unchanged)");
 ABSL_FLAG(int64_t, context, 128, "tokens per training window (<= max_position_embeddings)");
 ABSL_FLAG(int64_t, batch_size, 8, "global batch (windows), split evenly across ranks");
@@ -113,9 +122,8 @@ namespace fsdp::models {
 namespace {
 
 using examples::global_mean;
+using examples::LeverFlags;
 using examples::next_token_loss;
-using examples::sharding_strategy_error;
-using examples::sharding_strategy_flag;
 using Model = FullyShardedDataParallel<CausalLMImpl>;
 
 std::string checkpoint_dir() { return absl::GetFlag(FLAGS_out_dir) + "/checkpoints"; }
@@ -176,12 +184,13 @@ std::vector<std::string> lora_targets(const DecoderConfig& config) {
 }
 
 // Every flag checked before a rank starts or a file is touched: "" or one line.
-std::string flag_error() {
+std::string flag_error(const examples::MachineLimits& machine) {
   const std::string from = absl::GetFlag(FLAGS_from);
   if (from.empty()) return "--from: expected a Hugging Face model folder (config.json)";
   DecoderConfig config;
   try {
     config = load_decoder_config(from + "/config.json");
+    hf_weights_dtype(from);  // one floating dtype (--mixed_precision=auto reads it)
     parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
@@ -213,13 +222,12 @@ std::string flag_error() {
     return absl::StrCat("--world_size=", world, ": expected 1 to ", max_ranks_per_node(),
                         " on this machine");
   }
-  const int64_t batch = absl::GetFlag(FLAGS_batch_size);
-  if (batch < 1 || batch % world != 0) {
-    return absl::StrCat("--batch_size=", batch, ": expected a positive multiple of the world size ",
-                        world);
-  }
-  if (std::string error = sharding_strategy_error(
-          "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy), /*allow_hybrid=*/false);
+  // --device, --mixed_precision, --cpu_offload, --sharding_strategy (hybrid too),
+  // --activation_checkpointing, --grad_accumulation_steps and --batch_size against them,
+  // as the GPT trainer checks them.
+  if (std::string error =
+          examples::lever_flag_error(examples::lever_flags_from_command_line(), world,
+                                     launched == nullptr, absl::GetFlag(FLAGS_batch_size), machine);
       !error.empty()) {
     return error;
   }
@@ -265,7 +273,7 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
 }
 
 // Note [No rank holds the whole model]
-// The decoder is built on the meta device in the folder's dtype (shapes, no memory), the
+// The decoder is built on the meta device in the training dtype (shapes, no memory), the
 // LoRA adapters are added to it from --seed (apply_lora: PEFT's initialisation, on the
 // CPU: they are small) before any base weight is read, FSDP then allocates each rank's
 // shards only, and each rank reads only its shards' bytes of the folder
@@ -276,13 +284,19 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
 // the trainer had when it built the model whole on every rank: the same adapters from the
 // same seed (the same draws), the same bytes from the folder.
 
-// The model of --from, sharded (see Note [No rank holds the whole model]), wrapped with
-// `options`; `numel` and `trainable` count its parameters (adapters included).
+// The model of --from, sharded (see Note [No rank holds the whole model]), its parameters
+// in `dtype` (Note [Master weights of a 16-bit folder]), each decoder layer recomputing its
+// forward in backward when `checkpoint_activations`, wrapped with `options`; `numel` and
+// `trainable` count its parameters (adapters included).
 Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOptions& options,
-                 int64_t* numel, int64_t* trainable) {
+                 at::ScalarType dtype, bool checkpoint_activations, int64_t* numel,
+                 int64_t* trainable) {
   const std::string from = absl::GetFlag(FLAGS_from);
-  auto net = std::make_shared<CausalLMImpl>(
-      config, at::TensorOptions().device(c10::kMeta).dtype(hf_weights_dtype(from)));
+  auto net =
+      std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(dtype));
+  for (auto& unit : net->model->units) {
+    unit->module()->checkpoint_activations = checkpoint_activations;
+  }
   if (absl::GetFlag(FLAGS_lora_rank) > 0) {
     at::manual_seed(absl::GetFlag(FLAGS_seed));  // every rank draws the same adapters
     const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config(config));
@@ -314,14 +328,15 @@ void save_model(Model& model, const DecoderConfig& config) {
 
 // This rank's share of global batch `index`: random windows of --context + 1 tokens, the
 // same whatever the world size.
-std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
-                                        Communicator& comm) {
+std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index, Communicator& comm,
+                                        c10::Device device) {
   const int64_t global = absl::GetFlag(FLAGS_batch_size);
   const int64_t context = absl::GetFlag(FLAGS_context);
   at::manual_seed(absl::GetFlag(FLAGS_seed) * 1000003 + index);
   const at::Tensor starts = at::randint(tokens.numel() - context - 1, {global}, at::kLong);
   const int64_t local = global / comm.world_size();
-  return examples::windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+  auto [x, y] = examples::windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+  return {x.to(device), y.to(device)};
 }
 
 // Mean next-token cross-entropy over `tokens` cut into consecutive windows of context + 1
@@ -330,17 +345,21 @@ std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
 // nothing, so every rank runs the same units.
 double eval_loss(Model& model, const at::Tensor& tokens, Communicator& comm) {
   torch::NoGradGuard no_grad;
+  const c10::Device device = model->device_handle().device();
   const int64_t context = absl::GetFlag(FLAGS_context);
   const int64_t windows = tokens.numel() / (context + 1);
   const int64_t local = absl::GetFlag(FLAGS_batch_size) / comm.world_size();
   const int64_t per_round = local * comm.world_size();
-  at::Tensor sums = at::zeros({2}, at::kDouble);  // loss sum, targets
+  // Loss sum, targets; on the model's device, where the collective runs.
+  at::Tensor sums = at::zeros({2}, at::dtype(at::kDouble).device(device));
   for (int64_t round = 0; round * per_round < windows; ++round) {
     const int64_t first = std::min(windows, round * per_round + comm.rank() * local);
     const int64_t count = std::min(windows, first + local) - first;
     const at::Tensor starts =
         at::arange(count > 0 ? first : 0, count > 0 ? first + count : 1, at::kLong) * (context + 1);
     auto [x, y] = examples::windows(tokens, starts, context);
+    x = x.to(device);
+    y = y.to(device);
     const at::Tensor logits = model->forward(x);
     if (count == 0) continue;
     sums[0] += torch::nn::functional::cross_entropy(
@@ -353,15 +372,53 @@ double eval_loss(Model& model, const at::Tensor& tokens, Communicator& comm) {
   return sums[0].item<double>() / sums[1].item<double>();
 }
 
+// Note [Master weights of a 16-bit folder]
+// A bf16 (or fp16) folder trains by default as PyTorch users train it with FSDP's
+// MixedPrecision: the model is built in fp32, the folder's values read into it exactly
+// (cast_floating: every bf16 value is an fp32 value), and the sharded flat parameters, their
+// gradients and AdamW's state stay fp32 (the master weights), while each unit is
+// all-gathered and runs forward and backward in bf16 (param_dtype) and its gradients are
+// reduced in fp32 (reduce_dtype) -- --mixed_precision=auto resolves to bf16 for such a
+// folder (examples/gpt/flags.h). Updates smaller than bf16's resolution then accumulate
+// in the masters instead of being lost, at 16 bytes a parameter with AdamW (weight,
+// gradient, two moments) instead of 8. --mixed_precision=pure_bf16 is the old way
+// (everything bf16); none trains in fp32. The folder written at the end holds the
+// folder's dtype again (save_hf_folder writes that; a LoRA run casts the frozen base
+// weights, which were read exactly, before merging, so the merged weight is rounded once).
+
+// What --mixed_precision (resolved) means, for the progress line.
+const char* precision_words(const std::string& mixed_precision) {
+  if (mixed_precision == "bf16") {
+    return "bf16 mixed precision (bf16 compute, fp32 master weights, AdamW state and "
+           "gradient reduction)";
+  }
+  if (mixed_precision == "pure_bf16") return "pure bf16 (parameters and AdamW state bf16)";
+  return "fp32";
+}
+
+// The other levers in effect, for the progress line ("" when none).
+std::string lever_words(const LeverFlags& levers) {
+  std::string words;
+  if (levers.activation_checkpointing) words += "; activation checkpointing per unit";
+  if (levers.grad_accumulation_steps > 1) {
+    words += absl::StrFormat("; %d micro-batches per step", levers.grad_accumulation_steps);
+  }
+  return words;
+}
+
 int finetune() {
   std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
   at::set_num_threads(1);
   MemoryTracker memory;
-  const c10::Device device(c10::kCPU);
+  // --device and --mixed_precision are resolved by main(); on CUDA rank r works on
+  // cuda:LOCAL_RANK over NCCL (Note [The compute device] in examples/gpt/flags.h).
+  const LeverFlags levers = examples::lever_flags_from_command_line();
+  const c10::Device device = examples::compute_device(levers.device);
+  if (device.is_cuda()) c10::cuda::set_device(device.index());
   std::shared_ptr<Communicator> comm =
       init_from_environment(RendezvousOptions()
                                 .timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)))
-                                .backend(Backend::kGloo));
+                                .backend(device.is_cuda() ? Backend::kNccl : Backend::kGloo));
   const bool lead = comm->rank() == 0;
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   const int lock = examples::lock_out_dir(*comm, dir, device);
@@ -373,25 +430,26 @@ int finetune() {
   const at::Tensor eval_tokens =
       eval_path.empty() ? at::Tensor() : read_tokens(eval_path, bytes, config.vocab_size);
 
-  // Trained in the dtype the folder holds.
+  // See Note [Master weights of a 16-bit folder].
+  const at::ScalarType folder_dtype = hf_weights_dtype(from);
   int64_t numel = 0, trainable = 0;
-  Model model =
-      load_model(config,
-                 FullyShardedDataParallelOptions(comm).sharding_strategy(sharding_strategy_flag(
-                     "sharding_strategy", absl::GetFlag(FLAGS_sharding_strategy),
-                     /*allow_hybrid=*/false)),
-                 &numel, &trainable);
+  Model model = load_model(config, examples::lever_options(comm, levers),
+                           examples::model_dtype(levers.mixed_precision),
+                           levers.activation_checkpointing, &numel, &trainable);
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
                                 .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
   if (lead) {
     std::cout << absl::StrFormat(
         "model: %s (%s), %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "
-        "%d units over %d ranks (%s)\ndata: %d training tokens%s\n",
+        "%d units over %d ranks (%s)\nprecision: %s weights; %s%s%s%s\ndata: %d training "
+        "tokens%s\n",
         from, config.model_type, numel, trainable, config.num_hidden_layers,
         config.num_attention_heads, config.num_key_value_heads, model->units().size(),
         comm->world_size(), sharding_strategy_name(model->sharding_strategy()),
-        train_tokens.numel(),
+        c10::toString(folder_dtype), precision_words(levers.mixed_precision),
+        device.is_cuda() ? "; on cuda:LOCAL_RANK over NCCL" : "",
+        levers.cpu_offload ? "; CPU offload" : "", lever_words(levers), train_tokens.numel(),
         eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
                               : std::string());
   }
@@ -425,10 +483,15 @@ int finetune() {
     const double lr = examples::cosine_learning_rate(step, absl::GetFlag(FLAGS_lr),
                                                      absl::GetFlag(FLAGS_warmup_steps), steps);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
-    auto [x, y] = batch(train_tokens, step, *comm);
+    auto [x, y] = batch(train_tokens, step, *comm, device);
     adamw.zero_grad();
-    at::Tensor loss = next_token_loss(model->forward(x), y);
-    loss.backward();
+    // --grad_accumulation_steps: this rank's share in equal micro-batches, no_sync between.
+    const int64_t micro = x.size(0) / levers.grad_accumulation_steps;
+    const at::Tensor loss =
+        examples::accumulate_gradients(*model, levers.grad_accumulation_steps, [&](int64_t k) {
+          return next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
+                                 y.narrow(0, k * micro, micro));
+        });
     adamw.step();
     const double train_loss = global_mean(loss, *comm);
     if (interval > 0 && (step + 1) % interval == 0) {
@@ -475,11 +538,22 @@ int finetune() {
 int main(int argc, char** argv) {
   fsdp::examples::allow_bare_resume_flag(argc, argv);
   absl::ParseCommandLine(argc, argv);
-  const std::string error = fsdp::models::flag_error();
+  const fsdp::examples::MachineLimits machine = fsdp::examples::this_machine();
+  // On CUDA one rank per visible device unless --world_size says otherwise (a launcher's
+  // WORLD_SIZE counts instead).
+  if (fsdp::examples::resolve_device(absl::GetFlag(FLAGS_device), machine.cuda_devices) == "cuda" &&
+      machine.cuda_devices > 0 && !fsdp::examples::specified_on_command_line("world_size")) {
+    absl::SetFlag(&FLAGS_world_size, machine.cuda_devices);
+  }
+  const std::string error = fsdp::models::flag_error(machine);
   if (!error.empty()) {
     std::cerr << "finetune: " << error << "\n";
     return 2;
   }
+  // From here on --device is cpu or cuda and --mixed_precision bf16, pure_bf16 or none
+  // (auto: bf16 for a 16-bit folder; see Note [Master weights of a 16-bit folder]).
+  fsdp::examples::resolve_lever_flags(machine.cuda_devices,
+                                      fsdp::models::hf_weights_dtype(absl::GetFlag(FLAGS_from)));
   if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
     return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }

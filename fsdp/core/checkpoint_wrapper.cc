@@ -189,3 +189,14 @@ at::Tensor checkpointed_forward(std::function<at::Tensor(const std::vector<at::T
 }
 
 }  // namespace fsdp::core_internal
+
+namespace fsdp {
+
+at::Tensor checkpoint(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& function,
+                      const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& params,
+                      bool preserve_rng_state) {
+  if (!at::GradMode::is_enabled()) return function(inputs);
+  return core_internal::checkpointed_forward(function, inputs, params, preserve_rng_state);
+}
+
+}  // namespace fsdp

@@ -65,6 +65,19 @@ at::Tensor checkpointed_forward(std::function<at::Tensor(const std::vector<at::T
 
 }  // namespace core_internal
 
+// The functional form, for a module that checkpoints part of its own forward (e.g. a
+// block whose forward recomputes itself when a flag says so, inside its FSDP unit):
+// with grad mode on, runs function(inputs) without recording a graph and saves only
+// `inputs`; backward runs it again and back-propagates through it to the inputs that
+// require grad and to `params` (the tensors the function reads besides its inputs,
+// usually the module's parameters(); frozen ones are skipped). preserve_rng_state as for
+// CheckpointWrapper. With grad mode off it is function(inputs). Returns the function's
+// output. Same placement rule as the wrapper: inside a unit, never around one. PyTorch:
+// torch.utils.checkpoint.checkpoint(function, *inputs, use_reentrant=True).
+at::Tensor checkpoint(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& function,
+                      const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& params,
+                      bool preserve_rng_state = true);
+
 template <typename Contained>
 class CheckpointWrapperImpl
     : public torch::nn::Module,

@@ -76,6 +76,39 @@ TEST(CheckpointWrapperTest, WithoutGradModeItIsAPlainCall) {
   EXPECT_EQ(wrapped(inputs(0, 2)).grad_fn(), nullptr);
 }
 
+// fsdp::checkpoint, the functional form: the same output and gradients as the plain call
+// (a frozen parameter gets none, an input that does not require grad neither), the
+// recomputation under the first run's random state; a plain call without grad mode.
+TEST(CheckpointFunctionTest, SameOutputAndGradientsAsThePlainCall) {
+  auto plain = make<DropoutBlockImpl>();
+  auto block = make<DropoutBlockImpl>();
+  for (auto* net : {plain.get(), block.get()}) net->down->bias.requires_grad_(false);
+  const at::Tensor x = inputs(0, 8);
+  const at::Tensor scale = at::full({4}, 0.5);  // an input without grad
+  at::Tensor x_plain = x.clone().requires_grad_(true), x_block = x.clone().requires_grad_(true);
+  torch::manual_seed(7);
+  at::Tensor out_plain = plain->forward(x_plain) * scale;
+  torch::manual_seed(7);
+  at::Tensor out_block =
+      checkpoint([&](const std::vector<at::Tensor>& in) { return block->forward(in[0]) * in[1]; },
+                 {x_block, scale}, block->parameters());
+  at::randn({100});  // moves the generator: the recomputation must not see this
+  EXPECT_TRUE(at::equal(out_plain, out_block));
+  EXPECT_NE(out_block.grad_fn()->name().find("CheckpointFunction"), std::string::npos);
+  (out_plain * out_plain).sum().backward();
+  (out_block * out_block).sum().backward();
+  EXPECT_TRUE(at::equal(x_plain.grad(), x_block.grad()));
+  EXPECT_TRUE(at::equal(plain->up->weight.grad(), block->up->weight.grad()));
+  EXPECT_TRUE(at::equal(plain->down->weight.grad(), block->down->weight.grad()));
+  EXPECT_FALSE(block->down->bias.grad().defined());
+  EXPECT_FALSE(scale.grad().defined());
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(checkpoint([&](const std::vector<at::Tensor>& in) { return block->forward(in[0]); },
+                       {x}, block->parameters())
+                .grad_fn(),
+            nullptr);
+}
+
 class CheckpointParityTest : public ::testing::TestWithParam<std::tuple<int, ShardingStrategy>> {};
 
 TEST_P(CheckpointParityTest, CheckpointedUnitsTrainLikeThePlainReference) {

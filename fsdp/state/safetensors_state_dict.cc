@@ -96,16 +96,21 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
     TORCH_CHECK(info.shape == shape, what, ": size mismatch for ", where, ": the file has shape ",
                 state_internal::shape_string(info.shape), ", the model has ",
                 state_internal::shape_string(shape));
-    TORCH_CHECK(info.dtype == dtype, what, ": dtype mismatch for ", where, ": the file has ",
-                safetensors_dtype_name(info.dtype), ", the model has ", c10::toString(dtype),
-                "; convert one of them first (fsdp does not cast silently)");
+    const bool cast =
+        options.cast_floating() && at::isFloatingType(info.dtype) && at::isFloatingType(dtype);
+    TORCH_CHECK(info.dtype == dtype || cast, what, ": dtype mismatch for ", where,
+                ": the file has ", safetensors_dtype_name(info.dtype), ", the model has ",
+                c10::toString(dtype),
+                "; convert one of them first, or pass cast_floating (fsdp does not cast "
+                "silently)");
   }
 }
 
-// Reads `name`'s elements [begin, begin + numel) into `out` (any device).
+// Reads `name`'s elements [begin, begin + numel) into `out` (any device; another
+// floating dtype than the file's is converted, as match allowed).
 void read_into(const SafetensorsCheckpoint& ckpt, const std::string& name, int64_t begin,
                int64_t numel, const at::Tensor& out) {
-  if (out.device().is_cpu() && out.is_contiguous()) {
+  if (out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == ckpt.info(name).dtype) {
     ckpt.read_range_into(name, begin, numel, out);
   } else {
     out.copy_(ckpt.read_range(name, begin, numel).view(out.sizes()));
@@ -130,9 +135,20 @@ void load_groups(const std::vector<Entry>& entries, const std::vector<Group>& gr
   }
 }
 
-SafetensorsTensorSpec spec_of(const Group& group, const Entry& entry) {
+// The dtype `tensor_dtype` is written in under `options`.
+at::ScalarType written_dtype(at::ScalarType tensor_dtype, const SaveSafetensorsOptions& options) {
+  return options.dtype() && at::isFloatingType(tensor_dtype) ? *options.dtype() : tensor_dtype;
+}
+
+SafetensorsTensorSpec spec_of(const Group& group, const Entry& entry,
+                              const SaveSafetensorsOptions& options) {
   auto [shape, dtype] = model_spec(entry);
-  return {group.chosen, dtype, std::move(shape)};
+  return {group.chosen, written_dtype(dtype, options), std::move(shape)};
+}
+
+// `tensor` in the dtype it is written in.
+at::Tensor as_written(const at::Tensor& tensor, const SaveSafetensorsOptions& options) {
+  return tensor.to(written_dtype(tensor.scalar_type(), options));
 }
 
 }  // namespace
@@ -176,7 +192,7 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
   if (layout.rank == 0) {
     std::vector<SafetensorsTensorSpec> specs;
     for (const Group* group : order) {
-      specs.push_back(spec_of(*group, layout.entries[group->entries.front()]));
+      specs.push_back(spec_of(*group, layout.entries[group->entries.front()], options));
     }
     writer = std::make_unique<SafetensorsFolderWriter>(
         dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
@@ -195,7 +211,9 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
       if (!writer) continue;
       const at::Tensor value = value_of(entry);
       writer->write(order[next]->chosen,
-                    options.transform() ? options.transform()(entry.fqn, value, unit) : value);
+                    as_written(options.transform() ? options.transform()(entry.fqn, value, unit)
+                                                   : value,
+                               options));
     }
   };
   // The entries (all names) of the unit `handles` belong to, or outside the units.
@@ -240,7 +258,9 @@ std::vector<std::string> save_module_safetensors(const torch::nn::Module& module
   const std::vector<Entry> entries = state_internal::module_entries(module);
   const std::vector<Group> groups = groups_of(entries, options.rename(), options.skip());
   std::vector<SafetensorsTensorSpec> specs;
-  for (const Group& group : groups) specs.push_back(spec_of(group, entries[group.entries.front()]));
+  for (const Group& group : groups) {
+    specs.push_back(spec_of(group, entries[group.entries.front()], options));
+  }
   SafetensorsFolderWriter writer(
       dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
   torch::OrderedDict<std::string, at::Tensor> all;
@@ -249,9 +269,10 @@ std::vector<std::string> save_module_safetensors(const torch::nn::Module& module
   }
   for (const Group& group : groups) {
     const Entry& entry = entries[group.entries.front()];
-    writer.write(group.chosen, options.transform()
-                                   ? options.transform()(entry.fqn, entry.tensor, all)
-                                   : entry.tensor);
+    writer.write(group.chosen,
+                 as_written(options.transform() ? options.transform()(entry.fqn, entry.tensor, all)
+                                                : entry.tensor,
+                            options));
   }
   return writer.commit();
 }

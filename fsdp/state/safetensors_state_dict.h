@@ -20,7 +20,8 @@
 // model. Errors: c10::Error naming the file, the tensor and what was expected (fsdp
 // formats/safetensors.h for a malformed file), tensors missing from the files or that the
 // model lacks (with `allow_unexpected` off), a shape or dtype that differs from the
-// model's (no silent casts: convert the file, or the model, first).
+// model's (no silent casts: convert the file or the model first, or ask for the cast with
+// LoadSafetensorsOptions::cast_floating / SaveSafetensorsOptions::dtype).
 #ifndef FSDP_STATE_SAFETENSORS_STATE_DICT_H_
 #define FSDP_STATE_SAFETENSORS_STATE_DICT_H_
 
@@ -29,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
@@ -51,6 +54,12 @@ struct LoadSafetensorsOptions {
   // weights are read (fsdp::lora::is_adapter_key). A tied group is skipped when its first
   // name is.
   TORCH_ARG(SafetensorsSkip, skip) = nullptr;
+  // A floating tensor whose dtype in the files differs from the model's floating dtype is
+  // converted as it is read (a bf16 checkpoint into fp32 master parameters: exact; the
+  // other way rounds to nearest): each piece is read in the file's dtype, then copied,
+  // so the peak rises by that piece too. Other dtype differences stay errors.
+  // transformers: from_pretrained(torch_dtype=...).
+  TORCH_ARG(bool, cast_floating) = false;
 };
 
 // Loads a .safetensors file or a Hugging Face folder (safetensors.h) into `model`: each
@@ -80,6 +89,10 @@ struct SaveSafetensorsOptions {
   // What is written for each tensor (nullptr: the values themselves), e.g. a base weight
   // with its LoRA adapter merged in (models/hf_checkpoint.h: save_lora_hf_folders).
   TORCH_ARG(SafetensorsTransform, transform) = nullptr;
+  // The dtype of the floating tensors in the files (fp32 master parameters written back
+  // as the bf16 checkpoint they came from, rounded to nearest); none: the model's own.
+  // Other tensors keep theirs.
+  TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
 };
 
 // Writes the full model to the folder `dir` as save_pretrained does (safetensors.h:

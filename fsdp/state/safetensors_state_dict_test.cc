@@ -201,6 +201,42 @@ TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {
     EXPECT_TRUE(at::equal(got["l2.bias"], want["l2.bias"]));
     EXPECT_TRUE(at::equal(got["l2.weight"], want["l2.weight"] * 2));
   });
+// A bf16 checkpoint trained with fp32 master parameters (examples/llama/finetune's
+// default for it): cast_floating reads it into the fp32 shards exactly, at W = 1 and 3, and
+// SaveSafetensorsOptions::dtype writes it back bf16, bit for bit; values with more
+// precision than bf16 round to nearest on the way out.
+TEST(SafetensorsCast, ABf16CheckpointRoundTripsThroughFp32Shards) {
+  StateDict bf16;
+  for (const auto& item : distinct_values(*make<NetImpl>())) {
+    bf16.insert(item.key(), item.value().to(at::kBFloat16));
+  }
+  const std::string dir = temp_dir() + "/bf16";
+  write_folder(dir, bf16, /*max_shard_size=*/100);
+  for (int world_size : {1, 3}) {
+    SCOPED_TRACE(testing::Message() << "W = " << world_size);
+    const std::string out = temp_dir() + "/out";
+    on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
+      auto model = wrap<NetImpl>(comm);
+      EXPECT_THAT(error_of([&] { load_safetensors(*model, dir); }),
+                  ::testing::HasSubstr("the file has BF16, the model has Float"));
+      load_safetensors(*model, dir, LoadSafetensorsOptions().cast_floating(true));
+      StateDict fp32;
+      for (const auto& item : bf16) fp32.insert(item.key(), item.value().to(at::kFloat));
+      expect_equal(full_state_dict(*model), fp32);
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters()) p.add_(1.0 / 1024);  // below bf16's resolution
+      }
+      save_safetensors(*model, out, SaveSafetensorsOptions().dtype(at::kBFloat16));
+    });
+    const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(out);
+    for (const auto& item : bf16) {
+      const at::Tensor got = ckpt.read(item.key());
+      EXPECT_EQ(got.scalar_type(), at::kBFloat16) << item.key();
+      EXPECT_TRUE(at::equal(got, (item.value().to(at::kFloat) + 1.0 / 1024).to(at::kBFloat16)))
+          << item.key();
+    }
+  }
 }
 
 // lm_head.weight is model.embed_tokens.weight: transformers writes only the embedding.
@@ -292,7 +328,7 @@ TEST(LoadSafetensors, MismatchesNameTheTensorAndTheFile) {
     EXPECT_EQ(message(dtype),
               "load_safetensors: dtype mismatch for 'head.bias' (tensor 'head.bias' in "
               "'DIR/dtype.safetensors'): the file has F64, the model has Float; convert one of "
-              "them first (fsdp does not cast silently)");
+              "them first, or pass cast_floating (fsdp does not cast silently)");
   });
 }
 

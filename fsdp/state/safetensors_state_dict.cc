@@ -210,10 +210,10 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
       if (!in_unit(entry)) break;
       if (!writer) continue;
       const at::Tensor value = value_of(entry);
-      writer->write(order[next]->chosen,
-                    as_written(options.transform() ? options.transform()(entry.fqn, value, unit)
-                                                   : value,
-                               options));
+      writer->write(
+          order[next]->chosen,
+          as_written(options.transform() ? options.transform()(entry.fqn, value, unit) : value,
+                     options));
     }
   };
   // The entries (all names) of the unit `handles` belong to, or outside the units.

@@ -201,6 +201,8 @@ TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {
     EXPECT_TRUE(at::equal(got["l2.bias"], want["l2.bias"]));
     EXPECT_TRUE(at::equal(got["l2.weight"], want["l2.weight"] * 2));
   });
+}
+
 // A bf16 checkpoint trained with fp32 master parameters (examples/llama/finetune's
 // default for it): cast_floating reads it into the fp32 shards exactly, at W = 1 and 3, and
 // SaveSafetensorsOptions::dtype writes it back bf16, bit for bit; values with more

@@ -47,11 +47,12 @@ at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& next) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), next.reshape({-1}));
 }
 
-// kSteps of SGD on `model` (its parameters on `device`); the losses.
-std::vector<float> train(torch::nn::Module& model,
+// kSteps of SGD on `parameters` (on `device`: the plain model's, or the flat parameters
+// of FSDP's root, model->parameters(); the wrapped model's own are not leaves); the losses.
+std::vector<float> train(const std::vector<at::Tensor>& parameters,
                          const std::function<at::Tensor(const at::Tensor&)>& forward,
                          c10::Device device) {
-  torch::optim::SGD sgd(model.parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD sgd(parameters, torch::optim::SGDOptions(0.1));
   std::vector<float> losses;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
@@ -68,7 +69,7 @@ std::vector<float> train(torch::nn::Module& model,
 std::vector<float> cpu_losses() {
   auto gpt = make_gpt();
   return train(
-      *gpt, [&](const at::Tensor& x) { return gpt->forward(x); }, c10::kCPU);
+      gpt->parameters(), [&](const at::Tensor& x) { return gpt->forward(x); }, c10::kCPU);
 }
 
 TEST(GptCudaTest, ForwardAndBackwardOnTheDeviceMatchTheCpu) {
@@ -104,7 +105,7 @@ TEST(GptCudaTest, FsdpOverNcclTrainsLikeTheCpuWithAndWithoutHostWaits) {
                                             FullyShardedDataParallelOptions(comm).device_id(kCuda));
     for (const at::Tensor& p : model->parameters()) EXPECT_EQ(p.device(), kCuda);
     got[blocking] = train(
-        *model, [&](const at::Tensor& x) { return model->forward(x); }, kCuda);
+        model->parameters(), [&](const at::Tensor& x) { return model->forward(x); }, kCuda);
     ASSERT_EQ(got[blocking].size(), want.size());
     for (size_t i = 0; i < want.size(); ++i) {
       EXPECT_NEAR(got[blocking][i], want[i], 1e-4) << "step " << i << " blocking " << blocking;

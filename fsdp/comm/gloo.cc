@@ -185,7 +185,6 @@ void name_gloo_terminations_by_default() {
   });
 }
 
-at::Tensor bytes_of(const CommBuffer& buffer) { return buffer.as_tensor().view(at::kByte); }
 
 // Whether two buffers share memory.
 bool overlaps(const CommBuffer& a, const CommBuffer& b) {
@@ -198,27 +197,36 @@ bool overlaps(const CommBuffer& a, const CommBuffer& b) {
 // itself on the CPU; for a device buffer, a host tensor holding a copy of it (`copy_in`:
 // made on the calling thread, ordered after the kernels of its current stream) or fresh
 // memory, and, once the host collective is done, copy_out() moves the result back.
+//
+// tensor() owns a staged copy: c10d's send and receive works keep the tensors they are
+// given until they complete, so the host copy of an input lives as long as a send that
+// reads it, whether or not the HostStage (a local of the issuing call) still does. A view
+// made with CommBuffer::as_tensor() owns nothing: the first GPU run sent freed memory
+// (the host copy of an all-gather's input died when the issuing call returned, before
+// Gloo's transport read it) and summed it in reduce-scatter's waiter.
 class HostStage {
  public:
   HostStage(const CommBuffer& buffer, bool copy_in) : buffer_(buffer) {
     if (buffer.device.is_cpu()) {
-      host_ = buffer;
+      tensor_ = buffer.as_tensor();  // the caller's memory, kept alive by the caller
       return;
     }
-    host_tensor_ = copy_in ? buffer.as_tensor().to(at::kCPU)
-                           : at::empty({buffer.numel}, at::TensorOptions().dtype(buffer.dtype));
-    host_ = CommBuffer::of(host_tensor_, "the host copy of a device buffer");
+    tensor_ = copy_in ? buffer.as_tensor().to(at::kCPU)
+                      : at::empty({buffer.numel}, at::TensorOptions().dtype(buffer.dtype));
+    staged_ = true;
   }
-  const CommBuffer& host() const { return host_; }
+  // The host memory the collective reads and writes ([numel], the buffer's dtype).
+  const at::Tensor& tensor() const { return tensor_; }
+  CommBuffer host() const { return CommBuffer::of(tensor_, "the host side of a buffer"); }
   // Blocking host-to-device copy of the result (the waiter). No-op on the CPU.
   void copy_out() const {
-    if (host_tensor_.defined()) buffer_.as_tensor().copy_(host_tensor_);
+    if (staged_) buffer_.as_tensor().copy_(tensor_);
   }
 
  private:
   CommBuffer buffer_;
-  CommBuffer host_;
-  at::Tensor host_tensor_;  // defined for a device buffer
+  at::Tensor tensor_;
+  bool staged_ = false;
 };
 
 // Note [Naming the lost peer]
@@ -466,8 +474,8 @@ class GlooCommunicator : public Communicator,
     HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
     return start(CollectiveKind::kAllGather, sequence, input.numel,
                  [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
-                   at::Tensor output_bytes = bytes_of(out.host());
-                   at::Tensor input_bytes = bytes_of(in.host());
+                   at::Tensor output_bytes = out.tensor().view(at::kByte);
+                   at::Tensor input_bytes = in.tensor().view(at::kByte);
                    const int64_t n = input_bytes.numel();
                    output_bytes.narrow(0, rank() * n, n).copy_(input_bytes);
                    exchange(
@@ -482,8 +490,8 @@ class GlooCommunicator : public Communicator,
     HostStage out(output, /*copy_in=*/false), in(input, /*copy_in=*/true);
     return start(CollectiveKind::kReduceScatter, sequence, input.numel,
                  [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
-                   at::Tensor input_chunks = in.host().as_tensor();
-                   at::Tensor output_tensor = out.host().as_tensor();
+                   at::Tensor input_chunks = in.tensor();
+                   at::Tensor output_tensor = out.tensor();
                    const int64_t n = output_tensor.numel();
                    const int me = rank(), world = world_size();
                    // The output receives a chunk itself, so an output inside the input (in place,
@@ -521,7 +529,7 @@ class GlooCommunicator : public Communicator,
     HostStage stage(tensor, /*copy_in=*/true);
     return start(CollectiveKind::kAllReduce, sequence, tensor.numel,
                  [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
-                   std::vector<at::Tensor> tensors = {stage.host().as_tensor()};
+                   std::vector<at::Tensor> tensors = {stage.tensor()};
                    work.add(group.allreduce(tensors), /*point_to_point=*/false);
                    const int world = world_size();
                    return [stage, result = tensors[0], op, world] {
@@ -536,7 +544,7 @@ class GlooCommunicator : public Communicator,
     HostStage stage(tensor, /*copy_in=*/true);
     return start(CollectiveKind::kBroadcast, sequence, tensor.numel,
                  [&](c10d::ProcessGroupGloo& group, GlooWork& work) {
-                   std::vector<at::Tensor> tensors = {bytes_of(stage.host())};
+                   std::vector<at::Tensor> tensors = {stage.tensor().view(at::kByte)};
                    c10d::BroadcastOptions options;
                    options.rootRank = root;
                    work.add(group.broadcast(tensors, options), /*point_to_point=*/false);

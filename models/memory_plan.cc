@@ -1,0 +1,249 @@
+#include "models/memory_plan.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include <c10/util/Exception.h>
+
+namespace fsdp::models {
+namespace {
+
+// Note [The decoder's activations]
+// What LibTorch 2.11's autograd saves in the decoder's forward (decoder.cc), per token of
+// the micro-batch, with c the compute dtype's size and fp32 = 4 (measured with the
+// tracking allocator; models:memory_plan_test holds it within 0.1%: exact for every
+// family but Gemma 2, whose eager attention holds 2,304 bytes more, whatever the shape):
+// - An RMSNorm over `width` saves its input in fp32 (the input itself when c = 4, else a
+//   fp32 copy), one fp32 rsqrt per row, and the normalised values its weight multiplies
+//   (Llama style: in the compute dtype; Gemma and OLMo: in fp32). Its output is saved by
+//   whatever consumes it: a projection whose weight or adapter trains (a linear saves its
+//   input only when its weight needs a gradient), nothing when it is added to the
+//   residual stream (post norms).
+// - Rotary embeddings save only cos and sin (per sequence, shared by every layer), so a
+//   projection's output is freed after rotation unless a per-head norm saved it.
+// - scaled_dot_product_attention (the CPU's flash kernel) saves q, k, v, its output and a
+//   fp32 log-sum-exp per head; its output is laid out so that o_proj's input is a view of
+//   it. Eager attention (soft-capped scores, Gemma 2) saves q and the keys and values
+//   repeated to every head, tanh's output and the fp32 softmax per score ([heads, context]
+//   per token), the probabilities again in the compute dtype when it is not fp32, and the
+//   reshaped output when o_proj trains.
+// - The gated MLP saves gate, up, the activation's output and the product (down_proj's
+//   input, when down_proj trains).
+// - A LoRA adapter saves lora_A's output ([r] per token) for lora_B.
+// - The loss saves the fp32 log-softmax over the vocabulary; backward starts by holding
+//   two more fp32 tensors of that size (the log-softmax's and the logits' gradients): for
+//   any real vocabulary this is the peak of backward.
+// - A checkpointed layer (fsdp::checkpoint) saves its input and the CPU generator's state
+//   (kCpuRngStateBytes) and recomputes the rest in backward, one layer at a time.
+// In LoRA the first layer's input needs no gradient, so its first norm saves nothing.
+constexpr int64_t kFp32 = 4;
+constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl's get_state()
+
+bool contains(const std::vector<std::string>& names, const char* name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+struct LayerBytes {
+  const DecoderConfig& config;
+  const TrainedWeights& trained;
+  int64_t c;  // compute dtype's size
+  int64_t context;
+
+  bool full() const { return trained.lora_rank == 0; }
+  // Whether projection `name` has something that trains (its weight, or an adapter).
+  bool trains(const char* name) const { return full() || contains(trained.lora_targets, name); }
+  int64_t adapter(const char* name) const {
+    return !full() && contains(trained.lora_targets, name) ? c * trained.lora_rank : 0;
+  }
+  // An RMSNorm over `width` per row, `rows` rows per token; without its output. What its
+  // weight multiplies is saved only when the weight trains.
+  int64_t norm(int64_t width, int64_t rows = 1) const {
+    const int64_t weighted = !full() ? 0 : config.norm_style == NormStyle::kLlama ? c : kFp32;
+    return kFp32 * width + kFp32 * rows + weighted * width;
+  }
+  // Per sequence of `context` tokens: the mask a layer builds for its attention (eager
+  // attention's boolean mask; a sliding layer's mask, in the compute dtype, for
+  // scaled_dot_product_attention).
+  int64_t mask(LayerType type) const {
+    if (config.attn_logit_softcapping > 0) return context * context;
+    return type == LayerType::kSliding ? c * context * context : 0;
+  }
+
+  // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer.
+  int64_t per_token(bool first) const {
+    const int64_t h = config.hidden_size, heads = config.num_attention_heads;
+    const int64_t q = heads * config.head_dim, kv = config.num_key_value_heads * config.head_dim;
+    const int64_t inner = config.intermediate_size;
+    const bool fused = config.fused_projections;
+    const bool attention_trains =
+        fused ? trains("qkv_proj") : trains("q_proj") || trains("k_proj") || trains("v_proj");
+    const bool gate_up_trains = fused ? trains("gate_up_proj") : trains("gate_proj") || trains("up_proj");
+    int64_t bytes = 0;
+    // Input norm (or, for post norms, the layer input the projections read).
+    if (config.post_norms) {
+      if (attention_trains) bytes += c * h;
+    } else {
+      if (full() || !first) bytes += norm(h);
+      if (attention_trains) bytes += c * h;
+    }
+    bytes += fused ? adapter("qkv_proj")
+                   : adapter("q_proj") + adapter("k_proj") + adapter("v_proj");
+    if (config.qk_norm) bytes += norm(q, heads) + norm(kv, config.num_key_value_heads);
+    if (config.qk_norm_full_width) bytes += norm(q) + norm(kv);
+    if (config.attn_logit_softcapping > 0) {
+      const bool gqa = kv != q;
+      const int64_t scores = heads * context;
+      bytes += c * (q + 2 * (gqa ? q : kv)) + (c + kFp32) * scores + (c != kFp32 ? c * scores : 0);
+      if (trains("o_proj")) bytes += c * q;
+    } else if (fused) {  // v, a view of qkv_proj's output, keeps all of it
+      bytes += c * (q + kv) + c * (q + 2 * kv) + c * q + kFp32 * heads;
+    } else {
+      bytes += c * (2 * q + 2 * kv) + kFp32 * heads;
+    }
+    bytes += adapter("o_proj");
+    // After attention: a post norm on its output, then the norm before the MLP.
+    if (config.gemma || config.post_norms) bytes += norm(h);
+    if (config.post_norms) {
+      if (gate_up_trains) bytes += c * h;
+    } else {
+      bytes += norm(h);
+      if (gate_up_trains) bytes += c * h;
+    }
+    bytes += fused ? adapter("gate_up_proj") : adapter("gate_proj") + adapter("up_proj");
+    bytes += 3 * c * inner + (trains("down_proj") ? c * inner : 0) + adapter("down_proj");
+    if (config.gemma || config.post_norms) bytes += norm(h);
+    return bytes;
+  }
+};
+
+int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
+
+}  // namespace
+
+ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
+                                         int64_t context, at::ScalarType compute_dtype,
+                                         bool checkpoint_layers, const TrainedWeights& trained) {
+  TORCH_CHECK(batch >= 1 && context >= 1, "decoder_activation_bytes: expected a batch and a "
+              "context of at least 1, got ", batch, " and ", context);
+  const int64_t c = element_size(compute_dtype);
+  const int64_t tokens = batch * context;
+  const LayerBytes layer{config, trained, c, context};
+  const int64_t layers = config.num_hidden_layers;
+  ActivationBytes result;
+  result.per_layer = tokens * std::max(layer.per_token(/*first=*/false),
+                                       layer.per_token(/*first=*/layers == 1));
+  int64_t saved = 0;
+  if (checkpoint_layers) {
+    saved = layers * (tokens * c * config.hidden_size + kCpuRngStateBytes);
+  } else {
+    for (int64_t i = 0; i < layers; ++i) {
+      saved += tokens * layer.per_token(i == 0) + layer.mask(config.layer_types[i]);
+    }
+  }
+  // The final norm (its output saved when the head trains), cos and sin per rotary
+  // embedding, the logits' soft cap and the loss's fp32 log-softmax.
+  const int64_t h = config.hidden_size, vocab = config.vocab_size;
+  const bool head_trains = trained.lora_rank == 0;
+  saved += tokens * (layer.norm(h) + (head_trains ? c * h : 0));
+  const int64_t ropes = config.model_type == "gemma3_text" && config.has_sliding_layers() ? 2 : 1;
+  saved += ropes * 2 * context * config.rotary_dim * c;
+  if (config.final_logit_softcapping > 0) saved += tokens * c * vocab;
+  if (config.gemma) saved += c;  // the embedding scale, a scalar tensor
+  saved += tokens * kFp32 * vocab + 2 * kFp32;  // log-softmax; the loss and its weight
+  result.saved_bytes = saved;
+  // The loss's gradients start backward; a checkpointed layer's recomputation comes later.
+  const int64_t loss_gradients = 2 * tokens * kFp32 * vocab;
+  result.peak_bytes =
+      saved + std::max(loss_gradients, checkpoint_layers ? result.per_layer : int64_t{0});
+  return result;
+}
+
+std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
+  std::vector<PlanUnit> units(1);
+  units[0].fqn = "";
+  units[0].is_root = true;
+  for (size_t i = 0; i < net.model->units.size(); ++i) {
+    PlanUnit unit;
+    unit.fqn = absl::StrCat("model.layers.", i);
+    for (const at::Tensor& p : net.model->units[i]->module()->parameters()) {
+      (p.requires_grad() ? unit.trainable_numel : unit.frozen_numel) += p.numel();
+    }
+    units.push_back(unit);
+  }
+  int64_t trainable = 0, frozen = 0;
+  for (const at::Tensor& p : net.parameters()) (p.requires_grad() ? trainable : frozen) += p.numel();
+  // The root holds what no layer does.
+  for (size_t i = 1; i < units.size(); ++i) {
+    trainable -= units[i].trainable_numel;
+    frozen -= units[i].frozen_numel;
+  }
+  units[0].trainable_numel = trainable;
+  units[0].frozen_numel = frozen;
+  return units;
+}
+
+FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUnit>& units,
+                           const FinetunePlanOptions& options) {
+  TORCH_CHECK(options.micro_batch() >= 1, "plan_finetune: expected a micro-batch of at least 1 "
+              "window, got ", options.micro_batch());
+  FinetunePlan plan;
+  plan.options = options;
+  const at::ScalarType compute = options.param_dtype().value_or(options.dtype());
+  plan.activations =
+      decoder_activation_bytes(config, options.micro_batch(), options.context(), compute,
+                               options.activation_checkpointing(), options.trained());
+  MemoryPlanOptions step;
+  step.world_size(options.world_size())
+      .sharding_strategy(options.sharding_strategy())
+      .hybrid_shard_group_size(options.hybrid_shard_group_size())
+      .dtype(options.dtype())
+      .param_dtype(options.param_dtype())
+      .reduce_dtype(options.param_dtype() ? c10::optional<at::ScalarType>(options.dtype())
+                                          : c10::nullopt)
+      .optimizer(OptimizerSpec::adamw())
+      .cpu_offload(options.cpu_offload())
+      .backend(options.backend())
+      .activation_bytes(plan.activations.peak_bytes);
+  plan.step = plan_memory(units, step);
+  const auto at_peak = [&](PlanTerm term) { return plan.step.at_peak_bytes[static_cast<int>(term)]; };
+  plan.parameters = at_peak(PlanTerm::kShardedParameters);
+  plan.gradients = at_peak(PlanTerm::kShardedGradients);
+  plan.optimizer_state = at_peak(PlanTerm::kOptimizerState);
+  plan.gathered_units = plan.step.peak_bytes - plan.parameters - plan.gradients -
+                        plan.optimizer_state - at_peak(PlanTerm::kActivations);
+  // Saving gathers one unit at a time in the master dtype and casts it to the folder's.
+  int64_t largest = 0;
+  for (const PlanUnit& unit : units) largest = std::max(largest, unit.trainable_numel + unit.frozen_numel);
+  const int64_t master = element_size(options.dtype()), folder = element_size(options.save_dtype());
+  plan.saving = largest * (master + (options.save_dtype() != options.dtype() ? folder : 0));
+  const int64_t steady = plan.step.term_bytes(PlanTerm::kShardedParameters) +
+                         plan.step.term_bytes(PlanTerm::kShardedGradients) +
+                         plan.step.term_bytes(PlanTerm::kOptimizerState);
+  plan.runtime = options.runtime_bytes();
+  const int64_t tensors = std::max(plan.step.peak_bytes, steady + plan.saving);
+  plan.peak_bytes = plan.runtime + static_cast<int64_t>(std::ceil(tensors * (1 + kAllocatorOverhead)));
+  return plan;
+}
+
+std::string format_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / (1 << 30));
+  if (bytes >= (int64_t{1} << 20)) return absl::StrFormat("%.0f MiB", b / (1 << 20));
+  if (bytes >= (int64_t{1} << 10)) return absl::StrFormat("%.0f KiB", b / (1 << 10));
+  return absl::StrCat(bytes, " B");
+}
+
+std::string FinetunePlan::summary() const {
+  return absl::StrCat(
+      "parameters ", format_bytes(parameters), " + gradients ", format_bytes(gradients),
+      " + optimizer state ", format_bytes(optimizer_state), " + gathered units ",
+      format_bytes(gathered_units), " + activations ", format_bytes(activations.peak_bytes),
+      " (saving: ", format_bytes(saving), " above the shards) + allocator ",
+      absl::StrFormat("%.0f%%", kAllocatorOverhead * 100), " + runtime ", format_bytes(runtime),
+      " = peak ", format_bytes(peak_bytes), absl::StrFormat(" (%d MiB)", peak_bytes >> 20),
+      " per rank");
+}
+
+}  // namespace fsdp::models

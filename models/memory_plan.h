@@ -1,0 +1,126 @@
+// What one rank of a decoder fine-tune holds, planned before any weight is read: the
+// sharded parameters, gradients and optimizer state, the units gathered at the step's
+// peak, the activations of a micro-batch, the process itself and the saving of the
+// result, summed into the peak resident set the process will reach. The fine-tune trainer
+// (examples/llama/finetune.cc) prints it and stops before loading when it exceeds the
+// memory the process may use; `fsdp_plan --config` prints it from a config.json alone and
+// finds the smallest world size that fits a memory per rank.
+//
+//   const DecoderConfig config = load_decoder_config(dir + "/config.json");
+//   auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta));
+//   FinetunePlan plan = plan_finetune(config, plan_units(*net),
+//                                     FinetunePlanOptions().world_size(8).micro_batch(4));
+//   plan.peak_bytes;   // the largest resident set of a rank
+//
+// Units: bytes. Threading: pure functions. Errors: c10::Error for bad options (as
+// fsdp::plan_memory). PyTorch has no counterpart; `accelerate estimate-memory` answers
+// roughly (weights x 4 for Adam, no sharding, no activations) what plan_finetune answers
+// per rank.
+#ifndef FSDP_MODELS_MEMORY_PLAN_H_
+#define FSDP_MODELS_MEMORY_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+
+#include "fsdp/core/memory_plan.h"
+#include "models/config.h"
+#include "models/decoder.h"
+
+namespace fsdp::models {
+
+// Which of the decoder's weights train: all of them, or LoRA adapters on `lora_targets`
+// (module names as lora_targets.h spells them) with every base weight frozen.
+struct TrainedWeights {
+  int64_t lora_rank = 0;  // 0: full fine-tuning
+  std::vector<std::string> lora_targets;  // (adapter dropout is not planned: use 0)
+};
+
+// The activation memory of one forward and backward of the decoder and its next-token
+// cross-entropy (a micro-batch of `batch` windows of `context` tokens), as LibTorch 2.11's
+// autograd on the CPU holds it (Note [The decoder's activations] in memory_plan.cc):
+// `saved_bytes` is what forward leaves saved for backward, `peak_bytes` the most held at
+// once (the loss's gradients at the start of backward, or a recomputed layer with
+// `checkpoint_layers`). Exact for the decoder of decoder.h on the CPU; a CUDA device's
+// attention kernels keep what their backward needs in other shapes.
+struct ActivationBytes {
+  int64_t per_layer = 0;  // the largest layer's saved bytes (not checkpointed)
+  int64_t saved_bytes = 0;
+  int64_t peak_bytes = 0;
+};
+ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
+                                         int64_t context, at::ScalarType compute_dtype,
+                                         bool checkpoint_layers, const TrainedWeights& trained);
+
+// The FSDP units of a decoder built by decoder.h (each layer a unit, the root holding the
+// embeddings, the final norm and the head), with the elements each will train and freeze,
+// as FullyShardedDataParallel will flatten them: the root first, then the layers. Reads
+// shapes only, so `net` may be on the meta device, with LoRA adapters applied or not.
+std::vector<PlanUnit> plan_units(CausalLMImpl& net);
+
+struct FinetunePlanOptions {
+  TORCH_ARG(int64_t, world_size) = 1;
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  TORCH_ARG(int64_t, hybrid_shard_group_size) = 0;
+  // The dtype of the shards and optimizer state (the master weights).
+  TORCH_ARG(c10::ScalarType, dtype) = c10::ScalarType::Float;
+  // Mixed precision: the dtype units are gathered and computed in (none: dtype);
+  // gradients are reduced in `dtype`.
+  TORCH_ARG(c10::optional<c10::ScalarType>, param_dtype);
+  // Windows of `context` tokens a rank runs at once (the global batch / world size /
+  // gradient accumulation steps).
+  TORCH_ARG(int64_t, micro_batch) = 1;
+  TORCH_ARG(int64_t, context) = 128;
+  TORCH_ARG(bool, activation_checkpointing) = false;
+  TORCH_ARG(bool, cpu_offload) = false;
+  TORCH_ARG(PlanBackend, backend) = PlanBackend::kGloo;
+  TORCH_ARG(TrainedWeights, trained) = TrainedWeights();
+  // The process before any weight is read (code, libraries, the communicator, the token
+  // files): the trainer measures it; see kDefaultRuntimeBytes.
+  TORCH_ARG(int64_t, runtime_bytes) = 0;
+  // The dtype the HF folder is written back in (the save casts each gathered unit).
+  TORCH_ARG(c10::ScalarType, save_dtype) = c10::ScalarType::Float;
+};
+
+// The resident set of the CPU trainer before it reads weights, measured on Debian
+// bookworm with LibTorch 2.11 (examples/llama:finetune, Gloo, a rank of 2): what
+// fsdp_plan assumes when it cannot measure. A CUDA process holds more (its context).
+inline constexpr int64_t kDefaultRuntimeBytes = int64_t{512} << 20;
+
+// Resident-set overhead of the C library's allocator over the tensors' bytes (pages
+// freed tensors leave behind, arenas of the threads): measured on the CPU trainer, held
+// within 15% by tests/memory_plan_test.sh.
+inline constexpr double kAllocatorOverhead = 0.05;
+
+struct FinetunePlan {
+  FinetunePlanOptions options;
+  MemoryPlan step;  // the training step (fsdp::plan_memory), activations included
+  ActivationBytes activations;
+  int64_t parameters = 0;        // sharded flat parameters (trainable and frozen)
+  int64_t gradients = 0;         // their sharded gradients
+  int64_t optimizer_state = 0;   // AdamW's two moments of the trainable shards
+  int64_t gathered_units = 0;    // units unsharded at the step's peak, their gradients and
+                                 // the communication buffers
+  int64_t saving = 0;            // above the shards, gradients and state while saving:
+                                 // the largest unit gathered, cast and written
+  int64_t runtime = 0;           // options.runtime_bytes
+  int64_t peak_bytes = 0;        // the largest resident set: runtime + the larger of the
+                                 // step's peak and saving's, with kAllocatorOverhead
+  // "parameters 1.2 GiB + gradients ... = peak 5.1 GiB per rank" (one line).
+  std::string summary() const;
+};
+
+// The plan of one rank (every rank's is the same). Throws c10::Error on bad options.
+FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUnit>& units,
+                           const FinetunePlanOptions& options);
+
+// "1.5 GiB", "812 MiB", "4 KiB", "12 B".
+std::string format_bytes(int64_t bytes);
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_MEMORY_PLAN_H_

@@ -91,9 +91,10 @@ struct FinetunePlanOptions {
 // fsdp_plan assumes when it cannot measure. A CUDA process holds more (its context).
 inline constexpr int64_t kDefaultRuntimeBytes = int64_t{512} << 20;
 
-// Resident-set overhead of the C library's allocator over the tensors' bytes (pages
-// freed tensors leave behind, arenas of the threads): measured on the CPU trainer, held
-// within 15% by tests/memory_plan_test.sh.
+// Resident-set overhead of the C library's allocator over the tensors' bytes (small
+// blocks in its arenas), with freed tensors returned to the system (the trainer sets a
+// fixed mmap threshold: examples/gpt/run_support.h); tests/memory_plan_test.sh holds the
+// plan within 15% of the measured peak.
 inline constexpr double kAllocatorOverhead = 0.05;
 
 struct FinetunePlan {

@@ -1,6 +1,10 @@
 #include "examples/gpt/run_support.h"
 
 #include <fcntl.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+#include <sys/resource.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -10,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <optional>
 
@@ -17,6 +23,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
@@ -237,6 +245,103 @@ int64_t resident_bytes() {
   int64_t pages = 0, resident = -1;
   if (!(statm >> pages >> resident)) return -1;
   return resident * sysconf(_SC_PAGESIZE);
+}
+
+void return_freed_tensors_to_the_system() {
+#ifdef __GLIBC__
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+#endif
+}
+
+int64_t peak_resident_bytes() {
+  struct rusage usage {};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return -1;
+  return int64_t{usage.ru_maxrss} * 1024;  // KiB on Linux
+}
+
+namespace {
+
+// The first line of `path` as a byte count; nullopt when absent, "max" or unreadable.
+std::optional<int64_t> read_limit(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!std::getline(in, text)) return std::nullopt;
+  int64_t bytes = 0;
+  if (!absl::SimpleAtoi(text, &bytes) || bytes <= 0) return std::nullopt;
+  // cgroup v1 spells "no limit" as a page-rounded INT64_MAX.
+  if (bytes >= (int64_t{1} << 62)) return std::nullopt;
+  return bytes;
+}
+
+// This process's memory cgroup (from /proc/self/cgroup) and its limit, if any.
+std::pair<std::string, std::optional<int64_t>> memory_cgroup() {
+  std::ifstream in("/proc/self/cgroup");
+  std::string v2, v1;
+  for (std::string line; std::getline(in, line);) {
+    const std::vector<std::string> parts = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (parts.size() != 3) continue;
+    if (parts[0] == "0" && parts[1].empty()) v2 = parts[2];
+    for (absl::string_view controller : absl::StrSplit(parts[1], ',')) {
+      if (controller == "memory") v1 = parts[2];
+    }
+  }
+  if (!v1.empty()) return {"v1:" + v1, read_limit("/sys/fs/cgroup/memory" + v1 + "/memory.limit_in_bytes")};
+  if (!v2.empty()) return {"v2:" + v2, read_limit("/sys/fs/cgroup" + v2 + "/memory.max")};
+  return {"", std::nullopt};
+}
+
+int64_t mem_available() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    int64_t kib = 0;
+    std::string unit;
+    if (!(meminfo >> kib >> unit)) break;
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+// Each rank's `value` (rank order). Collective.
+std::vector<int64_t> all_gather_int64(Communicator& comm, int64_t value, c10::Device device) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor mine = at::full({1}, value, options);
+  at::Tensor all = at::empty({comm.world_size()}, options);
+  comm.all_gather_into_tensor(all, mine);
+  all = all.cpu();
+  return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+}
+
+std::string gib(int64_t bytes) { return absl::StrFormat("%.2f GiB", bytes / double(1 << 30)); }
+
+}  // namespace
+
+MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  const auto [cgroup, limit] = memory_cgroup();
+  const auto hash = [](const std::string& text) {
+    return static_cast<int64_t>(std::hash<std::string>()(text));
+  };
+  const std::vector<int64_t> hosts = all_gather_int64(comm, hash(host), device);
+  const std::vector<int64_t> cgroups = all_gather_int64(comm, hash(absl::StrCat(host, "/", cgroup)), device);
+  const int64_t on_host = std::count(hosts.begin(), hosts.end(), hosts[comm.rank()]);
+  const int64_t in_cgroup = std::count(cgroups.begin(), cgroups.end(), cgroups[comm.rank()]);
+  // Each rank on the host holds its resident set already; MemAvailable is what is left.
+  const int64_t resident = std::max<int64_t>(resident_bytes(), 0);
+  MemoryBudget budget;
+  budget.bytes = resident + std::max<int64_t>(mem_available(), 0) / on_host;
+  budget.why = absl::StrFormat("the machine's available memory shared by %d rank%s", on_host,
+                               on_host == 1 ? "" : "s");
+  if (limit && *limit / in_cgroup < budget.bytes) {
+    budget.bytes = *limit / in_cgroup;
+    budget.why = absl::StrFormat("its cgroup's memory limit of %s shared by %d rank%s", gib(*limit),
+                                 in_cgroup, in_cgroup == 1 ? "" : "s");
+  }
+  return budget;
+}
+
+std::vector<int64_t> peak_resident_set_of_ranks(Communicator& comm, c10::Device device) {
+  return all_gather_int64(comm, peak_resident_bytes(), device);
 }
 
 std::vector<Communicator*> communicators_of(FullyShardedRoot& model, Communicator& root) {

@@ -53,6 +53,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -78,6 +79,7 @@
 #include "models/decoder.h"
 #include "models/hf_checkpoint.h"
 #include "models/lora_targets.h"
+#include "models/memory_plan.h"
 
 ABSL_FLAG(std::string, from, "", "Hugging Face model folder (config.json + safetensors)");
 ABSL_FLAG(std::string, data, "", "training tokens: a flat little-endian array of token ids");
@@ -115,6 +117,12 @@ ABSL_FLAG(std::string, lora_target_modules, "",
           "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
           "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
           "empty: PEFT's default for the family (q_proj,v_proj; phi3: qkv_proj)");
+ABSL_FLAG(bool, memory_check, true,
+          "stop before reading any weight when the memory plan exceeds what a rank may use "
+          "(its cgroup's limit or the machine's available memory; see --max_memory_per_rank)");
+ABSL_FLAG(std::string, max_memory_per_rank, "",
+          "the most one rank may hold (bytes, or KB/MB/GB/KiB/MiB/GiB); empty: its share of "
+          "its cgroup's limit and of the machine's available memory");
 ABSL_FLAG(bool, overwrite, false,
           "start over in an --out_dir that holds another run's checkpoints (deletes them)");
 
@@ -192,6 +200,9 @@ std::string flag_error(const examples::MachineLimits& machine) {
     config = load_decoder_config(from + "/config.json");
     hf_weights_dtype(from);  // one floating dtype (--mixed_precision=auto reads it)
     parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
+    if (!absl::GetFlag(FLAGS_max_memory_per_rank).empty()) {
+      parse_shard_size(absl::GetFlag(FLAGS_max_memory_per_rank));
+    }
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
   }
@@ -284,18 +295,114 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
 // the trainer had when it built the model whole on every rank: the same adapters from the
 // same seed (the same draws), the same bytes from the folder.
 
+// Note [The memory plan]
+// Before any weight is read, the trainer plans what each rank will hold
+// (models/memory_plan.h: shards, gradients and AdamW state, gathered units, the
+// activations of a micro-batch, saving, and the process as it stands) from the meta-built
+// model, and rank 0 prints it. When the plan exceeds what a rank may use (Note [The memory
+// a rank may use] in examples/gpt/run_support.h, or --max_memory_per_rank), every rank
+// stops there with one message naming the sum, the budget and the flags that would each
+// make it fit (planned again with that flag), instead of meeting the kernel's OOM killer
+// hours into a load; --memory_check=false runs anyway. At the end rank 0 prints each
+// rank's peak resident set next to the plan.
+
+// The plan of one rank for the model `net` (meta-built, adapters applied) under the flags.
+FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
+                      const FullyShardedDataParallelOptions& options, const LeverFlags& levers,
+                      at::ScalarType dtype, at::ScalarType folder_dtype) {
+  const int world = options.communicator()->world_size();
+  FinetunePlanOptions plan;
+  plan.world_size(world)
+      .sharding_strategy(options.sharding_strategy())
+      .hybrid_shard_group_size(options.hybrid_shard_group_size())
+      .dtype(dtype)
+      .param_dtype(options.mixed_precision() ? options.mixed_precision()->param_dtype()
+                                             : c10::nullopt)
+      .micro_batch(std::max<int64_t>(
+          1, absl::GetFlag(FLAGS_batch_size) / world / levers.grad_accumulation_steps))
+      .context(absl::GetFlag(FLAGS_context))
+      .activation_checkpointing(levers.activation_checkpointing)
+      .cpu_offload(levers.cpu_offload)
+      .backend(plan_backend_of(options.communicator()->backend_name()))
+      .runtime_bytes(std::max<int64_t>(examples::resident_bytes(), 0))
+      .save_dtype(folder_dtype);
+  if (absl::GetFlag(FLAGS_lora_rank) > 0) {
+    plan.trained(TrainedWeights{absl::GetFlag(FLAGS_lora_rank), lora_targets(config)});
+  }
+  return plan_finetune(config, plan_units(net), plan);
+}
+
+// The flags that would each make `plan` fit in `budget` bytes, planned again with each
+// ("--activation_checkpointing (peak 3.1 GiB)"); empty if none does alone.
+std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImpl& net,
+                                        const FinetunePlan& plan, int64_t budget) {
+  std::vector<std::string> fits;
+  const auto consider = [&](const std::string& flag, FinetunePlanOptions options) {
+    const FinetunePlan other = plan_finetune(config, plan_units(net), options);
+    if (other.peak_bytes <= budget) {
+      fits.push_back(absl::StrCat(flag, " (peak ", format_bytes(other.peak_bytes), ")"));
+    }
+  };
+  FinetunePlanOptions options = plan.options;
+  if (!options.activation_checkpointing()) {
+    consider("--activation_checkpointing", FinetunePlanOptions(options).activation_checkpointing(true));
+  }
+  if (options.micro_batch() > 1) {
+    consider(absl::StrCat("--grad_accumulation_steps=",
+                          absl::GetFlag(FLAGS_batch_size) / options.world_size()),
+             FinetunePlanOptions(options).micro_batch(1));
+  }
+  if (options.dtype() != at::kBFloat16) {
+    consider("--mixed_precision=pure_bf16",
+             FinetunePlanOptions(options).dtype(at::kBFloat16).param_dtype(c10::nullopt));
+  }
+  // More ranks (on more hosts): the smallest world size that fits, if any does.
+  for (int64_t world = options.world_size() + 1; world <= 4096; ++world) {
+    if (absl::GetFlag(FLAGS_batch_size) % world != 0) continue;
+    FinetunePlanOptions wider = FinetunePlanOptions(options).world_size(world).micro_batch(
+        std::max<int64_t>(1, options.micro_batch() * options.world_size() / world));
+    if (plan_finetune(config, plan_units(net), wider).peak_bytes <= budget) {
+      consider(absl::StrCat("--world_size=", world, " (more hosts)"), wider);
+      break;
+    }
+  }
+  return fits;
+}
+
+// Prints the plan (rank 0) and stops every rank when it does not fit: see Note [The memory
+// plan]. Collective.
+void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, CausalLMImpl& net,
+                       Communicator& comm, c10::Device device) {
+  examples::MemoryBudget budget = examples::rank_memory_budget(comm, device);
+  const std::string flag = absl::GetFlag(FLAGS_max_memory_per_rank);
+  if (!flag.empty()) {
+    budget.bytes = parse_shard_size(flag);
+    budget.why = "--max_memory_per_rank";
+  }
+  if (comm.rank() == 0) std::cout << "memory plan: " << plan.summary() << "\n";
+  if (!absl::GetFlag(FLAGS_memory_check) || plan.peak_bytes <= budget.bytes) return;
+  const std::vector<std::string> fits = flags_that_fit(config, net, plan, budget.bytes);
+  TORCH_CHECK(false, "the memory plan needs ", format_bytes(plan.peak_bytes),
+              " per rank, more than the ", format_bytes(budget.bytes), " rank ", comm.rank(),
+              " may use (", budget.why, "); ",
+              fits.empty() ? std::string("no single flag makes it fit: combine levers or add ranks")
+                           : absl::StrCat("each of these would fit: ", absl::StrJoin(fits, ", ")),
+              "; --memory_check=false runs anyway. Nothing was read.");
+}
+
 // The model of --from, sharded (see Note [No rank holds the whole model]), its parameters
 // in `dtype` (Note [Master weights of a 16-bit folder]), each decoder layer recomputing its
-// forward in backward when `checkpoint_activations`, wrapped with `options`; `numel` and
+// forward in backward when `checkpoint_activations`, wrapped with `options`, after its
+// memory plan (returned in `plan`) was checked (Note [The memory plan]); `numel` and
 // `trainable` count its parameters (adapters included).
 Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOptions& options,
-                 at::ScalarType dtype, bool checkpoint_activations, int64_t* numel,
-                 int64_t* trainable) {
+                 const LeverFlags& levers, at::ScalarType dtype, at::ScalarType folder_dtype,
+                 c10::Device device, int64_t* numel, int64_t* trainable, FinetunePlan* plan) {
   const std::string from = absl::GetFlag(FLAGS_from);
   auto net =
       std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(dtype));
   for (auto& unit : net->model->units) {
-    unit->module()->checkpoint_activations = checkpoint_activations;
+    unit->module()->checkpoint_activations = levers.activation_checkpointing;
   }
   if (absl::GetFlag(FLAGS_lora_rank) > 0) {
     at::manual_seed(absl::GetFlag(FLAGS_seed));  // every rank draws the same adapters
@@ -309,6 +416,8 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
     *numel += p.numel();
     if (p.requires_grad()) *trainable += p.numel();
   }
+  *plan = plan_for(config, *net, options, levers, dtype, folder_dtype);
+  check_memory_plan(*plan, config, *net, *options.communicator(), device);
   Model model(net, options);  // allocates this rank's shards only
   load_hf_weights(*model, from);
   return model;
@@ -433,9 +542,10 @@ int finetune() {
   // See Note [Master weights of a 16-bit folder].
   const at::ScalarType folder_dtype = hf_weights_dtype(from);
   int64_t numel = 0, trainable = 0;
-  Model model = load_model(config, examples::lever_options(comm, levers),
-                           examples::model_dtype(levers.mixed_precision),
-                           levers.activation_checkpointing, &numel, &trainable);
+  FinetunePlan plan;
+  Model model = load_model(config, examples::lever_options(comm, levers), levers,
+                           examples::model_dtype(levers.mixed_precision), folder_dtype, device,
+                           &numel, &trainable, &plan);
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
                                 .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
@@ -522,10 +632,19 @@ int finetune() {
   }
   save_model(model, config);
   const std::string hf = dir + "/hf";
+  // See Note [The memory plan].
+  const std::vector<int64_t> peaks = examples::peak_resident_set_of_ranks(*comm, device);
   if (lead) {
-    std::cout << absl::StrFormat("peak memory (rank 0): %.1f MB tracked, %.1f MB resident\n",
-                                 model->device_handle().max_memory_allocated() / 1e6,
-                                 examples::resident_bytes() / 1e6);
+    std::vector<std::string> each;
+    for (size_t r = 0; r < peaks.size(); ++r) {
+      each.push_back(absl::StrFormat("rank %d %d MiB", r, peaks[r] >> 20));
+    }
+    const int64_t largest = *std::max_element(peaks.begin(), peaks.end());
+    std::cout << absl::StrFormat(
+        "peak resident set: %s; planned %d MiB per rank (largest / plan %.3f); rank 0's "
+        "tensors peaked at %.1f MB\n",
+        absl::StrJoin(each, ", "), plan.peak_bytes >> 20, double(largest) / plan.peak_bytes,
+        model->device_handle().max_memory_allocated() / 1e6);
     std::cout << "metrics: " << dir << "/metrics.csv, model: " << hf << "/\n";
   }
   if (lock >= 0) ::close(lock);
@@ -536,6 +655,7 @@ int finetune() {
 }  // namespace fsdp::models
 
 int main(int argc, char** argv) {
+  fsdp::examples::return_freed_tensors_to_the_system();  // see the Note in run_support.h
   fsdp::examples::allow_bare_resume_flag(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const fsdp::examples::MachineLimits machine = fsdp::examples::this_machine();

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# examples/llama:finetune's memory plan (Note [The memory plan]) against what the ranks
+# measure: a random 31 M-parameter Llama folder (transformers' save_pretrained), W = 2, a
+# full and a LoRA fine-tune; each run's largest peak resident set must lie within 15% of
+# the plan printed before loading. With --max_memory_per_rank below the plan, every rank
+# stops before reading a weight, naming the sum and the budget, and writes nothing.
+#   memory_plan_test.sh FINETUNE PYTHON
+set -euo pipefail
+finetune=${1:?usage: memory_plan_test.sh FINETUNE PYTHON} python=${2:?}
+dir=${TEST_TMPDIR:-$(mktemp -d)}/memory_plan
+rm -rf "$dir" && mkdir -p "$dir"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+"$python" - "$dir" <<'PY'
+import sys
+import numpy as np
+import torch
+import transformers
+torch.manual_seed(0)
+config = transformers.LlamaConfig(
+    hidden_size=384, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+    intermediate_size=1024, vocab_size=32000, max_position_embeddings=256)
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1] + "/model")
+np.random.default_rng(0).integers(0, 32000, 50000, dtype=np.uint16).tofile(sys.argv[1] + "/train.bin")
+PY
+common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=64
+        --batch_size=4 --steps=2 --checkpoint_interval=0)
+for run in full lora; do
+  extra=()
+  [[ $run == lora ]] && extra=(--lora_rank=8)
+  "$finetune" "${common[@]}" "${extra[@]}" --out_dir="$dir/$run" | tee "$dir/$run.log"
+  grep -q "] memory plan: parameters .* = peak .* per rank" "$dir/$run.log"
+  ratio=$(sed -n 's/.*(largest \/ plan \([0-9.]*\)).*/\1/p' "$dir/$run.log")
+  awk -v r="$ratio" 'BEGIN { exit !(r >= 0.85 && r <= 1.15) }' || {
+    echo "FAIL: $run: the largest peak resident set is $ratio x the plan, not within 15%"; exit 1; }
+  echo "$run: largest / plan = $ratio"
+done
+
+status=0
+"$finetune" "${common[@]}" --out_dir="$dir/small" --max_memory_per_rank=200MiB \
+    >"$dir/small.log" 2>&1 || status=$?
+cat "$dir/small.log"
+[[ $status == 1 ]] || { echo "FAIL: expected exit status 1 over the budget, got $status"; exit 1; }
+grep -q "finetune: the memory plan needs .* per rank, more than the 200 MiB rank 0 may use (--max_memory_per_rank); .* Nothing was read." "$dir/small.log"
+[[ ! -e "$dir/small/hf" ]] || { echo "FAIL: a run over its budget wrote $dir/small/hf"; exit 1; }
+echo PASS

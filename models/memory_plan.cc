@@ -79,7 +79,8 @@ struct LayerBytes {
     const bool fused = config.fused_projections;
     const bool attention_trains =
         fused ? trains("qkv_proj") : trains("q_proj") || trains("k_proj") || trains("v_proj");
-    const bool gate_up_trains = fused ? trains("gate_up_proj") : trains("gate_proj") || trains("up_proj");
+    const bool gate_up_trains =
+        fused ? trains("gate_up_proj") : trains("gate_proj") || trains("up_proj");
     int64_t bytes = 0;
     // Input norm (or, for post norms, the layer input the projections read).
     if (config.post_norms) {
@@ -88,8 +89,8 @@ struct LayerBytes {
       if (full() || !first) bytes += norm(h);
       if (attention_trains) bytes += c * h;
     }
-    bytes += fused ? adapter("qkv_proj")
-                   : adapter("q_proj") + adapter("k_proj") + adapter("v_proj");
+    bytes +=
+        fused ? adapter("qkv_proj") : adapter("q_proj") + adapter("k_proj") + adapter("v_proj");
     if (config.qk_norm) bytes += norm(q, heads) + norm(kv, config.num_key_value_heads);
     if (config.qk_norm_full_width) bytes += norm(q) + norm(kv);
     if (config.attn_logit_softcapping > 0) {
@@ -125,15 +126,17 @@ int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::el
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained) {
-  TORCH_CHECK(batch >= 1 && context >= 1, "decoder_activation_bytes: expected a batch and a "
-              "context of at least 1, got ", batch, " and ", context);
+  TORCH_CHECK(batch >= 1 && context >= 1,
+              "decoder_activation_bytes: expected a batch and a "
+              "context of at least 1, got ",
+              batch, " and ", context);
   const int64_t c = element_size(compute_dtype);
   const int64_t tokens = batch * context;
   const LayerBytes layer{config, trained, c, context};
   const int64_t layers = config.num_hidden_layers;
   ActivationBytes result;
-  result.per_layer = tokens * std::max(layer.per_token(/*first=*/false),
-                                       layer.per_token(/*first=*/layers == 1));
+  result.per_layer =
+      tokens * std::max(layer.per_token(/*first=*/false), layer.per_token(/*first=*/layers == 1));
   int64_t saved = 0;
   if (checkpoint_layers) {
     saved = layers * (tokens * c * config.hidden_size + kCpuRngStateBytes);
@@ -150,7 +153,7 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   const int64_t ropes = config.model_type == "gemma3_text" && config.has_sliding_layers() ? 2 : 1;
   saved += ropes * 2 * context * config.rotary_dim * c;
   if (config.final_logit_softcapping > 0) saved += tokens * c * vocab;
-  if (config.gemma) saved += c;  // the embedding scale, a scalar tensor
+  if (config.gemma) saved += c;                 // the embedding scale, a scalar tensor
   saved += tokens * kFp32 * vocab + 2 * kFp32;  // log-softmax; the loss and its weight
   result.saved_bytes = saved;
   // The loss's gradients start backward; a checkpointed layer's recomputation comes later.
@@ -173,7 +176,8 @@ std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
     units.push_back(unit);
   }
   int64_t trainable = 0, frozen = 0;
-  for (const at::Tensor& p : net.parameters()) (p.requires_grad() ? trainable : frozen) += p.numel();
+  for (const at::Tensor& p : net.parameters())
+    (p.requires_grad() ? trainable : frozen) += p.numel();
   // The root holds what no layer does.
   for (size_t i = 1; i < units.size(); ++i) {
     trainable -= units[i].trainable_numel;
@@ -186,8 +190,10 @@ std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
 
 FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUnit>& units,
                            const FinetunePlanOptions& options) {
-  TORCH_CHECK(options.micro_batch() >= 1, "plan_finetune: expected a micro-batch of at least 1 "
-              "window, got ", options.micro_batch());
+  TORCH_CHECK(options.micro_batch() >= 1,
+              "plan_finetune: expected a micro-batch of at least 1 "
+              "window, got ",
+              options.micro_batch());
   FinetunePlan plan;
   plan.options = options;
   const at::ScalarType compute = options.param_dtype().value_or(options.dtype());
@@ -207,7 +213,9 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
       .backend(options.backend())
       .activation_bytes(plan.activations.peak_bytes);
   plan.step = plan_memory(units, step);
-  const auto at_peak = [&](PlanTerm term) { return plan.step.at_peak_bytes[static_cast<int>(term)]; };
+  const auto at_peak = [&](PlanTerm term) {
+    return plan.step.at_peak_bytes[static_cast<int>(term)];
+  };
   plan.parameters = at_peak(PlanTerm::kShardedParameters);
   plan.gradients = at_peak(PlanTerm::kShardedGradients);
   plan.optimizer_state = at_peak(PlanTerm::kOptimizerState);
@@ -215,7 +223,8 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
                         plan.optimizer_state - at_peak(PlanTerm::kActivations);
   // Saving gathers one unit at a time in the master dtype and casts it to the folder's.
   int64_t largest = 0;
-  for (const PlanUnit& unit : units) largest = std::max(largest, unit.trainable_numel + unit.frozen_numel);
+  for (const PlanUnit& unit : units)
+    largest = std::max(largest, unit.trainable_numel + unit.frozen_numel);
   const int64_t master = element_size(options.dtype()), folder = element_size(options.save_dtype());
   plan.saving = largest * (master + (options.save_dtype() != options.dtype() ? folder : 0));
   const int64_t steady = plan.step.term_bytes(PlanTerm::kShardedParameters) +
@@ -223,7 +232,8 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
                          plan.step.term_bytes(PlanTerm::kOptimizerState);
   plan.runtime = options.runtime_bytes();
   const int64_t tensors = std::max(plan.step.peak_bytes, steady + plan.saving);
-  plan.peak_bytes = plan.runtime + static_cast<int64_t>(std::ceil(tensors * (1 + kAllocatorOverhead)));
+  plan.peak_bytes =
+      plan.runtime + static_cast<int64_t>(std::ceil(tensors * (1 + kAllocatorOverhead)));
   return plan;
 }
 
@@ -236,14 +246,14 @@ std::string format_bytes(int64_t bytes) {
 }
 
 std::string FinetunePlan::summary() const {
-  return absl::StrCat(
-      "parameters ", format_bytes(parameters), " + gradients ", format_bytes(gradients),
-      " + optimizer state ", format_bytes(optimizer_state), " + gathered units ",
-      format_bytes(gathered_units), " + activations ", format_bytes(activations.peak_bytes),
-      " (saving: ", format_bytes(saving), " above the shards) + allocator ",
-      absl::StrFormat("%.0f%%", kAllocatorOverhead * 100), " + runtime ", format_bytes(runtime),
-      " = peak ", format_bytes(peak_bytes), absl::StrFormat(" (%d MiB)", peak_bytes >> 20),
-      " per rank");
+  return absl::StrCat("parameters ", format_bytes(parameters), " + gradients ",
+                      format_bytes(gradients), " + optimizer state ", format_bytes(optimizer_state),
+                      " + gathered units ", format_bytes(gathered_units), " + activations ",
+                      format_bytes(activations.peak_bytes), " (saving: ", format_bytes(saving),
+                      " above the shards) + allocator ",
+                      absl::StrFormat("%.0f%%", kAllocatorOverhead * 100), " + runtime ",
+                      format_bytes(runtime), " = peak ", format_bytes(peak_bytes),
+                      absl::StrFormat(" (%d MiB)", peak_bytes >> 20), " per rank");
 }
 
 }  // namespace fsdp::models

@@ -36,7 +36,7 @@ namespace fsdp::models {
 // Which of the decoder's weights train: all of them, or LoRA adapters on `lora_targets`
 // (module names as lora_targets.h spells them) with every base weight frozen.
 struct TrainedWeights {
-  int64_t lora_rank = 0;  // 0: full fine-tuning
+  int64_t lora_rank = 0;                  // 0: full fine-tuning
   std::vector<std::string> lora_targets;  // (adapter dropout is not planned: use 0)
 };
 
@@ -89,7 +89,7 @@ struct FinetunePlanOptions {
 // The resident set of the CPU trainer before it reads weights, measured on Debian
 // bookworm with LibTorch 2.11 (examples/llama:finetune, Gloo, a rank of 2): what
 // fsdp_plan assumes when it cannot measure. A CUDA process holds more (its context).
-inline constexpr int64_t kDefaultRuntimeBytes = int64_t{512} << 20;
+inline constexpr int64_t kDefaultRuntimeBytes = int64_t{352} << 20;  // 351-353 MiB measured
 
 // Resident-set overhead of the C library's allocator over the tensors' bytes (small
 // blocks in its arenas), with freed tensors returned to the system (the trainer sets a
@@ -101,16 +101,16 @@ struct FinetunePlan {
   FinetunePlanOptions options;
   MemoryPlan step;  // the training step (fsdp::plan_memory), activations included
   ActivationBytes activations;
-  int64_t parameters = 0;        // sharded flat parameters (trainable and frozen)
-  int64_t gradients = 0;         // their sharded gradients
-  int64_t optimizer_state = 0;   // AdamW's two moments of the trainable shards
-  int64_t gathered_units = 0;    // units unsharded at the step's peak, their gradients and
-                                 // the communication buffers
-  int64_t saving = 0;            // above the shards, gradients and state while saving:
-                                 // the largest unit gathered, cast and written
-  int64_t runtime = 0;           // options.runtime_bytes
-  int64_t peak_bytes = 0;        // the largest resident set: runtime + the larger of the
-                                 // step's peak and saving's, with kAllocatorOverhead
+  int64_t parameters = 0;       // sharded flat parameters (trainable and frozen)
+  int64_t gradients = 0;        // their sharded gradients
+  int64_t optimizer_state = 0;  // AdamW's two moments of the trainable shards
+  int64_t gathered_units = 0;   // units unsharded at the step's peak, their gradients and
+                                // the communication buffers
+  int64_t saving = 0;           // above the shards, gradients and state while saving:
+                                // the largest unit gathered, cast and written
+  int64_t runtime = 0;          // options.runtime_bytes
+  int64_t peak_bytes = 0;       // the largest resident set: runtime + the larger of the
+                                // step's peak and saving's, with kAllocatorOverhead
   // "parameters 1.2 GiB + gradients ... = peak 5.1 GiB per rank" (one line).
   std::string summary() const;
 };

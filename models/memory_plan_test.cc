@@ -34,8 +34,8 @@ struct Measured {
 };
 
 // One forward, loss and backward of a CPU-built decoder under the tracking allocator.
-Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batch,
-                 int64_t context, bool checkpoint_layers, const TrainedWeights& trained) {
+Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batch, int64_t context,
+                 bool checkpoint_layers, const TrainedWeights& trained) {
   MemoryTracker tracker;
   at::manual_seed(0);
   auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().dtype(dtype));
@@ -89,20 +89,19 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
 
 const TrainedWeights kFull;
 const TrainedWeights kLoraQv{8, {"q_proj", "v_proj"}};
-const TrainedWeights kLoraAll{4, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                  "down_proj"}};
+const TrainedWeights kLoraAll{
+    4, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}};
 
 INSTANTIATE_TEST_SUITE_P(
     Families, ActivationBytesTest,
     ::testing::Values(
         Case{"llama", R"(, "model_type": "llama")", at::kFloat, false, kFull},
-        Case{"llama_mha", R"(, "model_type": "llama", "num_key_value_heads": 4)", at::kFloat,
-             false, kFull},
+        Case{"llama_mha", R"(, "model_type": "llama", "num_key_value_heads": 4)", at::kFloat, false,
+             kFull},
         Case{"llama_bf16", R"(, "model_type": "llama")", at::kBFloat16, false, kFull},
         Case{"llama_checkpointed", R"(, "model_type": "llama")", at::kFloat, true, kFull},
         Case{"llama_lora_qv", R"(, "model_type": "llama")", at::kFloat, false, kLoraQv},
-        Case{"llama_lora_all_bf16", R"(, "model_type": "llama")", at::kBFloat16, false,
-             kLoraAll},
+        Case{"llama_lora_all_bf16", R"(, "model_type": "llama")", at::kBFloat16, false, kLoraAll},
         Case{"qwen3", R"(, "model_type": "qwen3", "head_dim": 16)", at::kFloat, false, kFull},
         Case{"gemma2", R"(, "model_type": "gemma2", "sliding_window": 8,
               "query_pre_attn_scalar": 16, "hidden_activation": "gelu_pytorch_tanh")",

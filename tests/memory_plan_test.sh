@@ -4,9 +4,11 @@
 # full and a LoRA fine-tune; each run's largest peak resident set must lie within 15% of
 # the plan printed before loading. With --max_memory_per_rank below the plan, every rank
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
-#   memory_plan_test.sh FINETUNE PYTHON
+# fsdp_plan --config gives the same plan from the config.json alone (all but the runtime,
+# which the trainer measures), and the smallest world size that fits a memory per rank.
+#   memory_plan_test.sh FINETUNE FSDP_PLAN PYTHON
 set -euo pipefail
-finetune=${1:?usage: memory_plan_test.sh FINETUNE PYTHON} python=${2:?}
+finetune=${1:?usage: memory_plan_test.sh FINETUNE FSDP_PLAN PYTHON} plan=${2:?} python=${3:?}
 dir=${TEST_TMPDIR:-$(mktemp -d)}/memory_plan
 rm -rf "$dir" && mkdir -p "$dir"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -33,7 +35,22 @@ for run in full lora; do
   awk -v r="$ratio" 'BEGIN { exit !(r >= 0.85 && r <= 1.15) }' || {
     echo "FAIL: $run: the largest peak resident set is $ratio x the plan, not within 15%"; exit 1; }
   echo "$run: largest / plan = $ratio"
+  # The same terms from fsdp_plan --config (the runtime aside).
+  terms=$(sed -n 's/.*memory plan: \(parameters .*\) + allocator.*/\1/p' "$dir/$run.log")
+  lora_flag=0
+  [[ $run == lora ]] && lora_flag=8
+  "$plan" --config="$dir/model/config.json" --world_size=2 --batch_size=4 --context=64 \
+      --lora_rank=$lora_flag > "$dir/$run.plan"
+  grep -qF "memory plan: $terms + allocator" "$dir/$run.plan" || {
+    echo "FAIL: fsdp_plan --config differs from the trainer's plan ($terms):"; cat "$dir/$run.plan"; exit 1; }
 done
+# The smallest world size for exactly the W = 2 peak is 2 (W = 1 holds more).
+peak2=$("$plan" --config="$dir/model/config.json" --world_size=2 --batch_size=4 --context=64 \
+        --format=json | "$python" -c 'import json, sys; print(json.load(sys.stdin)["bytes"]["peak"])')
+smallest=$("$plan" --config="$dir/model/config.json" --batch_size=4 --context=64 \
+           --memory_per_rank="$peak2" --format=json |
+           "$python" -c 'import json, sys; print(json.load(sys.stdin)["smallest_world_size"])')
+[[ $smallest == 2 ]] || { echo "FAIL: smallest world size for $peak2 bytes is $smallest, not 2"; exit 1; }
 
 status=0
 "$finetune" "${common[@]}" --out_dir="$dir/small" --max_memory_per_rank=200MiB \

@@ -1,5 +1,10 @@
 // fsdp_plan: which FSDP units a policy makes of a real model, and what each sharding
-// strategy would cost per rank.
+// strategy would cost per rank; or, with --config, what one rank of a decoder fine-tune
+// (examples/llama:finetune) will hold, from a Hugging Face config.json alone, and the
+// smallest world size that fits a memory per rank (tools/decoder_plan.h).
+//
+//   fsdp_plan --config=Llama-3.1-8B/config.json --world_size=8 --batch_size=16
+//       --context=2048 --activation_checkpointing --memory_per_rank=80GiB
 //
 //   fsdp_plan --model=resnet18.pt --policy=size --min_num_params=1000000 --world_size=8
 //   fsdp_plan --model=gpt.pt --policy=transformer --format=json
@@ -41,6 +46,8 @@
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"
 #include "fsdp/wrap/torchscript_tree.h"
+#include "models/hf_checkpoint.h"
+#include "tools/decoder_plan.h"
 #include "tools/plan_report.h"
 
 ABSL_FLAG(std::string, model, "",
@@ -69,6 +76,28 @@ ABSL_FLAG(std::string, hybrid_shard_group_size, "0",
           "ranks per shard group: also plan HYBRID_SHARD (0: not planned)");
 ABSL_FLAG(std::string, backward_prefetch, "pre", "backward prefetch: pre, post or none");
 ABSL_FLAG(bool, cpu_offload, false, "plan CPUOffload(offload_params) on a CUDA device");
+ABSL_FLAG(std::string, config, "",
+          "a Hugging Face decoder's config.json: plan a fine-tune of it (examples/llama:finetune) "
+          "instead of --model's units; the flags below and --world_size, "
+          "--hybrid_shard_group_size, --cpu_offload, --format apply");
+ABSL_FLAG(std::string, sharding_strategy, "full_shard",
+          "--config: full_shard, shard_grad_op, no_shard, hybrid_shard or _hybrid_shard_zero2");
+ABSL_FLAG(std::string, mixed_precision, "auto",
+          "--config: as finetune's flag: auto (bf16 for a 16-bit config dtype), bf16 (bf16 "
+          "compute, fp32 master weights), pure_bf16 or none (fp32)");
+ABSL_FLAG(std::string, batch_size, "8", "--config: the global batch, in windows");
+ABSL_FLAG(std::string, context, "128", "--config: tokens per window");
+ABSL_FLAG(std::string, grad_accumulation_steps, "1", "--config: micro-batches per step");
+ABSL_FLAG(bool, activation_checkpointing, false, "--config: each layer recomputes its forward");
+ABSL_FLAG(std::string, lora_rank, "0", "--config: 0 (full fine-tuning) or the LoRA rank");
+ABSL_FLAG(std::vector<std::string>, lora_target_modules, {},
+          "--config: the modules with adapters (default: the family's, as finetune)");
+ABSL_FLAG(std::string, memory_per_rank, "",
+          "--config: also find the smallest world size whose peak fits this (bytes, or "
+          "KB/MB/GB/KiB/MiB/GiB)");
+ABSL_FLAG(std::string, runtime_bytes, "",
+          "--config: the process before loading (default: the CPU trainer's, measured; a CUDA "
+          "process holds more)");
 ABSL_FLAG(bool, trust_torchscript, false,
           "load a TorchScript --model with torch::jit::load, which RUNS CODE FROM THE FILE (its "
           "classes' __setstate__): only for a file from a trusted source that cannot be read "
@@ -332,16 +361,82 @@ fsdp::MemoryPlanOptions plan_options(int64_t world_size) {
       .host_is_tracked(!absl::GetFlag(FLAGS_cpu_offload));
 }
 
+// A byte count flag as finetune's --max_shard_size spells it.
+int64_t bytes_flag(const char* flag, const std::string& text) {
+  try {
+    return fsdp::models::parse_shard_size(text);
+  } catch (const c10::Error& e) {
+    fail(absl::StrCat("--", flag, ": ", e.what_without_backtrace()));
+  }
+}
+
+// fsdp_plan --config: see tools/decoder_plan.h.
+int run_config(const std::string& format) {
+  const std::string path = absl::GetFlag(FLAGS_config);
+  if (!absl::GetFlag(FLAGS_model).empty()) fail("give --config or --model, not both");
+  const int64_t world = count_flag("world_size", absl::GetFlag(FLAGS_world_size), 1, 1 << 20);
+  const int64_t group = count_flag("hybrid_shard_group_size",
+                                   absl::GetFlag(FLAGS_hybrid_shard_group_size), 0, 1 << 20);
+  const c10::optional<fsdp::ShardingStrategy> strategy =
+      fsdp::parse_sharding_strategy(absl::GetFlag(FLAGS_sharding_strategy));
+  if (!strategy) {
+    fail(absl::StrCat("unknown --sharding_strategy '", absl::GetFlag(FLAGS_sharding_strategy),
+                      "': expected full_shard, shard_grad_op, no_shard, hybrid_shard or "
+                      "_hybrid_shard_zero2"));
+  }
+  if (fsdp::is_hybrid(*strategy) && (group < 1 || world % group != 0)) {
+    fail(absl::StrCat("--sharding_strategy=", absl::GetFlag(FLAGS_sharding_strategy),
+                      " needs --hybrid_shard_group_size dividing --world_size=", world));
+  }
+  fsdp::models::FinetunePlanOptions options;
+  options.world_size(world)
+      .sharding_strategy(*strategy)
+      .hybrid_shard_group_size(fsdp::is_hybrid(*strategy) ? group : 0)
+      .context(count_flag("context", absl::GetFlag(FLAGS_context), 1, 1 << 24))
+      .activation_checkpointing(absl::GetFlag(FLAGS_activation_checkpointing))
+      .cpu_offload(absl::GetFlag(FLAGS_cpu_offload))
+      .runtime_bytes(absl::GetFlag(FLAGS_runtime_bytes).empty()
+                         ? fsdp::models::kDefaultRuntimeBytes
+                         : bytes_flag("runtime_bytes", absl::GetFlag(FLAGS_runtime_bytes)));
+  // --mixed_precision as the trainer resolves it on the CPU (examples/gpt/flags.h).
+  std::string precision = absl::GetFlag(FLAGS_mixed_precision);
+  if (precision == "auto") {
+    const std::string dtype = fsdp::models::load_decoder_config(path).dtype;
+    precision = dtype == "bfloat16" || dtype == "float16" ? "bf16" : "none";
+  }
+  if (precision == "bf16") {
+    options.param_dtype(c10::ScalarType::BFloat16);
+  } else if (precision == "pure_bf16") {
+    options.dtype(c10::ScalarType::BFloat16);
+  } else if (precision != "none") {
+    fail(absl::StrCat("unknown --mixed_precision '", precision,
+                      "': expected auto, bf16, pure_bf16 or none"));
+  }
+  fsdp::models::TrainedWeights trained;
+  trained.lora_rank = count_flag("lora_rank", absl::GetFlag(FLAGS_lora_rank), 0, 1 << 20);
+  trained.lora_targets = list_flag("lora_target_modules", absl::GetFlag(FLAGS_lora_target_modules));
+  options.trained(trained);
+  const std::string memory = absl::GetFlag(FLAGS_memory_per_rank);
+  const fsdp::tools::DecoderPlanReport report = fsdp::tools::make_decoder_report(
+      path, options, count_flag("batch_size", absl::GetFlag(FLAGS_batch_size), 1, 1 << 24),
+      count_flag("grad_accumulation_steps", absl::GetFlag(FLAGS_grad_accumulation_steps), 1,
+                 1 << 24),
+      memory.empty() ? 0 : bytes_flag("memory_per_rank", memory));
+  std::cout << (format == "json" ? fsdp::tools::to_json(report) : fsdp::tools::to_table(report));
+  return 0;
+}
+
 int run() {
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format != "table" && format != "json") {
+    fail(absl::StrCat("unknown --format '", format, "': expected table or json"));
+  }
+  if (!absl::GetFlag(FLAGS_config).empty()) return run_config(format);
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) {
     fail(
         "--model=FILE is required (a .pt2 archive from torch.export.save or a TorchScript "
-        "file)");
-  }
-  const std::string format = absl::GetFlag(FLAGS_format);
-  if (format != "table" && format != "json") {
-    fail(absl::StrCat("unknown --format '", format, "': expected table or json"));
+        "file), or --config=config.json for a decoder fine-tune's memory plan");
   }
   const int64_t world_size =
       count_flag("world_size", absl::GetFlag(FLAGS_world_size), 1, int64_t{1} << 20);
@@ -376,7 +471,10 @@ int main(int argc, char** argv) {
       "Plans FSDP units for a model exported by PyTorch (.pt2 or TorchScript).\n"
       "  fsdp_plan --model=FILE.pt2|FILE.pt --policy=size|always|transformer [--min_num_params=N]\n"
       "            [--layer_cls=PY.CLASS.PATH,...] [--force_leaf=...] [--exclude=...]\n"
-      "            [--ignored_modules=FQN,...] [--world_size=W] [--format=table|json]");
+      "            [--ignored_modules=FQN,...] [--world_size=W] [--format=table|json]\n"
+      "  fsdp_plan --config=config.json [--world_size=W] [--batch_size=B] [--context=T]\n"
+      "            [--mixed_precision=...] [--lora_rank=R] [--activation_checkpointing]\n"
+      "            [--grad_accumulation_steps=K] [--memory_per_rank=80GiB] [--format=...]");
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
     fail(absl::StrCat("unexpected argument '", positional[1], "'; see --help"));

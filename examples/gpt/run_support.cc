@@ -4,8 +4,8 @@
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
-#include <sys/resource.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,8 +22,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -285,7 +285,8 @@ std::pair<std::string, std::optional<int64_t>> memory_cgroup() {
       if (controller == "memory") v1 = parts[2];
     }
   }
-  if (!v1.empty()) return {"v1:" + v1, read_limit("/sys/fs/cgroup/memory" + v1 + "/memory.limit_in_bytes")};
+  if (!v1.empty())
+    return {"v1:" + v1, read_limit("/sys/fs/cgroup/memory" + v1 + "/memory.limit_in_bytes")};
   if (!v2.empty()) return {"v2:" + v2, read_limit("/sys/fs/cgroup" + v2 + "/memory.max")};
   return {"", std::nullopt};
 }
@@ -323,7 +324,8 @@ MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device) {
     return static_cast<int64_t>(std::hash<std::string>()(text));
   };
   const std::vector<int64_t> hosts = all_gather_int64(comm, hash(host), device);
-  const std::vector<int64_t> cgroups = all_gather_int64(comm, hash(absl::StrCat(host, "/", cgroup)), device);
+  const std::vector<int64_t> cgroups =
+      all_gather_int64(comm, hash(absl::StrCat(host, "/", cgroup)), device);
   const int64_t on_host = std::count(hosts.begin(), hosts.end(), hosts[comm.rank()]);
   const int64_t in_cgroup = std::count(cgroups.begin(), cgroups.end(), cgroups[comm.rank()]);
   // Each rank on the host holds its resident set already; MemAvailable is what is left.

@@ -130,8 +130,8 @@ int64_t peak_resident_bytes();
 // each in a cgroup of their own (as Slurm and Kubernetes make them) get their own
 // limit. Collective (one small all-gather on `device`).
 struct MemoryBudget {
-  int64_t bytes = 0;          // the most this rank may hold in all
-  std::string why;            // "its cgroup's limit of 3.00 GiB shared by 2 ranks"
+  int64_t bytes = 0;  // the most this rank may hold in all
+  std::string why;    // "its cgroup's limit of 3.00 GiB shared by 2 ranks"
 };
 MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device);
 

@@ -345,7 +345,8 @@ std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImp
   };
   FinetunePlanOptions options = plan.options;
   if (!options.activation_checkpointing()) {
-    consider("--activation_checkpointing", FinetunePlanOptions(options).activation_checkpointing(true));
+    consider("--activation_checkpointing",
+             FinetunePlanOptions(options).activation_checkpointing(true));
   }
   if (options.micro_batch() > 1) {
     consider(absl::StrCat("--grad_accumulation_steps=",

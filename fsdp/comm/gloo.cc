@@ -185,7 +185,6 @@ void name_gloo_terminations_by_default() {
   });
 }
 
-
 // Whether two buffers share memory.
 bool overlaps(const CommBuffer& a, const CommBuffer& b) {
   const char* a_begin = static_cast<const char*>(a.data);

@@ -1,0 +1,141 @@
+#include "tools/decoder_plan.h"
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "fsdp/lora/lora.h"
+#include "models/decoder.h"
+#include "models/lora_targets.h"
+
+namespace fsdp::tools {
+namespace {
+
+int64_t micro_batch(int64_t global_batch, int64_t world, int64_t accumulation) {
+  return std::max<int64_t>(1, global_batch / world / accumulation);
+}
+
+}  // namespace
+
+DecoderPlanReport make_decoder_report(const std::string& config_path,
+                                      models::FinetunePlanOptions options, int64_t global_batch,
+                                      int64_t grad_accumulation_steps, int64_t memory_per_rank) {
+  TORCH_CHECK(global_batch >= 1 && grad_accumulation_steps >= 1,
+              "expected a batch and gradient accumulation steps of at least 1, got ", global_batch,
+              " and ", grad_accumulation_steps);
+  DecoderPlanReport report;
+  report.source = config_path;
+  report.config = models::load_decoder_config(config_path);
+  report.global_batch = global_batch;
+  report.grad_accumulation_steps = grad_accumulation_steps;
+  // The decoder on the meta device: shapes only, as the trainer builds it.
+  auto net = std::make_shared<models::CausalLMImpl>(
+      report.config, at::TensorOptions().device(c10::kMeta).dtype(options.dtype()));
+  models::TrainedWeights trained = options.trained();
+  if (trained.lora_rank > 0) {
+    if (trained.lora_targets.empty())
+      trained.lora_targets = models::default_lora_targets(report.config);
+    const std::string error = models::lora_targets_error(report.config, trained.lora_targets);
+    TORCH_CHECK(error.empty(), error);
+    lora::LoraConfig lora;
+    lora.r(trained.lora_rank).target_modules(trained.lora_targets);
+    lora::apply_lora(*net, lora);
+    options.trained(trained);
+  }
+  for (const at::Tensor& p : net->parameters()) {
+    report.numel += p.numel();
+    if (p.requires_grad()) report.trainable += p.numel();
+  }
+  const std::vector<PlanUnit> units = models::plan_units(*net);
+  report.units = static_cast<int64_t>(units.size());
+  options.micro_batch(micro_batch(global_batch, options.world_size(), grad_accumulation_steps));
+  report.plan = models::plan_finetune(report.config, units, options);
+  report.memory_per_rank = memory_per_rank;
+  if (memory_per_rank > 0) {
+    const int64_t group = options.hybrid_shard_group_size();
+    for (int64_t world = std::max<int64_t>(group, 1); world <= kMaxPlannedWorldSize;
+         world += std::max<int64_t>(group, 1)) {
+      models::FinetunePlanOptions wider = options;
+      wider.world_size(world).micro_batch(
+          micro_batch(global_batch, world, grad_accumulation_steps));
+      models::FinetunePlan plan = models::plan_finetune(report.config, units, wider);
+      if (plan.peak_bytes <= memory_per_rank) {
+        report.smallest_world_size = world;
+        report.smallest_plan = std::move(plan);
+        break;
+      }
+    }
+  }
+  return report;
+}
+
+std::string to_table(const DecoderPlanReport& r) {
+  const models::FinetunePlan& p = r.plan;
+  const models::FinetunePlanOptions& o = p.options;
+  std::string out = absl::StrFormat(
+      "%s (%s): %d parameters (%d trainable), %d layers, %d FSDP units\n"
+      "world size %d, %s, %s master weights%s, micro-batch %d x %d tokens (batch %d, %d "
+      "accumulation steps)%s%s, AdamW\n",
+      r.source, r.config.model_type, r.numel, r.trainable, r.config.num_hidden_layers, r.units,
+      o.world_size(), sharding_strategy_name(p.step.effective_strategy), c10::toString(o.dtype()),
+      o.param_dtype() ? absl::StrCat(", ", c10::toString(*o.param_dtype()), " compute") : "",
+      o.micro_batch(), o.context(), r.global_batch, r.grad_accumulation_steps,
+      o.activation_checkpointing() ? ", activation checkpointing" : "",
+      o.cpu_offload() ? ", CPU offload" : "");
+  const std::vector<std::pair<const char*, int64_t>> rows = {
+      {"sharded parameters", p.parameters},      {"sharded gradients", p.gradients},
+      {"optimizer state", p.optimizer_state},    {"gathered units", p.gathered_units},
+      {"activations", p.activations.peak_bytes}, {"runtime (assumed)", p.runtime},
+      {"peak per rank", p.peak_bytes},           {"saving, above the shards", p.saving}};
+  for (const auto& [what, bytes] : rows) {
+    out += absl::StrFormat("  %-26s %14d B  %s\n", what, bytes, models::format_bytes(bytes));
+  }
+  out += absl::StrCat("memory plan: ", p.summary(), "\n");
+  if (r.memory_per_rank > 0) {
+    out += r.smallest_world_size > 0
+               ? absl::StrFormat(
+                     "smallest world size with a peak of at most %s per rank: %d "
+                     "(peak %s)\n",
+                     models::format_bytes(r.memory_per_rank), r.smallest_world_size,
+                     models::format_bytes(r.smallest_plan.peak_bytes))
+               : absl::StrFormat("no world size up to %d fits %s per rank\n", kMaxPlannedWorldSize,
+                                 models::format_bytes(r.memory_per_rank));
+  }
+  return out;
+}
+
+std::string to_json(const DecoderPlanReport& r) {
+  const models::FinetunePlan& p = r.plan;
+  nlohmann::json json = {{"config", r.source},
+                         {"model_type", r.config.model_type},
+                         {"parameters", r.numel},
+                         {"trainable", r.trainable},
+                         {"units", r.units},
+                         {"world_size", p.options.world_size()},
+                         {"sharding_strategy", sharding_strategy_name(p.step.effective_strategy)},
+                         {"micro_batch", p.options.micro_batch()},
+                         {"context", p.options.context()},
+                         {"bytes",
+                          {{"sharded_parameters", p.parameters},
+                           {"sharded_gradients", p.gradients},
+                           {"optimizer_state", p.optimizer_state},
+                           {"gathered_units", p.gathered_units},
+                           {"activations", p.activations.peak_bytes},
+                           {"runtime", p.runtime},
+                           {"saving", p.saving},
+                           {"peak", p.peak_bytes}}}};
+  if (r.memory_per_rank > 0) {
+    json["memory_per_rank"] = r.memory_per_rank;
+    json["smallest_world_size"] = r.smallest_world_size;
+    if (r.smallest_world_size > 0) json["smallest_world_size_peak"] = r.smallest_plan.peak_bytes;
+  }
+  return json.dump(2) + "\n";
+}
+
+}  // namespace fsdp::tools

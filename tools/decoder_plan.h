@@ -1,0 +1,51 @@
+// fsdp_plan --config: the memory plan of a decoder fine-tune (models/memory_plan.h) from a
+// Hugging Face config.json alone, before any weight is downloaded, for a world size,
+// sharding strategy, precision, batch, context and the trainer's memory levers; and the
+// smallest world size whose plan fits a memory per rank. The figures are those
+// examples/llama:finetune prints before loading (its "memory plan:" line), except the
+// runtime term, which the trainer measures and this assumes (kDefaultRuntimeBytes unless
+// given). PyTorch: `accelerate estimate-memory` (weights x 4 for Adam, no sharding, no
+// activations). Errors: c10::Error for a config the decoder refuses (config.h) or bad
+// options.
+#ifndef FSDP_TOOLS_DECODER_PLAN_H_
+#define FSDP_TOOLS_DECODER_PLAN_H_
+
+#include <cstdint>
+#include <string>
+
+#include "models/config.h"
+#include "models/memory_plan.h"
+
+namespace fsdp::tools {
+
+// The largest world size the smallest-world-size search tries.
+inline constexpr int64_t kMaxPlannedWorldSize = 65536;
+
+struct DecoderPlanReport {
+  std::string source;  // the config.json's path
+  models::DecoderConfig config;
+  int64_t numel = 0;      // parameters, adapters included
+  int64_t trainable = 0;  // of which train
+  int64_t units = 0;      // FSDP units (the root and one per layer)
+  int64_t global_batch = 0, grad_accumulation_steps = 1;
+  models::FinetunePlan plan;
+  // With a memory per rank (> 0): the smallest world size whose plan's peak fits it (the
+  // micro-batch shrinking with it), 0 when none up to kMaxPlannedWorldSize does.
+  int64_t memory_per_rank = 0;
+  int64_t smallest_world_size = 0;
+  models::FinetunePlan smallest_plan;
+};
+
+// `options.micro_batch` is derived: global_batch / world size / grad_accumulation_steps,
+// at least 1. `options.trained().lora_targets` empty with a LoRA rank: the family's
+// default (lora_targets.h).
+DecoderPlanReport make_decoder_report(const std::string& config_path,
+                                      models::FinetunePlanOptions options, int64_t global_batch,
+                                      int64_t grad_accumulation_steps, int64_t memory_per_rank);
+
+std::string to_table(const DecoderPlanReport& report);
+std::string to_json(const DecoderPlanReport& report);
+
+}  // namespace fsdp::tools
+
+#endif  // FSDP_TOOLS_DECODER_PLAN_H_

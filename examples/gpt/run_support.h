@@ -115,7 +115,7 @@ int64_t resident_bytes();
 // maps every tensor of 1 MiB or more on its own and unmaps it when freed, so the resident
 // set follows the tensors, as the memory plan counts them (models/memory_plan.h); on the
 // 2-core CPU machine it was also faster (109 -> 169 tokens/s in a full fine-tune, 244 ->
-// 313 with LoRA). Call it first thing in main(); no-op without glibc.
+// 313 with LoRA). Both trainers call it first thing in main(); no-op without glibc.
 void return_freed_tensors_to_the_system();
 
 // The largest resident set this process has had, in bytes (getrusage's ru_maxrss).

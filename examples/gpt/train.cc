@@ -563,6 +563,7 @@ int train() {
 }  // namespace fsdp::examples
 
 int main(int argc, char** argv) {
+  fsdp::examples::return_freed_tensors_to_the_system();  // see the Note in run_support.h
   fsdp::examples::allow_bare_resume_flag(argc, argv);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {  // positional[0] is the program

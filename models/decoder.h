@@ -160,6 +160,9 @@ struct DecoderModelImpl : torch::nn::Module {
 
   DecoderConfig config;
   torch::nn::Embedding embed_tokens{nullptr};
+  // Untied embeddings: embed_tokens in an FSDP unit of its own, registered under its name
+  // (see Note [The embeddings and the head are units] in decoder.cc); null when tied.
+  Unit<torch::nn::EmbeddingImpl> embed_unit{nullptr};
   torch::nn::ModuleList layers{nullptr};
   std::vector<Unit<DecoderLayerImpl>> units;  // the layers, typed
   RMSNorm norm{nullptr};
@@ -179,6 +182,7 @@ struct CausalLMImpl : torch::nn::Module {
   // [vocab_size, hidden_size], no bias; null when tie_word_embeddings (the logits then use
   // model.embed_tokens.weight: one parameter, whose gradient sums both uses).
   lora::LoraLinear lm_head{nullptr};
+  Unit<lora::LoraLinearImpl> head_unit{nullptr};  // lm_head's own unit (untied)
 };
 
 // The init function for FullyShardedRoot::init_parameters of a decoder built on the meta

@@ -52,8 +52,11 @@ TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
       cpu = std::make_shared<CausalLMImpl>(config);
     }
     EXPECT_TRUE(cpu->buffers().empty());  // RoPE and embedding scales come from the config
-    EXPECT_EQ(cpu->named_parameters().contains("lm_head.weight"), !tied);
     const StateDict want = module_state_dict(*cpu);
+    EXPECT_EQ(want.contains("lm_head.weight"), !tied);
+    // Untied, the embeddings and the head are units of their own, as the layers are.
+    EXPECT_EQ(static_cast<bool>(cpu->head_unit), !tied);
+    EXPECT_EQ(static_cast<bool>(cpu->model->embed_unit), !tied);
     const at::Tensor want_logits = cpu->forward(tokens());
     MemoryTracker tracker;
     FakeWorld::run(FakeWorld::create(kWorld), [&](Communicator& comm) {

@@ -165,23 +165,22 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
 
 std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
   std::vector<PlanUnit> units(1);
-  units[0].fqn = "";
   units[0].is_root = true;
-  for (size_t i = 0; i < net.model->units.size(); ++i) {
-    PlanUnit unit;
-    unit.fqn = absl::StrCat("model.layers.", i);
-    for (const at::Tensor& p : net.model->units[i]->module()->parameters()) {
-      (p.requires_grad() ? unit.trainable_numel : unit.frozen_numel) += p.numel();
-    }
-    units.push_back(unit);
-  }
-  int64_t trainable = 0, frozen = 0;
+  int64_t trainable = 0, frozen = 0;  // the root's: what no unit holds
   for (const at::Tensor& p : net.parameters())
     (p.requires_grad() ? trainable : frozen) += p.numel();
-  // The root holds what no layer does.
-  for (size_t i = 1; i < units.size(); ++i) {
-    trainable -= units[i].trainable_numel;
-    frozen -= units[i].frozen_numel;
+  // The units in forward order (pre-order: the embeddings, the layers, the head).
+  for (const auto& item : net.named_modules()) {
+    const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
+    if (unit == nullptr) continue;
+    PlanUnit planned;
+    planned.fqn = item.key();
+    for (const at::Tensor& p : unit->wrapped_module()->parameters()) {
+      (p.requires_grad() ? planned.trainable_numel : planned.frozen_numel) += p.numel();
+    }
+    trainable -= planned.trainable_numel;
+    frozen -= planned.frozen_numel;
+    units.push_back(planned);
   }
   units[0].trainable_numel = trainable;
   units[0].frozen_numel = frozen;

@@ -56,10 +56,11 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained);
 
-// The FSDP units of a decoder built by decoder.h (each layer a unit, the root holding the
-// embeddings, the final norm and the head), with the elements each will train and freeze,
-// as FullyShardedDataParallel will flatten them: the root first, then the layers. Reads
-// shapes only, so `net` may be on the meta device, with LoRA adapters applied or not.
+// The FSDP units of a decoder built by decoder.h (each layer a unit, and the embeddings
+// and the head when untied; the root holding the rest), with the elements each will train
+// and freeze, as FullyShardedDataParallel will flatten them: the root first, then the
+// units in forward order. Reads shapes only, so `net` may be on the meta device, with
+// LoRA adapters applied or not.
 std::vector<PlanUnit> plan_units(CausalLMImpl& net);
 
 struct FinetunePlanOptions {

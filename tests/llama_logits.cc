@@ -31,8 +31,10 @@ at::Tensor logits_at(const std::string& dir, const at::Tensor& ids, int world_si
     module->to(models::hf_weights_dtype(dir));
     FullyShardedDataParallel<models::CausalLMImpl> model(module,
                                                          FullyShardedDataParallelOptions(self));
-    TORCH_CHECK(int64_t(model->units().size()) == config.num_hidden_layers + 1,
-                "expected a unit per decoder layer and the root, got ", model->units().size());
+    // A unit per decoder layer and the root, and the embeddings' and the head's when untied.
+    const int64_t units = config.num_hidden_layers + 1 + (config.tie_word_embeddings ? 0 : 2);
+    TORCH_CHECK(int64_t(model->units().size()) == units, "expected ", units, " units, got ",
+                model->units().size());
     models::load_hf_weights(*model, dir);
     torch::NoGradGuard no_grad;
     const at::Tensor logits = model->forward(ids);

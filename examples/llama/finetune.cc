@@ -6,7 +6,7 @@
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
 //
 // The model is fsdp::models::CausalLMImpl (models/decoder.h) built from HF_DIR/config.json,
-// each decoder layer an FSDP unit (FULL_SHARD by default), its weights read from HF_DIR
+// each decoder layer an FSDP unit, and the embeddings and the head when untied (FULL_SHARD by default), its weights read from HF_DIR
 // (hf_checkpoint.h) with no process ever holding the whole model (see Note [No rank holds
 // the whole model]), trained with AdamW on random windows of --context + 1 tokens of
 // --data (the same windows at any world size). A token file is a flat little-endian array

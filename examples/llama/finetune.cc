@@ -6,12 +6,14 @@
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
 //
 // The model is fsdp::models::CausalLMImpl (models/decoder.h) built from HF_DIR/config.json,
-// each decoder layer an FSDP unit, and the embeddings and the head when untied (FULL_SHARD by default), its weights read from HF_DIR
-// (hf_checkpoint.h) with no process ever holding the whole model (see Note [No rank holds
-// the whole model]), trained with AdamW on random windows of --context + 1 tokens of
-// --data (the same windows at any world size). A token file is a flat little-endian array
-// of token ids (nanoGPT / llm.c): uint16 when the vocabulary fits, else uint32
-// (--data_dtype; examples/llama/tokenize.py makes one with the folder's tokenizer).
+// each decoder layer an FSDP unit, and the embeddings and the head when untied (FULL_SHARD
+// by default), its weights read from HF_DIR (hf_checkpoint.h) with no process ever holding
+// the whole model (see Note [No rank holds the whole model]), trained with AdamW on random
+// windows of --context + 1 tokens of --data (the same windows at any world size). A token
+// file is a flat little-endian array of token ids (nanoGPT / llm.c): uint16 when the
+// vocabulary fits, else uint32 (--data_dtype; examples/llama/tokenize.py makes one with the
+// folder's tokenizer). Before reading a weight it prints what each rank will hold and stops
+// if that does not fit (Note [The memory plan]).
 //
 // Rank 0 prints a progress line per --log_interval steps (loss, lr, tokens/s, ETA) and
 // writes OUT/metrics.csv (a row per step, flushed); every --checkpoint_interval steps the

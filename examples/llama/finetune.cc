@@ -376,6 +376,16 @@ std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImp
 // plan]. Collective.
 void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, CausalLMImpl& net,
                        Communicator& comm, c10::Device device) {
+  if (device.is_cuda()) {
+    // The plan's tensors sit on the GPU and its activations are the CPU kernels'; the host's
+    // budget says nothing about them, so no check is made (docs/GPU.md).
+    if (comm.rank() == 0) {
+      std::cout << "memory plan: " << plan.summary()
+                << " (on CUDA: tensors per GPU, activations as the CPU's kernels hold them; "
+                   "not checked)\n";
+    }
+    return;
+  }
   examples::MemoryBudget budget = examples::rank_memory_budget(comm, device);
   const std::string flag = absl::GetFlag(FLAGS_max_memory_per_rank);
   if (!flag.empty()) {
@@ -637,7 +647,12 @@ int finetune() {
   const std::string hf = dir + "/hf";
   // See Note [The memory plan].
   const std::vector<int64_t> peaks = examples::peak_resident_set_of_ranks(*comm, device);
-  if (lead) {
+  if (lead && device.is_cuda()) {
+    std::cout << absl::StrFormat(
+        "peak device memory (rank 0): %.1f MB allocated; peak resident set (host): %d MiB\n",
+        model->device_handle().max_memory_allocated() / 1e6,
+        *std::max_element(peaks.begin(), peaks.end()) >> 20);
+  } else if (lead) {
     std::vector<std::string> each;
     for (size_t r = 0; r < peaks.size(); ++r) {
       each.push_back(absl::StrFormat("rank %d %d MiB", r, peaks[r] >> 20));

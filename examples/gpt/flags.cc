@@ -121,14 +121,19 @@ MachineLimits this_machine() {
   machine.cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
   machine.max_ranks = max_ranks_per_node();
   machine.cuda_devices = cuda_device_count(&machine.why_no_cuda);
+  machine.available_bytes = std::max<int64_t>(available_memory_bytes(), 0);
+  return machine;
+}
+
+int64_t available_memory_bytes() {
   std::ifstream meminfo("/proc/meminfo");
   for (std::string key; meminfo >> key;) {
     int64_t kib = 0;
     std::string unit;
     if (!(meminfo >> kib >> unit)) break;
-    if (key == "MemAvailable:") machine.available_bytes = kib * 1024;
+    if (key == "MemAvailable:") return kib * 1024;
   }
-  return machine;
+  return -1;
 }
 
 double lower_bound_bytes_per_rank(const TrainerFlags& f) {

@@ -64,6 +64,9 @@ struct MachineLimits {
 
 MachineLimits this_machine();
 
+// /proc/meminfo's MemAvailable in bytes, or -1.
+int64_t available_memory_bytes();
+
 // "" if the levers are usable for a run of `world` (>= 1) ranks and a global batch of
 // `batch_size` sequences on `machine`, else one line naming the flag, the value and what
 // is allowed: device and mixed_precision values (cuda needs a visible device, and a

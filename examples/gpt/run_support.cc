@@ -30,6 +30,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 
+#include "examples/gpt/flags.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/formats/values.h"
 #include "fsdp/state/checkpoint.h"
@@ -291,17 +292,6 @@ std::pair<std::string, std::optional<int64_t>> memory_cgroup() {
   return {"", std::nullopt};
 }
 
-int64_t mem_available() {
-  std::ifstream meminfo("/proc/meminfo");
-  for (std::string key; meminfo >> key;) {
-    int64_t kib = 0;
-    std::string unit;
-    if (!(meminfo >> kib >> unit)) break;
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return -1;
-}
-
 // Each rank's `value` (rank order). Collective.
 std::vector<int64_t> all_gather_int64(Communicator& comm, int64_t value, c10::Device device) {
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
@@ -331,7 +321,7 @@ MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device) {
   // Each rank on the host holds its resident set already; MemAvailable is what is left.
   const int64_t resident = std::max<int64_t>(resident_bytes(), 0);
   MemoryBudget budget;
-  budget.bytes = resident + std::max<int64_t>(mem_available(), 0) / on_host;
+  budget.bytes = resident + std::max<int64_t>(available_memory_bytes(), 0) / on_host;
   budget.why = absl::StrFormat("the machine's available memory shared by %d rank%s", on_host,
                                on_host == 1 ? "" : "s");
   if (limit && *limit / in_cgroup < budget.bytes) {

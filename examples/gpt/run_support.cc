@@ -274,7 +274,8 @@ std::optional<int64_t> read_limit(const std::string& path) {
   return bytes;
 }
 
-// This process's memory cgroup (from /proc/self/cgroup) and its limit, if any.
+// This process's memory cgroup (from /proc/self/cgroup) and the smallest limit of it and
+// its ancestors (a parent's limit bounds its children), if any.
 std::pair<std::string, std::optional<int64_t>> memory_cgroup() {
   std::ifstream in("/proc/self/cgroup");
   std::string v2, v1;
@@ -286,10 +287,35 @@ std::pair<std::string, std::optional<int64_t>> memory_cgroup() {
       if (controller == "memory") v1 = parts[2];
     }
   }
-  if (!v1.empty())
-    return {"v1:" + v1, read_limit("/sys/fs/cgroup/memory" + v1 + "/memory.limit_in_bytes")};
-  if (!v2.empty()) return {"v2:" + v2, read_limit("/sys/fs/cgroup" + v2 + "/memory.max")};
-  return {"", std::nullopt};
+  const bool is_v1 = !v1.empty();
+  std::string path = is_v1 ? v1 : v2;
+  if (path.empty()) return {"", std::nullopt};
+  const std::string root = is_v1 ? "/sys/fs/cgroup/memory" : "/sys/fs/cgroup";
+  const char* file = is_v1 ? "/memory.limit_in_bytes" : "/memory.max";
+  std::optional<int64_t> smallest;
+  for (std::string at = path;; at = at.substr(0, at.rfind('/'))) {
+    if (const std::optional<int64_t> limit = read_limit(root + at + file)) {
+      smallest = smallest ? std::min(*smallest, *limit) : *limit;
+    }
+    if (at.empty() || at == "/") break;
+  }
+  return {absl::StrCat(is_v1 ? "v1:" : "v2:", path), smallest};
+}
+
+// The resident set of this process's parent (a launcher: fsdp_run, this binary starting
+// its ranks, torchrun) when it shares this process's cgroups, else 0: it counts against the
+// same limit.
+int64_t parent_resident_in_same_cgroup() {
+  const auto text = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  const std::string parent = absl::StrCat("/proc/", getppid());
+  if (text("/proc/self/cgroup") != text(parent + "/cgroup")) return 0;
+  std::ifstream statm(parent + "/statm");
+  int64_t pages = 0, resident = 0;
+  if (!(statm >> pages >> resident)) return 0;
+  return resident * sysconf(_SC_PAGESIZE);
 }
 
 // Each rank's `value` (rank order). Collective.
@@ -324,10 +350,16 @@ MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device) {
   budget.bytes = resident + std::max<int64_t>(available_memory_bytes(), 0) / on_host;
   budget.why = absl::StrFormat("the machine's available memory shared by %d rank%s", on_host,
                                on_host == 1 ? "" : "s");
-  if (limit && *limit / in_cgroup < budget.bytes) {
-    budget.bytes = *limit / in_cgroup;
-    budget.why = absl::StrFormat("its cgroup's memory limit of %s shared by %d rank%s", gib(*limit),
-                                 in_cgroup, in_cgroup == 1 ? "" : "s");
+  if (limit) {
+    const int64_t launcher = parent_resident_in_same_cgroup();
+    const int64_t share = std::max<int64_t>(*limit - launcher, 0) / in_cgroup;
+    if (share < budget.bytes) {
+      budget.bytes = share;
+      budget.why = absl::StrFormat(
+          "its cgroup's memory limit of %s shared by %d rank%s%s", gib(*limit), in_cgroup,
+          in_cgroup == 1 ? "" : "s",
+          launcher > 0 ? absl::StrCat(" and their launcher's ", launcher >> 20, " MiB") : "");
+    }
   }
   return budget;
 }

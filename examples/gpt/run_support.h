@@ -126,7 +126,9 @@ int64_t peak_resident_bytes();
 // or v1 memory.limit_in_bytes, of the cgroup /proc/self/cgroup names), split between the
 // ranks in that same cgroup, and its share of the machine's available memory
 // (MemAvailable, beyond what the ranks hold already), split between the ranks on the
-// host, whichever is smaller. Ranks compare cgroups and hosts by an all-gather, so ranks
+// host, whichever is smaller. A launcher that is this process's parent in the same cgroup
+// (this binary starting its ranks, fsdp_run, torchrun) holds part of the limit: its
+// resident set is taken off first. Ranks compare cgroups and hosts by an all-gather, so ranks
 // each in a cgroup of their own (as Slurm and Kubernetes make them) get their own
 // limit. Collective (one small all-gather on `device`).
 struct MemoryBudget {

@@ -338,9 +338,10 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
 // ("--activation_checkpointing (peak 3.1 GiB)"); empty if none does alone.
 std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImpl& net,
                                         const FinetunePlan& plan, int64_t budget) {
+  const std::vector<PlanUnit> units = plan_units(net);
   std::vector<std::string> fits;
   const auto consider = [&](const std::string& flag, FinetunePlanOptions options) {
-    const FinetunePlan other = plan_finetune(config, plan_units(net), options);
+    const FinetunePlan other = plan_finetune(config, units, options);
     if (other.peak_bytes <= budget) {
       fits.push_back(absl::StrCat(flag, " (peak ", format_bytes(other.peak_bytes), ")"));
     }
@@ -364,7 +365,7 @@ std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImp
     if (absl::GetFlag(FLAGS_batch_size) % world != 0) continue;
     FinetunePlanOptions wider = FinetunePlanOptions(options).world_size(world).micro_batch(
         std::max<int64_t>(1, options.micro_batch() * options.world_size() / world));
-    if (plan_finetune(config, plan_units(net), wider).peak_bytes <= budget) {
+    if (plan_finetune(config, units, wider).peak_bytes <= budget) {
       consider(absl::StrCat("--world_size=", world, " (more hosts)"), wider);
       break;
     }

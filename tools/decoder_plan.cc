@@ -96,6 +96,7 @@ std::string to_table(const DecoderPlanReport& r) {
   for (const auto& [what, bytes] : rows) {
     out += absl::StrFormat("  %-26s %14d B  %s\n", what, bytes, models::format_bytes(bytes));
   }
+  out += absl::StrCat("the step's peak: ", p.step.peak_event, "\n");
   out += absl::StrCat("memory plan: ", p.summary(), "\n");
   if (r.memory_per_rank > 0) {
     out += r.smallest_world_size > 0

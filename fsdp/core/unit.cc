@@ -62,7 +62,9 @@ at::Tensor UnitBase::cast_output(const at::Tensor& output) { return state_->cast
 
 bool UnitBase::hook_output(const at::Tensor& output) { return state_->hook_output(output); }
 
-void UnitBase::post_forward(bool hooked) { state_->post_forward(hooked); }
+void UnitBase::post_forward(bool hooked, bool outside_autograd) {
+  state_->post_forward(hooked, outside_autograd);
+}
 
 // Note [A unit's module called directly]
 // An auto_wrap_policy may pick a module that its parent holds itself (a ModuleList entry,

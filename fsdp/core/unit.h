@@ -144,7 +144,9 @@ class UnitBase : public torch::nn::Module {
     if constexpr (std::is_same_v<std::decay_t<decltype(output)>, at::Tensor>) {
       output = cast_output(output);
     }
-    post_forward(hook_outputs(output));
+    outputs_opaque_ = false;
+    const bool hooked = hook_outputs(output);
+    post_forward(hooked, /*outside_autograd=*/!hooked && !outputs_opaque_);
     return output;
   }
 
@@ -165,7 +167,7 @@ class UnitBase : public torch::nn::Module {
   at::Tensor cast_tensor_input(const at::Tensor& input);
   at::Tensor cast_output(const at::Tensor& output);
   bool hook_output(const at::Tensor& output);
-  void post_forward(bool hooked);
+  void post_forward(bool hooked, bool outside_autograd);
   // Inside a catch block: rethrows the error, or one naming the unit whose module the
   // forward called directly (the root only).
   [[noreturn]] void rethrow_forward_error() const;
@@ -184,13 +186,15 @@ class UnitBase : public torch::nn::Module {
   }
   template <typename T>
   bool hook_outputs(const T&) {
-    return false;  // not a tensor: see the file comment
+    outputs_opaque_ = true;  // not a tensor: see the file comment
+    return false;
   }
   template <typename T>
   bool hook_item(const T& item) {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
       return hook_output(item);
     } else {
+      outputs_opaque_ = true;
       return false;
     }
   }
@@ -200,6 +204,9 @@ class UnitBase : public torch::nn::Module {
   void bind(std::shared_ptr<core_internal::UnitState> state);
 
   UnitAnnotation annotation_;
+  // This forward returned something other than tensors (which may hold tensors that need
+  // a gradient): the unit cannot tell that its forward is outside autograd.
+  bool outputs_opaque_ = false;
   std::shared_ptr<core_internal::UnitState> state_;
   const torch::nn::Module* registered_ = nullptr;  // bound_unit_of's key, once bound
   std::unique_ptr<FlatParamHandle> constructed_handle_;

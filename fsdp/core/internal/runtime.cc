@@ -145,13 +145,27 @@ at::Tensor UnitState::cast_output(const at::Tensor& output) {
   return output.to(*std::exchange(input_dtype_, c10::nullopt));
 }
 
-void UnitState::post_forward(bool hooked) {
+// Note [Units outside autograd]
+// A unit whose forward returns only tensors that need no gradient (a frozen embedding fed
+// token ids, as in LoRA; any unit under torch::NoGradGuard) is outside autograd's graph:
+// nothing in backward reads its unsharded parameters. It reshards after forward as a
+// hooked unit does, and backward prefetching passes over it, since it has no backward to
+// gather for. Before this, such a unit kept its parameters gathered until the end of
+// backward (a LoRA fine-tune of a 672 M Llama held the 250 MiB embedding through the whole
+// step) and an evaluation forward gathered every unit of the model at once. A unit whose
+// outputs are not all tensors may hand tensors that need a gradient out another way, so
+// it still keeps its parameters (nothing would gather them again for its backward).
+void UnitState::post_forward(bool hooked, bool outside_autograd) {
   if (is_root_) root_->check_units_ran();
+  if (!outside_autograd) needs_backward_ = true;
   if (handle_) {
     handle_state_ = HandleTrainingState::kIdle;
     // The root keeps its parameters for backward (saves an all-gather); a unit whose
-    // outputs carry no hook keeps them too, since nothing would gather them again.
-    if (!is_root_ && hooked && reshards_after_forward(handle_->strategy())) reshard();
+    // outputs carry no hook keeps them too, since nothing would gather them again, unless
+    // it is outside autograd (see the Note above).
+    if (!is_root_ && (hooked || outside_autograd) && reshards_after_forward(handle_->strategy())) {
+      reshard();
+    }
   }
   input_dtype_ = c10::nullopt;
   if (is_root_ && !at::GradMode::is_enabled()) root_->end_forward_without_grad();
@@ -227,6 +241,7 @@ void UnitState::finish_iteration() {
   for (FlatParamHandle* handle : handles()) handle->wait_for_offload();
   handle_state_ = HandleTrainingState::kIdle;
   pre_backward_done_ = false;
+  needs_backward_ = false;
   sink_installed_ = false;
 }
 
@@ -444,9 +459,10 @@ void RootState::prefetch_for_backward_after(const UnitState* unit, BackwardPrefe
   if (backward_prefetch_ != when) return;
   const std::vector<UnitState*>& order =
       first_iteration_order_ && !first_iteration_ ? first_forward_order_ : forward_order_;
-  // The latest unit in forward order, other than `unit`, whose backward has not started.
+  // The latest unit in forward order, other than `unit`, whose backward has not started
+  // and will come (Note [Units outside autograd]).
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    if (*it != unit && !(*it)->pre_backward_done()) {
+    if (*it != unit && (*it)->needs_backward() && !(*it)->pre_backward_done()) {
       (*it)->prefetch();
       return;
     }

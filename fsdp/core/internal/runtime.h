@@ -72,8 +72,10 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   // returns whether it did.
   bool hook_output(const at::Tensor& output);
   // `hooked`: an output carries the pre-backward hook, so the unit may reshard now and
-  // gather again before its backward.
-  void post_forward(bool hooked);
+  // gather again before its backward. `outside_autograd`: every output is a tensor that
+  // needs no gradient, so no backward will use this forward's unsharded parameters (Note
+  // [Units outside autograd]).
+  void post_forward(bool hooked, bool outside_autograd);
 
   void pre_backward();
   void post_backward(std::vector<at::Tensor> grads);  // the engine's: released as copied
@@ -95,6 +97,7 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   bool restore_output_dtype_ = false;
   c10::optional<c10::ScalarType> input_dtype_;  // this forward's inputs', before casting
   bool pre_backward_done_ = false;
+  bool needs_backward_ = false;  // a forward of this iteration was hooked or opaque
   bool sink_installed_ = false;  // this iteration's sink exists
 
   void unshard();  // every flat parameter of the unit (handles())
@@ -104,6 +107,7 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
 
  public:
   bool pre_backward_done() const { return pre_backward_done_; }
+  bool needs_backward() const { return needs_backward_; }
 };
 
 // The error for a unit whose module its parent called directly (Note [A unit's module

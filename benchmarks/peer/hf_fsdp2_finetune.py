@@ -175,7 +175,7 @@ def main():
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         if rank == 0:
-            print(f"step {step + 1}/{args.steps} | loss {mean.item() / world_size:.6f} | "
+            print(f"step {step + 1}/{args.steps} | loss {mean.item() / world_size:.7f} | "
                   f"lr {lr:.2e}", flush=True)
     if rank == 0:
         print(f"peak resident set: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"

@@ -184,12 +184,29 @@ class Rank:
             self.log.write(line)
             self.log.flush()
 
-    def wait(self):
-        _, status, usage = os.wait4(self.process.pid, 0)
+    def finish(self, status, usage):
+        """Records the exit `status` and rusage os.wait4 returned; the exit code and peak MiB."""
         self.process.returncode = os.waitstatus_to_exitcode(status)
         self.reader.join()
         self.log.close()
         return self.process.returncode, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def wait_all(ranks):
+    """Waits for every rank (any order); the first to fail ends the others, which would
+    otherwise wait for it in a collective until their timeout. [(exit code, peak MiB)]."""
+    by_pid = {rank.process.pid: i for i, rank in enumerate(ranks)}
+    results = [None] * len(ranks)
+    while by_pid:
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in by_pid:
+            continue
+        i = by_pid.pop(pid)
+        results[i] = ranks[i].finish(status, usage)
+        if results[i][0] != 0:
+            for other in by_pid:
+                os.kill(other, signal.SIGTERM)
+    return results
 
 
 def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
@@ -206,7 +223,7 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
     else:
         command = [sys.executable, PEER, *common]
     port = free_port()
-    ranks = []
+    ranks, cgroups = [], []
     start = time.time()
     for r in range(args.world_size):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(r),
@@ -214,19 +231,13 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
         cgroup = make_cgroup(f"finetune_ab_{os.getpid()}_{r}", limit) if limit else None
-        ranks.append((Rank(command, env, f"{out}/rank{r}.log", cgroup), cgroup))
-    results = []
-    for rank, cgroup in ranks:
-        code, peak = rank.wait()
-        results.append((code, peak))
-        if cgroup:
-            os.rmdir(cgroup)
-        if code != 0 and any(p.process.poll() is None for p, _ in ranks):
-            for other, _ in ranks:  # one rank gone: the others would wait for it until timeout
-                if other.process.poll() is None:
-                    os.kill(other.process.pid, signal.SIGTERM)
+        ranks.append(Rank(command, env, f"{out}/rank{r}.log", cgroup))
+        cgroups.append(cgroup)
+    results = wait_all(ranks)
+    for cgroup in filter(None, cgroups):
+        os.rmdir(cgroup)
     wall = time.time() - start
-    lead = ranks[0][0].lines
+    lead = ranks[0].lines
     steps = [(t, m) for t, line in lead for m in [re.search(r"step (\d+)/\d+ \| loss ([0-9.]+)", line)] if m]
     losses = [float(m.group(2)) for _, m in steps]
     if side == "ours" and os.path.exists(f"{out}/out/metrics.csv"):  # the loss to 7 digits

@@ -11,7 +11,7 @@ of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
 - fully_shard (FSDP2, Gloo, a 1-D mesh of W ranks) on every decoder layer, then on the root.
 - to_empty(device="cpu"), then each rank reads only its rows of each weight from the
   folder's safetensors (safe_open + get_slice of the rows torch.chunk gives rank r, which
-  is DTensor's Shard(0) split) into its local shard. This is leaner than
+  is DTensor's Shard(0) split) into its local shard, one tensor at a time. This is leaner than
   set_model_state_dict(..., broadcast_from_rank0=True), where rank 0 holds the whole state
   dict (a full copy of the model) while it broadcasts.
 - Non-persistent buffers (the rotary embedding's inv_freq) recomputed by building a fresh
@@ -24,7 +24,7 @@ of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
   batch / W windows of context + 1 tokens. The loss is the mean next-token cross-entropy of
   the rank's windows, averaged over the ranks.
 Rank 0 prints `step k/N | loss X` after each step (after the all-reduce of the loss, as the
-trainer), then `peak resident set: ...` for itself.
+trainer), and its own peak resident set after loading and at the end.
 """
 
 import argparse
@@ -86,7 +86,7 @@ def build(args):
     for layer in decoder_layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, config
+    return model, len(decoder_layers)
 
 
 def checkpoint_key(name):
@@ -114,7 +114,6 @@ def materialise(model, args):
     else:
         with safe_open(os.path.join(args.folder, "model.safetensors"), "pt") as f:
             weight_map = {key: "model.safetensors" for key in f.keys()}
-    files = {}
     torch.manual_seed(args.seed)  # every rank draws the same adapters
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -128,12 +127,11 @@ def materialise(model, args):
                 full.zero_()
             local.copy_(full[begin:end])
             continue
+        # Opened per tensor: the file's mapping (whose touched pages count in the resident
+        # set) is dropped after each copy instead of growing to this rank's share of it.
         key = checkpoint_key(name)
-        file = weight_map[key]
-        if file not in files:
-            files[file] = safe_open(os.path.join(args.folder, file), "pt")
-        local.copy_(files[file].get_slice(key)[begin:end])
-    files.clear()
+        with safe_open(os.path.join(args.folder, weight_map[key]), "pt") as f:
+            local.copy_(f.get_slice(key)[begin:end])
     for module in model.modules():  # non-persistent buffers: to_empty left garbage there
         if type(module).__name__.endswith("RotaryEmbedding"):
             fresh = type(module)(module.config)
@@ -147,14 +145,17 @@ def main():
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     assert args.batch_size % world_size == 0, "--batch_size must be a multiple of the world size"
-    model, config = build(args)
+    model, layers = build(args)
     materialise(model, args)
+    if rank == 0:
+        print(f"peak resident set after loading: "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (rank 0)",
+              flush=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"model: {numel} parameters ({sum(p.numel() for p in trainable)} trainable) "
-              f"in {len(model.base_model.model.model.layers if args.lora_rank else model.model.layers)}"
-              f" fully_shard layers over {world_size} ranks", flush=True)
+              f"in {layers} fully_shard layers and the root over {world_size} ranks", flush=True)
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     tokens = torch.from_numpy(np.fromfile(args.data, dtype=args.data_dtype).astype(np.int64))
     local = args.batch_size // world_size

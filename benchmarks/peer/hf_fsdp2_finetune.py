@@ -181,6 +181,7 @@ def main():
     if rank == 0:
         print(f"peak resident set: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
               " MiB (rank 0)", flush=True)
+    dist.barrier()  # no rank tears Gloo down while another still uses it
     dist.destroy_process_group()
 
 

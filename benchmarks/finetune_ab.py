@@ -353,7 +353,9 @@ def main():
     if not args.finetune:
         subprocess.run(["bazel", "build", "-c", "opt", "//examples/llama:finetune"], cwd=ROOT,
                        check=True)
-        args.finetune = os.path.join(ROOT, "bazel-bin", "examples", "llama", "finetune")
+        bin_dir = subprocess.run(["bazel", "info", "-c", "opt", "bazel-bin"], cwd=ROOT, check=True,
+                                 capture_output=True, text=True).stdout.strip()
+        args.finetune = os.path.join(bin_dir, "examples", "llama", "finetune")
     os.makedirs(args.cache, exist_ok=True)
     machine_words = machine()
     settings = (f"W = {args.world_size} on the CPU (Gloo), fp32, one intra-op thread per rank; "

@@ -67,7 +67,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="lora,full,limit", help="comma-separated: " + ",".join(CASES))
     p.add_argument("--cache", default="/tmp/fsdp_finetune_ab", help="folders, tokens, outputs")
-    p.add_argument("--finetune", default="", help="examples/llama:finetune binary (default: build it)")
+    p.add_argument("--finetune", default="",
+                   help="examples/llama:finetune binary (default: build it with -c opt)")
     p.add_argument("--world_size", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--context", type=int, default=128)
@@ -244,7 +245,8 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
         os.rmdir(cgroup)
     wall = time.time() - start
     lead = ranks[0].lines
-    steps = [(t, m) for t, line in lead for m in [re.search(r"step (\d+)/\d+ \| loss ([0-9.]+)", line)] if m]
+    step_line = re.compile(r"step (\d+)/\d+ \| loss ([0-9.]+)")
+    steps = [(t, m) for t, line in lead for m in [step_line.search(line)] if m]
     losses = [float(m.group(2)) for _, m in steps]
     if side == "ours" and os.path.exists(f"{out}/out/metrics.csv"):  # the loss to 7 digits
         with open(f"{out}/out/metrics.csv") as f:
@@ -252,7 +254,8 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
         losses = [float(row[1]) for row in rows] or losses
     tokens_per_s = None
     if len(steps) == args.steps and args.steps > 1:
-        tokens_per_s = args.batch_size * args.context * (args.steps - 1) / (steps[-1][0] - steps[0][0])
+        seconds = steps[-1][0] - steps[0][0]
+        tokens_per_s = args.batch_size * args.context * (args.steps - 1) / seconds
     plan = None
     for _, line in lead:
         m = re.search(r"memory plan:.*?peak\s+([0-9][0-9,]*(?:\.[0-9]+)?)\s*MiB", line)
@@ -276,7 +279,8 @@ def goal(case, folder_bytes, numel, world_size, limit, ours, peer):
                 ours["status"] == "ok" and largest <= bound and ratio >= 1.2)
     if case == "full":
         bound = 1.05 * 16 * numel / world_size / MIB + 450
-        return f"<= {bound:,.0f} MiB (1.05 x 16 B x P / W + 450)", ours["status"] == "ok" and largest <= bound
+        return (f"<= {bound:,.0f} MiB (1.05 x 16 B x P / W + 450)",
+                ours["status"] == "ok" and largest <= bound)
     if case == "limit":
         return (f"trains under memory limit {limit / MIB:,.0f} MiB per rank (folder "
                 f"{folder_bytes / MIB:,.0f} MiB)", ours["status"] == "ok")
@@ -289,16 +293,19 @@ def fmt(value, spec):
 
 def table(args, rows):
     head = ("| case | side | W | tokens/s | ours/peer | peak RSS per rank (MiB) | largest | "
-            "plan MiB | measured/plan | goal (ours) | met | status | wall s | first loss | last loss |\n"
+            "plan MiB | measured/plan | goal (ours) | met | status | wall s | first loss | "
+            "last loss |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for row in rows:
         r = row["result"]
         largest = max(r["peaks"])
-        body += (f"| {row['case']} | {r['side']} | {args.world_size} | {fmt(r['tokens_per_s'], '.1f')} | "
+        body += (f"| {row['case']} | {r['side']} | {args.world_size} | "
+                 f"{fmt(r['tokens_per_s'], '.1f')} | "
                  f"{row.get('ratio', '')} | {', '.join(f'{p:,.0f}' for p in r['peaks'])} | "
                  f"{largest:,.0f} | {fmt(r['plan'], ',.0f')} | "
-                 f"{fmt(largest / r['plan'] if r['plan'] else None, '.2f')} | {row.get('goal', '')} | "
+                 f"{fmt(largest / r['plan'] if r['plan'] else None, '.2f')} | "
+                 f"{row.get('goal', '')} | "
                  f"{row.get('met', '')} | {r['status']} | {r['wall']:.0f} | "
                  f"{fmt(r['losses'][0] if r['losses'] else None, '.5f')} | "
                  f"{fmt(r['losses'][-1] if r['losses'] else None, '.5f')} |\n")
@@ -328,7 +335,8 @@ def write_readme(args, command, machine_words, settings, text, notes):
         readme = f.read()
     title = "## Fine-tuning against transformers + FSDP2"
     section = (f"{title}\n\n<!-- written by benchmarks/finetune_ab.py --write_readme -->\n"
-               f"Command:\n\n    {command}\n\nMachine: {machine_words}. {settings}\n\n{text}\n{notes}")
+               f"Command:\n\n    {command}\n\nMachine: {machine_words}. {settings}\n\n{text}\n"
+               f"{notes}")
     begin = readme.find(title)
     if begin < 0:
         readme = readme.rstrip("\n") + "\n\n" + section
@@ -377,7 +385,8 @@ def main():
         ours = run_side(args, "ours", case, folder, tokens, lora_rank, lr, limit)
         peer = run_side(args, "peer", case, folder, tokens, lora_rank, lr, limit)
         for r in (ours, peer):
-            print(f"  {r['side']}: {r['status']}, tokens/s {fmt(r['tokens_per_s'], '.2f')}, peak RSS "
+            print(f"  {r['side']}: {r['status']}, tokens/s {fmt(r['tokens_per_s'], '.2f')}, "
+                  f"peak RSS "
                   f"{[round(p) for p in r['peaks']]} MiB, wall {r['wall']:.0f} s, losses "
                   f"{r['losses']} (logs: {r['log']})", flush=True)
         what, met = goal(case, folder_bytes, numel, args.world_size, limit, ours, peer)

@@ -407,6 +407,9 @@ def main():
     if args.write_readme:
         command = "~/.cache/fsdp/torch-2.11.0/bin/python benchmarks/finetune_ab.py " + " ".join(
             a for a in sys.argv[1:] if not a.startswith("--finetune"))
+        load = os.getloadavg()
+        machine_words += (f", after it {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (the machine is "
+                          "shared: other builds running alongside slow both sides)")
         write_readme(args, command.strip(), machine_words, settings, text, NOTES)
     return 0 if losses_ok else 1
 

@@ -1,0 +1,195 @@
+"""transformers + PyTorch FSDP2's side of benchmarks/finetune_ab.py: one rank of a fine-tune
+of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
+
+    RANK=r WORLD_SIZE=W MASTER_ADDR=... MASTER_PORT=... hf_fsdp2_finetune.py \
+        --from=HF_DIR --data=TOKENS --steps=5 --context=128 --batch_size=2 [--lora_rank=8]
+
+(torchrun sets the variables too.) What it does, as a careful PyTorch user would:
+- AutoModelForCausalLM.from_config(HF_DIR/config.json) under `torch.device("meta")` (no
+  memory), then with --lora_rank PEFT's get_peft_model (LoraConfig r, alpha, dropout and
+  target modules as the trainer's flags; q_proj,v_proj by default), still on meta.
+- fully_shard (FSDP2, Gloo, a 1-D mesh of W ranks) on every decoder layer, then on the root.
+- to_empty(device="cpu"), then each rank reads only its rows of each weight from the
+  folder's safetensors (safe_open + get_slice of the rows torch.chunk gives rank r, which
+  is DTensor's Shard(0) split) into its local shard, one tensor at a time. This is leaner than
+  set_model_state_dict(..., broadcast_from_rank0=True), where rank 0 holds the whole state
+  dict (a full copy of the model) while it broadcasts.
+- Non-persistent buffers (the rotary embedding's inv_freq) recomputed by building a fresh
+  rotary module on the CPU; LoRA A drawn as PEFT does (kaiming_uniform_(a=sqrt(5))) on the
+  CPU from torch.manual_seed(--seed), in module order, and B zero, then sharded as above.
+- AdamW(lr, weight_decay) over the trainable parameters, learning rate as the trainer's
+  (linear warm-up over --warmup_steps, then cosine to lr / 10), fp32, one intra-op thread.
+- Batches as examples/llama/finetune.cc's batch(): torch.manual_seed(seed * 1000003 + step);
+  starts = torch.randint(n - context - 1, (batch,)); rank r takes the r-th slice of
+  batch / W windows of context + 1 tokens. The loss is the mean next-token cross-entropy of
+  the rank's windows, averaged over the ranks.
+Rank 0 prints `step k/N | loss X` after each step (after the all-reduce of the loss, as the
+trainer), and its own peak resident set after loading and at the end.
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--from", dest="folder", required=True)
+    p.add_argument("--data", required=True, help="flat little-endian token ids")
+    p.add_argument("--data_dtype", default="uint16", choices=["uint16", "uint32"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch_size", type=int, default=2, help="global batch (windows)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--warmup_steps", type=int, default=0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lora_rank", type=int, default=0, help="0: full fine-tune")
+    p.add_argument("--lora_alpha", type=float, default=16)
+    p.add_argument("--lora_dropout", type=float, default=0.0)
+    p.add_argument("--lora_target_modules", default="q_proj,v_proj")
+    return p.parse_args()
+
+
+def learning_rate(step, peak, warmup, steps):
+    """examples/gpt/run_support.cc's cosine_learning_rate."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build(args):
+    """The model on meta, LoRA adapters added, every decoder layer and the root fully_shard."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(args.folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    decoder_layers = list(model.model.layers)
+    if args.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(
+            r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules.split(","), bias="none"))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in decoder_layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, len(decoder_layers)
+
+
+def checkpoint_key(name):
+    """The safetensors key of parameter `name` (PEFT's wrapper prefixes taken off)."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
+
+
+def rows_of(rank, world_size, rows):
+    """Rank's rows of a Shard(0) DTensor of `rows` rows (torch.chunk's split)."""
+    chunk = -(-rows // world_size)
+    return min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
+
+
+@torch.no_grad()
+def materialise(model, args):
+    """to_empty, then fill every local shard: weights from the folder, adapters as PEFT."""
+    model.to_empty(device="cpu")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    index = os.path.join(args.folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(args.folder, "model.safetensors"), "pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+    torch.manual_seed(args.seed)  # every rank draws the same adapters
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        begin, end = rows_of(rank, world_size, param.shape[0]) if isinstance(
+            param, DTensor) else (0, param.shape[0])
+        if ".lora_A." in name or ".lora_B." in name:
+            full = torch.empty(param.shape)
+            if ".lora_A." in name:
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+            else:
+                full.zero_()
+            local.copy_(full[begin:end])
+            continue
+        # Opened per tensor: the file's mapping (whose touched pages count in the resident
+        # set) is dropped after each copy instead of growing to this rank's share of it.
+        key = checkpoint_key(name)
+        with safe_open(os.path.join(args.folder, weight_map[key]), "pt") as f:
+            local.copy_(f.get_slice(key)[begin:end])
+    for module in model.modules():  # non-persistent buffers: to_empty left garbage there
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh = type(module)(module.config)
+            for buffer_name, value in fresh.named_buffers():
+                getattr(module, buffer_name).copy_(value)
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    assert args.batch_size % world_size == 0, "--batch_size must be a multiple of the world size"
+    model, layers = build(args)
+    materialise(model, args)
+    if rank == 0:
+        print(f"peak resident set after loading: "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (rank 0)",
+              flush=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"model: {numel} parameters ({sum(p.numel() for p in trainable)} trainable) "
+              f"in {layers} fully_shard layers and the root over {world_size} ranks", flush=True)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    tokens = torch.from_numpy(np.fromfile(args.data, dtype=args.data_dtype).astype(np.int64))
+    local = args.batch_size // world_size
+    for step in range(args.steps):
+        lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(args.seed * 1000003 + step)
+        starts = torch.randint(tokens.numel() - args.context - 1, (args.batch_size,))
+        starts = starts[rank * local:(rank + 1) * local]
+        chunk = tokens[starts[:, None] + torch.arange(args.context + 1)[None, :]]
+        x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        optimizer.zero_grad()
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps} | loss {mean.item() / world_size:.7f} | "
+                  f"lr {lr:.2e}", flush=True)
+    if rank == 0:
+        print(f"peak resident set: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
+              " MiB (rank 0)", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    # DTensor's caches keep the Gloo group alive into interpreter teardown, where a rank
+    # can abort ("terminate called without an active exception"; tests/dcp_interop.py
+    # ends the same way): leave without it.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

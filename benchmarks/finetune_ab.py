@@ -258,7 +258,8 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
         tokens_per_s = args.batch_size * args.context * (args.steps - 1) / seconds
     plan = None
     for _, line in lead:
-        m = re.search(r"memory plan:.*?peak\s+([0-9][0-9,]*(?:\.[0-9]+)?)\s*MiB", line)
+        # "memory plan: ... = peak 2.57 GiB (2636 MiB) per rank"
+        m = re.search(r"memory plan:.*= peak .*?\(([0-9]+) MiB\) per rank", line)
         if m:
             plan = float(m.group(1).replace(",", ""))
             break
@@ -427,8 +428,8 @@ peer's). Wall time includes loading, and for ours writing OUT/hf (and OUT/adapte
 peer does not do. The LoRA adapters are drawn from the same seed by both, but not with the
 same draws, so the losses after the first step differ slightly; the first step's loss is
 that of the same weights on the same tokens (on the full fine-tune every step agrees: see
-tests:finetune_ab_test). Goals are issue 36's, for ours; "plan MiB" is the `peak N MiB` of
-our trainer's `memory plan:` line (rank 0), "-" where it prints none.
+tests:finetune_ab_test). Goals are issue 36's, for ours; "plan MiB" is the peak of our
+trainer's `memory plan:` line (rank 0), printed before it reads a weight.
 """
 
 

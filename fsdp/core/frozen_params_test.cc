@@ -9,6 +9,8 @@
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
@@ -149,6 +151,50 @@ TEST(FrozenParamsTest, NoSyncAndSummonCoverBothFlatParameters) {
     auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
     EXPECT_TRUE(at::equal(net->final_norm->weight, final_weight));
     EXPECT_EQ(model->units()[1]->frozen_handle()->state(), FlatParamState::kUnsharded);
+  });
+}
+
+// A frozen embedding unit fed token ids (as in LoRA) is outside autograd (Note [Units
+// outside autograd] in internal/runtime.cc): it reshards right after its forward and is
+// not gathered again in backward, so backward all-gathers the head unit only; and an
+// evaluation forward (NoGradGuard) leaves no unit but the root gathered.
+struct FrozenEmbeddingLmImpl : torch::nn::Module {
+  FrozenEmbeddingLmImpl() {
+    embedding = register_module("embedding",
+                                Unit<torch::nn::EmbeddingImpl>(torch::nn::Embedding(16, 8).ptr()));
+    head = register_module("head", Unit<torch::nn::LinearImpl>(torch::nn::Linear(8, 4).ptr()));
+    for (auto& p : embedding->parameters()) p.requires_grad_(false);
+  }
+  at::Tensor forward(const at::Tensor& ids) { return head(embedding(ids)); }
+  Unit<torch::nn::EmbeddingImpl> embedding{nullptr};
+  Unit<torch::nn::LinearImpl> head{nullptr};
+};
+TORCH_MODULE(FrozenEmbeddingLm);
+
+TEST(FrozenParamsTest, AUnitOutsideAutogradReshardsAfterForwardAndSkipsBackward) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<FrozenEmbeddingLmImpl> model(std::make_shared<FrozenEmbeddingLmImpl>(),
+                                                          FullyShardedDataParallelOptions(comm));
+    ASSERT_EQ(model->units().size(), 3u);  // the root (no parameters), embedding, head
+    const FullyShardedUnit& embedding = *model->units()[1];
+    const FullyShardedUnit& head = *model->units()[2];
+    ASSERT_FALSE(embedding.handle()->sharded_flat_param().requires_grad());
+    const at::Tensor ids = at::arange(6, at::kLong).reshape({2, 3});
+    const auto all_gathers = [&] { return comm->counters().get(CollectiveKind::kAllGather).calls; };
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      const at::Tensor loss = model->forward(ids).sum();
+      EXPECT_FALSE(embedding.handle()->is_unsharded());
+      EXPECT_FALSE(head.handle()->is_unsharded());
+      const int64_t before = all_gathers();
+      loss.backward();
+      EXPECT_EQ(all_gathers() - before, 1) << "iteration " << iteration;  // the head only
+    }
+    torch::NoGradGuard no_grad;
+    const int64_t before = all_gathers();
+    model->forward(ids);
+    EXPECT_EQ(all_gathers() - before, 2);
+    EXPECT_FALSE(embedding.handle()->is_unsharded());
+    EXPECT_FALSE(head.handle()->is_unsharded());
   });
 }
 

@@ -37,6 +37,7 @@
 #ifndef FSDP_CORE_UNIT_H_
 #define FSDP_CORE_UNIT_H_
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -144,9 +145,8 @@ class UnitBase : public torch::nn::Module {
     if constexpr (std::is_same_v<std::decay_t<decltype(output)>, at::Tensor>) {
       output = cast_output(output);
     }
-    outputs_opaque_ = false;
-    const bool hooked = hook_outputs(output);
-    post_forward(hooked, /*outside_autograd=*/!hooked && !outputs_opaque_);
+    const OutputHooks hooks = hook_outputs(output);
+    post_forward(hooks == OutputHooks::kHooked, hooks == OutputHooks::kNoneNeedGrad);
     return output;
   }
 
@@ -173,29 +173,41 @@ class UnitBase : public torch::nn::Module {
   [[noreturn]] void rethrow_forward_error() const;
   [[noreturn]] void throw_not_a(const char* type_name) const;
 
-  bool hook_outputs(const at::Tensor& output) { return hook_output(output); }
-  bool hook_outputs(const std::vector<at::Tensor>& outputs) {
-    bool hooked = false;
-    for (const at::Tensor& t : outputs) hooked = hook_output(t) || hooked;
-    return hooked;
+  // What hooking a forward's outputs found: a tensor that needs a gradient (hooked), only
+  // tensors that need none, or something else, which may carry tensors that need one
+  // (see the file comment).
+  enum class OutputHooks { kNoneNeedGrad = 0, kOpaque = 1, kHooked = 2 };
+  static OutputHooks combine(OutputHooks a, OutputHooks b) { return std::max(a, b); }
+  OutputHooks hook_tensor(const at::Tensor& output) {
+    return hook_output(output) ? OutputHooks::kHooked : OutputHooks::kNoneNeedGrad;
+  }
+
+  OutputHooks hook_outputs(const at::Tensor& output) { return hook_tensor(output); }
+  OutputHooks hook_outputs(const std::vector<at::Tensor>& outputs) {
+    OutputHooks hooks = OutputHooks::kNoneNeedGrad;
+    for (const at::Tensor& t : outputs) hooks = combine(hooks, hook_tensor(t));
+    return hooks;
   }
   template <typename... Ts>
-  bool hook_outputs(const std::tuple<Ts...>& outputs) {
-    return std::apply([this](const auto&... items) { return (hook_item(items) | ... | false); },
-                      outputs);
+  OutputHooks hook_outputs(const std::tuple<Ts...>& outputs) {
+    return std::apply(
+        [this](const auto&... items) {
+          OutputHooks hooks = OutputHooks::kNoneNeedGrad;
+          ((hooks = combine(hooks, hook_item(items))), ...);
+          return hooks;
+        },
+        outputs);
   }
   template <typename T>
-  bool hook_outputs(const T&) {
-    outputs_opaque_ = true;  // not a tensor: see the file comment
-    return false;
+  OutputHooks hook_outputs(const T&) {
+    return OutputHooks::kOpaque;  // not a tensor: see the file comment
   }
   template <typename T>
-  bool hook_item(const T& item) {
+  OutputHooks hook_item(const T& item) {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-      return hook_output(item);
+      return hook_tensor(item);
     } else {
-      outputs_opaque_ = true;
-      return false;
+      return OutputHooks::kOpaque;
     }
   }
 
@@ -204,9 +216,6 @@ class UnitBase : public torch::nn::Module {
   void bind(std::shared_ptr<core_internal::UnitState> state);
 
   UnitAnnotation annotation_;
-  // This forward returned something other than tensors (which may hold tensors that need
-  // a gradient): the unit cannot tell that its forward is outside autograd.
-  bool outputs_opaque_ = false;
   std::shared_ptr<core_internal::UnitState> state_;
   const torch::nn::Module* registered_ = nullptr;  // bound_unit_of's key, once bound
   std::unique_ptr<FlatParamHandle> constructed_handle_;

@@ -318,11 +318,13 @@ int64_t parent_resident_in_same_cgroup() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
-// Each rank's `value` (rank order). Collective.
-std::vector<int64_t> all_gather_int64(Communicator& comm, int64_t value, c10::Device device) {
-  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  at::Tensor mine = at::full({1}, value, options);
-  at::Tensor all = at::empty({comm.world_size()}, options);
+// Each rank's `values` (rank order, values.size() per rank), in one collective.
+std::vector<int64_t> all_gather_int64(Communicator& comm, const std::vector<int64_t>& values,
+                                      c10::Device device) {
+  const auto count = static_cast<int64_t>(values.size());
+  at::Tensor mine = at::tensor(values, at::kLong).to(device);
+  at::Tensor all =
+      at::empty({comm.world_size() * count}, at::TensorOptions().dtype(at::kLong).device(device));
   comm.all_gather_into_tensor(all, mine);
   all = all.cpu();
   return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
@@ -339,11 +341,14 @@ MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device) {
   const auto hash = [](const std::string& text) {
     return static_cast<int64_t>(std::hash<std::string>()(text));
   };
-  const std::vector<int64_t> hosts = all_gather_int64(comm, hash(host), device);
-  const std::vector<int64_t> cgroups =
-      all_gather_int64(comm, hash(absl::StrCat(host, "/", cgroup)), device);
-  const int64_t on_host = std::count(hosts.begin(), hosts.end(), hosts[comm.rank()]);
-  const int64_t in_cgroup = std::count(cgroups.begin(), cgroups.end(), cgroups[comm.rank()]);
+  // Per rank: its host's hash, then its cgroup's.
+  const std::vector<int64_t> all =
+      all_gather_int64(comm, {hash(host), hash(absl::StrCat(host, "/", cgroup))}, device);
+  int64_t on_host = 0, in_cgroup = 0;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    on_host += all[2 * r] == all[2 * comm.rank()];
+    in_cgroup += all[2 * r + 1] == all[2 * comm.rank() + 1];
+  }
   // Each rank on the host holds its resident set already; MemAvailable is what is left.
   const int64_t resident = std::max<int64_t>(resident_bytes(), 0);
   MemoryBudget budget;
@@ -365,7 +370,7 @@ MemoryBudget rank_memory_budget(Communicator& comm, c10::Device device) {
 }
 
 std::vector<int64_t> peak_resident_set_of_ranks(Communicator& comm, c10::Device device) {
-  return all_gather_int64(comm, peak_resident_bytes(), device);
+  return all_gather_int64(comm, {peak_resident_bytes()}, device);
 }
 
 std::vector<Communicator*> communicators_of(FullyShardedRoot& model, Communicator& root) {

@@ -236,6 +236,30 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   return plan;
 }
 
+int64_t micro_batch_of(int64_t global_batch, int64_t world_size, int64_t grad_accumulation_steps) {
+  return std::max<int64_t>(1, global_batch / world_size / grad_accumulation_steps);
+}
+
+int64_t smallest_world_size(const DecoderConfig& config, const std::vector<PlanUnit>& units,
+                            const FinetunePlanOptions& options, int64_t global_batch,
+                            int64_t grad_accumulation_steps, int64_t budget, int64_t first,
+                            int64_t last, FinetunePlan* plan) {
+  const int64_t group = options.hybrid_shard_group_size();
+  for (int64_t world = std::max<int64_t>(first, 1); world <= last; ++world) {
+    if (global_batch % (world * grad_accumulation_steps) != 0) continue;
+    if (group > 0 && world % group != 0) continue;
+    FinetunePlanOptions wider = options;
+    wider.world_size(world).micro_batch(
+        micro_batch_of(global_batch, world, grad_accumulation_steps));
+    FinetunePlan fitting = plan_finetune(config, units, wider);
+    if (fitting.peak_bytes <= budget) {
+      if (plan != nullptr) *plan = std::move(fitting);
+      return world;
+    }
+  }
+  return 0;
+}
+
 std::string format_bytes(int64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (bytes >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / (1 << 30));

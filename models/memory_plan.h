@@ -120,6 +120,20 @@ struct FinetunePlan {
 FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUnit>& units,
                            const FinetunePlanOptions& options);
 
+// The windows one rank runs at once: global_batch / world_size / grad_accumulation_steps,
+// at least 1.
+int64_t micro_batch_of(int64_t global_batch, int64_t world_size, int64_t grad_accumulation_steps);
+
+// The smallest world size in [first, last] whose plan (`options` at that world size, its
+// micro-batch from micro_batch_of) peaks at `budget` bytes or less, among those the
+// fine-tune trainer takes: global_batch a multiple of world size x grad_accumulation_steps,
+// and a multiple of options.hybrid_shard_group_size() when set. 0 when none does; else
+// `*plan` (if not null) gets the fitting plan.
+int64_t smallest_world_size(const DecoderConfig& config, const std::vector<PlanUnit>& units,
+                            const FinetunePlanOptions& options, int64_t global_batch,
+                            int64_t grad_accumulation_steps, int64_t budget, int64_t first,
+                            int64_t last, FinetunePlan* plan = nullptr);
+
 // "1.5 GiB", "812 MiB", "4 KiB", "12 B".
 std::string format_bytes(int64_t bytes);
 

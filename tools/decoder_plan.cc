@@ -1,6 +1,5 @@
 #include "tools/decoder_plan.h"
 
-#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -15,62 +14,46 @@
 #include "models/lora_targets.h"
 
 namespace fsdp::tools {
-namespace {
 
-int64_t micro_batch(int64_t global_batch, int64_t world, int64_t accumulation) {
-  return std::max<int64_t>(1, global_batch / world / accumulation);
-}
-
-}  // namespace
-
-DecoderPlanReport make_decoder_report(const std::string& config_path,
+DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
+                                      const std::string& source,
                                       models::FinetunePlanOptions options, int64_t global_batch,
                                       int64_t grad_accumulation_steps, int64_t memory_per_rank) {
   TORCH_CHECK(global_batch >= 1 && grad_accumulation_steps >= 1,
               "expected a batch and gradient accumulation steps of at least 1, got ", global_batch,
               " and ", grad_accumulation_steps);
   DecoderPlanReport report;
-  report.source = config_path;
-  report.config = models::load_decoder_config(config_path);
+  report.source = source;
+  report.config = config;
   report.global_batch = global_batch;
   report.grad_accumulation_steps = grad_accumulation_steps;
   // The decoder on the meta device: shapes only, as the trainer builds it.
   auto net = std::make_shared<models::CausalLMImpl>(
-      report.config, at::TensorOptions().device(c10::kMeta).dtype(options.dtype()));
+      config, at::TensorOptions().device(c10::kMeta).dtype(options.dtype()));
   models::TrainedWeights trained = options.trained();
   if (trained.lora_rank > 0) {
-    if (trained.lora_targets.empty())
-      trained.lora_targets = models::default_lora_targets(report.config);
-    const std::string error = models::lora_targets_error(report.config, trained.lora_targets);
+    if (trained.lora_targets.empty()) trained.lora_targets = models::default_lora_targets(config);
+    const std::string error = models::lora_targets_error(config, trained.lora_targets);
     TORCH_CHECK(error.empty(), error);
     lora::LoraConfig lora;
     lora.r(trained.lora_rank).target_modules(trained.lora_targets);
     lora::apply_lora(*net, lora);
     options.trained(trained);
   }
-  for (const at::Tensor& p : net->parameters()) {
-    report.numel += p.numel();
-    if (p.requires_grad()) report.trainable += p.numel();
-  }
   const std::vector<PlanUnit> units = models::plan_units(*net);
   report.units = static_cast<int64_t>(units.size());
-  options.micro_batch(micro_batch(global_batch, options.world_size(), grad_accumulation_steps));
-  report.plan = models::plan_finetune(report.config, units, options);
+  for (const PlanUnit& unit : units) {
+    report.numel += unit.trainable_numel + unit.frozen_numel;
+    report.trainable += unit.trainable_numel;
+  }
+  options.micro_batch(
+      models::micro_batch_of(global_batch, options.world_size(), grad_accumulation_steps));
+  report.plan = models::plan_finetune(config, units, options);
   report.memory_per_rank = memory_per_rank;
   if (memory_per_rank > 0) {
-    const int64_t group = options.hybrid_shard_group_size();
-    for (int64_t world = std::max<int64_t>(group, 1); world <= kMaxPlannedWorldSize;
-         world += std::max<int64_t>(group, 1)) {
-      models::FinetunePlanOptions wider = options;
-      wider.world_size(world).micro_batch(
-          micro_batch(global_batch, world, grad_accumulation_steps));
-      models::FinetunePlan plan = models::plan_finetune(report.config, units, wider);
-      if (plan.peak_bytes <= memory_per_rank) {
-        report.smallest_world_size = world;
-        report.smallest_plan = std::move(plan);
-        break;
-      }
-    }
+    report.smallest_world_size = models::smallest_world_size(
+        config, units, options, global_batch, grad_accumulation_steps, memory_per_rank, 1,
+        kMaxPlannedWorldSize, &report.smallest_plan);
   }
   return report;
 }

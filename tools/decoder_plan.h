@@ -30,16 +30,19 @@ struct DecoderPlanReport {
   int64_t global_batch = 0, grad_accumulation_steps = 1;
   models::FinetunePlan plan;
   // With a memory per rank (> 0): the smallest world size whose plan's peak fits it (the
-  // micro-batch shrinking with it), 0 when none up to kMaxPlannedWorldSize does.
+  // micro-batch shrinking with it; models::smallest_world_size), 0 when none up to
+  // kMaxPlannedWorldSize does.
   int64_t memory_per_rank = 0;
   int64_t smallest_world_size = 0;
   models::FinetunePlan smallest_plan;
 };
 
-// `options.micro_batch` is derived: global_batch / world size / grad_accumulation_steps,
-// at least 1. `options.trained().lora_targets` empty with a LoRA rank: the family's
-// default (lora_targets.h).
-DecoderPlanReport make_decoder_report(const std::string& config_path,
+// The plan of `config` (read from `source`). `options.micro_batch` is derived
+// (models::micro_batch_of); `options.trained().lora_targets` empty with a LoRA rank: the
+// family's default (lora_targets.h). The smallest world size is searched among those the
+// trainer takes (models::smallest_world_size).
+DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
+                                      const std::string& source,
                                       models::FinetunePlanOptions options, int64_t global_batch,
                                       int64_t grad_accumulation_steps, int64_t memory_per_rank);
 

@@ -400,9 +400,9 @@ int run_config(const std::string& format) {
                          : bytes_flag("runtime_bytes", absl::GetFlag(FLAGS_runtime_bytes)));
   // --mixed_precision as the trainer resolves it on the CPU (examples/gpt/flags.h).
   std::string precision = absl::GetFlag(FLAGS_mixed_precision);
+  const fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(path);
   if (precision == "auto") {
-    const std::string dtype = fsdp::models::load_decoder_config(path).dtype;
-    precision = dtype == "bfloat16" || dtype == "float16" ? "bf16" : "none";
+    precision = config.dtype == "bfloat16" || config.dtype == "float16" ? "bf16" : "none";
   }
   if (precision == "bf16") {
     options.param_dtype(c10::ScalarType::BFloat16);
@@ -418,7 +418,7 @@ int run_config(const std::string& format) {
   options.trained(trained);
   const std::string memory = absl::GetFlag(FLAGS_memory_per_rank);
   const fsdp::tools::DecoderPlanReport report = fsdp::tools::make_decoder_report(
-      path, options, count_flag("batch_size", absl::GetFlag(FLAGS_batch_size), 1, 1 << 24),
+      config, path, options, count_flag("batch_size", absl::GetFlag(FLAGS_batch_size), 1, 1 << 24),
       count_flag("grad_accumulation_steps", absl::GetFlag(FLAGS_grad_accumulation_steps), 1,
                  1 << 24),
       memory.empty() ? 0 : bytes_flag("memory_per_rank", memory));

@@ -320,8 +320,8 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
       .dtype(dtype)
       .param_dtype(options.mixed_precision() ? options.mixed_precision()->param_dtype()
                                              : c10::nullopt)
-      .micro_batch(std::max<int64_t>(
-          1, absl::GetFlag(FLAGS_batch_size) / world / levers.grad_accumulation_steps))
+      .micro_batch(
+          micro_batch_of(absl::GetFlag(FLAGS_batch_size), world, levers.grad_accumulation_steps))
       .context(absl::GetFlag(FLAGS_context))
       .activation_checkpointing(levers.activation_checkpointing)
       .cpu_offload(levers.cpu_offload)
@@ -337,7 +337,8 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
 // The flags that would each make `plan` fit in `budget` bytes, planned again with each
 // ("--activation_checkpointing (peak 3.1 GiB)"); empty if none does alone.
 std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImpl& net,
-                                        const FinetunePlan& plan, int64_t budget) {
+                                        const FinetunePlan& plan, int64_t grad_accumulation_steps,
+                                        int64_t budget) {
   const std::vector<PlanUnit> units = plan_units(net);
   std::vector<std::string> fits;
   const auto consider = [&](const std::string& flag, FinetunePlanOptions options) {
@@ -361,14 +362,12 @@ std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImp
              FinetunePlanOptions(options).dtype(at::kBFloat16).param_dtype(c10::nullopt));
   }
   // More ranks (on more hosts): the smallest world size that fits, if any does.
-  for (int64_t world = options.world_size() + 1; world <= 4096; ++world) {
-    if (absl::GetFlag(FLAGS_batch_size) % world != 0) continue;
-    FinetunePlanOptions wider = FinetunePlanOptions(options).world_size(world).micro_batch(
-        std::max<int64_t>(1, options.micro_batch() * options.world_size() / world));
-    if (plan_finetune(config, units, wider).peak_bytes <= budget) {
-      consider(absl::StrCat("--world_size=", world, " (more hosts)"), wider);
-      break;
-    }
+  FinetunePlan wider;
+  if (const int64_t world = smallest_world_size(
+          config, units, options, absl::GetFlag(FLAGS_batch_size), grad_accumulation_steps, budget,
+          options.world_size() + 1, 4096, &wider)) {
+    fits.push_back(absl::StrCat("--world_size=", world, " (more hosts) (peak ",
+                                format_bytes(wider.peak_bytes), ")"));
   }
   return fits;
 }
@@ -376,7 +375,7 @@ std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImp
 // Prints the plan (rank 0) and stops every rank when it does not fit: see Note [The memory
 // plan]. Collective.
 void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, CausalLMImpl& net,
-                       Communicator& comm, c10::Device device) {
+                       int64_t grad_accumulation_steps, Communicator& comm, c10::Device device) {
   if (device.is_cuda()) {
     // The plan's tensors sit on the GPU and its activations are the CPU kernels'; the host's
     // budget says nothing about them, so no check is made (docs/GPU.md).
@@ -395,7 +394,8 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
   }
   if (comm.rank() == 0) std::cout << "memory plan: " << plan.summary() << "\n";
   if (!absl::GetFlag(FLAGS_memory_check) || plan.peak_bytes <= budget.bytes) return;
-  const std::vector<std::string> fits = flags_that_fit(config, net, plan, budget.bytes);
+  const std::vector<std::string> fits =
+      flags_that_fit(config, net, plan, grad_accumulation_steps, budget.bytes);
   TORCH_CHECK(false, "the memory plan needs ", format_bytes(plan.peak_bytes),
               " per rank, more than the ", format_bytes(budget.bytes), " rank ", comm.rank(),
               " may use (", budget.why, "); ",
@@ -431,7 +431,8 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
     if (p.requires_grad()) *trainable += p.numel();
   }
   *plan = plan_for(config, *net, options, levers, dtype, folder_dtype);
-  check_memory_plan(*plan, config, *net, *options.communicator(), device);
+  check_memory_plan(*plan, config, *net, levers.grad_accumulation_steps, *options.communicator(),
+                    device);
   Model model(net, options);  // allocates this rank's shards only
   load_hf_weights(*model, from);
   return model;

@@ -73,6 +73,7 @@
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/model_flags.h"
+#include "fsdp/base/torch_compat_cuda.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
@@ -157,6 +158,8 @@ int train(const std::string& dir) {
   TORCH_CHECK(mode == "fsdp" || mode == "plain", "--mode must be fsdp or plain, got '", mode, "'");
   TORCH_CHECK(precision == "none" || precision == "bf16",
               "--mixed_precision must be none or bf16, got '", precision, "'");
+  // Before anything asks LibTorch about CUDA: a CPU run never maps libtorch_cuda.
+  if (device_flag == "cuda") compat::load_torch_cuda();
   const LaunchEnvironment env = read_launch_environment();
   TORCH_CHECK(mode == "fsdp" || env.world_size == 1,
               "--mode=plain trains one rank without FSDP; run it with WORLD_SIZE 1, not ",

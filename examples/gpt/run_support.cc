@@ -250,7 +250,7 @@ int64_t resident_bytes() {
 
 void return_freed_tensors_to_the_system() {
 #ifdef __GLIBC__
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
 #endif
 }
 

@@ -69,6 +69,7 @@
 #include "examples/gpt/lever_flags.h"
 #include "examples/gpt/metrics.h"
 #include "examples/gpt/run_support.h"
+#include "fsdp/base/torch_compat_cuda.h"
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/flat_param.h"
@@ -698,6 +699,9 @@ int main(int argc, char** argv) {
     return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }
   try {
+    // Before anything asks LibTorch about CUDA (fsdp/base/torch_compat_cuda.h): a CPU run
+    // never maps libtorch_cuda.
+    if (absl::GetFlag(FLAGS_device) == "cuda") fsdp::compat::load_torch_cuda();
     return fsdp::models::finetune();
   } catch (const std::exception& e) {
     std::string what = e.what();

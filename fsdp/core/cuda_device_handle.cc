@@ -139,6 +139,7 @@ class CudaDeviceHandle : public DeviceHandle {
 
 std::shared_ptr<DeviceHandle> make_cuda_device_handle(c10::Device device) {
   TORCH_CHECK(device.is_cuda(), "make_cuda_device_handle: expected a CUDA device, got ", device);
+  compat::load_torch_cuda();  // pinned host tensors and CUDA kernels need it
   const int count = c10::cuda::device_count();
   TORCH_CHECK(count > 0, "DeviceHandle for ", device,
               ": no CUDA device is available (c10::cuda::device_count() is 0)");

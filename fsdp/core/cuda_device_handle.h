@@ -1,7 +1,9 @@
 // The CUDA device handle (device_handle.h), in its own target,
 // //fsdp/core:cuda_device_handle: linking it registers the handle for c10::kCUDA, so that
 // DeviceHandle::for_device(cuda:N) and every FSDP object on CUDA tensors find it; CPU-only
-// binaries leave it out and do not link libtorch_cuda.
+// binaries leave it out. It links libc10_cuda, not libtorch_cuda: making the first handle
+// loads LibTorch's CUDA kernels (compat::load_torch_cuda, fsdp/base/torch_compat_cuda.h),
+// so a binary that links it but runs on the CPU never maps libtorch_cuda.
 //
 // What each DeviceHandle method does on CUDA (PyTorch's counterpart in parentheses):
 // - device(): cuda:N; a device without an index is the current CUDA device at creation.
@@ -27,7 +29,8 @@
 //   (tensor.pin_memory()), for CPU offload's asynchronous copies.
 //
 // Errors: c10::Error for a device index out of range or no CUDA device (naming
-// c10::cuda::device_count), a tensor, stream or event of another device.
+// c10::cuda::device_count), a tensor, stream or event of another device, and
+// load_torch_cuda's when LibTorch's CUDA kernels cannot be loaded.
 // Threading: as DeviceHandle; side_stream is safe from several threads.
 #ifndef FSDP_CORE_CUDA_DEVICE_HANDLE_H_
 #define FSDP_CORE_CUDA_DEVICE_HANDLE_H_

@@ -21,9 +21,9 @@
 //   stream per device (c10::Stream::DEFAULT) and events are no-ops, since CPU ops run
 //   synchronously on the calling thread.
 // - CUDA: only when //fsdp/core:cuda_device_handle is linked (cuda_device_handle.h; it
-//   registers itself when its object file is loaded, so CPU-only binaries do not link
-//   libtorch_cuda). Without it, for_device(cuda:N) throws a c10::Error that says to link
-//   it.
+//   registers itself when its object file is loaded, and loads libtorch_cuda only when
+//   the first CUDA handle is made, so CPU runs never map it). Without it,
+//   for_device(cuda:N) throws a c10::Error that says to link it.
 //
 // Shapes and dtypes: storage calls take a tensor of any dtype and shape whose storage
 // belongs to it alone (a flat parameter: 1-D, storage offset 0); other tensors viewing the

@@ -3,6 +3,7 @@
 // parameters of a unit, exact collective counts and bytes, gradients only for trainable
 // elements, and parity with one process with the same parameters frozen, every strategy,
 // W = 1, 2, 3.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -196,6 +197,73 @@ TEST(FrozenParamsTest, AUnitOutsideAutogradReshardsAfterForwardAndSkipsBackward)
     EXPECT_FALSE(embedding.handle()->is_unsharded());
     EXPECT_FALSE(head.handle()->is_unsharded());
   });
+}
+
+// A unit whose parameters are all frozen, between trainable ones (block 1 here, as a LoRA
+// model's output head): it reshards once its input's gradient is complete, before the
+// backward of the unit that made that input (Note [Frozen units reshard after their
+// backward] in internal/runtime.cc), and training matches one process in every strategy.
+struct FrozenBlockLmImpl : torch::nn::Module {
+  FrozenBlockLmImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) blocks->push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
+    for (at::Tensor& p : blocks[1]->parameters()) p.set_requires_grad(false);
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    at::Tensor x = blocks[0]->as<UnitImpl<BlockImpl>>()->forward(embedding(tokens));
+    if (on_block1_input_grad) x.register_hook([this](const at::Tensor&) { on_block1_input_grad(); });
+    x = blocks[1]->as<UnitImpl<BlockImpl>>()->forward(x);
+    return at::matmul(x, embedding->weight.t());
+  }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  std::function<void()> on_block1_input_grad;  // test probe, run in backward
+  int step = 0;
+};
+
+TEST(FrozenParamsTest, AFrozenUnitReshardsOnceItsInputsGradientIsComplete) {
+  for (BackwardPrefetch prefetch : {BackwardPrefetch::kBackwardPre, BackwardPrefetch::kNone}) {
+    on_ranks(2, [prefetch](std::shared_ptr<Communicator> comm) {
+      auto net = make<FrozenBlockLmImpl>();
+      FullyShardedDataParallel<FrozenBlockLmImpl> model(
+          net, FullyShardedDataParallelOptions(comm).backward_prefetch(prefetch));
+      ASSERT_EQ(model->units().size(), 3u);
+      const FullyShardedUnit& block0 = *model->units()[1];
+      const FullyShardedUnit& block1 = *model->units()[2];
+      ASSERT_EQ(block1.fqn(), "blocks.1");
+      ASSERT_FALSE(block1.handle()->sharded_flat_param().requires_grad());
+      int probes = 0;
+      net->on_block1_input_grad = [&] {
+        ++probes;
+        EXPECT_FALSE(block1.handle()->is_unsharded());
+        EXPECT_TRUE(block0.handle()->is_unsharded());  // its pre-backward hook ran first
+      };
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        const Batch batch = FrozenBlockLmImpl::batch(iteration, 2);
+        comm->counters().reset();
+        FrozenBlockLmImpl::loss(model->forward(batch.input), batch.target).backward();
+        EXPECT_EQ(probes, iteration + 1);
+        // Forward: the root and both blocks; backward: both blocks again.
+        EXPECT_EQ(comm->counters().get(CollectiveKind::kAllGather).calls, 3 + 2);
+        EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 2);
+        EXPECT_FALSE(block1.handle()->sharded_flat_param().grad().defined());
+      }
+    });
+  }
+}
+
+TEST(FrozenParamsTest, AFrozenUnitBetweenTrainableOnesTrainsAsOneProcess) {
+  for (int world_size : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "W = " << world_size);
+    on_ranks(world_size, [](std::shared_ptr<Communicator> comm) {
+      expect_parity_for_all_strategies<FrozenBlockLmImpl>(comm);
+    });
+  }
 }
 
 }  // namespace

@@ -52,7 +52,7 @@ void UnitBase::shard_if_constructing() {
       core_internal::shard_on_construction(*wrapped_module(), this, unit_options());
 }
 
-void UnitBase::pre_forward() { state_->pre_forward(); }
+void UnitBase::pre_forward(bool inputs_seen) { state_->pre_forward(inputs_seen); }
 
 at::Tensor UnitBase::cast_tensor_input(const at::Tensor& input) {
   return state_->cast_input(input);

@@ -20,7 +20,8 @@
 // (FULL_SHARD) and hooks the tensor outputs for backward (see Note [Units intercept
 // forward and backward] in internal/runtime.cc). Outputs hooked: at::Tensor,
 // std::tuple/std::vector of tensors; a unit with other outputs keeps its parameters
-// gathered until its backward. With mixed precision, floating at::Tensor arguments are
+// gathered until its backward. A unit whose parameters are all frozen reshards when the
+// gradients of its tensor arguments are complete, as PyTorch's FSDP does. With mixed precision, floating at::Tensor arguments are
 // cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
 // FullyShardedDataParallel instance.
 //
@@ -111,7 +112,7 @@ class UnitBase : public torch::nn::Module {
   decltype(auto) forward_wrapped_as(Args&&... args) {
     auto* module = dynamic_cast<Module*>(wrapped_module().get());
     if (module == nullptr) throw_not_a(typeid(Module).name());
-    return run([&]() -> decltype(auto) {
+    return run(inputs_all_seen<Args...>(), [&]() -> decltype(auto) {
       return module->forward(cast_input(std::forward<Args>(args))...);
     });
   }
@@ -130,11 +131,22 @@ class UnitBase : public torch::nn::Module {
 
   ~UnitBase() override;
 
-  // Runs `forward` (the wrapped module's) with the FSDP steps around it.
+  // Whether cast_input sees every tensor a forward taking `Args` is passed: each argument
+  // is a tensor or a scalar (not a container or struct that may hold tensors). Only then
+  // may a frozen unit reshard once its inputs' gradients are complete (Note [Frozen units
+  // reshard after their backward] in internal/runtime.cc).
+  template <typename... Args>
+  static constexpr bool inputs_all_seen() {
+    return ((std::is_same_v<std::decay_t<Args>, at::Tensor> ||
+             std::is_arithmetic_v<std::decay_t<Args>> || std::is_enum_v<std::decay_t<Args>>)&&...);
+  }
+
+  // Runs `forward` (the wrapped module's) with the FSDP steps around it; `inputs_seen`:
+  // inputs_all_seen for its arguments.
   template <typename Forward>
-  auto run(Forward&& forward) -> decltype(forward()) {
+  auto run(bool inputs_seen, Forward&& forward) -> decltype(forward()) {
     if (!state_) return forward();
-    pre_forward();
+    pre_forward(inputs_seen);
     auto output = [&]() -> decltype(forward()) {
       try {
         return forward();
@@ -151,7 +163,9 @@ class UnitBase : public torch::nn::Module {
   }
 
   // An argument of the wrapped module's forward, cast if it is a floating tensor and the
-  // unit casts inputs; any other argument passes through unchanged.
+  // unit casts inputs, and watched if it is a tensor that needs a gradient and the unit's
+  // parameters are all frozen (Note [Frozen units reshard after their backward] in
+  // internal/runtime.cc); any other argument passes through unchanged.
   template <typename T>
   decltype(auto) cast_input(T&& arg) {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
@@ -163,7 +177,7 @@ class UnitBase : public torch::nn::Module {
 
  private:
   // The runtime steps (unit.cc forwards them to the bound state).
-  void pre_forward();
+  void pre_forward(bool inputs_seen);
   at::Tensor cast_tensor_input(const at::Tensor& input);
   at::Tensor cast_output(const at::Tensor& output);
   bool hook_output(const at::Tensor& output);
@@ -236,7 +250,7 @@ class UnitImpl : public UnitBase,
 
   template <typename... Args>
   decltype(auto) call(Args&&... args) {
-    return run([&]() -> decltype(auto) {
+    return run(this->template inputs_all_seen<Args...>(), [&]() -> decltype(auto) {
       return module_->forward(this->cast_input(std::forward<Args>(args))...);
     });
   }
@@ -268,7 +282,7 @@ class AnyUnitImpl : public UnitBase {
   }
   std::shared_ptr<torch::nn::Module> wrapped_module() const override { return wrapped_; }
   at::Tensor forward(at::Tensor input) {
-    return run([&] { return module_.forward(cast_input(std::move(input))); });
+    return run(true, [&] { return module_.forward(cast_input(std::move(input))); });
   }
 
  private:

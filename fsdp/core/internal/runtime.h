@@ -64,10 +64,13 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
     cast_inputs_to_ = dtype;
     restore_output_dtype_ = restore_output_dtype;
   }
+  // A tensor argument of the wrapped module's forward: cast (above), and for a frozen unit
+  // watched for the end of its backward (Note [Frozen units reshard after their backward]).
   at::Tensor cast_input(const at::Tensor& input);
   at::Tensor cast_output(const at::Tensor& output);
 
-  void pre_forward();
+  // `inputs_seen`: cast_input will see every tensor argument of this forward.
+  void pre_forward(bool inputs_seen);
   // Puts the pre-backward hook on an output of the unit's forward that requires grad;
   // returns whether it did.
   bool hook_output(const at::Tensor& output);
@@ -99,8 +102,18 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   bool pre_backward_done_ = false;
   bool needs_backward_ = false;  // a forward of this iteration was hooked or opaque
   bool sink_installed_ = false;  // this iteration's sink exists
+  // Note [Frozen units reshard after their backward]: whether this forward's tensor
+  // arguments are watched, how many watched ones still wait for their gradient (-1: one
+  // could not be watched, so the unit waits for the end of backward), and the iteration
+  // a watch belongs to (finish_iteration moves on; older watches do nothing).
+  bool watch_inputs_ = false;
+  int inputs_pending_ = 0;
+  uint64_t iteration_ = 0;
 
   void unshard();  // every flat parameter of the unit (handles())
+  bool all_frozen() const;
+  at::Tensor watch_input(const at::Tensor& input);
+  void input_gradient_ready(uint64_t iteration);
 
   // Throws PyTorch's _assert_in_training_states message for the handle's state.
   void assert_handle_in(std::initializer_list<HandleTrainingState> states, const char* what) const;

@@ -108,7 +108,12 @@ int64_t MemoryPlan::bytes_received() const {
 //   R = W / F replicas; the reduced shard becomes the gradient (cast to b when b_r != b
 //   and not keep_low_precision_grads: + b s_t, - b_r s_t). The root's reduction runs last.
 //   A unit whose parameters are all frozen has no gradient sink: gathered again in its
-//   pre-backward, it is freed when the iteration ends.
+//   pre-backward, it is freed once its inputs' gradients are complete, before the next
+//   unit's gradients (Note [Frozen units reshard after their backward] in
+//   internal/runtime.cc), then BACKWARD_POST prefetches. One that comes before every unit
+//   with trainable parameters (the root counts as first when it trains) is taken to be
+//   outside autograd, as when the model's inputs need no gradient (token ids, images): it
+//   is neither gathered nor prefetched in backward (Note [Units outside autograd]).
 // - Optimizer step: OptimizerSpec::step_temporaries x b max s_t for one parameter's update.
 // - Activations: MemoryPlanOptions::activation_bytes, held at every event (an upper bound:
 //   they shrink during backward).
@@ -132,6 +137,7 @@ struct UnitRecord {
   bool unsharded = false;
   bool gathering = false;  // a prefetch's all-gather input is held
   bool backward_started = false;
+  bool outside_autograd = false;  // frozen, before every trainable unit
   bool trains() const { return trainable.numel > 0; }
   std::vector<const FlatGeometry*> handles() const {
     std::vector<const FlatGeometry*> out;
@@ -178,6 +184,11 @@ class Replay {
       record.trainable = geometry(unit.trainable_numel);
       record.frozen = geometry(unit.frozen_numel);
       units_.push_back(std::move(record));
+    }
+    bool trained_before = false;  // units_ is in forward order, the root first
+    for (UnitRecord& unit : units_) {
+      unit.outside_autograd = !unit.trains() && !trained_before;
+      trained_before = trained_before || unit.trains();
     }
   }
 
@@ -323,7 +334,7 @@ class Replay {
   // The latest unit in forward order, other than `current`, whose backward has not started.
   UnitRecord* next_in_backward(const UnitRecord* current) {
     for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
-      if (&*it != current && !it->backward_started) return &*it;
+      if (&*it != current && !it->backward_started && !it->outside_autograd) return &*it;
     }
     return nullptr;
   }
@@ -349,12 +360,16 @@ class Replay {
     }
     for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
       UnitRecord& unit = *it;
-      if (unit.is_root) continue;
+      if (unit.is_root || unit.outside_autograd) continue;
       const std::string event = absl::StrCat("backward of ", unit.name());
       unit.backward_started = true;
       unshard(unit, event);
       prefetch_after(&unit, BackwardPrefetch::kBackwardPre);
-      if (!unit.trains()) continue;  // no gradient sink: freed when the iteration ends
+      if (!unit.trains()) {  // no gradient sink: freed once its inputs' gradients are done
+        reshard(unit);
+        prefetch_after(&unit, BackwardPrefetch::kBackwardPost);
+        continue;
+      }
       add(PlanTerm::kUnshardedGradients, unit.trainable.numel * b_p_, event);
       post_backward(unit);
     }

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -133,12 +134,17 @@ struct Run {
   bool sgd = false;
   bool bf16 = false;    // MixedPrecision: bf16 parameters, fp32 reduction
   bool frozen = false;  // every block's fc1 frozen: units with a frozen flat parameter
+  // Blocks 0 and 2 and the root's head wholly frozen, as in a LoRA model: block 0 is
+  // outside autograd (its input needs no gradient; the plan takes a trainable root to come
+  // first), block 2 a frozen unit between trainable ones.
+  bool frozen_blocks = false;
 };
 
 std::string name_of(const Run& run) {
-  return absl::StrFormat("%s W=%d %s%s%s", sharding_strategy_name(run.strategy), run.world_size,
+  return absl::StrFormat("%s W=%d %s%s%s%s", sharding_strategy_name(run.strategy), run.world_size,
                          run.sgd ? "SGD(momentum)" : "Adam", run.bf16 ? " bf16" : "",
-                         run.frozen ? " frozen fc1" : "");
+                         run.frozen ? " frozen fc1" : "",
+                         run.frozen_blocks ? " frozen head, blocks 0 and 2" : "");
 }
 
 void train_and_check(const Run& run) {
@@ -149,7 +155,11 @@ void train_and_check(const Run& run) {
     torch::manual_seed(0);
     auto net = std::make_shared<ModelImpl>(kDim, kBlocks, kOut);
     for (auto& param : net->named_parameters()) {
-      if (run.frozen && param.key().find("fc1") != std::string::npos) {
+      const std::string& fqn = param.key();
+      if ((run.frozen && fqn.find("fc1") != std::string::npos) ||
+          (run.frozen_blocks && (absl::StartsWith(fqn, "blocks.0.") ||
+                                 absl::StartsWith(fqn, "blocks.2.") ||
+                                 absl::StartsWith(fqn, "head.")))) {
         param.value().requires_grad_(false);
       }
     }
@@ -204,6 +214,8 @@ TEST_P(PlanCheckTest, MeasuredWithinTheBoundsAtOneToFourRanks) {
 TEST_P(PlanCheckTest, MixedPrecisionAndFrozenParametersWithinTheBounds) {
   train_and_check({GetParam(), 2, /*sgd=*/false, /*bf16=*/true});
   train_and_check({GetParam(), 4, /*sgd=*/false, /*bf16=*/false, /*frozen=*/true});
+  train_and_check({GetParam(), 2, /*sgd=*/false, /*bf16=*/false, /*frozen=*/false,
+                   /*frozen_blocks=*/true});
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryStrategy, PlanCheckTest,

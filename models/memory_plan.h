@@ -88,9 +88,10 @@ struct FinetunePlanOptions {
 };
 
 // The resident set of the CPU trainer before it reads weights, measured on Debian
-// bookworm with LibTorch 2.11 (examples/llama:finetune, Gloo, a rank of 2): what
-// fsdp_plan assumes when it cannot measure. A CUDA process holds more (its context).
-inline constexpr int64_t kDefaultRuntimeBytes = int64_t{352} << 20;  // 351-353 MiB measured
+// bookworm with LibTorch 2.11 (examples/llama:finetune, Gloo, a rank of 2; libtorch_cuda
+// is not loaded on the CPU, fsdp/base/torch_compat_cuda.h): what fsdp_plan assumes when it
+// cannot measure. A CUDA process holds more (libtorch_cuda, about 235 MiB, and its context).
+inline constexpr int64_t kDefaultRuntimeBytes = int64_t{128} << 20;  // 122-128 MiB measured
 
 // Resident-set overhead of the C library's allocator over the tensors' bytes (small
 // blocks in its arenas), with freed tensors returned to the system (the trainer sets a

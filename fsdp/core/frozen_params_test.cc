@@ -203,11 +203,8 @@ TEST(FrozenParamsTest, AUnitOutsideAutogradReshardsAfterForwardAndSkipsBackward)
 // model's output head): it reshards once its input's gradient is complete, before the
 // backward of the unit that made that input (Note [Frozen units reshard after their
 // backward] in internal/runtime.cc), and training matches one process in every strategy.
-struct FrozenBlockLmImpl : torch::nn::Module {
+struct FrozenBlockLmImpl : TinyLmImpl {  // TinyLm's modules, batches and loss
   FrozenBlockLmImpl() {
-    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < 2; ++i) blocks->push_back(Unit<BlockImpl>(std::make_shared<BlockImpl>()));
     for (at::Tensor& p : blocks[1]->parameters()) p.set_requires_grad(false);
   }
   at::Tensor forward(at::Tensor tokens) {
@@ -216,14 +213,7 @@ struct FrozenBlockLmImpl : torch::nn::Module {
     x = blocks[1]->as<UnitImpl<BlockImpl>>()->forward(x);
     return at::matmul(x, embedding->weight.t());
   }
-  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
-  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
-    return TinyLmImpl::loss(logits, next);
-  }
-  torch::nn::Embedding embedding{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
   std::function<void()> on_block1_input_grad;  // test probe, run in backward
-  int step = 0;
 };
 
 TEST(FrozenParamsTest, AFrozenUnitReshardsOnceItsInputsGradientIsComplete) {

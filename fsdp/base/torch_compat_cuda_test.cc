@@ -9,11 +9,11 @@
 #include <sstream>
 #include <string>
 
-#include <gtest/gtest.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
 
 namespace fsdp::compat {
 namespace {

@@ -209,7 +209,8 @@ struct FrozenBlockLmImpl : TinyLmImpl {  // TinyLm's modules, batches and loss
   }
   at::Tensor forward(at::Tensor tokens) {
     at::Tensor x = blocks[0]->as<UnitImpl<BlockImpl>>()->forward(embedding(tokens));
-    if (on_block1_input_grad) x.register_hook([this](const at::Tensor&) { on_block1_input_grad(); });
+    if (on_block1_input_grad)
+      x.register_hook([this](const at::Tensor&) { on_block1_input_grad(); });
     x = blocks[1]->as<UnitImpl<BlockImpl>>()->forward(x);
     return at::matmul(x, embedding->weight.t());
   }

@@ -157,9 +157,9 @@ void train_and_check(const Run& run) {
     for (auto& param : net->named_parameters()) {
       const std::string& fqn = param.key();
       if ((run.frozen && fqn.find("fc1") != std::string::npos) ||
-          (run.frozen_blocks && (absl::StartsWith(fqn, "blocks.0.") ||
-                                 absl::StartsWith(fqn, "blocks.2.") ||
-                                 absl::StartsWith(fqn, "head.")))) {
+          (run.frozen_blocks &&
+           (absl::StartsWith(fqn, "blocks.0.") || absl::StartsWith(fqn, "blocks.2.") ||
+            absl::StartsWith(fqn, "head.")))) {
         param.value().requires_grad_(false);
       }
     }

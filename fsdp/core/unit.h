@@ -21,9 +21,9 @@
 // forward and backward] in internal/runtime.cc). Outputs hooked: at::Tensor,
 // std::tuple/std::vector of tensors; a unit with other outputs keeps its parameters
 // gathered until its backward. A unit whose parameters are all frozen reshards when the
-// gradients of its tensor arguments are complete, as PyTorch's FSDP does. With mixed precision, floating at::Tensor arguments are
-// cast (see Note [Mixed precision] in internal/runtime.cc). PyTorch: a nested
-// FullyShardedDataParallel instance.
+// gradients of its tensor arguments are complete, as PyTorch's FSDP does. With mixed precision,
+// floating at::Tensor arguments are cast (see Note [Mixed precision] in internal/runtime.cc).
+// PyTorch: a nested FullyShardedDataParallel instance.
 //
 // fsdp::wrap(module) is PyTorch's wrap(): it returns the module itself, annotated inside an
 // EnableWrap scope (fully_sharded.h) as a unit with the scope's settings and per-unit

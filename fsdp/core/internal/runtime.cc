@@ -227,7 +227,10 @@ void UnitState::pre_backward() {
 // prefetch as after a gradient reduction. A unit that cannot see every tensor its forward
 // gets (an argument that is a container or struct) waits for the end of backward, as does
 // one with an argument that never gets a gradient; the count spans every forward of the
-// unit in the iteration.
+// unit in the iteration. As PyTorch's hooks, this assumes the unit's forward reads no
+// tensor that needs a gradient other than its arguments (say, another module's trainable
+// parameter held by reference): the backward towards such a tensor could run after the
+// count reached zero, on freed parameters.
 at::Tensor UnitState::watch_input(const at::Tensor& input) {
   if (!input.defined() || !input.requires_grad() || inputs_pending_ < 0) return input;
   at::Tensor watched = at::alias(input);

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include <c10/util/Exception.h>
 
 namespace fsdp::models {
@@ -137,29 +140,31 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   ActivationBytes result;
   result.per_layer =
       tokens * std::max(layer.per_token(/*first=*/false), layer.per_token(/*first=*/layers == 1));
-  int64_t saved = 0;
-  if (checkpoint_layers) {
-    saved = layers * (tokens * c * config.hidden_size + kCpuRngStateBytes);
-  } else {
-    for (int64_t i = 0; i < layers; ++i) {
-      saved += tokens * layer.per_token(i == 0) + layer.mask(config.layer_types[i]);
-    }
+  for (int64_t i = 0; i < layers; ++i) {
+    result.layers.push_back(checkpoint_layers ? tokens * c * config.hidden_size + kCpuRngStateBytes
+                                              : tokens * layer.per_token(i == 0) +
+                                                    layer.mask(config.layer_types[i]));
   }
+  int64_t saved = std::accumulate(result.layers.begin(), result.layers.end(), int64_t{0});
   // The final norm (its output saved when the head trains), cos and sin per rotary
   // embedding, the logits' soft cap and the loss's fp32 log-softmax.
   const int64_t h = config.hidden_size, vocab = config.vocab_size;
   const bool head_trains = trained.lora_rank == 0;
-  saved += tokens * (layer.norm(h) + (head_trains ? c * h : 0));
+  saved += tokens * layer.norm(h);
+  result.head = tokens * (head_trains ? c * h : 0);
   const int64_t ropes = config.model_type == "gemma3_text" && config.has_sliding_layers() ? 2 : 1;
   saved += ropes * 2 * context * config.rotary_dim * c;
-  if (config.final_logit_softcapping > 0) saved += tokens * c * vocab;
-  if (config.gemma) saved += c;                 // the embedding scale, a scalar tensor
-  saved += tokens * kFp32 * vocab + 2 * kFp32;  // log-softmax; the loss and its weight
+  if (config.final_logit_softcapping > 0) result.head += tokens * c * vocab;
+  if (config.gemma) saved += c;                       // the embedding scale, a scalar tensor
+  result.head += tokens * kFp32 * vocab + 2 * kFp32;  // log-softmax; the loss and its weight
+  saved += result.head;
   result.saved_bytes = saved;
   // The loss's gradients start backward; a checkpointed layer's recomputation comes later.
   const int64_t loss_gradients = 2 * tokens * kFp32 * vocab;
   result.peak_bytes =
       saved + std::max(loss_gradients, checkpoint_layers ? result.per_layer : int64_t{0});
+  // A checkpointed layer's recomputation comes after the head's backward: held to the end.
+  if (!checkpoint_layers) result.head += loss_gradients;
   return result;
 }
 
@@ -211,15 +216,28 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
       .cpu_offload(options.cpu_offload())
       .backend(options.backend())
       .activation_bytes(plan.activations.peak_bytes);
-  plan.step = plan_memory(units, step);
+  // Each layer's and the head's activations are freed by their unit's backward.
+  std::vector<PlanUnit> with_activations = units;
+  for (PlanUnit& unit : with_activations) {
+    absl::string_view name = unit.fqn;
+    int64_t layer = 0;
+    if (name == "lm_head") {
+      unit.activation_bytes = plan.activations.head;
+    } else if (absl::ConsumePrefix(&name, "model.layers.") && absl::SimpleAtoi(name, &layer) &&
+               layer >= 0 && layer < static_cast<int64_t>(plan.activations.layers.size())) {
+      unit.activation_bytes = plan.activations.layers[layer];
+    }
+  }
+  plan.step = plan_memory(with_activations, step);
   const auto at_peak = [&](PlanTerm term) {
     return plan.step.at_peak_bytes[static_cast<int>(term)];
   };
   plan.parameters = at_peak(PlanTerm::kShardedParameters);
   plan.gradients = at_peak(PlanTerm::kShardedGradients);
   plan.optimizer_state = at_peak(PlanTerm::kOptimizerState);
+  plan.activations_held = at_peak(PlanTerm::kActivations);
   plan.gathered_units = plan.step.peak_bytes - plan.parameters - plan.gradients -
-                        plan.optimizer_state - at_peak(PlanTerm::kActivations);
+                        plan.optimizer_state - plan.activations_held;
   // Saving gathers one unit at a time in the master dtype and casts it to the folder's.
   int64_t largest = 0;
   for (const PlanUnit& unit : units)
@@ -272,7 +290,7 @@ std::string FinetunePlan::summary() const {
   return absl::StrCat("parameters ", format_bytes(parameters), " + gradients ",
                       format_bytes(gradients), " + optimizer state ", format_bytes(optimizer_state),
                       " + gathered units ", format_bytes(gathered_units), " + activations ",
-                      format_bytes(activations.peak_bytes), " (saving: ", format_bytes(saving),
+                      format_bytes(activations_held), " (saving: ", format_bytes(saving),
                       " above the shards) + allocator ",
                       absl::StrFormat("%.0f%%", kAllocatorOverhead * 100), " + runtime ",
                       format_bytes(runtime), " = peak ", format_bytes(peak_bytes),

@@ -51,6 +51,11 @@ struct ActivationBytes {
   int64_t per_layer = 0;  // the largest layer's saved bytes (not checkpointed)
   int64_t saved_bytes = 0;
   int64_t peak_bytes = 0;
+  // Parts of peak_bytes that a unit's backward frees (PlanUnit::activation_bytes): each
+  // layer's saved bytes, and the head's (its input when it trains, the logits' soft cap,
+  // the log-softmax and, without checkpointing, the loss's gradients).
+  std::vector<int64_t> layers;
+  int64_t head = 0;
 };
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
@@ -103,16 +108,17 @@ struct FinetunePlan {
   FinetunePlanOptions options;
   MemoryPlan step;  // the training step (fsdp::plan_memory), activations included
   ActivationBytes activations;
-  int64_t parameters = 0;       // sharded flat parameters (trainable and frozen)
-  int64_t gradients = 0;        // their sharded gradients
-  int64_t optimizer_state = 0;  // AdamW's two moments of the trainable shards
-  int64_t gathered_units = 0;   // units unsharded at the step's peak, their gradients and
-                                // the communication buffers
-  int64_t saving = 0;           // above the shards, gradients and state while saving:
-                                // the largest unit gathered, cast and written
-  int64_t runtime = 0;          // options.runtime_bytes
-  int64_t peak_bytes = 0;       // the largest resident set: runtime + the larger of the
-                                // step's peak and saving's, with kAllocatorOverhead
+  int64_t parameters = 0;        // sharded flat parameters (trainable and frozen)
+  int64_t gradients = 0;         // their sharded gradients
+  int64_t optimizer_state = 0;   // AdamW's two moments of the trainable shards
+  int64_t gathered_units = 0;    // units unsharded at the step's peak, their gradients and
+                                 // the communication buffers
+  int64_t activations_held = 0;  // activations at the step's peak (of activations.peak_bytes)
+  int64_t saving = 0;            // above the shards, gradients and state while saving:
+                                 // the largest unit gathered, cast and written
+  int64_t runtime = 0;           // options.runtime_bytes
+  int64_t peak_bytes = 0;        // the largest resident set: runtime + the larger of the
+                                 // step's peak and saving's, with kAllocatorOverhead
   // "parameters 1.2 GiB + gradients ... = peak 5.1 GiB per rank" (one line).
   std::string summary() const;
 };

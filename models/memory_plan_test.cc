@@ -4,6 +4,7 @@
 #include "models/memory_plan.h"
 
 #include <memory>
+#include <numeric>
 #include <string>
 
 #include <ATen/Functions.h>
@@ -84,6 +85,11 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
     if (!config.gemma) {
       EXPECT_EQ(planned.saved_bytes, m.saved) << c.name;
     }
+    // The parts units free (each layer's, the head's) are within what is held.
+    EXPECT_EQ(static_cast<int64_t>(planned.layers.size()), config.num_hidden_layers);
+    EXPECT_LE(std::accumulate(planned.layers.begin(), planned.layers.end(), planned.head),
+              planned.peak_bytes)
+        << c.name;
   }
 }
 

@@ -72,10 +72,10 @@ std::string to_table(const DecoderPlanReport& r) {
       o.activation_checkpointing() ? ", activation checkpointing" : "",
       o.cpu_offload() ? ", CPU offload" : "");
   const std::vector<std::pair<const char*, int64_t>> rows = {
-      {"sharded parameters", p.parameters},      {"sharded gradients", p.gradients},
-      {"optimizer state", p.optimizer_state},    {"gathered units", p.gathered_units},
-      {"activations", p.activations.peak_bytes}, {"runtime (assumed)", p.runtime},
-      {"peak per rank", p.peak_bytes},           {"saving, above the shards", p.saving}};
+      {"sharded parameters", p.parameters},   {"sharded gradients", p.gradients},
+      {"optimizer state", p.optimizer_state}, {"gathered units", p.gathered_units},
+      {"activations", p.activations_held},    {"runtime (assumed)", p.runtime},
+      {"peak per rank", p.peak_bytes},        {"saving, above the shards", p.saving}};
   for (const auto& [what, bytes] : rows) {
     out += absl::StrFormat("  %-26s %14d B  %s\n", what, bytes, models::format_bytes(bytes));
   }
@@ -110,7 +110,7 @@ std::string to_json(const DecoderPlanReport& r) {
                            {"sharded_gradients", p.gradients},
                            {"optimizer_state", p.optimizer_state},
                            {"gathered_units", p.gathered_units},
-                           {"activations", p.activations.peak_bytes},
+                           {"activations", p.activations_held},
                            {"runtime", p.runtime},
                            {"saving", p.saving},
                            {"peak", p.peak_bytes}}}};

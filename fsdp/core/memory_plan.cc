@@ -115,8 +115,10 @@ int64_t MemoryPlan::bytes_received() const {
 //   outside autograd, as when the model's inputs need no gradient (token ids, images): it
 //   is neither gathered nor prefetched in backward (Note [Units outside autograd]).
 // - Optimizer step: OptimizerSpec::step_temporaries x b max s_t for one parameter's update.
-// - Activations: MemoryPlanOptions::activation_bytes, held at every event (an upper bound:
-//   they shrink during backward).
+// - Activations: MemoryPlanOptions::activation_bytes, held from the start; a non-root
+//   unit's PlanUnit::activation_bytes (a part of them) are freed once its gradients are
+//   counted (a frozen unit: once it is freed), the rest are held to the end (an upper
+//   bound: autograd frees each op's saved tensors as the op's backward runs).
 // Traffic (Communicator's counters, CollectiveKind): an all-gather sends and receives
 // (F - 1) b_p s_h, a reduce-scatter (F - 1) b_r s_t, an all-reduce of n elements on G ranks
 // 2 (G - 1) ceil(n / G) b_r (NO_SHARD: G = W, n = numel_t; HYBRID: G = R, n = s_t).
@@ -138,6 +140,7 @@ struct UnitRecord {
   bool gathering = false;  // a prefetch's all-gather input is held
   bool backward_started = false;
   bool outside_autograd = false;  // frozen, before every trainable unit
+  int64_t activation_bytes = 0;   // PlanUnit::activation_bytes
   bool trains() const { return trainable.numel > 0; }
   std::vector<const FlatGeometry*> handles() const {
     std::vector<const FlatGeometry*> out;
@@ -173,6 +176,7 @@ class Replay {
     mixed_ = options.param_dtype().has_value() && *options.param_dtype() != options.dtype();
     cast_grad_ = !options.keep_low_precision_grads() && b_r_ != b_;
     host_untracked_ = options.cpu_offload() && !options.host_is_tracked();
+    int64_t unit_activations = 0;
     for (const PlanUnit& unit : units) {
       TORCH_CHECK(unit.trainable_numel >= 0 && unit.frozen_numel >= 0, "plan_memory: unit '",
                   unit.fqn, "' has a negative numel (", unit.trainable_numel, " trainable, ",
@@ -183,8 +187,16 @@ class Replay {
       record.is_root = unit.is_root;
       record.trainable = geometry(unit.trainable_numel);
       record.frozen = geometry(unit.frozen_numel);
+      TORCH_CHECK(unit.activation_bytes >= 0, "plan_memory: unit '", unit.fqn,
+                  "' has negative activation_bytes (", unit.activation_bytes, ")");
+      record.activation_bytes = unit.activation_bytes;
+      unit_activations += unit.activation_bytes;
       units_.push_back(std::move(record));
     }
+    TORCH_CHECK(unit_activations <= options.activation_bytes().value_or(0),
+                "plan_memory: the units' activation_bytes add up to ", unit_activations,
+                ", more than MemoryPlanOptions::activation_bytes (",
+                options.activation_bytes().value_or(0), "), which holds them");
     bool trained_before = false;  // units_ is in forward order, the root first
     for (UnitRecord& unit : units_) {
       unit.outside_autograd = !unit.trains() && !trained_before;
@@ -367,10 +379,12 @@ class Replay {
       prefetch_after(&unit, BackwardPrefetch::kBackwardPre);
       if (!unit.trains()) {  // no gradient sink: freed once its inputs' gradients are done
         reshard(unit);
+        free(PlanTerm::kActivations, unit.activation_bytes);
         prefetch_after(&unit, BackwardPrefetch::kBackwardPost);
         continue;
       }
       add(PlanTerm::kUnshardedGradients, unit.trainable.numel * b_p_, event);
+      free(PlanTerm::kActivations, unit.activation_bytes);
       post_backward(unit);
     }
     if (root != nullptr && root->trains()) post_backward(*root);

@@ -79,6 +79,10 @@ struct PlanUnit {
   int64_t trainable_numel = 0;
   int64_t frozen_numel = 0;
   bool is_root = false;  // kept unsharded from forward to backward; reduced last
+  // What autograd saves during this unit's forward, part of
+  // MemoryPlanOptions::activation_bytes and freed once the unit's backward has run (0:
+  // unknown, held to the end of the step as the rest of activation_bytes).
+  int64_t activation_bytes = 0;
 };
 
 struct MemoryPlanOptions {

@@ -51,6 +51,28 @@ TEST(MemoryPlanTest, FullShardTermsAndTrafficAreExact) {
   EXPECT_EQ(plan.term_bytes(PlanTerm::kOptimizerTemporaries), 2 * 4 * 60);
 }
 
+// A unit's activation_bytes leave the activations once its gradients are counted: "b"
+// (after "a" in forward) saved 60 of the 100 bytes, so the backward of "a", the peak,
+// holds 40; the plan refuses units that save more than the total.
+TEST(MemoryPlanTest, AUnitsActivationsAreFreedByItsBackward) {
+  std::vector<PlanUnit> units = {{"", 9, 0, true}, {"a", 120, 0, false}, {"b", 20, 0, false}};
+  units[2].activation_bytes = 60;
+  const MemoryPlan plan =
+      plan_memory(units, MemoryPlanOptions().world_size(2).activation_bytes(100));
+  EXPECT_EQ(plan.peak_event, "backward of unit 'a'");
+  EXPECT_EQ(plan.at_peak_bytes[static_cast<int>(PlanTerm::kActivations)], 40);
+  EXPECT_EQ(plan.term_bytes(PlanTerm::kActivations), 100);
+  units[1].activation_bytes = 41;
+  try {
+    plan_memory(units, MemoryPlanOptions().world_size(2).activation_bytes(100));
+    ADD_FAILURE() << "expected a c10::Error";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("the units' activation_bytes add up to 101, more than "
+                          "MemoryPlanOptions::activation_bytes (100)"));
+  }
+}
+
 TEST(MemoryPlanTest, StrategiesAtOneRankPlanAsNoShardWithoutTraffic) {
   for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kHybridShard}) {
     const MemoryPlan plan = plan_memory(two_units(), MemoryPlanOptions().sharding_strategy(s));

@@ -6,11 +6,17 @@
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
 # fsdp_plan --config gives the same plan from the config.json alone (all but the runtime,
 # which the trainer measures), and the smallest world size that fits a memory per rank.
+# The trainer does not link libtorch_cuda, which a CPU run would map for nothing.
 #   memory_plan_test.sh FINETUNE FSDP_PLAN PYTHON
 set -euo pipefail
 finetune=${1:?usage: memory_plan_test.sh FINETUNE FSDP_PLAN PYTHON} plan=${2:?} python=${3:?}
 dir=${TEST_TMPDIR:-$(mktemp -d)}/memory_plan
 rm -rf "$dir" && mkdir -p "$dir"
+# LibTorch's CUDA kernels are loaded only on CUDA (fsdp/base/torch_compat_cuda.h): linked,
+# they would add 235 MiB to every CPU rank before the first weight.
+if readelf -d "$finetune" | grep -q 'NEEDED.*libtorch_cuda'; then
+  echo "FAIL: $finetune links libtorch_cuda, which every CPU run would then map"; exit 1
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 "$python" - "$dir" <<'PY'
 import sys

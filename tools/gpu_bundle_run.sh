@@ -18,9 +18,11 @@
 # checkpoint to the same loss at step 20, and trained with --cpu_offload to the same loss
 # at step 10); the Llama fine-tune (issue 39: bin/examples/llama/finetune on the bundled
 # tiny bf16 Llama, llama/, full and LoRA, bf16 compute with fp32 master weights, 5 steps at
-# the same W, each step's loss within 2% of the same command with --device=cpu); and the
-# side by side at W = 1 on cuda:0 of the same GPT
-# (width 768, 12 layers, 12 heads, context 256, bf16, batch 32, from the same weights on
+# the same W, each step's loss within 2% of the same command with --device=cpu); the memory
+# levers (the small GPT with --activation_checkpointing and --grad_accumulation_steps=2, and
+# the full Llama fine-tune with --activation_checkpointing, each step's loss against the
+# same run without the lever: within 1e-4, 1e-3 and 1e-4 relative); and the side by side
+# at W = 1 on cuda:0 of the same GPT (width 768, 12 layers, 12 heads, context 256, bf16, batch 32, from the same weights on
 # the same batches) trained by fsdp (bin/benchmarks/gpt_fsdp), by plain LibTorch without
 # FSDP (gpt_fsdp --mode=plain, autocast bf16) and by PyTorch FSDP2 eager
 # (peer/fsdp2_gpt.py): tokens/s, peak memory (the caching allocator's), MFU and the
@@ -28,9 +30,8 @@
 # (the host waiting for every collective) for the host-side time per step with and
 # without. Each failed run counts as one failure in the last line. Then one summary
 # table: test binaries, GPU main job (tokens/s, MFU, peak memory, last loss), async save
-# and resume, CPU offload and the Llama fine-tune (the losses compared), the W = 1 side
-# by side (tokens/s,
-# peak memory, MFU, ratios), host ms/step; it is also written to
+# and resume, CPU offload, the Llama fine-tune and the memory levers (the losses
+# compared), the W = 1 side by side (tokens/s, peak memory, MFU, ratios), host ms/step; it is also written to
 # .gpu_bundle/logs/summary.txt and, when $OUT names a folder (the device machine returns
 # what is there), to $OUT/gpu_check_summary.txt with the logs in $OUT/gpu_check_logs/
 # (docs/GPU.md says how to record it). Without a CUDA device a last line says so. Logs go
@@ -232,6 +233,14 @@ if ((devices > 0)); then
     awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = a < 0 ? -a : a
       exit !(a != "" && b != "" && d <= t * m) }'
   }
+  # same_losses A B TOLERANCE STEPS: every step's training loss of run A, steps 1 to STEPS,
+  # within TOLERANCE (relative) of run B's.
+  same_losses() {
+    local s
+    for ((s = 1; s <= $4; s++)); do
+      close_to "$(loss_at "$gpu/$2" "$s")" "$(loss_at "$gpu/$1" "$s")" "$3" || return 1
+    done
+  }
   async_a() { small_gpt "$1" "$gpu/async_a" --steps=20 --checkpoint_interval=10 --async_save; }
   async_b() {
     small_gpt "$1" "$gpu/async_b" --steps=20 --checkpoint_interval=10 --async_save \
@@ -265,6 +274,37 @@ if ((devices > 0)); then
       failed=$((failed + 1))
     fi
   fi
+  # The memory levers on the GPU: the small GPT's first 10 steps again with
+  # --activation_checkpointing (each block's bf16 forward recomputed in backward) and with --grad_accumulation_steps=2 (each rank's
+  # 16 rows as two micro-batches of 8, gradients summed before one reduce-scatter): every
+  # step's training loss within 1e-4 and 1e-3 (relative) of run A's, which trained on the
+  # same batches in one pass without recomputing. (The Llama fine-tune's recomputation is
+  # checked below the same way.)
+  levers_ac() { small_gpt "$1" "$gpu/levers_ac" --steps=10 --checkpoint_interval=0 --activation_checkpointing; }
+  levers_ga() { small_gpt "$1" "$gpu/levers_ga" --steps=10 --checkpoint_interval=0 --grad_accumulation_steps=2; }
+  levers_result=""
+  # lever_check NAME RUN REF TOLERANCE STEPS: RUN's steps 1 to STEPS against REF's, printed
+  # and added to levers_result.
+  lever_check() {
+    local result="$1: loss at step $5 $(loss_at "$gpu/$2" "$5"), $(loss_at "$gpu/$3" "$5") without"
+    if same_losses "$2" "$3" "$4" "$5"; then
+      echo "  $1: ok ($result; steps 1-$5 within $4)"
+      result="ok, $result"
+    else
+      echo "  $1: FAILED ($result; steps 1-$5 not within $4:" \
+           "$(awk -F, 'NR > 1 { printf "%s ", $2 }' "$gpu/$2/metrics.csv" 2>/dev/null))"
+      result="FAILED, $result"
+      failed=$((failed + 1))
+    fi
+    levers_result+="${levers_result:+; }$result"
+  }
+  echo "Memory levers on the GPU (W = $small_w):"
+  if gpu_step gpt_activation_checkpointing 60 levers_ac; then
+    lever_check "GPT --activation_checkpointing" levers_ac async_a 1e-4 10
+  fi
+  if gpu_step gpt_grad_accumulation 60 levers_ga; then
+    lever_check "GPT --grad_accumulation_steps=2" levers_ga async_a 1e-3 10
+  fi
   # The Llama fine-tune on the GPU (issue 39 item 3, issue 36 item 3): the bundled random
   # tiny Llama in bf16 (llama/model_bf16, written by transformers; 2 layers, hidden 64)
   # fine-tuned 5 steps on llama/train.bin at W = small_w over NCCL with the default for a
@@ -285,13 +325,6 @@ if ((devices > 0)); then
   llama_full_cpu() { llama cpu llama_full_cpu "$1"; }
   llama_lora_cuda() { llama cuda llama_lora_cuda "$1" --lora_rank=4; }
   llama_lora_cpu() { llama cpu llama_lora_cpu "$1" --lora_rank=4; }
-  # same_losses A B: every step's loss of run A within 2% of run B's (5 steps each).
-  same_losses() {
-    local s
-    for s in 1 2 3 4 5; do
-      close_to "$(loss_at "$gpu/$2" "$s")" "$(loss_at "$gpu/$1" "$s")" 0.02 || return 1
-    done
-  }
   echo "Llama fine-tune on the GPU (W = $small_w, bf16 folder, fp32 master weights):"
   llama_full_result="not run" llama_lora_result="not run"
   for mode in full lora; do
@@ -301,7 +334,7 @@ if ((devices > 0)); then
       result="loss at step 5 $cuda_loss on CUDA, $cpu_loss on the CPU"
       precision=$(grep -c 'precision: BFloat16 weights; bf16 mixed precision' \
                     "$logs/gpu_llama_${mode}_cuda.log")
-      if same_losses "llama_${mode}_cuda" "llama_${mode}_cpu" && ((precision == 1)) &&
+      if same_losses "llama_${mode}_cuda" "llama_${mode}_cpu" 0.02 5 && ((precision == 1)) &&
          [[ -f "$gpu/llama_${mode}_cuda/hf/model.safetensors" ]]; then
         echo "  Llama $mode: ok ($result)"
         result="ok, $result"
@@ -314,6 +347,10 @@ if ((devices > 0)); then
       if [[ $mode == full ]]; then llama_full_result=$result; else llama_lora_result=$result; fi
     fi
   done
+  llama_full_cuda_ac() { llama cuda llama_full_cuda_ac "$1" --activation_checkpointing; }
+  if gpu_step llama_full_cuda_activation_checkpointing 90 llama_full_cuda_ac; then
+    lever_check "Llama full --activation_checkpointing" llama_full_cuda_ac llama_full_cuda 1e-4 5
+  fi
   peer=$gpu/peer
   mkdir -p "$peer"
   prepare() {
@@ -383,6 +420,7 @@ MAIN_TOKENS=${main_tokens:-} MAIN_MFU=${main_mfu:-} MAIN_PEAK=${main_peak:-} \
 MAIN_LOSS=${main_loss:-} PEER_DIR=${peer:-} BINARIES=$(wc -l <"$here/tests.tsv") \
 ASYNC_RESULT=${async_result:-} OFFLOAD_RESULT=${offload_result:-} \
 LLAMA_FULL_RESULT=${llama_full_result:-} LLAMA_LORA_RESULT=${llama_lora_result:-} \
+LEVERS_RESULT=${levers_result:-} \
 PASSED=$passed FAILED=$failed SKIPPED=$skipped DEVICES=$devices \
 "$python" - <<'PY' || echo "(the summary table could not be printed)"
 import json, os
@@ -396,6 +434,7 @@ if e["DEVICES"] == "0":
     rows.append(("async save + resume", "not run (no CUDA device)"))
     rows.append(("CPU offload", "not run (no CUDA device)"))
     rows.append(("Llama fine-tune", "not run (no CUDA device)"))
+    rows.append(("memory levers", "not run (no CUDA device)"))
     rows.append(("W = 1 side by side", "not run (no CUDA device)"))
 else:
     rows.append(("GPU main job", f"{cell(e['MAIN_TOKENS'])} tokens/s, MFU {cell(e['MAIN_MFU'])}%, "
@@ -404,6 +443,7 @@ else:
     rows.append(("CPU offload", cell(e["OFFLOAD_RESULT"])))
     rows.append(("Llama fine-tune, full", cell(e["LLAMA_FULL_RESULT"])))
     rows.append(("Llama fine-tune, LoRA", cell(e["LLAMA_LORA_RESULT"])))
+    rows.append(("memory levers", cell(e["LEVERS_RESULT"])))
     runs = {}
     for name in ("fsdp", "plain", "fsdp2", "fsdp_blocking"):
         path = os.path.join(e["PEER_DIR"], name + ".json") if e["PEER_DIR"] else ""

@@ -8,35 +8,36 @@
 # LibTorch, NCCL and the CUDA runtime are that torch's own: run.sh asks python3 where
 # torch is and puts torch/lib and site-packages/nvidia/*/lib on LD_LIBRARY_PATH. It runs
 # every bundled test binary (tests.tsv) under one deadline (7.5 minutes in all), prints a
-# line per binary, the reasons of skipped cases, then "K skipped" and, last,
-# "N passed, M failed" counting GoogleTest cases (a skipped case is not a pass; a case
-# that crashed, timed out or never ran is a failure). Then, with a CUDA device, the GPT
-# on the GPU (issue 18): a 30-step training run of examples/gpt (bin/examples/gpt/train,
-# one rank on cuda:0, its CUDA defaults: a GPT-2-small-sized model in bf16; it passes if
-# the validation loss falls); checkpoints and CPU offload (issue 39: a small GPT at W = 1,
-# or W = 2 with two devices, saving in the background and resumed from its step-10
-# checkpoint to the same loss at step 20, and trained with --cpu_offload to the same loss
-# at step 10); the Llama fine-tune (issue 39: bin/examples/llama/finetune on the bundled
-# tiny bf16 Llama, llama/, full and LoRA, bf16 compute with fp32 master weights, 5 steps at
-# the same W, each step's loss within 2% of the same command with --device=cpu); the memory
-# levers (the small GPT with --activation_checkpointing and --grad_accumulation_steps=2, and
-# the full Llama fine-tune with --activation_checkpointing, each step's loss against the
-# same run without the lever: within 1e-4, 1e-3 and 1e-4 relative); and the side by side
-# at W = 1 on cuda:0 of the same GPT (width 768, 12 layers, 12 heads, context 256, bf16, batch 32, from the same weights on
-# the same batches) trained by fsdp (bin/benchmarks/gpt_fsdp), by plain LibTorch without
-# FSDP (gpt_fsdp --mode=plain, autocast bf16) and by PyTorch FSDP2 eager
-# (peer/fsdp2_gpt.py): tokens/s, peak memory (the caching allocator's), MFU and the
-# ratios ours/FSDP2 and ours/plain, and fsdp once more with TORCH_NCCL_BLOCKING_WAIT=1
-# (the host waiting for every collective) for the host-side time per step with and
-# without. Each failed run counts as one failure in the last line. Then one summary
-# table: test binaries, GPU main job (tokens/s, MFU, peak memory, last loss), async save
-# and resume, CPU offload, the Llama fine-tune and the memory levers (the losses
-# compared), the W = 1 side by side (tokens/s, peak memory, MFU, ratios), host ms/step; it is also written to
-# .gpu_bundle/logs/summary.txt and, when $OUT names a folder (the device machine returns
-# what is there), to $OUT/gpu_check_summary.txt with the logs in $OUT/gpu_check_logs/
-# (docs/GPU.md says how to record it). Without a CUDA device a last line says so. Logs go
-# to .gpu_bundle/logs/. Each step has its own time limit (timeout, then SIGKILL 10 s
-# later; a launched rank dies with its launcher), all within BUDGET_S.
+# line per binary, the reasons of skipped cases, then "K skipped" and, last, "N passed, M
+# failed" counting GoogleTest cases (a skipped case is not a pass; a case that crashed,
+# timed out or never ran is a failure). Then, with a CUDA device, the GPT on the GPU
+# (issue 18): a 30-step training run of examples/gpt (bin/examples/gpt/train, one rank on
+# cuda:0, its CUDA defaults: a GPT-2-small-sized model in bf16; it passes if the
+# validation loss falls); checkpoints and CPU offload (issue 39: a small GPT at W = 1, or
+# W = 2 with two devices, saving in the background and resumed from its step-10 checkpoint
+# to the same loss at step 20, and trained with --cpu_offload to the same loss at step
+# 10); the Llama fine-tune (issue 39: bin/examples/llama/finetune on the bundled tiny bf16
+# Llama, llama/, full and LoRA, bf16 compute with fp32 master weights, 5 steps at the same
+# W, each step's loss within 2% of the same command with --device=cpu); the memory levers
+# (the small GPT and the full Llama fine-tune with --activation_checkpointing and with
+# --grad_accumulation_steps=2, within 1e-4 and 1e-3 relative of the same run without the
+# lever at every step, and the fine-tune with --cpu_offload, within 2%); and the side by
+# side at W = 1 on cuda:0 of the same GPT (width 768, 12 layers, 12 heads, context 256,
+# bf16, batch 32, from the same weights on the same batches) trained by fsdp
+# (bin/benchmarks/gpt_fsdp), by plain LibTorch without FSDP (gpt_fsdp --mode=plain,
+# autocast bf16) and by PyTorch FSDP2 eager (peer/fsdp2_gpt.py): tokens/s, peak memory
+# (the caching allocator's), MFU and the ratios ours/FSDP2 and ours/plain, and fsdp once
+# more with TORCH_NCCL_BLOCKING_WAIT=1 (the host waiting for every collective) for the
+# host-side time per step with and without. Each failed run counts as one failure in the
+# last line. Then one summary table: test binaries, GPU main job (tokens/s, MFU, peak
+# memory, last loss), async save and resume, CPU offload, the Llama fine-tune and the
+# memory levers (the losses compared), the W = 1 side by side (tokens/s, peak memory, MFU,
+# ratios), host ms/step; it is also written to .gpu_bundle/logs/summary.txt and, when $OUT
+# names a folder (the device machine returns what is there), to $OUT/gpu_check_summary.txt
+# with the logs in $OUT/gpu_check_logs/ (docs/GPU.md says how to record it). Without a
+# CUDA device a last line says so. Logs go to .gpu_bundle/logs/. Each step has its own
+# time limit (timeout, then SIGKILL 10 s later; a launched rank dies with its launcher),
+# all within BUDGET_S.
 # Exit status: 0 every case passed with a device; 1 a failure; 2 nothing failed but no
 # CUDA device was found (the GPU cases were skipped); 3 no usable torch 2.11.
 set -uo pipefail
@@ -347,9 +348,18 @@ if ((devices > 0)); then
       if [[ $mode == full ]]; then llama_full_result=$result; else llama_lora_result=$result; fi
     fi
   done
+  # The fine-tune's levers, each against the full fine-tune on CUDA above (5 steps).
   llama_full_cuda_ac() { llama cuda llama_full_cuda_ac "$1" --activation_checkpointing; }
+  llama_full_cuda_ga() { llama cuda llama_full_cuda_ga "$1" --grad_accumulation_steps=2; }
+  llama_full_cuda_offload() { llama cuda llama_full_cuda_offload "$1" --cpu_offload; }
   if gpu_step llama_full_cuda_activation_checkpointing 90 llama_full_cuda_ac; then
     lever_check "Llama full --activation_checkpointing" llama_full_cuda_ac llama_full_cuda 1e-4 5
+  fi
+  if gpu_step llama_full_cuda_grad_accumulation 90 llama_full_cuda_ga; then
+    lever_check "Llama full --grad_accumulation_steps=2" llama_full_cuda_ga llama_full_cuda 1e-3 5
+  fi
+  if gpu_step llama_full_cuda_cpu_offload 90 llama_full_cuda_offload; then
+    lever_check "Llama full --cpu_offload" llama_full_cuda_offload llama_full_cuda 2e-2 5
   fi
   peer=$gpu/peer
   mkdir -p "$peer"

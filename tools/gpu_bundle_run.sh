@@ -276,11 +276,11 @@ if ((devices > 0)); then
     fi
   fi
   # The memory levers on the GPU: the small GPT's first 10 steps again with
-  # --activation_checkpointing (each block's bf16 forward recomputed in backward) and with --grad_accumulation_steps=2 (each rank's
-  # 16 rows as two micro-batches of 8, gradients summed before one reduce-scatter): every
-  # step's training loss within 1e-4 and 1e-3 (relative) of run A's, which trained on the
-  # same batches in one pass without recomputing. (The Llama fine-tune's recomputation is
-  # checked below the same way.)
+  # --activation_checkpointing (each block's bf16 forward recomputed in backward) and with
+  # --grad_accumulation_steps=2 (each rank's share of the step's 16 rows as two
+  # micro-batches, gradients summed before one reduce-scatter): every step's training loss
+  # within 1e-4 and 1e-3 (relative) of run A's, which trained on the same batches in one
+  # pass without recomputing. (The Llama fine-tune's levers are checked below the same way.)
   levers_ac() { small_gpt "$1" "$gpu/levers_ac" --steps=10 --checkpoint_interval=0 --activation_checkpointing; }
   levers_ga() { small_gpt "$1" "$gpu/levers_ga" --steps=10 --checkpoint_interval=0 --grad_accumulation_steps=2; }
   levers_result=""

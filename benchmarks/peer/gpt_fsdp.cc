@@ -75,6 +75,7 @@
 #include "examples/gpt/model_flags.h"
 #include "fsdp/base/torch_compat_cuda.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/caching_cpu_allocator.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
@@ -97,6 +98,9 @@ ABSL_FLAG(std::string, mode, "fsdp", "fsdp, or plain: LibTorch without FSDP, one
 ABSL_FLAG(std::string, mixed_precision, "none",
           "none (fp32), or bf16: param_dtype bf16 and reduce_dtype fp32 under FSDP, "
           "autocast to bf16 in plain mode (train)");
+ABSL_FLAG(bool, caching_cpu_allocator, true,
+          "serve CPU tensors from fsdp's caching CPU allocator (fsdp/core/caching_cpu_allocator.h), "
+          "as the trainers do; false: glibc's malloc with its defaults, as PyTorch runs");
 ABSL_FLAG(bool, forward_prefetch, false,
           "FullyShardedDataParallelOptions::forward_prefetch (train)");
 
@@ -289,6 +293,7 @@ int train(const std::string& dir) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_caching_cpu_allocator)) fsdp::install_caching_cpu_allocator();
   try {
     if (!absl::GetFlag(FLAGS_prepare).empty()) {
       return fsdp::examples::prepare(absl::GetFlag(FLAGS_prepare));

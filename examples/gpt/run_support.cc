@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #ifdef __GLIBC__
-#include <malloc.h>
 #endif
 #include <sys/file.h>
 #include <sys/resource.h>
@@ -246,12 +245,6 @@ int64_t resident_bytes() {
   int64_t pages = 0, resident = -1;
   if (!(statm >> pages >> resident)) return -1;
   return resident * sysconf(_SC_PAGESIZE);
-}
-
-void return_freed_tensors_to_the_system() {
-#ifdef __GLIBC__
-  mallopt(M_MMAP_THRESHOLD, 256 << 10);
-#endif
 }
 
 int64_t peak_resident_bytes() {

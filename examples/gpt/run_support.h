@@ -107,23 +107,6 @@ double cosine_learning_rate(int64_t step, double peak, int64_t warmup, int64_t s
 // This process's resident set size in bytes (Linux), or -1.
 int64_t resident_bytes();
 
-// Note [Freed tensors go back to the system]
-// glibc's malloc raises its mmap threshold each time a large block is freed (up to 32 MiB),
-// so after the first step most tensors come from the heap and, when freed, stay in it:
-// the resident set then follows the largest heap ever used, fragmented, not the tensors
-// alive (a fine-tune measured 35-47% above its tensors' peak). A fixed threshold of 256 KiB
-// maps every tensor of 256 KiB or more on its own and unmaps it when freed, so the resident
-// set follows the tensors, as the memory plan counts them (models/memory_plan.h); on the
-// 2-core CPU machine a fixed threshold was also faster (at 1 MiB: 109 -> 169 tokens/s in a
-// full fine-tune, 244 -> 313 with LoRA). 1 MiB was not low enough: a short context's
-// activations (a 128-token row of hidden 1024 in fp32 is 512 KiB) still came from the heap
-// and left holes in it, and at the peak of a 201 M full fine-tune (W = 2) the heap held
-// 283 MiB, 117 MiB of it in use; at 256 KiB it held 84 MiB (53 in use) and the largest
-// resident set fell from 2,077 to 1,937 MiB (medians of 4 runs each, alternated), the whole
-// run 2.6% slower (wall time, pairs 0.97-1.10): each tensor of 256 KiB to 1 MiB now costs
-// fresh pages. Both trainers call it first thing in main(); no-op without glibc.
-void return_freed_tensors_to_the_system();
-
 // The largest resident set this process has had, in bytes (getrusage's ru_maxrss).
 int64_t peak_resident_bytes();
 

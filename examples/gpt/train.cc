@@ -71,6 +71,7 @@
 #include "examples/gpt/run_support.h"
 #include "fsdp/base/torch_compat_cuda.h"
 #include "fsdp/comm/launcher.h"
+#include "fsdp/core/caching_cpu_allocator.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
@@ -564,7 +565,7 @@ int train() {
 }  // namespace fsdp::examples
 
 int main(int argc, char** argv) {
-  fsdp::examples::return_freed_tensors_to_the_system();  // see the Note in run_support.h
+  fsdp::install_caching_cpu_allocator();  // before any tensor: see caching_cpu_allocator.h
   fsdp::examples::allow_bare_resume_flag(argc, argv);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {  // positional[0] is the program

@@ -71,6 +71,7 @@
 #include "examples/gpt/run_support.h"
 #include "fsdp/base/torch_compat_cuda.h"
 #include "fsdp/comm/launcher.h"
+#include "fsdp/core/caching_cpu_allocator.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
@@ -676,7 +677,7 @@ int finetune() {
 }  // namespace fsdp::models
 
 int main(int argc, char** argv) {
-  fsdp::examples::return_freed_tensors_to_the_system();  // see the Note in run_support.h
+  fsdp::install_caching_cpu_allocator();  // before any tensor: see caching_cpu_allocator.h
   fsdp::examples::allow_bare_resume_flag(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const fsdp::examples::MachineLimits machine = fsdp::examples::this_machine();

@@ -98,9 +98,10 @@ ABSL_FLAG(std::string, mode, "fsdp", "fsdp, or plain: LibTorch without FSDP, one
 ABSL_FLAG(std::string, mixed_precision, "none",
           "none (fp32), or bf16: param_dtype bf16 and reduce_dtype fp32 under FSDP, "
           "autocast to bf16 in plain mode (train)");
-ABSL_FLAG(bool, caching_cpu_allocator, true,
-          "serve CPU tensors from fsdp's caching CPU allocator (fsdp/core/caching_cpu_allocator.h), "
-          "as the trainers do; false: glibc's malloc with its defaults, as PyTorch runs");
+ABSL_FLAG(
+    bool, caching_cpu_allocator, true,
+    "serve CPU tensors from fsdp's caching CPU allocator (fsdp/core/caching_cpu_allocator.h), "
+    "as the trainers do; false: glibc's malloc with its defaults, as PyTorch runs");
 ABSL_FLAG(bool, forward_prefetch, false,
           "FullyShardedDataParallelOptions::forward_prefetch (train)");
 

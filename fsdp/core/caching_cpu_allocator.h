@@ -13,9 +13,9 @@
 //   }
 //
 // Memory. The cache never makes the process hold more than its tensors' peak: before it
-// maps a new block it unmaps cached blocks, least recently freed first, until it has
-// unmapped at least the new block's size (or nothing is left cached). So the bytes mapped
-// for large blocks never exceed the most bytes of large blocks alive at once, and the
+// maps a new block it unmaps cached blocks, least recently freed first, as far as needed
+// to keep the bytes mapped for large blocks within the most bytes of large blocks ever
+// alive at once (peak_in_use_bytes below). So the
 // resident set follows the tensors (as a fixed glibc mmap threshold makes it, but without
 // returning every freed block to the kernel and faulting fresh zeroed pages back in).
 // Smaller requests go to c10's default CPU allocator (glibc's heap).
@@ -55,6 +55,8 @@ struct CpuCacheStats {
   int64_t mapped_bytes = 0;       // blocks mapped now: in use + cached
   int64_t cached_bytes = 0;       // blocks mapped now and free for reuse
   int64_t peak_mapped_bytes = 0;  // the most mapped_bytes has been
+  int64_t peak_in_use_bytes = 0;  // the most bytes of blocks in use at once;
+                                  // peak_mapped_bytes <= peak_in_use_bytes always
   int64_t hits = 0;               // requests served from the cache
   int64_t misses = 0;             // requests that mapped a new block
   int64_t unmapped_blocks = 0;    // cached blocks given back to the system

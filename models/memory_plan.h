@@ -98,10 +98,10 @@ struct FinetunePlanOptions {
 // cannot measure. A CUDA process holds more (libtorch_cuda, about 235 MiB, and its context).
 inline constexpr int64_t kDefaultRuntimeBytes = int64_t{128} << 20;  // 122-128 MiB measured
 
-// Resident-set overhead of the C library's allocator over the tensors' bytes (small
-// blocks in its arenas), with freed tensors returned to the system (the trainer sets a
-// fixed mmap threshold: examples/gpt/run_support.h); tests/memory_plan_test.sh holds the
-// plan within 15% of the measured peak.
+// Resident-set overhead of the allocators over the tensors' bytes (small blocks in the C
+// library's arenas, page rounding), with large blocks held no higher than the tensors'
+// peak (the trainers install fsdp/core/caching_cpu_allocator.h); tests/memory_plan_test.sh
+// holds the plan within 15% of the measured peak.
 inline constexpr double kAllocatorOverhead = 0.05;
 
 struct FinetunePlan {

@@ -39,6 +39,7 @@
 #include "fsdp/comm/launcher.h"
 #include "fsdp/comm/nccl.h"
 #include "fsdp/comm/rendezvous.h"
+#include "fsdp/core/caching_cpu_allocator.h"
 #include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"

@@ -71,6 +71,9 @@ class CachingCpuAllocator final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       while (!lru_.empty()) evicted.push_back(evict_oldest());
+      // The bound starts again from what is in use now.
+      stats_.peak_in_use_bytes = stats_.mapped_bytes;
+      stats_.peak_mapped_bytes = stats_.mapped_bytes;
     }
     unmap_all(evicted);
   }
@@ -125,7 +128,7 @@ class CachingCpuAllocator final : public c10::Allocator {
       // counted: cached blocks below that bound are kept for later requests.
       const int64_t in_use = stats_.mapped_bytes - stats_.cached_bytes + int64_t(bytes);
       stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, in_use);
-      while (stats_.mapped_bytes + int64_t(bytes) > stats_.peak_in_use_bytes) {
+      while (!lru_.empty() && stats_.mapped_bytes + int64_t(bytes) > stats_.peak_in_use_bytes) {
         evicted.push_back(evict_oldest());
       }
       ++stats_.misses;

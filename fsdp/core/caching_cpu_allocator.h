@@ -14,10 +14,11 @@
 //
 // Memory. The cache never makes the process hold more than its tensors' peak: before it
 // maps a new block it unmaps cached blocks, least recently freed first, as far as needed
-// to keep the bytes mapped for large blocks within the most bytes of large blocks ever
-// alive at once (peak_in_use_bytes below). So the
-// resident set follows the tensors (as a fixed glibc mmap threshold makes it, but without
-// returning every freed block to the kernel and faulting fresh zeroed pages back in).
+// to keep the bytes mapped for large blocks within the most bytes of large blocks alive at
+// once (peak_in_use_bytes below), and remaps the largest of them to the new size rather
+// than mapping fresh pages. So the resident set follows the tensors (as a fixed glibc mmap
+// threshold makes it, but without returning every freed block to the kernel and faulting
+// fresh zeroed pages back in on the next step).
 // Smaller requests go to c10's default CPU allocator (glibc's heap).
 // See Note [Caching CPU blocks] in caching_cpu_allocator.cc.
 //
@@ -54,18 +55,22 @@ bool caching_cpu_allocator_installed();
 struct CpuCacheStats {
   int64_t mapped_bytes = 0;       // blocks mapped now: in use + cached
   int64_t cached_bytes = 0;       // blocks mapped now and free for reuse
-  int64_t peak_mapped_bytes = 0;  // the most mapped_bytes has been
-  int64_t peak_in_use_bytes = 0;  // the most bytes of blocks in use at once;
-                                  // peak_mapped_bytes <= peak_in_use_bytes always
+  int64_t peak_mapped_bytes = 0;  // the most mapped_bytes has been, and
+  int64_t peak_in_use_bytes = 0;  // the most bytes of blocks in use at once, since install
+                                  // or empty_cpu_cache; peak_mapped <= peak_in_use always
   int64_t hits = 0;               // requests served from the cache
   int64_t misses = 0;             // requests that mapped a new block
-  int64_t unmapped_blocks = 0;    // cached blocks given back to the system
+  int64_t unmapped_blocks = 0;    // cached blocks taken out of the cache by a miss or by
+                                  // empty_cpu_cache: unmapped, or remapped to the miss's size
 };
 // PyTorch: torch.cuda.memory_stats ("reserved_bytes", "num_alloc_retries" ...).
 CpuCacheStats cpu_cache_stats();
 
-// Unmaps every cached (free) block; blocks in use are untouched. Safe from any thread.
-// PyTorch: torch.cuda.empty_cache.
+// Unmaps every cached (free) block; blocks in use are untouched. The peaks restart from
+// the bytes in use now, so the cache regrows only up to what the work after the call holds
+// at once (e.g. call it after loading a checkpoint whose transient peak training never
+// reaches). Safe from any thread. PyTorch: torch.cuda.empty_cache and
+// torch.cuda.reset_peak_memory_stats.
 void empty_cpu_cache();
 
 }  // namespace fsdp

@@ -100,6 +100,20 @@ TEST_F(CachingCpuAllocatorTest, MissUnmapsCachedBlocksBeforeMapping) {
   EXPECT_EQ(after.mapped_bytes, kMiB / 2 + 3 * kMiB);
 }
 
+TEST_F(CachingCpuAllocatorTest, MissRemapsTheBlockItUnmapsInPlace) {
+  at::Tensor a = tensor_of_bytes(2 * kMiB);
+  void* data = a.data_ptr();
+  a.reset();  // the peak in use is 2 MiB: a 1 MiB block may not be mapped beside it
+  const CpuCacheStats before = cpu_cache_stats();
+  at::Tensor b = tensor_of_bytes(kMiB);
+  EXPECT_EQ(b.data_ptr(), data);  // a's mapping, shrunk in place (its pages kept)
+  const CpuCacheStats after = cpu_cache_stats();
+  EXPECT_EQ(after.misses - before.misses, 1);
+  EXPECT_EQ(after.unmapped_blocks - before.unmapped_blocks, 1);
+  EXPECT_EQ(after.mapped_bytes, kMiB);
+  EXPECT_EQ(after.cached_bytes, 0);
+}
+
 // The bound of the header: mapped bytes never exceed the most bytes in use at once, for
 // any sequence of requests and frees.
 TEST_F(CachingCpuAllocatorTest, MappedBytesNeverExceedThePeakInUse) {
@@ -188,9 +202,8 @@ TEST(CachingCpuAllocatorInstallTest, RefusedUnderALiveMemoryTracker) {
         try {
           install_caching_cpu_allocator();
         } catch (const c10::Error& e) {
-          std::exit(std::string(e.what()).find("before any MemoryTracker") != std::string::npos
-                        ? 3
-                        : 4);
+          std::exit(
+              std::string(e.what()).find("before any MemoryTracker") != std::string::npos ? 3 : 4);
         }
         std::exit(0);
       },

@@ -2,6 +2,10 @@
 // single-process optimizer, round trips inside training (REFERENCE §7), and errors.
 #include "fsdp/state/optim_state_dict.h"
 
+
+#include <algorithm>
+
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adagrad.h>
@@ -290,7 +294,14 @@ TEST(AdagradRmsprop, StateEqualsTheSingleProcessOneAndRoundTripsKeepTraining) {
         }
         for (const auto& [name, tensor] : tensors) {
           if (!tensor.defined()) continue;
-          EXPECT_TRUE(at::allclose(state[name], tensor, 1e-4, 1e-6)) << fqn << " " << name;
+          // Absolute tolerance on the tensor's scale: sharded and whole gradients round
+          // differently (the sums run in another order; MKL's AVX-512 kernels differ from
+          // its AVX2 ones), by a few ulps of the largest value, not of each element.
+          const double scale = std::max(1.0, tensor.abs().max().item<double>());
+          EXPECT_TRUE(at::allclose(state[name], tensor, 1e-4, 1e-6 * scale))
+              << fqn << " " << name << ": largest difference "
+              << (state[name] - tensor).abs().max().item<double>() << " of largest value "
+              << tensor.abs().max().item<double>();
         }
         EXPECT_TRUE(at::allclose(params[fqn], item.value(), 1e-4, 1e-6)) << fqn;
       }

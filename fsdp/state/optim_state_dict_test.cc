@@ -2,9 +2,7 @@
 // single-process optimizer, round trips inside training (REFERENCE §7), and errors.
 #include "fsdp/state/optim_state_dict.h"
 
-
 #include <algorithm>
-
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

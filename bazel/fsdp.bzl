@@ -26,13 +26,19 @@ def fsdp_cc_binary(name, copts = [], **kwargs):
     cc_binary(name = name, copts = FSDP_COPTS + copts, **kwargs)
 
 def fsdp_cc_test(name, copts = [], deps = [], env = {}, **kwargs):
-    """A GoogleTest binary with gtest_main; one intra-op thread per process."""
+    """A GoogleTest binary with gtest_main; one intra-op thread per process.
+
+    LeakSanitizer suppressions for LibTorch's own leaks are linked in (//bazel:lsan_suppressions).
+    """
     test_env = {"OMP_NUM_THREADS": "1"}
     test_env.update(env)
     cc_test(
         name = name,
         copts = FSDP_COPTS + copts,
-        deps = deps + ["@com_google_googletest//:gtest_main"],
+        deps = deps + [
+            "@com_google_googletest//:gtest_main",
+            Label("//bazel:lsan_suppressions"),
+        ],
         env = test_env,
         **kwargs
     )

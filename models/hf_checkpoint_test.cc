@@ -116,7 +116,12 @@ using Model = FullyShardedDataParallel<CausalLMImpl>;
 // What examples/llama:finetune did before: every rank built the whole model on the CPU,
 // read the whole folder into it (LoRA) and added the adapters from the seed, then wrapped.
 Model whole_then_wrap(const std::string& dir, bool lora, std::shared_ptr<Communicator> comm) {
-  auto net = std::make_shared<CausalLMImpl>(tiny_llama());
+  std::shared_ptr<CausalLMImpl> net;
+  {
+    // The random initialisation draws too: not while the other rank seeds for its adapters.
+    std::lock_guard<std::mutex> lock(draw_mutex());
+    net = std::make_shared<CausalLMImpl>(tiny_llama());
+  }
   if (lora) {
     load_module_safetensors(*net, dir);
     std::lock_guard<std::mutex> lock(draw_mutex());

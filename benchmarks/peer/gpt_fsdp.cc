@@ -69,7 +69,7 @@
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
-#include "examples/gpt/flags.h"
+#include "examples/trainer/levers.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/model_flags.h"
@@ -87,8 +87,11 @@ ABSL_FLAG(std::string, prepare, "", "write init.pt and batches.pt into this fold
 ABSL_FLAG(std::string, data, "", "train from the init.pt and batches.pt in this folder");
 ABSL_FLAG(std::string, out, "", "where rank 0 writes the JSON of the run");
 ABSL_FLAG(std::string, strategy, "full_shard", "full_shard, shard_grad_op or no_shard");
-// --layers, --width, --heads, --context, --seed, --data_dir (prepare; --heads also train)
-// and --peak_tflops (train) are examples/gpt/model_flags.h's.
+// --layers, --width, --heads, --data_dir (prepare; --heads also train) and --peak_tflops
+// (train) are examples/gpt/model_flags.h's; --context and --seed have the trainer's
+// defaults.
+ABSL_FLAG(int64_t, context, 128, "context length, characters (prepare)");
+ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and of the batches' offsets (prepare)");
 ABSL_FLAG(int64_t, batch_size, 16, "global batch, sequences (prepare)");
 ABSL_FLAG(int64_t, steps, 50, "training steps (prepare)");
 ABSL_FLAG(double, lr, 1e-3, "AdamW learning rate (train)");

@@ -53,11 +53,11 @@ TEST(TrainerFlagsTest, EveryBadValueIsNamed) {
             "--world_size=1000: expected 1 to 8 ranks on this machine (2 cores x 4; each "
             "rank is a process)");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.lr = std::numeric_limits<double>::quiet_NaN(); }),
-            "--lr=nan: expected a finite learning rate > 0");
+            "--lr=nan: expected a finite learning rate >= 0");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.lr = std::numeric_limits<double>::infinity(); }),
-            "--lr=inf: expected a finite learning rate > 0");
+            "--lr=inf: expected a finite learning rate >= 0");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.lr = -1; }),
-            "--lr=-1: expected a finite learning rate > 0");
+            "--lr=-1: expected a finite learning rate >= 0");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.batch_size = 0; }),
             "--batch_size=0: expected a positive multiple of the world size 2 (every rank "
             "trains on an equal share)");
@@ -65,13 +65,13 @@ TEST(TrainerFlagsTest, EveryBadValueIsNamed) {
             "--batch_size=33: expected a positive multiple of the world size 2 (every rank "
             "trains on an equal share)");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.context = 0; }),
-            "--context=0: expected at least 1 character");
+            "--context=0: expected at least 1 token");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.width = -65; }),
             "--width=-65: expected a positive embedding width");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.layers = 0; }),
             "--layers=0: expected at least 1 transformer block");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.steps = -3; }),
-            "--steps=-3: expected at least 1 training step");
+            "--steps=-3: expected 0 or more training steps");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.timeout_s = 0; }),
             "--timeout_s=0: expected at least 1 second to wait for the other ranks");
   EXPECT_EQ(error_of([](TrainerFlags& f) { f.checkpoint_interval = -1; }),
@@ -317,6 +317,20 @@ TEST(TrainerFlagsTest, CudaDefaultsApplyOnlyToFlagsNotGiven) {
 // --out_dir gave "train: filesystem error: cannot create directories: No such file or
 // directory [/proc/x]" (status 1, no flag named) and a bad --data_dir was found by the
 // ranks.
+// The trainer's path flags: --data_dir (data_dir_error), then --out_dir and
+// --checkpoint_dir (the run flags' check, through flag_error).
+struct PathFlags {
+  std::string out_dir, checkpoint_dir, data_dir;
+};
+
+std::string path_flag_error(const PathFlags& paths) {
+  if (std::string error = data_dir_error(paths.data_dir); !error.empty()) return error;
+  TrainerFlags flags;
+  flags.out_dir = paths.out_dir;
+  flags.checkpoint_dir = paths.checkpoint_dir;
+  return flag_error(flags, kMachine);
+}
+
 class PathFlagsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -373,7 +387,7 @@ TEST_F(PathFlagsTest, EveryBadPathIsNamed) {
   std::filesystem::remove(data_ + "/loop");
 
   const std::string out_expected =
-      ": expected a folder that can be written, or made (metrics.csv, model.pt and the "
+      ": expected a folder that can be written, or made (metrics.csv, the model and the "
       "checkpoints go there); ";
   // Nothing can be made in /proc, also by root (for whom access() says it is writable).
   EXPECT_EQ(path_flag_error({"/proc/x", "", data_}),

@@ -5,8 +5,6 @@
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
 ABSL_FLAG(int64_t, width, 128, "embedding width");
 ABSL_FLAG(int64_t, heads, 4, "attention heads");
-ABSL_FLAG(int64_t, context, 128, "context length (characters)");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the weights and of the data order (batch offsets)");
 ABSL_FLAG(std::string, data_dir, "/usr/share/games/fortunes", "Debian's fortunes");
 ABSL_FLAG(double, peak_tflops, 0,
           "peak dense bf16 TFLOP/s of the device, for the model FLOP utilisation (MFU); 0: "

@@ -4,9 +4,10 @@
 //
 //   absl::GetFlag(FLAGS_width);  // after absl::ParseCommandLine
 //
-// --layers, --width, --heads, --context: GptOptions (model.h); --seed: the weights' seed
-// (and the data order or the prepared batches' offsets); --data_dir: the fortune files
-// (corpus.h); --peak_tflops: the device's peak for the MFU (mfu.h).
+// --layers, --width, --heads: GptOptions (model.h); --data_dir: the fortune files
+// (corpus.h); --peak_tflops: the device's peak for the MFU (mfu.h). --context and --seed
+// are the trainer's run flags (examples/trainer/run_flags.h); gpt_fsdp defines its own
+// with the same defaults.
 #ifndef FSDP_EXAMPLES_GPT_MODEL_FLAGS_H_
 #define FSDP_EXAMPLES_GPT_MODEL_FLAGS_H_
 
@@ -18,8 +19,6 @@
 ABSL_DECLARE_FLAG(int64_t, layers);
 ABSL_DECLARE_FLAG(int64_t, width);
 ABSL_DECLARE_FLAG(int64_t, heads);
-ABSL_DECLARE_FLAG(int64_t, context);
-ABSL_DECLARE_FLAG(int64_t, seed);
 ABSL_DECLARE_FLAG(std::string, data_dir);
 ABSL_DECLARE_FLAG(double, peak_tflops);
 

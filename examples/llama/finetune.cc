@@ -52,33 +52,25 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include <ATen/Functions.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
-#include "examples/gpt/flags.h"
-#include "examples/gpt/lever_flags.h"
-#include "examples/gpt/metrics.h"
-#include "examples/gpt/run_support.h"
-#include "fsdp/base/torch_compat_cuda.h"
-#include "fsdp/comm/launcher.h"
-#include "fsdp/comm/rendezvous.h"
-#include "fsdp/core/caching_cpu_allocator.h"
+#include "examples/trainer/lever_flags.h"
+#include "examples/trainer/run_flags.h"
+#include "examples/trainer/run_support.h"
+#include "examples/trainer/trainer.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
-#include "fsdp/core/tracking_allocator.h"
 #include "fsdp/lora/lora.h"
 #include "fsdp/state/checkpoint.h"
-#include "fsdp/state/dcp_checkpoint.h"
 #include "models/config.h"
 #include "models/decoder.h"
 #include "models/hf_checkpoint.h"
@@ -90,28 +82,10 @@ ABSL_FLAG(std::string, data, "", "training tokens: a flat little-endian array of
 ABSL_FLAG(std::string, eval_data, "", "evaluation tokens (same format); none if empty");
 ABSL_FLAG(std::string, data_dtype, "auto",
           "uint16, uint32, or auto: uint16 when the vocabulary fits (<= 65536), else uint32");
-ABSL_FLAG(std::string, out_dir, "", "where metrics.csv, checkpoints/ and hf/ go");
-ABSL_FLAG(int, world_size, 2, "ranks to start when not launched by fsdp_run/torchrun");
-ABSL_FLAG(int64_t, steps, 100, "training steps (0: write the weights read, unchanged)");
-ABSL_FLAG(int64_t, context, 128, "tokens per training window (<= max_position_embeddings)");
-ABSL_FLAG(int64_t, batch_size, 8, "global batch (windows), split evenly across ranks");
-ABSL_FLAG(double, lr, 1e-4, "peak learning rate (AdamW)");
 ABSL_FLAG(double, weight_decay, 0.0, "AdamW's decoupled weight decay");
-ABSL_FLAG(int64_t, warmup_steps, 10, "linear warm-up steps, then cosine decay to lr / 10");
-ABSL_FLAG(int64_t, seed, 1234, "seed of the data order");
-ABSL_FLAG(int64_t, log_interval, 10, "steps between progress lines");
-ABSL_FLAG(int64_t, checkpoint_interval, 50, "steps between sharded checkpoints (0: none)");
 ABSL_FLAG(std::string, max_shard_size, "5GB",
           "largest safetensors file of OUT/hf (bytes, or KB/MB/GB/KiB/MiB/GiB), as "
           "save_pretrained's max_shard_size");
-ABSL_FLAG(int64_t, timeout_s, 300, "seconds to wait for every rank in each collective");
-ABSL_FLAG(std::string, resume, "",
-          "--resume: continue from the newest complete checkpoint in OUT_DIR/checkpoints "
-          "(either format); --resume=DIR: from checkpoint folder DIR, e.g. one PyTorch's "
-          "dcp.save wrote with {\"model\", \"optim\", \"step\"}");
-ABSL_FLAG(std::string, checkpoint_format, "dcp",
-          "dcp: PyTorch Distributed Checkpoint folders (.metadata, __RANK_0.distcp) holding "
-          "{\"model\", \"optim\", \"step\"}; fsdp: fsdp's own (metadata.pt, rank_NNNNN.pt)");
 ABSL_FLAG(int64_t, lora_rank, 0,
           "0: full fine-tuning; R > 0: LoRA adapters of rank R on --lora_target_modules, "
           "every other weight frozen");
@@ -127,9 +101,6 @@ ABSL_FLAG(bool, memory_check, true,
 ABSL_FLAG(std::string, max_memory_per_rank, "",
           "the most one rank may hold (bytes, or KB/MB/GB/KiB/MiB/GiB); empty: its share of "
           "its cgroup's limit and of the machine's available memory");
-ABSL_FLAG(bool, overwrite, false,
-          "start over in an --out_dir that holds another run's checkpoints (deletes them)");
-
 namespace fsdp::models {
 namespace {
 
@@ -137,8 +108,6 @@ using examples::global_mean;
 using examples::LeverFlags;
 using examples::next_token_loss;
 using Model = FullyShardedDataParallel<CausalLMImpl>;
-
-std::string checkpoint_dir() { return absl::GetFlag(FLAGS_out_dir) + "/checkpoints"; }
 
 // Bytes per token id of a token file under --data_dtype for `vocab_size`.
 int64_t token_bytes(const std::string& data_dtype, int64_t vocab_size) {
@@ -195,8 +164,9 @@ std::vector<std::string> lora_targets(const DecoderConfig& config) {
   return absl::StrSplit(flag, ',', absl::SkipWhitespace());
 }
 
-// Every flag checked before a rank starts or a file is touched: "" or one line.
-std::string flag_error(const examples::MachineLimits& machine) {
+// The fine-tune's own flags, checked before a rank starts or a file is touched (the run
+// flags were): "" or one line.
+std::string flag_error() {
   const std::string from = absl::GetFlag(FLAGS_from);
   if (from.empty()) return "--from: expected a Hugging Face model folder (config.json)";
   DecoderConfig config;
@@ -219,7 +189,7 @@ std::string flag_error(const examples::MachineLimits& machine) {
                         " tokens does not fit; use uint32");
   }
   const int64_t context = absl::GetFlag(FLAGS_context);
-  if (context < 1 || context > config.max_position_embeddings) {
+  if (context > config.max_position_embeddings) {
     return absl::StrCat("--context=", context, ": expected 1 to max_position_embeddings = ",
                         config.max_position_embeddings);
   }
@@ -230,23 +200,6 @@ std::string flag_error(const examples::MachineLimits& machine) {
     error = token_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), bytes, context + 1);
   }
   if (!error.empty()) return error;
-  if (absl::GetFlag(FLAGS_out_dir).empty()) return "--out_dir: expected a folder";
-  const char* launched = std::getenv("RANK") != nullptr ? std::getenv("WORLD_SIZE") : nullptr;
-  const int world = launched != nullptr ? std::atoi(launched) : absl::GetFlag(FLAGS_world_size);
-  if (world < 1 || world > max_ranks_per_node()) {
-    return absl::StrCat("--world_size=", world, ": expected 1 to ", max_ranks_per_node(),
-                        " on this machine");
-  }
-  // --device, --mixed_precision, --cpu_offload, --sharding_strategy (hybrid too),
-  // --activation_checkpointing, --grad_accumulation_steps and --batch_size against them,
-  // as the GPT trainer checks them.
-  if (std::string error =
-          examples::lever_flag_error(examples::lever_flags_from_command_line(), world,
-                                     launched == nullptr, absl::GetFlag(FLAGS_batch_size), machine);
-      !error.empty()) {
-    return error;
-  }
-  if (absl::GetFlag(FLAGS_steps) < 0) return "--steps: expected 0 or more";
   if (absl::GetFlag(FLAGS_lora_rank) < 0) {
     return "--lora_rank: expected 0 (full fine-tuning) or a rank >= 1";
   }
@@ -259,18 +212,6 @@ std::string flag_error(const examples::MachineLimits& machine) {
     if (std::string error = lora_targets_error(config, lora_targets(config)); !error.empty()) {
       return error;
     }
-  }
-  if (!(absl::GetFlag(FLAGS_lr) >= 0) || !std::isfinite(absl::GetFlag(FLAGS_lr))) {
-    return "--lr: expected a finite number >= 0";
-  }
-  if (absl::GetFlag(FLAGS_log_interval) < 1) return "--log_interval: expected 1 or more";
-  if (absl::GetFlag(FLAGS_warmup_steps) < 0) return "--warmup_steps: expected 0 or more";
-  if (absl::GetFlag(FLAGS_checkpoint_interval) < 0) {
-    return "--checkpoint_interval: expected 0 (none) or more";
-  }
-  const std::string format = absl::GetFlag(FLAGS_checkpoint_format);
-  if (format != "dcp" && format != "fsdp") {
-    return absl::StrCat("--checkpoint_format=", format, ": expected dcp or fsdp");
   }
   return "";
 }
@@ -532,22 +473,20 @@ std::string lever_words(const LeverFlags& levers) {
   return words;
 }
 
+double learning_rate(int64_t step) {
+  return examples::cosine_learning_rate(step, absl::GetFlag(FLAGS_lr),
+                                        absl::GetFlag(FLAGS_warmup_steps),
+                                        absl::GetFlag(FLAGS_steps));
+}
+
 int finetune() {
-  std::cout << std::unitbuf;  // stdout is a pipe under the launcher: show progress live
-  at::set_num_threads(1);
-  MemoryTracker memory;
-  // --device and --mixed_precision are resolved by main(); on CUDA rank r works on
-  // cuda:LOCAL_RANK over NCCL (Note [The compute device] in examples/gpt/flags.h).
-  const LeverFlags levers = examples::lever_flags_from_command_line();
-  const c10::Device device = examples::compute_device(levers.device);
-  if (device.is_cuda()) c10::cuda::set_device(device.index());
-  std::shared_ptr<Communicator> comm =
-      init_from_environment(RendezvousOptions()
-                                .timeout(std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)))
-                                .backend(device.is_cuda() ? Backend::kNccl : Backend::kGloo));
-  const bool lead = comm->rank() == 0;
-  const std::string dir = absl::GetFlag(FLAGS_out_dir);
-  const int lock = examples::lock_out_dir(*comm, dir, device);
+  const examples::RunFlags flags = examples::run_flags_from_command_line();
+  // The process group (on CUDA rank r works on cuda:LOCAL_RANK over NCCL: Note [The
+  // compute device] in examples/trainer/levers.h), the flags' agreement, the lock.
+  examples::TrainingRun run(flags);
+  Communicator& comm = run.comm();
+  const c10::Device device = run.device();
+  const bool lead = run.lead();
   const std::string from = absl::GetFlag(FLAGS_from);
   const DecoderConfig config = load_decoder_config(from + "/config.json");
   const int64_t bytes = token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size);
@@ -560,11 +499,11 @@ int finetune() {
   const at::ScalarType folder_dtype = hf_weights_dtype(from);
   int64_t numel = 0, trainable = 0;
   FinetunePlan plan;
-  Model model = load_model(config, examples::lever_options(comm, levers), levers,
-                           examples::model_dtype(levers.mixed_precision), folder_dtype, device,
+  Model model = load_model(config, examples::lever_options(run.comm_ptr(), flags), flags,
+                           examples::model_dtype(flags.mixed_precision), folder_dtype, device,
                            &numel, &trainable, &plan);
   torch::optim::AdamW adamw(model->parameters(),
-                            torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
+                            torch::optim::AdamWOptions(flags.lr)
                                 .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
   if (lead) {
     std::cout << absl::StrFormat(
@@ -573,103 +512,61 @@ int finetune() {
         "tokens%s\n",
         from, config.model_type, numel, trainable, config.num_hidden_layers,
         config.num_attention_heads, config.num_key_value_heads, model->units().size(),
-        comm->world_size(), sharding_strategy_name(model->sharding_strategy()),
-        c10::toString(folder_dtype), precision_words(levers.mixed_precision),
+        comm.world_size(), sharding_strategy_name(model->sharding_strategy()),
+        c10::toString(folder_dtype), precision_words(flags.mixed_precision),
         device.is_cuda() ? "; on cuda:LOCAL_RANK over NCCL" : "",
-        levers.cpu_offload ? "; CPU offload" : "", lever_words(levers), train_tokens.numel(),
+        flags.cpu_offload ? "; CPU offload" : "", lever_words(flags), train_tokens.numel(),
         eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
                               : std::string());
   }
-  // As the GPT trainer: --resume (newest checkpoint of either format) or --resume=DIR.
-  const examples::ResumeFlag resume = examples::parse_resume_flag(absl::GetFlag(FLAGS_resume));
-  const int64_t first =  // before writing
-      !resume.dir.empty()
-          ? examples::resume_from(*model, adamw, *comm, resume.dir, lead)
-          : examples::resume_step(*model, adamw, checkpoint_dir(), resume.resume, lead);
-  examples::check_resumed_step(first, absl::GetFlag(FLAGS_steps));
-  examples::check_fresh_checkpoints(*comm, checkpoint_dir(), resume.resume,
-                                    absl::GetFlag(FLAGS_overwrite));
-  if (lead) std::filesystem::create_directories(checkpoint_dir());
-  examples::remove_leftover_checkpoints(checkpoint_dir(), lead);
-  std::ofstream csv;
-  if (lead) {
-    std::string warning;
-    csv = examples::open_metrics(dir + "/metrics.csv", first, &warning);
-    if (!warning.empty()) std::cout << warning << "\n";
-  }
+  // The LR schedule's position travels with the checkpoints, as the GPT trainer's.
+  SchedulerState scheduler{0, {learning_rate(0)}};
+  const int64_t first = run.start(*model, adamw, &scheduler, learning_rate);
   if (eval_tokens.defined()) {
-    const double before = eval_loss(model, eval_tokens, *comm);
+    const double before = eval_loss(model, eval_tokens, comm);
     if (lead) std::cout << absl::StrFormat("eval loss before: %.6f\n", before);
   }
-
-  const int64_t steps = absl::GetFlag(FLAGS_steps);
-  const int64_t interval = absl::GetFlag(FLAGS_checkpoint_interval);
-  const int64_t tokens_per_step = absl::GetFlag(FLAGS_batch_size) * absl::GetFlag(FLAGS_context);
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t step = first; step < steps; ++step) {
-    const double lr = examples::cosine_learning_rate(step, absl::GetFlag(FLAGS_lr),
-                                                     absl::GetFlag(FLAGS_warmup_steps), steps);
+  for (int64_t step = first; step < flags.steps; ++step) {
+    const double lr = scheduler.last_lr.at(0);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
-    auto [x, y] = batch(train_tokens, step, *comm, device);
+    auto [x, y] = batch(train_tokens, step, comm, device);
     adamw.zero_grad();
     // --grad_accumulation_steps: this rank's share in equal micro-batches, no_sync between.
-    const int64_t micro = x.size(0) / levers.grad_accumulation_steps;
+    const int64_t micro = x.size(0) / flags.grad_accumulation_steps;
     const at::Tensor loss =
-        examples::accumulate_gradients(*model, levers.grad_accumulation_steps, [&](int64_t k) {
+        examples::accumulate_gradients(*model, flags.grad_accumulation_steps, [&](int64_t k) {
           return next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
                                  y.narrow(0, k * micro, micro));
         });
     adamw.step();
-    const double train_loss = global_mean(loss, *comm);
-    if (interval > 0 && (step + 1) % interval == 0) {
-      const std::string path = absl::StrFormat("%s/step_%08d", checkpoint_dir(), step + 1);
-      if (absl::GetFlag(FLAGS_checkpoint_format) == "dcp") {
-        save_dcp_checkpoint(*model, &adamw, path,
-                            DcpCheckpointOptions().extras({{"step", int64_t{step + 1}}}));
-      } else {
-        save_sharded_checkpoint(*model, &adamw, path);
-      }
-      if (lead) std::cout << "checkpoint: " << path << "\n";
-    }
-    if (!lead) continue;
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double tokens_per_s = tokens_per_step * (step + 1 - first) / seconds;
-    csv << absl::StrFormat("%d,%.7f,,%.6f,%.0f\n", step + 1, train_loss, lr, tokens_per_s)
-        << std::flush;  // a killed run keeps every row
-    if ((step + 1) % absl::GetFlag(FLAGS_log_interval) == 0 || step + 1 == steps) {
-      std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | ETA %.0f s\n",
-                                   step + 1, steps, train_loss, lr, tokens_per_s,
-                                   seconds / (step + 1 - first) * (steps - step - 1));
-    }
+    scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
+    const double train_loss = global_mean(loss, comm);
+    run.checkpoint_if_due(step + 1, *model, adamw, &scheduler);
+    run.record(step + 1, {train_loss, std::nullopt, lr}, *model);
   }
+  run.finish(*model);
   if (eval_tokens.defined()) {
-    const double after = eval_loss(model, eval_tokens, *comm);
+    const double after = eval_loss(model, eval_tokens, comm);
     if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
   }
   save_model(model, config);
-  const std::string hf = dir + "/hf";
   // See Note [The memory plan].
-  const std::vector<int64_t> peaks = examples::peak_resident_set_of_ranks(*comm, device);
-  if (lead && device.is_cuda()) {
-    std::cout << absl::StrFormat(
-        "peak device memory (rank 0): %.1f MB allocated; peak resident set (host): %d MiB\n",
-        model->device_handle().max_memory_allocated() / 1e6,
-        *std::max_element(peaks.begin(), peaks.end()) >> 20);
-  } else if (lead) {
+  const std::vector<int64_t> peaks = examples::peak_resident_set_of_ranks(comm, device);
+  if (!lead) return 0;
+  if (device.is_cuda()) {
+    std::cout << absl::StrFormat("peak resident set (host): %d MiB\n",
+                                 *std::max_element(peaks.begin(), peaks.end()) >> 20);
+  } else {
     std::vector<std::string> each;
     for (size_t r = 0; r < peaks.size(); ++r) {
       each.push_back(absl::StrFormat("rank %d %d MiB", r, peaks[r] >> 20));
     }
     const int64_t largest = *std::max_element(peaks.begin(), peaks.end());
     std::cout << absl::StrFormat(
-        "peak resident set: %s; planned %d MiB per rank (largest / plan %.3f); rank 0's "
-        "tensors peaked at %.1f MB\n",
-        absl::StrJoin(each, ", "), plan.peak_bytes >> 20, double(largest) / plan.peak_bytes,
-        model->device_handle().max_memory_allocated() / 1e6);
-    std::cout << "metrics: " << dir << "/metrics.csv, model: " << hf << "/\n";
+        "peak resident set: %s; planned %d MiB per rank (largest / plan %.3f)\n",
+        absl::StrJoin(each, ", "), plan.peak_bytes >> 20, double(largest) / plan.peak_bytes);
   }
-  if (lock >= 0) ::close(lock);
+  std::cout << "metrics: " << flags.out_dir << "/metrics.csv, model: " << flags.out_dir << "/hf/\n";
   return 0;
 }
 
@@ -677,36 +574,23 @@ int finetune() {
 }  // namespace fsdp::models
 
 int main(int argc, char** argv) {
-  fsdp::install_caching_cpu_allocator();  // before any tensor: see caching_cpu_allocator.h
-  fsdp::examples::allow_bare_resume_flag(argc, argv);
-  absl::ParseCommandLine(argc, argv);
-  const fsdp::examples::MachineLimits machine = fsdp::examples::this_machine();
+  using namespace fsdp::examples;
+  TrainerHooks hooks;
+  // RunFlags' own defaults are the fine-tune's; its memory plan counts a synchronous save.
+  hooks.defaults.async_save = false;
   // On CUDA one rank per visible device unless --world_size says otherwise (a launcher's
   // WORLD_SIZE counts instead).
-  if (fsdp::examples::resolve_device(absl::GetFlag(FLAGS_device), machine.cuda_devices) == "cuda" &&
-      machine.cuda_devices > 0 && !fsdp::examples::specified_on_command_line("world_size")) {
-    absl::SetFlag(&FLAGS_world_size, machine.cuda_devices);
-  }
-  const std::string error = fsdp::models::flag_error(machine);
-  if (!error.empty()) {
-    std::cerr << "finetune: " << error << "\n";
-    return 2;
-  }
-  // From here on --device is cpu or cuda and --mixed_precision bf16, pure_bf16 or none
-  // (auto: bf16 for a 16-bit folder; see Note [Master weights of a 16-bit folder]).
-  fsdp::examples::resolve_lever_flags(machine.cuda_devices,
-                                      fsdp::models::hf_weights_dtype(absl::GetFlag(FLAGS_from)));
-  if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
-    return fsdp::launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
-  }
-  try {
-    // Before anything asks LibTorch about CUDA (fsdp/base/torch_compat_cuda.h): a CPU run
-    // never maps libtorch_cuda.
-    if (absl::GetFlag(FLAGS_device) == "cuda") fsdp::compat::load_torch_cuda();
-    return fsdp::models::finetune();
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    std::cerr << "finetune: " << what.substr(0, what.find('\n')) << "\n";
-    return 1;
-  }
+  hooks.cuda_defaults = [](int cuda_devices) {
+    std::vector<FlagValue> defaults;
+    if (!specified_on_command_line("world_size")) {
+      defaults.push_back({"world_size", std::to_string(cuda_devices)});
+    }
+    return defaults;
+  };
+  hooks.flag_error = [](const MachineLimits&) { return fsdp::models::flag_error(); };
+  // --mixed_precision=auto: bf16 for a 16-bit folder (Note [Master weights of a 16-bit
+  // folder]).
+  hooks.weights_dtype = [] { return fsdp::models::hf_weights_dtype(absl::GetFlag(FLAGS_from)); };
+  hooks.run = fsdp::models::finetune;
+  return trainer_main(argc, argv, "finetune", hooks);
 }

@@ -1,4 +1,4 @@
-#include "examples/gpt/lever_flags.h"
+#include "examples/trainer/lever_flags.h"
 
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/private_handle_accessor.h"

@@ -1,4 +1,4 @@
-#include "examples/gpt/run_support.h"
+#include "examples/trainer/run_support.h"
 
 #include <fcntl.h>
 #ifdef __GLIBC__
@@ -29,7 +29,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 
-#include "examples/gpt/flags.h"
+#include "examples/trainer/levers.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/formats/values.h"
 #include "fsdp/state/checkpoint.h"

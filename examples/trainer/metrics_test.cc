@@ -1,5 +1,5 @@
 // metrics.csv across --resume (issue 30): kept rows, and files set aside with a warning.
-#include "examples/gpt/metrics.h"
+#include "examples/trainer/metrics.h"
 
 #include <filesystem>
 #include <fstream>

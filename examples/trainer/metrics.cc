@@ -1,4 +1,4 @@
-#include "examples/gpt/metrics.h"
+#include "examples/trainer/metrics.h"
 
 #include <cerrno>
 #include <cmath>

@@ -10,8 +10,8 @@
 //
 // Collective functions (every rank calls them in the same order) say so. Errors:
 // c10::Error, one line naming the folder or file and what to do.
-#ifndef FSDP_EXAMPLES_GPT_RUN_SUPPORT_H_
-#define FSDP_EXAMPLES_GPT_RUN_SUPPORT_H_
+#ifndef FSDP_EXAMPLES_TRAINER_RUN_SUPPORT_H_
+#define FSDP_EXAMPLES_TRAINER_RUN_SUPPORT_H_
 
 #include <cstdint>
 #include <fstream>
@@ -135,4 +135,4 @@ std::vector<Communicator*> communicators_of(FullyShardedRoot& model, Communicato
 
 }  // namespace fsdp::examples
 
-#endif  // FSDP_EXAMPLES_GPT_RUN_SUPPORT_H_
+#endif  // FSDP_EXAMPLES_TRAINER_RUN_SUPPORT_H_

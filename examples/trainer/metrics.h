@@ -7,8 +7,8 @@
 //   csv << "5,1.2345678,,0.003000,12345\n";
 //
 // Not thread-safe (one process, rank 0, owns the file). PyTorch: none (a trainer's log).
-#ifndef EXAMPLES_GPT_METRICS_H_
-#define EXAMPLES_GPT_METRICS_H_
+#ifndef FSDP_EXAMPLES_TRAINER_METRICS_H_
+#define FSDP_EXAMPLES_TRAINER_METRICS_H_
 
 #include <cstdint>
 #include <fstream>
@@ -44,4 +44,4 @@ std::ofstream open_metrics(const std::string& path, int64_t step, std::string* w
 
 }  // namespace fsdp::examples
 
-#endif  // EXAMPLES_GPT_METRICS_H_
+#endif  // FSDP_EXAMPLES_TRAINER_METRICS_H_

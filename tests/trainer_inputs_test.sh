@@ -40,7 +40,7 @@ check_refusal() {  # check_refusal NAME EXPECTED_LINE COMMAND...: status 2, exac
   check "$name (status $status): $out" "[[ $status -eq 2 && \"\$out\" == \"\$want\" ]]"
 }
 check_refusal "refuses --out_dir=/proc/x" \
-  "train: --out_dir=/proc/x: expected a folder that can be written, or made (metrics.csv, model.pt and the checkpoints go there); cannot make a folder in '/proc': No such file or directory" \
+  "train: --out_dir=/proc/x: expected a folder that can be written, or made (metrics.csv, the model and the checkpoints go there); cannot make a folder in '/proc': No such file or directory" \
   "$train" --world_size=1 --out_dir=/proc/x
 check_refusal "refuses a --checkpoint_dir under a file" \
   "train: --checkpoint_dir=/etc/passwd/checkpoints: expected a folder that can be written, or made (the checkpoints go there); '/etc/passwd' is not a folder" \

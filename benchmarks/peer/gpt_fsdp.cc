@@ -69,10 +69,10 @@
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
-#include "examples/trainer/levers.h"
 #include "examples/gpt/mfu.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/model_flags.h"
+#include "examples/trainer/levers.h"
 #include "fsdp/base/torch_compat_cuda.h"
 #include "fsdp/comm/rendezvous.h"
 #include "fsdp/core/caching_cpu_allocator.h"

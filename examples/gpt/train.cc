@@ -180,8 +180,8 @@ int train() {
   const bool lead = run.lead();
   const Corpus corpus = load_fortunes(flags.data_dir);
   TORCH_CHECK(corpus.validation.numel() > flags.context + 1, "--context=", flags.context,
-              ": the corpus in '", flags.data_dir, "' has ", corpus.train.numel(),
-              " training and ", corpus.validation.numel(),
+              ": the corpus in '", flags.data_dir, "' has ", corpus.train.numel(), " training and ",
+              corpus.validation.numel(),
               " validation characters (every 10th fortune); a window needs context + 2 = ",
               flags.context + 2, " characters in each; lower --context or add text");
 
@@ -260,13 +260,14 @@ int train() {
     run.checkpoint_if_due(step + 1, *model, adamw, &scheduler);
     const std::string extra = absl::StrCat(
         plan_check.rows.empty() ? std::string() : " | " + plan_check.summary(),
-        peak_flops ? absl::StrFormat(" | MFU %.1f%%",
-                                     100 * model_flops_utilization(
-                                               numel, run.tokens_per_second(step + 1),
-                                               comm.world_size(), *peak_flops))
-                   : std::string());
+        peak_flops
+            ? absl::StrFormat(" | MFU %.1f%%",
+                              100 * model_flops_utilization(numel, run.tokens_per_second(step + 1),
+                                                            comm.world_size(), *peak_flops))
+            : std::string());
     run.record(step + 1, {train_loss, val, lr}, *model, extra);
-    if (lead && val) std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, *val);
+    if (lead && val)
+      std::cout << absl::StrFormat("step %d: validation loss %.4f\n", step + 1, *val);
   }
   run.finish(*model);
   const StateDict full = full_state_dict(

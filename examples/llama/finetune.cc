@@ -474,9 +474,8 @@ std::string lever_words(const LeverFlags& levers) {
 }
 
 double learning_rate(int64_t step) {
-  return examples::cosine_learning_rate(step, absl::GetFlag(FLAGS_lr),
-                                        absl::GetFlag(FLAGS_warmup_steps),
-                                        absl::GetFlag(FLAGS_steps));
+  return examples::cosine_learning_rate(
+      step, absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_warmup_steps), absl::GetFlag(FLAGS_steps));
 }
 
 int finetune() {
@@ -502,9 +501,8 @@ int finetune() {
   Model model = load_model(config, examples::lever_options(run.comm_ptr(), flags), flags,
                            examples::model_dtype(flags.mixed_precision), folder_dtype, device,
                            &numel, &trainable, &plan);
-  torch::optim::AdamW adamw(model->parameters(),
-                            torch::optim::AdamWOptions(flags.lr)
-                                .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(flags.lr).weight_decay(
+                                                     absl::GetFlag(FLAGS_weight_decay)));
   if (lead) {
     std::cout << absl::StrFormat(
         "model: %s (%s), %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "

@@ -60,7 +60,8 @@ std::string output_dir_problem(const std::string& dir) {
 std::string output_dir_error(const char* flag, const std::string& dir, const char* holds) {
   const std::string problem = output_dir_problem(dir);
   if (problem.empty()) return "";
-  return bad(flag, dir, absl::StrCat("a folder that can be written, or made (", holds, "); ", problem));
+  return bad(flag, dir,
+             absl::StrCat("a folder that can be written, or made (", holds, "); ", problem));
 }
 
 MachineLimits this_machine() {

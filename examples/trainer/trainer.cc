@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -57,9 +57,11 @@ std::vector<FlagValue> parse_flag_text(const std::string& text) {
   size_t at = 0;
   while (at < text.size()) {
     const size_t name_end = text.find('\0', at);
-    const size_t value_end = name_end == std::string::npos ? name_end : text.find('\0', name_end + 1);
+    const size_t value_end =
+        name_end == std::string::npos ? name_end : text.find('\0', name_end + 1);
     TORCH_INTERNAL_ASSERT(value_end != std::string::npos, "a rank's flags are cut short");
-    flags.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
+    flags.push_back(
+        {text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
     at = value_end + 1;
   }
   return flags;
@@ -158,7 +160,8 @@ int trainer_main(int argc, char** argv, const char* name, const TrainerHooks& ho
     return 2;
   }
   // From here on --device is cpu or cuda and --mixed_precision bf16, pure_bf16 or none.
-  resolve_lever_flags(machine.cuda_devices, hooks.weights_dtype ? hooks.weights_dtype() : at::kFloat);
+  resolve_lever_flags(machine.cuda_devices,
+                      hooks.weights_dtype ? hooks.weights_dtype() : at::kFloat);
   if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
     return launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
   }
@@ -190,10 +193,10 @@ c10::Device rank_device(const std::string& device_flag) {
 TrainingRun::TrainingRun(RunFlags flags)
     : flags_(std::move(flags)),
       device_(rank_device(flags_.device)),
-      comm_(init_from_environment(RendezvousOptions()
-                                      .timeout(std::chrono::seconds(flags_.timeout_s))
-                                      .backend(device_.is_cuda() ? Backend::kNccl
-                                                                 : Backend::kGloo))) {
+      comm_(init_from_environment(
+          RendezvousOptions()
+              .timeout(std::chrono::seconds(flags_.timeout_s))
+              .backend(device_.is_cuda() ? Backend::kNccl : Backend::kGloo))) {
   check_same_flags(*comm_, device_);
   lock_ = lock_out_dir(*comm_, flags_.out_dir, device_);
 }
@@ -290,9 +293,8 @@ bool TrainingRun::record(int64_t step, const StepRecord& record, FullyShardedRoo
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time_).count();
   const double tokens_per_s = tokens_per_second(step);
   csv_ << absl::StrFormat("%d,%.7f,%s,%.6f,%.0f\n", step, record.train_loss,
-                          record.validation_loss
-                              ? absl::StrFormat("%.7f", *record.validation_loss)
-                              : std::string(),
+                          record.validation_loss ? absl::StrFormat("%.7f", *record.validation_loss)
+                                                 : std::string(),
                           record.lr, tokens_per_s)
        << std::flush;  // a killed run keeps every row
   // A row that cannot be written (a full disk) stops the run: the curve is never
@@ -302,7 +304,8 @@ bool TrainingRun::record(int64_t step, const StepRecord& record, FullyShardedRoo
   if (log) {
     std::cout << absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s | ETA %.0f s\n",
                                  step, flags_.steps, record.train_loss, record.lr, tokens_per_s,
-                                 extra, seconds / double(step - first_) * double(flags_.steps - step));
+                                 extra,
+                                 seconds / double(step - first_) * double(flags_.steps - step));
   }
   return log;
 }

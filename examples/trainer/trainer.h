@@ -125,7 +125,7 @@ class TrainingRun {
 
   // What one step measured.
   struct StepRecord {
-    double train_loss = 0;                 // the mean over ranks
+    double train_loss = 0;                  // the mean over ranks
     std::optional<double> validation_loss;  // when the step evaluated
     double lr = 0;
   };

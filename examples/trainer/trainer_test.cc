@@ -41,9 +41,9 @@ TEST(FlagDifferenceTest, TheProgramsFlagsAreItsOwnWithTheirValues) {
   EXPECT_NE(std::find(flags.begin(), flags.end(), FlagValue{"sharding_strategy", "full_shard"}),
             flags.end());
   for (const FlagValue& flag : flags) EXPECT_NE(flag.name, "flagfile") << "absl's own";
-  EXPECT_TRUE(std::is_sorted(flags.begin(), flags.end(), [](const FlagValue& a, const FlagValue& b) {
-    return a.name < b.name;
-  }));
+  EXPECT_TRUE(
+      std::is_sorted(flags.begin(), flags.end(),
+                     [](const FlagValue& a, const FlagValue& b) { return a.name < b.name; }));
 }
 
 // Ranks as threads share the flags, so they agree: every rank passes (the difference on

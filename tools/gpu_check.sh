@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in two halves (README, "On a GPU machine"):
+# The GPU check, in two halves (docs/GPU.md, "Running the GPU check"):
 #   bash tools/gpu_check.sh build   here, with Bazel and no GPU: writes .gpu_bundle/
 #   bash .gpu_bundle/run.sh         on any machine with an NVIDIA GPU whose python3 has
 #                                   torch 2.11 (CUDA 13 build); no Bazel, no network

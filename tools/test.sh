@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README): installs what is missing, then builds and runs every test
-# (the NCCL backend's among them: its GPU tests skip without a GPU), the consumer
+# The test command (README.md, docs/main-job.md): installs what is missing, then builds and
+# runs every test (the NCCL backend's among them: its GPU tests skip without a GPU), the consumer
 # workspace (examples/consumer: fsdp used from another workspace), the unit tests and a
 # 2-rank training run under ASan + UBSan (--config=asan), the clang-format check of every
 # C++ source, and fuzzing of the checkpoint, safetensors, .pt2 and pickle readers and of

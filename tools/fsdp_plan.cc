@@ -398,7 +398,7 @@ int run_config(const std::string& format) {
       .runtime_bytes(absl::GetFlag(FLAGS_runtime_bytes).empty()
                          ? fsdp::models::kDefaultRuntimeBytes
                          : bytes_flag("runtime_bytes", absl::GetFlag(FLAGS_runtime_bytes)));
-  // --mixed_precision as the trainer resolves it on the CPU (examples/gpt/flags.h).
+  // --mixed_precision as the trainer resolves it on the CPU (examples/trainer/levers.h).
   std::string precision = absl::GetFlag(FLAGS_mixed_precision);
   const fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(path);
   if (precision == "auto") {

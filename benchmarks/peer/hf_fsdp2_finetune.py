@@ -64,7 +64,7 @@ def parse_args():
 
 
 def learning_rate(step, peak, warmup, steps):
-    """examples/gpt/run_support.cc's cosine_learning_rate."""
+    """examples/trainer/run_support.cc's cosine_learning_rate."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)

@@ -30,7 +30,7 @@
 // RANK in its environment it starts --world_size ranks of itself; Ctrl-C stops every rank. Flags
 // are checked before any rank starts: a bad one is one line on stderr and exit status 2.
 //
-// The memory levers are the GPT trainer's, under the same flags (examples/gpt/lever_flags.h):
+// The memory levers are the GPT trainer's, under the same flags (examples/trainer/lever_flags.h):
 // --device (auto, cpu, cuda: rank r on cuda:LOCAL_RANK over NCCL, one rank per visible device
 // unless --world_size says otherwise), --mixed_precision (auto: bf16 compute with fp32 master
 // weights for a bf16 or fp16 folder and on CUDA; see Note [Master weights of a 16-bit
@@ -245,7 +245,7 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
 // (models/memory_plan.h: shards, gradients and AdamW state, gathered units, the
 // activations of a micro-batch, saving, and the process as it stands) from the meta-built
 // model, and rank 0 prints it. When the plan exceeds what a rank may use (Note [The memory
-// a rank may use] in examples/gpt/run_support.h, or --max_memory_per_rank), every rank
+// a rank may use] in examples/trainer/run_support.h, or --max_memory_per_rank), every rank
 // stops there with one message naming the sum, the budget and the flags that would each
 // make it fit (planned again with that flag), instead of meeting the kernel's OOM killer
 // hours into a load; --memory_check=false runs anyway. At the end rank 0 prints each
@@ -446,7 +446,7 @@ double eval_loss(Model& model, const at::Tensor& tokens, Communicator& comm) {
 // gradients and AdamW's state stay fp32 (the master weights), while each unit is
 // all-gathered and runs forward and backward in bf16 (param_dtype) and its gradients are
 // reduced in fp32 (reduce_dtype) -- --mixed_precision=auto resolves to bf16 for such a
-// folder (examples/gpt/flags.h). Updates smaller than bf16's resolution then accumulate
+// folder (examples/trainer/levers.h). Updates smaller than bf16's resolution then accumulate
 // in the masters instead of being lost, at 16 bytes a parameter with AdamW (weight,
 // gradient, two moments) instead of 8. --mixed_precision=pure_bf16 is the old way
 // (everything bf16); none trains in fp32. The folder written at the end holds the

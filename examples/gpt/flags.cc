@@ -26,12 +26,6 @@
 namespace fsdp::examples {
 namespace {
 
-// "--name=value: expected what (why)".
-template <typename T>
-std::string bad(const char* name, T value, const std::string& expected) {
-  return absl::StrCat("--", name, "=", value, ": expected ", expected);
-}
-
 std::string error_text(int error) { return std::strerror(error); }
 
 // Why `dir` holds no usable fortune files, or "" if it does. Same selection as
@@ -76,10 +70,10 @@ TrainerFlags::TrainerFlags() {
 std::string data_dir_error(const std::string& data_dir) {
   const std::string problem = data_dir_problem(data_dir);
   if (problem.empty()) return "";
-  return bad("data_dir", data_dir,
-             absl::StrCat("a folder of readable fortune files (files without an extension, "
-                          "as Debian's fortunes package installs them: tools/setup.sh); ",
-                          problem));
+  return bad_flag("data_dir", data_dir,
+                  absl::StrCat("a folder of readable fortune files (files without an extension, "
+                               "as Debian's fortunes package installs them: tools/setup.sh); ",
+                               problem));
 }
 
 double lower_bound_bytes_per_rank(const TrainerFlags& f) {
@@ -117,24 +111,24 @@ std::vector<FlagValue> cuda_defaults(const TrainerFlags& f, int cuda_devices,
 std::string flag_error(const TrainerFlags& f, const MachineLimits& machine) {
   if (std::string error = run_flag_error(f, machine); !error.empty()) return error;
   if (!std::isfinite(f.peak_tflops) || f.peak_tflops < 0) {
-    return bad("peak_tflops", f.peak_tflops,
-               "0 (the device's peak from the table in examples/gpt/mfu.cc) or the peak "
-               "dense bf16 TFLOP/s of the device");
+    return bad_flag("peak_tflops", f.peak_tflops,
+                    "0 (the device's peak from the table in examples/gpt/mfu.cc) or the peak "
+                    "dense bf16 TFLOP/s of the device");
   }
   const int world = f.world();
   const bool cuda = resolve_device(f.device, machine.cuda_devices) == "cuda";
-  if (f.layers < 1) return bad("layers", f.layers, "at least 1 transformer block");
-  if (f.width < 1) return bad("width", f.width, "a positive embedding width");
+  if (f.layers < 1) return bad_flag("layers", f.layers, "at least 1 transformer block");
+  if (f.width < 1) return bad_flag("width", f.width, "a positive embedding width");
   if (f.heads < 1 || f.width % f.heads != 0) {
-    return bad("heads", f.heads,
-               absl::StrCat("a positive divisor of --width=", f.width,
-                            " (each head gets width / heads channels)"));
+    return bad_flag("heads", f.heads,
+                    absl::StrCat("a positive divisor of --width=", f.width,
+                                 " (each head gets width / heads channels)"));
   }
-  if (f.eval_interval < 1) return bad("eval_interval", f.eval_interval, "at least 1 step");
-  if (f.eval_batches < 1) return bad("eval_batches", f.eval_batches, "at least 1 batch");
-  if (f.sample_length < 0) return bad("sample_length", f.sample_length, "0 (none) or more");
+  if (f.eval_interval < 1) return bad_flag("eval_interval", f.eval_interval, "at least 1 step");
+  if (f.eval_batches < 1) return bad_flag("eval_batches", f.eval_batches, "at least 1 batch");
+  if (f.sample_length < 0) return bad_flag("sample_length", f.sample_length, "0 (none) or more");
   if (f.policy != "transformer" && f.policy != "root") {
-    return bad("policy", f.policy, "transformer (each block a unit) or root (one unit)");
+    return bad_flag("policy", f.policy, "transformer (each block a unit) or root (one unit)");
   }
   if (cuda) return "";  // device memory is the bound there
   const double need = lower_bound_bytes_per_rank(f);

@@ -20,12 +20,6 @@
 namespace fsdp::examples {
 namespace {
 
-// "--name=value: expected what (why)".
-template <typename T>
-std::string bad(const char* name, T value, const std::string& expected) {
-  return absl::StrCat("--", name, "=", value, ": expected ", expected);
-}
-
 std::string error_text(int error) { return std::strerror(error); }
 
 // Why the folder `dir` cannot take the run's output, or "" if it can: it, or else its
@@ -60,8 +54,8 @@ std::string output_dir_problem(const std::string& dir) {
 std::string output_dir_error(const char* flag, const std::string& dir, const char* holds) {
   const std::string problem = output_dir_problem(dir);
   if (problem.empty()) return "";
-  return bad(flag, dir,
-             absl::StrCat("a folder that can be written, or made (", holds, "); ", problem));
+  return bad_flag(flag, dir,
+                  absl::StrCat("a folder that can be written, or made (", holds, "); ", problem));
 }
 
 MachineLimits this_machine() {
@@ -87,10 +81,10 @@ int64_t available_memory_bytes() {
 std::string sharding_strategy_error(const char* flag, const std::string& value, bool allow_hybrid) {
   const c10::optional<ShardingStrategy> strategy = parse_sharding_strategy(value);
   if (strategy && (allow_hybrid || !is_hybrid(*strategy))) return "";
-  return bad(flag, value,
-             allow_hybrid
-                 ? "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2"
-                 : "full_shard, shard_grad_op or no_shard");
+  return bad_flag(flag, value,
+                  allow_hybrid
+                      ? "full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2"
+                      : "full_shard, shard_grad_op or no_shard");
 }
 
 ShardingStrategy sharding_strategy_flag(const char* flag, const std::string& value,
@@ -146,43 +140,44 @@ FullyShardedDataParallelOptions lever_options(std::shared_ptr<Communicator> comm
 std::string lever_flag_error(const LeverFlags& f, int world, bool self_launched, int64_t batch_size,
                              const MachineLimits& machine) {
   if (f.device != "auto" && f.device != "cpu" && f.device != "cuda") {
-    return bad("device", f.device,
-               "auto (CUDA when this process sees a CUDA device, else the CPU), cpu or cuda");
+    return bad_flag("device", f.device,
+                    "auto (CUDA when this process sees a CUDA device, else the CPU), cpu or cuda");
   }
   const bool cuda = resolve_device(f.device, machine.cuda_devices) == "cuda";
   if (cuda && machine.cuda_devices == 0) {
-    return bad("device", f.device,
-               absl::StrCat("a CUDA device, but this process sees none (",
-                            machine.why_no_cuda.empty() ? "no reason given" : machine.why_no_cuda,
-                            "); pass --device=cpu, or run where a GPU is visible"));
+    return bad_flag(
+        "device", f.device,
+        absl::StrCat("a CUDA device, but this process sees none (",
+                     machine.why_no_cuda.empty() ? "no reason given" : machine.why_no_cuda,
+                     "); pass --device=cpu, or run where a GPU is visible"));
   }
   if (f.mixed_precision != "auto" && f.mixed_precision != "bf16" &&
       f.mixed_precision != "pure_bf16" && f.mixed_precision != "none") {
-    return bad("mixed_precision", f.mixed_precision,
-               "auto (bf16 on CUDA or for a 16-bit checkpoint, else none), bf16 (bf16 "
-               "compute, fp32 master weights), pure_bf16 or none (fp32)");
+    return bad_flag("mixed_precision", f.mixed_precision,
+                    "auto (bf16 on CUDA or for a 16-bit checkpoint, else none), bf16 (bf16 "
+                    "compute, fp32 master weights), pure_bf16 or none (fp32)");
   }
   if (cuda && self_launched && world > machine.cuda_devices) {
-    return bad("world_size", world,
-               absl::StrCat("1 to ", machine.cuda_devices,
-                            " ranks with --device=cuda (one CUDA device per rank; this "
-                            "process sees ",
-                            machine.cuda_devices, ")"));
+    return bad_flag("world_size", world,
+                    absl::StrCat("1 to ", machine.cuda_devices,
+                                 " ranks with --device=cuda (one CUDA device per rank; this "
+                                 "process sees ",
+                                 machine.cuda_devices, ")"));
   }
   if (f.grad_accumulation_steps < 1) {
-    return bad("grad_accumulation_steps", f.grad_accumulation_steps,
-               "at least 1 micro-batch per optimizer step");
+    return bad_flag("grad_accumulation_steps", f.grad_accumulation_steps,
+                    "at least 1 micro-batch per optimizer step");
   }
   const int64_t share = int64_t{world} * f.grad_accumulation_steps;
   if (batch_size < 1 || batch_size % share != 0) {
-    return bad("batch_size", batch_size,
-               f.grad_accumulation_steps == 1
-                   ? absl::StrCat("a positive multiple of the world size ", world,
-                                  " (every rank trains on an equal share)")
-                   : absl::StrCat("a positive multiple of the world size ", world,
-                                  " x --grad_accumulation_steps=", f.grad_accumulation_steps,
-                                  " (every rank trains on an equal share, in equal "
-                                  "micro-batches)"));
+    return bad_flag("batch_size", batch_size,
+                    f.grad_accumulation_steps == 1
+                        ? absl::StrCat("a positive multiple of the world size ", world,
+                                       " (every rank trains on an equal share)")
+                        : absl::StrCat("a positive multiple of the world size ", world,
+                                       " x --grad_accumulation_steps=", f.grad_accumulation_steps,
+                                       " (every rank trains on an equal share, in equal "
+                                       "micro-batches)"));
   }
   if (std::string error = sharding_strategy_error("sharding_strategy", f.sharding_strategy,
                                                   /*allow_hybrid=*/true);
@@ -193,8 +188,9 @@ std::string lever_flag_error(const LeverFlags& f, int world, bool self_launched,
   const bool hybrid = is_hybrid(*parse_sharding_strategy(f.sharding_strategy)) && world > 1;
   if (f.hybrid_shard_group_size < 0 ||
       (hybrid && f.hybrid_shard_group_size > 0 && world % f.hybrid_shard_group_size != 0)) {
-    return bad("hybrid_shard_group_size", f.hybrid_shard_group_size,
-               absl::StrCat("0 (the ranks of one host) or a divisor of the world size ", world));
+    return bad_flag(
+        "hybrid_shard_group_size", f.hybrid_shard_group_size,
+        absl::StrCat("0 (the ranks of one host) or a divisor of the world size ", world));
   }
   return "";
 }

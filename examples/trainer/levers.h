@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
@@ -42,6 +43,12 @@ struct LeverFlags {
   bool activation_checkpointing = false;  // each unit recomputes its forward in backward
   int64_t grad_accumulation_steps = 1;    // micro-batches per optimizer step
 };
+
+// "--name=value: expected what": the one line of every flag error.
+template <typename T>
+std::string bad_flag(const char* name, const T& value, const std::string& expected) {
+  return absl::StrCat("--", name, "=", value, ": expected ", expected);
+}
 
 // What the machine allows.
 struct MachineLimits {

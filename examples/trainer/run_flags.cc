@@ -30,11 +30,6 @@ const RunFlags& taken() {
   return defaults().flags;
 }
 
-template <typename T>
-std::string bad(const char* name, T value, const std::string& expected) {
-  return absl::StrCat("--", name, "=", value, ": expected ", expected);
-}
-
 }  // namespace
 }  // namespace fsdp::examples
 
@@ -122,32 +117,33 @@ RunFlags run_flags_from_command_line() {
 
 std::string run_flag_error(const RunFlags& f, const MachineLimits& machine) {
   if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > machine.max_ranks)) {
-    return bad("world_size", f.world_size,
-               absl::StrCat("1 to ", machine.max_ranks, " ranks on this machine (", machine.cores,
-                            " cores x ", kMaxRanksPerCore, "; each rank is a process)"));
+    return bad_flag(
+        "world_size", f.world_size,
+        absl::StrCat("1 to ", machine.max_ranks, " ranks on this machine (", machine.cores,
+                     " cores x ", kMaxRanksPerCore, "; each rank is a process)"));
   }
   if (std::string error =
           lever_flag_error(f, f.world(), f.launched_world_size == 0, f.batch_size, machine);
       !error.empty()) {
     return error;
   }
-  if (f.context < 1) return bad("context", f.context, "at least 1 token");
-  if (f.steps < 0) return bad("steps", f.steps, "0 or more training steps");
-  if (!std::isfinite(f.lr) || f.lr < 0) return bad("lr", f.lr, "a finite learning rate >= 0");
-  if (f.warmup_steps < 0) return bad("warmup_steps", f.warmup_steps, "0 or more steps");
-  if (f.log_interval < 1) return bad("log_interval", f.log_interval, "at least 1 step");
+  if (f.context < 1) return bad_flag("context", f.context, "at least 1 token");
+  if (f.steps < 0) return bad_flag("steps", f.steps, "0 or more training steps");
+  if (!std::isfinite(f.lr) || f.lr < 0) return bad_flag("lr", f.lr, "a finite learning rate >= 0");
+  if (f.warmup_steps < 0) return bad_flag("warmup_steps", f.warmup_steps, "0 or more steps");
+  if (f.log_interval < 1) return bad_flag("log_interval", f.log_interval, "at least 1 step");
   if (f.checkpoint_interval < 0) {
-    return bad("checkpoint_interval", f.checkpoint_interval, "0 (none) or more steps");
+    return bad_flag("checkpoint_interval", f.checkpoint_interval, "0 (none) or more steps");
   }
   if (f.checkpoint_format != "dcp" && f.checkpoint_format != "fsdp") {
-    return bad("checkpoint_format", f.checkpoint_format,
-               "dcp (PyTorch Distributed Checkpoint) or fsdp");
+    return bad_flag("checkpoint_format", f.checkpoint_format,
+                    "dcp (PyTorch Distributed Checkpoint) or fsdp");
   }
   if (f.timeout_s < 1) {
-    return bad("timeout_s", f.timeout_s, "at least 1 second to wait for the other ranks");
+    return bad_flag("timeout_s", f.timeout_s, "at least 1 second to wait for the other ranks");
   }
   if (f.schedule_check_every < 0) {
-    return bad("schedule_check_every", f.schedule_check_every, "0 (off) or more iterations");
+    return bad_flag("schedule_check_every", f.schedule_check_every, "0 (off) or more iterations");
   }
   if (std::string error = output_dir_error("out_dir", f.out_dir,
                                            "metrics.csv, the model and the checkpoints go there");

@@ -568,27 +568,32 @@ int finetune() {
   return 0;
 }
 
-}  // namespace
-}  // namespace fsdp::models
-
-int main(int argc, char** argv) {
-  using namespace fsdp::examples;
-  TrainerHooks hooks;
+// What the fine-tune adds to the trainers' main().
+examples::TrainerHooks finetune_hooks() {
+  using examples::FlagValue;
+  examples::TrainerHooks hooks;
   // RunFlags' own defaults are the fine-tune's; its memory plan counts a synchronous save.
   hooks.defaults.async_save = false;
   // On CUDA one rank per visible device unless --world_size says otherwise (a launcher's
   // WORLD_SIZE counts instead).
   hooks.cuda_defaults = [](int cuda_devices) {
     std::vector<FlagValue> defaults;
-    if (!specified_on_command_line("world_size")) {
+    if (!examples::specified_on_command_line("world_size")) {
       defaults.push_back({"world_size", std::to_string(cuda_devices)});
     }
     return defaults;
   };
-  hooks.flag_error = [](const MachineLimits&) { return fsdp::models::flag_error(); };
+  hooks.flag_error = [](const examples::MachineLimits&) { return flag_error(); };
   // --mixed_precision=auto: bf16 for a 16-bit folder (Note [Master weights of a 16-bit
   // folder]).
-  hooks.weights_dtype = [] { return fsdp::models::hf_weights_dtype(absl::GetFlag(FLAGS_from)); };
-  hooks.run = fsdp::models::finetune;
-  return trainer_main(argc, argv, "finetune", hooks);
+  hooks.weights_dtype = [] { return hf_weights_dtype(absl::GetFlag(FLAGS_from)); };
+  hooks.run = finetune;
+  return hooks;
+}
+
+}  // namespace
+}  // namespace fsdp::models
+
+int main(int argc, char** argv) {
+  return fsdp::examples::trainer_main(argc, argv, "finetune", fsdp::models::finetune_hooks());
 }

@@ -3,7 +3,7 @@
 # and the fine-tune): a stray argument and a bad run flag are refused before anything
 # starts (exit 2, one line); ranks started with different flags stop naming the flag;
 # --checkpoint_dir and --async_save checkpoints; metrics.csv and memory_rank<R>.csv; the
-# per-rank peak memory and traffic at the end; a second run in the same folder needs
+# memory plan before training; the per-rank peak memory and traffic at the end; a second run in the same folder needs
 # --resume or --overwrite, and --resume continues the curve.
 #   trainer_parity_test.sh TRAIN FINETUNE PYTHON
 set -uo pipefail
@@ -72,6 +72,7 @@ for name in train finetune; do
   check "$name's metrics.csv holds steps 1-2" "[[ \$(cut -d, -f1 $dir/out/metrics.csv | tail -n +2 | xargs) == '1 2' ]]"
   check "$name writes memory_rank<R>.csv on every rank" \
     "[[ \$(wc -l <$dir/out/memory_rank0.csv) -eq 3 && \$(wc -l <$dir/out/memory_rank1.csv) -eq 3 ]]"
+  check "$name prints its memory plan before training" "grep -q '] memory plan: .* per rank' $dir.run.log"
   check "$name prints each rank's peak memory and traffic" \
     "grep -q 'rank 1: peak memory [0-9.]* MB, sent [0-9.]* MB per step' $dir.run.log"
 

@@ -46,6 +46,7 @@
 #include "examples/trainer/run_support.h"
 #include "examples/trainer/trainer.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/memory_plan.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/wrap/policy.h"
 
@@ -228,6 +229,18 @@ int train() {
           peak_flops ? absl::StrFormat("%.1f TFLOP/s; %s", *peak_flops / 1e12, kMfuFormula)
                      : std::string("unknown (pass --peak_tflops for the MFU)"));
     }
+  }
+  if (lead) {
+    // What each rank's tensors will hold at the step's peak (fsdp/core/memory_plan.h;
+    // activations not planned: --plan_check compares it with each step).
+    const MemoryPlan plan = model->memory_plan(optimizer_spec_of(adamw));
+    std::cout << absl::StrFormat(
+        "memory plan: sharded parameters %.1f MiB + gradients %.1f MiB + optimizer state "
+        "%.1f MiB, peak %.1f MiB per rank without activations (%s)\n",
+        plan.term_bytes(PlanTerm::kShardedParameters) / 1048576.0,
+        plan.term_bytes(PlanTerm::kShardedGradients) / 1048576.0,
+        plan.term_bytes(PlanTerm::kOptimizerState) / 1048576.0, plan.peak_bytes / 1048576.0,
+        plan.peak_event);
   }
   // The LR schedule's position, as torch.optim.lr_scheduler keeps it: last_epoch
   // scheduler steps taken, last_lr the LR of the next step. A checkpoint carries it.

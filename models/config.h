@@ -19,25 +19,28 @@
 //   "phi3"         Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary
 //                  embeddings, longrope; sliding_window in every layer when set
 //
-//   fsdp::models::DecoderConfig config =
-//   fsdp::models::load_decoder_config("/models/q/config.json"); config.layer_types[3];   //
-//   LayerType::kSliding: attends to the last sliding_window tokens
+//   const fsdp::models::DecoderConfig config =
+//       fsdp::models::load_decoder_config("/models/mistral-7b-v0.1/config.json");
+//   config.model_type;      // "mistral"
+//   config.layer_types[3];  // LayerType::kSliding: attends to the last sliding_window
+//                           // tokens (4096 here), itself included
 //
-// Both spellings transformers has used are read: 5.x's "rope_parameters" (flat, or nested per
-// layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
+// Both spellings transformers has used are read: 5.x's "rope_parameters" (flat, or nested
+// per layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
 // "rope_theta" + "rope_scaling" (+ Gemma 3's "rope_local_base_freq"), with the rope type
 // under "rope_type" or "type"; 5.x's "layer_types" and 4.x's "sliding_window_pattern".
-// RoPE types: "default", "linear", "llama3", "yarn", "longrope". PyTorch/transformers counterpart:
-// AutoConfig.from_pretrained, then the family's RotaryEmbedding and attention masks.
+// RoPE types: "default", "linear", "llama3", "yarn", "longrope".
+// PyTorch/transformers counterpart: AutoConfig.from_pretrained, then the family's
+// RotaryEmbedding and attention masks.
 //
 // Errors (c10::Error, one line naming the file, the field and its value, and what is
 // supported): a file that cannot be read or is not a JSON object; a missing or mistyped
-// required field; anything the decoder does not implement, refused by name, never ignored:
-// another model_type (mixture-of-experts families such as "mixtral", "qwen3_moe",
-// "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried), experts
-// fields (num_local_experts, num_experts), linear-attention layer types, rope types such as
-// "dynamic", quantised weights
-// (quantization_config), another activation, attention dropout, ...
+// required field; anything the decoder does not implement, refused by name, never
+// ignored: another model_type (mixture-of-experts families such as "mixtral",
+// "qwen3_moe", "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not
+// carried), experts fields (num_local_experts, num_experts), linear-attention layer types,
+// rope types such as "dynamic", quantised weights (quantization_config), another
+// activation, attention dropout, ...
 #ifndef FSDP_MODELS_CONFIG_H_
 #define FSDP_MODELS_CONFIG_H_
 

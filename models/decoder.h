@@ -1,30 +1,35 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
 // MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch: one
-// module tree whose per-family options come from a DecoderConfig (config.h), with the families' own
-// module and parameter names, so a checkpoint's tensors load under their own names with no
-// renaming:
+// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch:
+// one module tree whose per-family options come from a DecoderConfig (config.h), with the
+// families' own module and parameter names, so a checkpoint's tensors load under their own
+// names with no renaming:
 //
-//   model.embed_tokens.weight                         [vocab_size, hidden_size]
-//   model.layers.N.self_attn.{q,k,v,o}_proj.weight    q: [heads * head_dim, hidden_size],
-//     (phi3: self_attn.qkv_proj.weight [(heads + 2 kv_heads) * head_dim, hidden_size] and
-//     mlp.gate_up_proj.weight [2 intermediate, hidden] instead of q/k/v and gate/up)
-//                                                     k, v: [kv_heads * head_dim, hidden_size],
-//                                                     o: [hidden_size, heads * head_dim]
-//   model.layers.N.self_attn.{q,k,v}_proj.bias        qkv_bias (qwen2; attention_bias)
-//   model.layers.N.self_attn.o_proj.bias              o_bias (attention_bias)
-//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3_text);
-//                                                     olmo2: q [heads * head_dim],
-//                                                     k [kv_heads * head_dim]
-//   model.layers.N.mlp.{gate,up,down}_proj.weight     gate, up: [intermediate, hidden],
-//                                                     down: [hidden, intermediate] (+ .bias:
-//                                                     llama's mlp_bias)
-//   model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  [hidden_size]
-//                                                     (no input_layernorm in olmo2)
-//   model.layers.N.pre_feedforward_layernorm.weight   (gemma)
-//   model.layers.N.post_feedforward_layernorm.weight  (gemma, olmo2)
-//   lm_head.weight                                    [vocab_size, hidden_size]; absent when
-//                                                     tie_word_embeddings
+//   model.embed_tokens.weight                        [vocab_size, hidden_size]
+//   model.layers.N.self_attn.q_proj.weight           [heads * head_dim, hidden_size]
+//   model.layers.N.self_attn.{k,v}_proj.weight       [kv_heads * head_dim, hidden_size]
+//   model.layers.N.self_attn.o_proj.weight           [hidden_size, heads * head_dim]
+//   model.layers.N.self_attn.{q,k,v}_proj.bias       qkv_bias (qwen2; attention_bias)
+//   model.layers.N.self_attn.o_proj.bias             o_bias (attention_bias)
+//   model.layers.N.self_attn.{q,k}_norm.weight       [head_dim] (qwen3, gemma3_text);
+//                                                    olmo2: q [heads * head_dim],
+//                                                    k [kv_heads * head_dim]
+//   model.layers.N.mlp.{gate,up}_proj.weight         [intermediate_size, hidden_size]
+//   model.layers.N.mlp.down_proj.weight              [hidden_size, intermediate_size]
+//   model.layers.N.mlp.{gate,up,down}_proj.bias      mlp_bias (llama, granite)
+//   model.layers.N.input_layernorm.weight            [hidden_size] (none in olmo2)
+//   model.layers.N.post_attention_layernorm.weight   [hidden_size]
+//   model.layers.N.pre_feedforward_layernorm.weight  [hidden_size] (gemma2, gemma3_text)
+//   model.layers.N.post_feedforward_layernorm.weight [hidden_size] (gemma2, gemma3_text,
+//                                                    olmo2)
+//   model.norm.weight                                [hidden_size]
+//   lm_head.weight                                   [vocab_size, hidden_size]; none when
+//                                                    tie_word_embeddings
+//
+// phi3 holds q, k, v and gate, up fused instead:
+//
+//   model.layers.N.self_attn.qkv_proj.weight  [(heads + 2 kv_heads) * head_dim, hidden_size]
+//   model.layers.N.mlp.gate_up_proj.weight    [2 intermediate_size, hidden_size]
 //
 //   auto model = std::make_shared<fsdp::models::CausalLMImpl>(config);
 //   at::Tensor logits = model->forward(ids);   // ids [batch, time] int64
@@ -42,23 +47,23 @@
 //   // torch::manual_seed(seed); model->init_parameters(fsdp::models::reset_decoder_parameters);
 //
 // Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
-// binds the model; embeddings, final norm and head stay in the root). Per layer:
-// pre-norm x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed
-// again before the residual add; OLMo 2: only they are; Granite: they are scaled by
+// binds the model; embeddings, final norm and head stay in the root). Per layer: pre-norm
+// x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed again before
+// the residual add; OLMo 2: only they are; Granite: they are scaled by
 // residual_multiplier, the embeddings by embedding_multiplier, the logits divided by
-// logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
-// cast); rotary embeddings in HF's rotate_half convention with the layer type's RoPE
-// (default, linear, llama3, yarn or longrope; on the first rotary_dim dimensions of
-// each head); grouped-query attention, causal, over the last
-// sliding_window keys in sliding layers; scores scaled by attention_scale, soft-capped
-// when attn_logit_softcapping (then computed eagerly, softmax in fp32, as transformers'
-// eager attention) and otherwise through at::scaled_dot_product_attention; gated MLP
-// down(act(gate(x)) * up(x)), act SiLU or GeLU-tanh. No dropout, no KV cache. The
-// projections and the head are fsdp::lora::LoraLinear (plain Linear until
-// fsdp::lora::apply_lora adds an adapter; lora_targets.h lists each family's targets, the
-// head is none of them). The decoder registers no buffers: RoPE's cos and sin and Gemma's
-// embedding scale are computed in each forward from the config, so nothing is left
-// uncomputed after a build on the meta device.
+// logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the cast). Rotary
+// embeddings in HF's rotate_half convention with the layer type's RoPE (default, linear,
+// llama3, yarn or longrope), on the first rotary_dim dimensions of each head.
+// Grouped-query attention, causal, over the last sliding_window keys in sliding layers;
+// scores scaled by attention_scale, soft-capped when attn_logit_softcapping (then computed
+// eagerly, softmax in fp32, as transformers' eager attention) and otherwise through
+// at::scaled_dot_product_attention. Gated MLP down(act(gate(x)) * up(x)), act SiLU or
+// GeLU-tanh. No dropout, no KV cache. The projections and the head are
+// fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds an adapter;
+// lora_targets.h lists each family's targets, the head is none of them). The decoder
+// registers no buffers: RoPE's cos and sin and Gemma's embedding scale are computed in
+// each forward from the config, so nothing is left uncomputed after a build on the meta
+// device.
 //
 // Every module takes `options` (at::TensorOptions: device and dtype; default the CPU and
 // the default dtype) and creates its parameters with them; on a real device each module

@@ -83,6 +83,13 @@ enum class LayerType { kFull, kSliding };
 // w * n.to(dtype); kOlmo (w * n).to(dtype); kGemma (n * (1 + w)).to(dtype).
 enum class NormStyle { kLlama, kOlmo, kGemma };
 
+// The gated MLP's activation: SiLU (hidden_act "silu") or GeLU with the tanh
+// approximation (Gemma's hidden_activation "gelu_pytorch_tanh").
+enum class Activation { kSilu, kGeluTanh };
+
+// The decoder's architecture. Each family's reader (one per model_type) sets the
+// behaviour switches below; the decoder reads the switches, never model_type, so a new
+// family is a reader that sets them.
 struct DecoderConfig {
   std::string model_type;  // one of supported_model_types()
   int64_t vocab_size = 0;
@@ -109,11 +116,17 @@ struct DecoderConfig {
   // one gate_up_proj [2 intermediate, hidden], as the checkpoint holds them.
   bool fused_projections = false;
   int64_t rotary_dim = 0;  // head_dim x partial_rotary_factor: the rotated dimensions
-  // Gemma: embeddings x sqrt(hidden_size), RMSNorm x (1 + w), four norms per layer
-  // (pre_feedforward_layernorm, post_feedforward_layernorm added), GeLU-tanh MLP.
+  // The Gemma families (gemma2, gemma3_text), whose readers set scale_embeddings,
+  // sandwich_norms, norm_style kGemma and activation kGeluTanh; the decoder reads those.
   bool gemma = false;
+  bool scale_embeddings = false;  // gemma: embeddings x sqrt(hidden_size) (in their dtype)
+  // gemma: four norms per layer, each sublayer's output normed before the residual add
+  // (post_attention_layernorm, post_feedforward_layernorm) and pre_feedforward_layernorm
+  // before the MLP.
+  bool sandwich_norms = false;
   bool post_norms = false;  // olmo2: x + post_attention_layernorm(attn(x)), no input norm
   NormStyle norm_style = NormStyle::kLlama;
+  Activation activation = Activation::kSilu;
   // query_pre_attn_scalar^-0.5 (gemma), attention_multiplier (granite), else head_dim^-0.5.
   double attention_scale = 0.0;
   double embedding_multiplier = 1.0;     // granite: embeddings times it
@@ -123,8 +136,11 @@ struct DecoderConfig {
   double final_logit_softcapping = 0.0;  // 0: none; else logits = cap * tanh(logits / cap)
   int64_t sliding_window = 0;            // tokens a sliding layer's query sees, itself included
   std::vector<LayerType> layer_types;    // one per layer
-  RopeConfig rope;                       // full-attention layers (every layer but gemma3's sliding)
-  RopeConfig sliding_rope;               // gemma3's sliding layers; else equal to `rope`
+  // gemma3_text: sliding layers rotate with sliding_rope, full ones with rope; else every
+  // layer with rope.
+  bool rope_per_layer_type = false;
+  RopeConfig rope;          // full-attention layers (every layer without rope_per_layer_type)
+  RopeConfig sliding_rope;  // sliding layers with rope_per_layer_type; else equal to `rope`
 
   bool has_sliding_layers() const;
 };

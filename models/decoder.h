@@ -79,55 +79,15 @@
 
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 
 #include "fsdp/core/unit.h"
 #include "fsdp/lora/lora.h"
+#include "models/attention.h"
 #include "models/config.h"
+#include "models/mlp.h"
+#include "models/rms_norm.h"
 
 namespace fsdp::models {
-
-// x / sqrt(mean(x^2) + eps) over the last dimension in fp32, then the weight applied as
-// `style` says (config.h) and cast back to x's dtype. weight [dim]: ones at construction,
-// zeros for kGemma (so every style starts as the identity).
-struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, NormStyle style, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x);
-  // The constructor's values, in place: ones, zeros for kGemma.
-  void reset_parameters();
-
-  at::Tensor weight;
-  double eps;
-  NormStyle style;
-};
-TORCH_MODULE(RMSNorm);
-
-// Input [batch, time, hidden]; cos, sin [time, rotary_dim] (DecoderModelImpl::rotary).
-struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-
-  int64_t heads, kv_heads, head_dim;
-  int64_t window;  // 0: causal over every earlier position
-  double scale, softcap;
-  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  lora::LoraLinear qkv_proj{nullptr};  // fused_projections: q, k, v in one (the others null)
-  // [head_dim] each (qk_norm), or [heads * head_dim] / [kv_heads * head_dim]
-  // (qk_norm_full_width); null without either.
-  RMSNorm q_norm{nullptr}, k_norm{nullptr};
-  bool full_width_norm = false;
-};
-TORCH_MODULE(Attention);
-
-struct MLPImpl : torch::nn::Module {
-  explicit MLPImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x);
-
-  bool gelu_tanh;
-  lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
-  lora::LoraLinear gate_up_proj{nullptr};  // fused_projections: gate, up in one
-};
-TORCH_MODULE(MLP);
 
 // One decoder layer, one FSDP unit. Input and output [batch, time, hidden]. With
 // checkpoint_activations (examples/llama/finetune's --activation_checkpointing), a forward
@@ -144,10 +104,10 @@ struct DecoderLayerImpl : torch::nn::Module {
   double residual_multiplier;
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
-  RMSNorm input_layernorm{nullptr};  // null for olmo2 (norms after the sublayers only)
+  RMSNorm input_layernorm{nullptr};  // null with post_norms (norms after the sublayers only)
   RMSNorm post_attention_layernorm{nullptr};
-  RMSNorm pre_feedforward_layernorm{nullptr};   // gemma
-  RMSNorm post_feedforward_layernorm{nullptr};  // gemma, olmo2
+  RMSNorm pre_feedforward_layernorm{nullptr};   // sandwich_norms
+  RMSNorm post_feedforward_layernorm{nullptr};  // sandwich_norms or post_norms
 
  private:
   at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
@@ -158,8 +118,7 @@ struct DecoderModelImpl : torch::nn::Module {
   explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
   // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
-  // (computed in fp32 and scaled by yarn's attention factor, as transformers' rotary
-  // embeddings do).
+  // (rotary.h's rotary_cos_sin with the config's rotary_dim).
   std::pair<at::Tensor, at::Tensor> rotary(const RopeConfig& rope, int64_t time, c10::Device device,
                                            at::ScalarType dtype) const;
 

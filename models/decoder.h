@@ -65,6 +65,9 @@
 // each forward from the config, so nothing is left uncomputed after a build on the meta
 // device.
 //
+// The modules are declared in their own headers, included here: rms_norm.h, attention.h
+// (with rotary.h's RoPE), mlp.h.
+//
 // Every module takes `options` (at::TensorOptions: device and dtype; default the CPU and
 // the default dtype) and creates its parameters with them; on a real device each module
 // initialises itself as it is built (torch::nn::Linear's and Embedding's initialisation,

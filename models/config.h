@@ -19,25 +19,28 @@
 //   "phi3"         Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary
 //                  embeddings, longrope; sliding_window in every layer when set
 //
-//   fsdp::models::DecoderConfig config =
-//   fsdp::models::load_decoder_config("/models/q/config.json"); config.layer_types[3];   //
-//   LayerType::kSliding: attends to the last sliding_window tokens
+//   const fsdp::models::DecoderConfig config =
+//       fsdp::models::load_decoder_config("/models/mistral-7b-v0.1/config.json");
+//   config.model_type;      // "mistral"
+//   config.layer_types[3];  // LayerType::kSliding: attends to the last sliding_window
+//                           // tokens (4096 here), itself included
 //
-// Both spellings transformers has used are read: 5.x's "rope_parameters" (flat, or nested per
-// layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
+// Both spellings transformers has used are read: 5.x's "rope_parameters" (flat, or nested
+// per layer type as {"full_attention": {...}, "sliding_attention": {...}}) and 4.x's
 // "rope_theta" + "rope_scaling" (+ Gemma 3's "rope_local_base_freq"), with the rope type
 // under "rope_type" or "type"; 5.x's "layer_types" and 4.x's "sliding_window_pattern".
-// RoPE types: "default", "linear", "llama3", "yarn", "longrope". PyTorch/transformers counterpart:
-// AutoConfig.from_pretrained, then the family's RotaryEmbedding and attention masks.
+// RoPE types: "default", "linear", "llama3", "yarn", "longrope".
+// PyTorch/transformers counterpart: AutoConfig.from_pretrained, then the family's
+// RotaryEmbedding and attention masks.
 //
 // Errors (c10::Error, one line naming the file, the field and its value, and what is
 // supported): a file that cannot be read or is not a JSON object; a missing or mistyped
-// required field; anything the decoder does not implement, refused by name, never ignored:
-// another model_type (mixture-of-experts families such as "mixtral", "qwen3_moe",
-// "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried), experts
-// fields (num_local_experts, num_experts), linear-attention layer types, rope types such as
-// "dynamic", quantised weights
-// (quantization_config), another activation, attention dropout, ...
+// required field; anything the decoder does not implement, refused by name, never
+// ignored: another model_type (mixture-of-experts families such as "mixtral",
+// "qwen3_moe", "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not
+// carried), experts fields (num_local_experts, num_experts), linear-attention layer types,
+// rope types such as "dynamic", quantised weights (quantization_config), another
+// activation, attention dropout, ...
 #ifndef FSDP_MODELS_CONFIG_H_
 #define FSDP_MODELS_CONFIG_H_
 
@@ -80,6 +83,13 @@ enum class LayerType { kFull, kSliding };
 // w * n.to(dtype); kOlmo (w * n).to(dtype); kGemma (n * (1 + w)).to(dtype).
 enum class NormStyle { kLlama, kOlmo, kGemma };
 
+// The gated MLP's activation: SiLU (hidden_act "silu") or GeLU with the tanh
+// approximation (Gemma's hidden_activation "gelu_pytorch_tanh").
+enum class Activation { kSilu, kGeluTanh };
+
+// The decoder's architecture. Each family's reader (one per model_type) sets the
+// behaviour switches below; the decoder reads the switches, never model_type, so a new
+// family is a reader that sets them.
 struct DecoderConfig {
   std::string model_type;  // one of supported_model_types()
   int64_t vocab_size = 0;
@@ -106,11 +116,17 @@ struct DecoderConfig {
   // one gate_up_proj [2 intermediate, hidden], as the checkpoint holds them.
   bool fused_projections = false;
   int64_t rotary_dim = 0;  // head_dim x partial_rotary_factor: the rotated dimensions
-  // Gemma: embeddings x sqrt(hidden_size), RMSNorm x (1 + w), four norms per layer
-  // (pre_feedforward_layernorm, post_feedforward_layernorm added), GeLU-tanh MLP.
+  // The Gemma families (gemma2, gemma3_text), whose readers set scale_embeddings,
+  // sandwich_norms, norm_style kGemma and activation kGeluTanh; the decoder reads those.
   bool gemma = false;
+  bool scale_embeddings = false;  // gemma: embeddings x sqrt(hidden_size) (in their dtype)
+  // gemma: four norms per layer, each sublayer's output normed before the residual add
+  // (post_attention_layernorm, post_feedforward_layernorm) and pre_feedforward_layernorm
+  // before the MLP.
+  bool sandwich_norms = false;
   bool post_norms = false;  // olmo2: x + post_attention_layernorm(attn(x)), no input norm
   NormStyle norm_style = NormStyle::kLlama;
+  Activation activation = Activation::kSilu;
   // query_pre_attn_scalar^-0.5 (gemma), attention_multiplier (granite), else head_dim^-0.5.
   double attention_scale = 0.0;
   double embedding_multiplier = 1.0;     // granite: embeddings times it
@@ -120,8 +136,11 @@ struct DecoderConfig {
   double final_logit_softcapping = 0.0;  // 0: none; else logits = cap * tanh(logits / cap)
   int64_t sliding_window = 0;            // tokens a sliding layer's query sees, itself included
   std::vector<LayerType> layer_types;    // one per layer
-  RopeConfig rope;                       // full-attention layers (every layer but gemma3's sliding)
-  RopeConfig sliding_rope;               // gemma3's sliding layers; else equal to `rope`
+  // gemma3_text: sliding layers rotate with sliding_rope, full ones with rope; else every
+  // layer with rope.
+  bool rope_per_layer_type = false;
+  RopeConfig rope;          // full-attention layers (every layer without rope_per_layer_type)
+  RopeConfig sliding_rope;  // sliding layers with rope_per_layer_type; else equal to `rope`
 
   bool has_sliding_layers() const;
 };

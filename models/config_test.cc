@@ -246,6 +246,41 @@ TEST(DecoderConfigTest, GraniteMultipliersAndOlmo2Norms) {
   EXPECT_EQ(c.embedding_multiplier, 1.0);
 }
 
+// Each family's reader sets the switches the decoder reads (the decoder never compares
+// family names).
+TEST(DecoderConfigTest, EachFamilySetsTheDecodersSwitches) {
+  struct Family {
+    const char* model_type;
+    Activation activation;
+    NormStyle norm_style;
+    bool sandwich_norms, scale_embeddings, rope_per_layer_type, post_norms;
+  };
+  const Family families[] = {
+      {"llama", Activation::kSilu, NormStyle::kLlama, false, false, false, false},
+      {"mistral", Activation::kSilu, NormStyle::kLlama, false, false, false, false},
+      {"qwen2", Activation::kSilu, NormStyle::kLlama, false, false, false, false},
+      {"qwen3", Activation::kSilu, NormStyle::kLlama, false, false, false, false},
+      {"gemma2", Activation::kGeluTanh, NormStyle::kGemma, true, true, false, false},
+      {"gemma3_text", Activation::kGeluTanh, NormStyle::kGemma, true, true, true, false},
+      {"granite", Activation::kSilu, NormStyle::kLlama, false, false, false, false},
+      {"olmo2", Activation::kSilu, NormStyle::kOlmo, false, false, false, true},
+      {"phi3", Activation::kSilu, NormStyle::kLlama, false, false, false, false},
+  };
+  for (const Family& f : families) {
+    const DecoderConfig c = parse_decoder_config(
+        config_json(std::string(R"(, "hidden_activation": "gelu_pytorch_tanh", "model_type": ")") +
+                    f.model_type + "\""),
+        "cfg.json");
+    EXPECT_EQ(c.model_type, f.model_type);
+    EXPECT_EQ(c.activation, f.activation) << f.model_type;
+    EXPECT_EQ(c.norm_style, f.norm_style) << f.model_type;
+    EXPECT_EQ(c.sandwich_norms, f.sandwich_norms) << f.model_type;
+    EXPECT_EQ(c.scale_embeddings, f.scale_embeddings) << f.model_type;
+    EXPECT_EQ(c.rope_per_layer_type, f.rope_per_layer_type) << f.model_type;
+    EXPECT_EQ(c.post_norms, f.post_norms) << f.model_type;
+  }
+}
+
 TEST(DecoderConfigTest, Phi3FusedProjectionsPartialRotaryLongrope) {
   // 4.x spelling: rope_scaling with "type" and a top-level original_max_position_embeddings.
   const DecoderConfig c = parse_decoder_config(

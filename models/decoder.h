@@ -1,30 +1,35 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
 // MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch: one
-// module tree whose per-family options come from a DecoderConfig (config.h), with the families' own
-// module and parameter names, so a checkpoint's tensors load under their own names with no
-// renaming:
+// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch:
+// one module tree whose per-family options come from a DecoderConfig (config.h), with the
+// families' own module and parameter names, so a checkpoint's tensors load under their own
+// names with no renaming:
 //
-//   model.embed_tokens.weight                         [vocab_size, hidden_size]
-//   model.layers.N.self_attn.{q,k,v,o}_proj.weight    q: [heads * head_dim, hidden_size],
-//     (phi3: self_attn.qkv_proj.weight [(heads + 2 kv_heads) * head_dim, hidden_size] and
-//     mlp.gate_up_proj.weight [2 intermediate, hidden] instead of q/k/v and gate/up)
-//                                                     k, v: [kv_heads * head_dim, hidden_size],
-//                                                     o: [hidden_size, heads * head_dim]
-//   model.layers.N.self_attn.{q,k,v}_proj.bias        qkv_bias (qwen2; attention_bias)
-//   model.layers.N.self_attn.o_proj.bias              o_bias (attention_bias)
-//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3_text);
-//                                                     olmo2: q [heads * head_dim],
-//                                                     k [kv_heads * head_dim]
-//   model.layers.N.mlp.{gate,up,down}_proj.weight     gate, up: [intermediate, hidden],
-//                                                     down: [hidden, intermediate] (+ .bias:
-//                                                     llama's mlp_bias)
-//   model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  [hidden_size]
-//                                                     (no input_layernorm in olmo2)
-//   model.layers.N.pre_feedforward_layernorm.weight   (gemma)
-//   model.layers.N.post_feedforward_layernorm.weight  (gemma, olmo2)
-//   lm_head.weight                                    [vocab_size, hidden_size]; absent when
-//                                                     tie_word_embeddings
+//   model.embed_tokens.weight                        [vocab_size, hidden_size]
+//   model.layers.N.self_attn.q_proj.weight           [heads * head_dim, hidden_size]
+//   model.layers.N.self_attn.{k,v}_proj.weight       [kv_heads * head_dim, hidden_size]
+//   model.layers.N.self_attn.o_proj.weight           [hidden_size, heads * head_dim]
+//   model.layers.N.self_attn.{q,k,v}_proj.bias       qkv_bias (qwen2; attention_bias)
+//   model.layers.N.self_attn.o_proj.bias             o_bias (attention_bias)
+//   model.layers.N.self_attn.{q,k}_norm.weight       [head_dim] (qwen3, gemma3_text);
+//                                                    olmo2: q [heads * head_dim],
+//                                                    k [kv_heads * head_dim]
+//   model.layers.N.mlp.{gate,up}_proj.weight         [intermediate_size, hidden_size]
+//   model.layers.N.mlp.down_proj.weight              [hidden_size, intermediate_size]
+//   model.layers.N.mlp.{gate,up,down}_proj.bias      mlp_bias (llama, granite)
+//   model.layers.N.input_layernorm.weight            [hidden_size] (none in olmo2)
+//   model.layers.N.post_attention_layernorm.weight   [hidden_size]
+//   model.layers.N.pre_feedforward_layernorm.weight  [hidden_size] (gemma2, gemma3_text)
+//   model.layers.N.post_feedforward_layernorm.weight [hidden_size] (gemma2, gemma3_text,
+//                                                    olmo2)
+//   model.norm.weight                                [hidden_size]
+//   lm_head.weight                                   [vocab_size, hidden_size]; none when
+//                                                    tie_word_embeddings
+//
+// phi3 holds q, k, v and gate, up fused instead:
+//
+//   model.layers.N.self_attn.qkv_proj.weight  [(heads + 2 kv_heads) * head_dim, hidden_size]
+//   model.layers.N.mlp.gate_up_proj.weight    [2 intermediate_size, hidden_size]
 //
 //   auto model = std::make_shared<fsdp::models::CausalLMImpl>(config);
 //   at::Tensor logits = model->forward(ids);   // ids [batch, time] int64
@@ -42,23 +47,26 @@
 //   // torch::manual_seed(seed); model->init_parameters(fsdp::models::reset_decoder_parameters);
 //
 // Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
-// binds the model; embeddings, final norm and head stay in the root). Per layer:
-// pre-norm x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed
-// again before the residual add; OLMo 2: only they are; Granite: they are scaled by
+// binds the model; embeddings, final norm and head stay in the root). Per layer: pre-norm
+// x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed again before
+// the residual add; OLMo 2: only they are; Granite: they are scaled by
 // residual_multiplier, the embeddings by embedding_multiplier, the logits divided by
-// logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the
-// cast); rotary embeddings in HF's rotate_half convention with the layer type's RoPE
-// (default, linear, llama3, yarn or longrope; on the first rotary_dim dimensions of
-// each head); grouped-query attention, causal, over the last
-// sliding_window keys in sliding layers; scores scaled by attention_scale, soft-capped
-// when attn_logit_softcapping (then computed eagerly, softmax in fp32, as transformers'
-// eager attention) and otherwise through at::scaled_dot_product_attention; gated MLP
-// down(act(gate(x)) * up(x)), act SiLU or GeLU-tanh. No dropout, no KV cache. The
-// projections and the head are fsdp::lora::LoraLinear (plain Linear until
-// fsdp::lora::apply_lora adds an adapter; lora_targets.h lists each family's targets, the
-// head is none of them). The decoder registers no buffers: RoPE's cos and sin and Gemma's
-// embedding scale are computed in each forward from the config, so nothing is left
-// uncomputed after a build on the meta device.
+// logits_scaling). RMSNorm in fp32 (Gemma: x (1 + w), in fp32 before the cast). Rotary
+// embeddings in HF's rotate_half convention with the layer type's RoPE (default, linear,
+// llama3, yarn or longrope), on the first rotary_dim dimensions of each head.
+// Grouped-query attention, causal, over the last sliding_window keys in sliding layers;
+// scores scaled by attention_scale, soft-capped when attn_logit_softcapping (then computed
+// eagerly, softmax in fp32, as transformers' eager attention) and otherwise through
+// at::scaled_dot_product_attention. Gated MLP down(act(gate(x)) * up(x)), act SiLU or
+// GeLU-tanh. No dropout, no KV cache. The projections and the head are
+// fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds an adapter;
+// lora_targets.h lists each family's targets, the head is none of them). The decoder
+// registers no buffers: RoPE's cos and sin and Gemma's embedding scale are computed in
+// each forward from the config, so nothing is left uncomputed after a build on the meta
+// device.
+//
+// The modules are declared in their own headers, included here: rms_norm.h, attention.h
+// (with rotary.h's RoPE), mlp.h.
 //
 // Every module takes `options` (at::TensorOptions: device and dtype; default the CPU and
 // the default dtype) and creates its parameters with them; on a real device each module
@@ -74,55 +82,15 @@
 
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 
 #include "fsdp/core/unit.h"
 #include "fsdp/lora/lora.h"
+#include "models/attention.h"
 #include "models/config.h"
+#include "models/mlp.h"
+#include "models/rms_norm.h"
 
 namespace fsdp::models {
-
-// x / sqrt(mean(x^2) + eps) over the last dimension in fp32, then the weight applied as
-// `style` says (config.h) and cast back to x's dtype. weight [dim]: ones at construction,
-// zeros for kGemma (so every style starts as the identity).
-struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, NormStyle style, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x);
-  // The constructor's values, in place: ones, zeros for kGemma.
-  void reset_parameters();
-
-  at::Tensor weight;
-  double eps;
-  NormStyle style;
-};
-TORCH_MODULE(RMSNorm);
-
-// Input [batch, time, hidden]; cos, sin [time, rotary_dim] (DecoderModelImpl::rotary).
-struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-
-  int64_t heads, kv_heads, head_dim;
-  int64_t window;  // 0: causal over every earlier position
-  double scale, softcap;
-  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  lora::LoraLinear qkv_proj{nullptr};  // fused_projections: q, k, v in one (the others null)
-  // [head_dim] each (qk_norm), or [heads * head_dim] / [kv_heads * head_dim]
-  // (qk_norm_full_width); null without either.
-  RMSNorm q_norm{nullptr}, k_norm{nullptr};
-  bool full_width_norm = false;
-};
-TORCH_MODULE(Attention);
-
-struct MLPImpl : torch::nn::Module {
-  explicit MLPImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x);
-
-  bool gelu_tanh;
-  lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
-  lora::LoraLinear gate_up_proj{nullptr};  // fused_projections: gate, up in one
-};
-TORCH_MODULE(MLP);
 
 // One decoder layer, one FSDP unit. Input and output [batch, time, hidden]. With
 // checkpoint_activations (examples/llama/finetune's --activation_checkpointing), a forward
@@ -139,10 +107,10 @@ struct DecoderLayerImpl : torch::nn::Module {
   double residual_multiplier;
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
-  RMSNorm input_layernorm{nullptr};  // null for olmo2 (norms after the sublayers only)
+  RMSNorm input_layernorm{nullptr};  // null with post_norms (norms after the sublayers only)
   RMSNorm post_attention_layernorm{nullptr};
-  RMSNorm pre_feedforward_layernorm{nullptr};   // gemma
-  RMSNorm post_feedforward_layernorm{nullptr};  // gemma, olmo2
+  RMSNorm pre_feedforward_layernorm{nullptr};   // sandwich_norms
+  RMSNorm post_feedforward_layernorm{nullptr};  // sandwich_norms or post_norms
 
  private:
   at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
@@ -153,8 +121,7 @@ struct DecoderModelImpl : torch::nn::Module {
   explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
   // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
-  // (computed in fp32 and scaled by yarn's attention factor, as transformers' rotary
-  // embeddings do).
+  // (rotary.h's rotary_cos_sin with the config's rotary_dim).
   std::pair<at::Tensor, at::Tensor> rotary(const RopeConfig& rope, int64_t time, c10::Device device,
                                            at::ScalarType dtype) const;
 

@@ -113,7 +113,7 @@ void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir) 
   copy_model_files(from_dir, out_dir);
 }
 
-int64_t parse_shard_size(const std::string& text) {
+int64_t parse_shard_size(const std::string& text, std::string_view flag) {
   static const std::pair<const char*, int64_t> kUnits[] = {
       {"KiB", int64_t{1} << 10}, {"MiB", int64_t{1} << 20},
       {"GiB", int64_t{1} << 30}, {"KB", 1000},
@@ -129,8 +129,8 @@ int64_t parse_shard_size(const std::string& text) {
     }
   }
   int64_t value = 0;
-  TORCH_CHECK(absl::SimpleAtoi(number, &value) && value > 0 && value <= INT64_MAX / unit,
-              "--max_shard_size=", text,
+  TORCH_CHECK(absl::SimpleAtoi(number, &value) && value > 0 && value <= INT64_MAX / unit, flag, "=",
+              text,
               ": expected a positive size in bytes, or with KB, MB, GB, KiB, MiB or GiB "
               "(e.g. 5GB)");
   return value * unit;

@@ -59,6 +59,17 @@ TEST(ParseShardSizeTest, BadValuesNameTheFlag) {
   }
 }
 
+TEST(ParseShardSizeTest, BadValuesNameTheGivenFlag) {
+  try {
+    parse_shard_size("5TB", "--max_memory_per_rank");
+    ADD_FAILURE() << "no error for '5TB'";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "--max_memory_per_rank=5TB: expected a positive size in bytes, or with KB, MB, GB, "
+              "KiB, MiB or GiB (e.g. 5GB)");
+  }
+}
+
 constexpr int kWorld = 2;
 constexpr int64_t kAdapterSeed = 7;
 

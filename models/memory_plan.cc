@@ -108,7 +108,7 @@ struct LayerBytes {
     }
     bytes += adapter("o_proj");
     // After attention: a post norm on its output, then the norm before the MLP.
-    if (config.gemma || config.post_norms) bytes += norm(h);
+    if (config.sandwich_norms || config.post_norms) bytes += norm(h);
     if (config.post_norms) {
       if (gate_up_trains) bytes += c * h;
     } else {
@@ -117,7 +117,7 @@ struct LayerBytes {
     }
     bytes += fused ? adapter("gate_up_proj") : adapter("gate_proj") + adapter("up_proj");
     bytes += 3 * c * inner + (trains("down_proj") ? c * inner : 0) + adapter("down_proj");
-    if (config.gemma || config.post_norms) bytes += norm(h);
+    if (config.sandwich_norms || config.post_norms) bytes += norm(h);
     return bytes;
   }
 };
@@ -152,10 +152,10 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   const bool head_trains = trained.lora_rank == 0;
   saved += tokens * layer.norm(h);
   result.head = tokens * (head_trains ? c * h : 0);
-  const int64_t ropes = config.model_type == "gemma3_text" && config.has_sliding_layers() ? 2 : 1;
+  const int64_t ropes = config.rope_per_layer_type && config.has_sliding_layers() ? 2 : 1;
   saved += ropes * 2 * context * config.rotary_dim * c;
   if (config.final_logit_softcapping > 0) result.head += tokens * c * vocab;
-  if (config.gemma) saved += c;                       // the embedding scale, a scalar tensor
+  if (config.scale_embeddings) saved += c;            // the embedding scale, a scalar tensor
   result.head += tokens * kFp32 * vocab + 2 * kFp32;  // log-softmax; the loss and its weight
   saved += result.head;
   result.saved_bytes = saved;

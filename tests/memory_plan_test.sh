@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# examples/llama:finetune's memory plan (Note [The memory plan]) against what the ranks
-# measure: a random 31 M-parameter Llama folder (transformers' save_pretrained), W = 2, a
-# full and a LoRA fine-tune; each run's largest peak resident set must lie within 15% of
-# the plan printed before loading. With --max_memory_per_rank below the plan, every rank
+# examples/llama:finetune's memory plan (Note [Checking the plan before loading]) against
+# what the ranks measure: a random 31 M-parameter Llama folder (transformers'
+# save_pretrained), W = 2, a full and a LoRA fine-tune; each run's largest peak resident
+# set must lie within 15% of the plan printed before loading. With --max_memory_per_rank below the plan, every rank
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
 # fsdp_plan --config gives the same plan from the config.json alone (all but the runtime,
 # which the trainer measures), and the smallest world size that fits a memory per rank.

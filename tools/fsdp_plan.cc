@@ -364,9 +364,9 @@ fsdp::MemoryPlanOptions plan_options(int64_t world_size) {
 // A byte count flag as finetune's --max_shard_size spells it.
 int64_t bytes_flag(const char* flag, const std::string& text) {
   try {
-    return fsdp::models::parse_shard_size(text);
+    return fsdp::models::parse_shard_size(text, absl::StrCat("--", flag));
   } catch (const c10::Error& e) {
-    fail(absl::StrCat("--", flag, ": ", e.what_without_backtrace()));
+    fail(e.what_without_backtrace());
   }
 }
 

@@ -97,7 +97,7 @@ expect_error config_missing "$tmp/none.json" --config="$tmp/none.json"
 expect_error config_and_model "give --config or --model, not both" --config="$tmp/moe.json" --model="$tmp/nope.pt"
 echo '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
       "num_hidden_layers": 2, "vocab_size": 100}' > "$tmp/llama.json"
-expect_error config_bad_memory "--memory_per_rank: " --config="$tmp/llama.json" --memory_per_rank=lots
+expect_error config_bad_memory "--memory_per_rank=lots: expected a positive size in bytes" --config="$tmp/llama.json" --memory_per_rank=lots
 expect_error config_bad_precision "unknown --mixed_precision 'fp8'" --config="$tmp/llama.json" --mixed_precision=fp8
 expect_error missing_file "cannot open '$tmp/nope.pt': no such file" --model="$tmp/nope.pt"
 expect_error directory "'$tmp' is a directory" --model="$tmp"

@@ -1,12 +1,6 @@
 #include "fsdp/formats/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <set>
 
@@ -50,8 +44,6 @@ std::string dtype_list() {
 std::string shape_string(const std::vector<int64_t>& shape) {
   return "[" + absl::StrJoin(shape, ", ") + "]";
 }
-
-std::string errno_text() { return std::strerror(errno); }
 
 // The header length from the first 8 bytes, checked against the file's size.
 uint64_t checked_header_length(std::string_view head, uint64_t file_size, const std::string& file) {
@@ -173,16 +165,6 @@ void check_tiling(const std::vector<SafetensorsTensorInfo>& tensors,
   TORCH_CHECK(static_cast<uint64_t>(expected) == data_bytes, "safetensors file '", file, "' has ",
               data_bytes - expected,
               " bytes after its last tensor's data; expected the tensors to end the file");
-}
-
-void write_all(int fd, const char* data, size_t size, const std::string& file) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "writing safetensors file '", file, "' failed: ", errno_text());
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
 }
 
 }  // namespace
@@ -397,7 +379,7 @@ const SafetensorsFile& SafetensorsCheckpoint::file_of(const std::string& name) c
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsTensorSpec> specs,
                                      std::map<std::string, std::string> metadata)
-    : path_(std::move(path)), temp_path_(path_ + ".tmp"), specs_(std::move(specs)) {
+    : path_(std::move(path)), specs_(std::move(specs)) {
   Json header = Json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
@@ -416,22 +398,16 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsTe
   std::string text = header.dump();
   // Pad with spaces so that the data starts 8-byte aligned (as safetensors writes).
   text.append((8 - text.size() % 8) % 8, ' ');
-  fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, "cannot create '", temp_path_, "': ", errno_text());
+  file_ = std::make_unique<AtomicFile>(path_);
   const uint64_t length = text.size();
-  write_all(fd_, reinterpret_cast<const char*>(&length), 8, temp_path_);
-  write_all(fd_, text.data(), text.size(), temp_path_);
+  file_->append(std::string_view(reinterpret_cast<const char*>(&length), 8));
+  file_->append(text);
 }
 
-SafetensorsWriter::~SafetensorsWriter() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(temp_path_.c_str());
-  }
-}
+SafetensorsWriter::~SafetensorsWriter() = default;
 
 void SafetensorsWriter::write(const std::string& name, const at::Tensor& tensor) {
-  TORCH_CHECK(fd_ >= 0, "safetensors file '", path_, "' is already committed");
+  TORCH_CHECK(file_ != nullptr, "safetensors file '", path_, "' is already committed");
   TORCH_CHECK(next_ < specs_.size(), "safetensors file '", path_, "': tensor '", name,
               "' is one more than the ", specs_.size(), " listed");
   const SafetensorsTensorSpec& spec = specs_[next_];
@@ -442,20 +418,17 @@ void SafetensorsWriter::write(const std::string& name, const at::Tensor& tensor)
               c10::toString(spec.dtype), " ", shape_string(spec.shape), ", got ",
               c10::toString(tensor.scalar_type()), " ", shape_string(tensor.sizes().vec()));
   const at::Tensor data = tensor.detach().to(at::kCPU).contiguous();
-  write_all(fd_, static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.nbytes()),
-            temp_path_);
+  file_->append(std::string_view(static_cast<const char*>(data.data_ptr()),
+                                 static_cast<size_t>(data.nbytes())));
   ++next_;
 }
 
 void SafetensorsWriter::commit() {
-  TORCH_CHECK(fd_ >= 0, "safetensors file '", path_, "' is already committed");
+  TORCH_CHECK(file_ != nullptr, "safetensors file '", path_, "' is already committed");
   TORCH_CHECK(next_ == specs_.size(), "safetensors file '", path_, "': ", next_, " of ",
               specs_.size(), " tensors written; expected all before commit()");
-  TORCH_CHECK(::fsync(fd_) == 0, "fsync of '", temp_path_, "' failed: ", errno_text());
-  TORCH_CHECK(::close(fd_) == 0, "closing '", temp_path_, "' failed: ", errno_text());
-  fd_ = -1;
-  TORCH_CHECK(::rename(temp_path_.c_str(), path_.c_str()) == 0, "renaming '", temp_path_, "' to '",
-              path_, "' failed: ", errno_text());
+  std::unique_ptr<AtomicFile> file = std::move(file_);
+  file->commit();
 }
 
 void save_safetensors_file(const std::string& path,
@@ -550,16 +523,8 @@ std::vector<std::string> SafetensorsFolderWriter::commit() {
       }
     }
     const Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    const std::string text = index.dump(2) + "\n";
-    const std::string path = (std::filesystem::path(dir_) / kSafetensorsIndexName).string();
-    const std::string temp = path + ".tmp";
-    const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd >= 0, "cannot create '", temp, "': ", errno_text());
-    write_all(fd, text.data(), text.size(), temp);
-    TORCH_CHECK(::fsync(fd) == 0 && ::close(fd) == 0, "writing '", temp,
-                "' failed: ", errno_text());
-    TORCH_CHECK(::rename(temp.c_str(), path.c_str()) == 0, "renaming '", temp, "' to '", path,
-                "' failed: ", errno_text());
+    write_file_atomically((std::filesystem::path(dir_) / kSafetensorsIndexName).string(),
+                          index.dump(2) + "\n");
   }
   return file_names_;
 }

@@ -45,6 +45,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include "fsdp/formats/atomic_file.h"
 #include "fsdp/formats/files.h"
 
 namespace fsdp {
@@ -152,8 +153,9 @@ struct SafetensorsTensorSpec {
 };
 
 // Writes one file: the header first (from `specs`), then each tensor as write() gets it,
-// in the order of `specs`, to `path` + ".tmp"; commit() fsyncs and renames it to `path`.
-// A writer destroyed without commit() removes the temporary file. `metadata` becomes
+// in the order of `specs`, to an AtomicFile of `path` (atomic_file.h: a temporary file
+// beside it); commit() fsyncs and renames it to `path`. A writer destroyed without
+// commit() removes the temporary file. `metadata` becomes
 // __metadata__ (transformers writes {"format": "pt"}).
 class SafetensorsWriter {
  public:
@@ -170,10 +172,9 @@ class SafetensorsWriter {
 
  private:
   std::string path_;
-  std::string temp_path_;
   std::vector<SafetensorsTensorSpec> specs_;
   size_t next_ = 0;
-  int fd_ = -1;
+  std::unique_ptr<AtomicFile> file_;  // null once committed
 };
 
 // Writes a whole state dict to one file (safetensors.torch.save_file).

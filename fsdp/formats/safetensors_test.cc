@@ -30,6 +30,11 @@ std::string temp_dir() {
   return pattern;
 }
 
+// The temporary file a writer of `path` writes until commit() (atomic_file.h).
+std::string temporary_of(const std::string& path) {
+  return path + ".tmp-" + std::to_string(::getpid());
+}
+
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream s;
@@ -90,7 +95,7 @@ TEST(SafetensorsWriter, WritesTheExactBytesSafetensorsWrites) {
       R"("b":{"data_offsets":[0,6],"dtype":"I16","shape":[3]}}       )";
   ASSERT_EQ(header.size() % 8, 0u);
   EXPECT_EQ(slurp(path), file_bytes(header, std::string("\0\0\1\0\2\0\0\1", 8)));
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(fs::exists(temporary_of(path)));
 }
 
 TEST(SafetensorsFile, EveryDtypeRoundTripsWholeAndByRange) {
@@ -190,9 +195,9 @@ TEST(SafetensorsWriter, WrongTensorAndUncommittedWriterLeaveNoFile) {
               "safetensors file '" + path + "': expected tensor 'a' next, got 'b'");
     EXPECT_EQ(error_of([&] { writer.write("a", at::arange(3, at::kFloat)); }),
               "safetensors file '" + path + "': tensor 'a' was listed as Float [2], got Float [3]");
-    EXPECT_TRUE(fs::exists(path + ".tmp"));
+    EXPECT_TRUE(fs::exists(temporary_of(path)));
   }
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(fs::exists(temporary_of(path)));
   EXPECT_FALSE(fs::exists(path));
 }
 

@@ -1,16 +1,13 @@
 #include "fsdp/lora/adapter_file.h"
 
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <utility>
 #include <vector>
 
 #include "nlohmann/json.hpp"
 #include <c10/util/Exception.h>
 
+#include "fsdp/formats/atomic_file.h"
 #include "fsdp/formats/safetensors.h"
 
 namespace fsdp::lora {
@@ -49,23 +46,6 @@ std::string adapter_config_json(const LoraConfig& config) {
   };
   return out.dump(2) + "\n";
 }
-
-namespace {
-
-// Writes `text` to `path` atomically: a temporary file beside it, then rename.
-void write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string temp = path + ".tmp";
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.close();
-    TORCH_CHECK(out.good(), "save_adapter: cannot write '", temp, "': ", std::strerror(errno));
-  }
-  TORCH_CHECK(std::rename(temp.c_str(), path.c_str()) == 0, "save_adapter: cannot rename '", temp,
-              "' to '", path, "': ", std::strerror(errno));
-}
-
-}  // namespace
 
 void save_adapter(const StateDict& state_dict, const LoraConfig& config,
                   const std::string& directory) {

@@ -23,8 +23,8 @@ std::string adapter_config_json(const LoraConfig& config);
 
 // Writes `directory`/adapter_model.safetensors (adapter_state_dict's entries, metadata
 // {"format": "pt"}) and `directory`/adapter_config.json, creating the directory; each
-// file atomically (temporary name, then rename). Tensors on any device are copied to
-// the CPU. Throws on I/O errors naming the file.
+// file crash-safely (fsdp/formats/atomic_file.h: a temporary file fsync'ed, then renamed).
+// Tensors on any device are copied to the CPU. Throws on I/O errors naming the file.
 void save_adapter(const StateDict& state_dict, const LoraConfig& config,
                   const std::string& directory);
 

@@ -29,6 +29,7 @@
 #include <zlib.h>
 
 #include "fsdp/base/torch_compat.h"
+#include "fsdp/formats/atomic_file.h"
 #include "fsdp/formats/dcp.h"
 #include "fsdp/formats/files.h"
 #include "fsdp/formats/values.h"
@@ -50,7 +51,11 @@ using state_internal::PyValue;
 using state_internal::PyValuePtr;
 using state_internal::remove_partial;
 using state_internal::space_note;
-using state_internal::write_file_durably;
+
+// A torch.save archive (compat::save_torch_archive) as the file `path`, crash-safely.
+void write_archive(const std::string& path, const std::vector<char>& bytes) {
+  write_file_atomically(path, std::string_view(bytes.data(), bytes.size()));
+}
 
 constexpr char kFormat[] = "fsdp.sharded_checkpoint";
 constexpr int64_t kVersion = 1;
@@ -477,7 +482,7 @@ void save_into(const fs::path& partial, const fs::path& target, Communicator& co
     }
     const std::vector<char> bytes = compat::save_torch_archive(pieces);
     m[1] = static_cast<int64_t>(bytes.size());
-    write_file_durably((partial / rank_file(rank)).string(), bytes);
+    write_archive((partial / rank_file(rank)).string(), bytes);
     m[0] = 1;
     m[2] = static_cast<int64_t>(crc32_of(bytes.data(), bytes.size()));
   } catch (const std::exception& e) {
@@ -503,7 +508,7 @@ void save_into(const fs::path& partial, const fs::path& target, Communicator& co
   ok = true;
   if (rank == 0) {
     try {
-      write_file_durably(
+      write_archive(
           (partial / kMetadata).string(),
           compat::save_torch_archive(metadata_value(
               comm.world_size(), items, std::vector<int64_t>(a, a + all.numel()), stride)));
@@ -520,7 +525,7 @@ void save_into(const fs::path& partial, const fs::path& target, Communicator& co
 }  // namespace
 
 void save_state_dict(const StateDict& state_dict, const std::string& path) {
-  write_file_durably(path, compat::save_torch_archive(tensor_dict_value(state_dict)));
+  write_archive(path, compat::save_torch_archive(tensor_dict_value(state_dict)));
 }
 
 StateDict load_state_dict(const std::string& path) {
@@ -534,7 +539,7 @@ void save_optim_state_dict(const OptimStateDict& state_dict, const std::string& 
   for (const auto& param : state_dict) {
     dict.insert(param.key(), tensor_dict_value(param.value()));
   }
-  write_file_durably(path, compat::save_torch_archive(dict));
+  write_archive(path, compat::save_torch_archive(dict));
 }
 
 OptimStateDict load_optim_state_dict(const std::string& path) {

@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/base/torch_compat.h"
+#include "fsdp/formats/atomic_file.h"
 #include "fsdp/formats/files.h"
 #include "fsdp/formats/pickle.h"
 #include "fsdp/state/internal/durable_files.h"
@@ -287,7 +288,7 @@ void write_into(const StagedDcpCheckpoint& staged, const fs::path& partial, cons
   try {
     const std::string file = rank_file_bytes(staged, records, sizes);
     bytes = static_cast<int64_t>(file.size());
-    state_internal::write_file_durably((partial / dcp_data_file(rank)).string(), file);
+    write_file_atomically((partial / dcp_data_file(rank)).string(), file);
     mine = "ok" + records_pickle(records, sizes);
   } catch (const std::exception& e) {
     mine = "error" + message_of(e);
@@ -311,8 +312,7 @@ void write_into(const StagedDcpCheckpoint& staged, const fs::path& partial, cons
       DcpMetadata md;
       md.entries = staged.entries;
       for (int r = 0; r < comm.world_size(); ++r) add_records(outcomes[r].substr(2), r, md);
-      state_internal::write_file_durably((partial / kDcpMetadataFile).string(),
-                                         serialize_dcp_metadata(md));
+      write_file_atomically((partial / kDcpMetadataFile).string(), serialize_dcp_metadata(md));
       state_internal::publish(partial, target);
     } catch (const std::exception& e) {
       state_internal::remove_partial(partial);

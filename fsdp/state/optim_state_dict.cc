@@ -235,8 +235,11 @@ void install_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
       make_state(optimizer, param, fqn, tensors, source);
 }
 
-void load(const ModelLayout& layout, torch::optim::Optimizer& optimizer,
-          const std::vector<std::string>& keys, const Source& source, const char* what) {
+// Installs the state `source` gives every parameter of `layout` (flat shards assembled
+// from their members' slices) into `optimizer`, after checking `keys` against the model.
+void install_optim_state(const ModelLayout& layout, torch::optim::Optimizer& optimizer,
+                         const std::vector<std::string>& keys, const Source& source,
+                         const char* what) {
   check_supported(optimizer);
   const std::vector<Param> params = params_of(layout);
   std::vector<std::string> known;
@@ -604,7 +607,8 @@ void load_full_optim_state_dict(FullyShardedRoot& model, torch::optim::Optimizer
                                                value, "the optimizer state dict");
                   return value.reshape({-1}).narrow(0, begin, numel);
                 });
-  load(state_internal::model_layout(model, kWhat), optimizer, state_dict.keys(), source, kWhat);
+  install_optim_state(state_internal::model_layout(model, kWhat), optimizer, state_dict.keys(),
+                      source, kWhat);
 }
 
 ShardedOptimStateDict sharded_optim_state_dict(FullyShardedRoot& model,
@@ -657,7 +661,8 @@ void state_internal::load_sharded_optim_state_dict(const ModelLayout& layout,
                 "): it was made at another world size; reshard through a sharded checkpoint");
     return value.local.narrow(0, skip, numel);
   };
-  load(layout, optimizer, state_dict.keys(), source_of(state_dict, kWhat, elements), kWhat);
+  install_optim_state(layout, optimizer, state_dict.keys(), source_of(state_dict, kWhat, elements),
+                      kWhat);
 }
 
 }  // namespace fsdp

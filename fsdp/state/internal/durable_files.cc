@@ -15,6 +15,8 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/util/Exception.h>
 
+#include "fsdp/formats/atomic_file.h"
+
 namespace fsdp::state_internal {
 
 namespace fs = std::filesystem;
@@ -32,41 +34,6 @@ std::string errno_text() { return std::strerror(errno); }
 std::string message_of(const std::exception& e) {
   const auto* error = dynamic_cast<const c10::Error*>(&e);
   return error != nullptr ? error->what_without_backtrace() : e.what();
-}
-
-void fsync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-void write_file_durably(const std::string& path, std::string_view bytes) {
-  const std::string temporary = absl::StrCat(path, ".tmp-", getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "cannot create '", temporary, "': ", errno_text());
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string error = errno_text();
-      ::close(fd);
-      ::unlink(temporary.c_str());
-      TORCH_CHECK(false, "cannot write '", temporary, "': ", error);
-    }
-    written += static_cast<size_t>(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  const std::string sync_error = errno_text();
-  ::close(fd);
-  if (!synced || ::rename(temporary.c_str(), path.c_str()) != 0) {
-    const std::string error = synced ? errno_text() : sync_error;
-    ::unlink(temporary.c_str());
-    TORCH_CHECK(false, "cannot write '", path, "': ", error);
-  }
-  fsync_directory(fs::path(path).parent_path());
 }
 
 std::string space_note(const fs::path& dir, int64_t needed) {
@@ -100,7 +67,7 @@ void publish(const fs::path& partial, const fs::path& dir) {
                 "cannot replace checkpoint '", dir.string(), "': ", errno_text());
     fs::remove_all(partial);  // now the previous checkpoint
   }
-  fsync_directory(dir.parent_path());
+  fsync_directory(dir.parent_path().string());
 }
 
 fs::path partial_directory(const fs::path& target, Communicator& comm,

@@ -1,8 +1,8 @@
-// Crash-safe files and checkpoint folders, shared by the sharded checkpoints
-// (checkpoint.cc) and Distributed Checkpoint folders (dcp_checkpoint.cc): a file is
-// written to a temporary name, fsync'ed and renamed; a checkpoint is assembled in a
-// hidden sibling directory (".<name>.partial-<token>") and published with one rename.
-// Not a public API. Errors: c10::Error naming the path and the system's reason.
+// Crash-safe checkpoint folders, shared by the sharded checkpoints (checkpoint.cc) and
+// Distributed Checkpoint folders (dcp_checkpoint.cc): a checkpoint is assembled in a
+// hidden sibling directory (".<name>.partial-<token>"), its files written with
+// fsdp/formats/atomic_file.h, and published with one rename. Not a public API.
+// Errors: c10::Error naming the path and the system's reason.
 #ifndef FSDP_STATE_INTERNAL_DURABLE_FILES_H_
 #define FSDP_STATE_INTERNAL_DURABLE_FILES_H_
 
@@ -10,8 +10,6 @@
 #include <exception>
 #include <filesystem>
 #include <string>
-#include <string_view>
-#include <vector>
 
 #include <ATen/core/TensorBody.h>
 
@@ -23,16 +21,6 @@ std::string errno_text();
 
 // An exception's message without LibTorch's C++ backtrace.
 std::string message_of(const std::exception& e);
-
-// Makes a rename in `dir` durable ("" is the current directory); best effort.
-void fsync_directory(const std::filesystem::path& dir);
-
-// Writes `bytes` to `path` crash-safely: a temporary file in the same directory,
-// fsync'ed, renamed over `path`, and the directory fsync'ed.
-void write_file_durably(const std::string& path, std::string_view bytes);
-inline void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
-  write_file_durably(path, std::string_view(bytes.data(), bytes.size()));
-}
 
 // How much space a failed save needed and how much the file system holding `dir` has
 // free, after its partial directory is gone.

@@ -1,0 +1,47 @@
+// The decoder's self-attention: grouped-query, causal (over the last sliding_window keys
+// in a sliding layer), with RoPE, optional q/k norms and logit soft-cap, its projections
+// fsdp::lora::LoraLinear under the families' names (q_proj, k_proj, v_proj, o_proj, or
+// qkv_proj fused). PyTorch/transformers counterpart: LlamaAttention and the families'
+// variants (attn_implementation "eager" when soft-capped, else sdpa).
+//
+//   fsdp::models::Attention attention(config, fsdp::models::LayerType::kFull);
+//   at::Tensor y = attention(x, cos, sin);  // x [batch, time, hidden] -> y the same
+//
+// Errors: none of their own (ATen's, for shapes other than the config's). Threading: as
+// any LibTorch module.
+#ifndef FSDP_MODELS_ATTENTION_H_
+#define FSDP_MODELS_ATTENTION_H_
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "fsdp/lora/lora.h"
+#include "models/config.h"
+#include "models/rms_norm.h"
+
+namespace fsdp::models {
+
+// Input [batch, time, hidden]; cos, sin [time, rotary_dim] (rotary.h, of the layer
+// type's RoPE). Output [batch, time, hidden].
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  int64_t heads, kv_heads, head_dim;
+  int64_t window;  // 0: causal over every earlier position
+  double scale, softcap;
+  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  lora::LoraLinear qkv_proj{nullptr};  // fused_projections: q, k, v in one (the others null)
+  // [head_dim] each (qk_norm), or [heads * head_dim] / [kv_heads * head_dim]
+  // (qk_norm_full_width); null without either.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  bool full_width_norm = false;
+};
+TORCH_MODULE(Attention);
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_ATTENTION_H_

@@ -149,7 +149,7 @@ if mount_error=$(mount -t tmpfs -o size=2m tmpfs "$mnt" 2>&1); then
   dd if=/dev/zero of="$mnt/filler2" bs=4k >/dev/null 2>&1
   resume "$dir" 4
   check "no space at all stops the run before metrics.csv changes (status $status)" \
-    "[[ $status -eq 1 ]] && has_line \"[rank 0] train: cannot write $dir/metrics.csv.tmp: No space left on device; pass a writable --out_dir with free space\" \"\$out\" && [[ \"\$(md5sum <$dir/metrics.csv)\" == \"\$before\" && ! -e $dir/metrics.csv.tmp ]]"
+    "[[ $status -eq 1 ]] && grep -qE \"^\\[rank 0\\] train: cannot write '$dir/metrics.csv.tmp-[0-9]+': No space left on device; pass a writable --out_dir with free space\\\$\" <<<\"\$out\" && [[ \"\$(md5sum <$dir/metrics.csv)\" == \"\$before\" && -z \"\$(ls $dir | grep 'metrics.csv.tmp')\" ]]"
   rm "$mnt/filler" "$mnt/filler2"
   resume "$dir" 4
   check "after space is freed --resume goes on (status $status) with the whole curve" \

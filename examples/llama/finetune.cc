@@ -13,7 +13,7 @@
 // file is a flat little-endian array of token ids (nanoGPT / llm.c): uint16 when the
 // vocabulary fits, else uint32 (--data_dtype; examples/llama/tokenize.py makes one with the
 // folder's tokenizer). Before reading a weight it prints what each rank will hold and stops
-// if that does not fit (Note [The memory plan]).
+// if that does not fit (Note [Checking the plan before loading]).
 //
 // Rank 0 prints a progress line per --log_interval steps (loss, lr, tokens/s, ETA) and
 // writes OUT/metrics.csv (a row per step, flushed); every --checkpoint_interval steps the
@@ -175,7 +175,7 @@ std::string flag_error() {
     hf_weights_dtype(from);  // one floating dtype (--mixed_precision=auto reads it)
     parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
     if (!absl::GetFlag(FLAGS_max_memory_per_rank).empty()) {
-      parse_shard_size(absl::GetFlag(FLAGS_max_memory_per_rank));
+      parse_shard_size(absl::GetFlag(FLAGS_max_memory_per_rank), "--max_memory_per_rank");
     }
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
@@ -240,7 +240,7 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
 // the trainer had when it built the model whole on every rank: the same adapters from the
 // same seed (the same draws), the same bytes from the folder.
 
-// Note [The memory plan]
+// Note [Checking the plan before loading]
 // Before any weight is read, the trainer plans what each rank will hold
 // (models/memory_plan.h: shards, gradients and AdamW state, gathered units, the
 // activations of a micro-batch, saving, and the process as it stands) from the meta-built
@@ -332,7 +332,7 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
   examples::MemoryBudget budget = examples::rank_memory_budget(comm, device);
   const std::string flag = absl::GetFlag(FLAGS_max_memory_per_rank);
   if (!flag.empty()) {
-    budget.bytes = parse_shard_size(flag);
+    budget.bytes = parse_shard_size(flag, "--max_memory_per_rank");
     budget.why = "--max_memory_per_rank";
   }
   if (comm.rank() == 0) std::cout << "memory plan: " << plan.summary() << "\n";
@@ -350,8 +350,8 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
 // The model of --from, sharded (see Note [No rank holds the whole model]), its parameters
 // in `dtype` (Note [Master weights of a 16-bit folder]), each decoder layer recomputing its
 // forward in backward when `checkpoint_activations`, wrapped with `options`, after its
-// memory plan (returned in `plan`) was checked (Note [The memory plan]); `numel` and
-// `trainable` count its parameters (adapters included).
+// memory plan (returned in `plan`) was checked (Note [Checking the plan before loading]); `numel`
+// and `trainable` count its parameters (adapters included).
 Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOptions& options,
                  const LeverFlags& levers, at::ScalarType dtype, at::ScalarType folder_dtype,
                  c10::Device device, int64_t* numel, int64_t* trainable, FinetunePlan* plan) {
@@ -548,7 +548,7 @@ int finetune() {
     if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
   }
   save_model(model, config);
-  // See Note [The memory plan].
+  // See Note [Checking the plan before loading].
   const std::vector<int64_t> peaks = examples::peak_resident_set_of_ranks(comm, device);
   if (!lead) return 0;
   if (device.is_cuda()) {

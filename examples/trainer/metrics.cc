@@ -13,6 +13,8 @@
 #include "absl/strings/str_split.h"
 #include <c10/util/Exception.h>
 
+#include "fsdp/formats/atomic_file.h"
+
 namespace fsdp::examples {
 namespace {
 
@@ -101,17 +103,13 @@ std::ofstream open_metrics(const std::string& path, int64_t step, std::string* w
     }
   }
   // The new file first, so that a failure (a full disk) leaves the old one as it was.
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    for (const std::string& line : lines) out << line << "\n";
-    out.flush();
-    if (!out.good()) {
-      const std::string why = std::strerror(errno);
-      fs::remove(temporary, error);
-      TORCH_CHECK(false, "cannot write ", temporary, ": ", why,
-                  "; pass a writable --out_dir with free space");
-    }
+  std::string text;
+  for (const std::string& line : lines) absl::StrAppend(&text, line, "\n");
+  AtomicFile file(path);
+  try {
+    file.append(text);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.msg(), "; pass a writable --out_dir with free space");
   }
   if (!problem.empty()) {
     std::string aside;
@@ -126,8 +124,11 @@ std::ofstream open_metrics(const std::string& path, int64_t step, std::string* w
         absl::StrCat("warning: ", path, " ", problem, aside, "; a new metrics.csv starts at step ",
                      step + 1, " (the rows of steps 1-", step, " are not in it)");
   }
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "cannot write ", path, ": ",
-              std::strerror(errno), "; pass a writable --out_dir");
+  try {
+    file.commit();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.msg(), "; pass a writable --out_dir with free space");
+  }
   std::ofstream csv(path, std::ios::binary | std::ios::app);
   TORCH_CHECK(csv.good(), "cannot write ", path, "; pass a writable --out_dir");
   return csv;

@@ -9,6 +9,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tanh.h>
+#include <c10/util/Exception.h>
 
 #include "models/internal/projection.h"
 #include "models/rotary.h"
@@ -28,6 +29,15 @@ at::Tensor attention_mask(int64_t time, int64_t window, c10::Device device) {
 }
 
 }  // namespace
+
+at::Tensor packed_attention_mask(const at::Tensor& segments) {
+  TORCH_CHECK(segments.dim() == 2 && segments.scalar_type() == at::kLong,
+              "packed_attention_mask: expected segments [batch, time] of int64, got ",
+              segments.sizes(), " of ", segments.scalar_type());
+  const int64_t t = segments.size(1);
+  const at::Tensor same = segments.unsqueeze(2) == segments.unsqueeze(1);  // [B, T, T]
+  return (same & attention_mask(t, 0, segments.device())).unsqueeze(1);
+}
 
 AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type,
                              const at::TensorOptions& options)
@@ -63,8 +73,8 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type,
   }
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
-                                  const at::Tensor& sin) {
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& mask) {
   const int64_t b = x.size(0), t = x.size(1);
   // [batch, heads, time, head_dim]: normed per head or over the full width, then rotated
   // (cos, sin broadcast over batch and heads).
@@ -83,6 +93,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   at::Tensor v = project(v_proj, none, kv_heads);
   q = apply_rotary(q, cos, sin);
   k = apply_rotary(k, cos, sin);
+  // Packed rows: the rows' mask, with the window on top; else causal (and the window).
+  at::Tensor allowed = mask;
+  if (mask.defined() && window > 0) allowed = mask & attention_mask(t, window, x.device());
+  if (!mask.defined() && (window > 0 || softcap > 0))
+    allowed = attention_mask(t, window, x.device());
   at::Tensor attended;
   if (softcap > 0) {
     // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32.
@@ -92,15 +107,13 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
     }
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
     scores = at::tanh(scores / softcap) * softcap;
-    scores = scores.masked_fill(attention_mask(t, window, x.device()).logical_not(),
-                                -std::numeric_limits<double>::infinity());
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
     attended = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
   } else {
     attended = at::scaled_dot_product_attention(
-        q, k, v,
-        window > 0 ? std::optional<at::Tensor>(attention_mask(t, window, x.device()))
-                   : std::nullopt,
-        /*dropout_p=*/0.0, /*is_causal=*/window == 0, scale, /*enable_gqa=*/kv_heads != heads);
+        q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
+        /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale,
+        /*enable_gqa=*/kv_heads != heads);
   }
   return o_proj(attended.transpose(1, 2).reshape({b, t, heads * head_dim}));
 }

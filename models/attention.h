@@ -24,11 +24,15 @@
 
 namespace fsdp::models {
 
-// Input [batch, time, hidden]; cos, sin [time, rotary_dim] (rotary.h, of the layer
-// type's RoPE). Output [batch, time, hidden].
+// Input [batch, time, hidden]; cos, sin [time, rotary_dim], or [batch, 1, time,
+// rotary_dim] for packed rows (rotary.h, of the layer type's RoPE). `mask`: undefined for
+// causal attention over the whole row, or bool [batch, 1, time, time] (true: query i may
+// attend to key j; packed_attention_mask) for packed rows, with a sliding layer's window
+// applied on top. Output [batch, time, hidden].
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& mask = {});
 
   int64_t heads, kv_heads, head_dim;
   int64_t window;  // 0: causal over every earlier position
@@ -41,6 +45,14 @@ struct AttentionImpl : torch::nn::Module {
   bool full_width_norm = false;
 };
 TORCH_MODULE(Attention);
+
+// The attention mask of packed rows, several examples side by side in each: `segments`
+// [batch, time] (int64) numbers each position's example within its row (-1: padding).
+// Returns bool [batch, 1, time, time], true where query i may attend to key j: the same
+// segment and j <= i (padding attends to the padding up to it, so no row of the softmax
+// is empty). PyTorch/transformers: the block-diagonal causal mask of packed sequences
+// (padding_free with position_ids; flash-attention's varlen cu_seqlens).
+at::Tensor packed_attention_mask(const at::Tensor& segments);
 
 }  // namespace fsdp::models
 

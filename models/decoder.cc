@@ -51,28 +51,35 @@ DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
   }
 }
 
-at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin) {
-  if (!checkpoint_activations) return compute(x, cos, sin);
+at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                     at::Tensor mask) {
+  if (!checkpoint_activations) return compute(x, cos, sin, mask);
+  if (!mask.defined()) {
+    return checkpoint(
+        [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2], {}); },
+        {x, cos, sin}, parameters());
+  }
   return checkpoint(
-      [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2]); },
-      {x, cos, sin}, parameters());
+      [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2], in[3]); },
+      {x, cos, sin, mask}, parameters());
 }
 
-at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& mask) {
   if (!input_layernorm) {  // post_norms (olmo2): norms after the sublayers only
-    x = x + post_attention_layernorm(self_attn(x, cos, sin));
+    x = x + post_attention_layernorm(self_attn(x, cos, sin, mask));
     return x + post_feedforward_layernorm(mlp(x));
   }
   if (!pre_feedforward_layernorm) {    // without sandwich_norms
     if (residual_multiplier != 1.0) {  // granite
-      x = x + self_attn(input_layernorm(x), cos, sin) * residual_multiplier;
+      x = x + self_attn(input_layernorm(x), cos, sin, mask) * residual_multiplier;
       return x + mlp(post_attention_layernorm(x)) * residual_multiplier;
     }
-    x = x + self_attn(input_layernorm(x), cos, sin);
+    x = x + self_attn(input_layernorm(x), cos, sin, mask);
     return x + mlp(post_attention_layernorm(x));
   }
   // sandwich_norms (gemma)
-  x = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin));
+  x = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, mask));
   return x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)));
 }
 
@@ -115,7 +122,8 @@ std::pair<at::Tensor, at::Tensor> DecoderModelImpl::rotary(const RopeConfig& rop
   return rotary_cos_sin(rope, config.rotary_dim, time, device, dtype);
 }
 
-at::Tensor DecoderModelImpl::forward(const at::Tensor& ids) {
+at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& positions,
+                                     const at::Tensor& segments) {
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong,
               "DecoderModel: expected token ids [batch, time] of int64, got ", ids.sizes(), " of ",
               ids.scalar_type());
@@ -130,13 +138,33 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids) {
                 .to(x.device());
   }
   if (config.embedding_multiplier != 1.0) x = x * config.embedding_multiplier;  // granite
-  const auto full = rotary(config.rope, t, x.device(), x.scalar_type());
-  const auto sliding = config.rope_per_layer_type
-                           ? rotary(config.sliding_rope, t, x.device(), x.scalar_type())
-                           : full;
+  TORCH_CHECK(positions.defined() == segments.defined(),
+              "DecoderModel: packed rows need both positions and segments");
+  at::Tensor mask;
+  std::pair<at::Tensor, at::Tensor> full = rotary(config.rope, t, x.device(), x.scalar_type());
+  std::pair<at::Tensor, at::Tensor> sliding =
+      config.rope_per_layer_type ? rotary(config.sliding_rope, t, x.device(), x.scalar_type())
+                                 : full;
+  if (positions.defined()) {
+    // See Note [Packed rows].
+    TORCH_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes() &&
+                    positions.scalar_type() == at::kLong && segments.scalar_type() == at::kLong,
+                "DecoderModel: expected positions and segments [batch, time] of int64 as the ids ",
+                ids.sizes(), ", got ", positions.sizes(), " and ", segments.sizes());
+    mask = packed_attention_mask(segments);
+    const auto at_positions = [&](std::pair<at::Tensor, at::Tensor>& cos_sin) {
+      cos_sin = {cos_sin.first.index_select(0, positions.reshape(-1))
+                     .view({ids.size(0), 1, t, cos_sin.first.size(-1)}),
+                 cos_sin.second.index_select(0, positions.reshape(-1))
+                     .view({ids.size(0), 1, t, cos_sin.second.size(-1)})};
+    };
+    at_positions(full);
+    if (config.rope_per_layer_type) at_positions(sliding);
+    if (!config.rope_per_layer_type) sliding = full;
+  }
   for (size_t i = 0; i < units.size(); ++i) {
     const auto& [cos, sin] = config.layer_types[i] == LayerType::kSliding ? sliding : full;
-    x = units[i](x, cos, sin);
+    x = units[i](x, cos, sin, mask);  // mask: undefined unless packed
   }
   return norm(x);
 }
@@ -150,8 +178,18 @@ CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions&
   }
 }
 
+// Note [Packed rows]
+// A row may hold several examples side by side (examples/llama's packing of
+// conversations): `positions` restarts at 0 at each example's first token, so RoPE rotates
+// each token by its place in its own example, and `segments` numbers the examples, so
+// attention never crosses from one to another (packed_attention_mask: block-diagonal and
+// causal; a sliding layer's window on top). Each example's logits are then those of the
+// example run alone, as transformers computes them with position_ids and a padding-free
+// batch. The positions must be below the row's length (an example fits in its row).
+// CausalLMImpl takes them as state (PackedRowsScope), not as forward's arguments, so that
+// its forward keeps the one signature FSDP's root and every caller use.
 at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
-  const at::Tensor hidden = model(ids);
+  const at::Tensor hidden = model(ids, packed.positions, packed.segments);
   at::Tensor logits =
       head_unit ? head_unit(hidden) : at::linear(hidden, model->embed_tokens->weight);
   if (config.logits_scaling != 1.0) logits = logits / config.logits_scaling;  // granite
@@ -160,6 +198,16 @@ at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
   }
   return logits;
 }
+
+PackedRowsScope::PackedRowsScope(CausalLMImpl& model, at::Tensor positions, at::Tensor segments)
+    : model_(model) {
+  TORCH_CHECK(positions.defined() && segments.defined(),
+              "PackedRowsScope: expected positions and segments");
+  TORCH_CHECK(!model_.packed.positions.defined(), "PackedRowsScope: the model is packed already");
+  model_.packed = {std::move(positions), std::move(segments)};
+}
+
+PackedRowsScope::~PackedRowsScope() { model_.packed = {}; }
 
 void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* norm = module.as<RMSNormImpl>()) return norm->reset_parameters();

@@ -99,7 +99,8 @@ namespace fsdp::models {
 struct DecoderLayerImpl : torch::nn::Module {
   DecoderLayerImpl(const DecoderConfig& config, int64_t index,
                    const at::TensorOptions& options = {});
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin);
+  // `mask`: undefined, or packed rows' (AttentionImpl::forward).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor mask = {});
 
   bool checkpoint_activations = false;
 
@@ -113,13 +114,17 @@ struct DecoderLayerImpl : torch::nn::Module {
   RMSNorm post_feedforward_layernorm{nullptr};  // sandwich_norms or post_norms
 
  private:
-  at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+  at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& mask);
 };
 
-// Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden].
+// Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden]. For
+// packed rows, `positions` and `segments` (both [batch, time] int64, or both undefined):
+// see Note [Packed rows] in decoder.cc.
 struct DecoderModelImpl : torch::nn::Module {
   explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
-  at::Tensor forward(const at::Tensor& ids);
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions = {},
+                     const at::Tensor& segments = {});
   // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
   // (rotary.h's rotary_cos_sin with the config's rotary_dim).
   std::pair<at::Tensor, at::Tensor> rotary(const RopeConfig& rope, int64_t time, c10::Device device,
@@ -140,9 +145,15 @@ TORCH_MODULE(DecoderModel);
 // [batch, time, vocab_size] in the parameters' dtype. PyTorch: transformers'
 // AutoModelForCausalLM.from_config(config)(input_ids).logits (attn_implementation "eager");
 // on c10::kMeta: from_config under torch.device("meta").
+// Within a PackedRowsScope the rows are packed (see there).
 struct CausalLMImpl : torch::nn::Module {
   explicit CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
+
+  // Set by PackedRowsScope (both undefined outside one).
+  struct PackedRows {
+    at::Tensor positions, segments;
+  } packed;
 
   DecoderConfig config;
   DecoderModel model{nullptr};
@@ -150,6 +161,28 @@ struct CausalLMImpl : torch::nn::Module {
   // model.embed_tokens.weight: one parameter, whose gradient sums both uses).
   lora::LoraLinear lm_head{nullptr};
   Unit<lora::LoraLinearImpl> head_unit{nullptr};  // lm_head's own unit (untied)
+};
+
+// While it lives, `model`'s forwards take packed rows, several examples side by side in
+// each row, each attending only to itself: `positions` [batch, time] (int64, restarting at
+// 0 at each example's first token, each below time) and `segments` [batch, time] (int64:
+// each position's example within its row, -1 for padding), for ids of that shape. See
+// Note [Packed rows] in decoder.cc. Throws c10::Error if either is undefined or the
+// model is in another scope; a forward throws if the ids' shape differs. PyTorch:
+// transformers' forward(input_ids, position_ids=...) of a padding-free packed batch
+// (DataCollatorWithFlattening), each example's logits as if run alone.
+//
+//   fsdp::models::PackedRowsScope packed(*net, rows.positions, rows.segments);
+//   at::Tensor logits = model->forward(rows.inputs);
+class PackedRowsScope {
+ public:
+  PackedRowsScope(CausalLMImpl& model, at::Tensor positions, at::Tensor segments);
+  ~PackedRowsScope();
+  PackedRowsScope(const PackedRowsScope&) = delete;
+  PackedRowsScope& operator=(const PackedRowsScope&) = delete;
+
+ private:
+  CausalLMImpl& model_;
 };
 
 // The init function for FullyShardedRoot::init_parameters of a decoder built on the meta

@@ -82,3 +82,56 @@ TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
 
 }  // namespace
 }  // namespace fsdp::models
+
+namespace fsdp::models {
+namespace {
+
+// Gemma 2 (soft-capped attention, sliding layers of window 3) and Gemma 3 text (sliding
+// layers with their own RoPE), small.
+DecoderConfig tiny_gemma(const std::string& model_type) {
+  return parse_decoder_config(
+      R"({"model_type": ")" + model_type + R"(", "hidden_size": 32, "intermediate_size": 64,
+        "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
+        "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-06, "vocab_size": 64,
+        "sliding_window": 3, "query_pre_attn_scalar": 8, "sliding_window_pattern": 2,
+        "rope_theta": 10000.0, "rope_local_base_freq": 1000.0})",
+      "tiny.json");
+}
+
+// Rows [5 | 3 | pad] and [8 | pad] of the examples a (5 tokens), b (3), c (8): every example's
+// logits equal those it has run alone (within fp32 rounding: logits reach 30, so 1e-4
+// absolute), padding aside.
+TEST(PackedRowsTest, EachExampleAttendsOnlyToItself) {
+  for (const DecoderConfig& config :
+       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text")}) {
+    SCOPED_TRACE(config.model_type);
+    at::manual_seed(3);
+    CausalLMImpl net(config);
+    const at::Tensor a = at::arange(5, at::kLong) * 3 + 1, b = at::arange(3, at::kLong) * 5 + 2;
+    const at::Tensor c = at::arange(8, at::kLong) * 7 % 64;
+    const at::Tensor pad = at::zeros({1}, at::kLong);
+    const auto range = [](int64_t n) { return at::arange(n, at::kLong); };
+    const at::Tensor ids = at::stack({at::cat({a, b, pad}), at::cat({c, pad})});
+    const at::Tensor positions =
+        at::stack({at::cat({range(5), range(3), pad}), at::cat({range(8), pad})});
+    const at::Tensor segments =
+        at::tensor({0, 0, 0, 0, 0, 1, 1, 1, -1, 0, 0, 0, 0, 0, 0, 0, 0, -1}, at::kLong)
+            .view({2, 9});
+    at::Tensor packed;
+    {
+      PackedRowsScope scope(net, positions, segments);
+      packed = net.forward(ids);
+    }
+    EXPECT_FALSE(net.packed.positions.defined()) << "the scope cleared the packing";
+    const auto alone = [&](const at::Tensor& x) { return net.forward(x.view({1, -1}))[0]; };
+    EXPECT_TRUE(at::allclose(packed[0].narrow(0, 0, 5), alone(a), 1e-5, 1e-4));
+    EXPECT_TRUE(at::allclose(packed[0].narrow(0, 5, 3), alone(b), 1e-5, 1e-4));
+    EXPECT_TRUE(at::allclose(packed[1].narrow(0, 0, 8), alone(c), 1e-5, 1e-4));
+    // Unpacked, b would see a: not its logits.
+    EXPECT_FALSE(at::allclose(net.forward(at::cat({a, b}).view({1, 8}))[0].narrow(0, 5, 3),
+                              alone(b), 1e-5, 1e-4));
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::models

@@ -160,11 +160,4 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
   return out;
 }
 
-at::Tensor segment_attention_mask(const at::Tensor& segments) {
-  const int64_t t = segments.size(1);
-  const at::Tensor same = segments.unsqueeze(2) == segments.unsqueeze(1);  // [B, T, T]
-  const at::Tensor causal = at::ones({t, t}, segments.options().dtype(at::kBool)).tril();
-  return (same & causal).unsqueeze(1);
-}
-
 }  // namespace fsdp::models

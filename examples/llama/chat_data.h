@@ -56,6 +56,7 @@ enum class LongExamples {
 // holds token inputs[r][p] at position positions[r][p] within its example (0 at its
 // first token), and targets[r][p] is the next token of the same example when that token
 // counts, else -100 (padding, an example's last token, a token that does not count).
+// positions and segments are what models::PackedRowsScope takes.
 struct ChatRows {
   at::Tensor inputs, targets, positions, segments;  // int64 [R, context]
   int64_t examples = 0;                             // examples placed
@@ -74,12 +75,6 @@ struct ChatRows {
 // example is left.
 ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacking packing,
                         LongExamples long_examples);
-
-// The attention mask of rows with `segments` [B, T]: bool [B, 1, T, T], true where query
-// position i may attend to key position j: the same example and j <= i (padding
-// positions attend to the padding up to them, so no softmax row is empty). For
-// at::scaled_dot_product_attention's attn_mask (true: take part).
-at::Tensor segment_attention_mask(const at::Tensor& segments);
 
 }  // namespace fsdp::models
 

@@ -136,20 +136,5 @@ TEST(ChatDataTest, LongExamplesAreCutOrDropped) {
                   "context of 4 (1 left out)")));
 }
 
-TEST(ChatDataTest, AttentionStaysInsideEachExample) {
-  const at::Tensor mask =
-      segment_attention_mask(at::tensor({0, 0, 1, 1, -1}, at::kLong).view({1, 5}));
-  ASSERT_EQ(mask.sizes(), (at::IntArrayRef{1, 1, 5, 5}));
-  const at::Tensor want = at::tensor({1, 0, 0, 0, 0,  //
-                                      1, 1, 0, 0, 0,  //
-                                      0, 0, 1, 0, 0,  //
-                                      0, 0, 1, 1, 0,  //
-                                      0, 0, 0, 0, 1},
-                                     at::kLong)
-                              .to(at::kBool)
-                              .view({1, 1, 5, 5});
-  EXPECT_TRUE(at::equal(mask, want));
-}
-
 }  // namespace
 }  // namespace fsdp::models

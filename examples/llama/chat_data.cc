@@ -160,4 +160,35 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
   return out;
 }
 
+ChatBatch ChatBatch::narrow(int64_t first, int64_t count) const {
+  return {inputs.narrow(0, first, count), targets.narrow(0, first, count),
+          positions.narrow(0, first, count), segments.narrow(0, first, count)};
+}
+
+ChatBatch ChatBatch::to(c10::Device device) const {
+  return {inputs.to(device), targets.to(device), positions.to(device), segments.to(device)};
+}
+
+ChatBatch chat_training_rows(const ChatRows& rows, int64_t first, int64_t count, int64_t seed) {
+  const int64_t r = rows.rows();
+  std::vector<int64_t> picked;
+  at::Tensor order;
+  int64_t epoch = -1;
+  for (int64_t g = first; g < first + count; ++g) {
+    if (g / r != epoch) {
+      epoch = g / r;
+      at::manual_seed(seed * 1000003 + epoch);
+      order = at::randperm(r, at::kLong);
+    }
+    picked.push_back(order[g % r].item<int64_t>());
+  }
+  const at::Tensor index = at::tensor(picked, at::kLong);
+  return {rows.inputs.index_select(0, index), rows.targets.index_select(0, index),
+          rows.positions.index_select(0, index), rows.segments.index_select(0, index)};
+}
+
+ChatBatch chat_rows(const ChatRows& rows, int64_t first, int64_t count) {
+  return ChatBatch{rows.inputs, rows.targets, rows.positions, rows.segments}.narrow(first, count);
+}
+
 }  // namespace fsdp::models

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 namespace fsdp::models {
 
@@ -75,6 +76,21 @@ struct ChatRows {
 // example is left.
 ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacking packing,
                         LongExamples long_examples);
+
+// The rows of a batch (each [rows, context], on the device the caller moves them to).
+struct ChatBatch {
+  at::Tensor inputs, targets, positions, segments;
+  ChatBatch narrow(int64_t first, int64_t count) const;  // rows [first, first + count)
+  ChatBatch to(c10::Device device) const;
+};
+
+// Rows `first` ... `first + count - 1` of the training order of `rows`: epoch after epoch,
+// each a permutation of the rows drawn from `seed` and the epoch's number (the same on
+// every rank, whatever the world size), so global row g is in epoch g / R.
+ChatBatch chat_training_rows(const ChatRows& rows, int64_t first, int64_t count, int64_t seed);
+
+// Rows `first` ... `first + count - 1` of `rows` in their own order (evaluation).
+ChatBatch chat_rows(const ChatRows& rows, int64_t first, int64_t count);
 
 }  // namespace fsdp::models
 

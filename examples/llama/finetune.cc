@@ -47,11 +47,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -63,6 +65,7 @@
 #include <torch/optim/adamw.h>
 
 #include "examples/gpt/corpus.h"
+#include "examples/llama/chat_data.h"
 #include "examples/trainer/lever_flags.h"
 #include "examples/trainer/run_flags.h"
 #include "examples/trainer/run_support.h"
@@ -78,8 +81,18 @@
 #include "models/memory_plan.h"
 
 ABSL_FLAG(std::string, from, "", "Hugging Face model folder (config.json + safetensors)");
-ABSL_FLAG(std::string, data, "", "training tokens: a flat little-endian array of token ids");
-ABSL_FLAG(std::string, eval_data, "", "evaluation tokens (same format); none if empty");
+ABSL_FLAG(std::string, data, "",
+          "training data: a token file (a flat little-endian array of token ids; "
+          "tokenize.py), or a conversation file (*.safetensors; prepare_chat.py) whose loss "
+          "mask says which tokens count");
+ABSL_FLAG(std::string, eval_data, "",
+          "evaluation data (a token or a conversation file); none if empty");
+ABSL_FLAG(bool, packing, true,
+          "conversations: several examples to a row of --context tokens (best-fit "
+          "decreasing), each attending only to itself; false: one example a row, padded");
+ABSL_FLAG(std::string, long_examples, "cut",
+          "conversations longer than --context: cut (their first --context tokens kept) or "
+          "drop");
 ABSL_FLAG(std::string, data_dtype, "auto",
           "uint16, uint32, or auto: uint16 when the vocabulary fits (<= 65536), else uint32");
 ABSL_FLAG(double, weight_decay, 0.0, "AdamW's decoupled weight decay");
@@ -157,6 +170,52 @@ std::string token_file_error(const char* flag, const std::string& path, int64_t 
   return "";
 }
 
+// Training or evaluation data: a token file (windows of --context + 1 tokens) or a
+// conversation file (rows of --context tokens; see Note [Conversations]).
+struct Data {
+  at::Tensor tokens;  // a token file's ids, int64 [n]
+  ChatRows rows;      // a conversation file's rows
+  bool chat() const { return rows.rows() > 0; }
+};
+
+bool is_chat_file(const std::string& path) { return absl::EndsWith(path, ".safetensors"); }
+
+ChatPacking packing_flag() {
+  return absl::GetFlag(FLAGS_packing) ? ChatPacking::kPacked : ChatPacking::kPerRow;
+}
+
+LongExamples long_examples_flag() {
+  return absl::GetFlag(FLAGS_long_examples) == "drop" ? LongExamples::kDrop : LongExamples::kCut;
+}
+
+Data read_data(const std::string& path, const DecoderConfig& config) {
+  Data data;
+  if (is_chat_file(path)) {
+    data.rows = pack_chat_rows(read_chat_file(path, config.vocab_size),
+                               absl::GetFlag(FLAGS_context), packing_flag(), long_examples_flag());
+  } else {
+    data.tokens = read_tokens(path, token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size),
+                              config.vocab_size);
+  }
+  return data;
+}
+
+// "" if --`flag`=`path` is a usable token file (at least `min_tokens` tokens) or
+// conversation file (rows left in the context), else why not.
+std::string data_file_error(const char* flag, const std::string& path, const DecoderConfig& config,
+                            int64_t min_tokens) {
+  if (!is_chat_file(path)) {
+    return token_file_error(
+        flag, path, token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size), min_tokens);
+  }
+  try {
+    read_data(path, config);
+  } catch (const c10::Error& e) {
+    return absl::StrCat("--", flag, "=", path, ": ", e.msg());
+  }
+  return "";
+}
+
 // The module names of --lora_target_modules, or the family's default.
 std::vector<std::string> lora_targets(const DecoderConfig& config) {
   const std::string flag = absl::GetFlag(FLAGS_lora_target_modules);
@@ -193,11 +252,16 @@ std::string flag_error() {
     return absl::StrCat("--context=", context, ": expected 1 to max_position_embeddings = ",
                         config.max_position_embeddings);
   }
-  const int64_t bytes = token_bytes(dtype, config.vocab_size);
-  if (absl::GetFlag(FLAGS_data).empty()) return "--data: expected a token file";
-  std::string error = token_file_error("data", absl::GetFlag(FLAGS_data), bytes, context + 2);
+  const std::string long_examples = absl::GetFlag(FLAGS_long_examples);
+  if (long_examples != "cut" && long_examples != "drop") {
+    return absl::StrCat("--long_examples=", long_examples, ": expected cut or drop");
+  }
+  if (absl::GetFlag(FLAGS_data).empty()) {
+    return "--data: expected a token file or a conversation file (.safetensors)";
+  }
+  std::string error = data_file_error("data", absl::GetFlag(FLAGS_data), config, context + 2);
   if (error.empty() && !absl::GetFlag(FLAGS_eval_data).empty()) {
-    error = token_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), bytes, context + 1);
+    error = data_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), config, context + 1);
   }
   if (!error.empty()) return error;
   if (absl::GetFlag(FLAGS_lora_rank) < 0) {
@@ -406,37 +470,100 @@ std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index,
   return {x.to(device), y.to(device)};
 }
 
-// Mean next-token cross-entropy over `tokens` cut into consecutive windows of context + 1
-// (the remainder dropped), every target counted once. Windows go to the ranks in rounds
-// of --batch_size; a rank with none left in the last round runs window 0 and counts
-// nothing, so every rank runs the same units.
-double eval_loss(Model& model, const at::Tensor& tokens, Communicator& comm) {
+// What a data file holds, for the progress lines.
+std::string data_words(const Data& data) {
+  if (!data.chat()) return absl::StrFormat("%d tokens", data.tokens.numel());
+  return absl::StrFormat(
+      "%d examples in %d rows of %d tokens (%s, %.1f%% padding), %d counted targets%s",
+      data.rows.examples, data.rows.rows(), absl::GetFlag(FLAGS_context),
+      absl::GetFlag(FLAGS_packing) ? "packed best-fit decreasing" : "one example a row",
+      100 * data.rows.padding(), data.rows.counted,
+      data.rows.cut + data.rows.dropped > 0
+          ? absl::StrFormat("; %d cut to the context, %d left out", data.rows.cut,
+                            data.rows.dropped)
+          : std::string());
+}
+
+// The summed next-token cross-entropy (fp32 scalar) of `rows` over the targets that count
+// (-100: none), packed rows each attending to their own examples.
+at::Tensor summed_loss(Model& model, const ChatBatch& rows) {
+  std::optional<PackedRowsScope> packed;
+  if (rows.segments.defined()) packed.emplace(*model->module(), rows.positions, rows.segments);
+  const at::Tensor logits = model->forward(rows.inputs);
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}).to(at::kFloat), rows.targets.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+}
+
+// The evaluation units of `data`: a token file's consecutive windows of context + 1 (the
+// remainder dropped), or a conversation file's rows in order. Units [first, first + count).
+int64_t eval_units(const Data& data) {
+  return data.chat() ? data.rows.rows() : data.tokens.numel() / (absl::GetFlag(FLAGS_context) + 1);
+}
+ChatBatch eval_rows(const Data& data, int64_t first, int64_t count) {
+  if (data.chat()) return chat_rows(data.rows, first, count);
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  auto [x, y] = examples::windows(
+      data.tokens, at::arange(first, first + count, at::kLong) * (context + 1), context);
+  return {x, y, at::Tensor(), at::Tensor()};
+}
+
+// The mean next-token cross-entropy over every target of `data` that counts (each
+// once), the quantity training reports. Units go to the ranks in rounds of --batch_size;
+// a rank with none left in the last round runs unit 0 and counts nothing, so every rank
+// runs the same units.
+double eval_loss(Model& model, const Data& data, Communicator& comm) {
   torch::NoGradGuard no_grad;
   const c10::Device device = model->device_handle().device();
-  const int64_t context = absl::GetFlag(FLAGS_context);
-  const int64_t windows = tokens.numel() / (context + 1);
+  const int64_t units = eval_units(data);
   const int64_t local = absl::GetFlag(FLAGS_batch_size) / comm.world_size();
   const int64_t per_round = local * comm.world_size();
   // Loss sum, targets; on the model's device, where the collective runs.
   at::Tensor sums = at::zeros({2}, at::dtype(at::kDouble).device(device));
-  for (int64_t round = 0; round * per_round < windows; ++round) {
-    const int64_t first = std::min(windows, round * per_round + comm.rank() * local);
-    const int64_t count = std::min(windows, first + local) - first;
-    const at::Tensor starts =
-        at::arange(count > 0 ? first : 0, count > 0 ? first + count : 1, at::kLong) * (context + 1);
-    auto [x, y] = examples::windows(tokens, starts, context);
-    x = x.to(device);
-    y = y.to(device);
-    const at::Tensor logits = model->forward(x);
+  for (int64_t round = 0; round * per_round < units; ++round) {
+    const int64_t first = std::min(units, round * per_round + comm.rank() * local);
+    const int64_t count = std::min(units, first + local) - first;
+    const ChatBatch rows = eval_rows(data, count > 0 ? first : 0, count > 0 ? count : 1).to(device);
+    const at::Tensor sum = summed_loss(model, rows);
     if (count == 0) continue;
-    sums[0] += torch::nn::functional::cross_entropy(
-                   logits.reshape({-1, logits.size(-1)}).to(at::kFloat), y.reshape({-1}),
-                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                   .to(at::kDouble);
-    sums[1] += double(y.numel());
+    sums[0] += sum.to(at::kDouble);
+    sums[1] += (rows.targets != -100).sum().to(at::kDouble);
   }
   comm.all_reduce(sums, ReduceOp::kSum);
   return sums[0].item<double>() / sums[1].item<double>();
+}
+
+// Note [Conversations]
+// A conversation file (prepare_chat.py's; examples/llama/chat_data.h) trains on the
+// tokens its loss mask counts (the assistant's, or the completion's) and on nothing else.
+// Its examples are packed into rows of --context tokens (--packing: best-fit decreasing;
+// else one example a row, padded), position ids restarting and attention staying inside
+// each example (models::PackedRowsScope); an example longer than the context is cut or
+// left out (--long_examples). Step s takes rows s x B ... s x B + B - 1 of an endless
+// order of the rows, epoch after epoch reshuffled from --seed: the same rows at any world
+// size. The loss is the mean over the counted targets of the whole global batch, at any
+// world size and --grad_accumulation_steps, not a mean of per-micro-batch means (the
+// transformers gradient-accumulation bug of 2024): every rank first learns the global
+// count N (one all-reduce), then each micro-batch's loss is its summed cross-entropy
+// x W x M / N, which FSDP's gradient average over the W ranks and accumulate_gradients'
+// 1 / M make exactly the gradient of (sum over the global batch) / N.
+
+// This rank's micro-batch losses for conversation step `step`: see Note [Conversations].
+at::Tensor chat_step(Model& model, const ChatRows& rows, int64_t step, int64_t micro_batches,
+                     Communicator& comm, c10::Device device) {
+  const int64_t global = absl::GetFlag(FLAGS_batch_size);
+  const int64_t local = global / comm.world_size();
+  const ChatBatch mine = chat_training_rows(rows, step * global + comm.rank() * local, local,
+                                            absl::GetFlag(FLAGS_seed))
+                             .to(device);
+  at::Tensor counted = (mine.targets != -100).sum().to(at::kDouble).reshape({1});
+  comm.all_reduce(counted, ReduceOp::kSum);
+  const double scale =
+      double(comm.world_size() * micro_batches) / std::max(1.0, counted.item<double>());
+  const int64_t micro = local / micro_batches;
+  return examples::accumulate_gradients(*model, micro_batches, [&](int64_t k) {
+    return summed_loss(model, mine.narrow(k * micro, micro)) * scale;
+  });
 }
 
 // Note [Master weights of a 16-bit folder]
@@ -488,11 +615,10 @@ int finetune() {
   const bool lead = run.lead();
   const std::string from = absl::GetFlag(FLAGS_from);
   const DecoderConfig config = load_decoder_config(from + "/config.json");
-  const int64_t bytes = token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size);
-  const at::Tensor train_tokens = read_tokens(absl::GetFlag(FLAGS_data), bytes, config.vocab_size);
+  const Data train = read_data(absl::GetFlag(FLAGS_data), config);
   const std::string eval_path = absl::GetFlag(FLAGS_eval_data);
-  const at::Tensor eval_tokens =
-      eval_path.empty() ? at::Tensor() : read_tokens(eval_path, bytes, config.vocab_size);
+  const std::optional<Data> eval =
+      eval_path.empty() ? std::nullopt : std::optional<Data>(read_data(eval_path, config));
 
   // See Note [Master weights of a 16-bit folder].
   const at::ScalarType folder_dtype = hf_weights_dtype(from);
@@ -506,36 +632,38 @@ int finetune() {
   if (lead) {
     std::cout << absl::StrFormat(
         "model: %s (%s), %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "
-        "%d units over %d ranks (%s)\nprecision: %s weights; %s%s%s%s\ndata: %d training "
-        "tokens%s\n",
+        "%d units over %d ranks (%s)\nprecision: %s weights; %s%s%s%s\ndata: %s%s\n",
         from, config.model_type, numel, trainable, config.num_hidden_layers,
         config.num_attention_heads, config.num_key_value_heads, model->units().size(),
         comm.world_size(), sharding_strategy_name(model->sharding_strategy()),
         c10::toString(folder_dtype), precision_words(flags.mixed_precision),
         device.is_cuda() ? "; on cuda:LOCAL_RANK over NCCL" : "",
-        flags.cpu_offload ? "; CPU offload" : "", lever_words(flags), train_tokens.numel(),
-        eval_tokens.defined() ? absl::StrFormat(", %d evaluation tokens", eval_tokens.numel())
-                              : std::string());
+        flags.cpu_offload ? "; CPU offload" : "", lever_words(flags), data_words(train),
+        eval ? absl::StrCat("; evaluation: ", data_words(*eval)) : std::string());
   }
   // The LR schedule's position travels with the checkpoints, as the GPT trainer's.
   SchedulerState scheduler{0, {learning_rate(0)}};
   const int64_t first = run.start(*model, adamw, &scheduler, learning_rate);
-  if (eval_tokens.defined()) {
-    const double before = eval_loss(model, eval_tokens, comm);
+  if (eval) {
+    const double before = eval_loss(model, *eval, comm);
     if (lead) std::cout << absl::StrFormat("eval loss before: %.6f\n", before);
   }
   for (int64_t step = first; step < flags.steps; ++step) {
     const double lr = scheduler.last_lr.at(0);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
-    auto [x, y] = batch(train_tokens, step, comm, device);
     adamw.zero_grad();
     // --grad_accumulation_steps: this rank's share in equal micro-batches, no_sync between.
-    const int64_t micro = x.size(0) / flags.grad_accumulation_steps;
-    const at::Tensor loss =
-        examples::accumulate_gradients(*model, flags.grad_accumulation_steps, [&](int64_t k) {
-          return next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
-                                 y.narrow(0, k * micro, micro));
-        });
+    at::Tensor loss;
+    if (train.chat()) {
+      loss = chat_step(model, train.rows, step, flags.grad_accumulation_steps, comm, device);
+    } else {
+      auto [x, y] = batch(train.tokens, step, comm, device);
+      const int64_t micro = x.size(0) / flags.grad_accumulation_steps;
+      loss = examples::accumulate_gradients(*model, flags.grad_accumulation_steps, [&](int64_t k) {
+        return next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
+                               y.narrow(0, k * micro, micro));
+      });
+    }
     adamw.step();
     scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
     const double train_loss = global_mean(loss, comm);
@@ -543,8 +671,8 @@ int finetune() {
     run.record(step + 1, {train_loss, std::nullopt, lr}, *model);
   }
   run.finish(*model);
-  if (eval_tokens.defined()) {
-    const double after = eval_loss(model, eval_tokens, comm);
+  if (eval) {
+    const double after = eval_loss(model, *eval, comm);
     if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
   }
   save_model(model, config);

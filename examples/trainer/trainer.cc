@@ -72,8 +72,12 @@ std::vector<FlagValue> parse_flag_text(const std::string& text) {
 std::vector<FlagValue> program_flags() {
   std::vector<FlagValue> flags;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    // absl's own (--flagfile, --fromenv, --help, ...) say how flags were given, not the run.
-    if (flag->IsRetired() || absl::StrContains(flag->Filename(), "absl/")) continue;
+    // absl's own (--flagfile, --fromenv, --help, ...) say how flags were given, not the
+    // run; --world_size says how many ranks to start, and the CUDA defaults set it to each
+    // host's device count: the process group's size is what the ranks share.
+    if (flag->IsRetired() || absl::StrContains(flag->Filename(), "absl/") || name == "world_size") {
+      continue;
+    }
     flags.push_back({std::string(name), flag->CurrentValue()});
   }
   std::sort(flags.begin(), flags.end(),

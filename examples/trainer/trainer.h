@@ -77,7 +77,8 @@ int trainer_main(int argc, char** argv, const char* name, const TrainerHooks& ho
 // they agree. `flags[r]` holds rank r's flags, in one order on every rank.
 std::string flag_difference(const std::vector<std::vector<FlagValue>>& flags);
 
-// Every flag this program defines (absl's own left out), by name.
+// Every flag this program defines, by name: absl's own and --world_size (how many ranks
+// to start, not the run's) left out.
 std::vector<FlagValue> program_flags();
 
 // Raises on every rank (flag_difference's line) unless every rank runs with rank 0's

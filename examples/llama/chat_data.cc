@@ -160,13 +160,17 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
   return out;
 }
 
+// A token file's batch has no positions or segments (undefined tensors): they stay so.
 ChatBatch ChatBatch::narrow(int64_t first, int64_t count) const {
-  return {inputs.narrow(0, first, count), targets.narrow(0, first, count),
-          positions.narrow(0, first, count), segments.narrow(0, first, count)};
+  const auto rows = [&](const at::Tensor& t) {
+    return t.defined() ? t.narrow(0, first, count) : t;
+  };
+  return {rows(inputs), rows(targets), rows(positions), rows(segments)};
 }
 
 ChatBatch ChatBatch::to(c10::Device device) const {
-  return {inputs.to(device), targets.to(device), positions.to(device), segments.to(device)};
+  const auto moved = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+  return {moved(inputs), moved(targets), moved(positions), moved(segments)};
 }
 
 ChatBatch chat_training_rows(const ChatRows& rows, int64_t first, int64_t count, int64_t seed) {

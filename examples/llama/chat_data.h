@@ -78,6 +78,8 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
                         LongExamples long_examples);
 
 // The rows of a batch (each [rows, context], on the device the caller moves them to).
+// A token file's windows leave positions and segments undefined (positions 0 ... context
+// - 1, one segment a row); narrow() and to() keep them undefined.
 struct ChatBatch {
   at::Tensor inputs, targets, positions, segments;
   ChatBatch narrow(int64_t first, int64_t count) const;  // rows [first, first + count)

@@ -136,5 +136,16 @@ TEST(ChatDataTest, LongExamplesAreCutOrDropped) {
                   "context of 4 (1 left out)")));
 }
 
+// A token file's windows carry no positions or segments: narrow() and to() keep them so.
+TEST(ChatDataTest, WindowsWithoutSegmentsNarrowAndMove) {
+  const ChatBatch windows{at::arange(12, at::kLong).reshape({3, 4}),
+                          at::arange(1, 13, at::kLong).reshape({3, 4}), at::Tensor(), at::Tensor()};
+  const ChatBatch moved = windows.narrow(1, 2).to(c10::Device(c10::kCPU));
+  EXPECT_EQ(row(moved.inputs, 0), (std::vector<int64_t>{4, 5, 6, 7}));
+  EXPECT_EQ(row(moved.targets, 1), (std::vector<int64_t>{9, 10, 11, 12}));
+  EXPECT_FALSE(moved.positions.defined());
+  EXPECT_FALSE(moved.segments.defined());
+}
+
 }  // namespace
 }  // namespace fsdp::models

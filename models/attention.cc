@@ -5,6 +5,7 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
@@ -19,10 +20,13 @@ namespace {
 
 using models_internal::projection;
 
-// True where query i may attend to key j: j <= i, and j > i - window when window > 0.
-at::Tensor attention_mask(int64_t time, int64_t window, c10::Device device) {
+// [queries, keys], true where query i may attend to key j, the queries being the last of
+// the keys' positions (query i at position keys - queries + i): j <= that position, and
+// j > it - window when window > 0.
+at::Tensor attention_mask(int64_t queries, int64_t keys, int64_t window, c10::Device device) {
   const auto ids = at::TensorOptions().dtype(at::kLong).device(device);
-  const at::Tensor q = at::arange(time, ids).unsqueeze(1), k = at::arange(time, ids).unsqueeze(0);
+  const at::Tensor q = at::arange(keys - queries, keys, ids).unsqueeze(1);
+  const at::Tensor k = at::arange(keys, ids).unsqueeze(0);
   at::Tensor mask = k <= q;
   if (window > 0) mask = mask & (k > q - window);
   return mask;
@@ -36,7 +40,7 @@ at::Tensor packed_attention_mask(const at::Tensor& segments) {
               segments.sizes(), " of ", segments.scalar_type());
   const int64_t t = segments.size(1);
   const at::Tensor same = segments.unsqueeze(2) == segments.unsqueeze(1);  // [B, T, T]
-  return (same & attention_mask(t, 0, segments.device())).unsqueeze(1);
+  return (same & attention_mask(t, t, 0, segments.device())).unsqueeze(1);
 }
 
 AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type,
@@ -93,11 +97,21 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   at::Tensor v = project(v_proj, none, kv_heads);
   q = apply_rotary(q, cos, sin);
   k = apply_rotary(k, cos, sin);
+  if (cache != nullptr) {  // generation: after the cached keys and values
+    if (cache->keys.defined()) {
+      k = at::cat({cache->keys, k}, 2);
+      v = at::cat({cache->values, v}, 2);
+    }
+    cache->keys = k;
+    cache->values = v;
+  }
+  const int64_t s = k.size(2);  // keys: t, or the cache's then these t
   // Packed rows: the rows' mask, with the window on top; else causal (and the window).
+  // is_causal aligns the queries with the first keys, not the last: after a cache, a mask.
   at::Tensor allowed = mask;
-  if (mask.defined() && window > 0) allowed = mask & attention_mask(t, window, x.device());
-  if (!mask.defined() && (window > 0 || softcap > 0))
-    allowed = attention_mask(t, window, x.device());
+  if (mask.defined() && window > 0) allowed = mask & attention_mask(t, t, window, x.device());
+  if (!mask.defined() && (window > 0 || softcap > 0 || s > t))
+    allowed = attention_mask(t, s, window, x.device());
   at::Tensor attended;
   if (softcap > 0) {
     // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32.

@@ -24,11 +24,20 @@
 
 namespace fsdp::models {
 
+// One layer's keys and values of the tokens run so far, for generation (KVCacheScope in
+// decoder.h): each [batch, kv_heads, length, head_dim], after the k norm and RoPE;
+// undefined before the first forward. PyTorch/transformers: one layer of DynamicCache.
+struct KVCacheLayer {
+  at::Tensor keys, values;
+};
+
 // Input [batch, time, hidden]; cos, sin [time, rotary_dim], or [batch, 1, time,
 // rotary_dim] for packed rows (rotary.h, of the layer type's RoPE). `mask`: undefined for
 // causal attention over the whole row, or bool [batch, 1, time, time] (true: query i may
 // attend to key j; packed_attention_mask) for packed rows, with a sliding layer's window
-// applied on top. Output [batch, time, hidden].
+// applied on top. Output [batch, time, hidden]. With `cache` set, the input is the `time`
+// tokens after the cache's: they attend to the cached keys too (positions: cos and sin
+// are theirs), and their keys and values are appended to it.
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -43,6 +52,7 @@ struct AttentionImpl : torch::nn::Module {
   // (qk_norm_full_width); null without either.
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   bool full_width_norm = false;
+  KVCacheLayer* cache = nullptr;  // set by KVCacheScope (decoder.h) while it lives
 };
 TORCH_MODULE(Attention);
 

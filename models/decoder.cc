@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -128,9 +129,13 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
               "DecoderModel: expected token ids [batch, time] of int64, got ", ids.sizes(), " of ",
               ids.scalar_type());
   const int64_t t = ids.size(1);
-  TORCH_CHECK(t <= config.max_position_embeddings, "DecoderModel: a sequence of ", t,
+  const int64_t offset = cache != nullptr ? cache->length : 0;  // the cached tokens
+  TORCH_CHECK(offset + t <= config.max_position_embeddings, "DecoderModel: a sequence of ",
+              offset + t,
               " tokens is longer than max_position_embeddings = ", config.max_position_embeddings,
-              "; use shorter windows");
+              "; use shorter windows or answers");
+  TORCH_CHECK(cache == nullptr || !at::GradMode::is_enabled(),
+              "DecoderModel: a forward with a KV cache runs without grad (torch::NoGradGuard)");
   at::Tensor x = embed_unit ? embed_unit(ids) : embed_tokens(ids);
   if (config.scale_embeddings) {  // transformers: a fp32 scalar sqrt(hidden), in the weights' dtype
     x = x * at::scalar_tensor(std::sqrt(double(config.hidden_size)), at::kFloat)
@@ -141,10 +146,13 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
   TORCH_CHECK(positions.defined() == segments.defined(),
               "DecoderModel: packed rows need both positions and segments");
   at::Tensor mask;
-  std::pair<at::Tensor, at::Tensor> full = rotary(config.rope, t, x.device(), x.scalar_type());
+  const auto at_offset = [&](const RopeConfig& rope) {  // positions offset ... offset + t - 1
+    auto [cos, sin] = rotary(rope, offset + t, x.device(), x.scalar_type());
+    return std::pair(cos.narrow(0, offset, t), sin.narrow(0, offset, t));
+  };
+  std::pair<at::Tensor, at::Tensor> full = at_offset(config.rope);
   std::pair<at::Tensor, at::Tensor> sliding =
-      config.rope_per_layer_type ? rotary(config.sliding_rope, t, x.device(), x.scalar_type())
-                                 : full;
+      config.rope_per_layer_type ? at_offset(config.sliding_rope) : full;
   if (positions.defined()) {
     // See Note [Packed rows].
     TORCH_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes() &&
@@ -166,6 +174,7 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
     const auto& [cos, sin] = config.layer_types[i] == LayerType::kSliding ? sliding : full;
     x = units[i](x, cos, sin, mask);  // mask: undefined unless packed
   }
+  if (cache != nullptr) cache->length += t;
   return norm(x);
 }
 
@@ -204,10 +213,28 @@ PackedRowsScope::PackedRowsScope(CausalLMImpl& model, at::Tensor positions, at::
   TORCH_CHECK(positions.defined() && segments.defined(),
               "PackedRowsScope: expected positions and segments");
   TORCH_CHECK(!model_.packed.positions.defined(), "PackedRowsScope: the model is packed already");
+  TORCH_CHECK(model_.model->cache == nullptr, "PackedRowsScope: the model has a KV cache");
   model_.packed = {std::move(positions), std::move(segments)};
 }
 
 PackedRowsScope::~PackedRowsScope() { model_.packed = {}; }
+
+KVCacheScope::KVCacheScope(CausalLMImpl& model, KVCache& cache) : model_(model) {
+  DecoderModelImpl& decoder = *model_.model;
+  TORCH_CHECK(decoder.cache == nullptr, "KVCacheScope: the model has a KV cache already");
+  TORCH_CHECK(!model_.packed.positions.defined(), "KVCacheScope: the model's rows are packed");
+  cache.layers.resize(decoder.units.size());
+  decoder.cache = &cache;
+  for (size_t i = 0; i < decoder.units.size(); ++i) {
+    decoder.units[i]->module()->self_attn->cache = &cache.layers[i];
+  }
+}
+
+KVCacheScope::~KVCacheScope() {
+  DecoderModelImpl& decoder = *model_.model;
+  decoder.cache = nullptr;
+  for (auto& unit : decoder.units) unit->module()->self_attn->cache = nullptr;
+}
 
 void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* norm = module.as<RMSNormImpl>()) return norm->reset_parameters();

@@ -118,9 +118,18 @@ struct DecoderLayerImpl : torch::nn::Module {
                      const at::Tensor& mask);
 };
 
+// The keys and values of every decoder layer for the tokens run so far: generation runs
+// the prompt once, then one token a forward, each attending to the cache instead of
+// recomputing the sequence. PyTorch/transformers: DynamicCache (past_key_values).
+struct KVCache {
+  std::vector<KVCacheLayer> layers;  // one per decoder layer
+  int64_t length = 0;                // tokens run so far: the next forward's first position
+};
+
 // Token ids [batch, time] (int64) -> final hidden states [batch, time, hidden]. For
 // packed rows, `positions` and `segments` (both [batch, time] int64, or both undefined):
-// see Note [Packed rows] in decoder.cc.
+// see Note [Packed rows] in decoder.cc. With `cache` set (KVCacheScope), the ids follow
+// the cache's tokens: positions cache->length ... cache->length + time - 1.
 struct DecoderModelImpl : torch::nn::Module {
   explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions = {},
@@ -138,6 +147,7 @@ struct DecoderModelImpl : torch::nn::Module {
   torch::nn::ModuleList layers{nullptr};
   std::vector<Unit<DecoderLayerImpl>> units;  // the layers, typed
   RMSNorm norm{nullptr};
+  KVCache* cache = nullptr;  // set by KVCacheScope while it lives
 };
 TORCH_MODULE(DecoderModel);
 
@@ -145,7 +155,8 @@ TORCH_MODULE(DecoderModel);
 // [batch, time, vocab_size] in the parameters' dtype. PyTorch: transformers'
 // AutoModelForCausalLM.from_config(config)(input_ids).logits (attn_implementation "eager");
 // on c10::kMeta: from_config under torch.device("meta").
-// Within a PackedRowsScope the rows are packed (see there).
+// Within a PackedRowsScope the rows are packed, within a KVCacheScope they follow the
+// cache's tokens (see there).
 struct CausalLMImpl : torch::nn::Module {
   explicit CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
@@ -180,6 +191,32 @@ class PackedRowsScope {
   ~PackedRowsScope();
   PackedRowsScope(const PackedRowsScope&) = delete;
   PackedRowsScope& operator=(const PackedRowsScope&) = delete;
+
+ private:
+  CausalLMImpl& model_;
+};
+
+// While it lives, `model`'s forwards run after the tokens in `cache` (empty at first) and
+// append theirs to it: greedy or sampled generation runs the prompt [batch, P], then each
+// new token [batch, 1], and every forward's logits are those of the whole sequence so far
+// at its last positions (decoder_test: equal to a forward of the whole sequence). Forwards
+// run without grad (torch::NoGradGuard; a forward with grad mode on throws), the sequence
+// stays within max_position_embeddings (throws past it), and the batch is the prompt's.
+// Memory: 2 x layers x batch x kv_heads x head_dim values per token, in the model's
+// dtype. Throws c10::Error if the model is in another scope. The cache outlives the scope
+// and may be resumed by another. PyTorch/transformers: model(input_ids,
+// past_key_values=DynamicCache(), use_cache=True), as generate() runs it.
+//
+//   fsdp::models::KVCache cache;
+//   fsdp::models::KVCacheScope scope(*net, cache);
+//   at::Tensor logits = model->forward(prompt);        // [1, P, vocab]
+//   logits = model->forward(next_token.view({1, 1}));  // [1, 1, vocab], position P
+class KVCacheScope {
+ public:
+  KVCacheScope(CausalLMImpl& model, KVCache& cache);
+  ~KVCacheScope();
+  KVCacheScope(const KVCacheScope&) = delete;
+  KVCacheScope& operator=(const KVCacheScope&) = delete;
 
  private:
   CausalLMImpl& model_;

@@ -10,6 +10,7 @@
 #include <ATen/Functions.h>
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/tracking_allocator.h"
@@ -131,6 +132,65 @@ TEST(PackedRowsTest, EachExampleAttendsOnlyToItself) {
     EXPECT_FALSE(at::allclose(net.forward(at::cat({a, b}).view({1, 8}))[0].narrow(0, 5, 3),
                               alone(b), 1e-5, 1e-4));
   }
+}
+
+// Generation with a KV cache: a prompt of 5 tokens, then 2, then one at a time, each
+// forward's logits those of the whole 12-token sequence at its positions (Gemma: past the
+// sliding window of 3; Gemma 2: soft-capped; Gemma 3: RoPE per layer type).
+TEST(KVCacheTest, EachForwardEqualsTheWholeSequence) {
+  torch::NoGradGuard no_grad;
+  for (const DecoderConfig& config :
+       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text")}) {
+    SCOPED_TRACE(config.model_type);
+    at::manual_seed(3);
+    CausalLMImpl net(config);
+    const at::Tensor ids = (at::arange(12, at::kLong) * 7 % 64).view({1, 12});
+    const at::Tensor whole = net.forward(ids);
+    KVCache cache;
+    {
+      KVCacheScope scope(net, cache);
+      int64_t first = 0;
+      for (int64_t n : {5, 2, 1, 1, 1, 1, 1}) {
+        const at::Tensor logits = net.forward(ids.narrow(1, first, n));
+        EXPECT_TRUE(at::allclose(logits, whole.narrow(1, first, n), 1e-5, 1e-5))
+            << "tokens " << first << " ... " << first + n - 1;
+        first += n;
+      }
+    }
+    EXPECT_EQ(cache.length, 12);
+    ASSERT_EQ(cache.layers.size(), size_t(config.num_hidden_layers));
+    EXPECT_EQ(cache.layers[1].keys.sizes(),
+              (std::vector<int64_t>{1, config.num_key_value_heads, 12, config.head_dim}));
+    EXPECT_EQ(net.model->cache, nullptr) << "the scope cleared the cache";
+    // The next token without the cache: it would start again at position 0.
+    EXPECT_FALSE(
+        at::allclose(net.forward(ids.narrow(1, 11, 1)), whole.narrow(1, 11, 1), 1e-5, 1e-5));
+  }
+}
+
+TEST(KVCacheTest, MisuseIsRefused) {
+  CausalLMImpl net(tiny_llama(false));
+  KVCache cache;
+  KVCacheScope scope(net, cache);
+  const at::Tensor ids = at::zeros({1, 2}, at::kLong);
+  EXPECT_THROW(
+      {
+        try {
+          net.forward(ids);  // grad mode on
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("runs without grad (torch::NoGradGuard)"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      c10::Error);
+  KVCache other;
+  EXPECT_THROW(KVCacheScope(net, other), c10::Error);
+  EXPECT_THROW(PackedRowsScope(net, ids, ids), c10::Error);
+  torch::NoGradGuard no_grad;
+  const int64_t longest = net.config.max_position_embeddings;
+  EXPECT_THROW(net.forward(at::zeros({1, longest + 1}, at::kLong)), c10::Error);
 }
 
 }  // namespace

@@ -8,6 +8,9 @@
     chat_finetune.py loss DIR     transformers' loss over the file: each example alone
                                   (positions from 0), next-token cross-entropy summed over
                                   the counted targets, divided by their number
+    chat_finetune.py generate MODEL_DIR SAMPLES_JSONL PART TOKENS
+                                  transformers' greedy answers equal finetune's (PART:
+                                  before or after) in its --sample_prompts output
 """
 import sys
 
@@ -54,5 +57,35 @@ def loss(d):
     print(f"{total / count:.9f}")
 
 
+def generate(model_dir, samples, part, tokens):
+    """transformers' greedy answer (generate, do_sample=False, at most `tokens` new tokens,
+    stopping at the folder's eos_token_id) to each line's prompt against the line's
+    `part`; prints one line per sample and exits 1 on the first difference."""
+    import json
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with open(samples) as f:
+        lines = [json.loads(line) for line in f]
+    for number, line in enumerate(lines, start=1):
+        prompt = torch.tensor([line["prompt"]], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=int(tokens),
+                                 pad_token_id=model.generation_config.eos_token_id)
+        want = out[0, prompt.shape[1]:].tolist()
+        if line[part] != want:
+            print(f"FAIL sample {number} {part}: fsdp {line[part]}, transformers {want}")
+            sys.exit(1)
+    changed = sum(line.get("before") != line.get("after") for line in lines)
+    if part == "after" and changed == 0:
+        print("FAIL: training changed no answer (are the after answers the trained model's?)")
+        sys.exit(1)
+    print(f"ok: {len(lines)} {part} answers equal transformers' greedy ones ({changed} changed "
+          "by training)")
+
+
 if __name__ == "__main__":
-    {"make": make, "loss": loss}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "generate":
+        generate(*sys.argv[2:])
+    else:
+        {"make": make, "loss": loss}[sys.argv[1]](sys.argv[2])

@@ -4,7 +4,8 @@
 # the one fsdp reports, within 1e-5 relative, at W = 1 and W = 3, packed and one example a
 # row, as the evaluation loss at --steps=0 and as the first step's training loss with and
 # without --grad_accumulation_steps=2 (the global batch: every row once); one AdamW step
-# at W = 3 in two micro-batches reaches W = 1's next loss.
+# at W = 3 in two micro-batches reaches W = 1's next loss; --sample_prompts' greedy answers
+# before and after training equal transformers' generate() on the folder read and written.
 #   chat_finetune_test.sh FINETUNE SCRIPT_PY PYTHON
 set -euo pipefail
 finetune=${1:?usage: chat_finetune_test.sh FINETUNE SCRIPT_PY PYTHON} script=${2:?} python=${3:?}
@@ -45,15 +46,24 @@ for world in 1 3; do
 done
 # The gradient is that of the global mean too: after one AdamW step, W = 3 in micro-batches
 # of unequal counted targets reaches the loss W = 1 reaches in one batch.
+# W = 3 also answers every example's prompt greedily (KV cache) before and after training.
 for run in "1 1" "3 2"; do
   read -r world accumulation <<<"$run"
   out="$dir/step2_$world"
+  samples=()
+  [[ $world == 3 ]] && samples=(--sample_prompts="$dir/chat.safetensors" --sample_tokens=8)
   "$finetune" "${common[@]}" --world_size=$world --batch_size=6 --grad_accumulation_steps=$accumulation \
-    --steps=2 --lr=1e-2 --warmup_steps=0 --out_dir="$out" >"$out.log" 2>&1 || { cat "$out.log"; exit 1; }
+    --steps=2 --lr=1e-2 --warmup_steps=0 "${samples[@]}" --out_dir="$out" >"$out.log" 2>&1 ||
+    { cat "$out.log"; exit 1; }
 done
 want=$(sed -n 3p "$dir/step2_1/metrics.csv" | cut -d, -f2)
 close "step 2's training loss at W = 3 with 2 micro-batches against W = 1's ($want)" \
   "$(sed -n 3p "$dir/step2_3/metrics.csv" | cut -d, -f2)"
+# The answers before training are the folder's, after it the written folder's.
+"$python" "$script" generate "$dir/model" "$dir/step2_3/samples.jsonl" before 8 || failed=1
+"$python" "$script" generate "$dir/step2_3/hf" "$dir/step2_3/samples.jsonl" after 8 || failed=1
+grep -q "samples: $dir/step2_3/samples.jsonl (12 prompts answered before and after)" \
+  "$dir/step2_3.log" || { echo "FAIL: the samples line"; grep "samples" "$dir/step2_3.log"; failed=1; }
 grep -q "data: 12 examples in 6 rows of 32 tokens (packed best-fit decreasing, 0.0% padding)" \
   "$dir/eval_3_true.log" || { echo "FAIL: the packed rows"; grep "data:" "$dir/eval_3_true.log"; failed=1; }
 exit $failed

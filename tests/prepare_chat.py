@@ -1,12 +1,13 @@
 """The Python half of prepare_chat_test.sh: examples/llama/prepare_chat.py on tiny offline
 tokenizer folders, every id and mask bit checked against values written out here.
 
-    prepare_chat.py PREPARE_CHAT_PY DIR
+    prepare_chat.py PREPARE_CHAT_PY DIR SHOW_SAMPLES_PY
 
 Two folders share one word-level vocabulary (every space run, word and punctuation run is
 one token; <s> is added in front of plain text): "plain" has a chat template without
 {% generation %} markers in tokenizer_config.json, "marked" has one with them in
 chat_template.jinja. Each shape is written to JSONL and the safetensors file read back.
+Last, show_samples.py prints a samples.jsonl as finetune --sample_prompts writes it.
 """
 import contextlib
 import importlib.util
@@ -235,8 +236,40 @@ def check_bad_lines(tool, root):
         assert not os.path.exists(out + ".tmp"), f"{out}.tmp was left"
 
 
+def check_show_samples(show_path, root):
+    """show_samples.py: each line's parts in order, decoded with the folder's tokenizer and
+    its special tokens kept; a part the line lacks left out; a bad line stops it."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "plain"))
+    prompt = t("<s>", "<|user|>") + text("\nsay hi") + t("<|end|>") + text("\n") + t("<|assistant|>")
+    lines = [{"prompt": prompt, "reference": text("hello there") + t("<|end|>"),
+              "before": text("hi hi"), "after": text("hello") + t("</s>")},
+             {"prompt": t("<s>") + text("be brief"), "reference": text("me"),
+              "before": text("to")}]
+    samples = os.path.join(root, "samples.jsonl")
+    write_jsonl(samples, lines)
+    run = subprocess.run([sys.executable, show_path, f"--model={root}/plain", samples],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    want = ""
+    for number, line in enumerate(lines, start=1):
+        want += f"=== sample {number} of 2\n"
+        for part in ("prompt", "reference", "before", "after"):
+            if part in line:
+                want += f"--- {part}\n{tokenizer.decode(line[part], skip_special_tokens=False)}\n"
+    assert "<|assistant|>" in want and "</s>" in want, want  # special tokens kept
+    assert run.stdout == want, (run.stdout, want)
+    with open(samples, "a") as f:
+        f.write(json.dumps({"prompt": [1, -2]}) + "\n")
+    run = subprocess.run([sys.executable, show_path, f"--model={root}/plain", samples],
+                         capture_output=True, text=True)
+    assert (run.returncode, run.stdout) == (1, ""), (run.returncode, run.stdout)
+    assert run.stderr == (f"show_samples.py: {samples}:3: expected \"prompt\" to be a list of "
+                          "token ids\n"), run.stderr
+
+
 def main():
-    tool_path, root = sys.argv[1:]
+    tool_path, root, show_path = sys.argv[1:]
     make_folder(os.path.join(root, "plain"), True, PLAIN_TEMPLATE)
     make_folder(os.path.join(root, "marked"), False, MARKED_TEMPLATE)
     make_folder(os.path.join(root, "untemplated"), True, None)
@@ -292,8 +325,10 @@ def main():
     check_file(out, PLAIN_EXPECTED[2:4], "alpaca.jsonl")
 
     check_bad_lines(tool, root)
+    check_show_samples(show_path, root)
     print(f"PASS: {len(PLAIN_EXPECTED) + len(MARKED_EXPECTED)} examples of every shape with "
-          f"exact ids and masks, --mask=all, --format, {len(BAD) + 1} bad lines")
+          f"exact ids and masks, --mask=all, --format, {len(BAD) + 1} bad lines; "
+          "show_samples.py")
 
 
 if __name__ == "__main__":

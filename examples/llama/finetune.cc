@@ -22,13 +22,17 @@
 // --resume continues from the newest (either format), --resume=DIR from folder DIR. With
 // --eval_data it prints `eval loss before: X` and `eval loss after: Y`: the mean next-token
 // cross-entropy over the file cut into consecutive windows of --context + 1 tokens (no overlap, the
-// remainder dropped). At the end it writes OUT/hf/ (config.json and the weights, in files of at
-// most --max_shard_size) that transformers' AutoModelForCausalLM.from_pretrained loads; --steps=0
-// writes the weights it read, bit for bit. With --lora_rank it trains LoRA adapters only
-// (fsdp/lora), writes them to OUT/adapter/ as PEFT does (PeftModel.from_pretrained loads them) and
-// OUT/hf/ holds them merged into the base weights (both written one unit at a time). Without
-// RANK in its environment it starts --world_size ranks of itself; Ctrl-C stops every rank. Flags
-// are checked before any rank starts: a bad one is one line on stderr and exit status 2.
+// remainder dropped). With --sample_prompts=FILE (a conversation file) it writes
+// OUT/samples.jsonl: the model's greedy answers (KV-cached; examples/llama/sampling.h) to
+// each example's prompt before and after training, beside the example's own answer
+// (examples/llama/show_samples.py prints them as text). At the end it writes OUT/hf/ (config.json
+// and the weights, in files of at most --max_shard_size) that transformers'
+// AutoModelForCausalLM.from_pretrained loads; --steps=0 writes the weights it read, bit for bit.
+// With --lora_rank it trains LoRA adapters only (fsdp/lora), writes them to OUT/adapter/ as PEFT
+// does (PeftModel.from_pretrained loads them) and OUT/hf/ holds them merged into the base weights
+// (both written one unit at a time). Without RANK in its environment it starts --world_size ranks
+// of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is one
+// line on stderr and exit status 2.
 //
 // The memory levers are the GPT trainer's, under the same flags (examples/trainer/lever_flags.h):
 // --device (auto, cpu, cuda: rank r on cuda:LOCAL_RANK over NCCL, one rank per visible device
@@ -66,6 +70,7 @@
 
 #include "examples/gpt/corpus.h"
 #include "examples/llama/chat_data.h"
+#include "examples/llama/sampling.h"
 #include "examples/trainer/lever_flags.h"
 #include "examples/trainer/run_flags.h"
 #include "examples/trainer/run_support.h"
@@ -93,6 +98,12 @@ ABSL_FLAG(bool, packing, true,
 ABSL_FLAG(std::string, long_examples, "cut",
           "conversations longer than --context: cut (their first --context tokens kept) or "
           "drop");
+ABSL_FLAG(std::string, sample_prompts, "",
+          "a conversation file (.safetensors; prepare_chat.py) whose prompts (each example's "
+          "tokens before its first counted one) the model answers greedily before and after "
+          "training, into OUT/samples.jsonl (show_samples.py prints them as text); none if "
+          "empty");
+ABSL_FLAG(int64_t, sample_tokens, 128, "--sample_prompts: an answer's tokens at most");
 ABSL_FLAG(std::string, data_dtype, "auto",
           "uint16, uint32, or auto: uint16 when the vocabulary fits (<= 65536), else uint32");
 ABSL_FLAG(double, weight_decay, 0.0, "AdamW's decoupled weight decay");
@@ -216,6 +227,58 @@ std::string data_file_error(const char* flag, const std::string& path, const Dec
   return "";
 }
 
+// The prompts of --sample_prompts (none without it).
+std::vector<SamplePrompt> read_sample_prompts(const DecoderConfig& config) {
+  const std::string path = absl::GetFlag(FLAGS_sample_prompts);
+  if (path.empty()) return {};
+  return sample_prompts(read_chat_file(path, config.vocab_size));
+}
+
+// "" if --sample_prompts and --sample_tokens are usable, else why not.
+std::string sample_prompts_error(const DecoderConfig& config) {
+  const std::string path = absl::GetFlag(FLAGS_sample_prompts);
+  if (path.empty()) return "";
+  if (absl::GetFlag(FLAGS_sample_tokens) < 1) {
+    return absl::StrCat("--sample_tokens=", absl::GetFlag(FLAGS_sample_tokens),
+                        ": expected 1 token or more");
+  }
+  if (!is_chat_file(path)) {
+    return absl::StrCat("--sample_prompts=", path,
+                        ": expected a conversation file (.safetensors; prepare_chat.py)");
+  }
+  std::vector<SamplePrompt> prompts;
+  try {
+    prompts = read_sample_prompts(config);
+    eos_token_ids(absl::GetFlag(FLAGS_from));
+  } catch (const c10::Error& e) {
+    return absl::StrCat("--sample_prompts=", path, ": ", e.msg());
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (static_cast<int64_t>(prompts[i].prompt.size()) >= config.max_position_embeddings) {
+      return absl::StrFormat(
+          "--sample_prompts=%s: prompt %d has %d tokens; the model answers prompts of at most "
+          "%d (max_position_embeddings - 1)",
+          path, i, prompts[i].prompt.size(), config.max_position_embeddings - 1);
+    }
+  }
+  return "";
+}
+
+// The greedy answers to `prompts` (--sample_tokens at most each), every rank running
+// each prompt; see examples/llama/sampling.h.
+std::vector<std::vector<int64_t>> sample_answers(Model& model,
+                                                 const std::vector<SamplePrompt>& prompts,
+                                                 Communicator& comm, c10::Device device) {
+  const GreedyOptions options{absl::GetFlag(FLAGS_sample_tokens),
+                              eos_token_ids(absl::GetFlag(FLAGS_from)), device};
+  const auto forward = [&](const at::Tensor& ids) { return model->forward(ids); };
+  std::vector<std::vector<int64_t>> answers;
+  for (const SamplePrompt& prompt : prompts) {
+    answers.push_back(greedy_answer(forward, *model->module(), prompt.prompt, options, &comm));
+  }
+  return answers;
+}
+
 // The module names of --lora_target_modules, or the family's default.
 std::vector<std::string> lora_targets(const DecoderConfig& config) {
   const std::string flag = absl::GetFlag(FLAGS_lora_target_modules);
@@ -264,6 +327,7 @@ std::string flag_error() {
     error = data_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), config, context + 1);
   }
   if (!error.empty()) return error;
+  if (error = sample_prompts_error(config); !error.empty()) return error;
   if (absl::GetFlag(FLAGS_lora_rank) < 0) {
     return "--lora_rank: expected 0 (full fine-tuning) or a rank >= 1";
   }
@@ -648,6 +712,14 @@ int finetune() {
     const double before = eval_loss(model, *eval, comm);
     if (lead) std::cout << absl::StrFormat("eval loss before: %.6f\n", before);
   }
+  // --sample_prompts: answers before this run's steps, written at once, and after them.
+  const std::vector<SamplePrompt> samples = read_sample_prompts(config);
+  const std::string samples_path = flags.out_dir + "/samples.jsonl";
+  std::vector<std::vector<int64_t>> answers_before;
+  if (!samples.empty()) {
+    answers_before = sample_answers(model, samples, comm, device);
+    if (lead) write_samples(samples_path, samples, answers_before, {});
+  }
   for (int64_t step = first; step < flags.steps; ++step) {
     const double lr = scheduler.last_lr.at(0);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
@@ -674,6 +746,15 @@ int finetune() {
   if (eval) {
     const double after = eval_loss(model, *eval, comm);
     if (lead) std::cout << absl::StrFormat("eval loss after: %.6f\n", after);
+  }
+  if (!samples.empty()) {
+    const std::vector<std::vector<int64_t>> answers_after =
+        sample_answers(model, samples, comm, device);
+    if (lead) {
+      write_samples(samples_path, samples, answers_before, answers_after);
+      std::cout << absl::StrFormat("samples: %s (%d prompts answered before and after)\n",
+                                   samples_path, samples.size());
+    }
   }
   save_model(model, config);
   // See Note [Checking the plan before loading].

@@ -16,8 +16,8 @@ namespace {
 // Note [The decoder's activations]
 // What LibTorch 2.11's autograd saves in the decoder's forward (decoder.cc), per token of
 // the micro-batch, with c the compute dtype's size and fp32 = 4 (measured with the
-// tracking allocator; models:memory_plan_test holds it within 0.1%: exact for every
-// family but Gemma 2, whose eager attention holds 2,304 bytes more, whatever the shape):
+// tracking allocator; models:memory_plan_test holds it to the byte for every family,
+// packed or not, but for a 4-byte scalar Gemma 2's eager attention allocates in backward):
 // - An RMSNorm over `width` saves its input in fp32 (the input itself when c = 4, else a
 //   fp32 copy), one fp32 rsqrt per row, and the normalised values its weight multiplies
 //   (Llama style: in the compute dtype; Gemma and OLMo: in fp32). Its output is saved by
@@ -40,6 +40,11 @@ namespace {
 //   any real vocabulary this is the peak of backward.
 // - A checkpointed layer (fsdp::checkpoint) saves its input and the CPU generator's state
 //   (kCpuRngStateBytes) and recomputes the rest in backward, one layer at a time.
+// - Packed rows (PackedRowsScope) give cos and sin per row, and every layer's attention a
+//   mask per row: scaled_dot_product_attention saves it in the compute dtype, eager
+//   attention as booleans; a checkpointed layer saves the rows' boolean mask, one input
+//   shared by all.
+// - Gemma's norms multiply by (1 + weight): each saves that fp32 [width] tensor once.
 // In LoRA the first layer's input needs no gradient, so its first norm saves nothing.
 constexpr int64_t kFp32 = 4;
 constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl's get_state()
@@ -53,6 +58,8 @@ struct LayerBytes {
   const TrainedWeights& trained;
   int64_t c;  // compute dtype's size
   int64_t context;
+  int64_t batch;
+  bool packed;
 
   bool full() const { return trained.lora_rank == 0; }
   // Whether projection `name` has something that trains (its weight, or an adapter).
@@ -66,12 +73,29 @@ struct LayerBytes {
     const int64_t weighted = !full() ? 0 : config.norm_style == NormStyle::kLlama ? c : kFp32;
     return kFp32 * width + kFp32 * rows + weighted * width;
   }
-  // Per sequence of `context` tokens: the mask a layer builds for its attention (eager
-  // attention's boolean mask; a sliding layer's mask, in the compute dtype, for
-  // scaled_dot_product_attention).
+  // Gemma's norms multiply by (1 + weight), an fp32 [width] tensor that each norm saves
+  // once, whatever the tokens: a layer's (LoRA's first layer's input norm saves nothing).
+  int64_t gemma_norm_weights(bool first) const {
+    if (config.norm_style != NormStyle::kGemma) return 0;
+    const int64_t h = config.hidden_size;
+    const int64_t q = config.num_attention_heads * config.head_dim;
+    const int64_t kv = config.num_key_value_heads * config.head_dim;
+    int64_t width = 0;
+    if (!config.post_norms && (full() || !first)) width += h;  // before attention
+    if (config.qk_norm) width += 2 * config.head_dim;
+    if (config.qk_norm_full_width) width += q + kv;
+    if (config.sandwich_norms || config.post_norms) width += 2 * h;  // after each sublayer
+    if (!config.post_norms) width += h;                              // before the MLP
+    return kFp32 * width;
+  }
+
+  // The mask a layer builds for its attention: eager attention's boolean mask; for
+  // scaled_dot_product_attention, a sliding layer's mask in the compute dtype. One
+  // [context, context] for every sequence, or with packed rows one per row, in every layer.
   int64_t mask(LayerType type) const {
-    if (config.attn_logit_softcapping > 0) return context * context;
-    return type == LayerType::kSliding ? c * context * context : 0;
+    const int64_t each = context * context * (packed ? batch : 1);
+    if (config.attn_logit_softcapping > 0) return each;
+    return packed || type == LayerType::kSliding ? c * each : 0;
   }
 
   // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer.
@@ -128,32 +152,38 @@ int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::el
 
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
-                                         bool checkpoint_layers, const TrainedWeights& trained) {
+                                         bool checkpoint_layers, const TrainedWeights& trained,
+                                         bool packed_rows) {
   TORCH_CHECK(batch >= 1 && context >= 1,
               "decoder_activation_bytes: expected a batch and a "
               "context of at least 1, got ",
               batch, " and ", context);
   const int64_t c = element_size(compute_dtype);
   const int64_t tokens = batch * context;
-  const LayerBytes layer{config, trained, c, context};
+  const LayerBytes layer{config, trained, c, context, batch, packed_rows};
   const int64_t layers = config.num_hidden_layers;
   ActivationBytes result;
   result.per_layer =
-      tokens * std::max(layer.per_token(/*first=*/false), layer.per_token(/*first=*/layers == 1));
+      tokens * std::max(layer.per_token(/*first=*/false), layer.per_token(/*first=*/layers == 1)) +
+      (packed_rows ? layer.mask(LayerType::kFull) : 0);
   for (int64_t i = 0; i < layers; ++i) {
     result.layers.push_back(checkpoint_layers ? tokens * c * config.hidden_size + kCpuRngStateBytes
                                               : tokens * layer.per_token(i == 0) +
-                                                    layer.mask(config.layer_types[i]));
+                                                    layer.mask(config.layer_types[i]) +
+                                                    layer.gemma_norm_weights(i == 0));
   }
   int64_t saved = std::accumulate(result.layers.begin(), result.layers.end(), int64_t{0});
+  // Packed rows, checkpointed: the rows' boolean mask, an input of every layer.
+  if (packed_rows && checkpoint_layers) saved += batch * context * context;
   // The final norm (its output saved when the head trains), cos and sin per rotary
-  // embedding, the logits' soft cap and the loss's fp32 log-softmax.
+  // embedding (per row with packed rows), the logits' soft cap and the loss's fp32
+  // log-softmax.
   const int64_t h = config.hidden_size, vocab = config.vocab_size;
   const bool head_trains = trained.lora_rank == 0;
-  saved += tokens * layer.norm(h);
+  saved += tokens * layer.norm(h) + (config.norm_style == NormStyle::kGemma ? kFp32 * h : 0);
   result.head = tokens * (head_trains ? c * h : 0);
   const int64_t ropes = config.rope_per_layer_type && config.has_sliding_layers() ? 2 : 1;
-  saved += ropes * 2 * context * config.rotary_dim * c;
+  saved += ropes * 2 * (packed_rows ? batch : 1) * context * config.rotary_dim * c;
   if (config.final_logit_softcapping > 0) result.head += tokens * c * vocab;
   if (config.scale_embeddings) saved += c;            // the embedding scale, a scalar tensor
   result.head += tokens * kFp32 * vocab + 2 * kFp32;  // log-softmax; the loss and its weight
@@ -201,9 +231,9 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   FinetunePlan plan;
   plan.options = options;
   const at::ScalarType compute = options.param_dtype().value_or(options.dtype());
-  plan.activations =
-      decoder_activation_bytes(config, options.micro_batch(), options.context(), compute,
-                               options.activation_checkpointing(), options.trained());
+  plan.activations = decoder_activation_bytes(config, options.micro_batch(), options.context(),
+                                              compute, options.activation_checkpointing(),
+                                              options.trained(), options.packed_rows());
   MemoryPlanOptions step;
   step.world_size(options.world_size())
       .sharding_strategy(options.sharding_strategy())

@@ -41,7 +41,8 @@ struct TrainedWeights {
 };
 
 // The activation memory of one forward and backward of the decoder and its next-token
-// cross-entropy (a micro-batch of `batch` windows of `context` tokens), as LibTorch 2.11's
+// cross-entropy (a micro-batch of `batch` windows of `context` tokens; `packed_rows`: rows
+// of several examples, models::PackedRowsScope), as LibTorch 2.11's
 // autograd on the CPU holds it (Note [The decoder's activations] in memory_plan.cc):
 // `saved_bytes` is what forward leaves saved for backward, `peak_bytes` the most held at
 // once (the loss's gradients at the start of backward, or a recomputed layer with
@@ -59,7 +60,8 @@ struct ActivationBytes {
 };
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
-                                         bool checkpoint_layers, const TrainedWeights& trained);
+                                         bool checkpoint_layers, const TrainedWeights& trained,
+                                         bool packed_rows = false);
 
 // The FSDP units of a decoder built by decoder.h (each layer a unit, and the embeddings
 // and the head when untied; the root holding the rest), with the elements each will train
@@ -82,6 +84,9 @@ struct FinetunePlanOptions {
   TORCH_ARG(int64_t, micro_batch) = 1;
   TORCH_ARG(int64_t, context) = 128;
   TORCH_ARG(bool, activation_checkpointing) = false;
+  // Rows of a conversation file (a mask and rotary angles per row; see
+  // decoder_activation_bytes).
+  TORCH_ARG(bool, packed_rows) = false;
   TORCH_ARG(bool, cpu_offload) = false;
   TORCH_ARG(PlanBackend, backend) = PlanBackend::kGloo;
   TORCH_ARG(TrainedWeights, trained) = TrainedWeights();

@@ -395,6 +395,7 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
           micro_batch_of(absl::GetFlag(FLAGS_batch_size), world, levers.grad_accumulation_steps))
       .context(absl::GetFlag(FLAGS_context))
       .activation_checkpointing(levers.activation_checkpointing)
+      .packed_rows(is_chat_file(absl::GetFlag(FLAGS_data)))
       .cpu_offload(levers.cpu_offload)
       .backend(plan_backend_of(options.communicator()->backend_name()))
       .runtime_bytes(std::max<int64_t>(examples::resident_bytes(), 0))

@@ -1,0 +1,170 @@
+#include "fsdp/formats/nf4.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+namespace {
+
+// bitsandbytes' NF4 table, as its Python source writes it (float32 after conversion).
+constexpr float kNf4[16] = {-1.0f,
+                            -0.6961928009986877f,
+                            -0.5250730514526367f,
+                            -0.39491748809814453f,
+                            -0.28444138169288635f,
+                            -0.18477343022823334f,
+                            -0.09105003625154495f,
+                            0.0f,
+                            0.07958029955625534f,
+                            0.16093020141124725f,
+                            0.24611230194568634f,
+                            0.33791524171829224f,
+                            0.44070982933044434f,
+                            0.5626170039176941f,
+                            0.7229568362236023f,
+                            1.0f};
+
+// Per block of `blocksize` elements of the flat fp32 `x`: its absmax (float32 [blocks]) and
+// each element's index into the ascending `code` whose value is nearest to x / absmax
+// (int64 [numel]): bitsandbytes' default quantize_blockwise / quantize_4bit (a full block
+// is scaled by a multiplication with 1 / absmax, the short last block by a division).
+std::pair<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x, const at::Tensor& code,
+                                                  int64_t blocksize) {
+  const int64_t n = x.numel(), full = n - n % blocksize;
+  std::vector<at::Tensor> absmax, scaled;
+  if (full > 0) {
+    const at::Tensor blocks = x.narrow(0, 0, full).view({-1, blocksize});
+    const at::Tensor m = std::get<0>(blocks.abs().max(-1));
+    absmax.push_back(m);
+    scaled.push_back(
+        at::clamp(blocks * (1.0 / m.clamp_min(1e-38)).view({-1, 1}), -1, 1).reshape(-1));
+  }
+  if (full < n) {
+    const at::Tensor rest = x.narrow(0, full, n - full);
+    const at::Tensor m = rest.abs().max().clamp_min(1e-38);
+    absmax.push_back(m.view({1}));
+    scaled.push_back(at::clamp(rest / m, -1, 1));
+  }
+  const at::Tensor bounds =
+      (code.narrow(0, 0, code.numel() - 1) + code.narrow(0, 1, code.numel() - 1)) / 2;
+  return {at::cat(absmax), at::bucketize(at::cat(scaled), bounds)};
+}
+
+// code[index] x absmax[i / blocksize] in fp32, flat [index.numel()].
+at::Tensor dequantize_blocks(const at::Tensor& index, const at::Tensor& absmax,
+                             const at::Tensor& code, int64_t blocksize) {
+  const int64_t n = index.numel();
+  const at::Tensor values = code.index_select(0, index.reshape(-1).to(at::kLong));
+  const at::Tensor scale =
+      absmax.repeat_interleave(blocksize).narrow(0, 0, n);  // absmax of each element's block
+  return values * scale;
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel,
+                  const Nf4Tensor& q) {
+  TORCH_CHECK(
+      t.defined() && t.scalar_type() == dtype && t.numel() == numel, "NF4 tensor of shape ",
+      c10::IntArrayRef(q.shape), ": expected ", name, " of ", numel, " ", dtype, " values, found ",
+      t.defined() ? std::to_string(t.numel()) + " " + c10::toString(t.scalar_type()) + " values"
+                  : std::string("none"));
+}
+
+}  // namespace
+
+at::Tensor nf4_code() { return at::tensor(std::vector<float>(kNf4, kNf4 + 16), at::kFloat); }
+
+at::Tensor dynamic_map() {
+  // create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8): for exponent i,
+  // the midpoints of 2^i + 1 float32 points from 0.1 to 1, times 10^(i - 6) (a float32
+  // product), each with its negative; then 0 and 1, sorted.
+  std::vector<float> data;
+  for (int64_t i = 0; i < 7; ++i) {
+    const at::Tensor bounds = at::linspace(0.1, 1, (int64_t{1} << i) + 1, at::kFloat);
+    const int64_t k = bounds.numel() - 1;
+    const at::Tensor means = (bounds.narrow(0, 0, k) + bounds.narrow(0, 1, k)) / 2.0;
+    const double scale = std::pow(10.0, static_cast<double>(i - 6));
+    const at::Tensor positive = (means * scale).contiguous(),
+                     negative = (means * -scale).contiguous();
+    data.insert(data.end(), positive.data_ptr<float>(), positive.data_ptr<float>() + k);
+    data.insert(data.end(), negative.data_ptr<float>(), negative.data_ptr<float>() + k);
+  }
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  std::sort(data.begin(), data.end());
+  return at::tensor(data, at::kFloat);
+}
+
+int64_t Nf4Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Nf4Tensor quantize_nf4(const at::Tensor& x, bool double_quant, int64_t blocksize) {
+  TORCH_CHECK(x.defined() && x.numel() > 0 && at::isFloatingType(x.scalar_type()),
+              "quantize_nf4: expected a floating tensor with elements, found ",
+              x.defined() ? c10::toString(x.scalar_type()) : "none", " of shape ",
+              x.defined() ? x.sizes() : c10::IntArrayRef());
+  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0,
+              "quantize_nf4: expected an even blocksize of 2 or more, found ", blocksize);
+  Nf4Tensor q;
+  q.shape = x.sizes().vec();
+  q.dtype = x.scalar_type();
+  q.blocksize = blocksize;
+  const at::Tensor flat = x.reshape(-1).to(at::kFloat);
+  auto [absmax, index] = quantize_blocks(flat, nf4_code().to(x.device()), blocksize);
+  // An odd count ends with a padding value 0.0 (bitsandbytes pads the scaled values): code 7.
+  if (index.numel() % 2 != 0) index = at::cat({index, at::full({1}, 7, index.options())});
+  const at::Tensor pairs = index.to(at::kByte).view({-1, 2});
+  q.codes = at::bitwise_or(at::bitwise_left_shift(pairs.select(1, 0), 4), pairs.select(1, 1));
+  if (!double_quant) {
+    q.absmax = absmax;
+    return q;
+  }
+  const at::Tensor mean = absmax.mean();
+  q.offset = mean.item<float>();
+  q.nested_code = dynamic_map().to(x.device());
+  auto [nested, bytes] = quantize_blocks(absmax - mean, q.nested_code, q.nested_blocksize);
+  q.absmax = bytes.to(at::kByte);
+  q.nested_absmax = nested;
+  return q;
+}
+
+at::Tensor dequantize_nf4(const Nf4Tensor& q) {
+  for (int64_t d : q.shape) {
+    TORCH_CHECK(d >= 0, "NF4 tensor: expected a shape of sizes >= 0, found ",
+                c10::IntArrayRef(q.shape));
+  }
+  TORCH_CHECK(q.blocksize >= 2 && q.blocksize % 2 == 0 && q.nested_blocksize >= 1,
+              "NF4 tensor: expected an even blocksize of 2 or more, found ", q.blocksize);
+  TORCH_CHECK(at::isFloatingType(q.dtype), "NF4 tensor: expected a floating dtype, found ",
+              q.dtype);
+  const int64_t n = q.numel(), blocks = q.blocks();
+  check_tensor(q.codes, "codes", at::kByte, (n + 1) / 2, q);
+  at::Tensor absmax;
+  if (q.double_quantized()) {
+    check_tensor(q.absmax, "absmax (double quantized)", at::kByte, blocks, q);
+    check_tensor(q.nested_absmax, "nested_absmax", at::kFloat,
+                 (blocks + q.nested_blocksize - 1) / q.nested_blocksize, q);
+    check_tensor(q.nested_code, "nested_code", at::kFloat, 256, q);
+    absmax =
+        dequantize_blocks(q.absmax, q.nested_absmax, q.nested_code, q.nested_blocksize) + q.offset;
+  } else {
+    check_tensor(q.absmax, "absmax", at::kFloat, blocks, q);
+    absmax = q.absmax;
+  }
+  const at::Tensor codes = q.codes.reshape(-1);
+  const at::Tensor index =
+      at::stack({at::bitwise_right_shift(codes, 4), at::bitwise_and(codes, 15)}, 1)
+          .reshape(-1)
+          .narrow(0, 0, n);
+  return dequantize_blocks(index, absmax, nf4_code().to(codes.device()), q.blocksize)
+      .to(q.dtype)
+      .view(q.shape);
+}
+
+}  // namespace fsdp

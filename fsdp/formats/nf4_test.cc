@@ -1,0 +1,89 @@
+// NF4 by hand-worked values: the code table, the nibble order, blocks and their absmax,
+// double quantization's round trip, and sizes that do not agree refused.
+#include "fsdp/formats/nf4.h"
+
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace fsdp {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+std::vector<int64_t> bytes(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+TEST(Nf4Test, TablesAreBitsandbytes) {
+  const at::Tensor code = nf4_code();
+  ASSERT_EQ(code.numel(), 16);
+  EXPECT_EQ(code[0].item<float>(), -1.0f);
+  EXPECT_EQ(code[7].item<float>(), 0.0f);
+  EXPECT_EQ(code[15].item<float>(), 1.0f);
+  EXPECT_TRUE(at::equal(code, std::get<0>(code.sort())));  // ascending
+  const at::Tensor dynamic = dynamic_map();
+  ASSERT_EQ(dynamic.numel(), 256);
+  EXPECT_TRUE(at::equal(dynamic, std::get<0>(dynamic.sort())));
+  EXPECT_EQ(dynamic[0].item<float>(), -dynamic[254].item<float>());  // signed, then 0 and 1
+  EXPECT_EQ(dynamic[255].item<float>(), 1.0f);
+}
+
+// Block 0 (4 elements): absmax 2; x / 2 = 1, -1, 0, 0.03 -> codes 15, 0, 7, 7 (0.03 is
+// nearer 0 than 0.0796). Block 1 (the short last one, 2 elements): absmax 0.5, x / 0.5 =
+// 1, -0.4 -> 15, 3 (-0.4 is nearer -0.3949 than -0.5251).
+TEST(Nf4Test, CodesAreNibblesOfNearestValues) {
+  const at::Tensor x = at::tensor({2.0f, -2.0f, 0.0f, 0.06f, 0.5f, -0.2f});
+  const Nf4Tensor q = quantize_nf4(x, /*double_quant=*/false, /*blocksize=*/4);
+  EXPECT_EQ(bytes(q.codes), (std::vector<int64_t>{0xF0, 0x77, (15 << 4) | 3}));
+  EXPECT_TRUE(at::equal(q.absmax, at::tensor({2.0f, 0.5f})));
+  const at::Tensor back = dequantize_nf4(q);
+  const at::Tensor code = nf4_code();
+  EXPECT_TRUE(at::equal(back, at::stack({code[15] * 2, code[0] * 2, code[7] * 2, code[7] * 2,
+                                         code[15] * 0.5f, code[3] * 0.5f})));
+}
+
+TEST(Nf4Test, DoubleQuantizationKeepsTheAbsmaxClose) {
+  at::manual_seed(0);
+  const at::Tensor w = at::randn({40, 96}, at::kBFloat16);
+  const Nf4Tensor plain = quantize_nf4(w, false), nested = quantize_nf4(w, true);
+  ASSERT_TRUE(nested.double_quantized());
+  EXPECT_EQ(nested.absmax.scalar_type(), at::kByte);
+  EXPECT_EQ(nested.blocks(), 60);
+  EXPECT_EQ(nested.nested_absmax.numel(), 1);
+  EXPECT_TRUE(at::equal(plain.codes, nested.codes));
+  const at::Tensor a = dequantize_nf4(plain).to(at::kFloat),
+                   b = dequantize_nf4(nested).to(at::kFloat);
+  EXPECT_EQ(dequantize_nf4(nested).sizes(), w.sizes());
+  EXPECT_EQ(dequantize_nf4(nested).scalar_type(), at::kBFloat16);
+  // NF4's worst case is half the widest gap (0.16 of the absmax); the absmax's own 8 bits
+  // add about 1%.
+  EXPECT_LT((a - w.to(at::kFloat)).abs().max().item<float>(), 0.6f);
+  EXPECT_LT(((a - b).abs() / a.abs().clamp_min(1e-6)).max().item<float>(), 0.02f);
+}
+
+TEST(Nf4Test, SizesThatDisagreeAreRefused) {
+  Nf4Tensor q = quantize_nf4(at::ones({3, 64}), true);
+  q.shape = {3, 66};
+  EXPECT_THAT([&] { dequantize_nf4(q); },
+              ThrowsMessage<c10::Error>(HasSubstr(
+                  "NF4 tensor of shape [3, 66]: expected codes of 99 Byte values, found 96 Byte "
+                  "values")));
+  q.shape = {3, 64};
+  q.nested_code = at::Tensor();
+  EXPECT_THAT([&] { dequantize_nf4(q); },
+              ThrowsMessage<c10::Error>(HasSubstr("expected nested_code of 256 Float values, "
+                                                  "found none")));
+  EXPECT_THAT([&] { quantize_nf4(at::ones({2}, at::kLong)); },
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("quantize_nf4: expected a floating tensor with elements, found Long")));
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -3,10 +3,11 @@
 # them with, against their own launch (--world_size=2, fsdp_run's launcher): 3 steps at
 # W = 2 under torchrun (--standalone; the GPT also over two hosts, network namespaces
 # joined by a veth pair, with torchrun's c10d rendezvous), Open MPI's mpirun and Slurm's
-# srun must write the same metrics.csv (steps, losses, learning rates) exactly. comm_smoke
-# must rendezvous from Open MPI's and Slurm's variables. Under each launcher, rank 1 of a
-# GPT run killed with SIGKILL must end the job, non-zero with a line naming the rank,
-# within the collective timeout (5 s) + 5 s.
+# srun (the GPT also from README's batch script, on one node) must write the same
+# metrics.csv (steps, losses, learning rates) exactly. comm_smoke must rendezvous from
+# Open MPI's and Slurm's variables. Under each launcher, rank 1 of a GPT run killed with
+# SIGKILL must end the job, non-zero with a line naming the rank, within the collective
+# timeout (5 s) + 5 s.
 # Slurm is a one-node cluster started here: slurmctld and slurmd with a slurm.conf made in
 # the test's folder (auth/none, no cgroups), stopped on exit. Needs root (namespaces, the
 # Slurm daemons), so it runs outside the sandbox. mpirun, srun, slurmctld and slurmd come
@@ -169,7 +170,23 @@ for launcher in mpirun srun; do
   fi
 done
 
-# 3. The GPT over two hosts under torchrun's c10d rendezvous, one rank per host. Both
+# 3. README's Slurm batch script (on one node): sbatch, then srun in the script.
+cat >"$root/job.sh" <<EOF
+#!/bin/bash
+#SBATCH --nodes=1 --ntasks-per-node=2
+export MASTER_PORT=$(free_port)
+srun $train ${gpt_flags[*]} --eval_interval=3 --steps=3 --timeout_s=20 --out_dir=$root/train_sbatch
+EOF
+out=$(timeout 120 sbatch --wait --output="$root/sbatch.log" "$root/job.sh" 2>&1)
+status=$?
+reference=$(curve "$root/train_fsdp")
+if [[ $status -eq 0 && -n $reference && $(curve "$root/train_sbatch") == "$reference" ]]; then
+  ok "train in a batch script (sbatch --nodes=1 --ntasks-per-node=2, srun): metrics.csv equals its own launch's"
+else
+  fail "train in a batch script (status $status; tools/setup.sh installs slurm-wlm): $out $(tail -5 "$root/sbatch.log" 2>&1)"
+fi
+
+# 4. The GPT over two hosts under torchrun's c10d rendezvous, one rank per host. Both
 # hosts have this machine's hostname, so host A is named the rendezvous host (is_host)
 # and each host's address is given (--local_addr, GLOO_SOCKET_IFNAME).
 if ip netns add "${ns[0]}" && ip netns add "${ns[1]}" &&
@@ -203,7 +220,7 @@ else
   fail "cannot make two hosts (network namespaces need root)"
 fi
 
-# 4. Rank 1 killed: the launcher ends the job within the timeout + 5 s, naming the rank.
+# 5. Rank 1 killed: the launcher ends the job within the timeout + 5 s, naming the rank.
 timeout_s=5
 for launcher in fsdp torchrun mpirun srun; do
   case $launcher in

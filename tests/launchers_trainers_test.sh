@@ -170,18 +170,21 @@ for launcher in mpirun srun; do
   fi
 done
 
-# 3. README's Slurm batch script (on one node): sbatch, then srun in the script.
+# 3. README's Slurm batch script (on one node): sbatch, then srun in the script; then a
+# step of 1 task, which inherits SLURM_NTASKS_PER_NODE=2 from the job.
 cat >"$root/job.sh" <<EOF
 #!/bin/bash
 #SBATCH --nodes=1 --ntasks-per-node=2
 export MASTER_PORT=$(free_port)
 srun $train ${gpt_flags[*]} --eval_interval=3 --steps=3 --timeout_s=20 --out_dir=$root/train_sbatch
+srun --ntasks=1 $smoke
 EOF
 out=$(timeout 120 sbatch --wait --output="$root/sbatch.log" "$root/job.sh" 2>&1)
 status=$?
 reference=$(curve "$root/train_fsdp")
-if [[ $status -eq 0 && -n $reference && $(curve "$root/train_sbatch") == "$reference" ]]; then
-  ok "train in a batch script (sbatch --nodes=1 --ntasks-per-node=2, srun): metrics.csv equals its own launch's"
+if [[ $status -eq 0 && -n $reference && $(curve "$root/train_sbatch") == "$reference" ]] &&
+  grep -qx "rank 0 of 1 (local 0 of 1, launcher Slurm): ok" "$root/sbatch.log"; then
+  ok "train in a batch script (sbatch --nodes=1 --ntasks-per-node=2, srun): metrics.csv equals its own launch's; a 1-task step after it runs"
 else
   fail "train in a batch script (status $status; tools/setup.sh installs slurm-wlm): $out $(tail -5 "$root/sbatch.log" 2>&1)"
 fi

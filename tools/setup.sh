@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what fsdp builds and tests against, then checks the versions:
 # - Debian bookworm packages (Bazel 4.2.3, Abseil, GoogleTest, Google Benchmark, Gloo's
-#   headers, zlib, the data sets, gnuplot, clang with libFuzzer, clang-format, iproute2);
+#   headers, zlib, the data sets, gnuplot, clang with libFuzzer, clang-format, iproute2,
+#   and for tests only Open MPI's mpirun and Slurm (tests/launchers_trainers_test.sh));
 # - LibTorch 2.11.0: the PyPI wheel torch==2.11.0 (its CUDA 13.0 build) and
 #   torchvision==0.26.0 with every dependency, exactly as tools/requirements.lock pins
 #   them (--require-hashes), and for tests only transformers, safetensors, peft and
@@ -38,6 +39,8 @@ readonly REQUIRED=(
   libclang-rt-14-dev=14.0.6
   iproute2=6.1.0
   nlohmann-json3-dev=3.11.2
+  openmpi-bin=4.1.4
+  slurm-wlm=22.05.8
 )
 
 installed_version() {

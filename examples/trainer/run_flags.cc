@@ -1,15 +1,14 @@
 #include "examples/trainer/run_flags.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include <c10/util/Exception.h>
 
 #include "examples/trainer/lever_flags.h"
+#include "fsdp/comm/rendezvous.h"
 
 namespace fsdp::examples {
 namespace {
@@ -91,9 +90,13 @@ void use_run_flag_defaults(const RunFlags& flags) {
 RunFlags run_flags_from_command_line() {
   RunFlags f;
   static_cast<LeverFlags&>(f) = lever_flags_from_command_line();
-  const char* launched = std::getenv("RANK") != nullptr ? std::getenv("WORLD_SIZE") : nullptr;
-  if (launched == nullptr || !absl::SimpleAtoi(launched, &f.launched_world_size)) {
-    f.launched_world_size = 0;
+  // Any launcher rendezvous.h reads (torchrun's RANK, Open MPI's, MPICH's, Slurm's): a
+  // rank that only looked for RANK started --world_size ranks of its own under mpirun.
+  try {
+    const LaunchEnvironment launch = read_launch_environment();
+    if (launch.launcher != "none") f.launched_world_size = launch.world_size;
+  } catch (const c10::Error& e) {
+    f.launch_error = e.msg();
   }
   f.world_size = absl::GetFlag(FLAGS_world_size);
   f.batch_size = absl::GetFlag(FLAGS_batch_size);
@@ -116,6 +119,7 @@ RunFlags run_flags_from_command_line() {
 }
 
 std::string run_flag_error(const RunFlags& f, const MachineLimits& machine) {
+  if (!f.launch_error.empty()) return f.launch_error;
   if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > machine.max_ranks)) {
     return bad_flag(
         "world_size", f.world_size,

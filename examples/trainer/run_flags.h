@@ -56,6 +56,7 @@ namespace fsdp::examples {
 struct RunFlags : LeverFlags {
   int world_size = 2;           // ranks this process starts (self-launch)
   int launched_world_size = 0;  // WORLD_SIZE of fsdp_run/torchrun/mpirun/srun; 0: self-launch
+  std::string launch_error;     // why the launcher's variables are unusable; "" if they are
   int64_t batch_size = 8, steps = 100, warmup_steps = 10, context = 128, seed = 1234;
   double lr = 1e-4;
   int64_t log_interval = 10, checkpoint_interval = 50, timeout_s = 300;
@@ -86,16 +87,16 @@ struct FlagValue {
 // flag's default was taken already.
 void use_run_flag_defaults(const RunFlags& defaults);
 
-// The flags' values (after absl::ParseCommandLine); launched_world_size from the
-// environment (WORLD_SIZE when RANK is set).
+// The flags' values (after absl::ParseCommandLine); launched_world_size (and launch_error)
+// from the launcher's variables (read_launch_environment, fsdp/comm/rendezvous.h).
 RunFlags run_flags_from_command_line();
 
-// "" if the run flags are usable on `machine`, else one line naming the flag, the value
-// and what is allowed: the levers (lever_flag_error), --world_size within the machine
-// when self-launched, --steps, --warmup_steps, --checkpoint_interval >= 0, --lr finite
-// and >= 0, --log_interval and --timeout_s >= 1, --context >= 1, --checkpoint_format dcp
-// or fsdp, --schedule_check_every >= 0, and --out_dir (and --checkpoint_dir when given)
-// folders that can be written or made (output_dir_error).
+// "" if the run flags are usable on `machine`, else one line: launch_error, or one naming
+// the flag, the value and what is allowed: the levers (lever_flag_error), --world_size
+// within the machine when self-launched, --steps, --warmup_steps, --checkpoint_interval
+// >= 0, --lr finite and >= 0, --log_interval and --timeout_s >= 1, --context >= 1,
+// --checkpoint_format dcp or fsdp, --schedule_check_every >= 0, and --out_dir (and
+// --checkpoint_dir when given) folders that can be written or made (output_dir_error).
 std::string run_flag_error(const RunFlags& flags, const MachineLimits& machine);
 
 }  // namespace fsdp::examples

@@ -99,5 +99,24 @@ TEST(RunFlagsTest, EveryBadValueIsNamed) {
             "--grad_accumulation_steps=0: expected at least 1 micro-batch per optimizer step");
 }
 
+// Every launcher rendezvous.h reads makes the run launched (no --world_size ranks of its
+// own): Open MPI's and Slurm's variables as torchrun's; a bad value is the one error.
+TEST(RunFlagsTest, EveryLaunchersWorldSizeIsTheRuns) {
+  EXPECT_EQ(run_flags_from_command_line().launched_world_size, 0);
+  setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "3", 1);
+  EXPECT_EQ(run_flags_from_command_line().launched_world_size, 3);
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  setenv("SLURM_PROCID", "0", 1);
+  setenv("SLURM_NTASKS", "4", 1);
+  EXPECT_EQ(run_flags_from_command_line().launched_world_size, 4);
+  setenv("SLURM_PROCID", "4", 1);
+  EXPECT_EQ(run_flag_error(run_flags_from_command_line(), kMachine),
+            "SLURM_PROCID='4' is not an integer in [0, 3]; check how the job was launched");
+  unsetenv("SLURM_PROCID");
+  unsetenv("SLURM_NTASKS");
+}
+
 }  // namespace
 }  // namespace fsdp::examples

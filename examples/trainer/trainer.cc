@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -157,7 +156,8 @@ int trainer_main(int argc, char** argv, const char* name, const TrainerHooks& ho
       hooks.cuda_defaults) {
     error = apply_defaults(hooks.cuda_defaults(machine.cuda_devices));
   }
-  if (error.empty()) error = run_flag_error(run_flags_from_command_line(), machine);
+  const RunFlags run_flags = run_flags_from_command_line();
+  if (error.empty()) error = run_flag_error(run_flags, machine);
   if (error.empty() && hooks.flag_error) error = hooks.flag_error(machine);
   if (!error.empty()) {
     std::cerr << name << ": " << error << "\n";
@@ -166,8 +166,8 @@ int trainer_main(int argc, char** argv, const char* name, const TrainerHooks& ho
   // From here on --device is cpu or cuda and --mixed_precision bf16, pure_bf16 or none.
   resolve_lever_flags(machine.cuda_devices,
                       hooks.weights_dtype ? hooks.weights_dtype() : at::kFloat);
-  if (std::getenv("RANK") == nullptr && absl::GetFlag(FLAGS_world_size) > 1) {
-    return launch_self(absl::GetFlag(FLAGS_world_size), argc, argv);
+  if (run_flags.launched_world_size == 0 && run_flags.world_size > 1) {
+    return launch_self(run_flags.world_size, argc, argv);
   }
   try {
     // Before anything asks LibTorch about CUDA (fsdp/base/torch_compat_cuda.h): a CPU run

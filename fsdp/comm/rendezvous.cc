@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -51,6 +52,39 @@ int int_variable(const EnvLookup& lookup, const char* name, int fallback, int mi
               "]; check how the job was "
               "launched");
   return parsed;
+}
+
+// The ranks of this Slurm job step on this node. SLURM_NTASKS_PER_NODE is set only with
+// --ntasks-per-node, and a step inherits its batch job's value (srun -n 1 in a job of 2
+// tasks per node); SLURM_STEP_TASKS_PER_NODE always holds the step's counts per node,
+// "4(x2),3" for 4 on nodes 0 and 1 and 3 on node 2, this node being SLURM_NODEID.
+// nullopt without SLURM_STEP_TASKS_PER_NODE; throws unless it gives this node a count in
+// [1, world_size].
+std::optional<int> slurm_step_tasks_here(const EnvLookup& lookup, int world_size) {
+  const std::optional<std::string> counts = lookup("SLURM_STEP_TASKS_PER_NODE");
+  if (!counts) return std::nullopt;
+  const int node = int_variable(lookup, "SLURM_NODEID", 0, 0, world_size - 1);
+  std::optional<int> here;
+  int counted = 0;  // nodes 0 to counted - 1 have their counts in the parts seen
+  for (absl::string_view part : absl::StrSplit(*counts, ',')) {
+    const size_t times = part.find("(x");
+    int tasks = 0;
+    int nodes = 1;
+    if (!absl::SimpleAtoi(part.substr(0, times), &tasks) ||
+        (times != absl::string_view::npos &&
+         (!absl::EndsWith(part, ")") ||
+          !absl::SimpleAtoi(part.substr(times + 2, part.size() - times - 3), &nodes)))) {
+      break;
+    }
+    counted += nodes;
+    if (node < counted) {
+      if (tasks >= 1 && tasks <= world_size) here = tasks;
+      break;
+    }
+  }
+  TORCH_CHECK(here, "SLURM_STEP_TASKS_PER_NODE='", *counts, "' gives no task count in [1, ",
+              world_size, "] for node ", node, " (SLURM_NODEID); check how the job was launched");
+  return here;
 }
 
 bool is_loopback(const std::string& address) {
@@ -166,8 +200,12 @@ LaunchEnvironment read_launch_environment(const EnvLookup& lookup_or_null) {
     env.launcher = scheme.launcher;
     env.world_size = int_variable(lookup, scheme.world_size, 1, 1, 1 << 20);
     env.rank = int_variable(lookup, scheme.rank, 0, 0, env.world_size - 1);
-    env.local_world_size =
-        int_variable(lookup, scheme.local_world_size, env.world_size, 1, env.world_size);
+    const std::optional<int> slurm_tasks = env.launcher == std::string("Slurm")
+                                               ? slurm_step_tasks_here(lookup, env.world_size)
+                                               : std::nullopt;
+    env.local_world_size = slurm_tasks ? *slurm_tasks
+                                       : int_variable(lookup, scheme.local_world_size,
+                                                      env.world_size, 1, env.world_size);
     env.local_rank = int_variable(lookup, scheme.local_rank, env.rank % env.local_world_size, 0,
                                   env.local_world_size - 1);
     break;

@@ -12,7 +12,8 @@
 // Variables, first match wins: torchrun/fsdp_run (RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE), Open MPI (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE),
 // MPICH (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), Slurm (SLURM_PROCID,
-// SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE). The meeting point is
+// SLURM_NTASKS, SLURM_LOCALID, and this node's count in SLURM_STEP_TASKS_PER_NODE at
+// SLURM_NODEID, else SLURM_NTASKS_PER_NODE). The meeting point is
 // MASTER_ADDR:MASTER_PORT (rank 0 hosts a TCPStore there; Slurm falls back to
 // SLURM_LAUNCH_NODE_IPADDR) or, with RendezvousOptions::file_store_path, a FileStore.
 // With no variables at all the process is rank 0 of 1.

@@ -78,6 +78,49 @@ TEST(LaunchEnvironmentTest, OpenMpiMpichAndSlurm) {
   EXPECT_EQ(env.master_addr, "10.1.2.3");
 }
 
+// Slurm's ranks per node are the job step's on this node (SLURM_STEP_TASKS_PER_NODE at
+// SLURM_NODEID): SLURM_NTASKS_PER_NODE is missing without --ntasks-per-node, and a step
+// inherits its batch job's.
+TEST(LaunchEnvironmentTest, SlurmCountsTheStepsTasksOnThisNode) {
+  LaunchEnvironment env =
+      read_launch_environment(lookup_in({{"SLURM_PROCID", "5"},
+                                         {"SLURM_NTASKS", "7"},
+                                         {"SLURM_LOCALID", "1"},
+                                         {"SLURM_NODEID", "2"},
+                                         {"SLURM_STEP_TASKS_PER_NODE", "2(x2),3"}}));
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 3);
+  env = read_launch_environment(lookup_in({{"SLURM_PROCID", "3"},
+                                           {"SLURM_NTASKS", "4"},
+                                           {"SLURM_LOCALID", "1"},
+                                           {"SLURM_NODEID", "1"},
+                                           {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"}}));
+  EXPECT_EQ(env.local_world_size, 2);  // was 4: the whole job
+  env = read_launch_environment(lookup_in({{"SLURM_PROCID", "0"},
+                                           {"SLURM_NTASKS", "1"},
+                                           {"SLURM_NTASKS_PER_NODE", "2"},  // the batch job's
+                                           {"SLURM_NODEID", "0"},
+                                           {"SLURM_STEP_TASKS_PER_NODE", "1"}}));
+  EXPECT_EQ(env.local_world_size, 1);  // was an error: 2 is not in [1, 1]
+  EXPECT_THAT(
+      [] {
+        read_launch_environment(lookup_in({{"SLURM_PROCID", "0"},
+                                           {"SLURM_NTASKS", "4"},
+                                           {"SLURM_NODEID", "1"},
+                                           {"SLURM_STEP_TASKS_PER_NODE", "2(x2"}}));
+      },
+      ThrowsMessage<c10::Error>(
+          HasSubstr("SLURM_STEP_TASKS_PER_NODE='2(x2' gives no task count in [1, 4] for node 1")));
+  EXPECT_THAT(
+      [] {
+        read_launch_environment(lookup_in({{"SLURM_PROCID", "0"},
+                                           {"SLURM_NTASKS", "4"},
+                                           {"SLURM_NODEID", "1"},
+                                           {"SLURM_STEP_TASKS_PER_NODE", "4"}}));
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("gives no task count in [1, 4] for node 1")));
+}
+
 TEST(LaunchEnvironmentTest, NoVariablesMeansOneRank) {
   const LaunchEnvironment env = read_launch_environment(lookup_in({}));
   EXPECT_EQ(env.launcher, "none");

@@ -1,6 +1,8 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
 // MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch:
+// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM and the
+// mixture-of-experts Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM and
+// Qwen2MoeForCausalLM in LibTorch:
 // one module tree whose per-family options come from a DecoderConfig (config.h), with the
 // families' own module and parameter names, so a checkpoint's tensors load under their own
 // names with no renaming:
@@ -25,6 +27,12 @@
 //   model.norm.weight                                [hidden_size]
 //   lm_head.weight                                   [vocab_size, hidden_size]; none when
 //                                                    tie_word_embeddings
+//
+// The sparse layers of the MoE families hold a router and fused experts as their mlp
+// (moe.h: mlp.gate.weight [E, hidden], mlp.experts.gate_up_proj [E, 2 I, hidden],
+// mlp.experts.down_proj [E, hidden, I]; qwen2_moe mlp.shared_expert.* and
+// mlp.shared_expert_gate.weight [1, hidden]); the checkpoints hold the experts one by one
+// (hf_checkpoint.cc, Note [Experts one by one in the checkpoint]).
 //
 // phi3 holds q, k, v and gate, up fused instead:
 //

@@ -22,6 +22,7 @@ using nlohmann::json;
 struct Family {
   const char* model_type;
   models_internal::FamilyReader read;
+  bool moe = false;  // reads the experts fields the dense families refuse
 };
 
 constexpr Family kFamilies[] = {
@@ -34,6 +35,10 @@ constexpr Family kFamilies[] = {
     {"granite", models_internal::read_granite_config},
     {"olmo2", models_internal::read_olmo2_config},
     {"phi3", models_internal::read_phi3_config},
+    {"qwen3_moe", models_internal::read_qwen3_moe_config, true},
+    {"mixtral", models_internal::read_mixtral_config, true},
+    {"olmoe", models_internal::read_olmoe_config, true},
+    {"qwen2_moe", models_internal::read_qwen2_moe_config, true},
 };
 
 // The whole text of a config.json as a JSON object, parsed with its nesting bounded
@@ -49,9 +54,11 @@ json parse_json_object(const std::string& json_text, const std::string& source) 
 // the reason, any other with the list of supported ones.
 const Family& family_of(const ConfigFields& fields, const std::string& model_type) {
   const std::string supported = "fsdp's decoder builds " + supported_model_types();
-  for (std::string_view moe : {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}) {
+  for (std::string_view moe : {"deepseek_v2", "deepseek_v3"}) {
     TORCH_CHECK(model_type != moe, fields.source(), ": \"model_type\" = \"", model_type,
-                "\" is not supported: mixture-of-experts models are not implemented; ", supported);
+                "\" is not supported: its mixture of experts (multi-latent attention, grouped "
+                "routing) is not implemented; ",
+                supported);
   }
   TORCH_CHECK(model_type != "gemma3", fields.source(),
               ": \"model_type\" = \"gemma3\" is not supported: a multimodal Gemma 3 folder (vision "
@@ -64,19 +71,22 @@ const Family& family_of(const ConfigFields& fields, const std::string& model_typ
   return *family;
 }
 
-// Refuses fields of architectures the decoder does not build, whatever the family.
-void refuse_other_architectures(const ConfigFields& fields) {
+// Refuses fields of architectures the decoder does not build, whatever the family (the
+// experts fields in the dense families).
+void refuse_other_architectures(const ConfigFields& fields, const Family& family) {
   fields.refuse("quantization_config",
                 "quantised weights (FP8, GPTQ, AWQ, bitsandbytes, ...) are not implemented; "
                 "fsdp's decoder trains float32, bfloat16 or float16 weights");
   fields.refuse("text_config", "a multimodal folder; fsdp's decoder builds text models only");
   fields.refuse("vision_config", "a multimodal folder; fsdp's decoder builds text models only");
   for (const char* experts : {"num_local_experts", "num_experts", "n_routed_experts"}) {
+    if (family.moe && std::string_view(experts) != "n_routed_experts") continue;
     const json* value = fields.find(experts);
     TORCH_CHECK(value == nullptr || (value->is_number_integer() && value->get<int64_t>() == 0),
                 fields.source(), ": \"", experts, "\" = ", value == nullptr ? "" : value->dump(),
-                " is not supported: mixture-of-experts layers are not implemented; fsdp's "
-                "decoder has one dense MLP per layer");
+                " is not supported: mixture-of-experts layers are built for the model types "
+                "qwen3_moe, mixtral, olmoe and qwen2_moe only; a ",
+                family.model_type, " decoder has one dense MLP per layer");
   }
   fields.require("use_bidirectional_attention", false,
                  "fsdp's decoder is causal (use_bidirectional_attention false)");
@@ -94,7 +104,7 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   DecoderConfig config;
   config.model_type = model_type->get<std::string>();
   const Family& family = family_of(fields, config.model_type);
-  refuse_other_architectures(fields);
+  refuse_other_architectures(fields, family);
   family.read(fields, config);
   return config;
 }

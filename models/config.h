@@ -19,6 +19,21 @@
 //   "phi3"         Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary
 //                  embeddings, longrope; sliding_window in every layer when set
 //
+// Mixture of experts (the MLP of the sparse layers is a router and experts: moe.h):
+//
+//   "qwen3_moe"    Qwen3's attention (per-head q/k norms); num_experts (or 5.x's
+//                  num_local_experts) experts of moe_intermediate_size, norm_topk_prob,
+//                  decoder_sparse_step and mlp_only_layers (those layers dense, of
+//                  intermediate_size)
+//   "mixtral"      Mistral's attention; num_local_experts experts of intermediate_size,
+//                  top-k weights always renormalised (kept in fp32); the checkpoint's
+//                  block_sparse_moe.experts.E.w1/w3/w2
+//   "olmoe"        Llama's layer with full-width q/k norms (as olmo2's, norms before the
+//                  sublayers); num_experts experts of intermediate_size, norm_topk_prob
+//   "qwen2_moe"    Qwen2's attention (q/k/v biases as qkv_bias); as qwen3_moe plus a
+//                  dense shared expert (shared_expert_intermediate_size) scaled by
+//                  sigmoid(shared_expert_gate(x))
+//
 //   const fsdp::models::DecoderConfig config =
 //       fsdp::models::load_decoder_config("/models/mistral-7b-v0.1/config.json");
 //   config.model_type;      // "mistral"
@@ -36,9 +51,11 @@
 // Errors (c10::Error, one line naming the file, the field and its value, and what is
 // supported): a file that cannot be read or is not a JSON object; a missing or mistyped
 // required field; anything the decoder does not implement, refused by name, never
-// ignored: another model_type (mixture-of-experts families such as "mixtral",
-// "qwen3_moe", "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not
-// carried), experts fields (num_local_experts, num_experts), linear-attention layer types,
+// ignored: another model_type (mixture-of-experts families other than the four above,
+// such as "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried),
+// experts fields (num_local_experts, num_experts) in a dense family, n_routed_experts,
+// sliding windows in the MoE families, OLMoE's clip_qkv, Mixtral's router_jitter_noise,
+// linear-attention layer types,
 // rope types such as "dynamic", quantised weights (quantization_config), another
 // activation, attention dropout, ...
 #ifndef FSDP_MODELS_CONFIG_H_
@@ -142,7 +159,24 @@ struct DecoderConfig {
   RopeConfig rope;          // full-attention layers (every layer without rope_per_layer_type)
   RopeConfig sliding_rope;  // sliding layers with rope_per_layer_type; else equal to `rope`
 
+  // Mixture of experts (qwen3_moe, mixtral, olmoe, qwen2_moe; moe.h): the sparse layers'
+  // MLP routes each token to its num_experts_per_tok best of num_experts experts. 0
+  // experts: a dense family, every layer's MLP the gated MLP of intermediate_size.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;    // top-k
+  int64_t moe_intermediate_size = 0;  // each expert's inner width
+  bool norm_topk_prob = false;        // the top-k weights renormalised to sum to 1
+  bool router_weights_fp32 = false;   // mixtral: top-k weights stay fp32 (else hidden dtype)
+  int64_t shared_expert_intermediate_size = 0;  // qwen2_moe's shared expert (0: none)
+  std::vector<bool> sparse_layers;              // per layer: the MoE block (else the dense MLP)
+  double router_aux_loss_coef = 0.0;            // the load-balancing loss's weight in the loss
+  bool output_router_logits = false;            // transformers adds that loss in training when set
+  // mixtral: the checkpoint names the block block_sparse_moe and the experts' projections
+  // w1 (gate), w3 (up), w2 (down); else mlp and gate_proj, up_proj, down_proj.
+  bool block_sparse_moe_names = false;
+
   bool has_sliding_layers() const;
+  bool is_moe() const { return num_experts > 0; }
 };
 
 // Parses and checks the text of a config.json; `source` names it in errors.

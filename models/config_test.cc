@@ -86,20 +86,22 @@ TEST(DecoderConfigTest, UnsupportedFieldsAreOneErrorNamingFieldAndValue) {
 // at its config with one line naming the field, its value and what is supported.
 TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
   const std::string families =
-      "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3";
+      "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3, qwen3_moe, "
+      "mixtral, olmoe, qwen2_moe";
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gpt_neox")")),
             "cfg.json: \"model_type\" = \"gpt_neox\" is not supported: fsdp's decoder builds " +
                 families);
-  for (const char* moe : {"mixtral", "qwen3_moe", "deepseek_v3"}) {
+  for (const char* moe : {"deepseek_v2", "deepseek_v3"}) {
     EXPECT_EQ(error_of(config_json(std::string(R"(, "model_type": ")") + moe + "\"")),
               std::string("cfg.json: \"model_type\" = \"") + moe +
-                  "\" is not supported: mixture-of-experts models are not implemented; fsdp's "
-                  "decoder builds " +
+                  "\" is not supported: its mixture of experts (multi-latent attention, grouped "
+                  "routing) is not implemented; fsdp's decoder builds " +
                   families);
   }
   EXPECT_EQ(error_of(config_json(R"(, "num_local_experts": 8)")),
             "cfg.json: \"num_local_experts\" = 8 is not supported: mixture-of-experts layers "
-            "are not implemented; fsdp's decoder has one dense MLP per layer");
+            "are built for the model types qwen3_moe, mixtral, olmoe and qwen2_moe only; a llama "
+            "decoder has one dense MLP per layer");
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gemma3", "text_config": {})")),
             "cfg.json: \"model_type\" = \"gemma3\" is not supported: a multimodal Gemma 3 "
             "folder (vision tower and text_config); fsdp's decoder builds its language model "
@@ -326,8 +328,8 @@ TEST(DecoderConfigTest, BadValuesNameTheField) {
             "transformers has it");
   EXPECT_EQ(error_of(R"({"vocab_size": 5})"),
             "cfg.json: the field \"model_type\" is missing; expected one of llama, mistral, "
-            "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3 (a config saved by "
-            "transformers)");
+            "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3, qwen3_moe, mixtral, "
+            "olmoe, qwen2_moe (a config saved by transformers)");
   EXPECT_EQ(error_of("{\"model_type\": \"llama\","),
             "cfg.json is not valid JSON: [json.exception.parse_error.101] parse error at line 1, "
             "column 24: syntax error while parsing object key - unexpected end of input; "
@@ -349,6 +351,119 @@ TEST(DecoderConfigTest, MissingFileSaysWhatToPass) {
               "--from must be a Hugging Face model "
               "folder holding config.json");
   }
+}
+
+// The mixture-of-experts families, each from the config.json transformers 5.23 wrote for
+// a tiny model (tests/families.py's MoE variants), with fields changed to show each rule.
+std::string qwen3_moe_json(const std::string& extra = "") {
+  return R"({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "decoder_sparse_step": 1, "dtype": "float32", "head_dim": 8,
+    "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 48,
+    "max_position_embeddings": 64, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 16, "norm_topk_prob": true, "num_attention_heads": 4,
+    "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2,
+    "num_local_experts": 4, "output_router_logits": false, "pad_token_id": null,
+    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "router_aux_loss_coef": 0.001, "sliding_window": null, "tie_word_embeddings": false,
+    "use_sliding_window": false, "vocab_size": 128)" +
+         extra + "}";
+}
+
+TEST(DecoderConfigTest, Qwen3MoeRoutesEveryLayerButTheDenseOnes) {
+  const DecoderConfig c = parse_decoder_config(qwen3_moe_json(), "cfg.json");
+  EXPECT_TRUE(c.is_moe());
+  EXPECT_EQ(c.num_experts, 4);  // 5.x's num_local_experts
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 16);
+  EXPECT_EQ(c.intermediate_size, 48);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_FALSE(c.router_weights_fp32);
+  EXPECT_FALSE(c.block_sparse_moe_names);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 0);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.001);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_EQ(c.sparse_layers, std::vector<bool>({true, true, true}));
+  // decoder_sparse_step 2: layers 1, 3, ... sparse; mlp_only_layers dense.
+  EXPECT_EQ(parse_decoder_config(qwen3_moe_json(R"(, "decoder_sparse_step": 2)"), "cfg.json")
+                .sparse_layers,
+            std::vector<bool>({false, true, false}));
+  EXPECT_EQ(parse_decoder_config(qwen3_moe_json(R"(, "mlp_only_layers": [0, 2])"), "cfg.json")
+                .sparse_layers,
+            std::vector<bool>({false, true, false}));
+  // The Hub's 4.x spelling num_experts; both must agree.
+  EXPECT_EQ(parse_decoder_config(qwen3_moe_json(R"(, "num_local_experts": null, "num_experts": 6)"),
+                                 "cfg.json")
+                .num_experts,
+            6);
+  EXPECT_EQ(error_of(qwen3_moe_json(R"(, "num_experts": 6)")),
+            "cfg.json: \"num_experts\" = 6 and \"num_local_experts\" = 4 differ; expected one "
+            "count of experts (transformers reads them as one field)");
+  EXPECT_EQ(error_of(qwen3_moe_json(R"(, "num_experts_per_tok": 5)")),
+            "cfg.json: \"num_experts_per_tok\" = 5: expected at most the number of experts, 4");
+  EXPECT_EQ(error_of(qwen3_moe_json(R"(, "mlp_only_layers": [3])")),
+            "cfg.json: \"mlp_only_layers\" = [3]: expected layer indices below "
+            "num_hidden_layers = 3");
+  EXPECT_EQ(error_of(qwen3_moe_json(R"(, "use_sliding_window": true)")),
+            "cfg.json: \"use_sliding_window\" = true is not supported: sliding windows are not "
+            "implemented for the mixture-of-experts families; use_sliding_window false");
+  EXPECT_EQ(error_of(qwen3_moe_json(R"(, "n_routed_experts": 8)")),
+            "cfg.json: \"n_routed_experts\" = 8 is not supported: mixture-of-experts layers are "
+            "built for the model types qwen3_moe, mixtral, olmoe and qwen2_moe only; a qwen3_moe "
+            "decoder has one dense MLP per layer");
+}
+
+TEST(DecoderConfigTest, MixtralOlmoeQwen2MoeSetTheirSwitches) {
+  const DecoderConfig mixtral = parse_decoder_config(
+      R"({"model_type": "mixtral", "hidden_act": "silu", "hidden_size": 32,
+          "intermediate_size": 16, "max_position_embeddings": 64, "num_attention_heads": 4,
+          "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2,
+          "num_local_experts": 4, "head_dim": null, "router_aux_loss_coef": 0.02,
+          "router_jitter_noise": 0.0, "sliding_window": null, "vocab_size": 128})",
+      "cfg.json");
+  EXPECT_EQ(mixtral.num_experts, 4);
+  EXPECT_EQ(mixtral.moe_intermediate_size, 16);  // intermediate_size
+  EXPECT_TRUE(mixtral.norm_topk_prob && mixtral.router_weights_fp32);
+  EXPECT_TRUE(mixtral.block_sparse_moe_names);
+  EXPECT_EQ(mixtral.router_aux_loss_coef, 0.02);
+  EXPECT_EQ(mixtral.rope.theta, 1e6);  // MixtralConfig's default
+  EXPECT_EQ(mixtral.rms_norm_eps, 1e-5);
+  EXPECT_FALSE(mixtral.has_sliding_layers());
+  EXPECT_EQ(error_of(R"({"model_type": "mixtral", "vocab_size": 8, "hidden_size": 8,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "router_jitter_noise": 0.1})"),
+            "cfg.json: \"router_jitter_noise\" = 0.1 is not supported: fsdp's router does not "
+            "jitter its inputs (router_jitter_noise 0.0)");
+
+  const std::string olmoe = R"({"model_type": "olmoe", "hidden_act": "silu", "hidden_size": 32,
+      "intermediate_size": 16, "num_attention_heads": 4, "num_experts": 4,
+      "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2,
+      "norm_topk_prob": true, "vocab_size": 128)";
+  const DecoderConfig o = parse_decoder_config(olmoe + "}", "cfg.json");
+  EXPECT_TRUE(o.qk_norm_full_width);
+  EXPECT_FALSE(o.post_norms);  // norms before the sublayers, as Llama
+  EXPECT_EQ(o.norm_style, NormStyle::kLlama);
+  EXPECT_TRUE(o.norm_topk_prob);
+  EXPECT_EQ(o.router_aux_loss_coef, 0.01);  // OlmoeConfig's default
+  EXPECT_EQ(o.max_position_embeddings, 4096);
+  EXPECT_EQ(error_of(olmoe + R"(, "clip_qkv": 8.0})"),
+            "cfg.json: \"clip_qkv\" = 8.0 is not supported: fsdp's attention does not clip "
+            "queries, keys and values");
+
+  const DecoderConfig q = parse_decoder_config(
+      R"({"model_type": "qwen2_moe", "hidden_act": "silu", "hidden_size": 32,
+          "intermediate_size": 48, "moe_intermediate_size": 16,
+          "shared_expert_intermediate_size": 24, "num_attention_heads": 4, "num_experts": 4,
+          "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2,
+          "mlp_only_layers": [1], "layer_types": ["full_attention", "full_attention"],
+          "vocab_size": 128})",
+      "cfg.json");
+  EXPECT_TRUE(q.qkv_bias);  // qkv_bias's default
+  EXPECT_FALSE(q.o_bias);
+  EXPECT_EQ(q.shared_expert_intermediate_size, 24);
+  EXPECT_EQ(q.moe_intermediate_size, 16);
+  EXPECT_EQ(q.sparse_layers, std::vector<bool>({true, false}));
+  EXPECT_FALSE(q.norm_topk_prob);
 }
 
 }  // namespace

@@ -43,7 +43,11 @@ DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
         name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style, options));
   };
   self_attn = register_module("self_attn", Attention(config, type, options));
-  mlp = register_module("mlp", MLP(config, options));
+  if (config.is_moe() && config.sparse_layers.at(index)) {
+    moe = register_module("mlp", SparseMoeBlock(config, options));
+  } else {
+    mlp = register_module("mlp", MLP(config, options));
+  }
   if (!config.post_norms) input_layernorm = norm("input_layernorm");
   post_attention_layernorm = norm("post_attention_layernorm");
   if (config.sandwich_norms) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
@@ -69,19 +73,19 @@ at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const 
                                      const at::Tensor& mask) {
   if (!input_layernorm) {  // post_norms (olmo2): norms after the sublayers only
     x = x + post_attention_layernorm(self_attn(x, cos, sin, mask));
-    return x + post_feedforward_layernorm(mlp(x));
+    return x + post_feedforward_layernorm(feed_forward(x));
   }
   if (!pre_feedforward_layernorm) {    // without sandwich_norms
     if (residual_multiplier != 1.0) {  // granite
       x = x + self_attn(input_layernorm(x), cos, sin, mask) * residual_multiplier;
-      return x + mlp(post_attention_layernorm(x)) * residual_multiplier;
+      return x + feed_forward(post_attention_layernorm(x)) * residual_multiplier;
     }
     x = x + self_attn(input_layernorm(x), cos, sin, mask);
-    return x + mlp(post_attention_layernorm(x));
+    return x + feed_forward(post_attention_layernorm(x));
   }
   // sandwich_norms (gemma)
   x = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, mask));
-  return x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)));
+  return x + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(x)));
 }
 
 // Note [The embeddings and the head are units]
@@ -178,6 +182,15 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
   return norm(x);
 }
 
+std::vector<at::Tensor> DecoderModelImpl::router_logits() const {
+  std::vector<at::Tensor> logits;
+  for (const auto& unit : units) {
+    const SparseMoeBlock& moe = unit->module()->moe;
+    if (moe && moe->router_logits.defined()) logits.push_back(moe->router_logits);
+  }
+  return logits;
+}
+
 CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options)
     : config(config) {
   model = register_module("model", DecoderModel(config, options));
@@ -206,6 +219,14 @@ at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
     logits = at::tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping;
   }
   return logits;
+}
+
+at::Tensor CausalLMImpl::aux_loss() const {
+  TORCH_CHECK(config.is_moe(), "aux_loss: a ", config.model_type,
+              " decoder has no experts; the load-balancing loss is for the mixture-of-experts "
+              "families (qwen3_moe, mixtral, olmoe, qwen2_moe)");
+  return load_balancing_loss(model->router_logits(), config.num_experts,
+                             config.num_experts_per_tok);
 }
 
 PackedRowsScope::PackedRowsScope(CausalLMImpl& model, at::Tensor positions, at::Tensor segments)
@@ -239,6 +260,7 @@ KVCacheScope::~KVCacheScope() {
 void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* norm = module.as<RMSNormImpl>()) return norm->reset_parameters();
   if (auto* linear = module.as<lora::LoraLinearImpl>()) return linear->reset_parameters();
+  if (auto* experts = module.as<ExpertsImpl>()) return experts->reset_parameters();
   if (auto* embedding = module.as<torch::nn::EmbeddingImpl>()) embedding->reset_parameters();
 }
 

@@ -1,6 +1,8 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
 // MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM in LibTorch:
+// Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM and the
+// mixture-of-experts Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM and
+// Qwen2MoeForCausalLM in LibTorch:
 // one module tree whose per-family options come from a DecoderConfig (config.h), with the
 // families' own module and parameter names, so a checkpoint's tensors load under their own
 // names with no renaming:
@@ -25,6 +27,12 @@
 //   model.norm.weight                                [hidden_size]
 //   lm_head.weight                                   [vocab_size, hidden_size]; none when
 //                                                    tie_word_embeddings
+//
+// The sparse layers of the MoE families hold a router and fused experts as their mlp
+// (moe.h: mlp.gate.weight [E, hidden], mlp.experts.gate_up_proj [E, 2 I, hidden],
+// mlp.experts.down_proj [E, hidden, I]; qwen2_moe mlp.shared_expert.* and
+// mlp.shared_expert_gate.weight [1, hidden]); the checkpoints hold the experts one by one
+// (hf_checkpoint.cc, Note [Experts one by one in the checkpoint]).
 //
 // phi3 holds q, k, v and gate, up fused instead:
 //
@@ -88,6 +96,7 @@
 #include "models/attention.h"
 #include "models/config.h"
 #include "models/mlp.h"
+#include "models/moe.h"
 #include "models/rms_norm.h"
 
 namespace fsdp::models {
@@ -107,7 +116,10 @@ struct DecoderLayerImpl : torch::nn::Module {
   LayerType type;
   double residual_multiplier;
   Attention self_attn{nullptr};
+  // Registered as "mlp": the dense MLP, or in a sparse layer of a mixture-of-experts
+  // family (config.sparse_layers) the MoE block; the other is null.
   MLP mlp{nullptr};
+  SparseMoeBlock moe{nullptr};
   RMSNorm input_layernorm{nullptr};  // null with post_norms (norms after the sublayers only)
   RMSNorm post_attention_layernorm{nullptr};
   RMSNorm pre_feedforward_layernorm{nullptr};   // sandwich_norms
@@ -116,6 +128,7 @@ struct DecoderLayerImpl : torch::nn::Module {
  private:
   at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask);
+  at::Tensor feed_forward(const at::Tensor& x) { return moe ? moe(x) : mlp(x); }
 };
 
 // The keys and values of every decoder layer for the tokens run so far: generation runs
@@ -147,6 +160,9 @@ struct DecoderModelImpl : torch::nn::Module {
   torch::nn::ModuleList layers{nullptr};
   std::vector<Unit<DecoderLayerImpl>> units;  // the layers, typed
   RMSNorm norm{nullptr};
+  // Mixture-of-experts families: the sparse layers' router logits of the last forward
+  // ([batch * time, num_experts] each, with their graph), for load_balancing_loss.
+  std::vector<at::Tensor> router_logits() const;
   KVCache* cache = nullptr;  // set by KVCacheScope while it lives
 };
 TORCH_MODULE(DecoderModel);
@@ -160,6 +176,12 @@ TORCH_MODULE(DecoderModel);
 struct CausalLMImpl : torch::nn::Module {
   explicit CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& ids);
+  // Mixture-of-experts families: the last forward's load-balancing loss (moe.h's
+  // load_balancing_loss over every sparse layer's router logits, the config's top-k), a
+  // 0-dim fp32 tensor; the trainer adds config.router_aux_loss_coef times it to the loss.
+  // transformers: the output's aux_loss with output_router_logits=True. Throws c10::Error
+  // for a dense model or before a forward.
+  at::Tensor aux_loss() const;
 
   // Set by PackedRowsScope (both undefined outside one).
   struct PackedRows {
@@ -224,8 +246,8 @@ class KVCacheScope {
 
 // The init function for FullyShardedRoot::init_parameters of a decoder built on the meta
 // device: gives `module`'s own parameters, in place, the values its constructor gives on
-// a real device (RMSNormImpl, LoraLinearImpl and torch::nn::EmbeddingImpl each by its
-// reset_parameters; other modules have no parameters of their own). With the same seed
+// a real device (RMSNormImpl, LoraLinearImpl, ExpertsImpl and torch::nn::EmbeddingImpl
+// each by its reset_parameters; other modules have no parameters of their own). With the same seed
 // (torch::manual_seed before init_parameters) the shards equal a CPU build's chunks.
 // Adapters (lora_A, lora_B) are not the decoder's: apply_lora gives them values.
 void reset_decoder_parameters(torch::nn::Module& module);

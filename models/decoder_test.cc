@@ -34,6 +34,17 @@ DecoderConfig tiny_llama(bool tied) {
       "tiny.json");
 }
 
+// A small Qwen2-MoE: 4 experts of width 16, top-2, a shared expert, layer 1 dense.
+DecoderConfig tiny_qwen2_moe() {
+  return parse_decoder_config(
+      R"({"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+        "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1],
+        "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "vocab_size": 64})",
+      "tiny.json");
+}
+
 // Ranks are threads: one seeds and draws from the default generator at a time.
 std::mutex& draw_mutex() {
   static std::mutex mutex;
@@ -43,9 +54,12 @@ std::mutex& draw_mutex() {
 at::Tensor tokens() { return (at::arange(18, at::kLong).view({2, 9}) * 7) % 64; }
 
 TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
-  for (bool tied : {false, true}) {
-    SCOPED_TRACE(tied ? "tied head" : "own head");
-    const DecoderConfig config = tiny_llama(tied);
+  // The experts too (ExpertsImpl's reset_parameters, in the constructors' order).
+  for (const auto& [label, config] :
+       {std::pair("own head", tiny_llama(false)), std::pair("tied head", tiny_llama(true)),
+        std::pair("qwen2_moe", tiny_qwen2_moe())}) {
+    SCOPED_TRACE(label);
+    const bool tied = config.tie_word_embeddings;
     std::shared_ptr<CausalLMImpl> cpu;
     {
       std::lock_guard<std::mutex> lock(draw_mutex());

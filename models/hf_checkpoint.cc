@@ -10,6 +10,7 @@
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/lora/adapter_file.h"
 #include "fsdp/state/safetensors_state_dict.h"
+#include "models/config.h"
 
 namespace fsdp::models {
 namespace {
@@ -37,6 +38,62 @@ void remove_old_weights(const std::string& out_dir) {
   }
 }
 
+// Note [Experts one by one in the checkpoint]
+// The decoder holds a sparse layer's experts fused, as transformers 5.x does in memory
+// (moe.h): mlp.experts.gate_up_proj [E, 2 I, H] and mlp.experts.down_proj [E, H, I]. The
+// checkpoints on the Hub, and those transformers 5.x's save_pretrained writes (its
+// conversion_mapping's WeightConverters run backwards), hold them one by one:
+// mlp.experts.E.gate_proj.weight [I, H], up_proj, down_proj [H, I] (Mixtral:
+// block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down), and block_sparse_moe.gate
+// for the router). Expert e's gate rows, then its up rows, are contiguous in the fused
+// tensor's elements, as is its down matrix, so each per-expert tensor is one contiguous
+// run of the fused parameter's elements: a SafetensorsSplit, read by each rank only where
+// it overlaps the rank's shards and written back piece by piece from the gathered unit,
+// bit for bit. No renaming table beyond this: every other name is the module's own.
+struct ExpertNames {
+  std::string block = "mlp", gate = "gate_proj", up = "up_proj", down = "down_proj";
+};
+
+// The names of `dir`'s experts (from its config.json; Qwen's when it has none).
+ExpertNames expert_names(const std::string& dir) {
+  const std::filesystem::path config = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::exists(config)) return {};
+  if (!load_decoder_config(config.string()).block_sparse_moe_names) return {};
+  return {"block_sparse_moe", "w1", "w3", "w2"};
+}
+
+// Mixtral: the block's name on disk.
+SafetensorsRename rename_of(const ExpertNames& names) {
+  if (names.block == "mlp") return nullptr;
+  return [block = "." + names.block + "."](const std::string& fqn) {
+    const size_t at = fqn.find(".mlp.");
+    return at == std::string::npos ? fqn : fqn.substr(0, at) + block + fqn.substr(at + 5);
+  };
+}
+
+SafetensorsSplit split_of(const ExpertNames& names) {
+  return [names](const std::string& fqn, c10::IntArrayRef shape) {
+    std::vector<SafetensorsPiece> pieces;
+    static constexpr char kFused[] = ".mlp.experts.";
+    const size_t at = fqn.rfind(kFused);
+    if (at == std::string::npos || shape.size() != 3) return pieces;
+    const std::string tensor = fqn.substr(at + sizeof(kFused) - 1);
+    const std::string prefix = fqn.substr(0, at) + "." + names.block + ".experts.";
+    const auto piece = [&](int64_t e, const std::string& name, int64_t rows) {
+      pieces.push_back({prefix + std::to_string(e) + "." + name + ".weight", {rows, shape[2]}});
+    };
+    for (int64_t e = 0; e < shape[0]; ++e) {
+      if (tensor == "gate_up_proj") {
+        piece(e, names.gate, shape[1] / 2);
+        piece(e, names.up, shape[1] / 2);
+      } else if (tensor == "down_proj") {
+        piece(e, names.down, shape[1]);
+      }
+    }
+    return pieces;
+  };
+}
+
 }  // namespace
 
 at::ScalarType hf_weights_dtype(const std::string& dir) {
@@ -57,17 +114,26 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
 }
 
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
+  const ExpertNames names = expert_names(dir);  // See Note [Experts one by one in the checkpoint]
   load_safetensors(model, dir,
-                   LoadSafetensorsOptions().skip(lora::is_adapter_key).cast_floating(true));
+                   LoadSafetensorsOptions()
+                       .skip(lora::is_adapter_key)
+                       .cast_floating(true)
+                       .rename(rename_of(names))
+                       .split(split_of(names)));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
-  save_safetensors(
-      model, out_dir,
-      SaveSafetensorsOptions().max_shard_size(max_shard_size).dtype(hf_weights_dtype(from_dir)));
+  const ExpertNames names = expert_names(from_dir);
+  save_safetensors(model, out_dir,
+                   SaveSafetensorsOptions()
+                       .max_shard_size(max_shard_size)
+                       .dtype(hf_weights_dtype(from_dir))
+                       .rename(rename_of(names))
+                       .split(split_of(names)));
 }
 
 // Note [Merging LoRA adapters one unit at a time]
@@ -103,7 +169,9 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
                        .max_shard_size(max_shard_size)
                        .dtype(hf_weights_dtype(from_dir))
                        .skip(lora::is_adapter_key)
-                       .transform(merge));
+                       .transform(merge)
+                       .rename(rename_of(expert_names(from_dir)))
+                       .split(split_of(expert_names(from_dir))));
   if (lead) lora::save_adapter(adapters, config, adapter_dir);
 }
 

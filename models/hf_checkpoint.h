@@ -17,7 +17,11 @@
 // Names both ways: every family the decoder builds (config.h) names its tensors in the
 // checkpoint as transformers' *ForCausalLM names its parameters, and the decoder's modules
 // carry those names (decoder.h), so the mapping is the identity in both directions and no
-// renaming happens (fsdp/state/safetensors_state_dict.h does the reading and writing); a
+// renaming happens (fsdp/state/safetensors_state_dict.h does the reading and writing),
+// except for the mixture-of-experts families' experts, fused in the decoder and one by one
+// in the checkpoint (each per-expert tensor a contiguous run of the fused one, read and
+// written by the rank's overlap; Mixtral's block_sparse_moe named as the checkpoint does;
+// the family from the folder's config.json); a
 // folder whose names differ (a multimodal "gemma3" folder's model.language_model.*) is
 // refused by its config. PyTorch / transformers: AutoModelForCausalLM.from_pretrained /
 // save_pretrained(max_shard_size=...).

@@ -9,6 +9,10 @@ namespace fsdp::models {
 
 std::vector<std::string> lora_target_modules(const DecoderConfig& config) {
   if (config.fused_projections) return {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  const bool dense_mlp = !config.is_moe() || config.shared_expert_intermediate_size > 0 ||
+                         std::find(config.sparse_layers.begin(), config.sparse_layers.end(),
+                                   false) != config.sparse_layers.end();
+  if (!dense_mlp) return {"q_proj", "k_proj", "v_proj", "o_proj"};
   return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 }
 

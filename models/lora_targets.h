@@ -6,7 +6,10 @@
 //
 // Every family but phi3 has the same seven projections: q_proj, k_proj, v_proj, o_proj
 // (attention) and gate_proj, up_proj, down_proj (MLP); phi3 has its fused qkv_proj and
-// gate_up_proj instead (with o_proj and down_proj). The norms, embeddings and head take
+// gate_up_proj instead (with o_proj and down_proj). The mixture-of-experts families
+// (config.is_moe()) have the MLP's three only where a dense MLP is (qwen2_moe's shared
+// expert, layers in mlp_only_layers or off decoder_sparse_step); their fused experts are
+// no Linear and take none, nor does the router. The norms, embeddings and head take
 // none. default_lora_targets returns PEFT's defaults
 // (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): q_proj and v_proj, qkv_proj for
 // phi3. Pure functions, no errors raised.

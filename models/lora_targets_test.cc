@@ -28,5 +28,24 @@ TEST(LoraTargetsTest, EveryProjectionAndNothingElse) {
             "some of qkv_proj, o_proj, gate_up_proj, down_proj");
 }
 
+// The fused experts and the router are no Linear: an all-sparse MoE decoder adapts its
+// attention only; a dense MLP somewhere (a shared expert, a dense layer) brings the three.
+TEST(LoraTargetsTest, MixtureOfExpertsAdaptsItsDenseMlpsOnly) {
+  DecoderConfig config;
+  config.model_type = "mixtral";
+  config.num_experts = 4;
+  config.sparse_layers = {true, true};
+  EXPECT_EQ(lora_target_modules(config),
+            (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}));
+  EXPECT_EQ(lora_targets_error(config, {"gate_proj"}),
+            "--lora_target_modules: \"gate_proj\" is not a module of a mixtral decoder; expected "
+            "some of q_proj, k_proj, v_proj, o_proj");
+  config.sparse_layers = {true, false};  // mlp_only_layers [1]
+  EXPECT_EQ(lora_target_modules(config).size(), 7u);
+  config.sparse_layers = {true, true};
+  config.shared_expert_intermediate_size = 8;  // qwen2_moe
+  EXPECT_EQ(lora_target_modules(config).size(), 7u);
+}
+
 }  // namespace
 }  // namespace fsdp::models

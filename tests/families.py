@@ -1,6 +1,8 @@
 """The Python half of families_test.sh: each decoder family of //models against transformers.
 
-    families.py make DIR    one tiny checkpoint per variant below, written by transformers'
+    families.py make DIR [SET]
+                            one tiny checkpoint per variant of SET (dense: VARIANTS, the
+                            default; moe: MOE_VARIANTS), written by transformers'
                             save_pretrained (DIR/<variant>/model; the 4.x variants' config.json
                             then rewritten by hand in transformers 4.x spellings), token files
                             DIR/train.bin and DIR/eval.bin, DIR/variants.txt ("name trains
@@ -123,6 +125,39 @@ VARIANTS = {
     ]),
 }
 
+# The mixture-of-experts families: 8 or 4 experts, top-2, experts of width 16; the
+# checkpoints hold the experts one by one (save_pretrained's names), fsdp fuses them.
+MOE = dict(SMALL, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+MOE_VARIANTS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(MOE, head_dim=16, moe_intermediate_size=16,
+                                         num_experts=8, num_experts_per_tok=2,
+                                         norm_topk_prob=True, mlp_only_layers=[2]), True, None, [
+        ("norm_topk_prob off", {"norm_topk_prob": False}, None),
+        ("top-2 -> top-1", {"num_experts_per_tok": 1}, None),
+        ("router zeroed (uniform routing)", {}, "router"),
+        ("q/k norm weights -> 1", {}, "qk_norm"),
+    ]),
+    "mixtral": ("MixtralConfig", dict(MOE, intermediate_size=16, num_local_experts=4,
+                                      num_experts_per_tok=2), False, None, [
+        ("top-2 -> top-1", {"num_experts_per_tok": 1}, None),
+        ("router zeroed (uniform routing)", {}, "router"),
+    ]),
+    "olmoe": ("OlmoeConfig", dict(MOE, intermediate_size=16, num_experts=4,
+                                  num_experts_per_tok=2, norm_topk_prob=False), False, None, [
+        ("norm_topk_prob on", {"norm_topk_prob": True}, None),
+        ("full-width q/k norm weights -> 1", {}, "qk_norm"),
+    ]),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=24, num_experts=4,
+                                         num_experts_per_tok=2, mlp_only_layers=[0]), False,
+                  None, [
+        ("shared_expert_gate zeroed (sigmoid 1/2)", {}, "shared_gate"),
+        ("q/k/v biases zeroed", {}, "bias"),
+        ("norm_topk_prob on", {"norm_topk_prob": True}, None),
+    ]),
+}
+SETS = {"dense": VARIANTS, "moe": MOE_VARIANTS}
+
 
 def load(folder, config=None):
     from transformers import AutoModelForCausalLM
@@ -155,6 +190,8 @@ def sharpen(model, family):
                 p.mul_(3.0)
             elif name.endswith("qkv_proj.weight"):  # phi3: the rows of 4 q and 2 k heads of 8
                 p[: p.shape[0] * 3 // 4].mul_(3.0)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
+                p.mul_(3.0)  # the experts' outputs and the router's choices count
             elif name.endswith("norm.weight"):
                 # Gemma's norms scale by (1 + w); Qwen3's q/k norms as Llama's by w.
                 p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
@@ -187,10 +224,14 @@ def ablate(folder, family, overrides, edit, w):
                 p.zero_()
             if edit == "qk_norm" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.fill_(0.0 if family.startswith("gemma") else 1.0)
+            if edit == "router" and name.endswith("mlp.gate.weight"):
+                p.zero_()
+            if edit == "shared_gate" and name.endswith("shared_expert_gate.weight"):
+                p.zero_()
     return loss_of(model, w)
 
 
-def make(root):
+def make(root, variants):
     import transformers
 
     token_stream(4000, 1).tofile(os.path.join(root, "train.bin"))
@@ -198,7 +239,7 @@ def make(root):
     w = windows(root)
     failed = 0
     with open(os.path.join(root, "variants.txt"), "w") as listing:
-        for name, (cls, kwargs, trains, handwritten, ablations) in VARIANTS.items():
+        for name, (cls, kwargs, trains, handwritten, ablations) in variants.items():
             torch.manual_seed(0)
             config = getattr(transformers, cls)(**kwargs)
             model = transformers.AutoModelForCausalLM.from_config(config)
@@ -226,6 +267,7 @@ def make(root):
                 print(f"  {what}: loss changes by {change:.3g} relative "
                       f"({'ok' if ok else 'FAIL'}: >= {5 * TOLERANCE:g})")
             targets = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cls == "Phi3Config"
+                       else ["q_proj", "k_proj", "v_proj", "o_proj"] if variants is MOE_VARIANTS
                        else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"])
             listing.write(f"{name} {int(trains)} {','.join(targets)}\n")
@@ -304,7 +346,7 @@ if __name__ == "__main__":
     transformers.utils.logging.disable_progress_bar()
     command, root = sys.argv[1], sys.argv[2]
     if command == "make":
-        sys.exit(1 if make(root) else 0)
+        sys.exit(1 if make(root, SETS[sys.argv[3] if len(sys.argv) > 3 else "dense"]) else 0)
     elif command == "check":
         sys.exit(1 if check(root) else 0)
     else:

@@ -9,14 +9,17 @@
 # relative of transformers' (eager, fp32) and every tensor written back bit for bit; full
 # and LoRA fine-tunes (every projection adapted) at W = 3 lower the eval loss, and transformers (the written folder)
 # and PEFT (base + adapter) compute the eval loss fsdp printed.
-#   families_test.sh FINETUNE FAMILIES_PY PYTHON
+# With SET "moe" (moe_families_test): the mixture-of-experts families instead (Qwen3-MoE
+# with a dense layer and renormalised top-k, Mixtral, OLMoE, Qwen2-MoE with its shared
+# expert), experts one by one in the checkpoints and fused in fsdp; Qwen3-MoE trains.
+#   families_test.sh FINETUNE FAMILIES_PY PYTHON [SET]
 set -euo pipefail
-finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON}
-script=${2:?} python=${3:?}
+finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON [dense|moe]}
+script=${2:?} python=${3:?} set=${4:-dense}
 dir=${TEST_TMPDIR:-$(mktemp -d)}/families
 rm -rf "$dir" && mkdir -p "$dir"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-"$python" "$script" make "$dir"
+"$python" "$script" make "$dir" "$set"
 while read -r name trains targets; do
   d="$dir/$name"
   common=(--from="$d/model" --data="$dir/train.bin" --eval_data="$dir/eval.bin" --context=40

@@ -29,10 +29,46 @@ struct Group {
   std::vector<size_t> entries;     // positions in the entries, state-dict order
   std::vector<std::string> names;  // their names in the files
   std::string chosen;              // the name read (load) or written (save)
+  // A split entry (SafetensorsSplit): the tensors in the files holding it, and where each
+  // begins among the entry's elements; empty otherwise.
+  std::vector<SafetensorsPiece> pieces;
+  std::vector<int64_t> offsets;
 };
 
+// The entry's shape and dtype in the model.
+std::pair<std::vector<int64_t>, at::ScalarType> model_spec(const Entry& entry) {
+  if (entry.handle == nullptr) return {entry.tensor.sizes().vec(), entry.tensor.scalar_type()};
+  return {entry.handle->param_infos()[entry.info].shape,
+          entry.handle->sharded_flat_param().scalar_type()};
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t size : shape) n *= size;
+  return n;
+}
+
+// Gives `group` the pieces `split` holds its entry in, if any.
+void split_group(Group& group, const std::vector<Entry>& entries, const SafetensorsSplit& split) {
+  const Entry& entry = entries[group.entries.front()];
+  const std::vector<int64_t> shape = model_spec(entry).first;
+  group.pieces = split(entry.fqn, shape);
+  if (group.pieces.empty()) return;
+  TORCH_CHECK(group.entries.size() == 1, "safetensors: '", entry.fqn,
+              "' is tied to another entry and cannot be split into pieces; split only untied "
+              "entries");
+  int64_t offset = 0;
+  for (const SafetensorsPiece& piece : group.pieces) {
+    group.offsets.push_back(offset);
+    offset += numel_of(piece.shape);
+  }
+  TORCH_CHECK(offset == numel_of(shape), "safetensors: the pieces of '", entry.fqn, "' hold ",
+              offset, " elements but the entry has ", numel_of(shape), " (shape ",
+              state_internal::shape_string(shape), "); the split must cover it exactly");
+}
+
 std::vector<Group> groups_of(const std::vector<Entry>& entries, const SafetensorsRename& rename,
-                             const SafetensorsSkip& skip) {
+                             const SafetensorsSkip& skip, const SafetensorsSplit& split) {
   std::vector<Group> groups;
   absl::flat_hash_map<std::pair<const void*, size_t>, size_t> group_of;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -55,14 +91,10 @@ std::vector<Group> groups_of(const std::vector<Entry>& entries, const Safetensor
                      [&](const Group& group) { return skip(entries[group.entries.front()].fqn); }),
                  groups.end());
   }
+  if (split) {
+    for (Group& group : groups) split_group(group, entries, split);
+  }
   return groups;
-}
-
-// The entry's shape and dtype in the model.
-std::pair<std::vector<int64_t>, at::ScalarType> model_spec(const Entry& entry) {
-  if (entry.handle == nullptr) return {entry.tensor.sizes().vec(), entry.tensor.scalar_type()};
-  return {entry.handle->param_infos()[entry.info].shape,
-          entry.handle->sharded_flat_param().scalar_type()};
 }
 
 // Picks each group's name in `ckpt` and checks names, shapes and dtypes.
@@ -72,6 +104,13 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
   std::vector<std::string> expected;
   absl::flat_hash_set<std::string> known;
   for (Group& group : groups) {
+    if (!group.pieces.empty()) {
+      for (const SafetensorsPiece& piece : group.pieces) {
+        known.insert(piece.name);
+        expected.push_back(piece.name);
+      }
+      continue;
+    }
     for (const std::string& name : group.names) {
       known.insert(name);
       if (ckpt.contains(name) && !ckpt.contains(group.chosen)) group.chosen = name;
@@ -79,7 +118,7 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
     expected.push_back(group.chosen);
   }
   std::vector<std::string> found;
-  absl::flat_hash_set<std::string> chosen(expected.begin(), expected.end());
+  const absl::flat_hash_set<std::string> chosen(expected.begin(), expected.end());
   for (const std::string& name : ckpt.names()) {
     // A tied alias beside the chosen name is fine; a name the model lacks is unexpected.
     if (chosen.contains(name) || (!known.contains(name) && !options.allow_unexpected())) {
@@ -87,12 +126,11 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
     }
   }
   state_internal::check_same_keys(expected, found, what + ": '" + path + "'");
-  for (const Group& group : groups) {
-    const SafetensorsTensorInfo& info = ckpt.info(group.chosen);
-    const Entry& entry = entries[group.entries.front()];
-    const auto [shape, dtype] = model_spec(entry);
-    const std::string where = absl::StrCat("'", entry.fqn, "' (tensor '", group.chosen, "' in '",
-                                           ckpt.file_of(group.chosen).path(), "')");
+  const auto check = [&](const Entry& entry, const std::string& name,
+                         const std::vector<int64_t>& shape, at::ScalarType dtype) {
+    const SafetensorsTensorInfo& info = ckpt.info(name);
+    const std::string where = absl::StrCat("'", entry.fqn, "' (tensor '", name, "' in '",
+                                           ckpt.file_of(name).path(), "')");
     TORCH_CHECK(info.shape == shape, what, ": size mismatch for ", where, ": the file has shape ",
                 state_internal::shape_string(info.shape), ", the model has ",
                 state_internal::shape_string(shape));
@@ -103,6 +141,12 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
                 c10::toString(dtype),
                 "; convert one of them first, or pass cast_floating (fsdp does not cast "
                 "silently)");
+  };
+  for (const Group& group : groups) {
+    const Entry& entry = entries[group.entries.front()];
+    const auto [shape, dtype] = model_spec(entry);
+    if (group.pieces.empty()) check(entry, group.chosen, shape, dtype);
+    for (const SafetensorsPiece& piece : group.pieces) check(entry, piece.name, piece.shape, dtype);
   }
 }
 
@@ -117,6 +161,21 @@ void read_into(const SafetensorsCheckpoint& ckpt, const std::string& name, int64
   }
 }
 
+// Reads the entry's elements [begin, begin + numel) into `out` (flat), from the one tensor
+// holding it or from the pieces holding them (each only for its overlap).
+void read_group_range(const SafetensorsCheckpoint& ckpt, const Group& group, int64_t begin,
+                      int64_t numel, const at::Tensor& out) {
+  if (group.pieces.empty()) return read_into(ckpt, group.chosen, begin, numel, out);
+  for (size_t i = 0; i < group.pieces.size(); ++i) {
+    const int64_t piece_begin = group.offsets[i];
+    const int64_t piece_end = piece_begin + numel_of(group.pieces[i].shape);
+    const int64_t from = std::max(begin, piece_begin), to = std::min(begin + numel, piece_end);
+    if (from >= to) continue;
+    read_into(ckpt, group.pieces[i].name, from - piece_begin, to - from,
+              out.narrow(0, from - begin, to - from));
+  }
+}
+
 void load_groups(const std::vector<Entry>& entries, const std::vector<Group>& groups,
                  const SafetensorsCheckpoint& ckpt) {
   torch::NoGradGuard no_grad;
@@ -124,14 +183,20 @@ void load_groups(const std::vector<Entry>& entries, const std::vector<Group>& gr
     const Entry& entry = entries[group.entries.front()];
     if (entry.handle == nullptr) {
       const at::Tensor target = entry.tensor.detach();
-      read_into(ckpt, group.chosen, 0, target.numel(), target);
+      if (group.pieces.empty()) {
+        read_into(ckpt, group.chosen, 0, target.numel(), target);
+      } else {
+        const at::Tensor flat = target.contiguous().view(-1);
+        read_group_range(ckpt, group, 0, flat.numel(), flat);
+        if (!flat.is_same(target)) target.copy_(flat.view(target.sizes()));
+      }
       continue;
     }
     const state_internal::ParamSlice slice = state_internal::param_slice(*entry.handle, entry.info);
     if (slice.numel == 0) continue;
     const at::Tensor shard =
         entry.handle->sharded_flat_param().detach().narrow(0, slice.shard_begin, slice.numel);
-    read_into(ckpt, group.chosen, slice.param_begin, slice.numel, shard);
+    read_group_range(ckpt, group, slice.param_begin, slice.numel, shard);
   }
 }
 
@@ -140,15 +205,35 @@ at::ScalarType written_dtype(at::ScalarType tensor_dtype, const SaveSafetensorsO
   return options.dtype() && at::isFloatingType(tensor_dtype) ? *options.dtype() : tensor_dtype;
 }
 
-SafetensorsTensorSpec spec_of(const Group& group, const Entry& entry,
-                              const SaveSafetensorsOptions& options) {
+// What `group` is written as: one tensor, or its pieces.
+void add_specs(const Group& group, const Entry& entry, const SaveSafetensorsOptions& options,
+               std::vector<SafetensorsTensorSpec>& specs) {
   auto [shape, dtype] = model_spec(entry);
-  return {group.chosen, written_dtype(dtype, options), std::move(shape)};
+  if (group.pieces.empty()) {
+    specs.push_back({group.chosen, written_dtype(dtype, options), std::move(shape)});
+  }
+  for (const SafetensorsPiece& piece : group.pieces) {
+    specs.push_back({piece.name, written_dtype(dtype, options), piece.shape});
+  }
 }
 
 // `tensor` in the dtype it is written in.
 at::Tensor as_written(const at::Tensor& tensor, const SaveSafetensorsOptions& options) {
   return tensor.to(written_dtype(tensor.scalar_type(), options));
+}
+
+// Writes `value` (already transformed) as `group`: one tensor, or its pieces.
+void write_group(SafetensorsFolderWriter& writer, const Group& group, const at::Tensor& value,
+                 const SaveSafetensorsOptions& options) {
+  if (group.pieces.empty()) return writer.write(group.chosen, as_written(value, options));
+  const at::Tensor flat = value.reshape(-1);
+  for (size_t i = 0; i < group.pieces.size(); ++i) {
+    const SafetensorsPiece& piece = group.pieces[i];
+    writer.write(
+        piece.name,
+        as_written(flat.narrow(0, group.offsets[i], numel_of(piece.shape)).view(piece.shape),
+                   options));
+  }
 }
 
 }  // namespace
@@ -158,7 +243,8 @@ void load_safetensors(FullyShardedRoot& model, const std::string& path,
   static const std::string kWhat = "load_safetensors";
   const ModelLayout layout = state_internal::model_layout(model, kWhat.c_str());
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
-  std::vector<Group> groups = groups_of(layout.entries, options.rename(), options.skip());
+  std::vector<Group> groups =
+      groups_of(layout.entries, options.rename(), options.skip(), options.split());
   match(groups, layout.entries, ckpt, path, options, kWhat);
   load_groups(layout.entries, groups, ckpt);
 }
@@ -168,7 +254,7 @@ void load_module_safetensors(torch::nn::Module& module, const std::string& path,
   static const std::string kWhat = "load_module_safetensors";
   const std::vector<Entry> entries = state_internal::module_entries(module);
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
-  std::vector<Group> groups = groups_of(entries, options.rename(), options.skip());
+  std::vector<Group> groups = groups_of(entries, options.rename(), options.skip(), options.split());
   match(groups, entries, ckpt, path, options, kWhat);
   load_groups(entries, groups, ckpt);
 }
@@ -176,7 +262,8 @@ void load_module_safetensors(torch::nn::Module& module, const std::string& path,
 std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::string& dir,
                                           const SaveSafetensorsOptions& options) {
   const ModelLayout layout = state_internal::model_layout(model, "save_safetensors");
-  const std::vector<Group> groups = groups_of(layout.entries, options.rename(), options.skip());
+  const std::vector<Group> groups =
+      groups_of(layout.entries, options.rename(), options.skip(), options.split());
   // Written in gathering order: tensors outside the units, then each unit's parameters
   // (its flat parameters in order).
   std::vector<const Group*> order;
@@ -192,7 +279,7 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
   if (layout.rank == 0) {
     std::vector<SafetensorsTensorSpec> specs;
     for (const Group* group : order) {
-      specs.push_back(spec_of(*group, layout.entries[group->entries.front()], options));
+      add_specs(*group, layout.entries[group->entries.front()], options, specs);
     }
     writer = std::make_unique<SafetensorsFolderWriter>(
         dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
@@ -210,10 +297,9 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
       if (!in_unit(entry)) break;
       if (!writer) continue;
       const at::Tensor value = value_of(entry);
-      writer->write(
-          order[next]->chosen,
-          as_written(options.transform() ? options.transform()(entry.fqn, value, unit) : value,
-                     options));
+      write_group(*writer, *order[next],
+                  options.transform() ? options.transform()(entry.fqn, value, unit) : value,
+                  options);
     }
   };
   // The entries (all names) of the unit `handles` belong to, or outside the units.
@@ -256,10 +342,11 @@ std::vector<std::string> save_module_safetensors(const torch::nn::Module& module
                                                  const std::string& dir,
                                                  const SaveSafetensorsOptions& options) {
   const std::vector<Entry> entries = state_internal::module_entries(module);
-  const std::vector<Group> groups = groups_of(entries, options.rename(), options.skip());
+  const std::vector<Group> groups =
+      groups_of(entries, options.rename(), options.skip(), options.split());
   std::vector<SafetensorsTensorSpec> specs;
   for (const Group& group : groups) {
-    specs.push_back(spec_of(group, entries[group.entries.front()], options));
+    add_specs(group, entries[group.entries.front()], options, specs);
   }
   SafetensorsFolderWriter writer(
       dir, std::move(specs), SafetensorsWriteOptions().max_shard_size(options.max_shard_size()));
@@ -269,10 +356,10 @@ std::vector<std::string> save_module_safetensors(const torch::nn::Module& module
   }
   for (const Group& group : groups) {
     const Entry& entry = entries[group.entries.front()];
-    writer.write(group.chosen,
-                 as_written(options.transform() ? options.transform()(entry.fqn, entry.tensor, all)
-                                                : entry.tensor,
-                            options));
+    write_group(
+        writer, group,
+        options.transform() ? options.transform()(entry.fqn, entry.tensor, all) : entry.tensor,
+        options);
   }
   return writer.commit();
 }

@@ -45,6 +45,21 @@ using SafetensorsRename = std::function<std::string(const std::string& fqn)>;
 // Model FQN (cleaned) -> whether the entry is left out.
 using SafetensorsSkip = std::function<bool(const std::string& fqn)>;
 
+// One tensor in the files holding a contiguous run of a model entry's elements.
+struct SafetensorsPiece {
+  std::string name;            // its name in the files
+  std::vector<int64_t> shape;  // its shape there
+};
+// Model FQN (cleaned) and shape -> the tensors in the files that hold the entry, in order:
+// their elements, each flattened and concatenated, are the entry's flattened. Empty: the
+// entry is the one tensor rename(fqn) of its own shape. E.g. a mixture-of-experts layer's
+// experts fused in the model as gate_up_proj [E, 2 I, H] held per expert in the files
+// (gate [I, H], then up [I, H], of expert 0, then of expert 1, ...): models/hf_checkpoint.h.
+// A split entry cannot be tied to another. transformers: the WeightConverter of a
+// family's conversion_mapping (MergeModulelist, Concatenate) in both directions.
+using SafetensorsSplit =
+    std::function<std::vector<SafetensorsPiece>(const std::string& fqn, c10::IntArrayRef shape)>;
+
 struct LoadSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Tensors in the files that the model lacks are skipped instead of an error.
@@ -60,6 +75,9 @@ struct LoadSafetensorsOptions {
   // so the peak rises by that piece too. Other dtype differences stay errors.
   // transformers: from_pretrained(torch_dtype=...).
   TORCH_ARG(bool, cast_floating) = false;
+  // Entries held in the files as several tensors (rename is not applied to them): each
+  // rank reads only the pieces' bytes within its shards.
+  TORCH_ARG(SafetensorsSplit, split) = nullptr;
 };
 
 // Loads a .safetensors file or a Hugging Face folder (safetensors.h) into `model`: each
@@ -93,6 +111,8 @@ struct SaveSafetensorsOptions {
   // as the bf16 checkpoint they came from, rounded to nearest); none: the model's own.
   // Other tensors keep theirs.
   TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
+  // Entries written as several tensors (after `transform`; rename is not applied to them).
+  TORCH_ARG(SafetensorsSplit, split) = nullptr;
 };
 
 // Writes the full model to the folder `dir` as save_pretrained does (safetensors.h:

@@ -154,6 +154,52 @@ TEST(SaveSafetensors, WritesTheFullModelFromRankZeroOnly) {
   }
 }
 
+// A split entry is held in the files as several tensors (here each matrix as its rows,
+// "<fqn>.row<i>"): each rank reads its shards' elements from the pieces, at W = 1, 2, 3
+// (W = 3 cuts rows across ranks), and saving writes the pieces back, equal to the rows.
+TEST(SafetensorsSplit, AnEntryHeldAsSeveralTensorsLoadsAndSavesByPiece) {
+  const StateDict want = distinct_values(*make<NormedImpl>());
+  const SafetensorsSplit rows = [](const std::string& fqn, c10::IntArrayRef shape) {
+    std::vector<SafetensorsPiece> pieces;
+    if (shape.size() != 2) return pieces;
+    for (int64_t i = 0; i < shape[0]; ++i) {
+      pieces.push_back({fqn + ".row" + std::to_string(i), {shape[1]}});
+    }
+    return pieces;
+  };
+  StateDict held;  // as the files hold it
+  int64_t split = 0;
+  for (const auto& item : want) {
+    const std::vector<SafetensorsPiece> pieces = rows(item.key(), item.value().sizes());
+    if (pieces.empty()) held.insert(item.key(), item.value());
+    for (size_t i = 0; i < pieces.size(); ++i) held.insert(pieces[i].name, item.value()[i]);
+    split += !pieces.empty();
+  }
+  ASSERT_GT(split, 0);
+  const std::string dir = temp_dir() + "/rows";
+  write_folder(dir, held, /*max_shard_size=*/100);
+  for (int world_size : {1, 2, 3}) {
+    SCOPED_TRACE(testing::Message() << "W = " << world_size);
+    const std::string out = temp_dir() + "/out";
+    on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
+      auto model = wrap<NormedImpl>(comm);
+      load_safetensors(*model, dir, LoadSafetensorsOptions().split(rows));
+      expect_equal(full_state_dict(*model), want);
+      save_safetensors(*model, out, SaveSafetensorsOptions().split(rows).max_shard_size(100));
+    });
+    const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(out);
+    ASSERT_EQ(ckpt.names().size(), held.size());
+    for (const auto& item : held) EXPECT_TRUE(at::equal(ckpt.read(item.key()), item.value()));
+  }
+  // Without the split, the rows are unexpected and the matrices missing.
+  EXPECT_THAT(error_of([&] {
+                on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+                  load_safetensors(*wrap<NormedImpl>(comm), dir);
+                });
+              }),
+              ::testing::HasSubstr(".row0"));
+}
+
 // skip leaves entries out both ways; transform sees each unit's entries gathered
 // together, also a unit that splits into a frozen and a trainable flat parameter (l1).
 TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {

@@ -25,6 +25,12 @@ void read_qwen2_config(const ConfigFields& fields, models::DecoderConfig& config
 void read_qwen3_config(const ConfigFields& fields, models::DecoderConfig& config);
 void read_olmo2_config(const ConfigFields& fields, models::DecoderConfig& config);
 
+// The mixture-of-experts families (moe_configs.cc).
+void read_qwen3_moe_config(const ConfigFields& fields, models::DecoderConfig& config);
+void read_mixtral_config(const ConfigFields& fields, models::DecoderConfig& config);
+void read_olmoe_config(const ConfigFields& fields, models::DecoderConfig& config);
+void read_qwen2_moe_config(const ConfigFields& fields, models::DecoderConfig& config);
+
 // Gemma 2 and Gemma 3's language model (gemma_configs.cc).
 void read_gemma2_config(const ConfigFields& fields, models::DecoderConfig& config);
 void read_gemma3_text_config(const ConfigFields& fields, models::DecoderConfig& config);

@@ -1,0 +1,167 @@
+// The readers of the mixture-of-experts families: each family's attention and layer as
+// its dense relative's (Qwen3, Mistral, OLMo 2 with norms before the sublayers, Qwen2),
+// and the router and experts' fields. See config_families.h and moe.h.
+#include <algorithm>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#include "models/internal/config_families.h"
+
+namespace fsdp::models_internal {
+
+using models::DecoderConfig;
+using models::LayerType;
+using nlohmann::json;
+
+namespace {
+
+// A SwiGLU family without soft-caps (as llama_configs.cc's).
+void read_swiglu_family(const ConfigFields& fields, const DecoderConfig& config) {
+  fields.require("hidden_act", "silu", "the MLP and experts are SwiGLU (hidden_act \"silu\")");
+  fields.refuse("attn_logit_softcapping",
+                "the " + config.model_type + " attention has no soft-cap");
+  fields.refuse("final_logit_softcapping", "the " + config.model_type + " head has no soft-cap");
+  fields.require("mlp_bias", false,
+                 "the " + config.model_type + " MLP has no biases (mlp_bias false)");
+}
+
+FamilyDefaults with_positions(int64_t max_position_embeddings) {
+  FamilyDefaults defaults;
+  defaults.max_position_embeddings = max_position_embeddings;
+  return defaults;
+}
+
+// The MoE families' layers attend fully: a sliding window is refused by name.
+void full_attention_only(const ConfigFields& fields, DecoderConfig& config) {
+  fields.require("use_sliding_window", false,
+                 "sliding windows are not implemented for the mixture-of-experts families; "
+                 "use_sliding_window false");
+  config.layer_types.assign(config.num_hidden_layers, LayerType::kFull);
+}
+
+// num_experts, or num_local_experts (transformers 5 writes qwen3_moe's and mixtral's
+// under that name, 4.x and the Hub's qwen3_moe configs under num_experts): equal when
+// both are given.
+int64_t read_num_experts(const ConfigFields& fields, int64_t fallback) {
+  const bool local = fields.find("num_local_experts") != nullptr;
+  const bool plain = fields.find("num_experts") != nullptr;
+  const int64_t experts = fields.positive(local ? "num_local_experts" : "num_experts", fallback);
+  if (local && plain) {
+    const int64_t other = fields.positive("num_experts");
+    TORCH_CHECK(other == experts, fields.source(), ": \"num_experts\" = ", other,
+                " and \"num_local_experts\" = ", experts,
+                " differ; expected one count of experts (transformers reads them as one field)");
+  }
+  return experts;
+}
+
+// A non-negative number; `fallback` when absent or null.
+double non_negative(const ConfigFields& fields, const char* name, double fallback) {
+  const json* value = fields.find(name);
+  if (value == nullptr) return fallback;
+  TORCH_CHECK(value->is_number() && value->get<double>() >= 0, fields.source(), ": \"", name,
+              "\" = ", value->dump(), ": expected a non-negative number");
+  return value->get<double>();
+}
+
+// What the families' transformers config classes give the router when config.json does not.
+struct MoeDefaults {
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  double router_aux_loss_coef = 0.001;
+};
+
+// The experts, the router and the load-balancing loss's weight; every layer sparse.
+void read_router(const ConfigFields& fields, const MoeDefaults& defaults, DecoderConfig& config) {
+  config.num_experts = read_num_experts(fields, defaults.num_experts);
+  config.num_experts_per_tok = fields.positive("num_experts_per_tok", defaults.num_experts_per_tok);
+  TORCH_CHECK(config.num_experts_per_tok <= config.num_experts, fields.source(),
+              ": \"num_experts_per_tok\" = ", config.num_experts_per_tok,
+              ": expected at most the number of experts, ", config.num_experts);
+  config.router_aux_loss_coef =
+      non_negative(fields, "router_aux_loss_coef", defaults.router_aux_loss_coef);
+  config.output_router_logits = fields.boolean("output_router_logits", false);
+  config.sparse_layers.assign(config.num_hidden_layers, true);
+}
+
+// Qwen2-MoE and Qwen3-MoE: experts of moe_intermediate_size, norm_topk_prob, and the
+// dense layers: those in mlp_only_layers and those whose index + 1 decoder_sparse_step
+// does not divide (transformers' Qwen3MoeDecoderLayer).
+void read_qwen_moe(const ConfigFields& fields, const MoeDefaults& defaults,
+                   int64_t moe_intermediate_size, DecoderConfig& config) {
+  read_router(fields, defaults, config);
+  config.moe_intermediate_size = fields.positive("moe_intermediate_size", moe_intermediate_size);
+  config.norm_topk_prob = fields.boolean("norm_topk_prob", false);
+  const int64_t step = fields.positive("decoder_sparse_step", 1);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    config.sparse_layers[i] = (i + 1) % step == 0;
+  }
+  if (const json* dense = fields.find("mlp_only_layers")) {
+    TORCH_CHECK(dense->is_array(), fields.source(), ": \"mlp_only_layers\" = ", dense->dump(),
+                ": expected a list of layer indices");
+    for (const json& layer : *dense) {
+      TORCH_CHECK(layer.is_number_integer() && layer.get<int64_t>() >= 0 &&
+                      layer.get<int64_t>() < config.num_hidden_layers,
+                  fields.source(), ": \"mlp_only_layers\" = ", dense->dump(),
+                  ": expected layer indices below num_hidden_layers = ", config.num_hidden_layers);
+      config.sparse_layers[layer.get<int64_t>()] = false;
+    }
+  }
+}
+
+}  // namespace
+
+void read_qwen3_moe_config(const ConfigFields& fields, DecoderConfig& config) {
+  read_swiglu_family(fields, config);
+  read_attention_bias(fields, config);
+  config.qk_norm = true;
+  FamilyDefaults defaults = with_positions(32768);
+  defaults.head_dim = 128;
+  read_shared_fields(fields, defaults, config);
+  full_attention_only(fields, config);
+  read_qwen_moe(fields, {128, 8, 0.001}, 768, config);
+}
+
+void read_mixtral_config(const ConfigFields& fields, DecoderConfig& config) {
+  read_swiglu_family(fields, config);
+  fields.require("attention_bias", false, "the mixtral attention has no biases");
+  fields.require_zero("router_jitter_noise",
+                      "fsdp's router does not jitter its inputs (router_jitter_noise 0.0)");
+  FamilyDefaults defaults = with_positions(4096 * 32);
+  defaults.rms_norm_eps = 1e-5;
+  defaults.rope_theta = 1e6;
+  read_shared_fields(fields, defaults, config);
+  // MistralConfig's rule, with MixtralConfig's default: no window unless sliding_window.
+  config.sliding_window = fields.count_or_null("sliding_window", 0);
+  config.layer_types.assign(config.num_hidden_layers,
+                            config.sliding_window > 0 ? LayerType::kSliding : LayerType::kFull);
+  read_router(fields, {8, 2, 0.001}, config);
+  config.moe_intermediate_size = config.intermediate_size;
+  config.norm_topk_prob = config.router_weights_fp32 = config.block_sparse_moe_names = true;
+}
+
+void read_olmoe_config(const ConfigFields& fields, DecoderConfig& config) {
+  read_swiglu_family(fields, config);
+  read_attention_bias(fields, config);
+  fields.refuse("clip_qkv", "fsdp's attention does not clip queries, keys and values");
+  config.qk_norm_full_width = true;  // over the whole q_proj / k_proj output, Llama's norm
+  FamilyDefaults defaults = with_positions(4096);
+  defaults.rms_norm_eps = 1e-5;
+  read_shared_fields(fields, defaults, config);
+  config.layer_types.assign(config.num_hidden_layers, LayerType::kFull);
+  read_router(fields, {64, 8, 0.01}, config);
+  config.moe_intermediate_size = config.intermediate_size;
+  config.norm_topk_prob = fields.boolean("norm_topk_prob", false);
+}
+
+void read_qwen2_moe_config(const ConfigFields& fields, DecoderConfig& config) {
+  read_swiglu_family(fields, config);
+  config.qkv_bias = fields.boolean("qkv_bias", true);  // o_proj never has one
+  read_shared_fields(fields, with_positions(32768), config);
+  full_attention_only(fields, config);
+  read_qwen_moe(fields, {60, 4, 0.001}, 1408, config);
+  config.shared_expert_intermediate_size = fields.positive("shared_expert_intermediate_size", 5632);
+}
+
+}  // namespace fsdp::models_internal

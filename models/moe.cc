@@ -1,0 +1,131 @@
+#include "models/moe.h"
+
+#include <cmath>
+#include <utility>
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/argsort.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/activation.h>
+
+#include "models/internal/projection.h"
+
+namespace fsdp::models {
+
+using models_internal::projection;
+
+ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t inner,
+                         const at::TensorOptions& options) {
+  gate_up_proj =
+      register_parameter("gate_up_proj", at::empty({num_experts, 2 * inner, hidden}, options));
+  down_proj = register_parameter("down_proj", at::empty({num_experts, hidden, inner}, options));
+  if (!options.device().is_meta()) reset_parameters();
+}
+
+void ExpertsImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double gate_up = 1.0 / std::sqrt(double(gate_up_proj.size(2)));
+  const double down = 1.0 / std::sqrt(double(down_proj.size(2)));
+  gate_up_proj.uniform_(-gate_up, gate_up);
+  down_proj.uniform_(-down, down);
+}
+
+// Note [Experts gathered per expert]
+// Each token goes to k of E experts, so computing every expert on every token would cost
+// E / k times the work. The (token, choice) pairs are sorted by expert instead (a stable
+// sort: each expert's tokens stay in order), the tokens gathered in that order
+// (index_select), each expert that has tokens runs once on its contiguous run of them
+// (two matmuls with its slices of gate_up_proj and down_proj), the outputs are weighted by
+// the router and summed back into their tokens (index_add_), each token's k outputs added
+// in the order of their experts. This is the arithmetic of transformers' Qwen3MoeExperts,
+// which loops over the experts that have tokens and gathers each one's with torch.where;
+// the counts per expert cost one device-to-host copy per layer. A grouped GEMM
+// (at::_grouped_mm) would save the launches per expert on CUDA; the loop keeps CPU and
+// every dtype.
+at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_index,
+                                const at::Tensor& top_k_weights) {
+  const int64_t num_experts = gate_up_proj.size(0), k = top_k_index.size(1);
+  if (x.size(0) == 0) return at::zeros_like(x);
+  const at::Tensor choices = top_k_index.reshape(-1);  // [tokens * k]: token t's j-th at t k + j
+  const at::Tensor order = at::argsort(choices, /*stable=*/true);
+  const at::Tensor tokens = order.div(k, "floor");
+  const at::Tensor counts = at::bincount(choices, {}, num_experts).cpu();
+  const at::Tensor gathered = x.index_select(0, tokens);
+  std::vector<at::Tensor> outputs;
+  int64_t begin = 0;
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor both = at::linear(gathered.narrow(0, begin, count[e]), gate_up_proj[e]);
+    const int64_t inner = both.size(-1) / 2;
+    const at::Tensor h =
+        torch::nn::functional::silu(both.narrow(-1, 0, inner)) * both.narrow(-1, inner, inner);
+    outputs.push_back(at::linear(h, down_proj[e]));
+    begin += count[e];
+  }
+  const at::Tensor weighted =
+      (at::cat(outputs) * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1))
+          .to(x.scalar_type());
+  return at::zeros_like(x).index_add_(0, tokens, weighted);
+}
+
+SparseMoeBlockImpl::SparseMoeBlockImpl(const DecoderConfig& config,
+                                       const at::TensorOptions& options)
+    : top_k(config.num_experts_per_tok),
+      norm_topk_prob(config.norm_topk_prob),
+      weights_fp32(config.router_weights_fp32) {
+  const int64_t hidden = config.hidden_size;
+  gate = register_module("gate", projection(hidden, config.num_experts, /*bias=*/false, options));
+  experts = register_module(
+      "experts", Experts(config.num_experts, hidden, config.moe_intermediate_size, options));
+  if (config.shared_expert_intermediate_size > 0) {
+    DecoderConfig shared = config;
+    shared.intermediate_size = config.shared_expert_intermediate_size;
+    shared.fused_projections = shared.mlp_bias = false;
+    shared_expert = register_module("shared_expert", MLP(shared, options));
+    shared_expert_gate =
+        register_module("shared_expert_gate", projection(hidden, 1, /*bias=*/false, options));
+  }
+}
+
+at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  router_logits = gate(flat);
+  const at::Tensor probs = at::softmax(router_logits, -1, at::kFloat);
+  auto [weights, index] = at::topk(probs, top_k, -1);
+  if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  if (!weights_fp32) weights = weights.to(router_logits.scalar_type());
+  at::Tensor out = experts(flat, index, weights);
+  if (shared_expert) out = out + at::sigmoid(shared_expert_gate(flat)) * shared_expert(flat);
+  return out.view(x.sizes());
+}
+
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
+                               int64_t top_k) {
+  TORCH_CHECK(!router_logits.empty(),
+              "load_balancing_loss: expected the router logits of one or more sparse layers "
+              "(run a forward of a mixture-of-experts model first)");
+  const c10::Device device = router_logits.front().device();
+  at::Tensor counts = at::zeros({num_experts}, at::TensorOptions(device).dtype(at::kFloat));
+  at::Tensor prob_sum = counts.clone();
+  int64_t rows = 0;
+  for (const at::Tensor& logits : router_logits) {
+    const at::Tensor probs = at::softmax(logits.to(device), -1);
+    const at::Tensor chosen = std::get<1>(at::topk(probs, top_k, -1));
+    counts = counts + at::bincount(chosen.reshape(-1), {}, num_experts).to(at::kFloat);
+    prob_sum = prob_sum + probs.to(at::kFloat).sum(0);
+    rows += logits.size(0);
+  }
+  return (counts / double(rows) * (prob_sum / double(rows))).sum() * double(num_experts);
+}
+
+}  // namespace fsdp::models

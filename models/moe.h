@@ -1,0 +1,91 @@
+// The sparse mixture-of-experts block of the MoE families (config.h: qwen3_moe, mixtral,
+// olmoe, qwen2_moe), the MLP of their sparse layers: a router picks each token's top-k
+// experts and the token's output is their SwiGLU outputs weighted by the router. The
+// experts are held fused, as transformers 5.x holds them in memory:
+//
+//   mlp.gate.weight                    [num_experts, hidden]       the router, no bias
+//   mlp.experts.gate_up_proj           [num_experts, 2 I, hidden]  per expert: gate rows,
+//                                                                  then up rows
+//   mlp.experts.down_proj              [num_experts, hidden, I]
+//   mlp.shared_expert.{gate,up,down}_proj.weight                   qwen2_moe: a dense MLP
+//   mlp.shared_expert_gate.weight      [1, hidden]                 of its own width
+//
+// (I = moe_intermediate_size.) The checkpoints hold the experts one by one
+// (mlp.experts.E.gate_proj.weight [I, hidden], ...; mixtral block_sparse_moe.experts.E.w1,
+// w3, w2): hf_checkpoint.h reads and writes those names into and out of the fused tensors.
+//
+//   fsdp::models::SparseMoeBlock moe(config);
+//   at::Tensor y = moe(x);  // x [batch, time, hidden] -> y the same
+//   moe->router_logits;     // [batch * time, num_experts], the last forward's
+//
+// PyTorch/transformers counterpart: Qwen3MoeSparseMoeBlock (Qwen3MoeTopKRouter,
+// Qwen3MoeExperts), MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock;
+// load_balancing_loss below is their modeling files' load_balancing_loss_func.
+// Errors: none of their own (ATen's, for shapes other than the config's). Threading: as
+// any LibTorch module.
+#ifndef FSDP_MODELS_MOE_H_
+#define FSDP_MODELS_MOE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "fsdp/lora/lora.h"
+#include "models/config.h"
+#include "models/mlp.h"
+
+namespace fsdp::models {
+
+// A layer's routed experts, fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I], in the
+// constructor's tensor options (values as torch::nn::Linear's per expert, none on
+// c10::kMeta: reset_parameters). See Note [Experts gathered per expert] in moe.cc.
+struct ExpertsImpl : torch::nn::Module {
+  ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t inner,
+              const at::TensorOptions& options = {});
+  // x [tokens, H]; top_k_index [tokens, k] (int64, experts below E); top_k_weights
+  // [tokens, k] -> [tokens, H] in x's dtype: sum over j of w[t, j] expert_{i[t, j]}(x[t]),
+  // expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& top_k_index,
+                     const at::Tensor& top_k_weights);
+  // Uniform in +-1/sqrt(fan_in) per expert, as torch::nn::Linear's weight.
+  void reset_parameters();
+
+  at::Tensor gate_up_proj, down_proj;
+};
+TORCH_MODULE(Experts);
+
+// The block: router `gate`, softmax over the experts in fp32, the top num_experts_per_tok
+// (renormalised with norm_topk_prob), the experts; qwen2_moe adds
+// sigmoid(shared_expert_gate(x)) * shared_expert(x).
+struct SparseMoeBlockImpl : torch::nn::Module {
+  explicit SparseMoeBlockImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
+  at::Tensor forward(const at::Tensor& x);
+
+  int64_t top_k;
+  bool norm_topk_prob, weights_fp32;
+  lora::LoraLinear gate{nullptr};
+  Experts experts{nullptr};
+  MLP shared_expert{nullptr};                    // qwen2_moe
+  lora::LoraLinear shared_expert_gate{nullptr};  // qwen2_moe
+  // The last forward's router logits [tokens, num_experts] in the hidden dtype, with their
+  // autograd graph (for load_balancing_loss); undefined before the first.
+  at::Tensor router_logits;
+};
+TORCH_MODULE(SparseMoeBlock);
+
+// transformers' load_balancing_loss_func(router_logits, num_experts, top_k) without an
+// attention mask: over every sparse layer's router logits ([tokens, num_experts] each,
+// the same tokens), E x sum_e f_e P_e, where f_e is the fraction of the layers' top-k
+// choices that went to expert e (each token counted k times, divided by the tokens) and
+// P_e the mean router probability of e. A 0-dim fp32 tensor with grad through P. The
+// trainer adds router_aux_loss_coef times it to the loss (transformers does with
+// output_router_logits). Throws c10::Error for no logits.
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
+                               int64_t top_k);
+
+}  // namespace fsdp::models
+
+#endif  // FSDP_MODELS_MOE_H_

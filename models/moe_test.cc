@@ -1,0 +1,101 @@
+// The mixture-of-experts block: the load-balancing loss equals transformers'
+// load_balancing_loss_func on fixed router logits, the experts gathered per expert equal
+// each token's top-k experts computed one by one, and a Qwen3-MoE decoder keeps the
+// router logits of its sparse layers only.
+#include "models/moe.h"
+
+#include <cmath>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/activation.h>
+
+#include "models/decoder.h"
+
+namespace fsdp::models {
+namespace {
+
+// Layer l's logits [6 tokens, 4 experts]: 3 sin(0.37 i + l), i the element's index.
+std::vector<at::Tensor> fixed_logits() {
+  std::vector<at::Tensor> logits;
+  for (int l = 0; l < 2; ++l) {
+    logits.push_back((at::sin(at::arange(24, at::kFloat) * 0.37 + l) * 3).view({6, 4}));
+  }
+  return logits;
+}
+
+// transformers 5.23's load_balancing_loss_func(logits, 4, k) on the same logits (in
+// Python: torch.sin(torch.arange(24.) * 0.37 + l) * 3): 1.09877253 (k = 1), 1.9506135
+// (k = 2).
+TEST(LoadBalancingLoss, EqualsTransformersOnFixedLogits) {
+  EXPECT_NEAR(load_balancing_loss(fixed_logits(), 4, 1).item<double>(), 1.09877253, 1e-6);
+  EXPECT_NEAR(load_balancing_loss(fixed_logits(), 4, 2).item<double>(), 1.9506135, 1e-6);
+  std::vector<at::Tensor> logits = fixed_logits();
+  for (at::Tensor& l : logits) l.requires_grad_(true);
+  load_balancing_loss(logits, 4, 2).backward();  // through the mean probabilities
+  EXPECT_GT(logits[0].grad().abs().sum().item<double>(), 0);
+  try {
+    load_balancing_loss({}, 4, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(e.msg(),
+              "load_balancing_loss: expected the router logits of one or more sparse layers (run "
+              "a forward of a mixture-of-experts model first)");
+  }
+}
+
+// The experts gathered per expert compute, for each token, the weighted sum of its top-k
+// experts' SwiGLU outputs (each computed alone here). Token 2 has no expert 0 and expert
+// 3 has no token: both paths are taken.
+TEST(Experts, GatheredPerExpertEqualsEachTokenAlone) {
+  torch::manual_seed(0);
+  Experts experts(4, 8, 6);
+  const at::Tensor x = at::randn({5, 8});
+  const at::Tensor index = at::tensor({0, 1, 1, 2, 2, 1, 0, 2, 1, 0}, at::kLong).view({5, 2});
+  const at::Tensor weights = at::rand({5, 2});
+  const at::Tensor y = experts(x, index, weights);
+  for (int64_t t = 0; t < 5; ++t) {
+    at::Tensor want = at::zeros({8});
+    for (int64_t j = 0; j < 2; ++j) {
+      const int64_t e = index[t][j].item<int64_t>();
+      const at::Tensor both = at::matmul(experts->gate_up_proj[e], x[t]);
+      const at::Tensor h = torch::nn::functional::silu(both.narrow(0, 0, 6)) * both.narrow(0, 6, 6);
+      want = want + weights[t][j] * at::matmul(experts->down_proj[e], h);
+    }
+    EXPECT_TRUE(at::allclose(y[t], want, 1e-5, 1e-6)) << "token " << t;
+  }
+  EXPECT_TRUE(at::equal(experts(x.narrow(0, 0, 0), index.narrow(0, 0, 0), weights.narrow(0, 0, 0)),
+                        at::zeros({0, 8})));
+}
+
+TEST(SparseMoeBlock, Qwen3MoeDecoderKeepsItsSparseLayersRouterLogits) {
+  const DecoderConfig config = parse_decoder_config(
+      R"({"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 16,
+          "intermediate_size": 24, "moe_intermediate_size": 8, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 3, "num_experts": 4,
+          "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1],
+          "vocab_size": 32})",
+      "cfg.json");
+  torch::manual_seed(0);
+  CausalLMImpl model(config);
+  EXPECT_TRUE(model.model->units[0]->module()->moe && !model.model->units[0]->module()->mlp);
+  EXPECT_TRUE(model.model->units[1]->module()->mlp && !model.model->units[1]->module()->moe);
+  // The layer's own names (the model's carry the unit's wrapper until FSDP cleans them).
+  const auto layer = [&](int64_t i) { return model.model->units[i]->module()->named_parameters(); };
+  EXPECT_EQ(layer(0)["mlp.experts.gate_up_proj"].sizes(), at::IntArrayRef({4, 16, 16}));
+  EXPECT_EQ(layer(2)["mlp.experts.down_proj"].sizes(), at::IntArrayRef({4, 16, 8}));
+  EXPECT_EQ(layer(2)["mlp.gate.weight"].sizes(), at::IntArrayRef({4, 16}));
+  EXPECT_EQ(layer(1)["mlp.gate_proj.weight"].sizes(), at::IntArrayRef({24, 16}));
+  const at::Tensor ids = at::randint(32, {2, 5}, at::kLong);
+  const at::Tensor logits = model.forward(ids);
+  EXPECT_EQ(logits.sizes(), at::IntArrayRef({2, 5, 32}));
+  const std::vector<at::Tensor> router = model.model->router_logits();
+  ASSERT_EQ(router.size(), 2u);  // layers 0 and 2
+  EXPECT_EQ(router[0].sizes(), at::IntArrayRef({10, 4}));
+  EXPECT_TRUE(at::equal(model.aux_loss(), load_balancing_loss(router, 4, 2)));
+}
+
+}  // namespace
+}  // namespace fsdp::models

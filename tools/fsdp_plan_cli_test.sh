@@ -91,8 +91,8 @@ expect_error() {
 
 expect_error missing_model "--model=FILE is required (a .pt2 archive from torch.export.save or a TorchScript file)"
 # --config: a decoder fine-tune's memory plan; what the decoder refuses is one line.
-echo '{"model_type": "mixtral", "hidden_size": 8}' > "$tmp/moe.json"
-expect_error config_moe "mixtral" --config="$tmp/moe.json"
+echo '{"model_type": "deepseek_v3", "hidden_size": 8}' > "$tmp/moe.json"
+expect_error config_moe "deepseek_v3" --config="$tmp/moe.json"
 expect_error config_missing "$tmp/none.json" --config="$tmp/none.json"
 expect_error config_and_model "give --config or --model, not both" --config="$tmp/moe.json" --model="$tmp/nope.pt"
 echo '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

@@ -7,6 +7,8 @@
 #ifndef FSDP_MODELS_INTERNAL_CONFIG_FAMILIES_H_
 #define FSDP_MODELS_INTERNAL_CONFIG_FAMILIES_H_
 
+#include <string>
+
 #include "models/config.h"
 #include "models/internal/config_fields.h"
 
@@ -14,6 +16,11 @@ namespace fsdp::models_internal {
 
 // Reads `fields` into `config`, whose model_type is already set.
 using FamilyReader = void (*)(const ConfigFields& fields, models::DecoderConfig& config);
+
+// What sets the SwiGLU families (Llama's and the mixtures of experts) apart from Gemma:
+// hidden_act "silu" (`swiglu` says what it drives, in the refusal) and no soft-caps.
+void read_swiglu_family(const ConfigFields& fields, const models::DecoderConfig& config,
+                        const std::string& swiglu = "the MLP is SwiGLU");
 
 // Llama and the families built like it (llama_configs.cc): SwiGLU MLP, RMSNorm before
 // each sublayer (after it in OLMo 2).

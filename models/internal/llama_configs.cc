@@ -12,15 +12,15 @@ using models::DecoderConfig;
 using models::LayerType;
 using models::NormStyle;
 
-namespace {
-
-// What sets these families apart from Gemma: the MLP's activation and no soft-caps.
-void read_swiglu_family(const ConfigFields& fields, const DecoderConfig& config) {
-  fields.require("hidden_act", "silu", "the MLP is SwiGLU (hidden_act \"silu\")");
+void read_swiglu_family(const ConfigFields& fields, const DecoderConfig& config,
+                        const std::string& swiglu) {
+  fields.require("hidden_act", "silu", swiglu + " (hidden_act \"silu\")");
   fields.refuse("attn_logit_softcapping",
                 "the " + config.model_type + " attention has no soft-cap");
   fields.refuse("final_logit_softcapping", "the " + config.model_type + " head has no soft-cap");
 }
+
+namespace {
 
 void refuse_attention_bias(const ConfigFields& fields, const DecoderConfig& config) {
   fields.require("attention_bias", false, "the " + config.model_type + " attention has no biases");

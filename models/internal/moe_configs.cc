@@ -16,12 +16,9 @@ using nlohmann::json;
 
 namespace {
 
-// A SwiGLU family without soft-caps (as llama_configs.cc's).
-void read_swiglu_family(const ConfigFields& fields, const DecoderConfig& config) {
-  fields.require("hidden_act", "silu", "the MLP and experts are SwiGLU (hidden_act \"silu\")");
-  fields.refuse("attn_logit_softcapping",
-                "the " + config.model_type + " attention has no soft-cap");
-  fields.refuse("final_logit_softcapping", "the " + config.model_type + " head has no soft-cap");
+// A SwiGLU family (config_families.h) whose MLP and experts have no biases.
+void read_swiglu_moe_family(const ConfigFields& fields, const DecoderConfig& config) {
+  read_swiglu_family(fields, config, "the MLP and experts are SwiGLU");
   fields.require("mlp_bias", false,
                  "the " + config.model_type + " MLP has no biases (mlp_bias false)");
 }
@@ -113,7 +110,7 @@ void read_qwen_moe(const ConfigFields& fields, const MoeDefaults& defaults,
 }  // namespace
 
 void read_qwen3_moe_config(const ConfigFields& fields, DecoderConfig& config) {
-  read_swiglu_family(fields, config);
+  read_swiglu_moe_family(fields, config);
   read_attention_bias(fields, config);
   config.qk_norm = true;
   FamilyDefaults defaults = with_positions(32768);
@@ -124,7 +121,7 @@ void read_qwen3_moe_config(const ConfigFields& fields, DecoderConfig& config) {
 }
 
 void read_mixtral_config(const ConfigFields& fields, DecoderConfig& config) {
-  read_swiglu_family(fields, config);
+  read_swiglu_moe_family(fields, config);
   fields.require("attention_bias", false, "the mixtral attention has no biases");
   fields.require_zero("router_jitter_noise",
                       "fsdp's router does not jitter its inputs (router_jitter_noise 0.0)");
@@ -142,7 +139,7 @@ void read_mixtral_config(const ConfigFields& fields, DecoderConfig& config) {
 }
 
 void read_olmoe_config(const ConfigFields& fields, DecoderConfig& config) {
-  read_swiglu_family(fields, config);
+  read_swiglu_moe_family(fields, config);
   read_attention_bias(fields, config);
   fields.refuse("clip_qkv", "fsdp's attention does not clip queries, keys and values");
   config.qk_norm_full_width = true;  // over the whole q_proj / k_proj output, Llama's norm
@@ -156,7 +153,7 @@ void read_olmoe_config(const ConfigFields& fields, DecoderConfig& config) {
 }
 
 void read_qwen2_moe_config(const ConfigFields& fields, DecoderConfig& config) {
-  read_swiglu_family(fields, config);
+  read_swiglu_moe_family(fields, config);
   config.qkv_bias = fields.boolean("qkv_bias", true);  // o_proj never has one
   read_shared_fields(fields, with_positions(32768), config);
   full_attention_only(fields, config);

@@ -238,8 +238,9 @@ TEST(OffloadFrozen, UnitsMixingFrozenAndTrainableParametersTrainIdentically) {
               expect_offloaded(m);
               int mixed = 0;
               for (const auto& unit : m.units()) {
-                const FlatParamHandle* frozen = unit->frozen_handle();
-                if (frozen == nullptr) continue;
+                if (unit->frozen_handles().empty()) continue;
+                ASSERT_EQ(unit->frozen_handles().size(), 1u);
+                const FlatParamHandle* frozen = unit->frozen_handles().front();
                 ++mixed;
                 EXPECT_TRUE(frozen->offloads_params()) << "unit '" << unit->fqn() << "'";
                 EXPECT_TRUE(frozen->sharded_flat_param().device().is_cpu());

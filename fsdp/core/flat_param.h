@@ -142,12 +142,16 @@ struct FlatParamOptions {
 class FlatParamHandle {
  public:
   // `params`: distinct parameters (the same tensor twice is an error naming both FQNs),
-  // at least one, all of one floating dtype and device, all trained or all frozen
-  // (requires_grad; a frozen flat parameter does not require grad), contiguous or not.
+  // at least one, all of one dtype and device, all trained or all frozen (requires_grad; a
+  // frozen flat parameter does not require grad), contiguous or not. The dtype is floating,
+  // or, for frozen parameters only, any other (stored values such as 4-bit codes packed in
+  // uint8: gathered as they are, never cast; mixed precision leaves them alone; see Note
+  // [Flat parameters of several dtypes] in flat_param.cc).
   // Their values
   // become the flat parameter; rank r of `comm` keeps its shard. Parameters on c10::kMeta
   // (deferred initialisation) are allowed: the handle allocates only the shard, on
-  // options.device_handle's device (CPU without one), holding NaN (zeros in the padding)
+  // options.device_handle's device (CPU without one), holding NaN (zeros in the padding,
+  // and everywhere in a non-floating dtype)
   // until copy_into_shard writes it, and the meta parameters become views of the
   // unsharded buffer in place (see Note [Flat parameters of meta parameters] in
   // flat_param.cc). Throws c10::Error on bad input (and for a HYBRID strategy without

@@ -38,20 +38,20 @@ TEST(FrozenParamsTest, AMixedUnitHasATrainableAndAFrozenFlatParameter) {
     const FullyShardedUnit& root = *units[0];
     const FullyShardedUnit& block = *units[1];
     EXPECT_THAT(fqns_of(*root.handle()), ElementsAre("embedding.weight"));
-    EXPECT_THAT(fqns_of(*root.frozen_handle()),
+    EXPECT_THAT(fqns_of(*root.frozen_handles().at(0)),
                 ElementsAre("final_norm.weight", "final_norm.bias"));
     EXPECT_THAT(fqns_of(*block.handle()),
                 ElementsAre("blocks.0.up.bias", "blocks.0.down.weight", "blocks.0.down.bias"));
-    EXPECT_THAT(fqns_of(*block.frozen_handle()),
+    EXPECT_THAT(fqns_of(*block.frozen_handles().at(0)),
                 ElementsAre("blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.0.up.weight"));
     EXPECT_EQ(root.handle()->numel(), 88);
-    EXPECT_EQ(root.frozen_handle()->numel(), 16);
+    EXPECT_EQ(root.frozen_handles().at(0)->numel(), 16);
     EXPECT_EQ(block.handle()->numel(), 152);
-    EXPECT_EQ(block.frozen_handle()->numel(), 144);
+    EXPECT_EQ(block.frozen_handles().at(0)->numel(), 144);
     EXPECT_EQ(block.handles(),
-              (std::vector<FlatParamHandle*>{block.handle(), block.frozen_handle()}));
+              (std::vector<FlatParamHandle*>{block.handle(), block.frozen_handles().at(0)}));
     EXPECT_TRUE(block.handle()->sharded_flat_param().requires_grad());
-    EXPECT_FALSE(block.frozen_handle()->sharded_flat_param().requires_grad());
+    EXPECT_FALSE(block.frozen_handles().at(0)->sharded_flat_param().requires_grad());
     // The optimizer's list: the trainable flat parameters only.
     const std::vector<at::Tensor> params = model->parameters();
     ASSERT_EQ(params.size(), 3u);
@@ -87,12 +87,12 @@ TEST(FrozenParamsTest, OnlyTrainableElementsAreReducedAndHoldGradients) {
         const at::Tensor& grad = unit->handle()->sharded_flat_param().grad();
         ASSERT_TRUE(grad.defined()) << unit->fqn();
         EXPECT_EQ(grad.numel(), unit->is_root() ? root_shard : block_shard);
-        EXPECT_FALSE(unit->frozen_handle()->sharded_flat_param().grad().defined());
-        for (const at::Tensor& p : unit->frozen_handle()->original_params()) {
+        EXPECT_FALSE(unit->frozen_handles().at(0)->sharded_flat_param().grad().defined());
+        for (const at::Tensor& p : unit->frozen_handles().at(0)->original_params()) {
           EXPECT_FALSE(p.grad().defined());
           EXPECT_FALSE(p.requires_grad());
         }
-        EXPECT_EQ(unit->frozen_handle()->state(), FlatParamState::kSharded);
+        EXPECT_EQ(unit->frozen_handles().at(0)->state(), FlatParamState::kSharded);
         EXPECT_EQ(unit->handle()->state(), FlatParamState::kSharded);
       }
       EXPECT_EQ(model->training_state(), TrainingState::kIdle);
@@ -144,14 +144,14 @@ TEST(FrozenParamsTest, NoSyncAndSummonCoverBothFlatParameters) {
     }
     for (const auto& unit : model->units()) {
       EXPECT_TRUE(unit->handle()->has_accumulated_grad());
-      EXPECT_FALSE(unit->frozen_handle()->has_accumulated_grad());
+      EXPECT_FALSE(unit->frozen_handles().at(0)->has_accumulated_grad());
     }
     comm->counters().reset();
     FrozenLmImpl::loss(model->forward(batch.input), batch.target).backward();
     EXPECT_EQ(comm->counters().get(CollectiveKind::kReduceScatter).calls, 3);
     auto summon = model->summon_full_params(SummonFullParamsOptions().writeback(false));
     EXPECT_TRUE(at::equal(net->final_norm->weight, final_weight));
-    EXPECT_EQ(model->units()[1]->frozen_handle()->state(), FlatParamState::kUnsharded);
+    EXPECT_EQ(model->units()[1]->frozen_handles().at(0)->state(), FlatParamState::kUnsharded);
   });
 }
 

@@ -719,24 +719,41 @@ ShardGroups shard_groups(const FullyShardedDataParallelOptions& options, Shardin
   return {groups.shard_group, groups.replicate_group};
 }
 
-// A unit's parameters, trainable and frozen apart (order kept in each), for two flat
-// parameters; a unit whose parameters all agree keeps them all in `trainable`.
-struct SplitParams {
+// A unit's parameters in flat parameters of one kind and dtype each (order kept in each):
+// the trainable ones first, then the frozen ones of each dtype, dtypes in the order they
+// first appear. See Note [Frozen parameters in a unit] in internal/runtime.cc and Note
+// [Flat parameters of several dtypes] in flat_param.cc.
+std::vector<std::vector<NamedParam>> group_by_kind_and_dtype(std::vector<NamedParam> params,
+                                                             const std::string& unit_fqn) {
   std::vector<NamedParam> trainable;
-  std::vector<NamedParam> frozen;
-};
-
-// See Note [Frozen parameters in a unit] in internal/runtime.cc: the trainable parameters
-// get the unit's flat parameter, the frozen ones a second flat parameter that is gathered
-// beside it and never reduced (PyTorch's use_orig_params=True, without the frozen
-// elements' share of the gradient and its reduce-scatter).
-SplitParams split_frozen(std::vector<NamedParam> params) {
-  SplitParams split;
+  std::vector<std::vector<NamedParam>> frozen;  // one per dtype
   for (NamedParam& p : params) {
-    (p.param.requires_grad() ? split.trainable : split.frozen).push_back(std::move(p));
+    if (p.param.requires_grad()) {
+      TORCH_CHECK(
+          trainable.empty() || trainable.front().param.scalar_type() == p.param.scalar_type(),
+          "FullyShardedDataParallel: the trainable parameters of unit '", unit_fqn,
+          "' must share one dtype (their gradients are reduced together, as in "
+          "PyTorch's FSDP), but '",
+          trainable.front().fqn, "' is ", trainable.front().param.scalar_type(), " and '", p.fqn,
+          "' is ", p.param.scalar_type(),
+          "; convert them to one dtype, freeze one of them, or put them in separate "
+          "units (an auto_wrap_policy or fsdp::wrap)");
+      trainable.push_back(std::move(p));
+      continue;
+    }
+    auto group = std::find_if(frozen.begin(), frozen.end(), [&](const auto& g) {
+      return g.front().param.scalar_type() == p.param.scalar_type();
+    });
+    if (group == frozen.end()) {
+      frozen.emplace_back();
+      group = frozen.end() - 1;
+    }
+    group->push_back(std::move(p));
   }
-  if (split.trainable.empty()) std::swap(split.trainable, split.frozen);
-  return split;
+  std::vector<std::vector<NamedParam>> groups;
+  if (!trainable.empty()) groups.push_back(std::move(trainable));
+  for (auto& group : frozen) groups.push_back(std::move(group));
+  return groups;
 }
 
 // Makes each unit's flat parameter (or takes the one made at construction) and runtime
@@ -765,20 +782,23 @@ std::vector<const torch::nn::Module*> bind_units(const FullyShardedDataParallelO
     unit_options.device_handle(device);
     const ShardingStrategy own = strategies[k];
     std::unique_ptr<FlatParamHandle> handle = std::move(params.constructed[k]);
-    std::unique_ptr<FlatParamHandle> frozen_handle;
+    std::vector<std::unique_ptr<FlatParamHandle>> frozen_handles;
     if (handle != nullptr) {
       check_constructed_handle(*handle, units[k].fqn, own, unit_options, *groups.shard);
     } else if (!params.to_flatten[k].empty()) {
-      SplitParams split = split_frozen(std::move(params.to_flatten[k]));
-      handle = std::make_unique<FlatParamHandle>(std::move(split.trainable), groups.shard, own,
-                                                 unit_options);
-      if (!split.frozen.empty()) {
-        frozen_handle = std::make_unique<FlatParamHandle>(std::move(split.frozen), groups.shard,
-                                                          own, unit_options);
+      for (std::vector<NamedParam>& group :
+           group_by_kind_and_dtype(std::move(params.to_flatten[k]), units[k].fqn)) {
+        auto made =
+            std::make_unique<FlatParamHandle>(std::move(group), groups.shard, own, unit_options);
+        if (handle == nullptr) {
+          handle = std::move(made);
+        } else {
+          frozen_handles.push_back(std::move(made));
+        }
       }
     }
     auto state = std::make_shared<core_internal::UnitState>(
-        units[k].fqn, k == 0, &root_state, std::move(handle), std::move(frozen_handle));
+        units[k].fqn, k == 0, &root_state, std::move(handle), std::move(frozen_handles));
     if (full_precision) {
       full_precision_modules.push_back(&wrapped);
       if (state->handle() != nullptr) {
@@ -1132,10 +1152,16 @@ FullyShardedRoot::FullyShardedRoot(UnitBase& root, const FullyShardedDataParalle
 
 FullyShardedRoot::~FullyShardedRoot() = default;
 
+std::vector<FlatParamHandle*> FullyShardedUnit::frozen_handles() const {
+  std::vector<FlatParamHandle*> result;
+  for (const auto& frozen : frozen_handles_) result.push_back(frozen.get());
+  return result;
+}
+
 std::vector<FlatParamHandle*> FullyShardedUnit::handles() const {
   std::vector<FlatParamHandle*> result;
   if (handle_ != nullptr) result.push_back(handle_.get());
-  if (frozen_handle_ != nullptr) result.push_back(frozen_handle_.get());
+  for (const auto& frozen : frozen_handles_) result.push_back(frozen.get());
   return result;
 }
 

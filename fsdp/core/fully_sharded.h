@@ -47,13 +47,17 @@
 // Frozen parameters (requires_grad=false; PyTorch: use_orig_params=True): a unit whose
 // parameters all are frozen gets a frozen flat parameter (no gradient, no reduction). A
 // unit mixing frozen and trainable parameters (LoRA, a frozen embedding beside trained
-// layers) gets two flat parameters: handle() holds the trainable ones, frozen_handle()
-// the frozen ones. Both are gathered and freed together (the frozen one by its own
-// all-gather, issued right after the trainable one's); only the trainable one has a
-// gradient and is reduced, so reduce-scatter bytes and gradient memory count trainable
-// elements only, and parameters() (the optimizer's list) leaves the frozen one out. A
+// layers) gets several flat parameters: handle() holds the trainable ones,
+// frozen_handles() the frozen ones, one per dtype (a bf16 base beside fp32 adapters stays
+// bf16; stored non-floating values, e.g. 4-bit codes in uint8, are frozen and gathered as
+// they are). All are gathered and freed together (each frozen one by its own all-gather,
+// issued right after the trainable one's); only the trainable one has a gradient and is
+// reduced, so reduce-scatter bytes and gradient memory count trainable elements only, and
+// parameters() (the optimizer's list) leaves the frozen ones out. The trainable parameters
+// of a unit share one dtype (their gradients are reduced together, as FSDP2 requires). A
 // unit sharded at construction (EnableWrap) cannot mix them (its handle is made before
-// the root splits units). See Note [Frozen parameters in a unit] in internal/runtime.cc.
+// the root splits units). See Note [Frozen parameters in a unit] in internal/runtime.cc
+// and Note [Flat parameters of several dtypes] in flat_param.cc.
 //
 // Models built on the meta device (deferred initialisation; PyTorch: a model built under
 // torch.device("meta"), fully_shard, then to_empty and init, or a checkpoint load). Model
@@ -364,13 +368,16 @@ class FullyShardedUnit {
 
   const std::string& fqn() const { return fqn_; }  // cleaned; "" for the root
   bool is_root() const { return is_root_; }
-  // The unit's flat parameter: its trainable parameters (all of them, frozen, if none
-  // requires grad); null for a unit that owns no parameters.
+  // The unit's flat parameter: its trainable parameters (if none requires grad: its frozen
+  // parameters of the first dtype met in registration order); null for a unit that owns no
+  // parameters.
   FlatParamHandle* handle() const { return handle_.get(); }
-  // The frozen parameters of a unit that also has trainable ones (their flat parameter
-  // never requires grad); null otherwise.
-  FlatParamHandle* frozen_handle() const { return frozen_handle_.get(); }
-  // handle() then frozen_handle(), those that are set: every flat parameter of the unit.
+  // The unit's other flat parameters, all frozen (they never require grad), one per dtype in
+  // the order the dtypes first appear: the frozen parameters beside trainable ones, and
+  // frozen parameters of a dtype other than handle()'s. Empty for a unit of one kind and
+  // dtype. See Note [Flat parameters of several dtypes] in flat_param.cc.
+  std::vector<FlatParamHandle*> frozen_handles() const;
+  // handle() (if set) then frozen_handles(): every flat parameter of the unit.
   std::vector<FlatParamHandle*> handles() const;
   // The unit's place in the pass (PyTorch: _handle._training_state); the flat
   // parameter's own memory state is handle()->state().
@@ -378,16 +385,16 @@ class FullyShardedUnit {
 
  protected:
   FullyShardedUnit(std::string fqn, bool is_root, std::unique_ptr<FlatParamHandle> handle,
-                   std::unique_ptr<FlatParamHandle> frozen_handle = nullptr)
+                   std::vector<std::unique_ptr<FlatParamHandle>> frozen_handles = {})
       : fqn_(std::move(fqn)),
         is_root_(is_root),
         handle_(std::move(handle)),
-        frozen_handle_(std::move(frozen_handle)) {}
+        frozen_handles_(std::move(frozen_handles)) {}
 
   std::string fqn_;
   bool is_root_;
   std::unique_ptr<FlatParamHandle> handle_;
-  std::unique_ptr<FlatParamHandle> frozen_handle_;
+  std::vector<std::unique_ptr<FlatParamHandle>> frozen_handles_;
   HandleTrainingState handle_state_ = HandleTrainingState::kIdle;
 };
 
@@ -401,7 +408,7 @@ class FullyShardedRoot {
   FullyShardedRoot(const FullyShardedRoot&) = delete;
   FullyShardedRoot& operator=(const FullyShardedRoot&) = delete;
 
-  // The sharded flat parameters of every unit (handle(), not a frozen_handle()), in
+  // The sharded flat parameters of every unit (handle(), none of frozen_handles()), in
   // pre-order, then the ignored parameters that require grad: what the optimizer updates.
   // With recurse = false, the root's own flat parameter only (none if the root owns no
   // parameters), as PyTorch's parameters(recurse=False) on the root FSDP instance.

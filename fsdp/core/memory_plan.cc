@@ -84,6 +84,8 @@ int64_t MemoryPlan::bytes_received() const {
 // shard group; NO_SHARD: F = 1, s = P = numel): shard s_h = ceil(numel_h / F), padded
 // P_h = s_h F; bytes per element: b (the shards' dtype), b_p (param_dtype), b_r
 // (reduce_dtype), b_g (the sharded gradient's: b, or b_r with keep_low_precision_grads).
+// A frozen flat parameter of another dtype (PlanFrozen) has its own b, and its own b_p
+// unless it is floating and mixed precision is on.
 // - Always held: sharded parameters b sum s_h (trainable and frozen), optimizer state
 //   k b sum s_t (k = OptimizerSpec::states_per_element, trainable shards only).
 // - Unshard of a unit (FlatParamHandle::prefetch/unshard): + b_p P_h unsharded per flat
@@ -129,13 +131,16 @@ struct FlatGeometry {
   int64_t numel = 0;
   int64_t shard = 0;   // elements of this rank's shard
   int64_t padded = 0;  // elements of the unsharded buffer
+  int64_t b = 4;       // bytes per element of the shard
+  int64_t b_p = 4;     // ... and of the unsharded buffer (gathered)
+  bool mixed = false;  // gathered through a cast copy of the shard (b_p of them)
 };
 
 struct UnitRecord {
   std::string fqn;
   bool is_root = false;
-  FlatGeometry trainable;  // numel 0: none
-  FlatGeometry frozen;     // numel 0: none
+  FlatGeometry trainable;            // numel 0: none
+  std::vector<FlatGeometry> frozen;  // one per frozen flat parameter
   bool unsharded = false;
   bool gathering = false;  // a prefetch's all-gather input is held
   bool backward_started = false;
@@ -145,7 +150,7 @@ struct UnitRecord {
   std::vector<const FlatGeometry*> handles() const {
     std::vector<const FlatGeometry*> out;
     if (trainable.numel > 0) out.push_back(&trainable);
-    if (frozen.numel > 0) out.push_back(&frozen);
+    for (const FlatGeometry& f : frozen) out.push_back(&f);
     return out;
   }
   std::string name() const { return is_root ? "the root" : absl::StrCat("unit '", fqn, "'"); }
@@ -173,7 +178,6 @@ class Replay {
     b_p_ = c10::elementSize(options.param_dtype().value_or(options.dtype()));
     b_r_ = c10::elementSize(
         options.reduce_dtype().value_or(options.param_dtype().value_or(options.dtype())));
-    mixed_ = options.param_dtype().has_value() && *options.param_dtype() != options.dtype();
     cast_grad_ = !options.keep_low_precision_grads() && b_r_ != b_;
     host_untracked_ = options.cpu_offload() && !options.host_is_tracked();
     int64_t unit_activations = 0;
@@ -181,12 +185,20 @@ class Replay {
       TORCH_CHECK(unit.trainable_numel >= 0 && unit.frozen_numel >= 0, "plan_memory: unit '",
                   unit.fqn, "' has a negative numel (", unit.trainable_numel, " trainable, ",
                   unit.frozen_numel, " frozen)");
-      if (unit.trainable_numel == 0 && unit.frozen_numel == 0) continue;
       UnitRecord record;
       record.fqn = unit.fqn;
       record.is_root = unit.is_root;
-      record.trainable = geometry(unit.trainable_numel);
-      record.frozen = geometry(unit.frozen_numel);
+      record.trainable = geometry(unit.trainable_numel, options.dtype());
+      if (unit.frozen_numel > 0)
+        record.frozen.push_back(geometry(unit.frozen_numel, options.dtype()));
+      for (const PlanFrozen& other : unit.frozen_other_dtypes) {
+        TORCH_CHECK(other.numel >= 0, "plan_memory: unit '", unit.fqn, "' has ", other.numel,
+                    " frozen elements of ", other.dtype, "; expected a count >= 0");
+        if (other.numel > 0) {
+          record.frozen.push_back(geometry(other.numel, other.dtype, other.gathered_dtype));
+        }
+      }
+      if (record.handles().empty()) continue;
       TORCH_CHECK(unit.activation_bytes >= 0, "plan_memory: unit '", unit.fqn,
                   "' has negative activation_bytes (", unit.activation_bytes, ")");
       record.activation_bytes = unit.activation_bytes;
@@ -216,10 +228,23 @@ class Replay {
   }
 
  private:
-  FlatGeometry geometry(int64_t numel) const {
+  FlatGeometry geometry(int64_t numel, c10::ScalarType dtype,
+                        c10::optional<c10::ScalarType> gathered_dtype = c10::nullopt) const {
     if (numel == 0) return {};
-    if (strategy_ == ShardingStrategy::kNoShard) return {numel, numel, numel};
-    return {numel, shard_numel(numel, shard_ranks_), padded_numel(numel, shard_ranks_)};
+    // Stored (non-floating) values are gathered as they are (flat_param.cc).
+    const c10::ScalarType gathered = gathered_dtype.value_or(
+        c10::isFloatingType(dtype) ? plan_.options.param_dtype().value_or(dtype) : dtype);
+    FlatGeometry g{numel,
+                   numel,
+                   numel,
+                   static_cast<int64_t>(c10::elementSize(dtype)),
+                   static_cast<int64_t>(c10::elementSize(gathered)),
+                   gathered != dtype};
+    if (strategy_ != ShardingStrategy::kNoShard) {
+      g.shard = shard_numel(numel, shard_ranks_);
+      g.padded = padded_numel(numel, shard_ranks_);
+    }
+    return g;
   }
   bool on_host(PlanTerm term) const {
     return host_untracked_ &&
@@ -271,8 +296,9 @@ class Replay {
   void hold_sharded_state() {
     const int64_t states = plan_.options.optimizer().states_per_element;
     for (const UnitRecord& unit : units_) {
-      add(PlanTerm::kShardedParameters, (unit.trainable.shard + unit.frozen.shard) * b_,
-          "sharded parameters");
+      for (const FlatGeometry* h : unit.handles()) {
+        add(PlanTerm::kShardedParameters, h->shard * h->b, "sharded parameters");
+      }
       add(PlanTerm::kOptimizerState, states * unit.trainable.shard * b_, "optimizer state");
     }
   }
@@ -283,23 +309,23 @@ class Replay {
     const std::string event = absl::StrCat(why, ": all-gather of ", unit.name());
     for (const FlatGeometry* h : unit.handles()) {
       if (strategy_ == ShardingStrategy::kNoShard) {
-        if (!mixed_ && !plan_.options.cpu_offload()) continue;  // the shard is the parameter
-        add(PlanTerm::kUnshardedParameters, h->padded * b_p_, event);
+        if (!h->mixed && !plan_.options.cpu_offload()) continue;  // the shard is the parameter
+        add(PlanTerm::kUnshardedParameters, h->padded * h->b_p, event);
         if (plan_.options.cpu_offload()) {
-          transient(PlanTerm::kCommunicationBuffers, h->shard * b_p_, event);
+          transient(PlanTerm::kCommunicationBuffers, h->shard * h->b_p, event);
         }
         continue;
       }
-      add(PlanTerm::kUnshardedParameters, h->padded * b_p_, event);
+      add(PlanTerm::kUnshardedParameters, h->padded * h->b_p, event);
       if (plan_.options.cpu_offload()) {
-        add(PlanTerm::kCommunicationBuffers, h->shard * b_p_, event);
-      } else if (mixed_) {
-        add(PlanTerm::kMixedPrecisionCopies, h->shard * b_p_, event);
+        add(PlanTerm::kCommunicationBuffers, h->shard * h->b_p, event);
+      } else if (h->mixed) {
+        add(PlanTerm::kMixedPrecisionCopies, h->shard * h->b_p, event);
       }
       if (plan_.options.backend() == PlanBackend::kFake) {
-        transient(PlanTerm::kCommunicationBuffers, 2 * h->padded * b_p_, event);
+        transient(PlanTerm::kCommunicationBuffers, 2 * h->padded * h->b_p, event);
       }
-      count(CollectiveKind::kAllGather, (shard_ranks_ - 1) * h->shard * b_p_);
+      count(CollectiveKind::kAllGather, (shard_ranks_ - 1) * h->shard * h->b_p);
     }
     unit.gathering = true;
   }
@@ -310,9 +336,9 @@ class Replay {
     if (strategy_ == ShardingStrategy::kNoShard) return;
     for (const FlatGeometry* h : unit.handles()) {
       if (plan_.options.cpu_offload()) {
-        free(PlanTerm::kCommunicationBuffers, h->shard * b_p_);
-      } else if (mixed_) {
-        free(PlanTerm::kMixedPrecisionCopies, h->shard * b_p_);
+        free(PlanTerm::kCommunicationBuffers, h->shard * h->b_p);
+      } else if (h->mixed) {
+        free(PlanTerm::kMixedPrecisionCopies, h->shard * h->b_p);
       }
     }
   }
@@ -324,10 +350,10 @@ class Replay {
     if (!unit.unsharded) return;
     unit.unsharded = false;
     for (const FlatGeometry* h : unit.handles()) {
-      if (strategy_ == ShardingStrategy::kNoShard && !mixed_ && !plan_.options.cpu_offload()) {
+      if (strategy_ == ShardingStrategy::kNoShard && !h->mixed && !plan_.options.cpu_offload()) {
         continue;
       }
-      free(PlanTerm::kUnshardedParameters, h->padded * b_p_);
+      free(PlanTerm::kUnshardedParameters, h->padded * h->b_p);
     }
   }
 
@@ -443,7 +469,6 @@ class Replay {
   int64_t shard_ranks_ = 1;
   int64_t replicas_ = 1;
   int64_t b_ = 4, b_p_ = 4, b_r_ = 4;
-  bool mixed_ = false;
   bool cast_grad_ = false;
   bool host_untracked_ = false;
   std::vector<UnitRecord> units_;

@@ -71,9 +71,21 @@ enum class PlanBackend { kNccl, kGloo, kFake };
 // From Communicator::backend_name(): "nccl", "gloo", "fake"; others plan as kNccl.
 PlanBackend plan_backend_of(absl::string_view backend_name);
 
-// One unit: elements of its trainable flat parameter (handle()) and of its frozen one
-// (frozen_handle(); a unit whose parameters are all frozen has trainable_numel 0), before
-// padding. Units without parameters may be given (they plan nothing).
+// Frozen elements of one dtype other than MemoryPlanOptions::dtype: one of a unit's
+// frozen_handles() (a bf16 base beside fp32 adapters; stored 4-bit codes in uint8). It is
+// gathered in `gathered_dtype`; none: MemoryPlanOptions::param_dtype if it is floating and
+// mixed precision is on, else its own dtype, as the runtime does (Note [Flat parameters of
+// several dtypes] in flat_param.cc).
+struct PlanFrozen {
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  int64_t numel = 0;
+  c10::optional<c10::ScalarType> gathered_dtype;
+};
+
+// One unit: elements of its trainable flat parameter (handle()) and of its frozen ones
+// in MemoryPlanOptions::dtype (a unit whose parameters are all frozen has trainable_numel
+// 0), before padding, and its frozen flat parameters of other dtypes. Units without
+// parameters may be given (they plan nothing).
 struct PlanUnit {
   std::string fqn;
   int64_t trainable_numel = 0;
@@ -83,6 +95,7 @@ struct PlanUnit {
   // MemoryPlanOptions::activation_bytes and freed once the unit's backward has run (0:
   // unknown, held to the end of the step as the rest of activation_bytes).
   int64_t activation_bytes = 0;
+  std::vector<PlanFrozen> frozen_other_dtypes = {};
 };
 
 struct MemoryPlanOptions {

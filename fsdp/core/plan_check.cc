@@ -145,16 +145,33 @@ void core_internal::RootState::open_plan_window() {
 
 MemoryPlan FullyShardedRoot::memory_plan(const OptimizerSpec& optimizer,
                                          c10::optional<int64_t> activation_bytes) const {
-  std::vector<PlanUnit> units;
+  // The plan's dtypes are those of the first trainable flat parameter (else of the first
+  // floating one, else of the first); flat parameters of other dtypes plan as PlanFrozen.
   const FlatParamHandle* first = nullptr;
+  int rank_of_first = 3;
+  for (const auto& unit : state_->units()) {
+    for (FlatParamHandle* handle : unit->handles()) {
+      const int rank = handle->sharded_flat_param().requires_grad()                      ? 0
+                       : c10::isFloatingType(handle->sharded_flat_param().scalar_type()) ? 1
+                                                                                         : 2;
+      if (rank < rank_of_first) {
+        first = handle;
+        rank_of_first = rank;
+      }
+    }
+  }
+  std::vector<PlanUnit> units;
   for (const auto& unit : state_->units()) {
     PlanUnit planned{unit->fqn(), 0, 0, unit->is_root()};
-    if (FlatParamHandle* handle = unit->handle()) {
-      if (first == nullptr) first = handle;
-      (handle->sharded_flat_param().requires_grad() ? planned.trainable_numel
-                                                    : planned.frozen_numel) += handle->numel();
+    for (FlatParamHandle* handle : unit->handles()) {
+      const c10::ScalarType dtype = handle->sharded_flat_param().scalar_type();
+      if (dtype != first->sharded_flat_param().scalar_type()) {
+        planned.frozen_other_dtypes.push_back({dtype, handle->numel(), handle->param_dtype()});
+      } else {
+        (handle->sharded_flat_param().requires_grad() ? planned.trainable_numel
+                                                      : planned.frozen_numel) += handle->numel();
+      }
     }
-    if (FlatParamHandle* frozen = unit->frozen_handle()) planned.frozen_numel += frozen->numel();
     units.push_back(planned);
   }
   MemoryPlanOptions options;

@@ -211,7 +211,7 @@ TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {
     net->named_parameters()["l1._fsdp_wrapped_module.bias"].set_requires_grad(
         false);  // l1: a frozen and a trainable flat parameter
     FullyShardedDataParallel<NetImpl> model(net, FullyShardedDataParallelOptions(comm));
-    ASSERT_NE(model->units()[1]->frozen_handle(), nullptr);
+    ASSERT_EQ(model->units()[1]->frozen_handles().size(), 1u);
     std::map<std::string, std::vector<std::string>> seen;  // fqn -> its unit's entries
     save_safetensors(*model, dir,
                      SaveSafetensorsOptions().skip(skip).transform(

@@ -162,7 +162,10 @@ namespace {
 std::vector<std::pair<std::string, at::Tensor>> local_targets(const ModelLayout& layout) {
   std::vector<std::pair<std::string, at::Tensor>> targets;
   for (const state_internal::FlatParam& flat : layout.flat_params) {
-    const char* name = flat.frozen ? kFrozenFlatParamName : kFlatParamName;
+    const std::string name = flat.frozen_index < 0 ? kFlatParamName
+                             : flat.frozen_index == 0
+                                 ? kFrozenFlatParamName
+                                 : absl::StrCat(kFrozenFlatParamName, "_", flat.frozen_index);
     targets.emplace_back(flat.unit_fqn.empty() ? name : absl::StrCat(flat.unit_fqn, ".", name),
                          flat.handle->sharded_flat_param().detach());
   }

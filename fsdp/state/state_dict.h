@@ -60,8 +60,9 @@ using ShardedStateDict = torch::OrderedDict<std::string, ShardedTensor>;
 // The flat shards as stored, valid only at the world size and rank that made them.
 // Keys: "<unit FQN>._flat_param" ("_flat_param" for the root unit) -> the unit's sharded
 // flat parameter (1-D, shard_numel elements, padding included), "<unit
-// FQN>._frozen_flat_param" -> its frozen one if it has one, plus the buffers and
-// the parameters FSDP leaves alone under their FQNs.
+// FQN>._frozen_flat_param" -> its first frozen one if it has any,
+// "<unit FQN>._frozen_flat_param_<k>" -> frozen flat parameter k (k >= 1: other dtypes),
+// plus the buffers and the parameters FSDP leaves alone under their FQNs.
 struct LocalStateDict {
   int world_size = 0;
   int rank = 0;
@@ -70,8 +71,8 @@ struct LocalStateDict {
 
 // Key suffix of a unit's flat parameter in a LocalStateDict (PyTorch: FLAT_PARAM).
 inline constexpr char kFlatParamName[] = "_flat_param";
-// ... and of the frozen flat parameter of a unit that mixes frozen and trainable
-// parameters (FullyShardedUnit::frozen_handle).
+// ... and of the unit's first frozen flat parameter beside handle()
+// (FullyShardedUnit::frozen_handles; the others add "_<k>", k = 1, 2, ...).
 inline constexpr char kFrozenFlatParamName[] = "_frozen_flat_param";
 
 // The full state dict: every parameter gathered to its original shape (a copy that does

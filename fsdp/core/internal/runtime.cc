@@ -53,26 +53,27 @@ class GradientSink : public torch::autograd::Node {
 
 UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
                      std::unique_ptr<FlatParamHandle> handle,
-                     std::unique_ptr<FlatParamHandle> frozen_handle)
-    : FullyShardedUnit(std::move(fqn), is_root, std::move(handle), std::move(frozen_handle)),
+                     std::vector<std::unique_ptr<FlatParamHandle>> frozen_handles)
+    : FullyShardedUnit(std::move(fqn), is_root, std::move(handle), std::move(frozen_handles)),
       root_(root) {
-  TORCH_INTERNAL_ASSERT(frozen_handle_ == nullptr ||
-                        (handle_ != nullptr && handle_->sharded_flat_param().requires_grad() &&
-                         !frozen_handle_->sharded_flat_param().requires_grad()));
+  for (const auto& frozen : frozen_handles_) {
+    TORCH_INTERNAL_ASSERT(handle_ != nullptr && frozen != nullptr &&
+                          !frozen->sharded_flat_param().requires_grad());
+  }
 }
 
 // Note [Frozen parameters in a unit]
-// A unit's frozen flat parameter (frozen_handle) follows its trainable one through every
-// transition: gathered right after it (its own all-gather, in the same order on every
-// rank), freed with it. It is no input of the gradient sink, so it is never reduced and
-// holds no gradient. It is freed when the sink runs (the trainable gradients are
-// complete): by Note [Gradient sinks], every backward op of the unit that is ready runs
-// before the sink, including those that read the frozen parameters (a LoRA layer's
-// frozen weight for its input gradient), the same guarantee the trainable parameters
-// rely on.
+// A unit's frozen flat parameters (frozen_handles, one per dtype) follow its first one
+// (handle) through every transition: gathered right after it (each by its own all-gather,
+// in the same order on every rank), freed with it. They are no input of the gradient
+// sink, so they are never reduced and hold no gradient. They are freed when the sink runs
+// (the trainable gradients are complete): by Note [Gradient sinks], every backward op of
+// the unit that is ready runs before the sink, including those that read the frozen
+// parameters (a LoRA layer's frozen weight for its input gradient), the same guarantee the
+// trainable parameters rely on.
 void UnitState::unshard() {
   handle_->unshard();
-  if (frozen_handle_) frozen_handle_->unshard();
+  for (const auto& frozen : frozen_handles_) frozen->unshard();
 }
 
 // Note [Gradient sinks]
@@ -265,15 +266,13 @@ void UnitState::post_backward(std::vector<at::Tensor> grads) {
 
 void UnitState::prefetch() {
   if (!handle_ || handle_state_ != HandleTrainingState::kIdle) return;
-  handle_->prefetch();
-  if (frozen_handle_) frozen_handle_->prefetch();
+  for (FlatParamHandle* handle : handles()) handle->prefetch();
 }
 
 void UnitState::summon(bool keep) {
   if (!handle_) return;
   assert_handle_in({HandleTrainingState::kIdle}, "summon_full_params");
-  handle_->unshard_full_precision();
-  if (frozen_handle_) frozen_handle_->unshard_full_precision();
+  for (FlatParamHandle* handle : handles()) handle->unshard_full_precision();
   handle_state_ = HandleTrainingState::kSummonFullParams;
   if (!keep) reshard();
 }

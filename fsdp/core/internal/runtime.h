@@ -37,10 +37,10 @@ std::unique_ptr<FlatParamHandle> shard_on_construction(const torch::nn::Module& 
 // A bound unit: FullyShardedUnit's fields (fqn, handle, handle state) plus the hooks.
 class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<UnitState> {
  public:
-  // `handle` may be null (a unit that owns no parameters); `frozen_handle` is set only
-  // beside a trainable `handle` (see FullyShardedUnit::frozen_handle).
+  // `handle` may be null (a unit that owns no parameters); `frozen_handles` are frozen and
+  // set only beside a `handle` (see FullyShardedUnit::frozen_handles).
   UnitState(std::string fqn, bool is_root, RootState* root, std::unique_ptr<FlatParamHandle> handle,
-            std::unique_ptr<FlatParamHandle> frozen_handle = nullptr);
+            std::vector<std::unique_ptr<FlatParamHandle>> frozen_handles = {});
 
   RootState& root() const { return *root_; }
 

@@ -441,6 +441,57 @@ struct FrozenLmImpl : torch::nn::Module {
   int step = 0;
 };
 
+// Flat parameters of several dtypes in one unit (Note [Flat parameters of several dtypes]
+// in flat_param.cc): each block holds a frozen bf16 weight `up_weight` [16, 8], frozen
+// uint8 codes `up_codes` [16] (stored values that scale the weight's rows by code / 128,
+// as a quantized weight's metadata would) and trainable fp32 `up_bias` and `down`; the
+// root holds the trained tied embedding and a frozen bf16 output scale [8]. Flat numels:
+// root 88 fp32 + 8 bf16; each block 152 fp32 (up_bias, down.weight, down.bias) + 128
+// bf16 + 16 uint8.
+struct MixedDtypeBlockImpl : torch::nn::Module {
+  MixedDtypeBlockImpl() {
+    at::Tensor weight = 0.3 * at::randn({16, 8});
+    up_weight = register_parameter("up_weight", weight.to(at::kBFloat16), /*requires_grad=*/false);
+    up_codes =
+        register_parameter("up_codes", (at::arange(16, at::kLong) * 37 % 200 + 40).to(at::kByte),
+                           /*requires_grad=*/false);
+    up_bias = register_parameter("up_bias", 0.1 * at::randn({16}));
+    down = register_module("down", torch::nn::Linear(16, 8));
+  }
+  at::Tensor forward(at::Tensor x) {
+    const at::Tensor scale = up_codes.to(at::kFloat).div(128).unsqueeze(1);
+    const at::Tensor weight = up_weight.to(x.scalar_type()) * scale.to(x.scalar_type());
+    return x + down(torch::nn::functional::gelu(torch::nn::functional::linear(x, weight, up_bias)));
+  }
+  at::Tensor up_weight, up_codes, up_bias;
+  torch::nn::Linear down{nullptr};
+};
+
+struct MixedDtypeLmImpl : torch::nn::Module {
+  MixedDtypeLmImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(TinyLmImpl::kVocab, 8));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) {
+      blocks->push_back(Unit<MixedDtypeBlockImpl>(std::make_shared<MixedDtypeBlockImpl>()));
+    }
+    out_scale = register_parameter("out_scale", (1 + 0.5 * at::randn({8})).to(at::kBFloat16),
+                                   /*requires_grad=*/false);
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    at::Tensor x = embedding(tokens);
+    for (const auto& block : *blocks) x = block->as<UnitImpl<MixedDtypeBlockImpl>>()->forward(x);
+    return at::matmul(x * out_scale.to(x.scalar_type()), embedding->weight.t());
+  }
+  static Batch batch(int step, int64_t rows) { return TinyLmImpl::batch(step, rows); }
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& next) {
+    return TinyLmImpl::loss(logits, next);
+  }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  at::Tensor out_scale;
+  int step = 0;
+};
+
 }  // namespace fsdp::core_testing
 
 #endif  // FSDP_CORE_TESTING_PARITY_TESTING_H_

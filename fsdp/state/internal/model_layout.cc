@@ -45,8 +45,11 @@ ModelLayout model_layout(FullyShardedRoot& model, const char* what) {
   layout.world_size = model.communicator().world_size();
   absl::flat_hash_map<const c10::TensorImpl*, std::pair<FlatParamHandle*, size_t>> owner;
   for (const auto& unit : model.units()) {
-    for (FlatParamHandle* handle : unit->handles()) {
-      layout.flat_params.push_back({unit->fqn(), handle, handle == unit->frozen_handle()});
+    const std::vector<FlatParamHandle*> handles = unit->handles();
+    for (size_t h = 0; h < handles.size(); ++h) {
+      FlatParamHandle* handle = handles[h];
+      // handles() is handle() then frozen_handles().
+      layout.flat_params.push_back({unit->fqn(), handle, static_cast<int>(h) - 1});
       const std::vector<at::Tensor>& originals = handle->original_params();
       for (size_t i = 0; i < originals.size(); ++i) {
         owner.emplace(originals[i].unsafeGetTensorImpl(), std::make_pair(handle, i));

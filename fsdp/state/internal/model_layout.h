@@ -32,7 +32,8 @@ struct Entry {
 struct FlatParam {
   std::string unit_fqn;  // cleaned; "" for the root
   FlatParamHandle* handle = nullptr;
-  bool frozen = false;  // the unit's frozen_handle()
+  // Its place in the unit's frozen_handles(); -1 for the unit's handle().
+  int frozen_index = -1;
 };
 
 // The entries of any module (all with `tensor` set), in the order of PyTorch's

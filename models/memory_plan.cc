@@ -198,12 +198,40 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   return result;
 }
 
+namespace {
+
+// Adds `p` to `unit`: to its trainable or frozen elements if it has the plan's dtype
+// `dtype`, else to its frozen elements of p's dtype (Note [Flat parameters of several
+// dtypes] in fsdp/core/flat_param.cc); `sign` -1 takes it away.
+void count_param(const at::Tensor& p, at::ScalarType dtype, PlanUnit& unit, int64_t sign = 1) {
+  if (p.scalar_type() == dtype) {
+    (p.requires_grad() ? unit.trainable_numel : unit.frozen_numel) += sign * p.numel();
+    return;
+  }
+  for (PlanFrozen& other : unit.frozen_other_dtypes) {
+    if (other.dtype == p.scalar_type()) {
+      other.numel += sign * p.numel();
+      return;
+    }
+  }
+  unit.frozen_other_dtypes.push_back({p.scalar_type(), sign * p.numel(), c10::nullopt});
+}
+
+}  // namespace
+
 std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
+  const std::vector<at::Tensor> params = net.parameters();
+  // The plan's dtype: the trainable parameters' (else the first parameter's).
+  at::ScalarType dtype = params.empty() ? at::kFloat : params.front().scalar_type();
+  for (const at::Tensor& p : params) {
+    if (p.requires_grad()) {
+      dtype = p.scalar_type();
+      break;
+    }
+  }
   std::vector<PlanUnit> units(1);
   units[0].is_root = true;
-  int64_t trainable = 0, frozen = 0;  // the root's: what no unit holds
-  for (const at::Tensor& p : net.parameters())
-    (p.requires_grad() ? trainable : frozen) += p.numel();
+  for (const at::Tensor& p : params) count_param(p, dtype, units[0]);  // less the units' below
   // The units in forward order (pre-order: the embeddings, the layers, the head).
   for (const auto& item : net.named_modules()) {
     const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
@@ -211,14 +239,11 @@ std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
     PlanUnit planned;
     planned.fqn = item.key();
     for (const at::Tensor& p : unit->wrapped_module()->parameters()) {
-      (p.requires_grad() ? planned.trainable_numel : planned.frozen_numel) += p.numel();
+      count_param(p, dtype, planned);
+      count_param(p, dtype, units[0], -1);
     }
-    trainable -= planned.trainable_numel;
-    frozen -= planned.frozen_numel;
     units.push_back(planned);
   }
-  units[0].trainable_numel = trainable;
-  units[0].frozen_numel = frozen;
   return units;
 }
 
@@ -270,8 +295,11 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
                         plan.optimizer_state - plan.activations_held;
   // Saving gathers one unit at a time in the master dtype and casts it to the folder's.
   int64_t largest = 0;
-  for (const PlanUnit& unit : units)
-    largest = std::max(largest, unit.trainable_numel + unit.frozen_numel);
+  for (const PlanUnit& unit : units) {
+    int64_t numel = unit.trainable_numel + unit.frozen_numel;
+    for (const PlanFrozen& other : unit.frozen_other_dtypes) numel += other.numel;
+    largest = std::max(largest, numel);
+  }
   const int64_t master = element_size(options.dtype()), folder = element_size(options.save_dtype());
   plan.saving = largest * (master + (options.save_dtype() != options.dtype() ? folder : 0));
   const int64_t steady = plan.step.term_bytes(PlanTerm::kShardedParameters) +

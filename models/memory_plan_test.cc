@@ -45,7 +45,9 @@ Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batc
   for (auto& unit : net->model->units) unit->module()->checkpoint_activations = checkpoint_layers;
   if (trained.lora_rank > 0) {
     lora::LoraConfig lora;
-    lora.r(trained.lora_rank).target_modules(trained.lora_targets);
+    // Adapters in `dtype` too: what FSDP's mixed precision computes with (gathered in
+    // param_dtype), as in pure bf16.
+    lora.r(trained.lora_rank).target_modules(trained.lora_targets).autocast_adapter_dtype(false);
     lora::apply_lora(*net, lora);
   }
   const at::Tensor ids = at::randint(config.vocab_size, {batch, context}, at::kLong);
@@ -148,6 +150,44 @@ INSTANTIATE_TEST_SUITE_P(
               "query_pre_attn_scalar": 16, "head_dim": 16, "sliding_window_pattern": 2)",
              at::kFloat, false, kFull}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// A LoRA model over a bf16 base (fp32 adapters, PEFT's default): plan_units counts the
+// adapters as the trainable fp32 elements and the base as frozen bf16 elements, unit by
+// unit, every parameter once.
+TEST(PlanUnitsTest, ABf16BaseIsFrozenElementsOfItsOwnDtype) {
+  const DecoderConfig config = config_of(R"(, "model_type": "llama")");
+  auto net = std::make_shared<CausalLMImpl>(
+      config, at::TensorOptions().device(c10::kMeta).dtype(at::kBFloat16));
+  lora::LoraConfig lora;
+  lora.r(4).target_modules({"q_proj", "v_proj"});
+  lora::apply_lora(*net, lora);
+  const std::vector<PlanUnit> units = plan_units(*net);
+  int64_t trainable = 0, bf16 = 0, total = 0;
+  for (const at::Tensor& p : net->parameters()) {
+    total += p.numel();
+    if (p.requires_grad()) {
+      EXPECT_EQ(p.scalar_type(), at::kFloat);
+      trainable += p.numel();
+    } else {
+      EXPECT_EQ(p.scalar_type(), at::kBFloat16);
+      bf16 += p.numel();
+    }
+  }
+  // Per layer: q_proj's adapter 4 x 64 + 64 x 4, v_proj's 4 x 64 + 32 x 4.
+  EXPECT_EQ(trainable, 2 * (512 + 384));
+  int64_t planned_trainable = 0, planned_bf16 = 0;
+  for (const PlanUnit& unit : units) {
+    EXPECT_EQ(unit.frozen_numel, 0) << unit.fqn;
+    planned_trainable += unit.trainable_numel;
+    for (const PlanFrozen& other : unit.frozen_other_dtypes) {
+      EXPECT_EQ(other.dtype, at::kBFloat16) << unit.fqn;
+      planned_bf16 += other.numel;
+    }
+  }
+  EXPECT_EQ(planned_trainable, trainable);
+  EXPECT_EQ(planned_bf16, bf16);
+  EXPECT_EQ(planned_trainable + planned_bf16, total);
+}
 
 }  // namespace
 }  // namespace fsdp::models

@@ -36,7 +36,8 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
     const std::string error = models::lora_targets_error(config, trained.lora_targets);
     TORCH_CHECK(error.empty(), error);
     lora::LoraConfig lora;
-    lora.r(trained.lora_rank).target_modules(trained.lora_targets);
+    // Everything in the plan's dtype, the adapters too (as --mixed_precision=pure_bf16).
+    lora.r(trained.lora_rank).target_modules(trained.lora_targets).autocast_adapter_dtype(false);
     lora::apply_lora(*net, lora);
     options.trained(trained);
   }
@@ -44,6 +45,7 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
   report.units = static_cast<int64_t>(units.size());
   for (const PlanUnit& unit : units) {
     report.numel += unit.trainable_numel + unit.frozen_numel;
+    for (const PlanFrozen& other : unit.frozen_other_dtypes) report.numel += other.numel;
     report.trainable += unit.trainable_numel;
   }
   options.micro_batch(

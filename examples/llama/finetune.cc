@@ -119,6 +119,10 @@ ABSL_FLAG(std::string, lora_target_modules, "",
           "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
           "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
           "empty: PEFT's default for the family (q_proj,v_proj; phi3: qkv_proj)");
+ABSL_FLAG(std::string, lora_base_dtype, "auto",
+          "dtype of the frozen base weights of a LoRA run: auto (the folder's own bf16 or "
+          "fp16 under --mixed_precision=bf16, else the training dtype) or float32 (an fp32 "
+          "copy, twice the bytes, the same results); see Note [The frozen base of a LoRA run]");
 ABSL_FLAG(bool, memory_check, true,
           "stop before reading any weight when the memory plan exceeds what a rank may use "
           "(its cgroup's limit or the machine's available memory; see --max_memory_per_rank)");
@@ -336,6 +340,10 @@ std::string flag_error() {
     return absl::StrCat("--lora_dropout=", dropout, ": expected a value in [0, 1)");
   }
   if (!(absl::GetFlag(FLAGS_lora_alpha) > 0)) return "--lora_alpha: expected a positive number";
+  const std::string base_dtype = absl::GetFlag(FLAGS_lora_base_dtype);
+  if (base_dtype != "auto" && base_dtype != "float32") {
+    return absl::StrCat("--lora_base_dtype=", base_dtype, ": expected auto or float32");
+  }
   if (absl::GetFlag(FLAGS_lora_rank) > 0) {
     if (std::string error = lora_targets_error(config, lora_targets(config)); !error.empty()) {
       return error;
@@ -352,8 +360,33 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
       .lora_alpha(absl::GetFlag(FLAGS_lora_alpha))
       .lora_dropout(absl::GetFlag(FLAGS_lora_dropout))
       .target_modules(targets)
-      .base_model_name_or_path(absl::GetFlag(FLAGS_from));
+      .base_model_name_or_path(absl::GetFlag(FLAGS_from))
+      // pure_bf16 keeps everything in bf16, the adapters too.
+      .autocast_adapter_dtype(absl::GetFlag(FLAGS_mixed_precision) != "pure_bf16");
   return config;
+}
+
+// Note [The frozen base of a LoRA run]
+// A LoRA run over a bf16 (or fp16) folder under --mixed_precision=bf16 builds the frozen
+// base in the folder's dtype and the adapters in fp32 (lora::LoraConfig::
+// autocast_adapter_dtype, PEFT's default): each unit then holds an fp32 flat parameter for
+// its adapters and a bf16 one for its frozen weights (Note [Flat parameters of several
+// dtypes] in fsdp/core/flat_param.cc), so every rank's share of the base costs 2 bytes a
+// weight, as the folder does, instead of the 4 of an fp32 copy. The results are those of the
+// fp32 copy bit for bit: the fp32 copy held the bf16 values exactly and was cast back to
+// bf16 on every all-gather, which the bf16 base now skips; the adapters, their gradients and
+// AdamW's state stay fp32, the gradients reduced in fp32. --lora_base_dtype=float32 keeps the
+// fp32 copy. The merged OUT/hf rounds base + update to the folder's dtype once, either way.
+// The dtype the model's weights are built in: `dtype`, except the frozen base of a LoRA
+// run (see the Note above).
+at::ScalarType base_dtype_of(at::ScalarType dtype, at::ScalarType folder_dtype,
+                             const std::string& mixed_precision) {
+  const bool sixteen_bit = folder_dtype == at::kBFloat16 || folder_dtype == at::kHalf;
+  if (absl::GetFlag(FLAGS_lora_rank) > 0 && absl::GetFlag(FLAGS_lora_base_dtype) == "auto" &&
+      mixed_precision == "bf16" && sixteen_bit) {
+    return folder_dtype;
+  }
+  return dtype;
 }
 
 // Note [No rank holds the whole model]
@@ -485,8 +518,10 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
                  const LeverFlags& levers, at::ScalarType dtype, at::ScalarType folder_dtype,
                  c10::Device device, int64_t* numel, int64_t* trainable, FinetunePlan* plan) {
   const std::string from = absl::GetFlag(FLAGS_from);
+  // See Note [The frozen base of a LoRA run].
+  const at::ScalarType base = base_dtype_of(dtype, folder_dtype, levers.mixed_precision);
   auto net =
-      std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(dtype));
+      std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(base));
   for (auto& unit : net->model->units) {
     unit->module()->checkpoint_activations = levers.activation_checkpointing;
   }
@@ -701,7 +736,13 @@ int finetune() {
         from, config.model_type, numel, trainable, config.num_hidden_layers,
         config.num_attention_heads, config.num_key_value_heads, model->units().size(),
         comm.world_size(), sharding_strategy_name(model->sharding_strategy()),
-        c10::toString(folder_dtype), precision_words(flags.mixed_precision),
+        c10::toString(folder_dtype),
+        absl::StrCat(precision_words(flags.mixed_precision),
+                     base_dtype_of(examples::model_dtype(flags.mixed_precision), folder_dtype,
+                                   flags.mixed_precision) == folder_dtype &&
+                             folder_dtype != examples::model_dtype(flags.mixed_precision)
+                         ? absl::StrCat("; frozen base kept in ", c10::toString(folder_dtype))
+                         : ""),
         device.is_cuda() ? "; on cuda:LOCAL_RANK over NCCL" : "",
         flags.cpu_offload ? "; CPU offload" : "", lever_words(flags), data_words(train),
         eval ? absl::StrCat("; evaluation: ", data_words(*eval)) : std::string());

@@ -41,8 +41,13 @@ void LoraLinearImpl::reset_parameters() {
 at::Tensor LoraLinearImpl::forward(const at::Tensor& input) {
   at::Tensor output = torch::nn::functional::linear(input, weight, bias);
   if (!has_adapter()) return output;
-  // PEFT's Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling.
-  return output + lora_B(lora_A(lora_dropout(input))) * scaling_;
+  // PEFT's Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling, x cast to the
+  // adapter's dtype and the sum to the result's.
+  const c10::ScalarType adapter = lora_A->weight.scalar_type();
+  if (input.scalar_type() == adapter)
+    return output + lora_B(lora_A(lora_dropout(input))) * scaling_;
+  return (output + lora_B(lora_A(lora_dropout(input.to(adapter)))) * scaling_)
+      .to(output.scalar_type());
 }
 
 void LoraLinearImpl::add_adapter(const LoraConfig& config) {
@@ -51,9 +56,12 @@ void LoraLinearImpl::add_adapter(const LoraConfig& config) {
   TORCH_CHECK(config.lora_dropout() >= 0 && config.lora_dropout() < 1,
               "LoraLinear: expected lora_dropout in [0, 1), got ", config.lora_dropout());
   // On the CPU for a base weight on the meta device: see the header.
-  const auto like_weight = weight.options()
-                               .device(weight.is_meta() ? c10::Device(c10::kCPU) : weight.device())
-                               .requires_grad(false);
+  const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
+  const auto like_weight =
+      weight.options()
+          .device(weight.is_meta() ? c10::Device(c10::kCPU) : weight.device())
+          .dtype(half && config.autocast_adapter_dtype() ? at::kFloat : weight.scalar_type())
+          .requires_grad(false);
   lora_dropout = register_module(
       "lora_dropout", torch::nn::Dropout(torch::nn::DropoutOptions(config.lora_dropout())));
   lora_A = register_module(

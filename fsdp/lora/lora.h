@@ -69,6 +69,11 @@ struct LoraConfig {
   // adapter_config.json's task_type ("CAUSAL_LM" makes PEFT build a
   // PeftModelForCausalLM; empty: null).
   TORCH_ARG(std::string, task_type) = "CAUSAL_LM";
+  // Adapters of a float16 or bfloat16 base weight are made in float32, as PEFT's
+  // get_peft_model(autocast_adapter_dtype=True) does by default: the adapters, their
+  // gradients and optimizer state stay in full precision while the frozen base keeps its
+  // 16-bit size. false: the adapters take the base weight's dtype.
+  TORCH_ARG(bool, autocast_adapter_dtype) = true;
 
  public:
   double scaling() const { return lora_alpha_ / static_cast<double>(r_); }
@@ -89,7 +94,9 @@ class LoraLinearImpl : public torch::nn::Module {
   explicit LoraLinearImpl(const torch::nn::LinearOptions& options,
                           at::TensorOptions tensor_options = {});
 
-  // input: (*, in_features); output: (*, out_features).
+  // input: (*, in_features); output: (*, out_features), in the base output's dtype. An
+  // adapter of another dtype than the input (float32 adapters beside a bfloat16 base)
+  // gets the input cast to its dtype and its update cast back, as PEFT's Linear.forward.
   at::Tensor forward(const at::Tensor& input);
 
   // torch::nn::Linear's initialisation of weight and bias, in place: weight
@@ -99,7 +106,8 @@ class LoraLinearImpl : public torch::nn::Module {
 
   // Adds the adapter: lora_A (r x in_features, kaiming_uniform_ with a = sqrt(5), as
   // PEFT's init_lora_weights=True), lora_B (out_features x r, zeros: the layer's output
-  // is unchanged until it trains), both in the base weight's dtype on its device (on the
+  // is unchanged until it trains), both in the base weight's dtype (float32 for a 16-bit
+  // one with config.autocast_adapter_dtype) on its device (on the
   // CPU when the base weight is on c10::kMeta: the adapter is small and gets its values
   // now, so a layer built on the meta device gets the adapter one built on the CPU gets
   // from the same generator state) and requiring grad; freezes weight and bias. Draws

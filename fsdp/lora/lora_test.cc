@@ -129,6 +129,36 @@ TEST(LoraLinearTest, AnAdapterStartsAtZeroAndAddsScaledLowRankUpdate) {
               ThrowsMessage<c10::Error>(HasSubstr("has an adapter already")));
 }
 
+// PEFT's autocast_adapter_dtype: a bf16 base gets fp32 adapters (the input cast to fp32 for
+// them, their update cast back to bf16), unless the config turns it off.
+TEST(LoraLinearTest, AdaptersOfA16BitBaseAreFloat32AsPeftMakesThem) {
+  for (bool autocast : {true, false}) {
+    SCOPED_TRACE(autocast ? "autocast" : "no autocast");
+    torch::manual_seed(0);
+    lora::LoraLinear lora(torch::nn::LinearOptions(5, 4), at::TensorOptions().dtype(at::kBFloat16));
+    lora::LoraConfig config;
+    config.r(2).lora_alpha(4).target_modules({"x"}).autocast_adapter_dtype(autocast);
+    lora->add_adapter(config);
+    const at::ScalarType adapter = autocast ? at::kFloat : at::kBFloat16;
+    EXPECT_EQ(lora->weight.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(lora->lora_A->weight.scalar_type(), adapter);
+    EXPECT_EQ(lora->lora_B->weight.scalar_type(), adapter);
+    {
+      torch::NoGradGuard no_grad;
+      lora->lora_B->weight.fill_(0.25);
+    }
+    const at::Tensor x = at::randn({3, 5}).to(at::kBFloat16);
+    const at::Tensor base = torch::nn::functional::linear(x, lora->weight, lora->bias);
+    const at::Tensor update =
+        at::matmul(at::matmul(x.to(adapter), lora->lora_A->weight.t()), lora->lora_B->weight.t()) *
+        2.0;
+    const at::Tensor want = (base + update).to(at::kBFloat16);
+    const at::Tensor got = lora(x);
+    EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(got, want));
+  }
+}
+
 TEST(ApplyLoraTest, TargetsByNameSuffixOrRegexAndFreezesTheRest) {
   auto block = std::make_shared<AttnBlockImpl>();
   EXPECT_THAT(lora::apply_lora(*block, qv_config()), ElementsAre("q_proj", "v_proj"));

@@ -21,6 +21,7 @@
                                      from_pretrained) within 1e-5 of LOGITS' (fsdp's)
 """
 import glob
+import json
 import os
 import re
 import sys
@@ -128,6 +129,25 @@ def peft_check(root, base, adapter, merged):
     assert diff <= TOLERANCE, diff
 
 
+def peft_merge(base, adapter, merged):
+    """PEFT's merge of `adapter` into the 16-bit `base` (computed in fp32, rounded to the
+    folder's dtype once) equals the merged folder fsdp wrote, bit for bit."""
+    from peft import PeftModel
+
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert json.load(f)["peft_type"] == "LORA"
+    saved = tensors(adapter)
+    assert all(t.dtype == torch.float32 for t in saved.values()), "adapters are not fp32"
+    dtype = next(iter(tensors(base).values())).dtype
+    peft = PeftModel.from_pretrained(model_of(base), adapter).merge_and_unload()
+    want = {k: v.to(dtype) for k, v in peft.state_dict().items()}
+    ours = tensors(merged)
+    differ = [n for n in ours if not torch.equal(ours[n], want[n])]
+    assert not differ, f"differ from PEFT's merge: {differ}"
+    print(f"{merged}: {len(ours)} tensors equal PEFT's merge of {adapter} into {base} "
+          f"({dtype}), bit for bit")
+
+
 def model_of(folder):
     from transformers import LlamaForCausalLM
 
@@ -176,6 +196,8 @@ if __name__ == "__main__":
         lora(sys.argv[3], sys.argv[4])
     elif command == "peft":
         peft_check(root, sys.argv[3], sys.argv[4], sys.argv[5])
+    elif command == "peft_merge":
+        peft_merge(sys.argv[3], sys.argv[4], sys.argv[5])
     elif command == "eval":
         eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif command == "logits":

@@ -3,7 +3,7 @@
 # with a BPE tokenizer trained on Debian's fortunes; tokenize.py makes the token files;
 # finetune at W = 2 with --steps=0 writes the weights it read bit for bit (and at W = 3
 # for a bfloat16 folder with tied embeddings, which then trains with bf16 compute over fp32
-# master weights and is written back in bf16); 20 steps of
+# master weights and is written back in bf16, and trains LoRA over its bf16 base); 20 steps of
 # full fine-tuning lower the eval loss, and the folder it writes loads in transformers'
 # from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's.
 #   llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON
@@ -30,6 +30,22 @@ bf16=(--from="$dir/model_bf16" --data="$dir/train.bin" --world_size=3 --context=
 "$python" "$script" same "$dir" "$dir/model_bf16" "$dir/bf16_0/hf"
 "$finetune" "${bf16[@]}" --out_dir="$dir/bf16_3" --steps=3 --lr=1e-2 --warmup_steps=0
 "$python" "$script" differ "$dir" "$dir/model_bf16" "$dir/bf16_3/hf"
+# LoRA over the bf16 folder: the frozen base stays bf16 on every rank (fp32 adapters; Note
+# [The frozen base of a LoRA run] in examples/llama/finetune.cc), half the parameter bytes
+# of an fp32 copy of it (--lora_base_dtype=float32) with the same losses, adapters and
+# merged folder bit for bit; the merge equals PEFT's of the (fp32) adapter bit for bit.
+"$finetune" "${bf16[@]}" --out_dir="$dir/bf16_lora" --steps=3 --lr=1e-2 --warmup_steps=0 \
+    --lora_rank=4 | tee "$dir/bf16_lora.log"
+grep -q "frozen base kept in BFloat16" "$dir/bf16_lora.log"
+grep -q "memory plan: parameters 20 KiB" "$dir/bf16_lora.log"
+"$finetune" "${bf16[@]}" --out_dir="$dir/bf16_lora32" --steps=3 --lr=1e-2 --warmup_steps=0 \
+    --lora_rank=4 --lora_base_dtype=float32 | tee "$dir/bf16_lora32.log"
+grep -q "memory plan: parameters 38 KiB" "$dir/bf16_lora32.log"
+diff <(cut -d, -f1-3 "$dir/bf16_lora/metrics.csv") <(cut -d, -f1-3 "$dir/bf16_lora32/metrics.csv")
+"$python" "$script" same "$dir" "$dir/bf16_lora32/hf" "$dir/bf16_lora/hf"
+"$python" "$script" same "$dir" "$dir/bf16_lora32/adapter" "$dir/bf16_lora/adapter"
+"$python" "$script" lora "$dir" "$dir/model_bf16" "$dir/bf16_lora/hf"
+"$python" "$script" peft_merge "$dir" "$dir/model_bf16" "$dir/bf16_lora/adapter" "$dir/bf16_lora/hf"
 
 "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 --lr=3e-3 --warmup_steps=2 \
     --checkpoint_interval=10 --eval_data="$dir/eval.bin" | tee "$dir/out20.log"

@@ -13,7 +13,11 @@
                             within 1e-5 relative; --steps=0 wrote every tensor back bit for
                             bit; full and LoRA fine-tunes lowered the eval loss, and
                             transformers (full, merged LoRA) and PEFT (base + adapter) compute
-                            the eval loss fsdp printed after training
+                            the eval loss fsdp printed after training. MoE families (their
+                            W = 1 run takes one step at lr 0): the first step's training
+                            loss, cross-entropy + router_aux_loss_coef x the router's
+                            load-balancing loss, equals transformers'
+                            model(..., output_router_logits=True).loss on the same batch
 """
 import json
 import os
@@ -274,6 +278,36 @@ def make(root, variants):
     return failed
 
 
+SEED, BATCH = 1234, 3  # finetune's default --seed; families_test.sh's --batch_size
+
+
+def first_batch(root):
+    """finetune's first training batch of a token file (batch() in finetune.cc): windows of
+    CONTEXT + 1 tokens at offsets drawn by torch.randint after manual_seed(seed x 1000003)."""
+    ids = torch.from_numpy(np.fromfile(os.path.join(root, "train.bin"), dtype="<u2").astype(np.int64))
+    torch.manual_seed(SEED * 1000003)
+    starts = torch.randint(ids.numel() - CONTEXT - 1, (BATCH,))
+    w = torch.stack([ids[s: s + CONTEXT + 1] for s in starts.tolist()])
+    return w[:, :-1], w[:, 1:]
+
+
+def first_step_loss(model, x, y):
+    """transformers' training loss with the router's term, and the term itself."""
+    with torch.no_grad():
+        out = model(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
+    return out.loss.item(), model.config.router_aux_loss_coef * out.aux_loss.item()
+
+
+def logged_step(path, step):
+    """The training loss metrics.csv recorded for `step`."""
+    with open(path) as f:
+        for row in f:
+            fields = row.strip().split(",")
+            if fields[0] == str(step):
+                return float(fields[1])
+    raise AssertionError(f"{path}: no row for step {step}")
+
+
 def logged(path, what):
     with open(path) as f:
         return float(re.search(rf"eval loss {what}: ([0-9.]+)", f.read()).group(1))
@@ -310,10 +344,17 @@ def check(root):
         model = os.path.join(d, "model")
         print(f"{name}:")
         expected = loss_of(load(model), w)
+        moe = name in MOE_VARIANTS
         for world in (1, 3):
             compare(f"eval loss at W = {world}", logged(f"{d}/w{world}.log", "before"), expected)
             n = same(model, f"{d}/w{world}/hf")
-            print(f"  --steps=0 at W = {world}: {n} tensors written back bit for bit")
+            steps = "--steps=1 at lr 0" if moe and world == 1 else "--steps=0"
+            print(f"  {steps} at W = {world}: {n} tensors written back bit for bit")
+        if moe:
+            theirs, aux = first_step_loss(load(model), *first_batch(root))
+            compare("first step's training loss (cross-entropy + router aux) at W = 1",
+                    logged_step(f"{d}/w1/metrics.csv", 1), theirs)
+            print(f"    (the aux term, {aux:.3g}, is {aux / theirs / TOLERANCE:.0f}x the tolerance)")
         if trains == "0":
             continue
         config = json.load(open(os.path.join(model, "config.json")))

@@ -288,7 +288,7 @@ def first_batch(root):
     torch.manual_seed(SEED * 1000003)
     starts = torch.randint(ids.numel() - CONTEXT - 1, (BATCH,))
     w = torch.stack([ids[s: s + CONTEXT + 1] for s in starts.tolist()])
-    return w[:, :-1], w[:, 1:]
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 def first_step_loss(model, x, y):

@@ -1,6 +1,6 @@
 // Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-// Gemma 3 text, Granite, OLMo 2, Phi-3: the families of //models) with FSDP and writes the
-// result back as a Hugging Face folder.
+// Gemma 3 text, Granite, OLMo 2, Phi-3, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE: the families
+// of //models) with FSDP and writes the result back as a Hugging Face folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
@@ -30,7 +30,10 @@
 // AutoModelForCausalLM.from_pretrained loads; --steps=0 writes the weights it read, bit for bit.
 // With --lora_rank it trains LoRA adapters only (fsdp/lora), writes them to OUT/adapter/ as PEFT
 // does (PeftModel.from_pretrained loads them) and OUT/hf/ holds them merged into the base weights
-// (both written one unit at a time). Without RANK in its environment it starts --world_size ranks
+// (both written one unit at a time). The mixture-of-experts families (Qwen3-MoE, Mixtral,
+// OLMoE, Qwen2-MoE) train on the cross-entropy plus the router's load-balancing loss, as
+// transformers does with output_router_logits (--router_aux_loss_coef; Note [The router's
+// load-balancing loss]). Without RANK in its environment it starts --world_size ranks
 // of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is one
 // line on stderr and exit status 2.
 //
@@ -457,6 +460,7 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
       .context(absl::GetFlag(FLAGS_context))
       .activation_checkpointing(levers.activation_checkpointing)
       .packed_rows(is_chat_file(absl::GetFlag(FLAGS_data)))
+      .router_aux_loss(router_aux_coef(config) > 0)
       .cpu_offload(levers.cpu_offload)
       .backend(plan_backend_of(options.communicator()->backend_name()))
       .runtime_bytes(std::max<int64_t>(examples::resident_bytes(), 0))

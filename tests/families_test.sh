@@ -13,8 +13,9 @@
 # with a dense layer and renormalised top-k, Mixtral, OLMoE, Qwen2-MoE with its shared
 # expert), experts one by one in the checkpoints and fused in fsdp; at W = 1 one step at lr
 # 0 whose training loss (cross-entropy + router_aux_loss_coef x the load-balancing loss)
-# equals transformers' output_router_logits=True loss within 1e-5 relative; Qwen3-MoE
-# trains with that loss; LoRA on the experts is refused with exit status 2.
+# equals transformers' output_router_logits=True loss within 1e-5 relative (Qwen3-MoE's
+# on conversation rows too, packed and padded); Qwen3-MoE trains with that loss; LoRA on
+# the experts is refused with exit status 2.
 #   families_test.sh FINETUNE FAMILIES_PY PYTHON [SET]
 set -euo pipefail
 finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON [dense|moe]}
@@ -34,6 +35,15 @@ while read -r name trains targets; do
     "$finetune" "${common[@]}" --world_size=$w "${steps[@]}" --out_dir="$d/w$w" > "$d/w$w.log"
   done
   [ "$trains" = 1 ] || continue
+  if [[ $set == moe ]]; then  # the router's term on conversation rows, packed and not
+    for rows in packed per_row; do
+      packing=--packing
+      [[ $rows == per_row ]] && packing=--nopacking
+      "$finetune" "${common[@]}" --data="$dir/chat.safetensors" "$packing" --world_size=1 \
+          --steps=1 --lr=0 --warmup_steps=0 --router_aux_loss_coef=0.1 --out_dir="$d/chat_$rows" \
+          > "$d/chat_$rows.log"
+    done
+  fi
   train=(--world_size=3 --steps=8 --lr=1e-2 --warmup_steps=0 --log_interval=8)
   "$finetune" "${common[@]}" "${train[@]}" --out_dir="$d/full" > "$d/full.log"
   "$finetune" "${common[@]}" "${train[@]}" --out_dir="$d/lora" --lora_rank=4 \

@@ -6,6 +6,7 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -56,17 +57,32 @@ DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
   }
 }
 
+// Note [Router logits out of a checkpointed layer]
+// A checkpointed layer runs its forward without recording a graph (fsdp::checkpoint is
+// reentrant), so the router logits a sparse layer keeps for the load-balancing loss would
+// have no path back to the router, and the aux loss would train nothing. With grad mode
+// on, the checkpointed function of a sparse layer therefore returns its router logits
+// beside its output, [tokens, hidden + num_experts] (both in the compute dtype), and the
+// two are split after it: backward then reaches the recomputed router through the
+// checkpoint from either, as it does without checkpointing (moe_test holds the gradients
+// equal). The split copies the layer's output once.
 at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                      at::Tensor mask) {
   if (!checkpoint_activations) return compute(x, cos, sin, mask);
-  if (!mask.defined()) {
-    return checkpoint(
-        [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2], {}); },
-        {x, cos, sin}, parameters());
-  }
-  return checkpoint(
-      [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2], in[3]); },
-      {x, cos, sin, mask}, parameters());
+  std::vector<at::Tensor> inputs{x, cos, sin};
+  if (mask.defined()) inputs.push_back(mask);
+  const bool with_router = moe && at::GradMode::is_enabled();
+  const at::Tensor out = checkpoint(
+      [this, with_router](const std::vector<at::Tensor>& in) {
+        const at::Tensor y = compute(in[0], in[1], in[2], in.size() > 3 ? in[3] : at::Tensor());
+        if (!with_router) return y;
+        return at::cat({y.reshape({-1, y.size(-1)}), moe->router_logits.to(y.scalar_type())}, -1);
+      },
+      inputs, parameters());
+  if (!with_router) return out;
+  const int64_t hidden = x.size(-1);
+  moe->router_logits = out.narrow(-1, hidden, out.size(-1) - hidden).contiguous();
+  return out.narrow(-1, 0, hidden).contiguous().view(x.sizes());
 }
 
 at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
@@ -221,12 +237,12 @@ at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
   return logits;
 }
 
-at::Tensor CausalLMImpl::aux_loss() const {
+at::Tensor CausalLMImpl::aux_loss(const at::Tensor& token_mask) const {
   TORCH_CHECK(config.is_moe(), "aux_loss: a ", config.model_type,
               " decoder has no experts; the load-balancing loss is for the mixture-of-experts "
               "families (qwen3_moe, mixtral, olmoe, qwen2_moe)");
-  return load_balancing_loss(model->router_logits(), config.num_experts,
-                             config.num_experts_per_tok);
+  return load_balancing_loss(model->router_logits(), config.num_experts, config.num_experts_per_tok,
+                             token_mask);
 }
 
 PackedRowsScope::PackedRowsScope(CausalLMImpl& model, at::Tensor positions, at::Tensor segments)

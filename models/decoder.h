@@ -178,10 +178,14 @@ struct CausalLMImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& ids);
   // Mixture-of-experts families: the last forward's load-balancing loss (moe.h's
   // load_balancing_loss over every sparse layer's router logits, the config's top-k), a
-  // 0-dim fp32 tensor; the trainer adds config.router_aux_loss_coef times it to the loss.
-  // transformers: the output's aux_loss with output_router_logits=True. Throws c10::Error
-  // for a dense model or before a forward.
-  at::Tensor aux_loss() const;
+  // 0-dim fp32 tensor with grad to the routers (with checkpoint_activations too: see Note
+  // [Router logits out of a checkpointed layer] in decoder.cc); the trainer adds
+  // config.router_aux_loss_coef times it to the loss. `token_mask`: undefined (every token
+  // counts) or the forward's [batch, time] attention mask (1 where a token counts),
+  // as load_balancing_loss takes it. transformers: the output's aux_loss with
+  // output_router_logits=True (and attention_mask). Throws c10::Error for a dense model,
+  // before a forward, or for a mask of another shape.
+  at::Tensor aux_loss(const at::Tensor& token_mask = {}) const;
 
   // Set by PackedRowsScope (both undefined outside one).
   struct PackedRows {

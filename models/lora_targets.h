@@ -11,8 +11,13 @@
 // expert, layers in mlp_only_layers or off decoder_sparse_step); their fused experts are
 // no Linear and take none, nor does the router. The norms, embeddings and head take
 // none. default_lora_targets returns PEFT's defaults
-// (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): q_proj and v_proj, qkv_proj for
-// phi3. Pure functions, no errors raised.
+// (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING of PEFT 0.21): q_proj and v_proj
+// (mixtral too), qkv_proj for phi3, and none for qwen3_moe, qwen2_moe and olmoe, which
+// PEFT does not map (its LoraConfig then asks for target_modules; lora_targets_error asks
+// for --lora_target_modules). LoRA on the routed experts (PEFT's target_parameters on
+// mlp.experts.gate_up_proj and down_proj) is not supported yet: a target naming them
+// (experts, mlp.experts..., mixtral's w1/w2/w3, or gate_proj/up_proj/down_proj where the
+// experts are the only MLPs) is refused saying so. Pure functions, no errors raised.
 #ifndef FSDP_MODELS_LORA_TARGETS_H_
 #define FSDP_MODELS_LORA_TARGETS_H_
 
@@ -26,11 +31,14 @@ namespace fsdp::models {
 // The LoraLinear module names of `config`'s decoder, in module order.
 std::vector<std::string> lora_target_modules(const DecoderConfig& config);
 
-// PEFT's default target modules for the family.
+// PEFT's default target modules for the family; empty where PEFT has none (qwen3_moe,
+// qwen2_moe, olmoe).
 std::vector<std::string> default_lora_targets(const DecoderConfig& config);
 
 // "" when every name of `targets` is one of lora_target_modules(config) and there is at
-// least one; else one line naming the first bad name, the model_type and the choices.
+// least one; else one line naming the first bad name, the model_type and the choices (for
+// a name of the routed experts: that expert LoRA is not supported yet; for no targets on
+// an MoE family: that PEFT has no default for it).
 std::string lora_targets_error(const DecoderConfig& config,
                                const std::vector<std::string>& targets);
 

@@ -28,8 +28,9 @@ TEST(LoraTargetsTest, EveryProjectionAndNothingElse) {
             "some of qkv_proj, o_proj, gate_up_proj, down_proj");
 }
 
-// The fused experts and the router are no Linear: an all-sparse MoE decoder adapts its
-// attention only; a dense MLP somewhere (a shared expert, a dense layer) brings the three.
+// The fused experts and the router (gate) are no Linear: an all-sparse MoE decoder adapts
+// its attention only; a dense MLP somewhere (a shared expert, a dense layer) brings the
+// three.
 TEST(LoraTargetsTest, MixtureOfExpertsAdaptsItsDenseMlpsOnly) {
   DecoderConfig config;
   config.model_type = "mixtral";
@@ -37,14 +38,55 @@ TEST(LoraTargetsTest, MixtureOfExpertsAdaptsItsDenseMlpsOnly) {
   config.sparse_layers = {true, true};
   EXPECT_EQ(lora_target_modules(config),
             (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}));
-  EXPECT_EQ(lora_targets_error(config, {"gate_proj"}),
-            "--lora_target_modules: \"gate_proj\" is not a module of a mixtral decoder; expected "
+  EXPECT_EQ(lora_targets_error(config, {"gate"}),
+            "--lora_target_modules: \"gate\" is not a module of a mixtral decoder; expected "
             "some of q_proj, k_proj, v_proj, o_proj");
   config.sparse_layers = {true, false};  // mlp_only_layers [1]
   EXPECT_EQ(lora_target_modules(config).size(), 7u);
   config.sparse_layers = {true, true};
   config.shared_expert_intermediate_size = 8;  // qwen2_moe
   EXPECT_EQ(lora_target_modules(config).size(), 7u);
+}
+
+// PEFT 0.21's defaults: mixtral q_proj, v_proj; none for qwen3_moe, qwen2_moe, olmoe (its
+// LoraConfig asks for target_modules, and so does the message). The experts are refused.
+TEST(LoraTargetsTest, MixtureOfExpertsDefaultsAndExpertsRefused) {
+  DecoderConfig config;
+  config.model_type = "mixtral";
+  config.num_experts = 4;
+  config.sparse_layers = {true, true};
+  EXPECT_EQ(default_lora_targets(config), (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_EQ(lora_targets_error(config, {"q_proj", "w1"}),
+            "--lora_target_modules: \"w1\" names the routed experts of a mixtral decoder; LoRA on "
+            "the experts (PEFT's target_parameters) is not supported yet: adapt some of q_proj, "
+            "k_proj, v_proj, o_proj");
+  EXPECT_EQ(lora_targets_error(config, {"down_proj"}),
+            "--lora_target_modules: \"down_proj\" names the routed experts of a mixtral decoder; "
+            "LoRA on the experts (PEFT's target_parameters) is not supported yet: adapt some of "
+            "q_proj, k_proj, v_proj, o_proj");
+  for (const char* model_type : {"qwen3_moe", "qwen2_moe", "olmoe"}) {
+    config.model_type = model_type;
+    EXPECT_EQ(default_lora_targets(config), std::vector<std::string>{}) << model_type;
+  }
+  config.model_type = "qwen3_moe";
+  EXPECT_EQ(lora_targets_error(config, {}),
+            "--lora_target_modules: PEFT has no default target modules for qwen3_moe (LoraConfig "
+            "asks for target_modules); name one or more of q_proj, k_proj, v_proj, o_proj");
+  config.sparse_layers = {true, false};  // a dense layer: gate_proj is its MLP's
+  EXPECT_EQ(lora_targets_error(config, {"q_proj", "gate_proj", "o_proj"}), "");
+  EXPECT_EQ(
+      lora_targets_error(config, {"q_proj", "experts"}),
+      "--lora_target_modules: \"experts\" names the routed experts of a qwen3_moe decoder; LoRA "
+      "on the experts (PEFT's target_parameters) is not supported yet: adapt some of q_proj, "
+      "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (gate_proj, up_proj, down_proj: the "
+      "dense MLPs and the shared expert, not the experts)");
+  EXPECT_NE(lora_targets_error(config, {"mlp.experts.gate_up_proj"}).find("LoRA on the experts"),
+            std::string::npos);
+  config.model_type = "llama";  // a dense family: a module of that name is only unknown
+  config.num_experts = 0;
+  EXPECT_EQ(lora_targets_error(config, {"experts"}),
+            "--lora_target_modules: \"experts\" is not a module of a llama decoder; expected "
+            "some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj");
 }
 
 }  // namespace

@@ -39,12 +39,28 @@ namespace {
 //   two more fp32 tensors of that size (the log-softmax's and the logits' gradients): for
 //   any real vocabulary this is the peak of backward.
 // - A checkpointed layer (fsdp::checkpoint) saves its input and the CPU generator's state
-//   (kCpuRngStateBytes) and recomputes the rest in backward, one layer at a time.
+//   (kCpuRngStateBytes) and recomputes the rest in backward, one layer at a time: planned
+//   as its saved bytes. A recomputed sparse layer's backward holds more (the gradients of
+//   its k T pairs, about as much again), which only a small vocabulary lets exceed the
+//   loss's gradients (2 x 4 x vocab bytes a token; memory_plan_test's checkpointed MoE case
+//   uses 4000 tokens).
 // - Packed rows (PackedRowsScope) give cos and sin per row, and every layer's attention a
 //   mask per row: scaled_dot_product_attention saves it in the compute dtype, eager
 //   attention as booleans; a checkpointed layer saves the rows' boolean mask, one input
 //   shared by all.
 // - Gemma's norms multiply by (1 + weight): each saves that fp32 [width] tensor once.
+// - A sparse layer's MoE block (moe.cc; tokens T, top-k k, E experts of width I) keeps its
+//   router logits [T, E] in the compute dtype (held by the block until the next forward),
+//   the router's input when the router trains, softmax's fp32 probabilities [T, E], the
+//   top-k's int64 indices [T, k] (with norm_topk_prob also the fp32 weights and their sums
+//   that renormalise them), the k T (token, expert) pairs' order and tokens (int64), the
+//   gathered tokens [k T, H] when the experts train, per pair gate and up [2 I], the
+//   activation's output and the product (down's input, when the experts train), the
+//   experts' outputs [k T, H] before and after the router's weights (those index_add_
+//   adds into the tokens) and the pairs' weights (fp32 with router_weights_fp32 or fp32
+//   compute). Qwen2-MoE's shared expert adds a gated MLP of its own width, its
+//   gate's sigmoid and its output. A checkpointed sparse layer keeps its router logits
+//   beside its input (Note [Router logits out of a checkpointed layer] in decoder.cc).
 // In LoRA the first layer's input needs no gradient, so its first norm saves nothing.
 constexpr int64_t kFp32 = 4;
 constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl's get_state()
@@ -98,8 +114,27 @@ struct LayerBytes {
     return packed || type == LayerType::kSliding ? c * each : 0;
   }
 
-  // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer.
-  int64_t per_token(bool first) const {
+  // A sparse layer's MoE block after its norm, bytes per token (see the Note).
+  int64_t sparse_mlp() const {
+    const int64_t h = config.hidden_size, e = config.num_experts;
+    const int64_t k = config.num_experts_per_tok, inner = config.moe_intermediate_size;
+    const int64_t weights = config.router_weights_fp32 || c == kFp32 ? kFp32 : c;
+    int64_t bytes = c * e + kFp32 * e + 8 * k;  // router logits, probabilities, top-k indices
+    if (config.norm_topk_prob) bytes += kFp32 * (k + 1);
+    bytes += 2 * 8 * k;                        // the pairs' order and tokens
+    if (full()) bytes += k * c * (h + inner);  // the gathered tokens, down's input
+    bytes += k * c * (3 * inner + 2 * h) + k * weights;
+    const int64_t shared = config.shared_expert_intermediate_size;
+    if (shared > 0) {
+      bytes += adapter("gate_proj") + adapter("up_proj") + adapter("down_proj");
+      bytes += 3 * c * shared + (trains("down_proj") ? c * shared : 0) + c + c * h;
+    }
+    return bytes;
+  }
+
+  // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer;
+  // `sparse`: an MoE layer's.
+  int64_t per_token(bool first, bool sparse = false) const {
     const int64_t h = config.hidden_size, heads = config.num_attention_heads;
     const int64_t q = heads * config.head_dim, kv = config.num_key_value_heads * config.head_dim;
     const int64_t inner = config.intermediate_size;
@@ -133,14 +168,18 @@ struct LayerBytes {
     bytes += adapter("o_proj");
     // After attention: a post norm on its output, then the norm before the MLP.
     if (config.sandwich_norms || config.post_norms) bytes += norm(h);
-    if (config.post_norms) {
-      if (gate_up_trains) bytes += c * h;
+    // The MLP's input, saved by what trains (a sparse layer's router or shared expert).
+    const bool input_saved =
+        sparse ? full() || (config.shared_expert_intermediate_size > 0 && gate_up_trains)
+               : gate_up_trains;
+    if (!config.post_norms) bytes += norm(h);
+    if (input_saved) bytes += c * h;
+    if (sparse) {
+      bytes += sparse_mlp();
     } else {
-      bytes += norm(h);
-      if (gate_up_trains) bytes += c * h;
+      bytes += fused ? adapter("gate_up_proj") : adapter("gate_proj") + adapter("up_proj");
+      bytes += 3 * c * inner + (trains("down_proj") ? c * inner : 0) + adapter("down_proj");
     }
-    bytes += fused ? adapter("gate_up_proj") : adapter("gate_proj") + adapter("up_proj");
-    bytes += 3 * c * inner + (trains("down_proj") ? c * inner : 0) + adapter("down_proj");
     if (config.sandwich_norms || config.post_norms) bytes += norm(h);
     return bytes;
   }
@@ -153,7 +192,7 @@ int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::el
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
-                                         bool packed_rows) {
+                                         bool packed_rows, bool router_aux_loss) {
   TORCH_CHECK(batch >= 1 && context >= 1,
               "decoder_activation_bytes: expected a batch and a "
               "context of at least 1, got ",
@@ -163,16 +202,30 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   const LayerBytes layer{config, trained, c, context, batch, packed_rows};
   const int64_t layers = config.num_hidden_layers;
   ActivationBytes result;
-  result.per_layer =
-      tokens * std::max(layer.per_token(/*first=*/false), layer.per_token(/*first=*/layers == 1)) +
-      (packed_rows ? layer.mask(LayerType::kFull) : 0);
+  const auto sparse = [&](int64_t i) {
+    return config.is_moe() && config.sparse_layers.at(static_cast<size_t>(i));
+  };
+  int64_t largest = layers == 1 ? layer.per_token(/*first=*/true, sparse(0)) : 0;
+  for (int64_t i = 0; i < layers; ++i)
+    largest = std::max(largest, layer.per_token(false, sparse(i)));
+  result.per_layer = tokens * largest + (packed_rows ? layer.mask(LayerType::kFull) : 0);
   for (int64_t i = 0; i < layers; ++i) {
-    result.layers.push_back(checkpoint_layers ? tokens * c * config.hidden_size + kCpuRngStateBytes
-                                              : tokens * layer.per_token(i == 0) +
-                                                    layer.mask(config.layer_types[i]) +
-                                                    layer.gemma_norm_weights(i == 0));
+    // A sparse layer's router logits held by its block, and the load-balancing loss's
+    // softmax of them.
+    const int64_t router =
+        sparse(i) ? tokens * c * config.num_experts * (router_aux_loss ? 2 : 1) : 0;
+    result.layers.push_back(
+        checkpoint_layers
+            ? tokens * c * config.hidden_size + kCpuRngStateBytes + router
+            : tokens * layer.per_token(i == 0, sparse(i)) +
+                  (router_aux_loss && sparse(i) ? tokens * c * config.num_experts : 0) +
+                  layer.mask(config.layer_types[i]) + layer.gemma_norm_weights(i == 0));
   }
   int64_t saved = std::accumulate(result.layers.begin(), result.layers.end(), int64_t{0});
+  // The load-balancing loss's scalars, which its backward frees before the loss's
+  // gradients peak.
+  const int64_t aux_scalars = router_aux_loss && config.is_moe() ? 36 : 0;
+  saved += aux_scalars;
   // Packed rows, checkpointed: the rows' boolean mask, an input of every layer.
   if (packed_rows && checkpoint_layers) saved += batch * context * context;
   // The final norm (its output saved when the head trains), cos and sin per rotary
@@ -191,8 +244,8 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   result.saved_bytes = saved;
   // The loss's gradients start backward; a checkpointed layer's recomputation comes later.
   const int64_t loss_gradients = 2 * tokens * kFp32 * vocab;
-  result.peak_bytes =
-      saved + std::max(loss_gradients, checkpoint_layers ? result.per_layer : int64_t{0});
+  result.peak_bytes = saved - aux_scalars +
+                      std::max(loss_gradients, checkpoint_layers ? result.per_layer : int64_t{0});
   // A checkpointed layer's recomputation comes after the head's backward: held to the end.
   if (!checkpoint_layers) result.head += loss_gradients;
   return result;
@@ -256,9 +309,9 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   FinetunePlan plan;
   plan.options = options;
   const at::ScalarType compute = options.param_dtype().value_or(options.dtype());
-  plan.activations = decoder_activation_bytes(config, options.micro_batch(), options.context(),
-                                              compute, options.activation_checkpointing(),
-                                              options.trained(), options.packed_rows());
+  plan.activations = decoder_activation_bytes(
+      config, options.micro_batch(), options.context(), compute, options.activation_checkpointing(),
+      options.trained(), options.packed_rows(), options.router_aux_loss());
   MemoryPlanOptions step;
   step.world_size(options.world_size())
       .sharding_strategy(options.sharding_strategy())

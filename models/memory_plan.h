@@ -46,7 +46,9 @@ struct TrainedWeights {
 // autograd on the CPU holds it (Note [The decoder's activations] in memory_plan.cc):
 // `saved_bytes` is what forward leaves saved for backward, `peak_bytes` the most held at
 // once (the loss's gradients at the start of backward, or a recomputed layer with
-// `checkpoint_layers`). Exact for the decoder of decoder.h on the CPU; a CUDA device's
+// `checkpoint_layers`). With `router_aux_loss`, a mixture-of-experts decoder's
+// load-balancing loss (CausalLMImpl::aux_loss) is part of the loss. Exact for the decoder
+// of decoder.h on the CPU, the sparse layers' MoE blocks included; a CUDA device's
 // attention kernels keep what their backward needs in other shapes.
 struct ActivationBytes {
   int64_t per_layer = 0;  // the largest layer's saved bytes (not checkpointed)
@@ -61,7 +63,7 @@ struct ActivationBytes {
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
-                                         bool packed_rows = false);
+                                         bool packed_rows = false, bool router_aux_loss = false);
 
 // The FSDP units of a decoder built by decoder.h (each layer a unit, and the embeddings
 // and the head when untied; the root holding the rest), with the elements each will train
@@ -87,6 +89,9 @@ struct FinetunePlanOptions {
   // Rows of a conversation file (a mask and rotary angles per row; see
   // decoder_activation_bytes).
   TORCH_ARG(bool, packed_rows) = false;
+  // Mixture-of-experts families: the loss adds the router's load-balancing loss
+  // (examples/llama:finetune's --router_aux_loss_coef > 0).
+  TORCH_ARG(bool, router_aux_loss) = false;
   TORCH_ARG(bool, cpu_offload) = false;
   TORCH_ARG(PlanBackend, backend) = PlanBackend::kGloo;
   TORCH_ARG(TrainedWeights, trained) = TrainedWeights();

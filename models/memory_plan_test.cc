@@ -38,7 +38,8 @@ struct Measured {
 // One forward, loss and backward of a CPU-built decoder under the tracking allocator.
 // Packed: each row two examples, of context / 3 tokens and the rest (PackedRowsScope).
 Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batch, int64_t context,
-                 bool checkpoint_layers, const TrainedWeights& trained, bool packed) {
+                 bool checkpoint_layers, const TrainedWeights& trained, bool packed,
+                 bool router_aux_loss = false) {
   MemoryTracker tracker;
   at::manual_seed(0);
   auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().dtype(dtype));
@@ -69,6 +70,7 @@ Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batc
   reset_peak_memory_stats();
   at::Tensor loss = torch::nn::functional::cross_entropy(
       net->forward(ids).reshape({batch * context, -1}).to(at::kFloat), targets);
+  if (router_aux_loss) loss = loss + 0.01 * net->aux_loss();
   Measured m;
   m.saved = memory_allocated() - before;
   loss.backward();
@@ -85,6 +87,7 @@ struct Case {
   bool checkpoint_layers;
   TrainedWeights trained;
   bool packed = false;  // rows of two examples each
+  bool router_aux_loss = false;
 };
 
 class ActivationBytesTest : public ::testing::TestWithParam<Case> {};
@@ -94,10 +97,10 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
   const Case& c = GetParam();
   const DecoderConfig config = config_of(c.json);
   for (const int64_t context : {40, 64}) {
-    const Measured m =
-        measure(config, c.dtype, 2, context, c.checkpoint_layers, c.trained, c.packed);
+    const Measured m = measure(config, c.dtype, 2, context, c.checkpoint_layers, c.trained,
+                               c.packed, c.router_aux_loss);
     const ActivationBytes planned = decoder_activation_bytes(
-        config, 2, context, c.dtype, c.checkpoint_layers, c.trained, c.packed);
+        config, 2, context, c.dtype, c.checkpoint_layers, c.trained, c.packed, c.router_aux_loss);
     EXPECT_EQ(planned.saved_bytes, m.saved) << c.name << " context " << context;
     // Gemma 2's eager attention in fp32 allocates a 4-byte scalar in backward.
     EXPECT_NEAR(planned.peak_bytes, m.peak, 4) << c.name << " context " << context;
@@ -108,6 +111,16 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
         << c.name;
   }
 }
+
+// The mixture-of-experts families: 8 experts of width 32, top-2; Qwen3-MoE with a dense
+// layer (layer 1), Qwen2-MoE with a shared expert.
+const char* const kQwen3Moe = R"(, "model_type": "qwen3_moe", "head_dim": 16,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": true, "mlp_only_layers": [1])";
+const char* const kQwen2Moe = R"(, "model_type": "qwen2_moe", "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2)";
+const char* const kMixtral = R"(, "model_type": "mixtral", "intermediate_size": 32,
+    "num_local_experts": 8, "num_experts_per_tok": 2)";
 
 const TrainedWeights kFull;
 const TrainedWeights kLoraQv{8, {"q_proj", "v_proj"}};
@@ -148,7 +161,19 @@ INSTANTIATE_TEST_SUITE_P(
              at::kFloat, false, kFull, true},
         Case{"gemma3", R"(, "model_type": "gemma3_text", "sliding_window": 8,
               "query_pre_attn_scalar": 16, "head_dim": 16, "sliding_window_pattern": 2)",
-             at::kFloat, false, kFull}),
+             at::kFloat, false, kFull},
+        Case{"qwen3_moe", kQwen3Moe, at::kFloat, false, kFull},
+        Case{"qwen3_moe_aux", kQwen3Moe, at::kFloat, false, kFull, false, true},
+        Case{"qwen3_moe_aux_bf16", kQwen3Moe, at::kBFloat16, false, kFull, false, true},
+        // A real vocabulary's loss gradients outweigh a recomputed sparse layer's backward,
+        // which the plan counts by its saved bytes only (Note [The decoder's activations]).
+        Case{"qwen3_moe_aux_checkpointed", std::string(kQwen3Moe) + R"(, "vocab_size": 4000)",
+             at::kFloat, true, kFull, false, true},
+        Case{"qwen3_moe_lora_attention", kQwen3Moe, at::kFloat, false,
+             TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true},
+        Case{"qwen2_moe", kQwen2Moe, at::kFloat, false, kFull, false, true},
+        Case{"qwen2_moe_lora_all", kQwen2Moe, at::kFloat, false, kLoraAll},
+        Case{"mixtral_bf16", kMixtral, at::kBFloat16, false, kFull, false, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A LoRA model over a bf16 base (fp32 adapters, PEFT's default): plan_units counts the

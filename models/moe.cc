@@ -110,22 +110,39 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
 }
 
 at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
-                               int64_t top_k) {
+                               int64_t top_k, const at::Tensor& token_mask) {
   TORCH_CHECK(!router_logits.empty(),
               "load_balancing_loss: expected the router logits of one or more sparse layers "
               "(run a forward of a mixture-of-experts model first)");
   const c10::Device device = router_logits.front().device();
-  at::Tensor counts = at::zeros({num_experts}, at::TensorOptions(device).dtype(at::kFloat));
-  at::Tensor prob_sum = counts.clone();
-  int64_t rows = 0;
-  for (const at::Tensor& logits : router_logits) {
-    const at::Tensor probs = at::softmax(logits.to(device), -1);
-    const at::Tensor chosen = std::get<1>(at::topk(probs, top_k, -1));
-    counts = counts + at::bincount(chosen.reshape(-1), {}, num_experts).to(at::kFloat);
-    prob_sum = prob_sum + probs.to(at::kFloat).sum(0);
-    rows += logits.size(0);
+  const at::TensorOptions fp32 = at::TensorOptions(device).dtype(at::kFloat);
+  at::Tensor mask;  // [tokens, 1] fp32, or undefined
+  if (token_mask.defined()) {
+    TORCH_CHECK(token_mask.numel() == router_logits.front().size(0),
+                "load_balancing_loss: expected a token mask of ", router_logits.front().size(0),
+                " elements (one per routed token), got ", token_mask.numel());
+    mask = token_mask.reshape({-1, 1}).to(fp32);
   }
-  return (counts / double(rows) * (prob_sum / double(rows))).sum() * double(num_experts);
+  at::Tensor counts = at::zeros({num_experts}, fp32);
+  at::Tensor prob_sum = counts.clone();
+  at::Tensor rows = at::zeros({}, fp32);
+  for (const at::Tensor& logits : router_logits) {
+    const at::Tensor routing = at::softmax(logits.to(device), -1);  // in the logits' dtype
+    const at::Tensor chosen = std::get<1>(at::topk(routing, top_k, -1));
+    const at::Tensor probs = routing.to(at::kFloat);
+    if (mask.defined()) {
+      counts =
+          counts + at::zeros({num_experts}, fp32)
+                       .scatter_add_(0, chosen.reshape(-1), mask.expand({-1, top_k}).reshape(-1));
+      prob_sum = prob_sum + (probs * mask).sum(0);
+      rows = rows + mask.sum();
+    } else {
+      counts = counts + at::bincount(chosen.reshape(-1), {}, num_experts).to(at::kFloat);
+      prob_sum = prob_sum + probs.sum(0);
+      rows = rows + double(logits.size(0));
+    }
+  }
+  return (counts / rows * (prob_sum / rows)).sum() * double(num_experts);
 }
 
 }  // namespace fsdp::models

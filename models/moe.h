@@ -76,15 +76,20 @@ struct SparseMoeBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(SparseMoeBlock);
 
-// transformers' load_balancing_loss_func(router_logits, num_experts, top_k) without an
-// attention mask: over every sparse layer's router logits ([tokens, num_experts] each,
+// transformers' load_balancing_loss_func(router_logits, num_experts, top_k,
+// attention_mask): over every sparse layer's router logits ([tokens, num_experts] each,
 // the same tokens), E x sum_e f_e P_e, where f_e is the fraction of the layers' top-k
 // choices that went to expert e (each token counted k times, divided by the tokens) and
-// P_e the mean router probability of e. A 0-dim fp32 tensor with grad through P. The
-// trainer adds router_aux_loss_coef times it to the loss (transformers does with
-// output_router_logits). Throws c10::Error for no logits.
+// P_e the mean router probability of e. `token_mask` (undefined: every token counts)
+// is transformers' attention_mask flattened: [tokens] (bool or 0/1 of any dtype, any
+// shape of that many elements), 1 where the token counts; the counts and the mean
+// probabilities are then over those tokens only (transformers 5.x weights them by the
+// mask the same way). A 0-dim fp32 tensor with grad through P. The trainer adds
+// router_aux_loss_coef times it to the loss (transformers does with
+// output_router_logits). Throws c10::Error for no logits, or a mask of another number of
+// tokens.
 at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
-                               int64_t top_k);
+                               int64_t top_k, const at::Tensor& token_mask = {});
 
 }  // namespace fsdp::models
 

@@ -46,6 +46,26 @@ TEST(LoadBalancingLoss, EqualsTransformersOnFixedLogits) {
   }
 }
 
+// With transformers' attention_mask: the 6 tokens as a batch of 2 x 3, token 2 (the
+// first row's last) padding. transformers 5.23's load_balancing_loss_func(logits, 4, k,
+// torch.tensor([[1, 1, 0], [1, 1, 1]])): 1.09989333 (k = 1), 1.98998928 (k = 2). An
+// all-ones mask is no mask.
+TEST(LoadBalancingLoss, EqualsTransformersWithAnAttentionMask) {
+  const at::Tensor mask = at::tensor({1, 1, 0, 1, 1, 1}, at::kLong).view({2, 3});
+  EXPECT_NEAR(load_balancing_loss(fixed_logits(), 4, 1, mask).item<double>(), 1.09989333, 1e-6);
+  EXPECT_NEAR(load_balancing_loss(fixed_logits(), 4, 2, mask).item<double>(), 1.98998928, 1e-6);
+  EXPECT_NEAR(load_balancing_loss(fixed_logits(), 4, 2, at::ones({6}, at::kBool)).item<double>(),
+              1.9506135, 1e-6);
+  try {
+    load_balancing_loss(fixed_logits(), 4, 2, at::ones({5}));
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(e.msg(),
+              "load_balancing_loss: expected a token mask of 6 elements (one per routed token), "
+              "got 5");
+  }
+}
+
 // The experts gathered per expert compute, for each token, the weighted sum of its top-k
 // experts' SwiGLU outputs (each computed alone here). Token 2 has no expert 0 and expert
 // 3 has no token: both paths are taken.
@@ -95,6 +115,37 @@ TEST(SparseMoeBlock, Qwen3MoeDecoderKeepsItsSparseLayersRouterLogits) {
   ASSERT_EQ(router.size(), 2u);  // layers 0 and 2
   EXPECT_EQ(router[0].sizes(), at::IntArrayRef({10, 4}));
   EXPECT_TRUE(at::equal(model.aux_loss(), load_balancing_loss(router, 4, 2)));
+}
+
+// Note [Router logits out of a checkpointed layer]: with checkpointed layers, the loss
+// plus the aux loss has the same value and the same gradients (the routers' included) as
+// without.
+TEST(SparseMoeBlock, AuxLossTrainsTheRoutersOfCheckpointedLayers) {
+  const DecoderConfig config = parse_decoder_config(
+      R"({"model_type": "qwen2_moe", "hidden_size": 16, "intermediate_size": 24,
+          "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+          "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 32})",
+      "cfg.json");
+  const at::Tensor ids = at::randint(32, {2, 5}, at::kLong);
+  std::vector<at::Tensor> losses, grads;
+  for (const bool checkpointed : {false, true}) {
+    torch::manual_seed(0);
+    CausalLMImpl model(config);
+    for (auto& unit : model.model->units) unit->module()->checkpoint_activations = checkpointed;
+    const at::Tensor logits = model.forward(ids);
+    ASSERT_EQ(model.model->router_logits().size(), 2u) << "checkpointed " << checkpointed;
+    const at::Tensor loss =
+        logits.logsumexp(-1).mean() + model.aux_loss(at::tensor({1, 1, 1, 1, 0, 1, 1, 1, 1, 1}));
+    loss.backward();
+    losses.push_back(loss.detach());
+    const at::Tensor router = model.model->units[1]->module()->moe->gate->weight;
+    ASSERT_TRUE(router.grad().defined()) << "checkpointed " << checkpointed;
+    grads.push_back(router.grad());
+  }
+  EXPECT_TRUE(at::allclose(losses[0], losses[1], 1e-6, 0));
+  EXPECT_TRUE(at::allclose(grads[0], grads[1], 1e-5, 1e-7));
+  EXPECT_GT(grads[1].abs().sum().item<double>(), 0);
 }
 
 }  // namespace

@@ -13,7 +13,16 @@
                             within 1e-5 relative; --steps=0 wrote every tensor back bit for
                             bit; full and LoRA fine-tunes lowered the eval loss, and
                             transformers (full, merged LoRA) and PEFT (base + adapter) compute
-                            the eval loss fsdp printed after training
+                            the eval loss fsdp printed after training. MoE families (their
+                            W = 1 run takes one step at lr 0): the first step's training
+                            loss, cross-entropy + router_aux_loss_coef x the router's
+                            load-balancing loss, equals transformers'
+                            model(..., output_router_logits=True).loss on the same batch;
+                            so does Qwen3-MoE's on conversation rows (DIR/chat.safetensors),
+                            packed and one example a row, with --router_aux_loss_coef=0.1
+                            (the padding, if counted, would move the loss by over 10x the
+                            tolerance), against transformers on the batch's examples
+                            padded, with their attention mask
 """
 import json
 import os
@@ -231,10 +240,28 @@ def ablate(folder, family, overrides, edit, w):
     return loss_of(model, w)
 
 
+def make_chat(path):
+    """12 conversations of 20 and 15 tokens (alternately), each counting a random tail."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    ids, mask, offsets = [], [], [0]
+    for length in [20, 15] * 6:
+        ids.extend(rng.integers(0, VOCAB, length))
+        answer = int(rng.integers(2, length // 2))
+        mask.extend([0] * (length - answer) + [1] * answer)
+        offsets.append(offsets[-1] + length)
+    save_file({"input_ids": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.uint8),
+               "example_offsets": np.asarray(offsets, np.int64)},
+              path, metadata={"format": "fsdp-chat-v1"})
+
+
 def make(root, variants):
     import transformers
 
     token_stream(4000, 1).tofile(os.path.join(root, "train.bin"))
+    if variants is MOE_VARIANTS:
+        make_chat(os.path.join(root, "chat.safetensors"))
     token_stream(6 * (CONTEXT + 1), 2).tofile(os.path.join(root, "eval.bin"))
     w = windows(root)
     failed = 0
@@ -274,6 +301,89 @@ def make(root, variants):
     return failed
 
 
+SEED, BATCH = 1234, 3  # finetune's default --seed; families_test.sh's --batch_size
+
+
+def first_batch(root):
+    """finetune's first training batch of a token file (batch() in finetune.cc): windows of
+    CONTEXT + 1 tokens at offsets drawn by torch.randint after manual_seed(seed x 1000003)."""
+    ids = torch.from_numpy(np.fromfile(os.path.join(root, "train.bin"), dtype="<u2").astype(np.int64))
+    torch.manual_seed(SEED * 1000003)
+    starts = torch.randint(ids.numel() - CONTEXT - 1, (BATCH,))
+    w = torch.stack([ids[s: s + CONTEXT + 1] for s in starts.tolist()])
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def first_step_loss(model, x, y):
+    """transformers' training loss with the router's term, and the term itself."""
+    with torch.no_grad():
+        out = model(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
+    return out.loss.item(), model.config.router_aux_loss_coef * out.aux_loss.item()
+
+
+def chat_first_batch(root, packed):
+    """The examples of finetune's first conversation batch (chat_data.cc): rows of CONTEXT
+    tokens (packed best-fit decreasing, or one example a row), rows drawn by
+    torch.randperm after manual_seed(seed x 1000003); their examples as (ids, mask) each."""
+    from safetensors.numpy import load_file
+
+    f = load_file(os.path.join(root, "chat.safetensors"))
+    offsets = f["example_offsets"].tolist()
+    examples = [(torch.from_numpy(f["input_ids"][a:b].astype(np.int64)),
+                 torch.from_numpy(f["loss_mask"][a:b].astype(bool))) for a, b in zip(offsets, offsets[1:])]
+    if not packed:
+        rows = [[e] for e in range(len(examples))]
+    else:  # best-fit decreasing: the row with the least room that holds it, else a new one
+        rows, room = [], []  # room: (left, opened, row), the earliest among equals first
+        for e in sorted(range(len(examples)), key=lambda e: -len(examples[e][0])):
+            n = len(examples[e][0])
+            fits = [r for r in room if r[0] >= n]
+            if fits:
+                best = min(fits)
+                room.remove(best)
+                row, opened = best[2], best[1]
+            else:
+                row, opened = len(rows), len(rows)
+                rows.append([])
+            rows[row].append(e)
+            left = CONTEXT - sum(len(examples[x][0]) for x in rows[row])
+            if left > 0:
+                room.append((left, opened, row))
+    torch.manual_seed(SEED * 1000003)
+    order = torch.randperm(len(rows))
+    return [examples[e] for r in order[:BATCH].tolist() for e in rows[r]]
+
+
+CHAT_AUX_COEF = 0.1  # families_test.sh's --router_aux_loss_coef on conversations
+
+
+def chat_loss(model, examples):
+    """transformers' training loss over `examples`, padded on the right with their attention
+    mask: the counted targets' mean cross-entropy + CHAT_AUX_COEF x the router's
+    load-balancing loss over the examples' tokens (the mask's)."""
+    model.router_aux_loss_coef = CHAT_AUX_COEF
+    length = max(len(ids) for ids, _ in examples)
+    x = torch.zeros(len(examples), length, dtype=torch.int64)
+    attention = torch.zeros(len(examples), length, dtype=torch.int64)
+    labels = torch.full((len(examples), length), -100, dtype=torch.int64)
+    for i, (ids, counted) in enumerate(examples):
+        x[i, :len(ids)], attention[i, :len(ids)] = ids, 1
+        labels[i, :len(ids) - 1] = torch.where(counted[1:], ids[1:], torch.tensor(-100))
+    with torch.no_grad():
+        return model(input_ids=x, attention_mask=attention, labels=labels, shift_labels=labels,
+                     output_router_logits=True).loss.item()
+
+
+def logged_step(path, step):
+    """The training loss metrics.csv recorded for `step`."""
+    with open(path) as f:
+        for row in f:
+            fields = row.strip().split(",")
+            if fields[0] == str(step):
+                return float(fields[1])
+    raise AssertionError(f"{path}: no row for step {step}")
+
+
 def logged(path, what):
     with open(path) as f:
         return float(re.search(rf"eval loss {what}: ([0-9.]+)", f.read()).group(1))
@@ -310,10 +420,22 @@ def check(root):
         model = os.path.join(d, "model")
         print(f"{name}:")
         expected = loss_of(load(model), w)
+        moe = name in MOE_VARIANTS
         for world in (1, 3):
             compare(f"eval loss at W = {world}", logged(f"{d}/w{world}.log", "before"), expected)
             n = same(model, f"{d}/w{world}/hf")
-            print(f"  --steps=0 at W = {world}: {n} tensors written back bit for bit")
+            steps = "--steps=1 at lr 0" if moe and world == 1 else "--steps=0"
+            print(f"  {steps} at W = {world}: {n} tensors written back bit for bit")
+        if moe:
+            theirs, aux = first_step_loss(load(model), *first_batch(root))
+            compare("first step's training loss (cross-entropy + router aux) at W = 1",
+                    logged_step(f"{d}/w1/metrics.csv", 1), theirs)
+            print(f"    (the aux term, {aux:.3g}, is {aux / theirs / TOLERANCE:.0f}x the tolerance)")
+            if trains == "1":
+                for rows in ("packed", "per_row"):
+                    theirs = chat_loss(load(model), chat_first_batch(root, rows == "packed"))
+                    compare(f"first step's loss on conversation rows ({rows.replace('_', ' ')})",
+                            logged_step(f"{d}/chat_{rows}/metrics.csv", 1), theirs)
         if trains == "0":
             continue
         config = json.load(open(os.path.join(model, "config.json")))

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # examples/llama:finetune's memory plan (Note [Checking the plan before loading]) against
 # what the ranks measure: a random 31 M-parameter Llama folder (transformers'
-# save_pretrained), W = 2, a full and a LoRA fine-tune; each run's largest peak resident
-# set must lie within 15% of the plan printed before loading. With --max_memory_per_rank below the plan, every rank
+# save_pretrained), W = 2, a full and a LoRA fine-tune, and a full fine-tune of a random
+# 30 M-parameter Qwen3-MoE folder (16 experts, top-4, a dense layer; the router's
+# load-balancing loss on, as by default); each run's largest peak resident
+# set must lie within 15% of the plan printed before loading, and the MoE run's parameter
+# count (printed by the trainer and by fsdp_plan) is transformers' exactly. With --max_memory_per_rank below the plan, every rank
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
 # fsdp_plan --config gives the same plan from the config.json alone (all but the runtime,
 # which the trainer measures), and the smallest world size that fits a memory per rank.
@@ -28,14 +31,25 @@ config = transformers.LlamaConfig(
     hidden_size=384, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
     intermediate_size=1024, vocab_size=32000, max_position_embeddings=256)
 transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1] + "/model")
+moe = transformers.Qwen3MoeConfig(
+    hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=16,
+    num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[3], vocab_size=32000,
+    max_position_embeddings=256)
+model = transformers.Qwen3MoeForCausalLM(moe)
+model.save_pretrained(sys.argv[1] + "/moe")
+with open(sys.argv[1] + "/moe_numel", "w") as f:
+    f.write(str(sum(p.numel() for p in model.parameters())))
 np.random.default_rng(0).integers(0, 32000, 50000, dtype=np.uint16).tofile(sys.argv[1] + "/train.bin")
 PY
 common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=64
         --batch_size=4 --steps=2 --checkpoint_interval=0)
-for run in full lora; do
-  extra=()
+for run in full lora moe; do
+  extra=() from=model
   [[ $run == lora ]] && extra=(--lora_rank=8)
-  "$finetune" "${common[@]}" "${extra[@]}" --out_dir="$dir/$run" | tee "$dir/$run.log"
+  [[ $run == moe ]] && from=moe
+  "$finetune" "${common[@]}" "${extra[@]}" --from="$dir/$from" --out_dir="$dir/$run" |
+      tee "$dir/$run.log"
   grep -q "] memory plan: parameters .* = peak .* per rank" "$dir/$run.log"
   ratio=$(sed -n 's/.*(largest \/ plan \([0-9.]*\)).*/\1/p' "$dir/$run.log")
   awk -v r="$ratio" 'BEGIN { exit !(r >= 0.85 && r <= 1.15) }' || {
@@ -45,10 +59,18 @@ for run in full lora; do
   terms=$(sed -n 's/.*memory plan: \(parameters .*\) + allocator.*/\1/p' "$dir/$run.log")
   lora_flag=0
   [[ $run == lora ]] && lora_flag=8
-  "$plan" --config="$dir/model/config.json" --world_size=2 --batch_size=4 --context=64 \
+  "$plan" --config="$dir/$from/config.json" --world_size=2 --batch_size=4 --context=64 \
       --lora_rank=$lora_flag > "$dir/$run.plan"
   grep -qF "memory plan: $terms + allocator" "$dir/$run.plan" || {
     echo "FAIL: fsdp_plan --config differs from the trainer's plan ($terms):"; cat "$dir/$run.plan"; exit 1; }
+  if [[ $run == moe ]]; then  # every expert counted: the parameters are transformers'
+    numel=$(cat "$dir/moe_numel")
+    grep -q "), $numel parameters ($numel trainable" "$dir/moe.log" &&
+        grep -q "): $numel parameters ($numel trainable)" "$dir/moe.plan" || {
+      echo "FAIL: transformers' Qwen3-MoE has $numel parameters; the trainer and fsdp_plan say:"
+      grep "parameters (" "$dir/moe.log" "$dir/moe.plan"; exit 1; }
+    echo "moe: $numel parameters in the trainer, fsdp_plan and transformers"
+  fi
 done
 # The smallest world size for exactly the W = 2 peak is 2 (W = 1 holds more).
 peak2=$("$plan" --config="$dir/model/config.json" --world_size=2 --batch_size=4 --context=64 \

@@ -416,6 +416,8 @@ int run_config(const std::string& format) {
   trained.lora_rank = count_flag("lora_rank", absl::GetFlag(FLAGS_lora_rank), 0, 1 << 20);
   trained.lora_targets = list_flag("lora_target_modules", absl::GetFlag(FLAGS_lora_target_modules));
   options.trained(trained);
+  // The MoE families' load-balancing loss, on as examples/llama:finetune has it by default.
+  options.router_aux_loss(config.is_moe() && config.router_aux_loss_coef > 0);
   const std::string memory = absl::GetFlag(FLAGS_memory_per_rank);
   const fsdp::tools::DecoderPlanReport report = fsdp::tools::make_decoder_report(
       config, path, options, count_flag("batch_size", absl::GetFlag(FLAGS_batch_size), 1, 1 << 24),

@@ -1,6 +1,6 @@
 // Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-// Gemma 3 text, Granite, OLMo 2, Phi-3: the families of //models) with FSDP and writes the
-// result back as a Hugging Face folder.
+// Gemma 3 text, Granite, OLMo 2, Phi-3, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE: the families
+// of //models) with FSDP and writes the result back as a Hugging Face folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
@@ -30,7 +30,10 @@
 // AutoModelForCausalLM.from_pretrained loads; --steps=0 writes the weights it read, bit for bit.
 // With --lora_rank it trains LoRA adapters only (fsdp/lora), writes them to OUT/adapter/ as PEFT
 // does (PeftModel.from_pretrained loads them) and OUT/hf/ holds them merged into the base weights
-// (both written one unit at a time). Without RANK in its environment it starts --world_size ranks
+// (both written one unit at a time). The mixture-of-experts families (Qwen3-MoE, Mixtral,
+// OLMoE, Qwen2-MoE) train on the cross-entropy plus the router's load-balancing loss, as
+// transformers does with output_router_logits (--router_aux_loss_coef; Note [The router's
+// load-balancing loss]). Without RANK in its environment it starts --world_size ranks
 // of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is one
 // line on stderr and exit status 2.
 //
@@ -50,6 +53,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -58,6 +62,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -118,7 +123,13 @@ ABSL_FLAG(double, lora_dropout, 0.0, "dropout on the LoRA adapters' input, in [0
 ABSL_FLAG(std::string, lora_target_modules, "",
           "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
           "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
-          "empty: PEFT's default for the family (q_proj,v_proj; phi3: qkv_proj)");
+          "empty: PEFT's default for the family (q_proj,v_proj, mixtral too; phi3: qkv_proj; "
+          "none for qwen3_moe, qwen2_moe, olmoe: name them). The MoE families' routed experts "
+          "take no LoRA yet (PEFT's target_parameters)");
+ABSL_FLAG(std::string, router_aux_loss_coef, "auto",
+          "mixture-of-experts families: the weight of the router's load-balancing loss added "
+          "to each micro-batch's training loss (transformers' output_router_logits=True); "
+          "auto: the config's router_aux_loss_coef; 0: none");
 ABSL_FLAG(std::string, lora_base_dtype, "auto",
           "dtype of the frozen base weights of a LoRA run: auto (the folder's own bf16 or "
           "fp16 under --mixed_precision=bf16, else the training dtype) or float32 (an fp32 "
@@ -290,6 +301,58 @@ std::vector<std::string> lora_targets(const DecoderConfig& config) {
   return absl::StrSplit(flag, ',', absl::SkipWhitespace());
 }
 
+// Note [The router's load-balancing loss]
+// A mixture-of-experts family trains, as transformers' *MoeForCausalLM with
+// output_router_logits=True does, on cross-entropy + router_aux_loss_coef x aux, aux being
+// load_balancing_loss_func over every sparse layer's router logits of the forward
+// (CausalLMImpl::aux_loss); the coefficient is the config's (--router_aux_loss_coef=auto,
+// even where config.json leaves output_router_logits false: transformers' Trainer
+// recipes for these models turn it on) or the flag's, 0 turning it off. The tokens it
+// counts are those transformers counts for the same batch: a token file's windows have no
+// padding and no attention mask, so every token; conversation rows count their examples'
+// tokens and not the padding, as transformers does with the attention mask of padded
+// rows (--packing=false: DataCollatorWithPadding) and as it must with packed rows
+// (DataCollatorWithFlattening leaves no padding at all; its rows carry no mask). aux is
+// computed per forward, as transformers computes it per forward: each micro-batch of
+// each rank adds coef x its own aux, and the step's gradient is the mean of those terms
+// over the micro-batches and ranks (accumulate_gradients' 1 / M, FSDP's average over W),
+// beside the global batch's cross-entropy. At W = 1 and one micro-batch the step's loss
+// is therefore transformers' model(..., output_router_logits=True).loss on the same batch
+// (families_test checks it per family). transformers' Trainer differs at M > 1: it
+// normalises the cross-entropy by the whole step's token count but leaves each forward's
+// aux term unscaled, so its aux weighs M times coef; here coef means the same at any
+// --grad_accumulation_steps and world size. The progress lines show the mean aux; the
+// training loss they and metrics.csv report includes coef x aux, the eval loss does not
+// (cross-entropy only, the figure transformers' evaluation compares).
+
+// The coefficient of --router_aux_loss_coef for `config` (0 for a dense family).
+double router_aux_coef(const DecoderConfig& config) {
+  if (!config.is_moe()) return 0;
+  const std::string flag = absl::GetFlag(FLAGS_router_aux_loss_coef);
+  double coef = 0;
+  if (flag == "auto") return config.router_aux_loss_coef;
+  TORCH_CHECK(absl::SimpleAtod(flag, &coef), "--router_aux_loss_coef=", flag);
+  return coef;
+}
+
+// "" if --router_aux_loss_coef is usable for `config`, else why not.
+std::string router_aux_flag_error(const DecoderConfig& config) {
+  const std::string flag = absl::GetFlag(FLAGS_router_aux_loss_coef);
+  if (flag == "auto") return "";
+  double coef = 0;
+  if (!absl::SimpleAtod(flag, &coef) || !std::isfinite(coef) || coef < 0) {
+    return absl::StrCat("--router_aux_loss_coef=", flag,
+                        ": expected auto (the config's router_aux_loss_coef) or a number >= 0 "
+                        "(0: no load-balancing loss)");
+  }
+  if (!config.is_moe() && coef != 0) {
+    return absl::StrCat("--router_aux_loss_coef=", flag, ": a ", config.model_type,
+                        " decoder has no router; the load-balancing loss is for the "
+                        "mixture-of-experts families (qwen3_moe, mixtral, olmoe, qwen2_moe)");
+  }
+  return "";
+}
+
 // The fine-tune's own flags, checked before a rank starts or a file is touched (the run
 // flags were): "" or one line.
 std::string flag_error() {
@@ -332,6 +395,7 @@ std::string flag_error() {
   }
   if (!error.empty()) return error;
   if (error = sample_prompts_error(config); !error.empty()) return error;
+  if (error = router_aux_flag_error(config); !error.empty()) return error;
   if (absl::GetFlag(FLAGS_lora_rank) < 0) {
     return "--lora_rank: expected 0 (full fine-tuning) or a rank >= 1";
   }
@@ -429,6 +493,7 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
       .context(absl::GetFlag(FLAGS_context))
       .activation_checkpointing(levers.activation_checkpointing)
       .packed_rows(is_chat_file(absl::GetFlag(FLAGS_data)))
+      .router_aux_loss(router_aux_coef(config) > 0)
       .cpu_offload(levers.cpu_offload)
       .backend(plan_backend_of(options.communicator()->backend_name()))
       .runtime_bytes(std::max<int64_t>(examples::resident_bytes(), 0))
@@ -648,9 +713,15 @@ double eval_loss(Model& model, const Data& data, Communicator& comm) {
 // x W x M / N, which FSDP's gradient average over the W ranks and accumulate_gradients'
 // 1 / M make exactly the gradient of (sum over the global batch) / N.
 
+// A micro-batch's loss plus the router's term over its tokens (`token_mask`: undefined, or
+// 1 where a token counts).
+using AuxTerm = std::function<at::Tensor(const at::Tensor& loss, const at::Tensor& token_mask)>;
+
 // This rank's micro-batch losses for conversation step `step`: see Note [Conversations].
+// `with_aux` adds the router's term to a micro-batch's loss (Note [The router's
+// load-balancing loss]), given the micro-batch's token mask.
 at::Tensor chat_step(Model& model, const ChatRows& rows, int64_t step, int64_t micro_batches,
-                     Communicator& comm, c10::Device device) {
+                     Communicator& comm, c10::Device device, const AuxTerm& with_aux) {
   const int64_t global = absl::GetFlag(FLAGS_batch_size);
   const int64_t local = global / comm.world_size();
   const ChatBatch mine = chat_training_rows(rows, step * global + comm.rank() * local, local,
@@ -662,7 +733,8 @@ at::Tensor chat_step(Model& model, const ChatRows& rows, int64_t step, int64_t m
       double(comm.world_size() * micro_batches) / std::max(1.0, counted.item<double>());
   const int64_t micro = local / micro_batches;
   return examples::accumulate_gradients(*model, micro_batches, [&](int64_t k) {
-    return summed_loss(model, mine.narrow(k * micro, micro)) * scale;
+    const ChatBatch micro_rows = mine.narrow(k * micro, micro);
+    return with_aux(summed_loss(model, micro_rows) * scale, micro_rows.segments >= 0);
   });
 }
 
@@ -762,27 +834,52 @@ int finetune() {
     answers_before = sample_answers(model, samples, comm, device);
     if (lead) write_samples(samples_path, samples, answers_before, {});
   }
+  // See Note [The router's load-balancing loss].
+  const double aux_coef = router_aux_coef(config);
+  if (lead && aux_coef > 0) {
+    std::cout << absl::StrFormat(
+        "router load-balancing loss: %g x aux added to each micro-batch's loss (%s); the "
+        "training loss includes it\n",
+        aux_coef,
+        absl::GetFlag(FLAGS_router_aux_loss_coef) == "auto" ? "the config's router_aux_loss_coef"
+                                                            : "--router_aux_loss_coef");
+  }
+  at::Tensor aux_sum;  // this step's micro-batches' aux, detached
+  const AuxTerm with_aux = [&](const at::Tensor& loss, const at::Tensor& token_mask) {
+    if (aux_coef == 0) return loss;
+    const at::Tensor aux = model->module()->aux_loss(token_mask);
+    aux_sum = aux_sum.defined() ? aux_sum + aux.detach() : aux.detach().clone();
+    return loss + aux_coef * aux;
+  };
   for (int64_t step = first; step < flags.steps; ++step) {
     const double lr = scheduler.last_lr.at(0);
+    aux_sum = at::Tensor();
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
     adamw.zero_grad();
     // --grad_accumulation_steps: this rank's share in equal micro-batches, no_sync between.
     at::Tensor loss;
     if (train.chat()) {
-      loss = chat_step(model, train.rows, step, flags.grad_accumulation_steps, comm, device);
+      loss =
+          chat_step(model, train.rows, step, flags.grad_accumulation_steps, comm, device, with_aux);
     } else {
       auto [x, y] = batch(train.tokens, step, comm, device);
       const int64_t micro = x.size(0) / flags.grad_accumulation_steps;
       loss = examples::accumulate_gradients(*model, flags.grad_accumulation_steps, [&](int64_t k) {
-        return next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
-                               y.narrow(0, k * micro, micro));
+        return with_aux(next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
+                                        y.narrow(0, k * micro, micro)),
+                        at::Tensor());
       });
     }
     adamw.step();
     scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
     const double train_loss = global_mean(loss, comm);
     run.checkpoint_if_due(step + 1, *model, adamw, &scheduler);
-    run.record(step + 1, {train_loss, std::nullopt, lr}, *model);
+    std::string aux_words;
+    if (aux_sum.defined()) {
+      aux_words = absl::StrFormat(
+          " | router aux %.4f", global_mean(aux_sum / double(flags.grad_accumulation_steps), comm));
+    }
+    run.record(step + 1, {train_loss, std::nullopt, lr}, *model, aux_words);
   }
   run.finish(*model);
   if (eval) {

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/custom_class.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
 

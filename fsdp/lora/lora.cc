@@ -4,6 +4,7 @@
 #include <ostream>
 #include <regex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
@@ -14,6 +15,7 @@
 #include <torch/nn/init.h>
 
 #include "fsdp/base/names.h"
+#include "fsdp/formats/nf4.h"
 
 namespace fsdp::lora {
 
@@ -38,8 +40,73 @@ void LoraLinearImpl::reset_parameters() {
   }
 }
 
+namespace {
+
+// store_weight_nf4's weight: the module's packed tensors (its own at::Tensor handles, which
+// FSDP points at the gathered values) dequantized on use.
+class Nf4Weight : public StoredWeight {
+ public:
+  Nf4Weight(std::vector<int64_t> shape, at::Tensor codes, at::Tensor absmax,
+            at::Tensor nested_absmax, at::Tensor nested_code, at::Tensor offset)
+      : shape_(std::move(shape)),
+        codes_(std::move(codes)),
+        absmax_(std::move(absmax)),
+        nested_absmax_(std::move(nested_absmax)),
+        nested_code_(std::move(nested_code)),
+        offset_(std::move(offset)) {}
+
+  at::Tensor unpack(c10::ScalarType dtype) const override {
+    Nf4Tensor q;
+    q.shape = shape_;
+    q.dtype = dtype;
+    q.codes = codes_;
+    q.absmax = absmax_;
+    q.nested_absmax = nested_absmax_;
+    q.nested_code = nested_code_;
+    q.offset = offset_.item<float>();  // one host read per use (a device sync on CUDA)
+    return dequantize_nf4(q);
+  }
+  std::vector<int64_t> shape() const override { return shape_; }
+
+ private:
+  std::vector<int64_t> shape_;
+  at::Tensor codes_, absmax_, nested_absmax_, nested_code_, offset_;
+};
+
+}  // namespace
+
+void LoraLinearImpl::store_weight_nf4() {
+  TORCH_CHECK(!stores_weight(),
+              "LoraLinear::store_weight_nf4: the weight is stored in NF4 already");
+  TORCH_CHECK(!weight.is_meta() && at::isFloatingType(weight.scalar_type()),
+              "LoraLinear::store_weight_nf4: expected a floating weight with values, got ",
+              weight.is_meta() ? "one on the meta device (load or initialise it first)"
+                               : c10::toString(weight.scalar_type()));
+  torch::NoGradGuard no_grad;
+  const std::vector<int64_t> shape = weight.sizes().vec();
+  const Nf4Tensor q = quantize_nf4(weight.detach(), /*double_quant=*/true);
+  weight.set_requires_grad(false);
+  weight.set_data(q.codes);
+  weight_absmax = register_parameter("weight_absmax", q.absmax, /*requires_grad=*/false);
+  weight_nested_absmax =
+      register_parameter("weight_nested_absmax", q.nested_absmax, /*requires_grad=*/false);
+  weight_nested_quant_map =
+      register_parameter("weight_nested_quant_map", q.nested_code, /*requires_grad=*/false);
+  weight_nested_offset =
+      register_parameter("weight_nested_offset", at::full({1}, q.offset, q.nested_absmax.options()),
+                         /*requires_grad=*/false);
+  stored_weight_ =
+      c10::make_intrusive<Nf4Weight>(shape, weight, weight_absmax, weight_nested_absmax,
+                                     weight_nested_quant_map, weight_nested_offset);
+}
+
+at::Tensor LoraLinearImpl::dense_weight(c10::ScalarType dtype) const {
+  return stores_weight() ? stored_weight_->unpack(dtype) : weight.to(dtype);
+}
+
 at::Tensor LoraLinearImpl::forward(const at::Tensor& input) {
-  at::Tensor output = torch::nn::functional::linear(input, weight, bias);
+  at::Tensor output = stores_weight() ? stored_linear(input, stored_weight_, bias)
+                                      : torch::nn::functional::linear(input, weight, bias);
   if (!has_adapter()) return output;
   // PEFT's Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling, x cast to the
   // adapter's dtype and the sum to the result's.

@@ -43,6 +43,8 @@
 #include <torch/nn/pimpl.h>
 #include <torch/ordered_dict.h>
 
+#include "fsdp/core/stored_weight.h"
+
 namespace fsdp::lora {
 
 // Cleaned FQN -> tensor (the same type as fsdp::StateDict in fsdp/state/state_dict.h).
@@ -115,6 +117,23 @@ class LoraLinearImpl : public torch::nn::Module {
   // lora_dropout is outside [0, 1).
   void add_adapter(const LoraConfig& config);
   bool has_adapter() const { return !lora_A.is_empty(); }
+
+  // QLoRA's base: stores the base weight in NF4 (fsdp/formats/nf4.h: bitsandbytes'
+  // quantize_4bit, blocks of 64, double quantization), frozen. `weight` becomes the packed
+  // 4-bit codes (uint8 [ceil(out_features x in_features / 2)]) and weight_absmax (uint8
+  // [blocks]), weight_nested_absmax (float32), weight_nested_quant_map (float32 [256]) and
+  // weight_nested_offset (float32 [1]) join it as frozen parameters: what FSDP shards and
+  // all-gathers, byte for byte (about 4.13 bits a weight). forward() then multiplies by the
+  // weight dequantized in the input's dtype right before use, and again in backward, never
+  // held in between (fsdp::stored_linear, fsdp/core/stored_weight.h). Call it on a layer
+  // with values (not on c10::kMeta), before or after add_adapter. PyTorch: bitsandbytes'
+  // Linear4bit(quant_type="nf4", compress_statistics=True) under PEFT's lora.Linear4bit.
+  // Throws c10::Error on the meta device or if the weight is stored already.
+  void store_weight_nf4();
+  bool stores_weight() const { return stored_weight_ != nullptr; }
+  // The base weight [out_features, in_features] in `dtype`: `weight` cast, or the NF4
+  // weight dequantized (bit for bit bitsandbytes' dequantize_4bit).
+  at::Tensor dense_weight(c10::ScalarType dtype) const;
   // lora_alpha / r of the adapter (0 without one).
   double scaling() const { return scaling_; }
   // The update the adapter adds to the weight: lora_B.weight @ lora_A.weight x scaling
@@ -129,9 +148,12 @@ class LoraLinearImpl : public torch::nn::Module {
   torch::nn::Linear lora_A{nullptr};
   torch::nn::Linear lora_B{nullptr};
   torch::nn::Dropout lora_dropout{nullptr};
+  // store_weight_nf4's quantization state (undefined until then).
+  at::Tensor weight_absmax, weight_nested_absmax, weight_nested_quant_map, weight_nested_offset;
 
  private:
   double scaling_ = 0;
+  c10::intrusive_ptr<StoredWeight> stored_weight_;
 };
 TORCH_MODULE(LoraLinear);
 

@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp/core/testing/parity_testing.h"
+#include "fsdp/formats/nf4.h"
 #include "fsdp/state/state_dict.h"
 
 namespace fsdp {
@@ -159,6 +160,61 @@ TEST(LoraLinearTest, AdaptersOfA16BitBaseAreFloat32AsPeftMakesThem) {
   }
 }
 
+// QLoRA's base: store_weight_nf4 keeps the weight as bitsandbytes' NF4 bytes (double
+// quantized) in parameters of their own; forward and backward compute with the weight
+// dequantized, exactly as a Linear over that dense weight would.
+TEST(LoraLinearTest, AnNf4BaseComputesWithItsDequantizedWeight) {
+  torch::manual_seed(0);
+  LoraLinear lora(40, 24);  // 960 weights: 15 blocks of 64
+  lora->add_adapter(qv_config());
+  {
+    torch::NoGradGuard no_grad;
+    lora->lora_B->weight.normal_(0, 0.1);
+  }
+  const at::Tensor dense = dequantize_nf4(quantize_nf4(lora->weight.detach()));
+  lora->store_weight_nf4();
+  EXPECT_TRUE(lora->stores_weight());
+  std::vector<std::string> names;
+  for (const auto& item : lora->named_parameters()) names.push_back(item.key());
+  EXPECT_THAT(names, ElementsAre("weight", "bias", "weight_absmax", "weight_nested_absmax",
+                                 "weight_nested_quant_map", "weight_nested_offset", "lora_A.weight",
+                                 "lora_B.weight"));
+  EXPECT_EQ(lora->weight.scalar_type(), at::kByte);
+  EXPECT_EQ(lora->weight.sizes(), (std::vector<int64_t>{480}));
+  EXPECT_EQ(lora->weight_absmax.sizes(), (std::vector<int64_t>{15}));
+  EXPECT_EQ(lora->weight_absmax.scalar_type(), at::kByte);
+  EXPECT_EQ(lora->weight_nested_absmax.sizes(), (std::vector<int64_t>{1}));
+  for (const at::Tensor& p : {lora->weight, lora->weight_absmax, lora->weight_nested_absmax,
+                              lora->weight_nested_quant_map, lora->weight_nested_offset}) {
+    EXPECT_FALSE(p.requires_grad());
+  }
+  EXPECT_TRUE(at::equal(lora->dense_weight(at::kFloat), dense));
+  // The same layer with the dense weight: outputs and gradients equal.
+  LoraLinear plain(40, 24);
+  {
+    torch::NoGradGuard no_grad;
+    plain->weight.copy_(dense);
+    plain->bias.copy_(lora->bias);
+  }
+  plain->add_adapter(qv_config());
+  {
+    torch::NoGradGuard no_grad;
+    plain->lora_A->weight.copy_(lora->lora_A->weight);
+    plain->lora_B->weight.copy_(lora->lora_B->weight);
+  }
+  const at::Tensor x = at::randn({3, 5, 40});
+  const at::Tensor x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+  const at::Tensor y1 = lora(x1), y2 = plain(x2);
+  EXPECT_TRUE(at::allclose(y1, y2, 0, 1e-6));
+  (y1 * y1).sum().backward();
+  (y2 * y2).sum().backward();
+  EXPECT_TRUE(at::allclose(x1.grad(), x2.grad(), 0, 1e-6));
+  EXPECT_TRUE(at::allclose(lora->lora_A->weight.grad(), plain->lora_A->weight.grad(), 0, 1e-5));
+  EXPECT_TRUE(at::allclose(lora->lora_B->weight.grad(), plain->lora_B->weight.grad(), 0, 1e-5));
+  EXPECT_THAT([&] { lora->store_weight_nf4(); },
+              ThrowsMessage<c10::Error>(HasSubstr("stored in NF4 already")));
+}
+
 TEST(ApplyLoraTest, TargetsByNameSuffixOrRegexAndFreezesTheRest) {
   auto block = std::make_shared<AttnBlockImpl>();
   EXPECT_THAT(lora::apply_lora(*block, qv_config()), ElementsAre("q_proj", "v_proj"));
@@ -252,6 +308,40 @@ TEST(LoraFsdpTest, TrainsLikeOneProcessEveryStrategy) {
     SCOPED_TRACE(::testing::Message() << "W = " << world_size);
     on_ranks(world_size, [](std::shared_ptr<Communicator> comm) {
       expect_parity_for_all_strategies<LoraLmImpl>(comm);
+    });
+  }
+}
+
+// QLoRA: LoraLmImpl with every adapted and unadapted LoraLinear's base in NF4. Each unit
+// then holds trainable fp32 adapters, frozen fp32 parameters (the MLP, biases, NF4 scales)
+// and frozen uint8 NF4 bytes: three flat parameters, the bytes gathered as stored.
+struct QloraLmImpl : LoraLmImpl {
+  QloraLmImpl() {
+    for (const auto& block : *blocks) {
+      auto& inner = *block->as<UnitImpl<AttnBlockImpl>>()->module();
+      for (auto* layer : {&inner.q_proj, &inner.v_proj, &inner.o_proj}) {
+        (*layer)->store_weight_nf4();
+      }
+    }
+  }
+};
+
+TEST(LoraFsdpTest, QloraTrainsLikeOneProcessEveryStrategy) {
+  on_ranks(2, [](std::shared_ptr<Communicator> comm) {
+    FullyShardedDataParallel<QloraLmImpl> model(make<QloraLmImpl>(),
+                                                FullyShardedDataParallelOptions(comm));
+    const FullyShardedUnit& block = *model->units()[1];
+    ASSERT_EQ(block.frozen_handles().size(), 2u);
+    // Per block: 3 x (32 code bytes + 1 absmax byte) in the uint8 flat parameter.
+    // q_proj's codes come first among the frozen parameters, then its fp32 bias.
+    EXPECT_EQ(block.frozen_handles()[0]->sharded_flat_param().scalar_type(), at::kByte);
+    EXPECT_EQ(block.frozen_handles()[0]->numel(), 99);
+    EXPECT_EQ(block.frozen_handles()[1]->sharded_flat_param().scalar_type(), at::kFloat);
+  });
+  for (int world_size : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "W = " << world_size);
+    on_ranks(world_size, [](std::shared_ptr<Communicator> comm) {
+      expect_parity_for_all_strategies<QloraLmImpl>(comm);
     });
   }
 }

@@ -56,15 +56,9 @@ class Nf4Weight : public StoredWeight {
         offset_(std::move(offset)) {}
 
   at::Tensor unpack(c10::ScalarType dtype) const override {
-    Nf4Tensor q;
-    q.shape = shape_;
-    q.dtype = dtype;
-    q.codes = codes_;
-    q.absmax = absmax_;
-    q.nested_absmax = nested_absmax_;
-    q.nested_code = nested_code_;
-    q.offset = offset_.item<float>();  // one host read per use (a device sync on CUDA)
-    return dequantize_nf4(q);
+    // One host read of the offset per use (a device sync on CUDA).
+    return dequantize_nf4_entries(shape_, dtype, codes_, absmax_, nested_absmax_, nested_code_,
+                                  offset_);
   }
   std::vector<int64_t> shape() const override { return shape_; }
 
@@ -78,13 +72,23 @@ class Nf4Weight : public StoredWeight {
 void LoraLinearImpl::store_weight_nf4() {
   TORCH_CHECK(!stores_weight(),
               "LoraLinear::store_weight_nf4: the weight is stored in NF4 already");
-  TORCH_CHECK(!weight.is_meta() && at::isFloatingType(weight.scalar_type()),
-              "LoraLinear::store_weight_nf4: expected a floating weight with values, got ",
-              weight.is_meta() ? "one on the meta device (load or initialise it first)"
-                               : c10::toString(weight.scalar_type()));
+  TORCH_CHECK(at::isFloatingType(weight.scalar_type()),
+              "LoraLinear::store_weight_nf4: expected a floating weight, got ",
+              weight.scalar_type());
   torch::NoGradGuard no_grad;
   const std::vector<int64_t> shape = weight.sizes().vec();
-  const Nf4Tensor q = quantize_nf4(weight.detach(), /*double_quant=*/true);
+  Nf4Tensor q;
+  if (weight.is_meta()) {  // shapes only: a reader fills them (nf4_weight_entries)
+    q.shape = shape;
+    const auto meta = weight.options().requires_grad(false);
+    q.codes = at::empty({(q.numel() + 1) / 2}, meta.dtype(at::kByte));
+    q.absmax = at::empty({q.blocks()}, meta.dtype(at::kByte));
+    q.nested_absmax = at::empty({(q.blocks() + q.nested_blocksize - 1) / q.nested_blocksize},
+                                meta.dtype(at::kFloat));
+    q.nested_code = at::empty({256}, meta.dtype(at::kFloat));
+  } else {
+    q = quantize_nf4(weight.detach(), /*double_quant=*/true);
+  }
   weight.set_requires_grad(false);
   weight.set_data(q.codes);
   weight_absmax = register_parameter("weight_absmax", q.absmax, /*requires_grad=*/false);
@@ -98,6 +102,30 @@ void LoraLinearImpl::store_weight_nf4() {
   stored_weight_ =
       c10::make_intrusive<Nf4Weight>(shape, weight, weight_absmax, weight_nested_absmax,
                                      weight_nested_quant_map, weight_nested_offset);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> nf4_weight_entries(const at::Tensor& weight) {
+  const Nf4Tensor q = quantize_nf4(weight, /*double_quant=*/true);
+  return {{"weight", q.codes},
+          {"weight_absmax", q.absmax},
+          {"weight_nested_absmax", q.nested_absmax},
+          {"weight_nested_quant_map", q.nested_code},
+          {"weight_nested_offset", at::full({1}, q.offset, q.nested_absmax.options())}};
+}
+
+at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarType dtype,
+                                  const at::Tensor& codes, const at::Tensor& absmax,
+                                  const at::Tensor& nested_absmax, const at::Tensor& nested_code,
+                                  const at::Tensor& offset) {
+  Nf4Tensor q;
+  q.shape = shape;
+  q.dtype = dtype;
+  q.codes = codes;
+  q.absmax = absmax;
+  q.nested_absmax = nested_absmax;
+  q.nested_code = nested_code;
+  q.offset = offset.item<float>();
+  return dequantize_nf4(q);
 }
 
 at::Tensor LoraLinearImpl::dense_weight(c10::ScalarType dtype) const {

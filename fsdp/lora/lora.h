@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -125,10 +126,11 @@ class LoraLinearImpl : public torch::nn::Module {
   // weight_nested_offset (float32 [1]) join it as frozen parameters: what FSDP shards and
   // all-gathers, byte for byte (about 4.13 bits a weight). forward() then multiplies by the
   // weight dequantized in the input's dtype right before use, and again in backward, never
-  // held in between (fsdp::stored_linear, fsdp/core/stored_weight.h). Call it on a layer
-  // with values (not on c10::kMeta), before or after add_adapter. PyTorch: bitsandbytes'
+  // held in between (fsdp::stored_linear, fsdp/core/stored_weight.h). Call it
+  // before or after add_adapter. On c10::kMeta the parameters get their shapes only, for a
+  // reader to fill (nf4_weight_entries below). PyTorch: bitsandbytes'
   // Linear4bit(quant_type="nf4", compress_statistics=True) under PEFT's lora.Linear4bit.
-  // Throws c10::Error on the meta device or if the weight is stored already.
+  // Throws c10::Error for a non-floating weight or if the weight is stored already.
   void store_weight_nf4();
   bool stores_weight() const { return stored_weight_ != nullptr; }
   // The base weight [out_features, in_features] in `dtype`: `weight` cast, or the NF4
@@ -156,6 +158,20 @@ class LoraLinearImpl : public torch::nn::Module {
   c10::intrusive_ptr<StoredWeight> stored_weight_;
 };
 TORCH_MODULE(LoraLinear);
+
+// The parameters LoraLinearImpl::store_weight_nf4 makes of `weight` (floating [out, in],
+// with values), by their names in the layer: "weight" (the codes), "weight_absmax",
+// "weight_nested_absmax", "weight_nested_quant_map", "weight_nested_offset". Bit for bit
+// bitsandbytes' quantize_4bit(quant_type="nf4", compress_statistics=True). What a reader
+// copies each rank's slices from when it quantizes a checkpoint's weight as it reads it
+// (models/hf_checkpoint.h).
+std::vector<std::pair<std::string, at::Tensor>> nf4_weight_entries(const at::Tensor& weight);
+// The weight of `shape` in `dtype` that store_weight_nf4's parameters (these five, in the
+// order above) stand for: bitsandbytes' dequantize_4bit.
+at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarType dtype,
+                                  const at::Tensor& codes, const at::Tensor& absmax,
+                                  const at::Tensor& nested_absmax, const at::Tensor& nested_code,
+                                  const at::Tensor& offset);
 
 // Whether `fqn` (a module's cleaned FQN) is a target of `config` (see target_modules and
 // target_regex). Throws if the config gives both or neither.

@@ -1,7 +1,13 @@
 #include "models/hf_checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -94,6 +100,41 @@ SafetensorsSplit split_of(const ExpertNames& names) {
   };
 }
 
+// Note [NF4 base weights in an HF folder]
+// A LoraLinear whose base weight is stored in NF4 (lora::LoraLinearImpl::store_weight_nf4:
+// the trainer's --quantize=nf4) holds five parameters where the folder holds one weight:
+// "<module>.weight" (the codes), "<module>.weight_absmax", "..._nested_absmax",
+// "..._nested_quant_map" and "..._nested_offset". Reading, each of them is derived from the
+// folder's "<module>.weight" (LoadSafetensorsOptions::derive): every rank reads that weight
+// whole, one weight at a time, quantizes it (lora::nf4_weight_entries, bit for bit
+// bitsandbytes' quantize_4bit: the whole tensor's absmax mean enters the double
+// quantization, so a rank cannot quantize its slice alone) and keeps the bytes of its
+// shards. Writing, the codes entry is written as "<module>.weight" dequantized (fp32, then
+// the folder's dtype: bitsandbytes' dequantize_4bit, plus the LoRA update when merging) and
+// the other four are left out, so OUT/hf holds the weights the run computed with, in the
+// folder's layout. (PEFT's merge_and_unload on a 4-bit base instead quantizes the merged
+// weight again, to 4 bits.)
+constexpr const char* kNf4Aux[] = {"weight_absmax", "weight_nested_absmax",
+                                   "weight_nested_quant_map", "weight_nested_offset"};
+
+std::map<std::string, std::vector<int64_t>> nf4_modules(FullyShardedRoot& model) {
+  return lora::nf4_modules(model.root_module());
+}
+
+// The module and the parameter of an entry of an NF4 module ("weight" or one of kNf4Aux),
+// if it is one.
+std::optional<std::pair<std::string, std::string>> nf4_entry(
+    const std::map<std::string, std::vector<int64_t>>& modules, const std::string& fqn) {
+  const size_t dot = fqn.rfind('.');
+  if (dot == std::string::npos || !modules.count(fqn.substr(0, dot))) return std::nullopt;
+  const std::string name = fqn.substr(dot + 1);
+  if (name != "weight" &&
+      std::find(std::begin(kNf4Aux), std::end(kNf4Aux), name) == std::end(kNf4Aux)) {
+    return std::nullopt;
+  }
+  return std::make_pair(fqn.substr(0, dot), name);
+}
+
 }  // namespace
 
 at::ScalarType hf_weights_dtype(const std::string& dir) {
@@ -115,12 +156,34 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
 
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
   const ExpertNames names = expert_names(dir);  // See Note [Experts one by one in the checkpoint]
+  const SafetensorsRename rename = rename_of(names);
+  // See Note [NF4 base weights in an HF folder]: the last weight quantized, by source name.
+  const auto modules = nf4_modules(model);
+  auto quantized = std::make_shared<std::pair<std::string, lora::StateDict>>();
+  const SafetensorsDerive derive =
+      [&modules, rename, quantized](const std::string& fqn) -> c10::optional<SafetensorsDerived> {
+    const auto entry = nf4_entry(modules, fqn);
+    if (!entry) return c10::nullopt;
+    const std::string weight = entry->first + ".weight";
+    const std::string source = rename ? rename(weight) : weight;
+    return SafetensorsDerived{source, [=](const at::Tensor& value) {
+                                if (quantized->first != source) {
+                                  quantized->first = source;
+                                  quantized->second = lora::StateDict();
+                                  for (auto& [name, t] : lora::nf4_weight_entries(value)) {
+                                    quantized->second.insert(name, t);
+                                  }
+                                }
+                                return quantized->second[entry->second];
+                              }};
+  };
   load_safetensors(model, dir,
                    LoadSafetensorsOptions()
                        .skip(lora::is_adapter_key)
                        .cast_floating(true)
-                       .rename(rename_of(names))
-                       .split(split_of(names)));
+                       .rename(rename)
+                       .split(split_of(names))
+                       .derive(modules.empty() ? nullptr : derive));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
@@ -150,12 +213,19 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   const bool lead = model.communicator().rank() == 0;
   if (lead) prepare_hf_folder(from_dir, out_dir);
-  lora::StateDict adapters;  // rank 0: copies, in module order
-  const auto merge = [&](const std::string& fqn, const at::Tensor& value,
+  lora::StateDict adapters;                 // rank 0: copies, in module order
+  const auto modules = nf4_modules(model);  // See Note [NF4 base weights in an HF folder]
+  const auto merge = [&](const std::string& fqn, const at::Tensor& stored,
                          const torch::OrderedDict<std::string, at::Tensor>& unit) {
     static constexpr char kWeight[] = ".weight";
-    if (!absl::EndsWith(fqn, kWeight)) return value;
+    if (!absl::EndsWith(fqn, kWeight)) return stored;
     const std::string module = fqn.substr(0, fqn.size() - (sizeof(kWeight) - 1));
+    at::Tensor value = stored;
+    if (const auto nf4 = modules.find(module); nf4 != modules.end()) {
+      const auto aux = [&](const char* name) { return unit[module + "." + name]; };
+      value = lora::dequantize_nf4_entries(nf4->second, at::kFloat, stored, aux(kNf4Aux[0]),
+                                           aux(kNf4Aux[1]), aux(kNf4Aux[2]), aux(kNf4Aux[3]));
+    }
     const at::Tensor* a = unit.find(module + ".lora_A.weight");
     const at::Tensor* b = unit.find(module + ".lora_B.weight");
     if (a == nullptr) return value;
@@ -164,14 +234,23 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
     adapters.insert(module + ".lora_B.weight", b->clone());
     return lora::merged_weight(module, value, *a, *b, config);
   };
-  save_safetensors(model, out_dir,
-                   SaveSafetensorsOptions()
-                       .max_shard_size(max_shard_size)
-                       .dtype(hf_weights_dtype(from_dir))
-                       .skip(lora::is_adapter_key)
-                       .transform(merge)
-                       .rename(rename_of(expert_names(from_dir)))
-                       .split(split_of(expert_names(from_dir))));
+  save_safetensors(
+      model, out_dir,
+      SaveSafetensorsOptions()
+          .max_shard_size(max_shard_size)
+          .dtype(hf_weights_dtype(from_dir))
+          .skip([&modules](const std::string& fqn) {
+            const auto nf4 = nf4_entry(modules, fqn);
+            return lora::is_adapter_key(fqn) || (nf4 && nf4->second != "weight");
+          })
+          .transform(merge)
+          .written_as([&modules](const std::string& fqn) -> c10::optional<SafetensorsWrittenAs> {
+            const auto nf4 = nf4_entry(modules, fqn);
+            if (!nf4 || nf4->second != "weight") return c10::nullopt;
+            return SafetensorsWrittenAs{modules.at(nf4->first), at::kFloat};
+          })
+          .rename(rename_of(expert_names(from_dir)))
+          .split(split_of(expert_names(from_dir))));
   if (lead) lora::save_adapter(adapters, config, adapter_dir);
 }
 

@@ -148,6 +148,45 @@ def peft_merge(base, adapter, merged):
           f"({dtype}), bit for bit")
 
 
+def qlora(base, adapter, merged):
+    """fsdp's --quantize=nf4 run: every layer projection of OUT/hf is bitsandbytes' NF4 of
+    the base weight (quantize_4bit with double quantization, dequantized in fp32), plus the
+    adapter's update where there is one, rounded once to the folder's dtype; every other
+    tensor is the base's, bit for bit."""
+    from bitsandbytes import functional as F
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from bitsandbytes.backends.utils import _get_4bit_code
+
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    scaling = config["lora_alpha"] / config["r"]
+    lora = tensors(adapter)
+    ours, theirs = tensors(merged), tensors(base)
+    assert sorted(ours) == sorted(theirs), (sorted(ours), sorted(theirs))
+    quantized = 0
+    for name, weight in theirs.items():
+        if not re.fullmatch(r"model\.layers\.\d+\..*_proj\.weight", name):
+            assert torch.equal(ours[name], weight), f"{name} is not the base's"
+            continue
+        codes, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4",
+                                       compress_statistics=True)
+        absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        # The reference kernel: bitsandbytes' native CPU one restarts blocks at each row
+        # when a row is not a multiple of 64 long (nf4_interop.py).
+        dense = _dequantize_4bit_compute(codes.reshape(-1), absmax.float(),
+                                         _get_4bit_code("nf4", "cpu"), 64, tuple(weight.shape),
+                                         torch.float32)
+        module = "base_model.model." + name[: -len(".weight")]
+        if module + ".lora_A.weight" in lora:
+            dense = dense + (lora[module + ".lora_B.weight"].float()
+                             @ lora[module + ".lora_A.weight"].float()) * scaling
+        assert torch.equal(ours[name], dense.to(weight.dtype)), f"{name} differs"
+        quantized += 1
+    assert quantized
+    print(f"{merged}: {quantized} projections are bitsandbytes' NF4 of {base}'s (plus the "
+          f"adapter's update), the other {len(ours) - quantized} tensors the base's, bit for bit")
+
+
 def model_of(folder):
     from transformers import LlamaForCausalLM
 
@@ -198,6 +237,8 @@ if __name__ == "__main__":
         peft_check(root, sys.argv[3], sys.argv[4], sys.argv[5])
     elif command == "peft_merge":
         peft_merge(sys.argv[3], sys.argv[4], sys.argv[5])
+    elif command == "qlora":
+        qlora(sys.argv[3], sys.argv[4], sys.argv[5])
     elif command == "eval":
         eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif command == "logits":

@@ -46,6 +46,21 @@ diff <(cut -d, -f1-3 "$dir/bf16_lora/metrics.csv") <(cut -d, -f1-3 "$dir/bf16_lo
 "$python" "$script" same "$dir" "$dir/bf16_lora32/adapter" "$dir/bf16_lora/adapter"
 "$python" "$script" lora "$dir" "$dir/model_bf16" "$dir/bf16_lora/hf"
 "$python" "$script" peft_merge "$dir" "$dir/model_bf16" "$dir/bf16_lora/adapter" "$dir/bf16_lora/hf"
+# QLoRA (--quantize=nf4) over both folders: the layer projections are bitsandbytes' NF4 of
+# the base bit for bit in OUT/hf (dequantized, plus the update); over the fp32 folder the
+# eval loss falls and transformers gives fsdp's eval loss on OUT/hf.
+"$finetune" "${bf16[@]}" --out_dir="$dir/bf16_qlora" --steps=3 --lr=1e-2 --warmup_steps=0 \
+    --lora_rank=4 --quantize=nf4 | tee "$dir/bf16_qlora.log"
+grep -q "QLoRA: 14 projections in NF4" "$dir/bf16_qlora.log"
+"$python" "$script" qlora "$dir" "$dir/model_bf16" "$dir/bf16_qlora/adapter" "$dir/bf16_qlora/hf"
+"$finetune" "${common[@]}" --out_dir="$dir/qlora" --steps=10 --lr=1e-2 --warmup_steps=0 \
+    --lora_rank=4 --quantize=nf4 --eval_data="$dir/eval.bin" | tee "$dir/qlora.log"
+qlora_before=$(sed -n 's/.*eval loss before: //p' "$dir/qlora.log")
+qlora_after=$(sed -n 's/.*eval loss after: //p' "$dir/qlora.log")
+awk -v b="$qlora_before" -v a="$qlora_after" 'BEGIN { exit !(a < b) }' || {
+  echo "FAIL: QLoRA eval loss did not fall: $qlora_before -> $qlora_after"; exit 1; }
+"$python" "$script" qlora "$dir" "$dir/model" "$dir/qlora/adapter" "$dir/qlora/hf"
+"$python" "$script" eval "$dir" "$dir/qlora/hf" 32 "$dir/qlora.log"
 
 "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 --lr=3e-3 --warmup_steps=2 \
     --checkpoint_interval=10 --eval_data="$dir/eval.bin" | tee "$dir/out20.log"

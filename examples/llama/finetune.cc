@@ -134,6 +134,10 @@ ABSL_FLAG(std::string, lora_base_dtype, "auto",
           "dtype of the frozen base weights of a LoRA run: auto (the folder's own bf16 or "
           "fp16 under --mixed_precision=bf16, else the training dtype) or float32 (an fp32 "
           "copy, twice the bytes, the same results); see Note [The frozen base of a LoRA run]");
+ABSL_FLAG(std::string, quantize, "none",
+          "none, or nf4: QLoRA, the decoder layers' linear projections (q/k/v/o, gate/up/down "
+          "and fused variants) held in NF4 as bitsandbytes stores them, quantized as the "
+          "folder is read; needs --lora_rank (see Note [QLoRA: an NF4 base])");
 ABSL_FLAG(bool, memory_check, true,
           "stop before reading any weight when the memory plan exceeds what a rank may use "
           "(its cgroup's limit or the machine's available memory; see --max_memory_per_rank)");
@@ -408,6 +412,13 @@ std::string flag_error() {
   if (base_dtype != "auto" && base_dtype != "float32") {
     return absl::StrCat("--lora_base_dtype=", base_dtype, ": expected auto or float32");
   }
+  const std::string quantize = absl::GetFlag(FLAGS_quantize);
+  if (quantize != "none" && quantize != "nf4") {
+    return absl::StrCat("--quantize=", quantize, ": expected none or nf4");
+  }
+  if (quantize == "nf4" && absl::GetFlag(FLAGS_lora_rank) == 0) {
+    return "--quantize=nf4 freezes the base weights in 4 bits (QLoRA): give --lora_rank too";
+  }
   if (absl::GetFlag(FLAGS_lora_rank) > 0) {
     if (std::string error = lora_targets_error(config, lora_targets(config)); !error.empty()) {
       return error;
@@ -574,6 +585,32 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
               "; --memory_check=false runs anyway. Nothing was read.");
 }
 
+// Note [QLoRA: an NF4 base]
+// --quantize=nf4 holds the linear projections of every decoder layer (attention's and the
+// MLP's, shared experts' included; not the MoE routers, the fused routed experts, the
+// embeddings, the norms or the head, as QLoRA leaves them) in NF4 with double quantization,
+// the layout bitsandbytes' Linear4bit stores (lora::LoraLinearImpl::store_weight_nf4). They
+// are quantized as the folder is read (Note [NF4 base weights in an HF folder] in
+// models/hf_checkpoint.cc): bit for bit bitsandbytes' quantize_4bit of the same weight.
+// Each layer's unit then holds its adapters (fp32), its other frozen weights (the folder's
+// dtype under bf16 mixed precision) and the 4-bit bytes, each its own flat parameter; the
+// bytes are gathered as they are and dequantized in the compute dtype right before each
+// product, and again in backward (fsdp/core/stored_weight.h). OUT/adapter is PEFT's adapter
+// over the same base folder; OUT/hf holds base (dequantized) + update in the folder's dtype.
+// The number of projections stored in NF4 (see the Note above).
+int64_t store_projections_nf4(CausalLMImpl& net) {
+  int64_t stored = 0;
+  for (auto& unit : net.model->units) {
+    for (const auto& item : unit->module()->named_modules("", /*include_self=*/false)) {
+      auto* layer = dynamic_cast<lora::LoraLinearImpl*>(item.value().get());
+      if (layer == nullptr || !absl::EndsWith(item.key(), "_proj")) continue;
+      layer->store_weight_nf4();
+      ++stored;
+    }
+  }
+  return stored;
+}
+
 // The model of --from, sharded (see Note [No rank holds the whole model]), its parameters
 // in `dtype` (Note [Master weights of a 16-bit folder]), each decoder layer recomputing its
 // forward in backward when `checkpoint_activations`, wrapped with `options`, after its
@@ -595,6 +632,12 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
     const std::vector<std::string> adapted = lora::apply_lora(*net, lora_config(config));
     if (options.communicator()->rank() == 0) {
       std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
+    }
+  }
+  if (absl::GetFlag(FLAGS_quantize) == "nf4") {
+    const int64_t stored = store_projections_nf4(*net);
+    if (options.communicator()->rank() == 0) {
+      std::cout << "QLoRA: " << stored << " projections in NF4\n";
     }
   }
   *numel = *trainable = 0;
@@ -814,6 +857,9 @@ int finetune() {
                                    flags.mixed_precision) == folder_dtype &&
                              folder_dtype != examples::model_dtype(flags.mixed_precision)
                          ? absl::StrCat("; frozen base kept in ", c10::toString(folder_dtype))
+                         : "",
+                     absl::GetFlag(FLAGS_quantize) == "nf4"
+                         ? "; layer projections in NF4 (QLoRA), dequantized to compute"
                          : ""),
         device.is_cuda() ? "; on cuda:LOCAL_RANK over NCCL" : "",
         flags.cpu_offload ? "; CPU offload" : "", lever_words(flags), data_words(train),

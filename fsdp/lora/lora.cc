@@ -1,6 +1,7 @@
 #include "fsdp/lora/lora.h"
 
 #include <cmath>
+#include <map>
 #include <ostream>
 #include <regex>
 #include <utility>
@@ -69,6 +70,24 @@ class Nf4Weight : public StoredWeight {
 
 }  // namespace
 
+namespace {
+
+// A float32 tensor as the bytes it is stored in (Note [NF4 scales as bytes]).
+at::Tensor as_bytes(const at::Tensor& values) { return values.contiguous().view(at::kByte); }
+
+// ... and back; a copy, since a view of other elements than 4-byte aligned ones (a slice of
+// a gathered flat parameter) cannot be viewed as float32 in place.
+at::Tensor from_bytes(const at::Tensor& bytes) { return bytes.clone().view(at::kFloat); }
+
+}  // namespace
+
+// Note [NF4 scales as bytes]
+// The double quantization's float32 tensors (nested_absmax, the nested code table, the
+// offset) are stored values, exact as bitsandbytes computed them: cast to bf16 they would
+// dequantize to other weights. FSDP casts floating parameters to MixedPrecision::
+// param_dtype and gathers other dtypes as they are (Note [Flat parameters of several
+// dtypes] in fsdp/core/flat_param.cc), so store_weight_nf4 registers them as their bytes
+// (uint8, 4 per value) and views them back as float32 on use.
 void LoraLinearImpl::store_weight_nf4() {
   TORCH_CHECK(!stores_weight(),
               "LoraLinear::store_weight_nf4: the weight is stored in NF4 already");
@@ -77,28 +96,29 @@ void LoraLinearImpl::store_weight_nf4() {
               weight.scalar_type());
   torch::NoGradGuard no_grad;
   const std::vector<int64_t> shape = weight.sizes().vec();
-  Nf4Tensor q;
+  std::vector<std::pair<std::string, at::Tensor>> entries;
   if (weight.is_meta()) {  // shapes only: a reader fills them (nf4_weight_entries)
+    Nf4Tensor q;
     q.shape = shape;
-    const auto meta = weight.options().requires_grad(false);
-    q.codes = at::empty({(q.numel() + 1) / 2}, meta.dtype(at::kByte));
-    q.absmax = at::empty({q.blocks()}, meta.dtype(at::kByte));
-    q.nested_absmax = at::empty({(q.blocks() + q.nested_blocksize - 1) / q.nested_blocksize},
-                                meta.dtype(at::kFloat));
-    q.nested_code = at::empty({256}, meta.dtype(at::kFloat));
+    const auto bytes = weight.options().requires_grad(false).dtype(at::kByte);
+    const int64_t nested = (q.blocks() + q.nested_blocksize - 1) / q.nested_blocksize;
+    entries = {{"weight", at::empty({(q.numel() + 1) / 2}, bytes)},
+               {"weight_absmax", at::empty({q.blocks()}, bytes)},
+               {"weight_nested_absmax", at::empty({4 * nested}, bytes)},
+               {"weight_nested_quant_map", at::empty({4 * 256}, bytes)},
+               {"weight_nested_offset", at::empty({4}, bytes)}};
   } else {
-    q = quantize_nf4(weight.detach(), /*double_quant=*/true);
+    entries = nf4_weight_entries(weight.detach());
   }
   weight.set_requires_grad(false);
-  weight.set_data(q.codes);
-  weight_absmax = register_parameter("weight_absmax", q.absmax, /*requires_grad=*/false);
+  weight.set_data(entries[0].second);
+  weight_absmax = register_parameter(entries[1].first, entries[1].second, /*requires_grad=*/false);
   weight_nested_absmax =
-      register_parameter("weight_nested_absmax", q.nested_absmax, /*requires_grad=*/false);
+      register_parameter(entries[2].first, entries[2].second, /*requires_grad=*/false);
   weight_nested_quant_map =
-      register_parameter("weight_nested_quant_map", q.nested_code, /*requires_grad=*/false);
+      register_parameter(entries[3].first, entries[3].second, /*requires_grad=*/false);
   weight_nested_offset =
-      register_parameter("weight_nested_offset", at::full({1}, q.offset, q.nested_absmax.options()),
-                         /*requires_grad=*/false);
+      register_parameter(entries[4].first, entries[4].second, /*requires_grad=*/false);
   stored_weight_ =
       c10::make_intrusive<Nf4Weight>(shape, weight, weight_absmax, weight_nested_absmax,
                                      weight_nested_quant_map, weight_nested_offset);
@@ -108,9 +128,9 @@ std::vector<std::pair<std::string, at::Tensor>> nf4_weight_entries(const at::Ten
   const Nf4Tensor q = quantize_nf4(weight, /*double_quant=*/true);
   return {{"weight", q.codes},
           {"weight_absmax", q.absmax},
-          {"weight_nested_absmax", q.nested_absmax},
-          {"weight_nested_quant_map", q.nested_code},
-          {"weight_nested_offset", at::full({1}, q.offset, q.nested_absmax.options())}};
+          {"weight_nested_absmax", as_bytes(q.nested_absmax)},
+          {"weight_nested_quant_map", as_bytes(q.nested_code)},
+          {"weight_nested_offset", as_bytes(at::full({1}, q.offset, q.nested_absmax.options()))}};
 }
 
 at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarType dtype,
@@ -122,10 +142,25 @@ at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarT
   q.dtype = dtype;
   q.codes = codes;
   q.absmax = absmax;
-  q.nested_absmax = nested_absmax;
-  q.nested_code = nested_code;
-  q.offset = offset.item<float>();
+  q.nested_absmax = from_bytes(nested_absmax);
+  q.nested_code = from_bytes(nested_code);
+  q.offset = from_bytes(offset).item<float>();
   return dequantize_nf4(q);
+}
+
+std::map<std::string, std::vector<int64_t>> nf4_modules(const torch::nn::Module& root) {
+  std::map<std::string, std::vector<int64_t>> modules;
+  const auto add = [&](const std::string& fqn, const torch::nn::Module& module) {
+    const auto* layer = dynamic_cast<const LoraLinearImpl*>(&module);
+    if (layer == nullptr || !layer->stores_weight()) return;
+    modules.emplace(clean_tensor_name(fqn), std::vector<int64_t>{layer->options.out_features(),
+                                                                 layer->options.in_features()});
+  };
+  add("", root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    add(item.key(), *item.value());
+  }
+  return modules;
 }
 
 at::Tensor LoraLinearImpl::dense_weight(c10::ScalarType dtype) const {

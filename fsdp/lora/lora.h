@@ -32,6 +32,7 @@
 #define FSDP_LORA_LORA_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -122,9 +123,11 @@ class LoraLinearImpl : public torch::nn::Module {
   // QLoRA's base: stores the base weight in NF4 (fsdp/formats/nf4.h: bitsandbytes'
   // quantize_4bit, blocks of 64, double quantization), frozen. `weight` becomes the packed
   // 4-bit codes (uint8 [ceil(out_features x in_features / 2)]) and weight_absmax (uint8
-  // [blocks]), weight_nested_absmax (float32), weight_nested_quant_map (float32 [256]) and
-  // weight_nested_offset (float32 [1]) join it as frozen parameters: what FSDP shards and
-  // all-gathers, byte for byte (about 4.13 bits a weight). forward() then multiplies by the
+  // [blocks]), weight_nested_absmax (float32 [ceil(blocks / 256)]), weight_nested_quant_map
+  // (float32 [256]) and weight_nested_offset (float32 [1]) join it as frozen parameters, the
+  // float32 ones held as their bytes (uint8, 4 a value, so that mixed precision never casts
+  // them: Note [NF4 scales as bytes] in lora.cc): what FSDP shards and all-gathers, byte
+  // for byte (about 4.13 bits a weight). forward() then multiplies by the
   // weight dequantized in the input's dtype right before use, and again in backward, never
   // held in between (fsdp::stored_linear, fsdp/core/stored_weight.h). Call it
   // before or after add_adapter. On c10::kMeta the parameters get their shapes only, for a
@@ -172,6 +175,10 @@ at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarT
                                   const at::Tensor& codes, const at::Tensor& absmax,
                                   const at::Tensor& nested_absmax, const at::Tensor& nested_code,
                                   const at::Tensor& offset);
+
+// The LoraLinears under `root` whose base weight is stored in NF4 (store_weight_nf4): cleaned
+// module FQN -> the weight's shape [out_features, in_features].
+std::map<std::string, std::vector<int64_t>> nf4_modules(const torch::nn::Module& root);
 
 // Whether `fqn` (a module's cleaned FQN) is a target of `config` (see target_modules and
 // target_regex). Throws if the config gives both or neither.

@@ -183,7 +183,10 @@ TEST(LoraLinearTest, AnNf4BaseComputesWithItsDequantizedWeight) {
   EXPECT_EQ(lora->weight.sizes(), (std::vector<int64_t>{480}));
   EXPECT_EQ(lora->weight_absmax.sizes(), (std::vector<int64_t>{15}));
   EXPECT_EQ(lora->weight_absmax.scalar_type(), at::kByte);
-  EXPECT_EQ(lora->weight_nested_absmax.sizes(), (std::vector<int64_t>{1}));
+  // The float32 scales as their bytes.
+  EXPECT_EQ(lora->weight_nested_absmax.sizes(), (std::vector<int64_t>{4}));
+  EXPECT_EQ(lora->weight_nested_quant_map.sizes(), (std::vector<int64_t>{1024}));
+  EXPECT_EQ(lora->weight_nested_offset.scalar_type(), at::kByte);
   for (const at::Tensor& p : {lora->weight, lora->weight_absmax, lora->weight_nested_absmax,
                               lora->weight_nested_quant_map, lora->weight_nested_offset}) {
     EXPECT_FALSE(p.requires_grad());
@@ -332,10 +335,11 @@ TEST(LoraFsdpTest, QloraTrainsLikeOneProcessEveryStrategy) {
                                                 FullyShardedDataParallelOptions(comm));
     const FullyShardedUnit& block = *model->units()[1];
     ASSERT_EQ(block.frozen_handles().size(), 2u);
-    // Per block: 3 x (32 code bytes + 1 absmax byte) in the uint8 flat parameter.
-    // q_proj's codes come first among the frozen parameters, then its fp32 bias.
+    // q_proj's codes come first among the frozen parameters, then its fp32 bias. Per block:
+    // 3 x (32 code bytes, 1 absmax byte, 4 + 1024 + 4 bytes of float32 scales) in the uint8
+    // flat parameter.
     EXPECT_EQ(block.frozen_handles()[0]->sharded_flat_param().scalar_type(), at::kByte);
-    EXPECT_EQ(block.frozen_handles()[0]->numel(), 99);
+    EXPECT_EQ(block.frozen_handles()[0]->numel(), 3 * (32 + 1 + 4 + 1024 + 4));
     EXPECT_EQ(block.frozen_handles()[1]->sharded_flat_param().scalar_type(), at::kFloat);
   });
   for (int world_size : {1, 2, 3}) {

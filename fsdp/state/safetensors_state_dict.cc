@@ -33,6 +33,7 @@ struct Group {
   // begins among the entry's elements; empty otherwise.
   std::vector<SafetensorsPiece> pieces;
   std::vector<int64_t> offsets;
+  c10::optional<SafetensorsDerived> derived;  // load only: LoadSafetensorsOptions::derive
 };
 
 // The entry's shape and dtype in the model.
@@ -97,6 +98,21 @@ std::vector<Group> groups_of(const std::vector<Entry>& entries, const Safetensor
   return groups;
 }
 
+// Marks the groups `derive` computes from a source tensor.
+void derive_groups(std::vector<Group>& groups, const std::vector<Entry>& entries,
+                   const SafetensorsDerive& derive) {
+  if (!derive) return;
+  for (Group& group : groups) {
+    group.derived = derive(entries[group.entries.front()].fqn);
+    if (!group.derived) continue;
+    TORCH_CHECK(group.pieces.empty() && group.derived->value, "safetensors: '",
+                entries[group.entries.front()].fqn,
+                "' is derived from a source tensor and so can be neither split nor derived by an "
+                "empty function");
+    group.chosen = group.derived->source;
+  }
+}
+
 // Picks each group's name in `ckpt` and checks names, shapes and dtypes.
 void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
            const SafetensorsCheckpoint& ckpt, const std::string& path,
@@ -104,6 +120,10 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
   std::vector<std::string> expected;
   absl::flat_hash_set<std::string> known;
   for (Group& group : groups) {
+    if (group.derived) {  // several entries may derive from one source
+      if (known.insert(group.chosen).second) expected.push_back(group.chosen);
+      continue;
+    }
     if (!group.pieces.empty()) {
       for (const SafetensorsPiece& piece : group.pieces) {
         known.insert(piece.name);
@@ -145,6 +165,7 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
   for (const Group& group : groups) {
     const Entry& entry = entries[group.entries.front()];
     const auto [shape, dtype] = model_spec(entry);
+    if (group.derived) continue;  // its value is checked as it is computed (load_groups)
     if (group.pieces.empty()) check(entry, group.chosen, shape, dtype);
     for (const SafetensorsPiece& piece : group.pieces) check(entry, piece.name, piece.shape, dtype);
   }
@@ -176,11 +197,47 @@ void read_group_range(const SafetensorsCheckpoint& ckpt, const Group& group, int
   }
 }
 
+// A derived entry's full value (LoadSafetensorsOptions::derive), from its source, read
+// whole unless it is `source` already (the previous derived entry's).
+at::Tensor derived_value(const SafetensorsCheckpoint& ckpt, const Group& group, const Entry& entry,
+                         std::pair<std::string, at::Tensor>& source) {
+  if (source.first != group.derived->source || !source.second.defined()) {
+    source = {group.derived->source, at::Tensor()};  // the old one goes first
+    source.second = ckpt.read(group.derived->source);
+  }
+  const at::Tensor value = group.derived->value(source.second);
+  const auto [shape, dtype] = model_spec(entry);
+  TORCH_CHECK(
+      value.defined() && value.sizes().vec() == shape && value.scalar_type() == dtype,
+      "load_safetensors: '", entry.fqn, "' derived from '", group.derived->source, "' came out as ",
+      value.defined() ? absl::StrCat(c10::toString(value.scalar_type()), " ",
+                                     state_internal::shape_string(value.sizes().vec()))
+                      : std::string("nothing"),
+      " but the model holds ", c10::toString(dtype), " ", state_internal::shape_string(shape));
+  return value.contiguous().view(-1);
+}
+
 void load_groups(const std::vector<Entry>& entries, const std::vector<Group>& groups,
                  const SafetensorsCheckpoint& ckpt) {
   torch::NoGradGuard no_grad;
+  std::pair<std::string, at::Tensor> source;  // the last derived entries' source
   for (const Group& group : groups) {
     const Entry& entry = entries[group.entries.front()];
+    if (group.derived) {
+      const at::Tensor value = derived_value(ckpt, group, entry, source);
+      if (entry.handle == nullptr) {
+        entry.tensor.detach().copy_(value.view(entry.tensor.sizes()));
+        continue;
+      }
+      const state_internal::ParamSlice slice =
+          state_internal::param_slice(*entry.handle, entry.info);
+      if (slice.numel == 0) continue;
+      entry.handle->sharded_flat_param()
+          .detach()
+          .narrow(0, slice.shard_begin, slice.numel)
+          .copy_(value.narrow(0, slice.param_begin, slice.numel));
+      continue;
+    }
     if (entry.handle == nullptr) {
       const at::Tensor target = entry.tensor.detach();
       if (group.pieces.empty()) {
@@ -209,6 +266,12 @@ at::ScalarType written_dtype(at::ScalarType tensor_dtype, const SaveSafetensorsO
 void add_specs(const Group& group, const Entry& entry, const SaveSafetensorsOptions& options,
                std::vector<SafetensorsTensorSpec>& specs) {
   auto [shape, dtype] = model_spec(entry);
+  if (options.written_as()) {
+    if (const c10::optional<SafetensorsWrittenAs> as = options.written_as()(entry.fqn)) {
+      shape = as->shape;
+      dtype = as->dtype;
+    }
+  }
   if (group.pieces.empty()) {
     specs.push_back({group.chosen, written_dtype(dtype, options), std::move(shape)});
   }
@@ -245,6 +308,7 @@ void load_safetensors(FullyShardedRoot& model, const std::string& path,
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
   std::vector<Group> groups =
       groups_of(layout.entries, options.rename(), options.skip(), options.split());
+  derive_groups(groups, layout.entries, options.derive());
   match(groups, layout.entries, ckpt, path, options, kWhat);
   load_groups(layout.entries, groups, ckpt);
 }
@@ -255,6 +319,7 @@ void load_module_safetensors(torch::nn::Module& module, const std::string& path,
   const std::vector<Entry> entries = state_internal::module_entries(module);
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(path);
   std::vector<Group> groups = groups_of(entries, options.rename(), options.skip(), options.split());
+  derive_groups(groups, entries, options.derive());
   match(groups, entries, ckpt, path, options, kWhat);
   load_groups(entries, groups, ckpt);
 }

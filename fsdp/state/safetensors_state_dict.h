@@ -60,6 +60,17 @@ struct SafetensorsPiece {
 using SafetensorsSplit =
     std::function<std::vector<SafetensorsPiece>(const std::string& fqn, c10::IntArrayRef shape)>;
 
+// A model entry computed from a tensor in the files rather than read from its own (a base
+// weight quantized to NF4 as it is read: models/hf_checkpoint.h). `value` gets the
+// source's full value (in the file's dtype) and returns the entry's full value, of the
+// entry's shape and dtype in the model.
+struct SafetensorsDerived {
+  std::string source;  // the tensor's name in the files
+  std::function<at::Tensor(const at::Tensor& source)> value;
+};
+// Model FQN (cleaned) -> how the entry is derived, or nullopt: read as usual.
+using SafetensorsDerive = std::function<c10::optional<SafetensorsDerived>(const std::string& fqn)>;
+
 struct LoadSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Tensors in the files that the model lacks are skipped instead of an error.
@@ -78,6 +89,12 @@ struct LoadSafetensorsOptions {
   // Entries held in the files as several tensors (rename is not applied to them): each
   // rank reads only the pieces' bytes within its shards.
   TORCH_ARG(SafetensorsSplit, split) = nullptr;
+  // Entries derived from a source tensor (applied after skip, instead of split and rename):
+  // every rank reads the source whole, one source at a time (kept while the entries that
+  // follow derive from it too, so list them together), computes the entry's value and
+  // keeps the elements in its shards. The rank's peak then rises by one whole source and
+  // the values derived from it.
+  TORCH_ARG(SafetensorsDerive, derive) = nullptr;
 };
 
 // Loads a .safetensors file or a Hugging Face folder (safetensors.h) into `model`: each
@@ -92,10 +109,20 @@ void load_safetensors(FullyShardedRoot& model, const std::string& path,
 // value and the full values of every entry of its unit (cleaned FQN -> tensor, all
 // gathered at that moment; for tensors outside the units, those tensors; for
 // save_module_safetensors, the whole module's); returns what to write instead, of the
-// same shape and dtype. The tensors are the model's: read them, do not write them.
+// same shape and dtype (or of SaveSafetensorsOptions::written_as's). The tensors are the
+// model's: read them, do not write them.
 using SafetensorsTransform =
     std::function<at::Tensor(const std::string& fqn, const at::Tensor& value,
                              const torch::OrderedDict<std::string, at::Tensor>& unit)>;
+
+// The shape and dtype `transform` turns an entry into (e.g. an NF4 base weight's packed
+// codes written as the dequantized weight: models/hf_checkpoint.h); nullopt: the entry's.
+struct SafetensorsWrittenAs {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+using SafetensorsWrittenAsOf =
+    std::function<c10::optional<SafetensorsWrittenAs>(const std::string& fqn)>;
 
 struct SaveSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
@@ -113,6 +140,9 @@ struct SaveSafetensorsOptions {
   TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
   // Entries written as several tensors (after `transform`; rename is not applied to them).
   TORCH_ARG(SafetensorsSplit, split) = nullptr;
+  // Entries `transform` writes in another shape or dtype than the model holds them in
+  // (`dtype` above applies to a floating one, as to any).
+  TORCH_ARG(SafetensorsWrittenAsOf, written_as) = nullptr;
 };
 
 // Writes the full model to the folder `dir` as save_pretrained does (safetensors.h:

@@ -200,6 +200,68 @@ TEST(SafetensorsSplit, AnEntryHeldAsSeveralTensorsLoadsAndSavesByPiece) {
               ::testing::HasSubstr(".row0"));
 }
 
+// derive: entries computed from a tensor of the files (here l2.weight doubled, and l2.bias
+// the row sums of the files' l2.weight: two entries from one source), each rank keeping its
+// slices; written_as: an entry written in another shape than the model's.
+TEST(SafetensorsDerive, EntriesComputedFromASourceTensorAndWrittenAsAnotherShape) {
+  const StateDict want = module_state_dict(*make<NetImpl>());
+  StateDict held;  // the files: l2.bias absent, l2.weight halved
+  for (const auto& item : want) {
+    if (item.key() == "l2.bias") continue;
+    held.insert(item.key(), item.key() == "l2.weight" ? item.value() / 2 : item.value());
+  }
+  const std::string dir = temp_dir() + "/derived";
+  write_folder(dir, held, /*max_shard_size=*/1000);
+  StateDict expected;
+  for (const auto& item : want) expected.insert(item.key(), item.value());
+  expected["l2.bias"] = (want["l2.weight"] / 2).sum(1);
+  const SafetensorsDerive derive = [](const std::string& fqn) -> c10::optional<SafetensorsDerived> {
+    if (fqn == "l2.weight")
+      return SafetensorsDerived{"l2.weight", [](const at::Tensor& w) { return w * 2; }};
+    if (fqn == "l2.bias")
+      return SafetensorsDerived{"l2.weight", [](const at::Tensor& w) { return w.sum(1); }};
+    return c10::nullopt;
+  };
+  const std::string out = temp_dir() + "/derived_out";
+  for (int world_size : {1, 2, 3}) {
+    SCOPED_TRACE(testing::Message() << "W = " << world_size);
+    on_ranks(world_size, [&](std::shared_ptr<Communicator> comm) {
+      auto model = wrap<NetImpl>(comm);
+      load_safetensors(*model, dir, LoadSafetensorsOptions().derive(derive));
+      expect_equal(full_state_dict(*model), expected);
+      save_safetensors(
+          *model, out,
+          SaveSafetensorsOptions()
+              .transform([](const std::string& fqn, const at::Tensor& value,
+                            const torch::OrderedDict<std::string, at::Tensor>&) {
+                return fqn == "l1.weight" ? value.reshape({-1}) : value;
+              })
+              .written_as([](const std::string& fqn) -> c10::optional<SafetensorsWrittenAs> {
+                if (fqn != "l1.weight") return c10::nullopt;
+                return SafetensorsWrittenAs{{32}, at::kFloat};
+              }));
+    });
+    const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(out);
+    EXPECT_TRUE(at::equal(ckpt.read("l1.weight"), want["l1.weight"].reshape({-1})));
+    EXPECT_TRUE(at::equal(ckpt.read("l2.bias"), expected["l2.bias"]));
+  }
+  // A derived value of another shape than the model's is an error naming both.
+  EXPECT_THAT(
+      error_of([&] {
+        on_ranks(1, [&](std::shared_ptr<Communicator> comm) {
+          load_safetensors(
+              *wrap<NetImpl>(comm), dir,
+              LoadSafetensorsOptions().derive(
+                  [](const std::string& fqn) -> c10::optional<SafetensorsDerived> {
+                    if (fqn != "l2.bias") return c10::nullopt;
+                    return SafetensorsDerived{"l2.weight", [](const at::Tensor& w) { return w; }};
+                  }));
+        });
+      }),
+      ::testing::HasSubstr("'l2.bias' derived from 'l2.weight' came out as Float [7, 8] "
+                           "but the model holds Float [7]"));
+}
+
 // skip leaves entries out both ways; transform sees each unit's entries gathered
 // together, also a unit that splits into a frozen and a trainable flat parameter (l1).
 TEST(SaveSafetensors, SkipAndTransformSeeOneUnitAtATime) {

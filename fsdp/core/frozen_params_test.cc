@@ -23,12 +23,6 @@ namespace {
 using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::ElementsAre;
 
-std::vector<std::string> fqns_of(const FlatParamHandle& handle) {
-  std::vector<std::string> fqns;
-  for (const FlatParamInfo& info : handle.param_infos()) fqns.push_back(info.fqn);
-  return fqns;
-}
-
 TEST(FrozenParamsTest, AMixedUnitHasATrainableAndAFrozenFlatParameter) {
   on_ranks(2, [](std::shared_ptr<Communicator> comm) {
     FullyShardedDataParallel<FrozenLmImpl> model(make<FrozenLmImpl>(),

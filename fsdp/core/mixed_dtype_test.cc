@@ -25,12 +25,6 @@ namespace {
 using namespace ::fsdp::core_testing;  // NOLINT: the shared test models
 using ::testing::ElementsAre;
 
-std::vector<std::string> fqns_of(const FlatParamHandle& handle) {
-  std::vector<std::string> fqns;
-  for (const FlatParamInfo& info : handle.param_infos()) fqns.push_back(info.fqn);
-  return fqns;
-}
-
 c10::ScalarType dtype_of(const FlatParamHandle& handle) {
   return handle.sharded_flat_param().scalar_type();
 }
@@ -158,6 +152,25 @@ TEST(MixedDtypeTest, ParityWithCpuOffload) {
         comm, want,
         FullyShardedDataParallelOptions(comm).cpu_offload(CPUOffload().offload_params(true)),
         /*adam=*/true);
+  });
+}
+
+// Gradients of one unit are reduced together: trainable parameters of two dtypes in one
+// unit are refused, naming both.
+TEST(MixedDtypeTest, TrainableParametersOfTwoDtypesAreRefusedByName) {
+  on_ranks(1, [](std::shared_ptr<Communicator> comm) {
+    auto net = make<MixedDtypeLmImpl>();
+    net->blocks[0]->as<UnitImpl<MixedDtypeBlockImpl>>()->module()->up_weight.set_requires_grad(
+        true);
+    EXPECT_THAT(
+        [&] {
+          FullyShardedDataParallel<MixedDtypeLmImpl> model(net,
+                                                           FullyShardedDataParallelOptions(comm));
+        },
+        ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(
+            "the trainable parameters of unit 'blocks.0' must share one dtype (their gradients "
+            "are reduced together, as in PyTorch's FSDP), but 'blocks.0.up_weight' is BFloat16 "
+            "and 'blocks.0.up_bias' is Float")));
   });
 }
 

@@ -62,6 +62,13 @@ inline std::mutex& seed_mutex() {
   return mutex;
 }
 
+// The FQNs of a flat parameter's original parameters, in flattening order.
+inline std::vector<std::string> fqns_of(const FlatParamHandle& handle) {
+  std::vector<std::string> fqns;
+  for (const FlatParamInfo& info : handle.param_infos()) fqns.push_back(info.fqn);
+  return fqns;
+}
+
 // Identical initial weights on every rank and in the reference.
 template <typename Net>
 std::shared_ptr<Net> make() {

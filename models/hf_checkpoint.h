@@ -51,7 +51,11 @@ at::ScalarType hf_weights_dtype(const std::string& dir);
 // converted to the model's dtype (a bf16 folder into fp32 master weights: exact), so a
 // model built on the meta device gets its values with no full copy anywhere. LoRA
 // adapters the model carries (fsdp::lora::apply_lora) are not looked for in the folder
-// and keep their values. No communication; every rank calls it.
+// and keep their values. A LoraLinear holding its base in NF4
+// (fsdp::lora::LoraLinearImpl::store_weight_nf4, on the meta device) gets the NF4 bytes of
+// the folder's weight: each rank reads that weight whole, one at a time, quantizes it as
+// bitsandbytes does and keeps its shards' bytes (Note [NF4 base weights in an HF folder]
+// in hf_checkpoint.cc). No communication; every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
@@ -74,6 +78,7 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
 // 0 merges and writes that unit's tensors before the next is gathered (peak: one unit
 // unsharded, plus a weight's merge in fp32); no process holds the whole model. The
 // merged floating weights are written in the dtype of `from_dir`'s weights, rounded once.
+// A base held in NF4 is written dequantized (plus its update), under the folder's name.
 void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& config,
                           const std::string& from_dir, const std::string& out_dir,
                           const std::string& adapter_dir, int64_t max_shard_size);

@@ -117,10 +117,6 @@ SafetensorsSplit split_of(const ExpertNames& names) {
 constexpr const char* kNf4Aux[] = {"weight_absmax", "weight_nested_absmax",
                                    "weight_nested_quant_map", "weight_nested_offset"};
 
-std::map<std::string, std::vector<int64_t>> nf4_modules(FullyShardedRoot& model) {
-  return lora::nf4_modules(model.root_module());
-}
-
 // The module and the parameter of an entry of an NF4 module ("weight" or one of kNf4Aux),
 // if it is one.
 std::optional<std::pair<std::string, std::string>> nf4_entry(
@@ -158,7 +154,7 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
   const ExpertNames names = expert_names(dir);  // See Note [Experts one by one in the checkpoint]
   const SafetensorsRename rename = rename_of(names);
   // See Note [NF4 base weights in an HF folder]: the last weight quantized, by source name.
-  const auto modules = nf4_modules(model);
+  const auto modules = lora::nf4_modules(model.root_module());
   auto quantized = std::make_shared<std::pair<std::string, lora::StateDict>>();
   const SafetensorsDerive derive =
       [&modules, rename, quantized](const std::string& fqn) -> c10::optional<SafetensorsDerived> {
@@ -213,8 +209,9 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   const bool lead = model.communicator().rank() == 0;
   if (lead) prepare_hf_folder(from_dir, out_dir);
-  lora::StateDict adapters;                 // rank 0: copies, in module order
-  const auto modules = nf4_modules(model);  // See Note [NF4 base weights in an HF folder]
+  lora::StateDict adapters;  // rank 0: copies, in module order
+  const auto modules =
+      lora::nf4_modules(model.root_module());  // See Note [NF4 base weights in an HF folder]
   const auto merge = [&](const std::string& fqn, const at::Tensor& stored,
                          const torch::OrderedDict<std::string, at::Tensor>& unit) {
     static constexpr char kWeight[] = ".weight";

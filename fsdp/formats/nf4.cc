@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include <ATen/Dispatch.h>
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
 
@@ -62,6 +64,33 @@ at::Tensor dequantize_blocks(const at::Tensor& index, const at::Tensor& absmax,
   const at::Tensor scale =
       absmax.repeat_interleave(blocksize).narrow(0, 0, n);  // absmax of each element's block
   return values * scale;
+}
+
+// Note [Dequantizing NF4 on the CPU]
+// QLoRA dequantizes every projection of a unit in forward and again in backward, so this
+// runs over every frozen weight twice a step. As a composition of ATen ops (the path kept
+// for other devices) it makes six passes over n elements with an int64 index and a
+// repeated absmax (about 30 bytes of memory traffic a weight); the CPU loop below reads
+// each code byte once and writes each value once in the output dtype. Both compute
+// nf4 value x absmax as one fp32 product and round it to the dtype once (c10's
+// conversions, round to nearest even), so they give the same bits, which
+// tests:nf4_interop_test checks against bitsandbytes.
+template <typename T>
+void dequantize_cpu(const uint8_t* codes, const float* absmax, int64_t n, int64_t blocksize,
+                    T* out) {
+  const int64_t blocks = (n + blocksize - 1) / blocksize;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, (int64_t{1} << 16) / blocksize),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t b = begin; b < end; ++b) {
+                       const float scale = absmax[b];
+                       const int64_t last = std::min(n, (b + 1) * blocksize);
+                       for (int64_t i = b * blocksize; i < last; i += 2) {
+                         const uint8_t byte = codes[i / 2];
+                         out[i] = static_cast<T>(kNf4[byte >> 4] * scale);
+                         if (i + 1 < last) out[i + 1] = static_cast<T>(kNf4[byte & 15] * scale);
+                       }
+                     }
+                   });
 }
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel,
@@ -158,6 +187,16 @@ at::Tensor dequantize_nf4(const Nf4Tensor& q) {
     absmax = q.absmax;
   }
   const at::Tensor codes = q.codes.reshape(-1);
+  if (codes.device().is_cpu()) {  // See Note [Dequantizing NF4 on the CPU]
+    const at::Tensor bytes = codes.contiguous();
+    const at::Tensor scales = absmax.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty(q.shape, codes.options().dtype(q.dtype));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.dtype, "dequantize_nf4", [&] {
+      dequantize_cpu(bytes.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, q.blocksize,
+                     out.data_ptr<scalar_t>());
+    });
+    return out;
+  }
   const at::Tensor index =
       at::stack({at::bitwise_right_shift(codes, 4), at::bitwise_and(codes, 15)}, 1)
           .reshape(-1)

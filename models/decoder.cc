@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
@@ -278,6 +279,19 @@ void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* linear = module.as<lora::LoraLinearImpl>()) return linear->reset_parameters();
   if (auto* experts = module.as<ExpertsImpl>()) return experts->reset_parameters();
   if (auto* embedding = module.as<torch::nn::EmbeddingImpl>()) embedding->reset_parameters();
+}
+
+int64_t store_projections_nf4(CausalLMImpl& net) {
+  int64_t stored = 0;
+  for (auto& unit : net.model->units) {
+    for (const auto& item : unit->module()->named_modules("", /*include_self=*/false)) {
+      auto* layer = dynamic_cast<lora::LoraLinearImpl*>(item.value().get());
+      if (layer == nullptr || !absl::EndsWith(item.key(), "_proj")) continue;
+      layer->store_weight_nf4();
+      ++stored;
+    }
+  }
+  return stored;
 }
 
 }  // namespace fsdp::models

@@ -248,6 +248,16 @@ class KVCacheScope {
   CausalLMImpl& model_;
 };
 
+// QLoRA's base (examples/llama:finetune --quantize=nf4): holds every LoraLinear named
+// "*_proj" inside a decoder layer's unit (attention's and the MLP's projections, shared
+// experts' included; not the MoE routers, the fused routed experts, the embeddings, the
+// norms or the head, which QLoRA leaves as they are) in NF4 with double quantization
+// (lora::LoraLinearImpl::store_weight_nf4), on the meta device or any other. Returns how
+// many it stored. PyTorch: transformers' from_pretrained with BitsAndBytesConfig(
+// load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True), which
+// swaps every Linear but lm_head for bitsandbytes' Linear4bit.
+int64_t store_projections_nf4(CausalLMImpl& net);
+
 // The init function for FullyShardedRoot::init_parameters of a decoder built on the meta
 // device: gives `module`'s own parameters, in place, the values its constructor gives on
 // a real device (RMSNormImpl, LoraLinearImpl, ExpertsImpl and torch::nn::EmbeddingImpl

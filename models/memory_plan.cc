@@ -322,6 +322,7 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
                                           : c10::nullopt)
       .optimizer(OptimizerSpec::adamw())
       .cpu_offload(options.cpu_offload())
+      .host_is_tracked(options.device() == c10::DeviceType::CPU)
       .backend(options.backend())
       .activation_bytes(plan.activations.peak_bytes);
   // Each layer's and the head's activations are freed by their unit's backward.
@@ -346,18 +347,27 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   plan.activations_held = at_peak(PlanTerm::kActivations);
   plan.gathered_units = plan.step.peak_bytes - plan.parameters - plan.gradients -
                         plan.optimizer_state - plan.activations_held;
-  // Saving gathers one unit at a time in the master dtype and casts it to the folder's.
-  int64_t largest = 0;
+  // Saving gathers one unit at a time, each flat parameter in its dtype, and casts its
+  // floating values to the folder's.
+  const auto gathered_and_cast = [&](at::ScalarType dtype, int64_t numel) {
+    const bool cast = c10::isFloatingType(dtype) && dtype != options.save_dtype();
+    return numel * (element_size(dtype) + (cast ? element_size(options.save_dtype()) : 0));
+  };
   for (const PlanUnit& unit : units) {
-    int64_t numel = unit.trainable_numel + unit.frozen_numel;
-    for (const PlanFrozen& other : unit.frozen_other_dtypes) numel += other.numel;
-    largest = std::max(largest, numel);
+    int64_t bytes = gathered_and_cast(options.dtype(), unit.trainable_numel + unit.frozen_numel);
+    for (const PlanFrozen& other : unit.frozen_other_dtypes) {
+      bytes += gathered_and_cast(other.dtype, other.numel);
+    }
+    plan.saving = std::max(plan.saving, bytes);
   }
-  const int64_t master = element_size(options.dtype()), folder = element_size(options.save_dtype());
-  plan.saving = largest * (master + (options.save_dtype() != options.dtype() ? folder : 0));
-  const int64_t steady = plan.step.term_bytes(PlanTerm::kShardedParameters) +
-                         plan.step.term_bytes(PlanTerm::kShardedGradients) +
-                         plan.step.term_bytes(PlanTerm::kOptimizerState);
+  // What stays on the tracked device between steps (nothing with offload to an untracked
+  // host).
+  const int64_t steady = plan.step.host_bytes > 0
+                             ? 0
+                             : plan.step.term_bytes(PlanTerm::kShardedParameters) +
+                                   plan.step.term_bytes(PlanTerm::kShardedGradients) +
+                                   plan.step.term_bytes(PlanTerm::kOptimizerState);
+  plan.host_bytes = plan.step.host_bytes;
   plan.runtime = options.runtime_bytes();
   const int64_t tensors = std::max(plan.step.peak_bytes, steady + plan.saving);
   plan.peak_bytes =
@@ -398,14 +408,15 @@ std::string format_bytes(int64_t bytes) {
 }
 
 std::string FinetunePlan::summary() const {
-  return absl::StrCat("parameters ", format_bytes(parameters), " + gradients ",
-                      format_bytes(gradients), " + optimizer state ", format_bytes(optimizer_state),
-                      " + gathered units ", format_bytes(gathered_units), " + activations ",
-                      format_bytes(activations_held), " (saving: ", format_bytes(saving),
-                      " above the shards) + allocator ",
-                      absl::StrFormat("%.0f%%", kAllocatorOverhead * 100), " + runtime ",
-                      format_bytes(runtime), " = peak ", format_bytes(peak_bytes),
-                      absl::StrFormat(" (%d MiB)", peak_bytes >> 20), " per rank");
+  return absl::StrCat(
+      "parameters ", format_bytes(parameters), " + gradients ", format_bytes(gradients),
+      " + optimizer state ", format_bytes(optimizer_state), " + gathered units ",
+      format_bytes(gathered_units), " + activations ", format_bytes(activations_held),
+      " (saving: ", format_bytes(saving), " above the shards) + allocator ",
+      absl::StrFormat("%.0f%%", kAllocatorOverhead * 100), " + runtime ", format_bytes(runtime),
+      " = peak ", format_bytes(peak_bytes), absl::StrFormat(" (%d MiB)", peak_bytes >> 20),
+      " per rank", options.device() == c10::DeviceType::CPU ? "" : " on the GPU",
+      host_bytes > 0 ? absl::StrCat(", ", format_bytes(host_bytes), " offloaded to the host") : "");
 }
 
 }  // namespace fsdp::models

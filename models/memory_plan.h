@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
@@ -93,6 +94,13 @@ struct FinetunePlanOptions {
   // (examples/llama:finetune's --router_aux_loss_coef > 0).
   TORCH_ARG(bool, router_aux_loss) = false;
   TORCH_ARG(bool, cpu_offload) = false;
+  // The device the step runs on. CPU: the plan is the process's resident set. CUDA: the
+  // GPU's memory (tensors, as torch.cuda.max_memory_allocated counts them, plus
+  // runtime_bytes for the CUDA context); with cpu_offload the shards, their gradients and
+  // AdamW's state are host memory, reported as FinetunePlan::host_bytes and left out of the
+  // peak. The activations are the CPU kernels' either way (a CUDA device's attention
+  // kernels keep what their backward needs in other shapes).
+  TORCH_ARG(c10::DeviceType, device) = c10::DeviceType::CPU;
   TORCH_ARG(PlanBackend, backend) = PlanBackend::kGloo;
   TORCH_ARG(TrainedWeights, trained) = TrainedWeights();
   // The process before any weight is read (code, libraries, the communicator, the token
@@ -107,6 +115,11 @@ struct FinetunePlanOptions {
 // is not loaded on the CPU, fsdp/base/torch_compat_cuda.h): what fsdp_plan assumes when it
 // cannot measure. A CUDA process holds more (libtorch_cuda, about 235 MiB, and its context).
 inline constexpr int64_t kDefaultRuntimeBytes = int64_t{128} << 20;  // 122-128 MiB measured
+// What a GPU holds before the first tensor, for a plan on CUDA: the CUDA context, cuBLAS's
+// workspace and NCCL's buffers, which torch.cuda.max_memory_allocated leaves out and
+// nvidia-smi shows (about 0.5 GiB on an H100 with CUDA 12-13; an estimate, not measured
+// by fsdp).
+inline constexpr int64_t kDefaultCudaRuntimeBytes = int64_t{512} << 20;
 
 // Resident-set overhead of the allocators over the tensors' bytes (small blocks in the C
 // library's arenas, page rounding), with large blocks held no higher than the tensors'
@@ -127,8 +140,10 @@ struct FinetunePlan {
   int64_t saving = 0;            // above the shards, gradients and state while saving:
                                  // the largest unit gathered, cast and written
   int64_t runtime = 0;           // options.runtime_bytes
-  int64_t peak_bytes = 0;        // the largest resident set: runtime + the larger of the
-                                 // step's peak and saving's, with kAllocatorOverhead
+  int64_t peak_bytes = 0;        // the largest resident set (on CUDA: GPU memory): runtime
+                                 // + the larger of the step's peak and saving's, with
+                                 // kAllocatorOverhead
+  int64_t host_bytes = 0;        // CUDA with cpu_offload: the host's offloaded state
   // "parameters 1.2 GiB + gradients ... = peak 5.1 GiB per rank" (one line).
   std::string summary() const;
 };

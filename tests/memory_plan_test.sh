@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # examples/llama:finetune's memory plan (Note [Checking the plan before loading]) against
 # what the ranks measure: a random 31 M-parameter Llama folder (transformers'
-# save_pretrained), W = 2, a full and a LoRA fine-tune, and a full fine-tune of a random
-# 30 M-parameter Qwen3-MoE folder (16 experts, top-4, a dense layer; the router's
-# load-balancing loss on, as by default); each run's largest peak resident
+# save_pretrained), W = 2, a full and a LoRA fine-tune, LoRA and QLoRA (--quantize=nf4) on
+# the same model saved in bf16 (a bf16 frozen base; NF4 projections), and a full fine-tune
+# of a random 30 M-parameter Qwen3-MoE folder (16 experts, top-4, a dense layer; the
+# router's load-balancing loss on, as by default); each run's largest peak resident
 # set must lie within 15% of the plan printed before loading, and the MoE run's parameter
 # count (printed by the trainer and by fsdp_plan) is transformers' exactly. With --max_memory_per_rank below the plan, every rank
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
@@ -30,7 +31,9 @@ torch.manual_seed(0)
 config = transformers.LlamaConfig(
     hidden_size=384, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
     intermediate_size=1024, vocab_size=32000, max_position_embeddings=256)
-transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1] + "/model")
+llama = transformers.LlamaForCausalLM(config)
+llama.save_pretrained(sys.argv[1] + "/model")
+llama.to(torch.bfloat16).save_pretrained(sys.argv[1] + "/model_bf16")
 moe = transformers.Qwen3MoeConfig(
     hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=16,
@@ -44,9 +47,11 @@ np.random.default_rng(0).integers(0, 32000, 50000, dtype=np.uint16).tofile(sys.a
 PY
 common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=64
         --batch_size=4 --steps=2 --checkpoint_interval=0)
-for run in full lora moe; do
+for run in full lora lora_bf16 qlora moe; do
   extra=() from=model
-  [[ $run == lora ]] && extra=(--lora_rank=8)
+  [[ $run == lora* || $run == qlora ]] && extra=(--lora_rank=8)
+  [[ $run == lora_bf16 || $run == qlora ]] && from=model_bf16
+  [[ $run == qlora ]] && extra+=(--quantize=nf4)
   [[ $run == moe ]] && from=moe
   "$finetune" "${common[@]}" "${extra[@]}" --from="$dir/$from" --out_dir="$dir/$run" |
       tee "$dir/$run.log"
@@ -57,10 +62,8 @@ for run in full lora moe; do
   echo "$run: largest / plan = $ratio"
   # The same terms from fsdp_plan --config (the runtime aside).
   terms=$(sed -n 's/.*memory plan: \(parameters .*\) + allocator.*/\1/p' "$dir/$run.log")
-  lora_flag=0
-  [[ $run == lora ]] && lora_flag=8
   "$plan" --config="$dir/$from/config.json" --world_size=2 --batch_size=4 --context=64 \
-      --lora_rank=$lora_flag > "$dir/$run.plan"
+      "${extra[@]}" > "$dir/$run.plan"
   grep -qF "memory plan: $terms + allocator" "$dir/$run.plan" || {
     echo "FAIL: fsdp_plan --config differs from the trainer's plan ($terms):"; cat "$dir/$run.plan"; exit 1; }
   if [[ $run == moe ]]; then  # every expert counted: the parameters are transformers'

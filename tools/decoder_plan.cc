@@ -17,37 +17,54 @@ namespace fsdp::tools {
 
 DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
                                       const std::string& source,
-                                      models::FinetunePlanOptions options, int64_t global_batch,
+                                      models::FinetunePlanOptions options,
+                                      const DecoderWeights& weights, int64_t global_batch,
                                       int64_t grad_accumulation_steps, int64_t memory_per_rank) {
   TORCH_CHECK(global_batch >= 1 && grad_accumulation_steps >= 1,
               "expected a batch and gradient accumulation steps of at least 1, got ", global_batch,
               " and ", grad_accumulation_steps);
+  models::TrainedWeights trained = options.trained();
+  TORCH_CHECK(!weights.nf4 || trained.lora_rank > 0,
+              "NF4 freezes the base weights in 4 bits (QLoRA): give a LoRA rank too");
   DecoderPlanReport report;
   report.source = source;
   report.config = config;
   report.global_batch = global_batch;
   report.grad_accumulation_steps = grad_accumulation_steps;
+  // The frozen base as the trainer builds it (Note [The frozen base of a LoRA run] in
+  // examples/llama/finetune.cc): the config's 16-bit dtype for LoRA under bf16 mixed
+  // precision, else the master dtype.
+  const c10::optional<at::ScalarType> folder = config.dtype == "bfloat16" ? at::kBFloat16
+                                               : config.dtype == "float16"
+                                                   ? c10::optional<at::ScalarType>(at::kHalf)
+                                                   : c10::nullopt;
+  report.base_dtype = trained.lora_rank > 0 && !weights.lora_fp32_base && folder &&
+                              options.param_dtype() == at::kBFloat16
+                          ? *folder
+                          : options.dtype();
   // The decoder on the meta device: shapes only, as the trainer builds it.
   auto net = std::make_shared<models::CausalLMImpl>(
-      config, at::TensorOptions().device(c10::kMeta).dtype(options.dtype()));
-  models::TrainedWeights trained = options.trained();
+      config, at::TensorOptions().device(c10::kMeta).dtype(report.base_dtype));
   if (trained.lora_rank > 0) {
     if (trained.lora_targets.empty()) trained.lora_targets = models::default_lora_targets(config);
     const std::string error = models::lora_targets_error(config, trained.lora_targets);
     TORCH_CHECK(error.empty(), error);
     lora::LoraConfig lora;
-    // Everything in the plan's dtype, the adapters too (as --mixed_precision=pure_bf16).
-    lora.r(trained.lora_rank).target_modules(trained.lora_targets).autocast_adapter_dtype(false);
+    // The adapters in fp32 (PEFT's default) unless everything is bf16 (pure_bf16).
+    lora.r(trained.lora_rank)
+        .target_modules(trained.lora_targets)
+        .autocast_adapter_dtype(options.dtype() == at::kFloat);
     lora::apply_lora(*net, lora);
     options.trained(trained);
   }
+  // The model's parameters (adapters included) before any is packed into NF4's bytes.
+  for (const at::Tensor& p : net->parameters()) {
+    report.numel += p.numel();
+    if (p.requires_grad()) report.trainable += p.numel();
+  }
+  if (weights.nf4) report.nf4_modules = models::store_projections_nf4(*net);
   const std::vector<PlanUnit> units = models::plan_units(*net);
   report.units = static_cast<int64_t>(units.size());
-  for (const PlanUnit& unit : units) {
-    report.numel += unit.trainable_numel + unit.frozen_numel;
-    for (const PlanFrozen& other : unit.frozen_other_dtypes) report.numel += other.numel;
-    report.trainable += unit.trainable_numel;
-  }
   options.micro_batch(
       models::micro_batch_of(global_batch, options.world_size(), grad_accumulation_steps));
   report.plan = models::plan_finetune(config, units, options);
@@ -65,19 +82,24 @@ std::string to_table(const DecoderPlanReport& r) {
   const models::FinetunePlanOptions& o = p.options;
   std::string out = absl::StrFormat(
       "%s (%s): %d parameters (%d trainable), %d layers, %d FSDP units\n"
-      "world size %d, %s, %s master weights%s, micro-batch %d x %d tokens (batch %d, %d "
-      "accumulation steps)%s%s, AdamW\n",
+      "world size %d, %s, %s master weights%s%s, micro-batch %d x %d tokens (batch %d, %d "
+      "accumulation steps)%s%s, AdamW, on the %s\n",
       r.source, r.config.model_type, r.numel, r.trainable, r.config.num_hidden_layers, r.units,
       o.world_size(), sharding_strategy_name(p.step.effective_strategy), c10::toString(o.dtype()),
       o.param_dtype() ? absl::StrCat(", ", c10::toString(*o.param_dtype()), " compute") : "",
+      o.trained().lora_rank == 0 ? ""
+      : r.nf4_modules > 0        ? absl::StrFormat(", frozen base %s with %d projections in NF4",
+                                                   c10::toString(r.base_dtype), r.nf4_modules)
+                                 : absl::StrCat(", frozen base ", c10::toString(r.base_dtype)),
       o.micro_batch(), o.context(), r.global_batch, r.grad_accumulation_steps,
       o.activation_checkpointing() ? ", activation checkpointing" : "",
-      o.cpu_offload() ? ", CPU offload" : "");
+      o.cpu_offload() ? ", CPU offload" : "", o.device() == c10::DeviceType::CPU ? "CPU" : "GPU");
   const std::vector<std::pair<const char*, int64_t>> rows = {
       {"sharded parameters", p.parameters},   {"sharded gradients", p.gradients},
       {"optimizer state", p.optimizer_state}, {"gathered units", p.gathered_units},
       {"activations", p.activations_held},    {"runtime (assumed)", p.runtime},
-      {"peak per rank", p.peak_bytes},        {"saving, above the shards", p.saving}};
+      {"peak per rank", p.peak_bytes},        {"saving, above the shards", p.saving},
+      {"host (offloaded)", p.host_bytes}};
   for (const auto& [what, bytes] : rows) {
     out += absl::StrFormat("  %-26s %14d B  %s\n", what, bytes, models::format_bytes(bytes));
   }
@@ -115,7 +137,8 @@ std::string to_json(const DecoderPlanReport& r) {
                            {"activations", p.activations_held},
                            {"runtime", p.runtime},
                            {"saving", p.saving},
-                           {"peak", p.peak_bytes}}}};
+                           {"peak", p.peak_bytes},
+                           {"host", p.host_bytes}}}};
   if (r.memory_per_rank > 0) {
     json["memory_per_rank"] = r.memory_per_rank;
     json["smallest_world_size"] = r.smallest_world_size;

@@ -21,12 +21,24 @@ namespace fsdp::tools {
 // The largest world size the smallest-world-size search tries.
 inline constexpr int64_t kMaxPlannedWorldSize = 65536;
 
+// How the trainer builds the model's weights (examples/llama:finetune's flags).
+struct DecoderWeights {
+  // --lora_base_dtype=float32: a LoRA run's frozen base in the master dtype; false: in
+  // the config's 16-bit dtype under bf16 mixed precision (Note [The frozen base of a LoRA
+  // run] in examples/llama/finetune.cc), the adapters in fp32.
+  bool lora_fp32_base = false;
+  // --quantize=nf4: every layer's projections in NF4 (models::store_projections_nf4).
+  bool nf4 = false;
+};
+
 struct DecoderPlanReport {
   std::string source;  // the config.json's path
   models::DecoderConfig config;
-  int64_t numel = 0;      // parameters, adapters included
-  int64_t trainable = 0;  // of which train
-  int64_t units = 0;      // FSDP units (the root and one per layer)
+  int64_t numel = 0;                                    // parameters, adapters included
+  int64_t trainable = 0;                                // of which train
+  int64_t units = 0;                                    // FSDP units (the root and one per layer)
+  int64_t nf4_modules = 0;                              // projections stored in NF4
+  c10::ScalarType base_dtype = c10::ScalarType::Float;  // the frozen weights' (LoRA)
   int64_t global_batch = 0, grad_accumulation_steps = 1;
   models::FinetunePlan plan;
   // With a memory per rank (> 0): the smallest world size whose plan's peak fits it (the
@@ -37,13 +49,15 @@ struct DecoderPlanReport {
   models::FinetunePlan smallest_plan;
 };
 
-// The plan of `config` (read from `source`). `options.micro_batch` is derived
-// (models::micro_batch_of); `options.trained().lora_targets` empty with a LoRA rank: the
-// family's default (lora_targets.h). The smallest world size is searched among those the
-// trainer takes (models::smallest_world_size).
+// The plan of `config` (read from `source`), its weights built as `weights` says.
+// `options.micro_batch` is derived (models::micro_batch_of); `options.trained().lora_targets`
+// empty with a LoRA rank: the family's default (lora_targets.h). The smallest world size is
+// searched among those the trainer takes (models::smallest_world_size). Throws c10::Error
+// for NF4 without LoRA (a 4-bit base cannot train).
 DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
                                       const std::string& source,
-                                      models::FinetunePlanOptions options, int64_t global_batch,
+                                      models::FinetunePlanOptions options,
+                                      const DecoderWeights& weights, int64_t global_batch,
                                       int64_t grad_accumulation_steps, int64_t memory_per_rank);
 
 std::string to_table(const DecoderPlanReport& report);

@@ -92,12 +92,21 @@ ABSL_FLAG(bool, activation_checkpointing, false, "--config: each layer recompute
 ABSL_FLAG(std::string, lora_rank, "0", "--config: 0 (full fine-tuning) or the LoRA rank");
 ABSL_FLAG(std::vector<std::string>, lora_target_modules, {},
           "--config: the modules with adapters (default: the family's, as finetune)");
+ABSL_FLAG(std::string, lora_base_dtype, "auto",
+          "--config: as finetune's flag: auto (a LoRA run's frozen base in the config's 16-bit "
+          "dtype under bf16 mixed precision) or float32");
+ABSL_FLAG(std::string, quantize, "none",
+          "--config: as finetune's flag: none, or nf4 (QLoRA: each layer's projections in NF4; "
+          "needs --lora_rank)");
+ABSL_FLAG(std::string, device, "cpu",
+          "--config: cpu (the process's resident set, Gloo) or cuda (one GPU's memory, NCCL; "
+          "with --cpu_offload the offloaded state is the host's)");
 ABSL_FLAG(std::string, memory_per_rank, "",
           "--config: also find the smallest world size whose peak fits this (bytes, or "
           "KB/MB/GB/KiB/MiB/GiB)");
 ABSL_FLAG(std::string, runtime_bytes, "",
-          "--config: the process before loading (default: the CPU trainer's, measured; a CUDA "
-          "process holds more)");
+          "--config: the process before loading (default: the CPU trainer's, measured; on "
+          "--device=cuda the GPU's before the first tensor, 512 MiB)");
 ABSL_FLAG(bool, trust_torchscript, false,
           "load a TorchScript --model with torch::jit::load, which RUNS CODE FROM THE FILE (its "
           "classes' __setstate__): only for a file from a trusted source that cannot be read "
@@ -395,14 +404,21 @@ int run_config(const std::string& format) {
       .context(count_flag("context", absl::GetFlag(FLAGS_context), 1, 1 << 24))
       .activation_checkpointing(absl::GetFlag(FLAGS_activation_checkpointing))
       .cpu_offload(absl::GetFlag(FLAGS_cpu_offload))
-      .runtime_bytes(absl::GetFlag(FLAGS_runtime_bytes).empty()
-                         ? fsdp::models::kDefaultRuntimeBytes
-                         : bytes_flag("runtime_bytes", absl::GetFlag(FLAGS_runtime_bytes)));
+      .runtime_bytes(!absl::GetFlag(FLAGS_runtime_bytes).empty()
+                         ? bytes_flag("runtime_bytes", absl::GetFlag(FLAGS_runtime_bytes))
+                     : absl::GetFlag(FLAGS_device) == "cuda"
+                         ? fsdp::models::kDefaultCudaRuntimeBytes
+                         : fsdp::models::kDefaultRuntimeBytes);
   // --mixed_precision as the trainer resolves it on the CPU (examples/trainer/levers.h).
   std::string precision = absl::GetFlag(FLAGS_mixed_precision);
   const fsdp::models::DecoderConfig config = fsdp::models::load_decoder_config(path);
   if (precision == "auto") {
     precision = config.dtype == "bfloat16" || config.dtype == "float16" ? "bf16" : "none";
+  }
+  // OUT/hf is written in the config's dtype, as the trainer writes the folder's.
+  if (config.dtype == "bfloat16" || config.dtype == "float16") {
+    options.save_dtype(config.dtype == "bfloat16" ? c10::ScalarType::BFloat16
+                                                  : c10::ScalarType::Half);
   }
   if (precision == "bf16") {
     options.param_dtype(c10::ScalarType::BFloat16);
@@ -416,11 +432,32 @@ int run_config(const std::string& format) {
   trained.lora_rank = count_flag("lora_rank", absl::GetFlag(FLAGS_lora_rank), 0, 1 << 20);
   trained.lora_targets = list_flag("lora_target_modules", absl::GetFlag(FLAGS_lora_target_modules));
   options.trained(trained);
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device == "cuda") {
+    options.device(c10::DeviceType::CUDA).backend(fsdp::PlanBackend::kNccl);
+  } else if (device != "cpu") {
+    fail(absl::StrCat("unknown --device '", device, "': expected cpu or cuda"));
+  }
+  fsdp::tools::DecoderWeights weights;
+  const std::string base = absl::GetFlag(FLAGS_lora_base_dtype);
+  if (base != "auto" && base != "float32") {
+    fail(absl::StrCat("unknown --lora_base_dtype '", base, "': expected auto or float32"));
+  }
+  weights.lora_fp32_base = base == "float32";
+  const std::string quantize = absl::GetFlag(FLAGS_quantize);
+  if (quantize != "none" && quantize != "nf4") {
+    fail(absl::StrCat("unknown --quantize '", quantize, "': expected none or nf4"));
+  }
+  weights.nf4 = quantize == "nf4";
+  if (weights.nf4 && trained.lora_rank == 0) {
+    fail("--quantize=nf4 freezes the base weights in 4 bits (QLoRA): give --lora_rank too");
+  }
   // The MoE families' load-balancing loss, on as examples/llama:finetune has it by default.
   options.router_aux_loss(config.is_moe() && config.router_aux_loss_coef > 0);
   const std::string memory = absl::GetFlag(FLAGS_memory_per_rank);
   const fsdp::tools::DecoderPlanReport report = fsdp::tools::make_decoder_report(
-      config, path, options, count_flag("batch_size", absl::GetFlag(FLAGS_batch_size), 1, 1 << 24),
+      config, path, options, weights,
+      count_flag("batch_size", absl::GetFlag(FLAGS_batch_size), 1, 1 << 24),
       count_flag("grad_accumulation_steps", absl::GetFlag(FLAGS_grad_accumulation_steps), 1,
                  1 << 24),
       memory.empty() ? 0 : bytes_flag("memory_per_rank", memory));
@@ -476,6 +513,7 @@ int main(int argc, char** argv) {
       "            [--ignored_modules=FQN,...] [--world_size=W] [--format=table|json]\n"
       "  fsdp_plan --config=config.json [--world_size=W] [--batch_size=B] [--context=T]\n"
       "            [--mixed_precision=...] [--lora_rank=R] [--activation_checkpointing]\n"
+      "            [--lora_base_dtype=auto|float32] [--quantize=none|nf4] [--device=cpu|cuda]\n"
       "            [--grad_accumulation_steps=K] [--memory_per_rank=80GiB] [--format=...]");
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {

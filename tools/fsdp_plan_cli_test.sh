@@ -99,6 +99,10 @@ echo '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_a
       "num_hidden_layers": 2, "vocab_size": 100}' > "$tmp/llama.json"
 expect_error config_bad_memory "--memory_per_rank=lots: expected a positive size in bytes" --config="$tmp/llama.json" --memory_per_rank=lots
 expect_error config_bad_precision "unknown --mixed_precision 'fp8'" --config="$tmp/llama.json" --mixed_precision=fp8
+expect_error config_bad_quantize "unknown --quantize 'int4': expected none or nf4" --config="$tmp/llama.json" --quantize=int4
+expect_error config_nf4_without_lora "--quantize=nf4 freezes the base weights in 4 bits (QLoRA): give --lora_rank too" --config="$tmp/llama.json" --quantize=nf4
+expect_error config_bad_base "unknown --lora_base_dtype 'fp8': expected auto or float32" --config="$tmp/llama.json" --lora_base_dtype=fp8
+expect_error config_bad_device "unknown --device 'tpu': expected cpu or cuda" --config="$tmp/llama.json" --device=tpu
 expect_error missing_file "cannot open '$tmp/nope.pt': no such file" --model="$tmp/nope.pt"
 expect_error directory "'$tmp' is a directory" --model="$tmp"
 mkfifo "$tmp/fifo"
@@ -225,6 +229,36 @@ if [[ $rc -eq 0 && "$out" == "$want"* && "$out" == *"$want2"* ]]; then
   passed=$((passed + 1))
 else
   echo "FAIL table_pt2: $out"
+  failed=$((failed + 1))
+fi
+
+# QLoRA from a bf16 config.json at W = 1: the sharded parameters are the frozen weights at
+# their stored size, counted here by hand. The 14 layer projections in NF4, each of n
+# weights: n / 2 bytes of codes, n / 64 absmax codes, 4 x ceil(n / 16384) bytes of fp32
+# second-level absmax, 256 x 4 of its code table and 4 of its offset; the embeddings, head
+# and norms in bf16; q_proj and v_proj's rank-8 adapters in fp32.
+cat > "$tmp/bf16.json" <<'JSON'
+{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "dtype": "bfloat16"}
+JSON
+want=$("$python" - <<'PY'
+h, i, kv, v, layers, r = 64, 128, 32, 256, 2, 8
+projections = [h * h, kv * h, kv * h, h * h, i * h, i * h, h * i]  # q k v o gate up down
+nf4 = sum(n // 2 + n // 64 + 4 * -(-n // 16384) + 256 * 4 + 4 for n in projections)
+bf16 = 2 * (2 * v * h + (2 * layers + 1) * h)  # embeddings, head, norms
+adapters = 4 * r * ((h + h) + (h + kv))  # q_proj, v_proj: A [r, in] and B [out, r]
+print(layers * (nf4 + adapters) + bf16)
+PY
+)
+out=$("$plan" --config="$tmp/bf16.json" --lora_rank=8 --quantize=nf4 --batch_size=1 \
+  --format=json 2>&1)
+got=$("$python" -c 'import json, sys; print(json.load(sys.stdin)["bytes"]["sharded_parameters"])' \
+  <<<"$out" 2>&1)
+if [[ "$got" == "$want" ]]; then
+  echo "ok config_nf4_bytes ($want bytes)"
+  passed=$((passed + 1))
+else
+  echo "FAIL config_nf4_bytes: expected sharded_parameters $want in: $out"
   failed=$((failed + 1))
 fi
 

@@ -586,10 +586,10 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
 }
 
 // Note [QLoRA: an NF4 base]
-// --quantize=nf4 holds the linear projections of every decoder layer (attention's and the
-// MLP's, shared experts' included; not the MoE routers, the fused routed experts, the
-// embeddings, the norms or the head, as QLoRA leaves them) in NF4 with double quantization,
-// the layout bitsandbytes' Linear4bit stores (lora::LoraLinearImpl::store_weight_nf4). They
+// --quantize=nf4 holds the linear projections of every decoder layer
+// (models::store_projections_nf4: not the routers, routed experts, embeddings, norms or
+// head, as QLoRA leaves them) in NF4 with double quantization, the layout bitsandbytes'
+// Linear4bit stores (lora::LoraLinearImpl::store_weight_nf4). They
 // are quantized as the folder is read (Note [NF4 base weights in an HF folder] in
 // models/hf_checkpoint.cc): bit for bit bitsandbytes' quantize_4bit of the same weight.
 // Each layer's unit then holds its adapters (fp32), its other frozen weights (the folder's
@@ -597,20 +597,6 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
 // bytes are gathered as they are and dequantized in the compute dtype right before each
 // product, and again in backward (fsdp/core/stored_weight.h). OUT/adapter is PEFT's adapter
 // over the same base folder; OUT/hf holds base (dequantized) + update in the folder's dtype.
-// The number of projections stored in NF4 (see the Note above).
-int64_t store_projections_nf4(CausalLMImpl& net) {
-  int64_t stored = 0;
-  for (auto& unit : net.model->units) {
-    for (const auto& item : unit->module()->named_modules("", /*include_self=*/false)) {
-      auto* layer = dynamic_cast<lora::LoraLinearImpl*>(item.value().get());
-      if (layer == nullptr || !absl::EndsWith(item.key(), "_proj")) continue;
-      layer->store_weight_nf4();
-      ++stored;
-    }
-  }
-  return stored;
-}
-
 // The model of --from, sharded (see Note [No rank holds the whole model]), its parameters
 // in `dtype` (Note [Master weights of a 16-bit folder]), each decoder layer recomputing its
 // forward in backward when `checkpoint_activations`, wrapped with `options`, after its
@@ -634,16 +620,16 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
       std::cout << "LoRA: adapters on " << adapted.size() << " modules\n";
     }
   }
+  *numel = *trainable = 0;  // before NF4 packs two weights in a byte
+  for (const auto& p : net->parameters()) {
+    *numel += p.numel();
+    if (p.requires_grad()) *trainable += p.numel();
+  }
   if (absl::GetFlag(FLAGS_quantize) == "nf4") {
     const int64_t stored = store_projections_nf4(*net);
     if (options.communicator()->rank() == 0) {
       std::cout << "QLoRA: " << stored << " projections in NF4\n";
     }
-  }
-  *numel = *trainable = 0;
-  for (const auto& p : net->parameters()) {
-    *numel += p.numel();
-    if (p.requires_grad()) *trainable += p.numel();
   }
   *plan = plan_for(config, *net, options, levers, dtype, folder_dtype);
   check_memory_plan(*plan, config, *net, levers.grad_accumulation_steps, *options.communicator(),

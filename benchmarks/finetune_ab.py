@@ -19,6 +19,13 @@ binary. Cases (issue 36's goals):
          a share of it.
   tiny   a 2-layer Llama, full fine-tune: the two sides' losses must agree
          at every step within --check_losses (tests/finetune_ab_test.sh)
+  lora_bf16  the lora case on the same model saved in bf16 (issue 46): both sides keep the
+         frozen base in bf16, the adapters and AdamW in fp32, bf16 compute
+  qlora  the lora_bf16 case with --quantize=nf4 on both sides: ours quantizes as each rank
+         reads its shards; the peer loads the whole folder through bitsandbytes
+         (BitsAndBytesConfig NF4, double quantization, bf16 quant storage, which FSDP2
+         needs) on every rank. The goal's NF4 folder is the model written by transformers'
+         save_pretrained after that load (its size is measured)
 Each rank is its own process, started as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the runner collects each process's peak
 resident set with os.wait4 (ru_maxrss), and stamps each of rank 0's `step k/N` lines (both
@@ -55,17 +62,20 @@ MODELS = {  # name: LlamaConfig fields
     "llama_tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=32000),
 }
-CASES = {  # name: model, LoRA rank (0: full), whether under --limit_mib, learning rate
-    "lora": ("llama672m", 8, False, 1e-4),
-    "full": ("llama201m", 0, False, 1e-4),
-    "limit": ("llama1b", 8, True, 1e-4),
-    "tiny": ("llama_tiny", 0, False, 1e-3),
+CASES = {  # name: model, LoRA rank (0: full), whether under --limit_mib, learning rate,
+    # the folder's dtype, --quantize
+    "lora": ("llama672m", 8, False, 1e-4, "float32", "none"),
+    "full": ("llama201m", 0, False, 1e-4, "float32", "none"),
+    "limit": ("llama1b", 8, True, 1e-4, "float32", "none"),
+    "tiny": ("llama_tiny", 0, False, 1e-3, "float32", "none"),
+    "lora_bf16": ("llama672m", 8, False, 1e-4, "bfloat16", "none"),
+    "qlora": ("llama672m", 8, False, 1e-4, "bfloat16", "nf4"),
 }
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="lora,full,limit", help="comma-separated: " + ",".join(CASES))
+    p.add_argument("--cases", default="lora,full,limit,lora_bf16,qlora", help="comma-separated: " + ",".join(CASES))
     p.add_argument("--cache", default="/tmp/fsdp_finetune_ab", help="folders, tokens, outputs")
     p.add_argument("--finetune", default="",
                    help="examples/llama:finetune binary (default: build it with -c opt)")
@@ -83,26 +93,47 @@ def parse_args():
                    "relative error (a full fine-tune: the same weights and tokens)")
     p.add_argument("--write_readme", action="store_true",
                    help="write the table into benchmarks/README.md")
-    p.add_argument("--make_folder", nargs=2, metavar=("DIR", "MODEL"), help=argparse.SUPPRESS)
+    p.add_argument("--make_folder", nargs=3, metavar=("DIR", "MODEL", "DTYPE"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--make_nf4_folder", nargs=2, metavar=("DIR", "FROM"), help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def make_folder(folder, model):
-    """A random Llama folder (fp32 safetensors) by transformers; run in its own process."""
+def make_folder(folder, model, dtype):
+    """A random Llama folder (safetensors in `dtype`: the same values rounded) by
+    transformers; run in its own process."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **MODELS[model])
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder, safe_serialization=True)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(folder,
+                                                                       safe_serialization=True)
 
 
-def prepare(args, model):
-    folder = os.path.join(args.cache, model)
+def make_nf4_folder(folder, source):
+    """`source` loaded through bitsandbytes (NF4, double quantization, bf16 compute) and
+    written back by save_pretrained: a pre-quantized 4-bit folder as the Hub has them."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    AutoModelForCausalLM.from_pretrained(source, quantization_config=quantization,
+                                         dtype=torch.bfloat16, device_map="cpu").save_pretrained(
+                                             folder, safe_serialization=True)
+
+
+def prepare(args, model, dtype="float32", nf4=False):
+    """The case's folder (made once and kept in --cache): `model` in `dtype`, or with `nf4`
+    that folder as bitsandbytes writes it in 4 bits."""
+    name = model + ("" if dtype == "float32" else "_" + dtype)
+    folder = os.path.join(args.cache, name + ("_nf4" if nf4 else ""))
     if not os.path.exists(os.path.join(folder, ".complete")):
         shutil.rmtree(folder, ignore_errors=True)
         print(f"writing {folder} ...", flush=True)
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--make_folder", folder, model],
-                       check=True)
+        make = (["--make_nf4_folder", folder, prepare(args, model, dtype)] if nf4 else
+                ["--make_folder", folder, model, dtype])
+        subprocess.run([sys.executable, os.path.abspath(__file__), *make], check=True)
         open(os.path.join(folder, ".complete"), "w").close()
     return folder
 
@@ -116,7 +147,7 @@ def make_tokens(args):
 
 
 def folder_stats(folder):
-    """Bytes of the safetensors files, parameters (fp32: bytes / 4, less the headers)."""
+    """Bytes of the safetensors files, and the elements of their tensors."""
     from safetensors import safe_open
     nbytes = numel = 0
     for name in sorted(os.listdir(folder)):
@@ -216,14 +247,15 @@ def wait_all(ranks):
     return results
 
 
-def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
+def run_side(args, side, case, folder, tokens, lora_rank, lr, limit, quantize):
     """Starts W ranks of one side, waits for all; returns the measurements."""
     out = os.path.join(args.cache, "runs", f"{case}_{side}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     common = [f"--from={folder}", f"--data={tokens}", f"--steps={args.steps}",
               f"--context={args.context}", f"--batch_size={args.batch_size}", f"--lr={lr}",
-              "--warmup_steps=0", f"--seed={args.seed}", f"--lora_rank={lora_rank}"]
+              "--warmup_steps=0", f"--seed={args.seed}", f"--lora_rank={lora_rank}",
+              f"--quantize={quantize}"]
     if side == "ours":
         command = [args.finetune, *common, f"--out_dir={out}/out", "--log_interval=1",
                    "--checkpoint_interval=0", f"--world_size={args.world_size}"]
@@ -270,14 +302,18 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit):
                 tokens_per_s=tokens_per_s, losses=losses, plan=plan, status=status, log=out)
 
 
-def goal(case, folder_bytes, numel, world_size, limit, ours, peer):
-    """(what issue 36 asks of ours in this case, whether met)."""
+def goal(case, folder_bytes, numel, world_size, limit, ours, peer, nf4_bytes=0):
+    """(what issues 36 and 46 ask of ours in this case, whether met)."""
     largest = max(ours["peaks"])
-    if case == "lora":
+    ratio = (ours["tokens_per_s"] or 0) / peer["tokens_per_s"] if peer["tokens_per_s"] else 0
+    if case in ("lora", "lora_bf16"):
         bound = folder_bytes / 2 / MIB + 800
-        ratio = (ours["tokens_per_s"] or 0) / peer["tokens_per_s"] if peer["tokens_per_s"] else 0
         return (f"<= {bound:,.0f} MiB (folder / 2 + 800), >= 1.2x peer tokens/s",
                 ours["status"] == "ok" and largest <= bound and ratio >= 1.2)
+    if case == "qlora":
+        bound = nf4_bytes / 2 / MIB + 800
+        return (f"<= {bound:,.0f} MiB (NF4 folder / 2 + 800)",
+                ours["status"] == "ok" and largest <= bound)
     if case == "full":
         bound = 1.05 * 16 * numel / world_size / MIB + 450
         return (f"<= {bound:,.0f} MiB (1.05 x 16 B x P / W + 450)",
@@ -353,6 +389,9 @@ def main():
     if args.make_folder:
         make_folder(*args.make_folder)
         return 0
+    if args.make_nf4_folder:
+        make_nf4_folder(*args.make_nf4_folder)
+        return 0
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -367,7 +406,8 @@ def main():
         args.finetune = os.path.join(bin_dir, "examples", "llama", "finetune")
     os.makedirs(args.cache, exist_ok=True)
     machine_words = machine()
-    settings = (f"W = {args.world_size} on the CPU (Gloo), fp32, one intra-op thread per rank; "
+    settings = (f"W = {args.world_size} on the CPU (Gloo), one intra-op thread per rank; fp32 "
+                f"folders trained in fp32, bf16 folders with bf16 compute; "
                 f"{args.steps} steps of a global batch of {args.batch_size} windows of "
                 f"{args.context} tokens, AdamW (weight decay 0, no warm-up, cosine to lr / 10), "
                 f"seed {args.seed}; tokens/s over steps 2-{args.steps}.")
@@ -376,21 +416,25 @@ def main():
     rows = []
     losses_ok = True
     for case in cases:
-        model, lora_rank, limited, lr = CASES[case]
-        folder = prepare(args, model)
+        model, lora_rank, limited, lr, dtype, quantize = CASES[case]
+        folder = prepare(args, model, dtype)
         folder_bytes, numel = folder_stats(folder)
+        nf4_bytes = folder_stats(prepare(args, model, dtype, nf4=True))[0] if quantize == "nf4" else 0
         limit = args.limit_mib * MIB if limited else args.memory_max
-        print(f"{case}: {model} ({numel:,} parameters, folder {folder_bytes / MIB:,.0f} MiB), "
+        print(f"{case}: {model} ({numel:,} parameters, {dtype} folder "
+              f"{folder_bytes / MIB:,.0f} MiB"
+              f"{', NF4 folder %.0f MiB' % (nf4_bytes / MIB) if nf4_bytes else ''}), "
               f"{'LoRA rank %d' % lora_rank if lora_rank else 'full'}"
+              f"{', NF4 base' if quantize == 'nf4' else ''}"
               f"{', memory limit %d MiB per rank' % (limit // MIB) if limit else ''}", flush=True)
-        ours = run_side(args, "ours", case, folder, tokens, lora_rank, lr, limit)
-        peer = run_side(args, "peer", case, folder, tokens, lora_rank, lr, limit)
+        ours = run_side(args, "ours", case, folder, tokens, lora_rank, lr, limit, quantize)
+        peer = run_side(args, "peer", case, folder, tokens, lora_rank, lr, limit, quantize)
         for r in (ours, peer):
             print(f"  {r['side']}: {r['status']}, tokens/s {fmt(r['tokens_per_s'], '.2f')}, "
                   f"peak RSS "
                   f"{[round(p) for p in r['peaks']]} MiB, wall {r['wall']:.0f} s, losses "
                   f"{r['losses']} (logs: {r['log']})", flush=True)
-        what, met = goal(case, folder_bytes, numel, args.world_size, limit, ours, peer)
+        what, met = goal(case, folder_bytes, numel, args.world_size, limit, ours, peer, nf4_bytes)
         ratio = ("%.2f" % (ours["tokens_per_s"] / peer["tokens_per_s"])
                  if ours["tokens_per_s"] and peer["tokens_per_s"] else "-")
         rows.append(dict(case=case, result=ours, ratio=ratio, goal=what,

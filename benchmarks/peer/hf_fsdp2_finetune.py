@@ -7,7 +7,15 @@ of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
 (torchrun sets the variables too.) What it does, as a careful PyTorch user would:
 - AutoModelForCausalLM.from_config(HF_DIR/config.json) under `torch.device("meta")` (no
   memory), then with --lora_rank PEFT's get_peft_model (LoraConfig r, alpha, dropout and
-  target modules as the trainer's flags; q_proj,v_proj by default), still on meta.
+  target modules as the trainer's flags; q_proj,v_proj by default), still on meta. A
+  16-bit folder (config dtype bfloat16 or float16) is trained as the trainer's
+  --mixed_precision=auto does: bf16 compute (MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)), the master weights fp32, except a LoRA run's frozen base, which
+  stays in the folder's dtype (the adapters fp32: PEFT's autocast_adapter_dtype).
+- With --quantize=nf4 (QLoRA): every rank loads the whole folder with from_pretrained and
+  BitsAndBytesConfig (NF4, double quantization, bf16 compute, bf16 quant storage: the
+  storage FSDP needs, since the default uint8 storage cannot be sharded as a parameter),
+  which quantizes each Linear but lm_head as it loads; then PEFT's adapters (drawn as below).
 - fully_shard (FSDP2, Gloo, a 1-D mesh of W ranks) on every decoder layer, then on the root.
 - to_empty(device="cpu"), then each rank reads only its rows of each weight from the
   folder's safetensors (safe_open + get_slice of the rows torch.chunk gives rank r, which
@@ -60,7 +68,16 @@ def parse_args():
     p.add_argument("--lora_alpha", type=float, default=16)
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--lora_target_modules", default="q_proj,v_proj")
+    p.add_argument("--quantize", default="none", choices=["none", "nf4"])
     return p.parse_args()
+
+
+def folder_dtype(folder):
+    """The folder's 16-bit dtype from its config.json, or None (fp32)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    name = config.get("dtype", config.get("torch_dtype"))
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
 
 
 def learning_rate(step, peak, warmup, steps):
@@ -72,11 +89,23 @@ def learning_rate(step, peak, warmup, steps):
 
 
 def build(args):
-    """The model on meta, LoRA adapters added, every decoder layer and the root fully_shard."""
+    """The model on meta (or, QLoRA, loaded and quantized), LoRA adapters added, every
+    decoder layer and the root fully_shard."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(args.folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    sixteen = folder_dtype(args.folder)
+    base = sixteen if sixteen is not None and args.lora_rank > 0 else torch.float32
+    if args.quantize == "nf4":
+        from transformers import BitsAndBytesConfig
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(
+            args.folder, quantization_config=quantization, dtype=base, device_map="cpu")
+    else:
+        config = AutoConfig.from_pretrained(args.folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=base)
     decoder_layers = list(model.model.layers)
     if args.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
@@ -84,9 +113,11 @@ def build(args):
             r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
             target_modules=args.lora_target_modules.split(","), bias="none"))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if sixteen is not None else MixedPrecisionPolicy()
     for layer in decoder_layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model, len(decoder_layers)
 
 
@@ -105,8 +136,11 @@ def rows_of(rank, world_size, rows):
 
 @torch.no_grad()
 def materialise(model, args):
-    """to_empty, then fill every local shard: weights from the folder, adapters as PEFT."""
-    model.to_empty(device="cpu")
+    """to_empty, then fill every local shard: weights from the folder, adapters as PEFT.
+    QLoRA: the base is loaded already; only the adapters are drawn."""
+    quantized = args.quantize == "nf4"
+    if not quantized:
+        model.to_empty(device="cpu")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     index = os.path.join(args.folder, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -128,12 +162,15 @@ def materialise(model, args):
                 full.zero_()
             local.copy_(full[begin:end])
             continue
+        if quantized:
+            continue
         # Opened per tensor: the file's mapping (whose touched pages count in the resident
         # set) is dropped after each copy instead of growing to this rank's share of it.
         key = checkpoint_key(name)
         with safe_open(os.path.join(args.folder, weight_map[key]), "pt") as f:
             local.copy_(f.get_slice(key)[begin:end])
-    for module in model.modules():  # non-persistent buffers: to_empty left garbage there
+    for module in model.modules() if not quantized else []:
+        # non-persistent buffers: to_empty left garbage there
         if type(module).__name__.endswith("RotaryEmbedding"):
             fresh = type(module)(module.config)
             for buffer_name, value in fresh.named_buffers():

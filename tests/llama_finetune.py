@@ -167,8 +167,8 @@ def peft_merge(base, adapter, merged):
 
 
 def qlora(base, adapter, merged):
-    """fsdp's QLoRA run (--quantize=nf4 over `base`, or over its bitsandbytes 4-bit folder):
-    every layer projection of OUT/hf is bitsandbytes' NF4 of the base weight (quantize_4bit with double quantization, dequantized in fp32), plus the
+    """fsdp's --quantize=nf4 run: every layer projection of OUT/hf is bitsandbytes' NF4 of
+    the base weight (quantize_4bit with double quantization, dequantized in fp32), plus the
     adapter's update where there is one, rounded once to the folder's dtype; every other
     tensor is the base's, bit for bit."""
     from bitsandbytes import functional as F

@@ -55,10 +55,9 @@ grep -q "QLoRA: 14 projections in NF4" "$dir/bf16_qlora.log"
 "$python" "$script" qlora "$dir" "$dir/model_bf16" "$dir/bf16_qlora/adapter" "$dir/bf16_qlora/hf"
 # A bitsandbytes 4-bit folder (transformers' save_pretrained after loading a bf16 Llama with
 # BitsAndBytesConfig(load_in_4bit=True, nf4, double quantization, bf16 compute)) is read as
-# it is stored. Its projections hold the bytes --quantize=nf4 makes of the bf16 folder's, so
-# LoRA over either has the same memory plan (the NF4 bytes counted) and losses, and OUT/hf's
-# projections are bitsandbytes' NF4 of the bf16 weights plus the update, bit for bit; the
-# eval losses are transformers + bitsandbytes' on the 4-bit folder (PEFT with OUT/adapter
+# it is stored. Its projections hold the bytes --quantize=nf4 makes of the bf16 folder's
+# (bitsandbytes' NF4, as above), so LoRA over either has the same memory plan (the NF4 bytes
+# counted), losses, adapter and OUT/hf, bit for bit; the eval losses are transformers + bitsandbytes' on the 4-bit folder (PEFT with OUT/adapter
 # over it after training) within 1e-4, and OUT/hf (bf16, no quantization_config) loads in
 # transformers close to PEFT's. --quantize=nf4 changes nothing there; --lora_rank=0 is refused.
 "$python" "$script" bnb4 "$dir" "$dir/model_bf16_h64" "$dir/model_bnb4"
@@ -75,7 +74,8 @@ plan_of() { grep -o "memory plan: parameters [0-9.]* [KMG]*i*B" "$1"; }
   [ "$(plan_of "$dir/bnb4.log")" = "$(plan_of "$dir/bnb4_quantized.log")" ] || {
   echo "FAIL: plans: $(plan_of "$dir/bnb4.log") / $(plan_of "$dir/bnb4_quantized.log")"; exit 1; }
 diff <(cut -d, -f1-3 "$dir/bnb4_quantized/metrics.csv") <(cut -d, -f1-3 "$dir/bnb4/metrics.csv")
-"$python" "$script" qlora "$dir" "$dir/model_bf16_h64" "$dir/bnb4/adapter" "$dir/bnb4/hf"
+"$python" "$script" same "$dir" "$dir/bnb4_quantized/adapter" "$dir/bnb4/adapter"
+"$python" "$script" same "$dir" "$dir/bnb4_quantized/hf" "$dir/bnb4/hf"
 "$python" "$script" bnb4_peft "$dir" "$dir/model_bnb4" "$dir/bnb4/adapter" "$dir/bnb4/hf" \
     "$dir/eval_short.bin" 32 "$dir/bnb4.log"
 "$finetune" "${bnb4[@]}" --from="$dir/model_bnb4" --quantize=nf4 --steps=0 \

@@ -379,8 +379,8 @@ std::vector<std::string> store_hf_nf4_weights(torch::nn::Module& model, const st
 
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
   const std::optional<DecoderConfig> config = folder_config(dir);
-  const ExpertNames names =
-      expert_names(config);  // See Note [Experts one by one in the checkpoint]
+  // See Note [Experts one by one in the checkpoint].
+  const ExpertNames names = expert_names(config);
   const SafetensorsRename rename = rename_of(names);
   const auto name_of = [rename](const std::string& fqn) { return rename ? rename(fqn) : fqn; };
   // See Note [NF4 base weights in an HF folder]: the last weight quantized, by source name.
@@ -407,15 +407,14 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
     if (!entry) return c10::nullopt;
     const std::string weight = name_of(entry->first + ".weight");
     if (const auto offset = stored.find(entry->first); offset != stored.end()) {
-      const auto as_bytes = [](const at::Tensor& value) {
-        return value.contiguous().view(at::kByte);
-      };
-      if (entry->second == "weight_nested_absmax")
-        return SafetensorsDerived{weight + ".nested_absmax", as_bytes};
-      if (entry->second == "weight_nested_quant_map")
-        return SafetensorsDerived{weight + ".nested_quant_map", as_bytes};
+      if (entry->second == "weight_nested_absmax" || entry->second == "weight_nested_quant_map") {
+        // weight.nested_absmax, weight.nested_quant_map: float32 values taken as their bytes.
+        return SafetensorsDerived{
+            weight + "." + entry->second.substr(7),
+            [](const at::Tensor& value) { return value.contiguous().view(at::kByte); }};
+      }
       if (entry->second == "weight_nested_offset") {
-        // Read when the module was checked.
+        // The quant_state's nested_offset, read when the weight was checked.
         return SafetensorsDerived{weight + kQuantState + "nf4",
                                   [value = offset->second](const at::Tensor&) {
                                     return at::tensor({value}).view(at::kByte);
@@ -423,10 +422,9 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
       }
       return c10::nullopt;  // the codes and the absmax bytes: read by range (split, rename)
     }
-    const std::string source = weight;
-    return SafetensorsDerived{source, [=](const at::Tensor& value) {
-                                if (quantized->first != source) {
-                                  quantized->first = source;
+    return SafetensorsDerived{weight, [=](const at::Tensor& value) {
+                                if (quantized->first != weight) {
+                                  quantized->first = weight;
                                   quantized->second = lora::StateDict();
                                   for (auto& [name, t] : lora::nf4_weight_entries(value)) {
                                     quantized->second.insert(name, t);

@@ -604,11 +604,11 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
 // product, and again in backward (fsdp/core/stored_weight.h). OUT/adapter is PEFT's adapter
 // over the same base folder; OUT/hf holds base (dequantized) + update in the folder's dtype.
 // A bitsandbytes 4-bit folder (config.json's quantization_config) is read as it is stored:
-// the projections it holds in NF4 are those held in NF4 (models::store_hf_nf4_weights), their
-// bytes read as they are, the others stay in the folder's dtype; --quantize=nf4 changes
-// nothing there (the folder is quantized already), and without --lora_rank the run is
-// refused (4-bit weights cannot be trained). OUT/hf is then written in the dtype the weights
-// dequantize to, without the quantization_config.
+// exactly the projections it holds in NF4 are held in NF4 (models::store_hf_nf4_weights), with
+// the folder's bytes; the others stay in the folder's dtype. --quantize=nf4 changes nothing
+// there (the folder is quantized already), and without --lora_rank the run is refused (4-bit
+// weights cannot be trained). OUT/hf is then written in the dtype the weights dequantize to,
+// without the quantization_config.
 // The number of projections stored in NF4 (see the Note above).
 int64_t store_projections_nf4(CausalLMImpl& net) {
   int64_t stored = 0;

@@ -5,7 +5,9 @@
 # for a bfloat16 folder with tied embeddings, which then trains with bf16 compute over fp32
 # master weights and is written back in bf16, and trains LoRA over its bf16 base); 20 steps of
 # full fine-tuning lower the eval loss, and the folder it writes loads in transformers'
-# from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's.
+# from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's. QLoRA
+# (--quantize=nf4) matches bitsandbytes' NF4, and a bitsandbytes 4-bit folder made by
+# transformers trains with LoRA as it is stored (against transformers + bitsandbytes + PEFT).
 #   llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON
 set -euo pipefail
 finetune=${1:?usage: llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON}
@@ -57,9 +59,10 @@ grep -q "QLoRA: 14 projections in NF4" "$dir/bf16_qlora.log"
 # BitsAndBytesConfig(load_in_4bit=True, nf4, double quantization, bf16 compute)) is read as
 # it is stored. Its projections hold the bytes --quantize=nf4 makes of the bf16 folder's
 # (bitsandbytes' NF4, as above), so LoRA over either has the same memory plan (the NF4 bytes
-# counted), losses, adapter and OUT/hf, bit for bit; the eval losses are transformers + bitsandbytes' on the 4-bit folder (PEFT with OUT/adapter
-# over it after training) within 1e-4, and OUT/hf (bf16, no quantization_config) loads in
-# transformers close to PEFT's. --quantize=nf4 changes nothing there; --lora_rank=0 is refused.
+# counted), losses, adapter and OUT/hf, bit for bit; the eval losses are transformers +
+# bitsandbytes' on the 4-bit folder (PEFT with OUT/adapter over it after training) within
+# 1e-4, and OUT/hf (bf16, no quantization_config) loads in transformers close to PEFT's.
+# --quantize=nf4 changes nothing there; --lora_rank=0 is refused.
 "$python" "$script" bnb4 "$dir" "$dir/model_bf16_h64" "$dir/model_bnb4"
 head -c 2178 "$dir/eval.bin" > "$dir/eval_short.bin"  # 33 windows of 33 tokens
 bnb4=(--data="$dir/train.bin" --world_size=3 --context=32 --batch_size=3 --max_shard_size=30KB

@@ -74,9 +74,6 @@ const Family& family_of(const ConfigFields& fields, const std::string& model_typ
 // Refuses fields of architectures the decoder does not build, whatever the family (the
 // experts fields in the dense families).
 void refuse_other_architectures(const ConfigFields& fields, const Family& family) {
-  fields.refuse("quantization_config",
-                "quantised weights (FP8, GPTQ, AWQ, bitsandbytes, ...) are not implemented; "
-                "fsdp's decoder trains float32, bfloat16 or float16 weights");
   fields.refuse("text_config", "a multimodal folder; fsdp's decoder builds text models only");
   fields.refuse("vision_config", "a multimodal folder; fsdp's decoder builds text models only");
   for (const char* experts : {"num_local_experts", "num_experts", "n_routed_experts"}) {
@@ -90,6 +87,49 @@ void refuse_other_architectures(const ConfigFields& fields, const Family& family
   }
   fields.require("use_bidirectional_attention", false,
                  "fsdp's decoder is causal (use_bidirectional_attention false)");
+}
+
+// Note [A bitsandbytes 4-bit folder's quantization_config]
+// A folder transformers saved after loading a model with BitsAndBytesConfig(load_in_4bit=True,
+// bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True) holds its quantized weights in
+// the layout of fsdp's NF4 base (models/hf_checkpoint.h), which is read as it is. Every
+// other quantization is refused by name: other quant_methods, 8-bit weights, FP4, NF4
+// without double quantization, codes stored in another dtype than uint8. A field left out
+// takes transformers' default (load_in_4bit false, bnb_4bit_quant_type "fp4", ...). The
+// compute dtype must be the folder's dtype: fsdp computes in the dtype the weights
+// dequantize to, and the field changes no stored byte. Which modules are quantized is the
+// folder's tensors' to say (llm_int8_skip_modules is not read); the 8-bit and loading
+// options (llm_int8_threshold, llm_int8_has_fp16_weight, ...) do not apply to a 4-bit folder.
+void read_quantization_config(const ConfigFields& fields, DecoderConfig& config) {
+  const json* object = fields.object("quantization_config");
+  if (object == nullptr) return;
+  static const std::string kNf4 =
+      "fsdp reads bitsandbytes' 4-bit NF4 with double quantization (load_in_4bit true, "
+      "bnb_4bit_quant_type \"nf4\", bnb_4bit_use_double_quant true)";
+  const ConfigFields quantization(*object, fields.source(), "quantization_config.");
+  TORCH_CHECK(quantization.string("quant_method", "") == "bitsandbytes", fields.source(),
+              ": \"quantization_config\" = ", object->dump(),
+              " is not supported: quantised weights other than bitsandbytes' (FP8, GPTQ, AWQ, "
+              "...) are not implemented; ",
+              kNf4);
+  const auto expect = [&](const char* name, const json& fallback, const json& supported,
+                          const std::string& why) {
+    const json* found = quantization.find(name);
+    const json& value = found == nullptr ? fallback : *found;
+    TORCH_CHECK(value == supported, fields.source(), ": \"quantization_config.", name,
+                "\" = ", value.dump(), found == nullptr ? " (transformers' default)" : "",
+                " is not supported: ", why);
+  };
+  expect("load_in_8bit", false, false, "8-bit weights (LLM.int8) are not implemented; " + kNf4);
+  expect("load_in_4bit", false, true, kNf4);
+  expect("bnb_4bit_quant_type", "fp4", "nf4", kNf4);
+  expect("bnb_4bit_use_double_quant", false, true, kNf4);
+  expect("bnb_4bit_quant_storage", "uint8", "uint8",
+         "fsdp reads the 4-bit codes packed two to a byte (uint8)");
+  expect("bnb_4bit_compute_dtype", "float32", config.dtype,
+         "fsdp computes in the dtype the weights dequantize to, the folder's \"dtype\" \"" +
+             config.dtype + "\"; set it to that in config.json (it changes no stored byte)");
+  config.load_in_4bit = true;
 }
 
 }  // namespace
@@ -106,6 +146,7 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   const Family& family = family_of(fields, config.model_type);
   refuse_other_architectures(fields, family);
   family.read(fields, config);
+  read_quantization_config(fields, config);  // after the family's: it needs the dtype
   return config;
 }
 

@@ -56,8 +56,9 @@
 // experts fields (num_local_experts, num_experts) in a dense family, n_routed_experts,
 // sliding windows in the MoE families, OLMoE's clip_qkv, Mixtral's router_jitter_noise,
 // linear-attention layer types,
-// rope types such as "dynamic", quantised weights (quantization_config), another
-// activation, attention dropout, ...
+// rope types such as "dynamic", quantised weights other than bitsandbytes' 4-bit NF4 with
+// double quantization (quantization_config; see load_in_4bit), another activation,
+// attention dropout, ...
 #ifndef FSDP_MODELS_CONFIG_H_
 #define FSDP_MODELS_CONFIG_H_
 
@@ -123,6 +124,12 @@ struct DecoderConfig {
   // as transformers' nn.Embedding(vocab, hidden, pad_token_id).
   int64_t pad_token_id = -1;
   std::string dtype = "float32";  // "dtype" (or 4.x's "torch_dtype"): the weights' dtype
+  // quantization_config: bitsandbytes' 4-bit NF4 with double quantization (transformers'
+  // BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+  // bnb_4bit_use_double_quant=True), bnb_4bit_compute_dtype the dtype above). The folder
+  // holds some projections' weights so (hf_checkpoint.h: store_hf_nf4_weights), frozen:
+  // they train only through LoRA.
+  bool load_in_4bit = false;
 
   bool qkv_bias = false;  // q/k/v_proj have biases (qwen2; attention_bias elsewhere)
   bool o_bias = false;    // o_proj has a bias (attention_bias; never for qwen2)

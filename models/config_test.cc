@@ -110,10 +110,6 @@ TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
   EXPECT_EQ(error_of(config_json(R"(, "vision_config": {"hidden_size": 8})")),
             "cfg.json: \"vision_config\" = {\"hidden_size\":8} is not supported: a multimodal "
             "folder; fsdp's decoder builds text models only");
-  EXPECT_EQ(error_of(config_json(R"(, "quantization_config": {"quant_method": "fp8"})")),
-            "cfg.json: \"quantization_config\" = {\"quant_method\":\"fp8\"} is not supported: "
-            "quantised weights (FP8, GPTQ, AWQ, bitsandbytes, ...) are not implemented; fsdp's "
-            "decoder trains float32, bfloat16 or float16 weights");
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "qwen3", "layer_types":
                                     ["full_attention", "linear_attention"])")),
             "cfg.json: \"layer_types\"[1] = \"linear_attention\" is not supported: fsdp's "
@@ -139,6 +135,57 @@ TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
 }
 
 // The per-family options, in transformers 5.x spellings and the 4.x ones (hand-written).
+// quantization_config as transformers 5.23 saves BitsAndBytesConfig(load_in_4bit=True,
+// bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+// bnb_4bit_compute_dtype=torch.bfloat16), with `change` merged into it.
+std::string bnb_4bit_json(const std::string& change = "") {
+  return config_json(R"(, "quantization_config": {"_load_in_4bit": true, "_load_in_8bit": false,
+    "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+    "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true,
+    "llm_int8_enable_fp32_cpu_offload": false, "llm_int8_has_fp16_weight": false,
+    "llm_int8_skip_modules": null, "llm_int8_threshold": 6.0, "load_in_4bit": true,
+    "load_in_8bit": false, "quant_method": "bitsandbytes")" +
+                     change + "}");
+}
+
+TEST(DecoderConfigTest, Bitsandbytes4BitNf4IsReadOtherQuantizationRefusedByName) {
+  EXPECT_FALSE(parse_decoder_config(config_json(), "cfg.json").load_in_4bit);
+  EXPECT_TRUE(parse_decoder_config(bnb_4bit_json(), "cfg.json").load_in_4bit);
+  const std::string nf4 =
+      " is not supported: fsdp reads bitsandbytes' 4-bit NF4 with double quantization "
+      "(load_in_4bit true, bnb_4bit_quant_type \"nf4\", bnb_4bit_use_double_quant true)";
+  EXPECT_EQ(error_of(config_json(R"(, "quantization_config": {"quant_method": "fp8"})")),
+            "cfg.json: \"quantization_config\" = {\"quant_method\":\"fp8\"} is not supported: "
+            "quantised weights other than bitsandbytes' (FP8, GPTQ, AWQ, ...) are not "
+            "implemented; fsdp reads bitsandbytes' 4-bit NF4 with double quantization "
+            "(load_in_4bit true, bnb_4bit_quant_type \"nf4\", bnb_4bit_use_double_quant true)");
+  EXPECT_EQ(
+      error_of(config_json(R"(, "quantization_config": {"quant_method": "gptq", "bits": 4})")),
+      "cfg.json: \"quantization_config\" = {\"bits\":4,\"quant_method\":\"gptq\"} is not "
+      "supported: quantised weights other than bitsandbytes' (FP8, GPTQ, AWQ, ...) are not "
+      "implemented; fsdp reads bitsandbytes' 4-bit NF4 with double quantization "
+      "(load_in_4bit true, bnb_4bit_quant_type \"nf4\", bnb_4bit_use_double_quant true)");
+  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "load_in_4bit": false, "load_in_8bit": true)")),
+            "cfg.json: \"quantization_config.load_in_8bit\" = true is not supported: 8-bit "
+            "weights (LLM.int8) are not implemented; fsdp reads bitsandbytes' 4-bit NF4 with "
+            "double quantization (load_in_4bit true, bnb_4bit_quant_type \"nf4\", "
+            "bnb_4bit_use_double_quant true)");
+  EXPECT_EQ(error_of(config_json(R"(, "quantization_config": {"quant_method": "bitsandbytes"})")),
+            "cfg.json: \"quantization_config.load_in_4bit\" = false (transformers' default)" + nf4);
+  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_quant_type": "fp4")")),
+            "cfg.json: \"quantization_config.bnb_4bit_quant_type\" = \"fp4\"" + nf4);
+  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_use_double_quant": false)")),
+            "cfg.json: \"quantization_config.bnb_4bit_use_double_quant\" = false" + nf4);
+  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_quant_storage": "bfloat16")")),
+            "cfg.json: \"quantization_config.bnb_4bit_quant_storage\" = \"bfloat16\" is not "
+            "supported: fsdp reads the 4-bit codes packed two to a byte (uint8)");
+  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_compute_dtype": null)")),
+            "cfg.json: \"quantization_config.bnb_4bit_compute_dtype\" = \"float32\" "
+            "(transformers' default) is not supported: fsdp computes in the dtype the weights "
+            "dequantize to, the folder's \"dtype\" \"bfloat16\"; set it to that in config.json "
+            "(it changes no stored byte)");
+}
+
 TEST(DecoderConfigTest, Llama3AndYarnRope) {
   DecoderConfig c = parse_decoder_config(
       config_json(R"(, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,

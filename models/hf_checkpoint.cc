@@ -1,18 +1,27 @@
 #include "models/hf_checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
+#include "fsdp/base/names.h"
+#include "fsdp/formats/atomic_file.h"
+#include "fsdp/formats/json.h"
+#include "fsdp/formats/nf4.h"
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/lora/adapter_file.h"
 #include "fsdp/state/safetensors_state_dict.h"
@@ -21,14 +30,23 @@
 namespace fsdp::models {
 namespace {
 
-// The files of an HF folder that describe the model besides its weights.
+// The files of an HF folder that describe the model besides its weights. A config.json with
+// a quantization_config is written without it (the weights are written dequantized: Note [A
+// bitsandbytes 4-bit folder]), as transformers writes a config (indent 2, sorted keys).
 void copy_model_files(const std::string& from_dir, const std::string& out_dir) {
   for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
                            "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
     const std::filesystem::path from = std::filesystem::path(from_dir) / name;
+    const std::filesystem::path to = std::filesystem::path(out_dir) / name;
     if (!std::filesystem::exists(from)) continue;
-    std::filesystem::copy_file(from, std::filesystem::path(out_dir) / name,
-                               std::filesystem::copy_options::overwrite_existing);
+    if (std::string(name) == "config.json") {
+      nlohmann::json config = read_json_file(from.string(), "config.json", "");
+      if (config.is_object() && config.erase("quantization_config") > 0) {
+        write_file_atomically(to.string(), config.dump(2) + "\n");
+        continue;
+      }
+    }
+    std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing);
   }
 }
 
@@ -60,11 +78,16 @@ struct ExpertNames {
   std::string block = "mlp", gate = "gate_proj", up = "up_proj", down = "down_proj";
 };
 
-// The names of `dir`'s experts (from its config.json; Qwen's when it has none).
-ExpertNames expert_names(const std::string& dir) {
+// The decoder's config of `dir` (its config.json), if it has one.
+std::optional<DecoderConfig> folder_config(const std::string& dir) {
   const std::filesystem::path config = std::filesystem::path(dir) / "config.json";
-  if (!std::filesystem::exists(config)) return {};
-  if (!load_decoder_config(config.string()).block_sparse_moe_names) return {};
+  if (!std::filesystem::exists(config)) return std::nullopt;
+  return load_decoder_config(config.string());
+}
+
+// The names of the experts of a folder of `config` (Qwen's when it has none).
+ExpertNames expert_names(const std::optional<DecoderConfig>& config) {
+  if (!config || !config->block_sparse_moe_names) return {};
   return {"block_sparse_moe", "w1", "w3", "w2"};
 }
 
@@ -131,15 +154,68 @@ std::optional<std::pair<std::string, std::string>> nf4_entry(
   return std::make_pair(fqn.substr(0, dot), name);
 }
 
-}  // namespace
+// Note [A bitsandbytes 4-bit folder]
+// transformers' save_pretrained of a model loaded with BitsAndBytesConfig(load_in_4bit=True,
+// bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True) (the Hub's "*-bnb-4bit"
+// folders) holds six tensors for each Linear it quantized, where a float folder holds
+// "<module>.weight" [out, in] (n = out x in elements, blocks = ceil(n / 64)):
+//   <module>.weight                                uint8 [ceil(n / 2), 1]: the 4-bit codes
+//   <module>.weight.absmax                         uint8 [blocks]: each block's absmax, 8 bits
+//   <module>.weight.nested_absmax                  float32 [ceil(blocks / 256)]
+//   <module>.weight.nested_quant_map               float32 [256]: the absmax bytes' values
+//   <module>.weight.quant_map                      float32 [16]: the NF4 code table
+//   <module>.weight.quant_state.bitsandbytes__nf4  uint8: the JSON of the rest (quant_type,
+//       blocksize, dtype, shape, nested_blocksize, nested_dtype, nested_offset)
+// Those are the parameters of fsdp's NF4 base (lora::LoraLinearImpl::store_weight_nf4), read
+// as they are, no float copy of the 4-bit bytes ever made: the codes and the absmax bytes by
+// each rank for its shards only (a one-piece SafetensorsSplit, a rename); nested_absmax and
+// nested_quant_map whole (a few bytes: LoadSafetensorsOptions::derive), their float32
+// values taken as their bytes (Note [NF4 scales as bytes] in fsdp/lora/lora.cc);
+// weight_nested_offset from the JSON's nested_offset (a float32 written as a decimal that
+// reads back exactly). The quant_map feeds no parameter (LoadSafetensorsOptions::unread):
+// it must be fsdp's NF4 table. Which modules are quantized is the folder's to say (a weight
+// with a quant_state beside it): lm_head never is, and some folders (unsloth's "dynamic"
+// ones) leave some layers' projections in the folder's dtype. Every quantized module is
+// checked before any weight is read (check_nf4_weight): the JSON against fsdp's NF4 (so
+// FP4, another blocksize or no double quantization is refused by name rather than by a size
+// mismatch later) and against the module's shape and the folder's dtype, then each
+// tensor's dtype and shape, then the quant_map's values. Writing, the weights are written
+// dequantized, as any NF4 base's (Note [NF4 base weights in an HF folder]), and config.json
+// without its quantization_config.
+constexpr char kQuantState[] = ".quant_state.bitsandbytes__";  // after the weight's name
+// The most bytes of a quant_state's JSON (transformers writes about 170).
+constexpr int64_t kMaxQuantStateBytes = 4096;
+constexpr char kNf4Folder[] =
+    "fsdp reads bitsandbytes' 4-bit NF4 with double quantization (blocksize 64, "
+    "nested_blocksize 256), as transformers saves a model loaded with "
+    "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", "
+    "bnb_4bit_use_double_quant=True)";
 
-at::ScalarType hf_weights_dtype(const std::string& dir) {
-  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
+// The weights `checkpoint` holds in bitsandbytes' 4-bit layout, by their names there, with
+// the quant type their quant_state's name gives ("nf4", "fp4").
+std::map<std::string, std::string> bnb_4bit_weights(const SafetensorsCheckpoint& checkpoint) {
+  std::map<std::string, std::string> weights;
+  for (const std::string& name : checkpoint.names()) {
+    const size_t at = name.find(kQuantState);
+    if (at != std::string::npos) {
+      weights.emplace(name.substr(0, at), name.substr(at + sizeof(kQuantState) - 1));
+    }
+  }
+  return weights;
+}
+
+// hf_weights_dtype of an opened folder.
+at::ScalarType weights_dtype(const SafetensorsCheckpoint& checkpoint, const std::string& dir) {
+  const auto quantized = bnb_4bit_weights(checkpoint);
   std::string first;
   at::ScalarType dtype = at::kFloat;
   for (const std::string& name : checkpoint.names()) {
     const at::ScalarType found = checkpoint.info(name).dtype;
-    if (!c10::isFloatingType(found)) continue;
+    const size_t state = name.find(".weight.");  // "<module>.weight.absmax", ...
+    if (!c10::isFloatingType(found) ||
+        (state != std::string::npos && quantized.count(name.substr(0, state + 7)))) {
+      continue;
+    }
     if (first.empty()) {
       first = name;
       dtype = found;
@@ -150,21 +226,205 @@ at::ScalarType hf_weights_dtype(const std::string& dir) {
   return dtype;
 }
 
+// "'NAME' in 'FILE'", for errors.
+std::string tensor_in(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
+  return "'" + name + "' in '" + checkpoint.file_of(name).path() + "'";
+}
+
+std::string spec_string(at::ScalarType dtype, const std::vector<int64_t>& shape) {
+  return safetensors_dtype_name(dtype) + " [" + absl::StrJoin(shape, ", ") + "]";
+}
+
+// The nested_offset of a quant_state (`bytes`: the JSON bitsandbytes' QuantState.as_dict(
+// packed=True) writes; `where` names it in errors), after checking that it describes fsdp's
+// NF4 of a weight of `shape` dequantizing to `dtype`.
+float nf4_nested_offset(const at::Tensor& bytes, const std::string& where,
+                        const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  const at::Tensor text = bytes.contiguous();
+  const nlohmann::json state = parse_untrusted_json(
+      std::string_view(static_cast<const char*>(text.data_ptr()), text.numel()), where,
+      "expected the JSON of bitsandbytes' quant_state");
+  TORCH_CHECK(state.is_object(), where, ": expected a JSON object, found ", state.type_name());
+  const auto field = [&](const char* name) -> const nlohmann::json& {
+    const auto it = state.find(name);
+    TORCH_CHECK(it != state.end(), where, ": \"", name, "\" is missing; ", kNf4Folder);
+    return *it;
+  };
+  const auto expect = [&](const char* name, const nlohmann::json& supported) {
+    TORCH_CHECK(field(name) == supported, where, ": \"", name, "\" = ", field(name).dump(),
+                " is not supported: ", kNf4Folder);
+  };
+  expect("quant_type", "nf4");
+  expect("blocksize", 64);
+  TORCH_CHECK(state.contains("nested_blocksize"), where,
+              ": no \"nested_blocksize\": the weight is not double quantized "
+              "(bnb_4bit_use_double_quant=False); ",
+              kNf4Folder);
+  expect("nested_blocksize", 256);
+  expect("nested_dtype", "float32");
+  TORCH_CHECK(field("shape") == nlohmann::json(shape), where,
+              ": \"shape\" = ", field("shape").dump(), " but the model's weight is [",
+              absl::StrJoin(shape, ", "),
+              "] (out_features, in_features); is config.json the folder's own?");
+  static const std::map<std::string, at::ScalarType> kDtypes = {
+      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16}, {"float16", at::kHalf}};
+  const nlohmann::json& dequantized = field("dtype");
+  const auto known =
+      dequantized.is_string() ? kDtypes.find(dequantized.get<std::string>()) : kDtypes.end();
+  TORCH_CHECK(known != kDtypes.end() && known->second == dtype, where,
+              ": \"dtype\" = ", dequantized.dump(), " but the folder's other floating tensors are ",
+              dtype, "; fsdp's decoder trains one dtype");
+  const nlohmann::json& offset = field("nested_offset");
+  TORCH_CHECK(offset.is_number() && std::isfinite(offset.get<double>()), where,
+              ": \"nested_offset\" = ", offset.dump(), ": expected a finite number");
+  return offset.get<float>();
+}
+
+// Checks the 4-bit weight `weight` (its name in `checkpoint`; `quant_type` from its
+// quant_state's name) against fsdp's NF4 of a weight of `shape` dequantizing to `dtype` (Note
+// [A bitsandbytes 4-bit folder]): the quant_state's JSON, every tensor's dtype and shape, the
+// quant_map's values. Reads the quant_state and the quant_map; returns the nested_offset.
+float check_nf4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& weight,
+                       const std::string& quant_type, const std::vector<int64_t>& shape,
+                       at::ScalarType dtype) {
+  const std::string state = weight + kQuantState + quant_type;
+  TORCH_CHECK(quant_type == "nf4", tensor_in(checkpoint, state),
+              ": the weight is stored in bitsandbytes' 4-bit \"", quant_type,
+              "\" (bnb_4bit_quant_type), not NF4; ", kNf4Folder);
+  const SafetensorsTensorInfo& info = checkpoint.info(state);
+  TORCH_CHECK(
+      info.dtype == at::kByte && info.shape.size() == 1 && info.numel() <= kMaxQuantStateBytes,
+      tensor_in(checkpoint, state), " is ", spec_string(info.dtype, info.shape),
+      "; expected U8 [at most ", kMaxQuantStateBytes, "]: the bytes of a JSON object");
+  const float offset =
+      nf4_nested_offset(checkpoint.read(state), tensor_in(checkpoint, state), shape, dtype);
+  const auto check = [&](const std::string& name, at::ScalarType want_dtype,
+                         const std::vector<int64_t>& want_shape, const std::string& what) {
+    TORCH_CHECK(checkpoint.contains(name), "'", name, "' (", what, ") is missing beside ",
+                tensor_in(checkpoint, state), "; ", kNf4Folder);
+    const SafetensorsTensorInfo& found = checkpoint.info(name);
+    TORCH_CHECK(found.dtype == want_dtype && found.shape == want_shape, tensor_in(checkpoint, name),
+                " is ", spec_string(found.dtype, found.shape), "; expected ",
+                spec_string(want_dtype, want_shape), " (", what, ")");
+  };
+  Nf4Tensor q;
+  q.shape = shape;
+  const std::string of = " of bitsandbytes' NF4 of a [" + absl::StrJoin(shape, ", ") + "] weight";
+  check(weight, at::kByte, {(q.numel() + 1) / 2, 1}, "the 4-bit codes, two a byte," + of);
+  check(weight + ".absmax", at::kByte, {q.blocks()}, "each block's absmax, 8 bits," + of);
+  check(weight + ".nested_absmax", at::kFloat,
+        {(q.blocks() + q.nested_blocksize - 1) / q.nested_blocksize},
+        "the absmax of each 256 absmax," + of);
+  check(weight + ".nested_quant_map", at::kFloat, {256}, "the absmax bytes' values," + of);
+  check(weight + ".quant_map", at::kFloat, {16}, "the NF4 code table");
+  TORCH_CHECK(at::equal(checkpoint.read(weight + ".quant_map"), nf4_code()),
+              tensor_in(checkpoint, weight + ".quant_map"),
+              " is not the NF4 code table (bitsandbytes' get_4bit_type(\"nf4\")), so the weight "
+              "would dequantize to other values; ",
+              kNf4Folder);
+  return offset;
+}
+
+// The modules of `candidates` (cleaned FQN -> weight shape [out, in]) whose weight
+// `checkpoint` (of `dir`, with names as `rename` gives them) holds in bitsandbytes' 4-bit
+// layout, each checked (check_nf4_weight): FQN -> its nested_offset. Throws naming a 4-bit
+// weight of the folder that is no candidate, saying that the model holds `missing`.
+std::map<std::string, float> bnb_nf4_modules_of(
+    const SafetensorsCheckpoint& checkpoint, const std::string& dir,
+    const std::map<std::string, std::vector<int64_t>>& candidates, const SafetensorsRename& rename,
+    const std::string& missing) {
+  std::map<std::string, std::string> quantized = bnb_4bit_weights(checkpoint);
+  const at::ScalarType dtype = weights_dtype(checkpoint, dir);
+  std::map<std::string, float> offsets;
+  for (const auto& [fqn, shape] : candidates) {
+    const auto it = quantized.find(rename ? rename(fqn + ".weight") : fqn + ".weight");
+    if (it == quantized.end()) continue;
+    offsets.emplace(fqn, check_nf4_weight(checkpoint, it->first, it->second, shape, dtype));
+    quantized.erase(it);
+  }
+  TORCH_CHECK(quantized.empty(), dir, ": '", quantized.begin()->first,
+              "' is stored in 4 bits (beside it: '", quantized.begin()->first, kQuantState,
+              quantized.begin()->second, "') but the model holds ", missing);
+  return offsets;
+}
+
+}  // namespace
+
+at::ScalarType hf_weights_dtype(const std::string& dir) {
+  return weights_dtype(SafetensorsCheckpoint::open(dir), dir);
+}
+
+std::vector<std::string> store_hf_nf4_weights(torch::nn::Module& model, const std::string& dir) {
+  std::map<std::string, lora::LoraLinearImpl*> layers;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (auto* layer = dynamic_cast<lora::LoraLinearImpl*>(item.value().get())) {
+      const std::string fqn = clean_tensor_name(item.key());
+      layers.emplace(fqn, layer);
+      shapes.emplace(
+          fqn, std::vector<int64_t>{layer->options.out_features(), layer->options.in_features()});
+    }
+  }
+  // See Note [A bitsandbytes 4-bit folder].
+  const auto stored = bnb_nf4_modules_of(
+      SafetensorsCheckpoint::open(dir), dir, shapes, rename_of(expert_names(folder_config(dir))),
+      "no LoraLinear of that name; is config.json the folder's own?");
+  std::vector<std::string> fqns;
+  for (const auto& item : stored) {
+    layers.at(item.first)->store_weight_nf4();
+    fqns.push_back(item.first);
+  }
+  return fqns;
+}
+
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
-  const ExpertNames names = expert_names(dir);  // See Note [Experts one by one in the checkpoint]
+  const std::optional<DecoderConfig> config = folder_config(dir);
+  // See Note [Experts one by one in the checkpoint].
+  const ExpertNames names = expert_names(config);
   const SafetensorsRename rename = rename_of(names);
+  const auto name_of = [rename](const std::string& fqn) { return rename ? rename(fqn) : fqn; };
   // See Note [NF4 base weights in an HF folder]: the last weight quantized, by source name.
   const auto modules = lora::nf4_modules(model.root_module());
   auto quantized = std::make_shared<std::pair<std::string, lora::StateDict>>();
+  // See Note [A bitsandbytes 4-bit folder]: the NF4 modules the folder holds so, read as
+  // they are (the others are quantized as they are read), and their quant_maps.
+  std::map<std::string, float> stored;
+  std::set<std::string> quant_maps;
+  if (!modules.empty() || (config && config->load_in_4bit)) {
+    stored = bnb_nf4_modules_of(SafetensorsCheckpoint::open(dir), dir, modules, rename,
+                                "no NF4 LoraLinear of that name to read it into; call "
+                                "fsdp::models::store_hf_nf4_weights(model, dir) on the model "
+                                "before wrapping it");
+    for (const auto& item : stored) quant_maps.insert(name_of(item.first + ".weight.quant_map"));
+  }
+  const auto stored_entry = [&](const std::string& fqn, const char* name) {
+    const auto entry = nf4_entry(modules, fqn);
+    return entry && entry->second == name && stored.count(entry->first) > 0;
+  };
   const SafetensorsDerive derive =
-      [&modules, rename, quantized](const std::string& fqn) -> c10::optional<SafetensorsDerived> {
+      [&](const std::string& fqn) -> c10::optional<SafetensorsDerived> {
     const auto entry = nf4_entry(modules, fqn);
     if (!entry) return c10::nullopt;
-    const std::string weight = entry->first + ".weight";
-    const std::string source = rename ? rename(weight) : weight;
-    return SafetensorsDerived{source, [=](const at::Tensor& value) {
-                                if (quantized->first != source) {
-                                  quantized->first = source;
+    const std::string weight = name_of(entry->first + ".weight");
+    if (const auto offset = stored.find(entry->first); offset != stored.end()) {
+      if (entry->second == "weight_nested_absmax" || entry->second == "weight_nested_quant_map") {
+        // weight.nested_absmax, weight.nested_quant_map: float32 values taken as their bytes.
+        return SafetensorsDerived{
+            weight + "." + entry->second.substr(7),
+            [](const at::Tensor& value) { return value.contiguous().view(at::kByte); }};
+      }
+      if (entry->second == "weight_nested_offset") {
+        // The quant_state's nested_offset, read when the weight was checked.
+        return SafetensorsDerived{weight + kQuantState + "nf4",
+                                  [value = offset->second](const at::Tensor&) {
+                                    return at::tensor({value}).view(at::kByte);
+                                  }};
+      }
+      return c10::nullopt;  // the codes and the absmax bytes: read by range (split, rename)
+    }
+    return SafetensorsDerived{weight, [=](const at::Tensor& value) {
+                                if (quantized->first != weight) {
+                                  quantized->first = weight;
                                   quantized->second = lora::StateDict();
                                   for (auto& [name, t] : lora::nf4_weight_entries(value)) {
                                     quantized->second.insert(name, t);
@@ -173,20 +433,30 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
                                 return quantized->second[entry->second];
                               }};
   };
-  load_safetensors(model, dir,
-                   LoadSafetensorsOptions()
-                       .skip(lora::is_adapter_key)
-                       .cast_floating(true)
-                       .rename(rename)
-                       .split(split_of(names))
-                       .derive(modules.empty() ? nullptr : derive));
+  const SafetensorsSplit experts = split_of(names);
+  load_safetensors(
+      model, dir,
+      LoadSafetensorsOptions()
+          .skip(lora::is_adapter_key)
+          .cast_floating(true)
+          .rename([&](const std::string& fqn) {
+            return stored_entry(fqn, "weight_absmax")
+                       ? name_of(fqn.substr(0, fqn.size() - 7) + ".absmax")  // less "_absmax"
+                       : name_of(fqn);
+          })
+          .split([&](const std::string& fqn, c10::IntArrayRef shape) {
+            if (!stored_entry(fqn, "weight")) return experts(fqn, shape);
+            return std::vector<SafetensorsPiece>{{name_of(fqn), {shape[0], 1}}};
+          })
+          .derive(modules.empty() ? nullptr : derive)
+          .unread([&quant_maps](const std::string& name) { return quant_maps.count(name) > 0; }));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size) {
   TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive, got ", max_shard_size);
   if (model.communicator().rank() == 0) prepare_hf_folder(from_dir, out_dir);
-  const ExpertNames names = expert_names(from_dir);
+  const ExpertNames names = expert_names(folder_config(from_dir));
   save_safetensors(model, out_dir,
                    SaveSafetensorsOptions()
                        .max_shard_size(max_shard_size)
@@ -210,6 +480,7 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
   const bool lead = model.communicator().rank() == 0;
   if (lead) prepare_hf_folder(from_dir, out_dir);
   lora::StateDict adapters;  // rank 0: copies, in module order
+  const ExpertNames names = expert_names(folder_config(from_dir));
   const auto modules =
       lora::nf4_modules(model.root_module());  // See Note [NF4 base weights in an HF folder]
   const auto merge = [&](const std::string& fqn, const at::Tensor& stored,
@@ -246,8 +517,8 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
             if (!nf4 || nf4->second != "weight") return c10::nullopt;
             return SafetensorsWrittenAs{modules.at(nf4->first), at::kFloat};
           })
-          .rename(rename_of(expert_names(from_dir)))
-          .split(split_of(expert_names(from_dir))));
+          .rename(rename_of(names))
+          .split(split_of(names)));
   if (lead) lora::save_adapter(adapters, config, adapter_dir);
 }
 

@@ -33,17 +33,41 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
 
 #include "fsdp/core/fully_sharded.h"
 #include "fsdp/lora/lora.h"
 
 namespace fsdp::models {
 
-// The dtype of the floating tensors of HF folder `dir` (headers only are read). Throws
-// naming two tensors when they differ.
+// The dtype of the floating tensors of HF folder `dir` (headers only are read), the
+// quantization state of a bitsandbytes 4-bit folder's weights (float32 whatever their dtype)
+// left out: the dtype its weights dequantize to. Throws naming two tensors when they differ.
 at::ScalarType hf_weights_dtype(const std::string& dir);
+
+// A folder transformers saved after loading a model in bitsandbytes' 4-bit NF4 with double
+// quantization (config.json's quantization_config: DecoderConfig::load_in_4bit; the Hub's
+// "*-bnb-4bit" folders) holds the weights of some Linears in the layout of fsdp's NF4 base
+// (Note [A bitsandbytes 4-bit folder] in hf_checkpoint.cc): those whose "<module>.weight" has
+// "<module>.weight.quant_state.bitsandbytes__nf4" beside it (never lm_head; some folders
+// leave some layers' projections unquantized). Stores the base weight of each such module of
+// `model` (built on the meta device, not wrapped yet) in NF4
+// (lora::LoraLinearImpl::store_weight_nf4), so that load_hf_weights reads the folder's bytes
+// into it as they are. Returns their cleaned FQNs, sorted; none for a folder of float weights.
+// Each module's quantization state is checked first (headers, the quant_state's JSON and the
+// quant_map are read): the JSON's quant_type "nf4", blocksize 64, nested_blocksize 256,
+// nested_dtype "float32", shape [out_features, in_features] of the module and dtype the
+// folder's (hf_weights_dtype), every tensor's dtype and shape against them, the quant_map
+// equal to the NF4 code table (fsdp/formats/nf4.h). PyTorch/transformers:
+// AutoModelForCausalLM.from_pretrained of such a folder (bitsandbytes' Linear4bit, its
+// Params4bit.from_prequantized). Errors: c10::Error naming the tensor, what it holds and
+// what was expected: FP4, no double quantization, another blocksize, a quant_state that is
+// not such JSON (or over 4096 bytes), a missing tensor or one of another dtype or shape, a
+// 4-bit weight the model holds no LoraLinear of that name for.
+std::vector<std::string> store_hf_nf4_weights(torch::nn::Module& model, const std::string& dir);
 
 // Loads the weights of HF folder `dir` (model.safetensors, or the shards of
 // model.safetensors.index.json) into `model`: each rank reads only the bytes of its own
@@ -53,9 +77,13 @@ at::ScalarType hf_weights_dtype(const std::string& dir);
 // adapters the model carries (fsdp::lora::apply_lora) are not looked for in the folder
 // and keep their values. A LoraLinear holding its base in NF4
 // (fsdp::lora::LoraLinearImpl::store_weight_nf4, on the meta device) gets the NF4 bytes of
-// the folder's weight: each rank reads that weight whole, one at a time, quantizes it as
+// the folder's weight: from a bitsandbytes 4-bit folder (store_hf_nf4_weights), the folder's
+// own bytes, checked as store_hf_nf4_weights checks them, each rank reading its shards' codes
+// and absmax bytes and the small tensors whole (Note [A bitsandbytes 4-bit folder]); from a
+// float weight, each rank reads that weight whole, one at a time, quantizes it as
 // bitsandbytes does and keeps its shards' bytes (Note [NF4 base weights in an HF folder]
-// in hf_checkpoint.cc). No communication; every rank calls it.
+// in hf_checkpoint.cc). A 4-bit weight of the folder that the model does not hold in NF4 is
+// an error saying to call store_hf_nf4_weights. No communication; every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
@@ -63,7 +91,8 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 // save_pretrained(max_shard_size=...)), the floating ones in the dtype `from_dir` holds
 // (hf_weights_dtype: fp32 master weights go back as the bf16 folder they came from,
 // rounded to nearest), and the other files of `from_dir` that describe the model
-// (config.json, generation_config.json and the tokenizer's files) copied unchanged;
+// (config.json, generation_config.json and the tokenizer's files) copied unchanged, except
+// that config.json loses its quantization_config (the weights are written dequantized);
 // weight files an earlier save left there are removed first.
 // Collective: the units are gathered one at a time; rank 0 writes.
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
@@ -78,7 +107,10 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
 // 0 merges and writes that unit's tensors before the next is gathered (peak: one unit
 // unsharded, plus a weight's merge in fp32); no process holds the whole model. The
 // merged floating weights are written in the dtype of `from_dir`'s weights, rounded once.
-// A base held in NF4 is written dequantized (plus its update), under the folder's name.
+// A base held in NF4 is written dequantized (plus its update), under the folder's name,
+// in that dtype: a bitsandbytes 4-bit folder's weights come out in the dtype they
+// dequantize to (bf16 usually), as an unquantized folder (PEFT's merge_and_unload on a
+// 4-bit base instead quantizes the merged weight again).
 void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& config,
                           const std::string& from_dir, const std::string& out_dir,
                           const std::string& adapter_dir, int64_t max_shard_size);

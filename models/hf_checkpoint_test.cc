@@ -6,24 +6,33 @@
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_replace.h"
 #include <ATen/Functions.h>
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
+#include "fsdp/base/names.h"
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/tracking_allocator.h"
+#include "fsdp/formats/nf4.h"
 #include "fsdp/formats/safetensors.h"
 #include "fsdp/lora/adapter_file.h"
 #include "fsdp/lora/lora.h"
@@ -78,15 +87,13 @@ constexpr int64_t kAdapterSeed = 7;
 // 32 x 32; k, v 16 x 32; gate, up, down 64 x 32; two norms of 32); outside the layers
 // 4128 (embeddings and head 64 x 32, the final norm): 41248 in all, 164992 bytes in fp32.
 constexpr int64_t kModelBytes = (4 * 9280 + 4128) * 4;
-DecoderConfig tiny_llama() {
-  return parse_decoder_config(
-      R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+constexpr char kTinyLlama[] =
+    R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
         "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
         "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "vocab_size": 64,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "tie_word_embeddings": false})",
-      "tiny.json");
-}
+        "tie_word_embeddings": false})";
+DecoderConfig tiny_llama() { return parse_decoder_config(kTinyLlama, "tiny.json"); }
 
 lora::LoraConfig lora_config() {
   lora::LoraConfig config;
@@ -331,6 +338,275 @@ TEST(MergedLoraSaveTest, WritesWhatAFullStateDictGaveOneUnitAtATime) {
                read_folder(out + "/adapter_before/adapter_model.safetensors"));
   EXPECT_FALSE(at::equal(read_folder(out + "/hf")["model.layers.0.self_attn.q_proj.weight"],
                          read_folder(from)["model.layers.0.self_attn.q_proj.weight"]));
+}
+
+// A bitsandbytes 4-bit folder (Note [A bitsandbytes 4-bit folder] in hf_checkpoint.cc).
+using Tensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The tensors transformers saves for `weights` (a float folder's) loaded in bitsandbytes'
+// 4-bit NF4 with double quantization, the weights of `quantized` (module FQNs) quantized
+// (fsdp's NF4: bitsandbytes' bytes, nf4_interop_test), `edit_state` changing each quant_state's
+// JSON before it is written.
+Tensors bnb_4bit_tensors(const StateDict& weights, const std::set<std::string>& quantized,
+                         const std::function<void(nlohmann::json&)>& edit_state = nullptr) {
+  Tensors tensors;
+  for (const auto& item : weights) {
+    const std::string module = item.key().substr(0, item.key().size() - 7);  // less ".weight"
+    if (!quantized.count(module)) {
+      tensors.emplace_back(item.key(), item.value());
+      continue;
+    }
+    const auto entries = lora::nf4_weight_entries(item.value());
+    nlohmann::json state = {{"quant_type", "nf4"},
+                            {"blocksize", 64},
+                            {"dtype", "float32"},
+                            {"shape", item.value().sizes().vec()},
+                            {"nested_blocksize", 256},
+                            {"nested_dtype", "float32"},
+                            {"nested_offset", entries[4].second.view(at::kFloat).item<float>()}};
+    if (edit_state) edit_state(state);
+    const std::string text = state.dump();
+    tensors.emplace_back(item.key(), entries[0].second.view({-1, 1}));
+    tensors.emplace_back(item.key() + ".absmax", entries[1].second);
+    tensors.emplace_back(item.key() + ".nested_absmax", entries[2].second.view(at::kFloat));
+    tensors.emplace_back(item.key() + ".nested_quant_map", entries[3].second.view(at::kFloat));
+    tensors.emplace_back(item.key() + ".quant_map", nf4_code());
+    tensors.emplace_back(
+        item.key() + ".quant_state.bitsandbytes__nf4",
+        at::from_blob(const_cast<char*>(text.data()), {int64_t(text.size())}, at::kByte).clone());
+  }
+  return tensors;
+}
+
+// A folder of `tensors` in one file, with a config.json when `config` is not empty.
+std::string write_tensors(const Tensors& tensors, const std::string& config = "") {
+  const std::string dir = temp_dir() + "/bnb4";
+  std::filesystem::create_directories(dir);
+  save_safetensors_file(dir + "/model.safetensors", tensors);
+  if (!config.empty()) std::ofstream(dir + "/config.json") << config;
+  return dir;
+}
+
+// The LoraLinears of `net` by cleaned FQN.
+std::map<std::string, lora::LoraLinearImpl*> lora_linears(CausalLMImpl& net) {
+  std::map<std::string, lora::LoraLinearImpl*> layers;
+  for (const auto& item : net.named_modules("", /*include_self=*/false)) {
+    if (auto* layer = item.value()->as<lora::LoraLinearImpl>()) {
+      layers.emplace(clean_tensor_name(item.key()), layer);
+    }
+  }
+  return layers;
+}
+
+std::shared_ptr<CausalLMImpl> meta_llama() {
+  return std::make_shared<CausalLMImpl>(tiny_llama(), at::TensorOptions().device(c10::kMeta));
+}
+
+// The folder decides which modules are in 4 bits (here every projection but one, as
+// unsloth's "dynamic" folders leave some out): store_hf_nf4_weights stores those in NF4, and
+// load_hf_weights reads them into the same bytes, at W = 2, that quantizing the float folder
+// as it is read gives (bitsandbytes' quantize_4bit of the same weights), the other weights
+// bit for bit.
+TEST(Bnb4BitFolderTest, ReadAsStoredEqualsQuantizedAsRead) {
+  const std::string from = write_folder();
+  const StateDict weights = read_folder(from);
+  std::set<std::string> quantized;
+  for (const auto& item : weights) {
+    const std::string module = item.key().substr(0, item.key().size() - 7);
+    if (absl::EndsWith(module, "_proj") && module != "model.layers.3.mlp.down_proj") {
+      quantized.insert(module);
+    }
+  }
+  ASSERT_EQ(quantized.size(), 27u);  // 4 layers x 7 projections, less one
+  const std::string dir = write_tensors(bnb_4bit_tensors(weights, quantized));
+  EXPECT_EQ(hf_weights_dtype(dir), at::kFloat);  // the float32 quantization state left out
+  on_ranks([&](std::shared_ptr<Communicator> comm) {
+    auto stored = meta_llama();
+    const std::vector<std::string> fqns = store_hf_nf4_weights(*stored, dir);
+    EXPECT_EQ(std::set<std::string>(fqns.begin(), fqns.end()), quantized);
+    auto quantizing = meta_llama();
+    const auto layers = lora_linears(*quantizing);
+    for (const std::string& fqn : fqns) layers.at(fqn)->store_weight_nf4();
+    Model read(stored, FullyShardedDataParallelOptions(comm));
+    Model quantized_as_read(quantizing, FullyShardedDataParallelOptions(comm));
+    load_hf_weights(*read, dir);
+    load_hf_weights(*quantized_as_read, from);
+    expect_equal(full_state_dict(*read), full_state_dict(*quantized_as_read));
+  });
+}
+
+// What store_hf_nf4_weights says of a 4-bit folder whose layer 0 q_proj ([32, 32]: 1024
+// codes, 16 blocks) is in 4 bits, `edit` changing its tensors first; DIR for the folder.
+std::string store_error(const std::function<void(Tensors&)>& edit,
+                        const std::function<void(nlohmann::json&)>& edit_state = nullptr) {
+  static const StateDict weights = read_folder(write_folder());
+  Tensors tensors = bnb_4bit_tensors(weights, {"model.layers.0.self_attn.q_proj"}, edit_state);
+  if (edit) edit(tensors);
+  const std::string dir = write_tensors(tensors);
+  try {
+    store_hf_nf4_weights(*meta_llama(), dir);
+  } catch (const c10::Error& e) {
+    return absl::StrReplaceAll(e.what_without_backtrace(), {{dir, "DIR"}});
+  }
+  return "no error";
+}
+
+// `name`'s entry in `tensors`.
+at::Tensor& tensor_of(Tensors& tensors, const std::string& name) {
+  for (auto& [key, value] : tensors) {
+    if (key == name) return value;
+  }
+  TORCH_INTERNAL_ASSERT(false, "no ", name);
+}
+
+at::Tensor bytes_of(const std::string& text) {
+  return at::from_blob(const_cast<char*>(text.data()), {int64_t(text.size())}, at::kByte).clone();
+}
+
+// Every other quantization, and every tensor that disagrees with the quant_state or the
+// model, is refused naming the tensor, what it holds and what is expected.
+TEST(Bnb4BitFolderTest, RefusesOtherQuantizationsAndBadTensorsByName) {
+  const std::string w = "model.layers.0.self_attn.q_proj.weight";
+  const std::string state = "'" + w + ".quant_state.bitsandbytes__nf4' in 'DIR/model.safetensors'";
+  const std::string nf4 =
+      "fsdp reads bitsandbytes' 4-bit NF4 with double quantization (blocksize 64, "
+      "nested_blocksize 256), as transformers saves a model loaded with "
+      "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", "
+      "bnb_4bit_use_double_quant=True)";
+  EXPECT_EQ(store_error(nullptr), "no error");
+  EXPECT_EQ(store_error([&](Tensors& t) {
+              tensor_of(t, w + ".quant_state.bitsandbytes__nf4") = bytes_of(R"({"quant_type": )");
+            }),
+            state +
+                " is not valid JSON: [json.exception.parse_error.101] parse error at line 1, "
+                "column 16: syntax error while parsing value - unexpected end of input; "
+                "expected '[', '{', or a literal; expected the JSON of bitsandbytes' quant_state");
+  EXPECT_EQ(store_error([&](Tensors& t) {
+              tensor_of(t, w + ".quant_state.bitsandbytes__nf4") = bytes_of("[64]");
+            }),
+            state + ": expected a JSON object, found array");
+  EXPECT_EQ(store_error([&](Tensors& t) {
+              tensor_of(t, w + ".quant_state.bitsandbytes__nf4") = at::zeros({5000}, at::kByte);
+            }),
+            state + " is U8 [5000]; expected U8 [at most 4096]: the bytes of a JSON object");
+  EXPECT_EQ(store_error(nullptr, [](nlohmann::json& j) { j["blocksize"] = 128; }),
+            state + ": \"blocksize\" = 128 is not supported: " + nf4);
+  EXPECT_EQ(store_error(nullptr, [](nlohmann::json& j) { j.erase("nested_offset"); }),
+            state + ": \"nested_offset\" is missing; " + nf4);
+  // FP4: its quant_state is named so (and says so).
+  EXPECT_EQ(store_error(
+                [&](Tensors& t) {
+                  for (auto& item : t) {
+                    if (absl::EndsWith(item.first, "bitsandbytes__nf4")) {
+                      item.first = w + ".quant_state.bitsandbytes__fp4";
+                    }
+                  }
+                },
+                [](nlohmann::json& j) { j["quant_type"] = "fp4"; }),
+            "'" + w +
+                ".quant_state.bitsandbytes__fp4' in 'DIR/model.safetensors': the weight is "
+                "stored in bitsandbytes' 4-bit \"fp4\" (bnb_4bit_quant_type), not NF4; " +
+                nf4);
+  // No double quantization: no nested_* in the JSON (nor beside the weight).
+  EXPECT_EQ(store_error(
+                [&](Tensors& t) {
+                  tensor_of(t, w + ".absmax") = at::ones({16}, at::kFloat);
+                  t.erase(std::remove_if(t.begin(), t.end(),
+                                         [](const auto& item) {
+                                           return absl::StrContains(item.first, ".nested_");
+                                         }),
+                          t.end());
+                },
+                [](nlohmann::json& j) {
+                  for (const char* key : {"nested_blocksize", "nested_dtype", "nested_offset"}) {
+                    j.erase(key);
+                  }
+                }),
+            state +
+                ": no \"nested_blocksize\": the weight is not double quantized "
+                "(bnb_4bit_use_double_quant=False); " +
+                nf4);
+  EXPECT_EQ(store_error(nullptr,
+                        [](nlohmann::json& j) {
+                          j["shape"] = {32, 16};
+                        }),
+            state +
+                ": \"shape\" = [32,16] but the model's weight is [32, 32] (out_features, "
+                "in_features); is config.json the folder's own?");
+  EXPECT_EQ(store_error(nullptr, [](nlohmann::json& j) { j["dtype"] = "bfloat16"; }),
+            state +
+                ": \"dtype\" = \"bfloat16\" but the folder's other floating tensors are Float; "
+                "fsdp's decoder trains one dtype");
+  EXPECT_EQ(store_error([&](Tensors& t) { tensor_of(t, w) = tensor_of(t, w).view({-1}); }),
+            "'" + w +
+                "' in 'DIR/model.safetensors' is U8 [512]; expected U8 [512, 1] (the 4-bit "
+                "codes, two a byte, of bitsandbytes' NF4 of a [32, 32] weight)");
+  EXPECT_EQ(store_error([&](Tensors& t) {
+              tensor_of(t, w + ".absmax") = tensor_of(t, w + ".absmax").narrow(0, 0, 8);
+            }),
+            "'" + w +
+                ".absmax' in 'DIR/model.safetensors' is U8 [8]; expected U8 [16] (each block's "
+                "absmax, 8 bits, of bitsandbytes' NF4 of a [32, 32] weight)");
+  EXPECT_EQ(store_error([&](Tensors& t) {
+              t.erase(std::find_if(t.begin(), t.end(), [&](const auto& item) {
+                return item.first == w + ".nested_absmax";
+              }));
+            }),
+            "'" + w +
+                ".nested_absmax' (the absmax of each 256 absmax, of bitsandbytes' NF4 of a "
+                "[32, 32] weight) is missing beside " +
+                state + "; " + nf4);
+  EXPECT_EQ(store_error([&](Tensors& t) { tensor_of(t, w + ".quant_map") = nf4_code() * 2; }),
+            "'" + w +
+                ".quant_map' in 'DIR/model.safetensors' is not the NF4 code table (bitsandbytes' "
+                "get_4bit_type(\"nf4\")), so the weight would dequantize to other values; " +
+                nf4);
+  // A 4-bit weight where the model has no LoraLinear.
+  EXPECT_EQ(store_error([&](Tensors& t) {
+              for (auto& item : t) {
+                item.first = absl::StrReplaceAll(
+                    item.first, {{"model.layers.0.self_attn.q_proj.", "model.layers.0.q_proj."}});
+              }
+            }),
+            "DIR: 'model.layers.0.q_proj.weight' is stored in 4 bits (beside it: "
+            "'model.layers.0.q_proj.weight.quant_state.bitsandbytes__nf4') but the model holds "
+            "no LoraLinear of that name; is config.json the folder's own?");
+}
+
+// load_hf_weights over a 4-bit folder (its config.json's quantization_config) into a model
+// that does not hold the weight in NF4 says what to call first.
+TEST(Bnb4BitFolderTest, LoadingWithoutStoringSaysWhatToCall) {
+  const std::string config = std::string(kTinyLlama).substr(0, std::strlen(kTinyLlama) - 1) +
+                             R"(, "quantization_config": {"quant_method": "bitsandbytes",
+        "load_in_4bit": true, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true}})";
+  const std::string dir = write_tensors(
+      bnb_4bit_tensors(read_folder(write_folder()), {"model.layers.0.self_attn.q_proj"}), config);
+  FakeWorld::run(FakeWorld::create(1), [&](Communicator& comm) {
+    Model model(meta_llama(), FullyShardedDataParallelOptions(
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {})));
+    try {
+      load_hf_weights(*model, dir);
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_EQ(absl::StrReplaceAll(e.what_without_backtrace(), {{dir, "DIR"}}),
+                "DIR: 'model.layers.0.self_attn.q_proj.weight' is stored in 4 bits (beside it: "
+                "'model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4') but the "
+                "model holds no NF4 LoraLinear of that name to read it into; call "
+                "fsdp::models::store_hf_nf4_weights(model, dir) on the model before wrapping it");
+    }
+  });
+}
+
+// The folder written from a 4-bit folder holds its config.json without quantization_config
+// (the weights are written dequantized), as transformers writes a config.
+TEST(Bnb4BitFolderTest, WrittenConfigHasNoQuantizationConfig) {
+  const std::string from = temp_dir(), out = temp_dir() + "/out";
+  std::ofstream(from + "/config.json")
+      << R"({"model_type": "llama", "quantization_config": {"load_in_4bit": true}, "dtype": "bfloat16"})";
+  prepare_hf_folder(from, out);
+  std::ifstream in(out + "/config.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()),
+            "{\n  \"dtype\": \"bfloat16\",\n  \"model_type\": \"llama\"\n}\n");
 }
 
 }  // namespace

@@ -19,6 +19,17 @@
     llama_finetune.py logits DIR HF LOGITS
                                      transformers' logits on DIR/ids.pt (HF loaded by
                                      from_pretrained) within 1e-5 of LOGITS' (fsdp's)
+    llama_finetune.py bnb4 DIR BASE OUT
+                                     BASE: a random tiny bf16 Llama (tied embeddings, hidden
+                                     64); OUT: BASE loaded by transformers in bitsandbytes'
+                                     4-bit NF4 with double quantization (bf16 compute), saved
+    llama_finetune.py bnb4_peft DIR BASE4 ADAPTER HF EVAL CONTEXT LOG
+                                     on token file EVAL in windows of CONTEXT + 1: transformers +
+                                     bitsandbytes' loss on the 4-bit BASE4 equals LOG's `eval
+                                     loss before`, PEFT's with ADAPTER over it `eval loss
+                                     after` (relative 1e-4); HF (the merged folder: bf16, no
+                                     quantization_config) loads in transformers with logits
+                                     and loss close to PEFT's over BASE4 (BNB4_MERGED_*)
 """
 import glob
 import json
@@ -30,6 +41,13 @@ import numpy as np
 import torch
 
 TOLERANCE = 1e-5
+# fsdp's bf16 run against transformers + bitsandbytes' on the same 4-bit folder.
+BNB4_TOLERANCE = 1e-4
+# OUT/hf (base dequantized + update, rounded to bf16 once) against PEFT over the 4-bit folder
+# (the base's bf16 output + the fp32 update rounded to bf16): the largest logit difference
+# (bf16's spacing is 0.0078 between 1 and 2) and the relative loss difference allowed.
+BNB4_MERGED_LOGITS = 0.02
+BNB4_MERGED_LOSS = 1e-4
 
 
 def tensors(folder):
@@ -193,22 +211,103 @@ def model_of(folder):
     return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def eval_loss(root, folder, context, log):
-    bytes_ = os.path.getsize(os.path.join(root, "eval.bin"))
-    ids = torch.from_numpy(np.fromfile(os.path.join(root, "eval.bin"), dtype="<u2").astype(np.int64))
+def eval_windows(path, context):
+    """Token file `path` in consecutive windows of CONTEXT + 1 tokens (the remainder dropped),
+    as finetune's --eval_data."""
+    bytes_ = os.path.getsize(path)
+    ids = torch.from_numpy(np.fromfile(path, dtype="<u2").astype(np.int64))
     assert ids.numel() * 2 == bytes_
     n = ids.numel() // (context + 1)
-    windows = ids[: n * (context + 1)].view(n, context + 1)
+    return ids[: n * (context + 1)].view(n, context + 1)
+
+
+def mean_loss(model, windows):
+    """The model's logits on the windows' inputs and its mean next-token loss (fp32)."""
     with torch.no_grad():
-        logits = model_of(folder)(input_ids=windows[:, :-1]).logits
-        expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+        logits = model(input_ids=windows[:, :-1]).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             windows[:, 1:].reshape(-1)).item()
+    return logits, loss
+
+
+def logged_loss(log, which):
     with open(log) as f:
-        ours = float(re.search(r"eval loss after: ([0-9.]+)", f.read()).group(1))
+        return float(re.search(rf"eval loss {which}: ([0-9.]+)", f.read()).group(1))
+
+
+def eval_loss(root, folder, context, log):
+    windows = eval_windows(os.path.join(root, "eval.bin"), context)
+    expected = mean_loss(model_of(folder), windows)[1]
+    ours = logged_loss(log, "after")
     gap = abs(ours - expected) / expected
     print(f"eval loss after: fsdp {ours:.6f}, transformers {expected:.6f} "
-          f"({n} windows), relative gap {gap:.2g}")
+          f"({len(windows)} windows), relative gap {gap:.2g}")
     assert gap <= TOLERANCE, gap
+
+
+def bnb4_model(folder):
+    """A 4-bit folder loaded as transformers + bitsandbytes load it (its quantization_config)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cpu").eval()
+
+
+def bnb4(root, base, out):
+    """BASE: a random tiny bf16 Llama with tied embeddings whose projections' rows are a multiple
+    of 64 long (bitsandbytes' CPU kernels compute other widths as another layout; see qlora());
+    OUT: BASE loaded in bitsandbytes' 4-bit NF4 as QLoRA loads it, saved as transformers saves
+    it."""
+    from safetensors import safe_open
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    with open(os.path.join(root, "model", "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(base, max_shard_size="30KB")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    LlamaForCausalLM.from_pretrained(base, quantization_config=config, dtype=torch.bfloat16,
+                                     device_map="cpu").save_pretrained(out)
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        states = [k for k in f.keys() if k.endswith(".weight.quant_state.bitsandbytes__nf4")]
+    assert states, f"{out}: no 4-bit weight"
+    print(f"{out}: {len(states)} weights of {base} in bitsandbytes' 4-bit NF4")
+
+
+def bnb4_peft(base4, adapter, merged, eval_file, context, log):
+    from peft import PeftModel
+
+    windows = eval_windows(eval_file, context)
+    gaps = {}
+    before = mean_loss(bnb4_model(base4), windows)[1]
+    peft_logits, after = mean_loss(PeftModel.from_pretrained(bnb4_model(base4), adapter).eval(),
+                                   windows)
+    for which, expected in (("before", before), ("after", after)):
+        ours = logged_loss(log, which)
+        gaps[which] = abs(ours - expected) / expected
+        print(f"eval loss {which}: fsdp {ours:.6f}, transformers + bitsandbytes"
+              f"{' + PEFT' if which == 'after' else ''} {expected:.6f} ({len(windows)} windows), "
+              f"relative gap {gaps[which]:.2g}")
+    with open(os.path.join(merged, "config.json")) as f:
+        config = json.load(f)
+    assert "quantization_config" not in config, f"{merged}: quantization_config left"
+    dtypes = {t.dtype for t in tensors(merged).values()}
+    assert dtypes == {torch.bfloat16}, dtypes
+    from transformers import LlamaForCausalLM
+
+    merged_logits, merged_loss = mean_loss(
+        LlamaForCausalLM.from_pretrained(merged, dtype=torch.bfloat16).eval(), windows)
+    logits_gap = (merged_logits - peft_logits).abs().max().item()
+    loss_gap = abs(merged_loss - after) / after
+    print(f"{merged} (bf16, no quantization_config) in transformers against PEFT over {base4}: "
+          f"max |logits difference| {logits_gap:.3g}, loss {merged_loss:.6f} (relative gap "
+          f"{loss_gap:.2g})")
+    assert gaps["before"] <= BNB4_TOLERANCE and gaps["after"] <= BNB4_TOLERANCE, gaps
+    assert logits_gap <= BNB4_MERGED_LOGITS and loss_gap <= BNB4_MERGED_LOSS, (logits_gap, loss_gap)
 
 
 def logits(root, folder, path):
@@ -243,5 +342,9 @@ if __name__ == "__main__":
         eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif command == "logits":
         logits(root, sys.argv[3], sys.argv[4])
+    elif command == "bnb4":
+        bnb4(root, sys.argv[3], sys.argv[4])
+    elif command == "bnb4_peft":
+        bnb4_peft(sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7]), sys.argv[8])
     else:
         sys.exit(f"unknown command {command}")

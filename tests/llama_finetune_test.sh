@@ -5,7 +5,9 @@
 # for a bfloat16 folder with tied embeddings, which then trains with bf16 compute over fp32
 # master weights and is written back in bf16, and trains LoRA over its bf16 base); 20 steps of
 # full fine-tuning lower the eval loss, and the folder it writes loads in transformers'
-# from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's.
+# from_pretrained with the eval loss fsdp printed and logits within 1e-5 of fsdp's. QLoRA
+# (--quantize=nf4) matches bitsandbytes' NF4, and a bitsandbytes 4-bit folder made by
+# transformers trains with LoRA as it is stored (against transformers + bitsandbytes + PEFT).
 #   llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON
 set -euo pipefail
 finetune=${1:?usage: llama_finetune_test.sh FINETUNE LLAMA_LOGITS TOKENIZE_PY TEST_PY PYTHON}
@@ -53,6 +55,42 @@ diff <(cut -d, -f1-3 "$dir/bf16_lora/metrics.csv") <(cut -d, -f1-3 "$dir/bf16_lo
     --lora_rank=4 --quantize=nf4 | tee "$dir/bf16_qlora.log"
 grep -q "QLoRA: 14 projections in NF4" "$dir/bf16_qlora.log"
 "$python" "$script" qlora "$dir" "$dir/model_bf16" "$dir/bf16_qlora/adapter" "$dir/bf16_qlora/hf"
+# A bitsandbytes 4-bit folder (transformers' save_pretrained after loading a bf16 Llama with
+# BitsAndBytesConfig(load_in_4bit=True, nf4, double quantization, bf16 compute)) is read as
+# it is stored. Its projections hold the bytes --quantize=nf4 makes of the bf16 folder's
+# (bitsandbytes' NF4, as above), so LoRA over either has the same memory plan (the NF4 bytes
+# counted), losses, adapter and OUT/hf, bit for bit; the eval losses are transformers +
+# bitsandbytes' on the 4-bit folder (PEFT with OUT/adapter over it after training) within
+# 1e-4, and OUT/hf (bf16, no quantization_config) loads in transformers close to PEFT's.
+# --quantize=nf4 changes nothing there; --lora_rank=0 is refused.
+"$python" "$script" bnb4 "$dir" "$dir/model_bf16_h64" "$dir/model_bnb4"
+head -c 2178 "$dir/eval.bin" > "$dir/eval_short.bin"  # 33 windows of 33 tokens
+bnb4=(--data="$dir/train.bin" --world_size=3 --context=32 --batch_size=3 --max_shard_size=30KB
+      --steps=3 --lr=1e-2 --warmup_steps=0 --lora_rank=4)
+"$finetune" "${bnb4[@]}" --from="$dir/model_bf16_h64" --quantize=nf4 \
+    --out_dir="$dir/bnb4_quantized" | tee "$dir/bnb4_quantized.log"
+"$finetune" "${bnb4[@]}" --from="$dir/model_bnb4" --eval_data="$dir/eval_short.bin" \
+    --out_dir="$dir/bnb4" | tee "$dir/bnb4.log"
+grep -q "QLoRA: 14 projections in NF4 as the folder stores them" "$dir/bnb4.log"
+plan_of() { grep -o "memory plan: parameters [0-9.]* [KMG]*i*B" "$1"; }
+[ -n "$(plan_of "$dir/bnb4.log")" ] &&
+  [ "$(plan_of "$dir/bnb4.log")" = "$(plan_of "$dir/bnb4_quantized.log")" ] || {
+  echo "FAIL: plans: $(plan_of "$dir/bnb4.log") / $(plan_of "$dir/bnb4_quantized.log")"; exit 1; }
+diff <(cut -d, -f1-3 "$dir/bnb4_quantized/metrics.csv") <(cut -d, -f1-3 "$dir/bnb4/metrics.csv")
+"$python" "$script" same "$dir" "$dir/bnb4_quantized/adapter" "$dir/bnb4/adapter"
+"$python" "$script" same "$dir" "$dir/bnb4_quantized/hf" "$dir/bnb4/hf"
+"$python" "$script" bnb4_peft "$dir" "$dir/model_bnb4" "$dir/bnb4/adapter" "$dir/bnb4/hf" \
+    "$dir/eval_short.bin" 32 "$dir/bnb4.log"
+"$finetune" "${bnb4[@]}" --from="$dir/model_bnb4" --quantize=nf4 --steps=0 \
+    --out_dir="$dir/bnb4_quantize" | tee "$dir/bnb4_quantize.log"
+grep -q "QLoRA: 14 projections in NF4 as the folder stores them" "$dir/bnb4_quantize.log"
+set +e
+"$finetune" "${bnb4[@]}" --from="$dir/model_bnb4" --lora_rank=0 --out_dir="$dir/bnb4_full" \
+    2> "$dir/bnb4_full.err"
+status=$?
+set -e
+[ $status -eq 2 ] && [ "$(cat "$dir/bnb4_full.err")" = "finetune: --from=$dir/model_bnb4 holds 4-bit weights (its quantization_config: bitsandbytes' NF4), which cannot be trained: fine-tune it with LoRA (--lora_rank=R)" ] || {
+  echo "FAIL: full fine-tune of a 4-bit folder: status $status, $(cat "$dir/bnb4_full.err")"; exit 1; }
 "$finetune" "${common[@]}" --out_dir="$dir/qlora" --steps=10 --lr=1e-2 --warmup_steps=0 \
     --lora_rank=4 --quantize=nf4 --eval_data="$dir/eval.bin" | tee "$dir/qlora.log"
 qlora_before=$(sed -n 's/.*eval loss before: //p' "$dir/qlora.log")

@@ -24,7 +24,10 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
               "expected a batch and gradient accumulation steps of at least 1, got ", global_batch,
               " and ", grad_accumulation_steps);
   models::TrainedWeights trained = options.trained();
-  TORCH_CHECK(!weights.nf4 || trained.lora_rank > 0,
+  // A bitsandbytes 4-bit config.json: its folder holds the projections in NF4 (planned as
+  // all of them: which ones a folder skips is in its tensors, not in the config).
+  const bool nf4 = weights.nf4 || config.load_in_4bit;
+  TORCH_CHECK(!nf4 || trained.lora_rank > 0,
               "NF4 freezes the base weights in 4 bits (QLoRA): give a LoRA rank too");
   DecoderPlanReport report;
   report.source = source;
@@ -62,7 +65,7 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
     report.numel += p.numel();
     if (p.requires_grad()) report.trainable += p.numel();
   }
-  if (weights.nf4) report.nf4_modules = models::store_projections_nf4(*net);
+  if (nf4) report.nf4_modules = models::store_projections_nf4(*net);
   const std::vector<PlanUnit> units = models::plan_units(*net);
   report.units = static_cast<int64_t>(units.size());
   options.micro_batch(

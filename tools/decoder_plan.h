@@ -27,7 +27,8 @@ struct DecoderWeights {
   // the config's 16-bit dtype under bf16 mixed precision (Note [The frozen base of a LoRA
   // run] in examples/llama/finetune.cc), the adapters in fp32.
   bool lora_fp32_base = false;
-  // --quantize=nf4: every layer's projections in NF4 (models::store_projections_nf4).
+  // --quantize=nf4: every layer's projections in NF4 (models::store_projections_nf4), as
+  // for a bitsandbytes 4-bit config (DecoderConfig::load_in_4bit) without it.
   bool nf4 = false;
 };
 
@@ -53,7 +54,7 @@ struct DecoderPlanReport {
 // `options.micro_batch` is derived (models::micro_batch_of); `options.trained().lora_targets`
 // empty with a LoRA rank: the family's default (lora_targets.h). The smallest world size is
 // searched among those the trainer takes (models::smallest_world_size). Throws c10::Error
-// for NF4 without LoRA (a 4-bit base cannot train).
+// for NF4 (or a 4-bit config) without LoRA: a 4-bit base cannot train.
 DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
                                       const std::string& source,
                                       models::FinetunePlanOptions options,

@@ -137,7 +137,8 @@ ABSL_FLAG(std::string, lora_base_dtype, "auto",
 ABSL_FLAG(std::string, quantize, "none",
           "none, or nf4: QLoRA, the decoder layers' linear projections (q/k/v/o, gate/up/down "
           "and fused variants) held in NF4 as bitsandbytes stores them, quantized as the "
-          "folder is read; needs --lora_rank (see Note [QLoRA: an NF4 base])");
+          "folder is read; needs --lora_rank. A bitsandbytes 4-bit folder is read as it is "
+          "stored, with or without it (see Note [QLoRA: an NF4 base])");
 ABSL_FLAG(bool, memory_check, true,
           "stop before reading any weight when the memory plan exceeds what a rank may use "
           "(its cgroup's limit or the machine's available memory; see --max_memory_per_rank)");
@@ -416,6 +417,11 @@ std::string flag_error() {
   if (quantize != "none" && quantize != "nf4") {
     return absl::StrCat("--quantize=", quantize, ": expected none or nf4");
   }
+  if (config.load_in_4bit && absl::GetFlag(FLAGS_lora_rank) == 0) {
+    return absl::StrCat("--from=", from,
+                        " holds 4-bit weights (its quantization_config: bitsandbytes' NF4), "
+                        "which cannot be trained: fine-tune it with LoRA (--lora_rank=R)");
+  }
   if (quantize == "nf4" && absl::GetFlag(FLAGS_lora_rank) == 0) {
     return "--quantize=nf4 freezes the base weights in 4 bits (QLoRA): give --lora_rank too";
   }
@@ -597,6 +603,13 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
 // bytes are gathered as they are and dequantized in the compute dtype right before each
 // product, and again in backward (fsdp/core/stored_weight.h). OUT/adapter is PEFT's adapter
 // over the same base folder; OUT/hf holds base (dequantized) + update in the folder's dtype.
+// A bitsandbytes 4-bit folder (config.json's quantization_config) is read as it is stored:
+// exactly the projections it holds in NF4 are held in NF4 (models::store_hf_nf4_weights), with
+// the folder's bytes; the others stay in the folder's dtype. --quantize=nf4 changes nothing
+// there (the folder is quantized already), and without --lora_rank the run is refused (4-bit
+// weights cannot be trained). OUT/hf is then written in the dtype the weights dequantize to,
+// without the quantization_config.
+
 // The model of --from, sharded (see Note [No rank holds the whole model]), its parameters
 // in `dtype` (Note [Master weights of a 16-bit folder]), each decoder layer recomputing its
 // forward in backward when `checkpoint_activations`, wrapped with `options`, after its
@@ -625,7 +638,13 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
     *numel += p.numel();
     if (p.requires_grad()) *trainable += p.numel();
   }
-  if (absl::GetFlag(FLAGS_quantize) == "nf4") {
+  if (config.load_in_4bit) {
+    const std::vector<std::string> stored = store_hf_nf4_weights(*net, from);
+    if (options.communicator()->rank() == 0) {
+      std::cout << "QLoRA: " << stored.size()
+                << " projections in NF4 as the folder stores them (bitsandbytes 4-bit)\n";
+    }
+  } else if (absl::GetFlag(FLAGS_quantize) == "nf4") {
     const int64_t stored = store_projections_nf4(*net);
     if (options.communicator()->rank() == 0) {
       std::cout << "QLoRA: " << stored << " projections in NF4\n";
@@ -844,7 +863,7 @@ int finetune() {
                              folder_dtype != examples::model_dtype(flags.mixed_precision)
                          ? absl::StrCat("; frozen base kept in ", c10::toString(folder_dtype))
                          : "",
-                     absl::GetFlag(FLAGS_quantize) == "nf4"
+                     absl::GetFlag(FLAGS_quantize) == "nf4" || config.load_in_4bit
                          ? "; layer projections in NF4 (QLoRA), dequantized to compute"
                          : ""),
         device.is_cuda() ? "; on cuda:LOCAL_RANK over NCCL" : "",

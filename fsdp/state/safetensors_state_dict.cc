@@ -141,7 +141,9 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
   const absl::flat_hash_set<std::string> chosen(expected.begin(), expected.end());
   for (const std::string& name : ckpt.names()) {
     // A tied alias beside the chosen name is fine; a name the model lacks is unexpected.
-    if (chosen.contains(name) || (!known.contains(name) && !options.allow_unexpected())) {
+    const bool unread = options.unread() && options.unread()(name);
+    if (chosen.contains(name) ||
+        (!known.contains(name) && !unread && !options.allow_unexpected())) {
       found.push_back(name);
     }
   }

@@ -75,6 +75,10 @@ struct LoadSafetensorsOptions {
   TORCH_ARG(SafetensorsRename, rename) = nullptr;
   // Tensors in the files that the model lacks are skipped instead of an error.
   TORCH_ARG(bool, allow_unexpected) = false;
+  // Tensors in the files (by their names there) that no model entry reads and that are not
+  // unexpected either: the caller checks them itself (a bitsandbytes 4-bit folder's
+  // quant_map: models/hf_checkpoint.h).
+  TORCH_ARG(std::function<bool(const std::string& name)>, unread) = nullptr;
   // Model entries not read (and not looked for in the files): they keep the values they
   // hold, e.g. LoRA adapters added to a model built on the meta device before its base
   // weights are read (fsdp::lora::is_adapter_key). A tied group is skipped when its first

@@ -432,6 +432,14 @@ TEST(LoadSafetensors, MismatchesNameTheTensorAndTheFile) {
               "model's; unexpected keys (1): 'extra'. Load a state dict saved from the same "
               "model architecture");
     EXPECT_EQ(message(unexpected, LoadSafetensorsOptions().allow_unexpected(true)), "");
+    EXPECT_EQ(message(unexpected, LoadSafetensorsOptions().unread(
+                                      [](const std::string& name) { return name == "extra"; })),
+              "");
+    EXPECT_EQ(message(unexpected, LoadSafetensorsOptions().unread(
+                                      [](const std::string& name) { return name == "l1.weight"; })),
+              "load_safetensors: 'DIR/unexpected.safetensors': the keys do not match the "
+              "model's; unexpected keys (1): 'extra'. Load a state dict saved from the same "
+              "model architecture");
     EXPECT_EQ(message(shape),
               "load_safetensors: size mismatch for 'l1.weight' (tensor 'l1.weight' in "
               "'DIR/shape.safetensors'): the file has shape [4, 8], the model has [8, 4]");

@@ -34,11 +34,11 @@ fi
 echo "//:clang_format $format_result (clang-format --dry-run -Werror)" | tee -a "$log"
 # 30 s of the checkpoint file reader, 30 s of whole checkpoint folders, 30 s of the
 # safetensors reader, 20 s of the .pt2 reader, 30 s of the pickle reader.
-for fuzz in "torch_file 30 //fsdp/state:torch_file_fuzzer" \
-  "checkpoint_folder 30 //fsdp/state:checkpoint_folder_fuzzer" \
-  "safetensors 30 //fsdp/formats:safetensors_fuzzer" \
-  "exported_program 20 //fsdp/formats:exported_program_fuzzer" \
-  "pickle 30 //fsdp/formats:pickle_fuzzer"; do
+for fuzz in "torch_file 20 //fsdp/state:torch_file_fuzzer" \
+  "checkpoint_folder 20 //fsdp/state:checkpoint_folder_fuzzer" \
+  "safetensors 20 //fsdp/formats:safetensors_fuzzer" \
+  "exported_program 15 //fsdp/formats:exported_program_fuzzer" \
+  "pickle 20 //fsdp/formats:pickle_fuzzer"; do
   read -r fuzz_target fuzz_seconds fuzz_label <<<"$fuzz"
   fuzz_log=$(mktemp)
   if bash tools/fuzz.sh "$fuzz_seconds" "$fuzz_target" >"$fuzz_log" 2>&1; then

@@ -96,8 +96,9 @@ void refuse_other_architectures(const ConfigFields& fields, const Family& family
 // other quantization is refused by name: other quant_methods, 8-bit weights, FP4, NF4
 // without double quantization, codes stored in another dtype than uint8. A field left out
 // takes transformers' default (load_in_4bit false, bnb_4bit_quant_type "fp4", ...). The
-// compute dtype must be the folder's dtype: fsdp computes in the dtype the weights
-// dequantize to, and the field changes no stored byte. Which modules are quantized is the
+// compute dtype changes no stored byte and is not used: the weights dequantize to the
+// folder's dtype and fsdp computes as --mixed_precision says (bf16 for a bf16 folder), as
+// for the folder's other weights. Which modules are quantized is the
 // folder's tensors' to say (llm_int8_skip_modules is not read); the 8-bit and loading
 // options (llm_int8_threshold, llm_int8_has_fp16_weight, ...) do not apply to a 4-bit folder.
 void read_quantization_config(const ConfigFields& fields, DecoderConfig& config) {
@@ -126,9 +127,14 @@ void read_quantization_config(const ConfigFields& fields, DecoderConfig& config)
   expect("bnb_4bit_use_double_quant", false, true, kNf4);
   expect("bnb_4bit_quant_storage", "uint8", "uint8",
          "fsdp reads the 4-bit codes packed two to a byte (uint8)");
-  expect("bnb_4bit_compute_dtype", "float32", config.dtype,
-         "fsdp computes in the dtype the weights dequantize to, the folder's \"dtype\" \"" +
-             config.dtype + "\"; set it to that in config.json (it changes no stored byte)");
+  const json* compute = quantization.find("bnb_4bit_compute_dtype");
+  TORCH_CHECK(compute == nullptr || compute->is_null() ||
+                  (compute->is_string() &&
+                   (*compute == "float32" || *compute == "bfloat16" || *compute == "float16")),
+              fields.source(), ": \"quantization_config.bnb_4bit_compute_dtype\" = ",
+              compute == nullptr ? "" : compute->dump(),
+              " is not a dtype bitsandbytes computes in: expected \"float32\", \"bfloat16\" "
+              "or \"float16\"");
   config.load_in_4bit = true;
 }
 

@@ -179,11 +179,14 @@ TEST(DecoderConfigTest, Bitsandbytes4BitNf4IsReadOtherQuantizationRefusedByName)
   EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_quant_storage": "bfloat16")")),
             "cfg.json: \"quantization_config.bnb_4bit_quant_storage\" = \"bfloat16\" is not "
             "supported: fsdp reads the 4-bit codes packed two to a byte (uint8)");
-  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_compute_dtype": null)")),
-            "cfg.json: \"quantization_config.bnb_4bit_compute_dtype\" = \"float32\" "
-            "(transformers' default) is not supported: fsdp computes in the dtype the weights "
-            "dequantize to, the folder's \"dtype\" \"bfloat16\"; set it to that in config.json "
-            "(it changes no stored byte)");
+  // Any compute dtype of bitsandbytes' (transformers' default float32 too): it changes no
+  // stored byte.
+  EXPECT_TRUE(
+      parse_decoder_config(bnb_4bit_json(R"(, "bnb_4bit_compute_dtype": "float32")"), "cfg.json")
+          .load_in_4bit);
+  EXPECT_EQ(error_of(bnb_4bit_json(R"(, "bnb_4bit_compute_dtype": "int8")")),
+            "cfg.json: \"quantization_config.bnb_4bit_compute_dtype\" = \"int8\" is not a "
+            "dtype bitsandbytes computes in: expected \"float32\", \"bfloat16\" or \"float16\"");
 }
 
 TEST(DecoderConfigTest, Llama3AndYarnRope) {

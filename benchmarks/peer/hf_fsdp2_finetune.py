@@ -69,6 +69,8 @@ def parse_args():
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--lora_target_modules", default="q_proj,v_proj")
     p.add_argument("--quantize", default="none", choices=["none", "nf4"])
+    p.add_argument("--fsdp", type=int, default=1,
+                   help="0: no fully_shard (one process: plain transformers + PEFT)")
     return p.parse_args()
 
 
@@ -112,6 +114,9 @@ def build(args):
         model = get_peft_model(model, LoraConfig(
             r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
             target_modules=args.lora_target_modules.split(","), bias="none"))
+    if not args.fsdp:
+        assert dist.get_world_size() == 1, "--fsdp=0 runs one process"
+        return model, len(decoder_layers)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if sixteen is not None else MixedPrecisionPolicy()

@@ -261,6 +261,26 @@ else
   echo "FAIL config_nf4_bytes: expected sharded_parameters $want in: $out"
   failed=$((failed + 1))
 fi
+# A bitsandbytes 4-bit config.json plans as NF4 without --quantize, and only with LoRA.
+"$python" - "$tmp" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1] + "/bf16.json"))
+config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                 "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                                 "bnb_4bit_compute_dtype": "bfloat16"}
+json.dump(config, open(sys.argv[1] + "/bnb4.json", "w"))
+PY
+got=$("$plan" --config="$tmp/bnb4.json" --lora_rank=8 --batch_size=1 --format=json 2>&1 |
+  "$python" -c 'import json, sys; print(json.load(sys.stdin)["bytes"]["sharded_parameters"])' 2>&1)
+if [[ "$got" == "$want" ]]; then
+  echo "ok config_bnb4_bytes"
+  passed=$((passed + 1))
+else
+  echo "FAIL config_bnb4_bytes: expected sharded_parameters $want, got $got"
+  failed=$((failed + 1))
+fi
+expect_error config_bnb4_full "NF4 freezes the base weights in 4 bits (QLoRA): give a LoRA rank too" \
+  --config="$tmp/bnb4.json"
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

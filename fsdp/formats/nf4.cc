@@ -73,8 +73,8 @@ at::Tensor dequantize_blocks(const at::Tensor& index, const at::Tensor& absmax,
 // repeated absmax (about 30 bytes of memory traffic a weight); the CPU loop below reads
 // each code byte once and writes each value once in the output dtype. Both compute
 // nf4 value x absmax as one fp32 product and round it to the dtype once (c10's
-// conversions, round to nearest even), so they give the same bits, which
-// tests:nf4_interop_test checks against bitsandbytes.
+// conversions, round to nearest even), so they give the same bits: fsdp/formats:nf4_test
+// compares the two, and tests:nf4_interop_test the loop with bitsandbytes.
 template <typename T>
 void dequantize_cpu(const uint8_t* codes, const float* absmax, int64_t n, int64_t blocksize,
                     T* out) {
@@ -163,7 +163,10 @@ Nf4Tensor quantize_nf4(const at::Tensor& x, bool double_quant, int64_t blocksize
   return q;
 }
 
-at::Tensor dequantize_nf4(const Nf4Tensor& q) {
+namespace {
+
+// Checks `q` against its shape; each block's absmax, fp32 [blocks].
+at::Tensor checked_absmax(const Nf4Tensor& q) {
   for (int64_t d : q.shape) {
     TORCH_CHECK(d >= 0, "NF4 tensor: expected a shape of sizes >= 0, found ",
                 c10::IntArrayRef(q.shape));
@@ -174,36 +177,47 @@ at::Tensor dequantize_nf4(const Nf4Tensor& q) {
               q.dtype);
   const int64_t n = q.numel(), blocks = q.blocks();
   check_tensor(q.codes, "codes", at::kByte, (n + 1) / 2, q);
-  at::Tensor absmax;
-  if (q.double_quantized()) {
-    check_tensor(q.absmax, "absmax (double quantized)", at::kByte, blocks, q);
-    check_tensor(q.nested_absmax, "nested_absmax", at::kFloat,
-                 (blocks + q.nested_blocksize - 1) / q.nested_blocksize, q);
-    check_tensor(q.nested_code, "nested_code", at::kFloat, 256, q);
-    absmax =
-        dequantize_blocks(q.absmax, q.nested_absmax, q.nested_code, q.nested_blocksize) + q.offset;
-  } else {
+  if (!q.double_quantized()) {
     check_tensor(q.absmax, "absmax", at::kFloat, blocks, q);
-    absmax = q.absmax;
+    return q.absmax;
   }
+  check_tensor(q.absmax, "absmax (double quantized)", at::kByte, blocks, q);
+  check_tensor(q.nested_absmax, "nested_absmax", at::kFloat,
+               (blocks + q.nested_blocksize - 1) / q.nested_blocksize, q);
+  check_tensor(q.nested_code, "nested_code", at::kFloat, 256, q);
+  return dequantize_blocks(q.absmax, q.nested_absmax, q.nested_code, q.nested_blocksize) + q.offset;
+}
+
+// The ATen composition of Note [Dequantizing NF4 on the CPU], on codes' device.
+at::Tensor dequantize_composite(const Nf4Tensor& q, const at::Tensor& absmax) {
   const at::Tensor codes = q.codes.reshape(-1);
-  if (codes.device().is_cpu()) {  // See Note [Dequantizing NF4 on the CPU]
-    const at::Tensor bytes = codes.contiguous();
-    const at::Tensor scales = absmax.to(at::kFloat).contiguous();
-    at::Tensor out = at::empty(q.shape, codes.options().dtype(q.dtype));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.dtype, "dequantize_nf4", [&] {
-      dequantize_cpu(bytes.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, q.blocksize,
-                     out.data_ptr<scalar_t>());
-    });
-    return out;
-  }
   const at::Tensor index =
       at::stack({at::bitwise_right_shift(codes, 4), at::bitwise_and(codes, 15)}, 1)
           .reshape(-1)
-          .narrow(0, 0, n);
+          .narrow(0, 0, q.numel());
   return dequantize_blocks(index, absmax, nf4_code().to(codes.device()), q.blocksize)
       .to(q.dtype)
       .view(q.shape);
+}
+
+}  // namespace
+
+at::Tensor dequantize_nf4(const Nf4Tensor& q) {
+  const at::Tensor absmax = checked_absmax(q);
+  if (!q.codes.device().is_cpu()) return dequantize_composite(q, absmax);
+  // See Note [Dequantizing NF4 on the CPU].
+  const at::Tensor bytes = q.codes.reshape(-1).contiguous();
+  const at::Tensor scales = absmax.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(q.shape, bytes.options().dtype(q.dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.dtype, "dequantize_nf4", [&] {
+    dequantize_cpu(bytes.data_ptr<uint8_t>(), scales.data_ptr<float>(), q.numel(), q.blocksize,
+                   out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+at::Tensor dequantize_nf4_composite(const Nf4Tensor& q) {
+  return dequantize_composite(q, checked_absmax(q));
 }
 
 }  // namespace fsdp

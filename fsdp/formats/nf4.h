@@ -62,8 +62,13 @@ struct Nf4Tensor {
 Nf4Tensor quantize_nf4(const at::Tensor& x, bool double_quant = true, int64_t blocksize = 64);
 
 // The tensor `q` stands for: shape q.shape, dtype q.dtype, on q.codes' device; bit for bit
-// bitsandbytes' dequantize_4bit of the same bytes.
+// bitsandbytes' dequantize_4bit of the same bytes. On the CPU one loop over the codes
+// (at::parallel_for); elsewhere dequantize_nf4_composite.
 at::Tensor dequantize_nf4(const Nf4Tensor& q);
+
+// The same values from a composition of ATen ops, on any device: what dequantize_nf4 runs
+// off the CPU (CUDA), here so that the two can be compared on the CPU.
+at::Tensor dequantize_nf4_composite(const Nf4Tensor& q);
 
 }  // namespace fsdp
 

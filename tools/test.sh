@@ -17,11 +17,15 @@ status=0
 # unit tests (//fsdp/...) and the two tests below run once, under ASan + UBSan further
 # down, not also here: compiling them twice cost minutes of a cold run.
 asan_tests=(//fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_test)
-bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" 2>&1 | tee -a "$log" ||
+# fsdp's benchmarks are compiled here, not under ASan, where nothing would run them
+# (--build_tests_only there; the fuzzers build in the fuzz configuration only, below).
+fsdp_binaries=($(bazel query 'filter("_benchmark$", kind("cc_binary", //fsdp/...))' 2>/dev/null))
+bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" "${fsdp_binaries[@]}" 2>&1 |
+  tee -a "$log" ||
   status=$?
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
-bazel test --config=asan --nocache_test_results "$@" -- "${asan_tests[@]}" 2>&1 |
+bazel test --config=asan --build_tests_only --nocache_test_results "$@" -- "${asan_tests[@]}" 2>&1 |
   sed -E 's#^(//[^ ]+) #\1 (asan) #' | tee -a "$log" || status=$?
 # House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).
 if find fsdp models examples benchmarks tests tools \( -name '*.cc' -o -name '*.h' \) -print0 |

@@ -281,6 +281,11 @@ void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* embedding = module.as<torch::nn::EmbeddingImpl>()) embedding->reset_parameters();
 }
 
+at::ScalarType lora_base_dtype(at::ScalarType master, at::ScalarType folder, bool bf16_compute) {
+  const bool sixteen_bit = folder == at::kBFloat16 || folder == at::kHalf;
+  return bf16_compute && sixteen_bit ? folder : master;
+}
+
 int64_t store_projections_nf4(CausalLMImpl& net) {
   int64_t stored = 0;
   for (auto& unit : net.model->units) {

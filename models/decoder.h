@@ -248,6 +248,12 @@ class KVCacheScope {
   CausalLMImpl& model_;
 };
 
+// The dtype a LoRA run builds its frozen base in (Note [The frozen base of a LoRA run] in
+// examples/llama/finetune.cc): a 16-bit folder's own dtype (`folder` bf16 or fp16) under bf16
+// compute, else `master`, the master weights' dtype. PyTorch/PEFT: the base as
+// from_pretrained(dtype=the folder's) loads it, the adapters fp32 (autocast_adapter_dtype).
+at::ScalarType lora_base_dtype(at::ScalarType master, at::ScalarType folder, bool bf16_compute);
+
 // QLoRA's base (examples/llama:finetune --quantize=nf4): holds every LoraLinear named
 // "*_proj" inside a decoder layer's unit (attention's and the MLP's projections, shared
 // experts' included; not the MoE routers, the fused routed experts, the embeddings, the

@@ -34,16 +34,11 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
   report.config = config;
   report.global_batch = global_batch;
   report.grad_accumulation_steps = grad_accumulation_steps;
-  // The frozen base as the trainer builds it (Note [The frozen base of a LoRA run] in
-  // examples/llama/finetune.cc): the config's 16-bit dtype for LoRA under bf16 mixed
-  // precision, else the master dtype.
-  const c10::optional<at::ScalarType> folder = config.dtype == "bfloat16" ? at::kBFloat16
-                                               : config.dtype == "float16"
-                                                   ? c10::optional<at::ScalarType>(at::kHalf)
-                                                   : c10::nullopt;
-  report.base_dtype = trained.lora_rank > 0 && !weights.lora_fp32_base && folder &&
-                              options.param_dtype() == at::kBFloat16
-                          ? *folder
+  // The frozen base as the trainer builds it, the folder's dtype being the one it is
+  // written back in (options.save_dtype()).
+  report.base_dtype = trained.lora_rank > 0 && !weights.lora_fp32_base
+                          ? models::lora_base_dtype(options.dtype(), options.save_dtype(),
+                                                    options.param_dtype() == at::kBFloat16)
                           : options.dtype();
   // The decoder on the meta device: shapes only, as the trainer builds it.
   auto net = std::make_shared<models::CausalLMImpl>(

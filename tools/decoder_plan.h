@@ -50,8 +50,9 @@ struct DecoderPlanReport {
   models::FinetunePlan smallest_plan;
 };
 
-// The plan of `config` (read from `source`), its weights built as `weights` says.
-// `options.micro_batch` is derived (models::micro_batch_of); `options.trained().lora_targets`
+// The plan of `config` (read from `source`), its weights built as `weights` says (a LoRA
+// run's frozen base in options.save_dtype(), the folder's dtype, where the trainer keeps
+// it). `options.micro_batch` is derived (models::micro_batch_of); `options.trained().lora_targets`
 // empty with a LoRA rank: the family's default (lora_targets.h). The smallest world size is
 // searched among those the trainer takes (models::smallest_world_size). Throws c10::Error
 // for NF4 (or a 4-bit config) without LoRA: a 4-bit base cannot train.

@@ -252,8 +252,10 @@ PY
 )
 out=$("$plan" --config="$tmp/bf16.json" --lora_rank=8 --quantize=nf4 --batch_size=1 \
   --format=json 2>&1)
-got=$("$python" -c 'import json, sys; print(json.load(sys.stdin)["bytes"]["sharded_parameters"])' \
-  <<<"$out" 2>&1)
+sharded_parameters() {  # of a --format=json plan on stdin
+  "$python" -c 'import json, sys; print(json.load(sys.stdin)["bytes"]["sharded_parameters"])' 2>&1
+}
+got=$(sharded_parameters <<<"$out")
 if [[ "$got" == "$want" ]]; then
   echo "ok config_nf4_bytes ($want bytes)"
   passed=$((passed + 1))
@@ -271,7 +273,7 @@ config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit":
 json.dump(config, open(sys.argv[1] + "/bnb4.json", "w"))
 PY
 got=$("$plan" --config="$tmp/bnb4.json" --lora_rank=8 --batch_size=1 --format=json 2>&1 |
-  "$python" -c 'import json, sys; print(json.load(sys.stdin)["bytes"]["sharded_parameters"])' 2>&1)
+  sharded_parameters)
 if [[ "$got" == "$want" ]]; then
   echo "ok config_bnb4_bytes"
   passed=$((passed + 1))

@@ -462,12 +462,10 @@ lora::LoraConfig lora_config(const DecoderConfig& model) {
 // run (see the Note above).
 at::ScalarType base_dtype_of(at::ScalarType dtype, at::ScalarType folder_dtype,
                              const std::string& mixed_precision) {
-  const bool sixteen_bit = folder_dtype == at::kBFloat16 || folder_dtype == at::kHalf;
-  if (absl::GetFlag(FLAGS_lora_rank) > 0 && absl::GetFlag(FLAGS_lora_base_dtype) == "auto" &&
-      mixed_precision == "bf16" && sixteen_bit) {
-    return folder_dtype;
+  if (absl::GetFlag(FLAGS_lora_rank) == 0 || absl::GetFlag(FLAGS_lora_base_dtype) != "auto") {
+    return dtype;
   }
-  return dtype;
+  return lora_base_dtype(dtype, folder_dtype, mixed_precision == "bf16");
 }
 
 // Note [No rank holds the whole model]

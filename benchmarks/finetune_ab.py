@@ -26,6 +26,11 @@ binary. Cases (issue 36's goals):
          (BitsAndBytesConfig NF4, double quantization, bf16 quant storage, which FSDP2
          needs) on every rank. The goal's NF4 folder is the model written by transformers'
          save_pretrained after that load (its size is measured)
+  moe_full  full fine-tune (bf16 compute, fp32 master weights and AdamW) of a 1.02 B-
+         parameter Qwen3-MoE saved in bf16 (issue 47: hidden 1024, 18 layers, 16 heads,
+         4 KV heads, head_dim 64, 64 experts of 256, top 8 renormalised, vocab 32000), the
+         router's load-balancing loss on both sides (router_aux_loss_coef 0.001)
+  moe_lora  LoRA rank 8 on q_proj, v_proj of the same folder, the frozen base in bf16
 Each rank is its own process, started as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the runner collects each process's peak
 resident set with os.wait4 (ru_maxrss), and stamps each of rank 0's `step k/N` lines (both
@@ -52,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(ROOT, "benchmarks", "peer", "hf_fsdp2_finetune.py")
 MIB = 1 << 20
 
-MODELS = {  # name: LlamaConfig fields
+MODELS = {  # name: LlamaConfig fields (Qwen3MoeConfig's where model_type says so)
     "llama672m": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
                       num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
     "llama1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
@@ -61,6 +66,10 @@ MODELS = {  # name: LlamaConfig fields
                       num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
     "llama_tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=32000),
+    "qwen3moe1b": dict(model_type="qwen3_moe", hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=18, num_attention_heads=16, num_key_value_heads=4,
+                       head_dim=64, num_experts=64, num_experts_per_tok=8,
+                       moe_intermediate_size=256, norm_topk_prob=True, vocab_size=32000),
 }
 CASES = {  # name: model, LoRA rank (0: full), whether under --limit_mib, learning rate,
     # the folder's dtype, --quantize
@@ -70,12 +79,14 @@ CASES = {  # name: model, LoRA rank (0: full), whether under --limit_mib, learni
     "tiny": ("llama_tiny", 0, False, 1e-3, "float32", "none"),
     "lora_bf16": ("llama672m", 8, False, 1e-4, "bfloat16", "none"),
     "qlora": ("llama672m", 8, False, 1e-4, "bfloat16", "nf4"),
+    "moe_full": ("qwen3moe1b", 0, False, 1e-4, "bfloat16", "none"),
+    "moe_lora": ("qwen3moe1b", 8, False, 1e-4, "bfloat16", "none"),
 }
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="lora,full,limit,lora_bf16,qlora", help="comma-separated: " + ",".join(CASES))
+    p.add_argument("--cases", default="lora,full,limit,lora_bf16,qlora,moe_full,moe_lora", help="comma-separated: " + ",".join(CASES))
     p.add_argument("--cache", default="/tmp/fsdp_finetune_ab", help="folders, tokens, outputs")
     p.add_argument("--finetune", default="",
                    help="examples/llama:finetune binary (default: build it with -c opt)")
@@ -100,14 +111,17 @@ def parse_args():
 
 
 def make_folder(folder, model, dtype):
-    """A random Llama folder (safetensors in `dtype`: the same values rounded) by
-    transformers; run in its own process."""
+    """A random Llama or Qwen3-MoE folder (safetensors in `dtype`: the same values rounded)
+    by transformers; run in its own process."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **MODELS[model])
-    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(folder,
-                                                                       safe_serialization=True)
+    fields = dict(MODELS[model])
+    moe = fields.pop("model_type", "llama") == "qwen3_moe"
+    config = (Qwen3MoeConfig if moe else LlamaConfig)(
+        max_position_embeddings=2048, tie_word_embeddings=False, **fields)
+    (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).to(
+        getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
 
 
 def make_nf4_folder(folder, source):
@@ -256,6 +270,8 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit, quantize):
               f"--context={args.context}", f"--batch_size={args.batch_size}", f"--lr={lr}",
               "--warmup_steps=0", f"--seed={args.seed}", f"--lora_rank={lora_rank}",
               f"--quantize={quantize}"]
+    if lora_rank:  # the peer's default; ours asks for targets where PEFT has no default
+        common.append("--lora_target_modules=q_proj,v_proj")
     if side == "ours":
         command = [args.finetune, *common, f"--out_dir={out}/out", "--log_interval=1",
                    "--checkpoint_interval=0", f"--world_size={args.world_size}"]
@@ -303,7 +319,7 @@ def run_side(args, side, case, folder, tokens, lora_rank, lr, limit, quantize):
 
 
 def goal(case, folder_bytes, numel, world_size, limit, ours, peer, nf4_bytes=0):
-    """(what issues 36 and 46 ask of ours in this case, whether met)."""
+    """(what issues 36, 46 and 47 ask of ours in this case, whether met)."""
     largest = max(ours["peaks"])
     ratio = (ours["tokens_per_s"] or 0) / peer["tokens_per_s"] if peer["tokens_per_s"] else 0
     if case in ("lora", "lora_bf16"):
@@ -318,6 +334,11 @@ def goal(case, folder_bytes, numel, world_size, limit, ours, peer, nf4_bytes=0):
         bound = 1.05 * 16 * numel / world_size / MIB + 450
         return (f"<= {bound:,.0f} MiB (1.05 x 16 B x P / W + 450)",
                 ours["status"] == "ok" and largest <= bound)
+    if case in ("moe_full", "moe_lora"):
+        bound = max(peer["peaks"]) if peer["status"] == "ok" else None
+        return (f">= 1.2x peer tokens/s, largest <= peer's "
+                f"({fmt(bound, ',.0f')} MiB)", ours["status"] == "ok" and ratio >= 1.2 and
+                bound is not None and largest <= bound)
     if case == "limit":
         return (f"trains under memory limit {limit / MIB:,.0f} MiB per rank (folder "
                 f"{folder_bytes / MIB:,.0f} MiB)", ours["status"] == "ok")
@@ -472,7 +493,7 @@ peer's). Wall time includes loading, and for ours writing OUT/hf (and OUT/adapte
 peer does not do. The LoRA adapters are drawn from the same seed by both, but not with the
 same draws, so the losses after the first step differ slightly; the first step's loss is
 that of the same weights on the same tokens (on the full fine-tune every step agrees: see
-tests:finetune_ab_test). Goals are issues 36's and 46's, for ours; "plan MiB" is the peak of our
+tests:finetune_ab_test). Goals are issues 36's, 46's and 47's, for ours; "plan MiB" is the peak of our
 trainer's `memory plan:` line (rank 0), printed before it reads a weight.
 
 The lora_bf16 and qlora cases (issue 46) start from the same random model saved in bf16.

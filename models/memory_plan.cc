@@ -347,6 +347,10 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   plan.activations_held = at_peak(PlanTerm::kActivations);
   plan.gathered_units = plan.step.peak_bytes - plan.parameters - plan.gradients -
                         plan.optimizer_state - plan.activations_held;
+  if (config.is_moe()) {
+    plan.experts_per_layer = config.num_experts * 3 * config.moe_intermediate_size *
+                             config.hidden_size * element_size(compute);
+  }
   // Saving gathers one unit at a time, each flat parameter in its dtype, and casts its
   // floating values to the folder's.
   const auto gathered_and_cast = [&](at::ScalarType dtype, int64_t numel) {
@@ -405,6 +409,15 @@ std::string format_bytes(int64_t bytes) {
   if (bytes >= (int64_t{1} << 20)) return absl::StrFormat("%.0f MiB", b / (1 << 20));
   if (bytes >= (int64_t{1} << 10)) return absl::StrFormat("%.0f KiB", b / (1 << 10));
   return absl::StrCat(bytes, " B");
+}
+
+std::string experts_gathered_line(const DecoderConfig& config, const FinetunePlan& plan) {
+  if (!config.is_moe()) return "";
+  return absl::StrCat("mixture of experts: each sparse layer's unit gathers all ",
+                      config.num_experts, " experts, ", format_bytes(plan.experts_per_layer),
+                      " in ",
+                      c10::toString(plan.options.param_dtype().value_or(plan.options.dtype())),
+                      ", though each token uses ", config.num_experts_per_tok, " of them");
 }
 
 std::string FinetunePlan::summary() const {

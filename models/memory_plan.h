@@ -144,9 +144,18 @@ struct FinetunePlan {
                                  // + the larger of the step's peak and saving's, with
                                  // kAllocatorOverhead
   int64_t host_bytes = 0;        // CUDA with cpu_offload: the host's offloaded state
+  // Mixture-of-experts configs: one sparse layer's routed experts as its unit gathers them
+  // (E x 3 x I x H elements in the compute dtype), all E of them though each token uses
+  // num_experts_per_tok; part of gathered_units whenever a sparse layer is. 0: dense.
+  int64_t experts_per_layer = 0;
   // "parameters 1.2 GiB + gradients ... = peak 5.1 GiB per rank" (one line).
   std::string summary() const;
 };
+
+// For a mixture-of-experts config, one line on what gathering a sparse layer costs:
+// "mixture of experts: each sparse layer's unit gathers all 128 experts, 1.13 GiB in
+// BFloat16, though each token uses 8 of them"; "" for a dense config.
+std::string experts_gathered_line(const DecoderConfig& config, const FinetunePlan& plan);
 
 // The plan of one rank (every rank's is the same). Throws c10::Error on bad options.
 FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUnit>& units,

@@ -214,5 +214,27 @@ TEST(PlanUnitsTest, ABf16BaseIsFrozenElementsOfItsOwnDtype) {
   EXPECT_EQ(planned_trainable + planned_bf16, total);
 }
 
+// A sparse layer's experts as its unit gathers them: 8 experts x 3 x 32 x 64 elements in the
+// compute dtype, named in one line; none for a dense config.
+TEST(PlanFinetuneTest, SaysWhatGatheringASparseLayersExpertsCosts) {
+  const DecoderConfig moe = config_of(kQwen3Moe);
+  auto net = std::make_shared<CausalLMImpl>(moe, at::TensorOptions().device(c10::kMeta));
+  const std::vector<PlanUnit> units = plan_units(*net);
+  const FinetunePlan fp32 = plan_finetune(moe, units, FinetunePlanOptions().world_size(2));
+  EXPECT_EQ(fp32.experts_per_layer, 8 * 3 * 32 * 64 * 4);
+  EXPECT_EQ(experts_gathered_line(moe, fp32),
+            "mixture of experts: each sparse layer's unit gathers all 8 experts, 192 KiB in "
+            "Float, though each token uses 2 of them");
+  const FinetunePlan bf16 =
+      plan_finetune(moe, units, FinetunePlanOptions().world_size(2).param_dtype(at::kBFloat16));
+  EXPECT_EQ(bf16.experts_per_layer, 8 * 3 * 32 * 64 * 2);
+  EXPECT_GE(bf16.gathered_units, bf16.experts_per_layer);
+  const DecoderConfig dense = config_of(R"(, "model_type": "llama")");
+  auto dense_net = std::make_shared<CausalLMImpl>(dense, at::TensorOptions().device(c10::kMeta));
+  const FinetunePlan plan = plan_finetune(dense, plan_units(*dense_net), FinetunePlanOptions());
+  EXPECT_EQ(plan.experts_per_layer, 0);
+  EXPECT_EQ(experts_gathered_line(dense, plan), "");
+}
+
 }  // namespace
 }  // namespace fsdp::models

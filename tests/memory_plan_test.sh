@@ -6,7 +6,8 @@
 # of a random 30 M-parameter Qwen3-MoE folder (16 experts, top-4, a dense layer; the
 # router's load-balancing loss on, as by default); each run's largest peak resident
 # set must lie within 15% of the plan printed before loading, and the MoE run's parameter
-# count (printed by the trainer and by fsdp_plan) is transformers' exactly. With --max_memory_per_rank below the plan, every rank
+# count (printed by the trainer and by fsdp_plan) is transformers' exactly, both naming what
+# gathering a sparse layer's experts costs. With --max_memory_per_rank below the plan, every rank
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
 # fsdp_plan --config gives the same plan from the config.json alone (all but the runtime,
 # which the trainer measures), and the smallest world size that fits a memory per rank.
@@ -73,6 +74,10 @@ for run in full lora lora_bf16 qlora moe; do
       echo "FAIL: transformers' Qwen3-MoE has $numel parameters; the trainer and fsdp_plan say:"
       grep "parameters (" "$dir/moe.log" "$dir/moe.plan"; exit 1; }
     echo "moe: $numel parameters in the trainer, fsdp_plan and transformers"
+    # What gathering a sparse layer costs: 16 experts x 3 x 256 x 256 fp32 elements.
+    line="mixture of experts: each sparse layer's unit gathers all 16 experts, 3 MiB in Float, though each token uses 4 of them"
+    grep -qF "$line" "$dir/moe.log" && grep -qxF "$line" "$dir/moe.plan" || {
+      echo "FAIL: expected \"$line\" from the trainer and fsdp_plan"; exit 1; }
   fi
 done
 # The smallest world size for exactly the W = 2 peak is 2 (W = 1 holds more).

@@ -102,6 +102,7 @@ std::string to_table(const DecoderPlanReport& r) {
     out += absl::StrFormat("  %-26s %14d B  %s\n", what, bytes, models::format_bytes(bytes));
   }
   out += absl::StrCat("the step's peak: ", p.step.peak_event, "\n");
+  if (r.config.is_moe()) out += models::experts_gathered_line(r.config, p) + "\n";
   out += absl::StrCat("memory plan: ", p.summary(), "\n");
   if (r.memory_per_rank > 0) {
     out += r.smallest_world_size > 0
@@ -136,7 +137,8 @@ std::string to_json(const DecoderPlanReport& r) {
                            {"runtime", p.runtime},
                            {"saving", p.saving},
                            {"peak", p.peak_bytes},
-                           {"host", p.host_bytes}}}};
+                           {"host", p.host_bytes},
+                           {"experts_per_layer", p.experts_per_layer}}}};
   if (r.memory_per_rank > 0) {
     json["memory_per_rank"] = r.memory_per_rank;
     json["smallest_world_size"] = r.smallest_world_size;

@@ -1,5 +1,5 @@
 """transformers + PyTorch FSDP2's side of benchmarks/finetune_ab.py: one rank of a fine-tune
-of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
+of a Hugging Face decoder folder (Llama, Qwen3-MoE), the same run as examples/llama:finetune's.
 
     RANK=r WORLD_SIZE=W MASTER_ADDR=... MASTER_PORT=... hf_fsdp2_finetune.py \
         --from=HF_DIR --data=TOKENS --steps=5 --context=128 --batch_size=2 [--lora_rank=8]
@@ -21,7 +21,10 @@ of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
   folder's safetensors (safe_open + get_slice of the rows torch.chunk gives rank r, which
   is DTensor's Shard(0) split) into its local shard, one tensor at a time. This is leaner than
   set_model_state_dict(..., broadcast_from_rank0=True), where rank 0 holds the whole state
-  dict (a full copy of the model) while it broadcasts.
+  dict (a full copy of the model) while it broadcasts. A mixture of experts' fused
+  `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (transformers 5.x in
+  memory) are read from the folder's per-expert tensors (`mlp.experts.E.gate_proj.weight`,
+  `up_proj`, `down_proj`), the rank's experts only.
 - Non-persistent buffers (the rotary embedding's inv_freq) recomputed by building a fresh
   rotary module on the CPU; LoRA A drawn as PEFT does (kaiming_uniform_(a=sqrt(5))) on the
   CPU from torch.manual_seed(--seed), in module order, and B zero, then sharded as above.
@@ -30,7 +33,10 @@ of a Hugging Face Llama folder, the same run as examples/llama:finetune's.
 - Batches as examples/llama/finetune.cc's batch(): torch.manual_seed(seed * 1000003 + step);
   starts = torch.randint(n - context - 1, (batch,)); rank r takes the r-th slice of
   batch / W windows of context + 1 tokens. The loss is the mean next-token cross-entropy of
-  the rank's windows, averaged over the ranks.
+  the rank's windows, averaged over the ranks. A mixture of experts (a config with
+  router_aux_loss_coef) adds router_aux_loss_coef x the router's load-balancing loss, as
+  transformers does with output_router_logits=True and as the trainer does by default; the
+  experts run as transformers picks by default (grouped_mm where torch has it; printed).
 Rank 0 prints `step k/N | loss X` after each step (after the all-reduce of the loss, as the
 trainer), and its own peak resident set after loading and at the end.
 """
@@ -139,6 +145,23 @@ def rows_of(rank, world_size, rows):
     return min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
 
 
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def read_fused_experts(folder, weight_map, key, local, begin, end):
+    """Experts begin..end-1 of the fused `key` from the folder's per-expert tensors into
+    `local` (gate_up_proj: each expert's gate rows, then its up rows)."""
+    prefix, kind = key.rsplit(".", 1)
+    parts = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
+    for e in range(begin, end):
+        rows = []
+        for part in parts:
+            name = f"{prefix}.{e}.{part}.weight"
+            with safe_open(os.path.join(folder, weight_map[name]), "pt") as f:
+                rows.append(f.get_tensor(name))
+        local[e - begin].copy_(torch.cat(rows))
+
+
 @torch.no_grad()
 def materialise(model, args):
     """to_empty, then fill every local shard: weights from the folder, adapters as PEFT.
@@ -169,9 +192,12 @@ def materialise(model, args):
             continue
         if quantized:
             continue
+        key = checkpoint_key(name)
+        if key not in weight_map and key.endswith(FUSED_EXPERTS):
+            read_fused_experts(args.folder, weight_map, key, local, begin, end)
+            continue
         # Opened per tensor: the file's mapping (whose touched pages count in the resident
         # set) is dropped after each copy instead of growing to this rank's share of it.
-        key = checkpoint_key(name)
         with safe_open(os.path.join(args.folder, weight_map[key]), "pt") as f:
             local.copy_(f.get_slice(key)[begin:end])
     for module in model.modules() if not quantized else []:
@@ -200,6 +226,12 @@ def main():
         print(f"model: {numel} parameters ({sum(p.numel() for p in trainable)} trainable) "
               f"in {layers} fully_shard layers and the root over {world_size} ranks", flush=True)
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    config = model.config
+    aux_coef = getattr(config, "router_aux_loss_coef", 0.0) if hasattr(
+        config, "output_router_logits") else 0.0
+    if rank == 0 and aux_coef:
+        print(f"mixture of experts: experts_implementation "
+              f"{config._experts_implementation}, router_aux_loss_coef {aux_coef}", flush=True)
     tokens = torch.from_numpy(np.fromfile(args.data, dtype=args.data_dtype).astype(np.int64))
     local = args.batch_size // world_size
     for step in range(args.steps):
@@ -212,8 +244,11 @@ def main():
         chunk = tokens[starts[:, None] + torch.arange(args.context + 1)[None, :]]
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
         optimizer.zero_grad()
-        logits = model(input_ids=x).logits
+        out = model(input_ids=x, output_router_logits=True) if aux_coef else model(input_ids=x)
+        logits = out.logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        if aux_coef:
+            loss = loss + aux_coef * out.aux_loss
         loss.backward()
         optimizer.step()
         mean = loss.detach().clone()

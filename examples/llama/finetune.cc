@@ -577,7 +577,10 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
     budget.bytes = parse_shard_size(flag, "--max_memory_per_rank");
     budget.why = "--max_memory_per_rank";
   }
-  if (comm.rank() == 0) std::cout << "memory plan: " << plan.summary() << "\n";
+  if (comm.rank() == 0) {
+    std::cout << "memory plan: " << plan.summary() << "\n";
+    if (config.is_moe()) std::cout << experts_gathered_line(config, plan) << "\n";
+  }
   if (!absl::GetFlag(FLAGS_memory_check) || plan.peak_bytes <= budget.bytes) return;
   const std::vector<std::string> fits =
       flags_that_fit(config, net, plan, grad_accumulation_steps, budget.bytes);

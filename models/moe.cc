@@ -54,6 +54,13 @@ void ExpertsImpl::reset_parameters() {
   if (down_proj_bias.defined()) down_proj_bias.zero_();
 }
 
+at::Tensor ExpertsImpl::activation(const at::Tensor& gate, const at::Tensor& up) const {
+  if (style.swiglu_limit <= 0) return torch::nn::functional::silu(gate) * up;
+  const double limit = style.swiglu_limit;
+  const at::Tensor g = gate.clamp_max(limit);
+  return (up.clamp(-limit, limit) + 1) * (g * at::sigmoid(g * style.swiglu_alpha));
+}
+
 // Note [Experts gathered per expert]
 // Each token goes to k of E experts, so computing every expert on every token would cost
 // E / k times the work. The (token, choice) pairs are sorted by expert instead (a stable
@@ -66,13 +73,6 @@ void ExpertsImpl::reset_parameters() {
 // the counts per expert cost one device-to-host copy per layer. A grouped GEMM
 // (at::_grouped_mm) would save the launches per expert on CUDA; the loop keeps CPU and
 // every dtype.
-at::Tensor ExpertsImpl::activation(const at::Tensor& gate, const at::Tensor& up) const {
-  if (style.swiglu_limit <= 0) return torch::nn::functional::silu(gate) * up;
-  const double limit = style.swiglu_limit;
-  const at::Tensor g = gate.clamp_max(limit);
-  return (up.clamp(-limit, limit) + 1) * (g * at::sigmoid(g * style.swiglu_alpha));
-}
-
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_index,
                                 const at::Tensor& top_k_weights) {
   const int64_t num_experts = gate_up_proj.size(0), k = top_k_index.size(1);

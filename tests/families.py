@@ -134,7 +134,8 @@ VARIANTS = {
     ]),
 }
 
-GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+# rope_theta 100: the correction range ends mid-pair, so truncate counts.
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
 
 # The mixture-of-experts families: 8 or 4 experts, top-2, experts of width 16; the
@@ -177,7 +178,7 @@ MOE_VARIANTS = {
         ("experts' biases zeroed", {}, "experts_bias"),
         ("sliding layers -> full", {"layer_types": ["full_attention"] * 3}, None),
         ("rope yarn -> default", {"rope_parameters": {"rope_type": "default",
-                                                      "rope_theta": 10000.0}}, None),
+                                                      "rope_theta": 100.0}}, None),
         ("yarn truncate false -> true", {"rope_parameters": dict(GPT_OSS_YARN, truncate=True)},
          None),
         ("swiglu_limit 7 -> 1e4 (no clamp)", {"swiglu_limit": 1e4}, None),

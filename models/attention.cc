@@ -6,11 +6,14 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/max.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tanh.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "models/internal/projection.h"
 #include "models/rotary.h"
@@ -75,6 +78,15 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, LayerType type,
     q_norm = norm("q_norm", heads * head_dim);
     k_norm = norm("k_norm", kv_heads * head_dim);
   }
+  if (config.attention_sinks) {
+    sinks = register_parameter("sinks", at::empty({heads}, options));
+    if (!options.device().is_meta()) reset_parameters();
+  }
+}
+
+void AttentionImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  if (sinks.defined()) sinks.zero_();
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -110,19 +122,31 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   // is_causal aligns the queries with the first keys, not the last: after a cache, a mask.
   at::Tensor allowed = mask;
   if (mask.defined() && window > 0) allowed = mask & attention_mask(t, t, window, x.device());
-  if (!mask.defined() && (window > 0 || softcap > 0 || s > t))
+  const bool eager = softcap > 0 || sinks.defined();
+  if (!mask.defined() && (window > 0 || eager || s > t))
     allowed = attention_mask(t, s, window, x.device());
   at::Tensor attended;
-  if (softcap > 0) {
-    // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32.
+  if (eager) {
+    // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32
+    // (with sinks: in the scores' dtype).
     if (kv_heads != heads) {  // each key/value head serves heads / kv_heads query heads
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
-    scores = at::tanh(scores / softcap) * softcap;
+    if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
     scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-    attended = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
+    if (sinks.defined()) {
+      // gpt_oss: the sink as one more key of each query, less the row's maximum, softmax in
+      // the scores' dtype, the sink's column dropped.
+      at::Tensor logits = at::cat(
+          {scores, sinks.to(scores.scalar_type()).view({1, heads, 1, 1}).expand({b, heads, t, 1})},
+          -1);
+      logits = logits - std::get<0>(at::max(logits, -1, /*keepdim=*/true));
+      attended = at::matmul(at::softmax(logits, -1).narrow(-1, 0, s).to(v.scalar_type()), v);
+    } else {
+      attended = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
+    }
   } else {
     attended = at::scaled_dot_product_attention(
         q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,

@@ -1,8 +1,8 @@
 // The decoder's self-attention: grouped-query, causal (over the last sliding_window keys
-// in a sliding layer), with RoPE, optional q/k norms and logit soft-cap, its projections
+// in a sliding layer), with RoPE, optional q/k norms, logit soft-cap and sinks, its projections
 // fsdp::lora::LoraLinear under the families' names (q_proj, k_proj, v_proj, o_proj, or
 // qkv_proj fused). PyTorch/transformers counterpart: LlamaAttention and the families'
-// variants (attn_implementation "eager" when soft-capped, else sdpa).
+// variants (attn_implementation "eager" when soft-capped or with sinks, else sdpa).
 //
 //   fsdp::models::Attention attention(config, fsdp::models::LayerType::kFull);
 //   at::Tensor y = attention(x, cos, sin);  // x [batch, time, hidden] -> y the same
@@ -42,6 +42,8 @@ struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask = {});
+  // The sinks' values as built (zeros); the projections reset themselves.
+  void reset_parameters();
 
   int64_t heads, kv_heads, head_dim;
   int64_t window;  // 0: causal over every earlier position
@@ -52,6 +54,10 @@ struct AttentionImpl : torch::nn::Module {
   // (qk_norm_full_width); null without either.
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   bool full_width_norm = false;
+  // attention_sinks (gpt_oss): [heads], a logit per head that joins each query's softmax
+  // over the keys and is dropped after it (transformers' eager_attention_forward of
+  // GptOssAttention); zeros as built. Undefined without.
+  at::Tensor sinks;
   KVCacheLayer* cache = nullptr;  // set by KVCacheScope (decoder.h) while it lives
 };
 TORCH_MODULE(Attention);

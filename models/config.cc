@@ -39,6 +39,7 @@ constexpr Family kFamilies[] = {
     {"mixtral", models_internal::read_mixtral_config, true},
     {"olmoe", models_internal::read_olmoe_config, true},
     {"qwen2_moe", models_internal::read_qwen2_moe_config, true},
+    {"gpt_oss", models_internal::read_gpt_oss_config, true},
 };
 
 // The whole text of a config.json as a JSON object, parsed with its nesting bounded
@@ -82,11 +83,25 @@ void refuse_other_architectures(const ConfigFields& fields, const Family& family
     TORCH_CHECK(value == nullptr || (value->is_number_integer() && value->get<int64_t>() == 0),
                 fields.source(), ": \"", experts, "\" = ", value == nullptr ? "" : value->dump(),
                 " is not supported: mixture-of-experts layers are built for the model types "
-                "qwen3_moe, mixtral, olmoe and qwen2_moe only; a ",
+                "qwen3_moe, mixtral, olmoe, qwen2_moe and gpt_oss only; a ",
                 family.model_type, " decoder has one dense MLP per layer");
   }
   fields.require("use_bidirectional_attention", false,
                  "fsdp's decoder is causal (use_bidirectional_attention false)");
+}
+
+// gpt-oss as openai ships it: the experts in MXFP4 (gate_up_proj_blocks, _scales), refused
+// with how to get the bf16 layout fsdp reads. Checked before the family's reader.
+void refuse_mxfp4(const ConfigFields& fields) {
+  const json* object = fields.object("quantization_config");
+  if (object == nullptr) return;
+  const ConfigFields quantization(*object, fields.source(), "quantization_config.");
+  TORCH_CHECK(quantization.string("quant_method", "") != "mxfp4", fields.source(),
+              ": \"quantization_config.quant_method\" = \"mxfp4\" is not supported: MXFP4 "
+              "experts (gpt-oss as openai/gpt-oss-20b ships) are not implemented; fsdp reads "
+              "gpt-oss in its bf16 layout: a *-BF16 folder (such as unsloth/gpt-oss-20b-BF16), "
+              "or the folder transformers' save_pretrained writes after from_pretrained(..., "
+              "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)");
 }
 
 // Note [A bitsandbytes 4-bit folder's quantization_config]
@@ -151,6 +166,7 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   config.model_type = model_type->get<std::string>();
   const Family& family = family_of(fields, config.model_type);
   refuse_other_architectures(fields, family);
+  refuse_mxfp4(fields);
   family.read(fields, config);
   read_quantization_config(fields, config);  // after the family's: it needs the dtype
   return config;

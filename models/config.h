@@ -33,6 +33,11 @@
 //   "qwen2_moe"    Qwen2's attention (q/k/v biases as qkv_bias); as qwen3_moe plus a
 //                  dense shared expert (shared_expert_intermediate_size) scaled by
 //                  sigmoid(shared_expert_gate(x))
+//   "gpt_oss"      gpt-oss in its bf16 layout (unsloth/gpt-oss-20b-BF16): attention sinks,
+//                  q/k/v/o biases, sliding and full layers alternating, YaRN; a router
+//                  with a bias (softmax over its top-k logits), num_local_experts experts
+//                  of intermediate_size with biases and the clamped SwiGLU (swiglu_limit),
+//                  fused on disk as in memory ([E, H, 2 I], gate and up interleaved)
 //
 //   const fsdp::models::DecoderConfig config =
 //       fsdp::models::load_decoder_config("/models/mistral-7b-v0.1/config.json");
@@ -54,11 +59,11 @@
 // ignored: another model_type (mixture-of-experts families other than the four above,
 // such as "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried),
 // experts fields (num_local_experts, num_experts) in a dense family, n_routed_experts,
-// sliding windows in the MoE families, OLMoE's clip_qkv, Mixtral's router_jitter_noise,
-// linear-attention layer types,
-// rope types such as "dynamic", quantised weights other than bitsandbytes' 4-bit NF4 with
-// double quantization (quantization_config; see load_in_4bit), another activation,
-// attention dropout, ...
+// sliding windows in the MoE families but gpt_oss, gpt-oss's MXFP4 folders (quant_method
+// "mxfp4", how openai/gpt-oss-20b ships: the message says how to get the bf16 layout), OLMoE's
+// clip_qkv, Mixtral's router_jitter_noise, linear-attention layer types, rope types such as
+// "dynamic", quantised weights other than bitsandbytes' 4-bit NF4 with double quantization
+// (quantization_config; see load_in_4bit), another activation, attention dropout, ...
 #ifndef FSDP_MODELS_CONFIG_H_
 #define FSDP_MODELS_CONFIG_H_
 
@@ -139,6 +144,9 @@ struct DecoderConfig {
   // phi3: q, k, v in one qkv_proj [(heads + 2 kv_heads) * head_dim, hidden] and gate, up in
   // one gate_up_proj [2 intermediate, hidden], as the checkpoint holds them.
   bool fused_projections = false;
+  // gpt_oss: a learned logit per head (self_attn.sinks [heads]) joins each query's softmax
+  // over the keys and is dropped after it; attention then computed eagerly.
+  bool attention_sinks = false;
   int64_t rotary_dim = 0;  // head_dim x partial_rotary_factor: the rotated dimensions
   // The Gemma families (gemma2, gemma3_text), whose readers set scale_embeddings,
   // sandwich_norms, norm_style kGemma and activation kGeluTanh; the decoder reads those.
@@ -166,7 +174,7 @@ struct DecoderConfig {
   RopeConfig rope;          // full-attention layers (every layer without rope_per_layer_type)
   RopeConfig sliding_rope;  // sliding layers with rope_per_layer_type; else equal to `rope`
 
-  // Mixture of experts (qwen3_moe, mixtral, olmoe, qwen2_moe; moe.h): the sparse layers'
+  // Mixture of experts (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss; moe.h): the sparse layers'
   // MLP routes each token to its num_experts_per_tok best of num_experts experts. 0
   // experts: a dense family, every layer's MLP the gated MLP of intermediate_size.
   int64_t num_experts = 0;
@@ -181,6 +189,17 @@ struct DecoderConfig {
   // mixtral: the checkpoint names the block block_sparse_moe and the experts' projections
   // w1 (gate), w3 (up), w2 (down); else mlp and gate_proj, up_proj, down_proj.
   bool block_sparse_moe_names = false;
+  // gpt_oss: the router is mlp.router, with a bias, and the weights are the softmax over
+  // its top-k logits (else mlp.gate without one, top-k of the softmax over the experts).
+  bool router_bias_topk_softmax = false;
+  // gpt_oss: the experts in the checkpoint's layout, fused on disk too: gate_up_proj
+  // [E, hidden, 2 I] (gate and up interleaved: even and odd columns), down_proj
+  // [E, I, hidden], with gate_up_proj_bias [E, 2 I] and down_proj_bias [E, hidden].
+  bool experts_transposed = false;
+  // gpt_oss, > 0: the experts' clamped SwiGLU, gate.clamp(max=limit), up.clamp(+-limit),
+  // (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: silu(gate) * up.
+  double swiglu_limit = 0.0;
+  double swiglu_alpha = 1.702;
 
   bool has_sliding_layers() const;
   bool is_moe() const { return num_experts > 0; }

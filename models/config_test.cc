@@ -87,7 +87,7 @@ TEST(DecoderConfigTest, UnsupportedFieldsAreOneErrorNamingFieldAndValue) {
 TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
   const std::string families =
       "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3, qwen3_moe, "
-      "mixtral, olmoe, qwen2_moe";
+      "mixtral, olmoe, qwen2_moe, gpt_oss";
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gpt_neox")")),
             "cfg.json: \"model_type\" = \"gpt_neox\" is not supported: fsdp's decoder builds " +
                 families);
@@ -100,8 +100,8 @@ TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
   }
   EXPECT_EQ(error_of(config_json(R"(, "num_local_experts": 8)")),
             "cfg.json: \"num_local_experts\" = 8 is not supported: mixture-of-experts layers "
-            "are built for the model types qwen3_moe, mixtral, olmoe and qwen2_moe only; a llama "
-            "decoder has one dense MLP per layer");
+            "are built for the model types qwen3_moe, mixtral, olmoe, qwen2_moe and gpt_oss only; "
+            "a llama decoder has one dense MLP per layer");
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gemma3", "text_config": {})")),
             "cfg.json: \"model_type\" = \"gemma3\" is not supported: a multimodal Gemma 3 "
             "folder (vision tower and text_config); fsdp's decoder builds its language model "
@@ -379,7 +379,7 @@ TEST(DecoderConfigTest, BadValuesNameTheField) {
   EXPECT_EQ(error_of(R"({"vocab_size": 5})"),
             "cfg.json: the field \"model_type\" is missing; expected one of llama, mistral, "
             "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3, qwen3_moe, mixtral, "
-            "olmoe, qwen2_moe (a config saved by transformers)");
+            "olmoe, qwen2_moe, gpt_oss (a config saved by transformers)");
   EXPECT_EQ(error_of("{\"model_type\": \"llama\","),
             "cfg.json is not valid JSON: [json.exception.parse_error.101] parse error at line 1, "
             "column 24: syntax error while parsing object key - unexpected end of input; "
@@ -456,11 +456,11 @@ TEST(DecoderConfigTest, Qwen3MoeRoutesEveryLayerButTheDenseOnes) {
             "num_hidden_layers = 3");
   EXPECT_EQ(error_of(qwen3_moe_json(R"(, "use_sliding_window": true)")),
             "cfg.json: \"use_sliding_window\" = true is not supported: sliding windows are not "
-            "implemented for the mixture-of-experts families; use_sliding_window false");
+            "implemented for the Qwen mixture-of-experts families; use_sliding_window false");
   EXPECT_EQ(error_of(qwen3_moe_json(R"(, "n_routed_experts": 8)")),
             "cfg.json: \"n_routed_experts\" = 8 is not supported: mixture-of-experts layers are "
-            "built for the model types qwen3_moe, mixtral, olmoe and qwen2_moe only; a qwen3_moe "
-            "decoder has one dense MLP per layer");
+            "built for the model types qwen3_moe, mixtral, olmoe, qwen2_moe and gpt_oss only; a "
+            "qwen3_moe decoder has one dense MLP per layer");
 }
 
 TEST(DecoderConfigTest, MixtralOlmoeQwen2MoeSetTheirSwitches) {
@@ -514,6 +514,88 @@ TEST(DecoderConfigTest, MixtralOlmoeQwen2MoeSetTheirSwitches) {
   EXPECT_EQ(q.moe_intermediate_size, 16);
   EXPECT_EQ(q.sparse_layers, std::vector<bool>({true, false}));
   EXPECT_FALSE(q.norm_topk_prob);
+}
+
+// gpt-oss's config.json as transformers 5.23 saves a GptOssConfig (defaults for the rest).
+std::string gpt_oss_json(const std::string& extra = "") {
+  return R"({"architectures": ["GptOssForCausalLM"], "attention_bias": true,
+    "attention_dropout": 0.0, "dtype": "bfloat16", "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 32, "intermediate_size": 16, "layer_types": ["sliding_attention",
+    "full_attention", "sliding_attention"], "max_position_embeddings": 64,
+    "model_type": "gpt_oss", "num_attention_heads": 4, "num_experts_per_tok": 2,
+    "num_hidden_layers": 3, "num_key_value_heads": 2, "num_local_experts": 4,
+    "output_router_logits": false, "rms_norm_eps": 1e-05, "rope_parameters": {"beta_fast": 32.0,
+    "beta_slow": 1.0, "factor": 4.0, "original_max_position_embeddings": 16,
+    "rope_theta": 150000.0, "rope_type": "yarn", "truncate": false}, "router_aux_loss_coef": 0.9,
+    "sliding_window": 8, "swiglu_limit": 7.0, "tie_word_embeddings": false, "vocab_size": 128)" +
+         extra + "}";
+}
+
+TEST(DecoderConfigTest, GptOssSetsItsSwitches) {
+  const DecoderConfig c = parse_decoder_config(gpt_oss_json(), "cfg.json");
+  EXPECT_TRUE(c.attention_sinks && c.qkv_bias && c.o_bias);
+  EXPECT_EQ(c.norm_style, NormStyle::kOlmo);
+  EXPECT_EQ(c.layer_types,
+            std::vector<LayerType>({LayerType::kSliding, LayerType::kFull, LayerType::kSliding}));
+  EXPECT_EQ(c.sliding_window, 8);
+  EXPECT_EQ(c.rope.type, "yarn");
+  EXPECT_FALSE(c.rope.truncate);
+  EXPECT_EQ(c.rope.factor, 4.0);
+  EXPECT_EQ(c.rope.original_max_position_embeddings, 16);
+  EXPECT_EQ(c.num_experts, 4);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 16);  // intermediate_size
+  EXPECT_EQ(c.sparse_layers, std::vector<bool>(3, true));
+  EXPECT_TRUE(c.router_bias_topk_softmax && c.experts_transposed);
+  EXPECT_FALSE(c.norm_topk_prob || c.router_weights_fp32 || c.block_sparse_moe_names);
+  EXPECT_EQ(c.swiglu_limit, 7.0);
+  EXPECT_EQ(c.swiglu_alpha, 1.702);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.9);
+  // GptOssConfig's defaults: layers alternate from a sliding one, YaRN over 4096 positions.
+  const DecoderConfig d = parse_decoder_config(
+      R"({"model_type": "gpt_oss", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 2, "num_attention_heads": 2})",
+      "cfg.json");
+  EXPECT_EQ(d.layer_types, std::vector<LayerType>({LayerType::kSliding, LayerType::kFull}));
+  EXPECT_EQ(d.sliding_window, 128);
+  EXPECT_EQ(d.head_dim, 64);
+  EXPECT_EQ(d.num_experts, 128);
+  EXPECT_EQ(d.num_experts_per_tok, 4);
+  EXPECT_TRUE(d.qkv_bias && d.o_bias);
+  EXPECT_EQ(d.rope.type, "yarn");
+  EXPECT_EQ(d.rope.theta, 150000.0);
+  EXPECT_EQ(d.rope.factor, 32.0);
+  EXPECT_EQ(d.rope.original_max_position_embeddings, 4096);
+  EXPECT_FALSE(d.rope.truncate);
+  EXPECT_EQ(d.max_position_embeddings, 131072);
+}
+
+TEST(DecoderConfigTest, GptOssRefusalsNameTheField) {
+  // openai/gpt-oss-20b's quantization_config: MXFP4 experts.
+  const std::string mxfp4 =
+      "cfg.json: \"quantization_config.quant_method\" = \"mxfp4\" is not supported: MXFP4 "
+      "experts (gpt-oss as openai/gpt-oss-20b ships) are not implemented; fsdp reads gpt-oss in "
+      "its bf16 layout: a *-BF16 folder (such as unsloth/gpt-oss-20b-BF16), or the folder "
+      "transformers' save_pretrained writes after from_pretrained(..., "
+      "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)";
+  EXPECT_EQ(error_of(gpt_oss_json(R"(, "quantization_config": {"modules_to_not_convert":
+      ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+      "quant_method": "mxfp4"})")),
+            mxfp4);
+  EXPECT_EQ(error_of(gpt_oss_json(R"(, "layer_types": ["sliding_attention", "full_attention"])")),
+            "cfg.json: \"layer_types\" = [\"sliding_attention\",\"full_attention\"]: expected "
+            "a list of 3 layer types (num_hidden_layers)");
+  EXPECT_EQ(error_of(gpt_oss_json(R"(, "swiglu_limit": -1.0)")),
+            "cfg.json: \"swiglu_limit\" = -1.0: expected a positive number");
+  EXPECT_EQ(error_of(gpt_oss_json(R"(, "attention_dropout": 0.1)")),
+            "cfg.json: \"attention_dropout\" = 0.1 is not supported: fsdp's decoder has no "
+            "attention dropout (0.0)");
+  EXPECT_EQ(error_of(gpt_oss_json(R"(, "num_experts_per_tok": 5)")),
+            "cfg.json: \"num_experts_per_tok\" = 5: expected at most the number of experts, 4");
+  EXPECT_EQ(error_of(gpt_oss_json(R"(, "rope_parameters": {"rope_type": "dynamic",
+      "factor": 2.0})")),
+            "cfg.json: \"rope_parameters.rope_type\" = \"dynamic\" is not supported: fsdp's "
+            "decoder implements the rope types default, linear, llama3, yarn and longrope");
 }
 
 }  // namespace

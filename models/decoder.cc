@@ -241,7 +241,7 @@ at::Tensor CausalLMImpl::forward(const at::Tensor& ids) {
 at::Tensor CausalLMImpl::aux_loss(const at::Tensor& token_mask) const {
   TORCH_CHECK(config.is_moe(), "aux_loss: a ", config.model_type,
               " decoder has no experts; the load-balancing loss is for the mixture-of-experts "
-              "families (qwen3_moe, mixtral, olmoe, qwen2_moe)");
+              "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss)");
   return load_balancing_loss(model->router_logits(), config.num_experts, config.num_experts_per_tok,
                              token_mask);
 }
@@ -278,6 +278,7 @@ void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* norm = module.as<RMSNormImpl>()) return norm->reset_parameters();
   if (auto* linear = module.as<lora::LoraLinearImpl>()) return linear->reset_parameters();
   if (auto* experts = module.as<ExpertsImpl>()) return experts->reset_parameters();
+  if (auto* attention = module.as<AttentionImpl>()) return attention->reset_parameters();
   if (auto* embedding = module.as<torch::nn::EmbeddingImpl>()) embedding->reset_parameters();
 }
 

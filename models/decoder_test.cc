@@ -45,6 +45,27 @@ DecoderConfig tiny_qwen2_moe() {
       "tiny.json");
 }
 
+// A small gpt-oss: sinks, q/k/v/o biases, sliding (window 3) and full layers, YaRN, 4
+// experts of width 16 with biases, top-2.
+DecoderConfig tiny_gpt_oss() {
+  return parse_decoder_config(
+      R"({"model_type": "gpt_oss", "hidden_size": 32, "intermediate_size": 16, "head_dim": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 3,
+        "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
+        "num_key_value_heads": 2, "vocab_size": 64,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 16, "truncate": false}})",
+      "tiny.json");
+}
+
+// Sinks drawn (they are built zero) and large enough to count.
+void draw_sinks(CausalLMImpl& net) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : net.named_parameters()) {
+    if (item.key().find("sinks") != std::string::npos) item.value().normal_(0, 2);
+  }
+}
+
 // Ranks are threads: one seeds and draws from the default generator at a time.
 std::mutex& draw_mutex() {
   static std::mutex mutex;
@@ -57,7 +78,7 @@ TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
   // The experts too (ExpertsImpl's reset_parameters, in the constructors' order).
   for (const auto& [label, config] :
        {std::pair("own head", tiny_llama(false)), std::pair("tied head", tiny_llama(true)),
-        std::pair("qwen2_moe", tiny_qwen2_moe())}) {
+        std::pair("qwen2_moe", tiny_qwen2_moe()), std::pair("gpt_oss", tiny_gpt_oss())}) {
     SCOPED_TRACE(label);
     const bool tied = config.tie_word_embeddings;
     std::shared_ptr<CausalLMImpl> cpu;
@@ -118,10 +139,11 @@ DecoderConfig tiny_gemma(const std::string& model_type) {
 // absolute), padding aside.
 TEST(PackedRowsTest, EachExampleAttendsOnlyToItself) {
   for (const DecoderConfig& config :
-       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text")}) {
+       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text"), tiny_gpt_oss()}) {
     SCOPED_TRACE(config.model_type);
     at::manual_seed(3);
     CausalLMImpl net(config);
+    draw_sinks(net);
     const at::Tensor a = at::arange(5, at::kLong) * 3 + 1, b = at::arange(3, at::kLong) * 5 + 2;
     const at::Tensor c = at::arange(8, at::kLong) * 7 % 64;
     const at::Tensor pad = at::zeros({1}, at::kLong);
@@ -150,14 +172,16 @@ TEST(PackedRowsTest, EachExampleAttendsOnlyToItself) {
 
 // Generation with a KV cache: a prompt of 5 tokens, then 2, then one at a time, each
 // forward's logits those of the whole 12-token sequence at its positions (Gemma: past the
-// sliding window of 3; Gemma 2: soft-capped; Gemma 3: RoPE per layer type).
+// sliding window of 3; Gemma 2: soft-capped; Gemma 3: RoPE per layer type; gpt-oss:
+// sinks).
 TEST(KVCacheTest, EachForwardEqualsTheWholeSequence) {
   torch::NoGradGuard no_grad;
   for (const DecoderConfig& config :
-       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text")}) {
+       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text"), tiny_gpt_oss()}) {
     SCOPED_TRACE(config.model_type);
     at::manual_seed(3);
     CausalLMImpl net(config);
+    draw_sinks(net);
     const at::Tensor ids = (at::arange(12, at::kLong) * 7 % 64).view({1, 12});
     const at::Tensor whole = net.forward(ids);
     KVCache cache;

@@ -74,8 +74,11 @@ void remove_old_weights(const std::string& out_dir) {
 // run of the fused parameter's elements: a SafetensorsSplit, read by each rank only where
 // it overlaps the rank's shards and written back piece by piece from the gathered unit,
 // bit for bit. No renaming table beyond this: every other name is the module's own.
+// gpt-oss's checkpoints hold its experts fused, as the decoder does (experts_transposed):
+// read and written as they are.
 struct ExpertNames {
   std::string block = "mlp", gate = "gate_proj", up = "up_proj", down = "down_proj";
+  bool fused = false;  // on disk as in memory
 };
 
 // The decoder's config of `dir` (its config.json), if it has one.
@@ -87,6 +90,11 @@ std::optional<DecoderConfig> folder_config(const std::string& dir) {
 
 // The names of the experts of a folder of `config` (Qwen's when it has none).
 ExpertNames expert_names(const std::optional<DecoderConfig>& config) {
+  if (config && config->experts_transposed) {
+    ExpertNames fused;
+    fused.fused = true;
+    return fused;
+  }
   if (!config || !config->block_sparse_moe_names) return {};
   return {"block_sparse_moe", "w1", "w3", "w2"};
 }
@@ -105,7 +113,7 @@ SafetensorsSplit split_of(const ExpertNames& names) {
     std::vector<SafetensorsPiece> pieces;
     static constexpr char kFused[] = ".mlp.experts.";
     const size_t at = fqn.rfind(kFused);
-    if (at == std::string::npos || shape.size() != 3) return pieces;
+    if (names.fused || at == std::string::npos || shape.size() != 3) return pieces;
     const std::string tensor = fqn.substr(at + sizeof(kFused) - 1);
     const std::string prefix = fqn.substr(0, at) + "." + names.block + ".experts.";
     const auto piece = [&](int64_t e, const std::string& name, int64_t rows) {

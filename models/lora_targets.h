@@ -12,7 +12,7 @@
 // no Linear and take none, nor does the router. The norms, embeddings and head take
 // none. default_lora_targets returns PEFT's defaults
 // (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING of PEFT 0.21): q_proj and v_proj
-// (mixtral too), qkv_proj for phi3, and none for qwen3_moe, qwen2_moe and olmoe, which
+// (mixtral too), qkv_proj for phi3, and none for qwen3_moe, qwen2_moe, olmoe and gpt_oss, which
 // PEFT does not map (its LoraConfig then asks for target_modules; lora_targets_error asks
 // for --lora_target_modules). LoRA on the routed experts (PEFT's target_parameters on
 // mlp.experts.gate_up_proj and down_proj) is not supported yet: a target naming them

@@ -48,7 +48,7 @@ TEST(LoraTargetsTest, MixtureOfExpertsAdaptsItsDenseMlpsOnly) {
   EXPECT_EQ(lora_target_modules(config).size(), 7u);
 }
 
-// PEFT 0.21's defaults: mixtral q_proj, v_proj; none for qwen3_moe, qwen2_moe, olmoe (its
+// PEFT 0.21's defaults: mixtral q_proj, v_proj; none for qwen3_moe, qwen2_moe, olmoe, gpt_oss (its
 // LoraConfig asks for target_modules, and so does the message). The experts are refused.
 TEST(LoraTargetsTest, MixtureOfExpertsDefaultsAndExpertsRefused) {
   DecoderConfig config;
@@ -64,10 +64,18 @@ TEST(LoraTargetsTest, MixtureOfExpertsDefaultsAndExpertsRefused) {
             "--lora_target_modules: \"down_proj\" names the routed experts of a mixtral decoder; "
             "LoRA on the experts (PEFT's target_parameters) is not supported yet: adapt some of "
             "q_proj, k_proj, v_proj, o_proj");
-  for (const char* model_type : {"qwen3_moe", "qwen2_moe", "olmoe"}) {
+  for (const char* model_type : {"qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss"}) {
     config.model_type = model_type;
     EXPECT_EQ(default_lora_targets(config), std::vector<std::string>{}) << model_type;
   }
+  config.model_type = "gpt_oss";  // gate_up_proj is its experts' fused tensor; router not a target
+  EXPECT_EQ(lora_targets_error(config, {"q_proj", "gate_up_proj"}),
+            "--lora_target_modules: \"gate_up_proj\" names the routed experts of a gpt_oss "
+            "decoder; LoRA on the experts (PEFT's target_parameters) is not supported yet: adapt "
+            "some of q_proj, k_proj, v_proj, o_proj");
+  EXPECT_EQ(lora_targets_error(config, {"router"}),
+            "--lora_target_modules: \"router\" is not a module of a gpt_oss decoder; expected "
+            "some of q_proj, k_proj, v_proj, o_proj");
   config.model_type = "qwen3_moe";
   EXPECT_EQ(lora_targets_error(config, {}),
             "--lora_target_modules: PEFT has no default target modules for qwen3_moe (LoraConfig "

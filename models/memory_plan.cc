@@ -31,7 +31,9 @@ namespace {
 //   it. Eager attention (soft-capped scores, Gemma 2) saves q and the keys and values
 //   repeated to every head, tanh's output and the fp32 softmax per score ([heads, context]
 //   per token), the probabilities again in the compute dtype when it is not fp32, and the
-//   reshaped output when o_proj trains.
+//   reshaped output when o_proj trains. With sinks (gpt-oss) instead of a soft-cap: no
+//   tanh; the max over each query's scores and its sink saves its int64 index per head,
+//   and the softmax, in the compute dtype, its output of context + 1 per head.
 // - The gated MLP saves gate, up, the activation's output and the product (down_proj's
 //   input, when down_proj trains).
 // - A LoRA adapter saves lora_A's output ([r] per token) for lora_B.
@@ -58,7 +60,10 @@ namespace {
 //   activation's output and the product (down's input, when the experts train), the
 //   experts' outputs [k T, H] before and after the router's weights (those index_add_
 //   adds into the tokens) and the pairs' weights (fp32 with router_weights_fp32 or fp32
-//   compute). Qwen2-MoE's shared expert adds a gated MLP of its own width, its
+//   compute). gpt-oss's router keeps no softmax over the experts but the
+//   softmax [T, k] in the compute dtype, and its clamped SwiGLU saves per pair gate and up
+//   [2 I], the clamped gate, its sigmoid, their product and up + 1 (6 I in all).
+//   Qwen2-MoE's shared expert adds a gated MLP of its own width, its
 //   gate's sigmoid and its output. A checkpointed sparse layer keeps its router logits
 //   beside its input (Note [Router logits out of a checkpointed layer] in decoder.cc).
 // In LoRA the first layer's input needs no gradient, so its first norm saves nothing.
@@ -110,7 +115,7 @@ struct LayerBytes {
   // [context, context] for every sequence, or with packed rows one per row, in every layer.
   int64_t mask(LayerType type) const {
     const int64_t each = context * context * (packed ? batch : 1);
-    if (config.attn_logit_softcapping > 0) return each;
+    if (config.attn_logit_softcapping > 0 || config.attention_sinks) return each;
     return packed || type == LayerType::kSliding ? c * each : 0;
   }
 
@@ -119,11 +124,13 @@ struct LayerBytes {
     const int64_t h = config.hidden_size, e = config.num_experts;
     const int64_t k = config.num_experts_per_tok, inner = config.moe_intermediate_size;
     const int64_t weights = config.router_weights_fp32 || c == kFp32 ? kFp32 : c;
-    int64_t bytes = c * e + kFp32 * e + 8 * k;  // router logits, probabilities, top-k indices
+    // Router logits, probabilities (gpt_oss: of the top-k only), top-k indices.
+    int64_t bytes = c * e + (config.router_bias_topk_softmax ? c * k : kFp32 * e) + 8 * k;
     if (config.norm_topk_prob) bytes += kFp32 * (k + 1);
     bytes += 2 * 8 * k;                        // the pairs' order and tokens
     if (full()) bytes += k * c * (h + inner);  // the gathered tokens, down's input
-    bytes += k * c * (3 * inner + 2 * h) + k * weights;
+    const int64_t activation = config.swiglu_limit > 0 ? 6 * inner : 3 * inner;
+    bytes += k * c * (activation + 2 * h) + k * weights;
     const int64_t shared = config.shared_expert_intermediate_size;
     if (shared > 0) {
       bytes += adapter("gate_proj") + adapter("up_proj") + adapter("down_proj");
@@ -155,7 +162,11 @@ struct LayerBytes {
         fused ? adapter("qkv_proj") : adapter("q_proj") + adapter("k_proj") + adapter("v_proj");
     if (config.qk_norm) bytes += norm(q, heads) + norm(kv, config.num_key_value_heads);
     if (config.qk_norm_full_width) bytes += norm(q) + norm(kv);
-    if (config.attn_logit_softcapping > 0) {
+    if (config.attention_sinks) {  // eager: q, keys and values per head, softmax, max's index
+      const bool gqa = kv != q;
+      bytes += c * (q + 2 * (gqa ? q : kv)) + c * heads * (context + 1) + 8 * heads;
+      if (trains("o_proj")) bytes += c * q;
+    } else if (config.attn_logit_softcapping > 0) {
       const bool gqa = kv != q;
       const int64_t scores = heads * context;
       bytes += c * (q + 2 * (gqa ? q : kv)) + (c + kFp32) * scores + (c != kFp32 ? c * scores : 0);

@@ -121,6 +121,9 @@ const char* const kQwen2Moe = R"(, "model_type": "qwen2_moe", "moe_intermediate_
     "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2)";
 const char* const kMixtral = R"(, "model_type": "mixtral", "intermediate_size": 32,
     "num_local_experts": 8, "num_experts_per_tok": 2)";
+// gpt-oss: sinks, biases, a sliding layer (window 8) and a full one, YaRN, clamped SwiGLU.
+const char* const kGptOss = R"(, "model_type": "gpt_oss", "head_dim": 16, "intermediate_size": 32,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8)";
 
 const TrainedWeights kFull;
 const TrainedWeights kLoraQv{8, {"q_proj", "v_proj"}};
@@ -173,7 +176,14 @@ INSTANTIATE_TEST_SUITE_P(
              TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true},
         Case{"qwen2_moe", kQwen2Moe, at::kFloat, false, kFull, false, true},
         Case{"qwen2_moe_lora_all", kQwen2Moe, at::kFloat, false, kLoraAll},
-        Case{"mixtral_bf16", kMixtral, at::kBFloat16, false, kFull, false, true}),
+        Case{"mixtral_bf16", kMixtral, at::kBFloat16, false, kFull, false, true},
+        Case{"gpt_oss", kGptOss, at::kFloat, false, kFull, false, true},
+        Case{"gpt_oss_bf16", kGptOss, at::kBFloat16, false, kFull},
+        Case{"gpt_oss_packed", kGptOss, at::kFloat, false, kFull, true, true},
+        Case{"gpt_oss_checkpointed", std::string(kGptOss) + R"(, "vocab_size": 4000)", at::kFloat,
+             true, kFull, false, true},
+        Case{"gpt_oss_lora_attention", kGptOss, at::kFloat, false,
+             TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A LoRA model over a bf16 base (fp32 adapters, PEFT's default): plan_units counts the

@@ -9,6 +9,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
@@ -24,19 +25,40 @@ namespace fsdp::models {
 using models_internal::projection;
 
 ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t inner,
-                         const at::TensorOptions& options) {
-  gate_up_proj =
-      register_parameter("gate_up_proj", at::empty({num_experts, 2 * inner, hidden}, options));
-  down_proj = register_parameter("down_proj", at::empty({num_experts, hidden, inner}, options));
+                         const at::TensorOptions& options, const ExpertsStyle& style)
+    : style(style) {
+  if (style.transposed) {
+    gate_up_proj =
+        register_parameter("gate_up_proj", at::empty({num_experts, hidden, 2 * inner}, options));
+    gate_up_proj_bias =
+        register_parameter("gate_up_proj_bias", at::empty({num_experts, 2 * inner}, options));
+    down_proj = register_parameter("down_proj", at::empty({num_experts, inner, hidden}, options));
+    down_proj_bias =
+        register_parameter("down_proj_bias", at::empty({num_experts, hidden}, options));
+  } else {
+    gate_up_proj =
+        register_parameter("gate_up_proj", at::empty({num_experts, 2 * inner, hidden}, options));
+    down_proj = register_parameter("down_proj", at::empty({num_experts, hidden, inner}, options));
+  }
   if (!options.device().is_meta()) reset_parameters();
 }
 
 void ExpertsImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
-  const double gate_up = 1.0 / std::sqrt(double(gate_up_proj.size(2)));
-  const double down = 1.0 / std::sqrt(double(down_proj.size(2)));
+  const int64_t fan_in = style.transposed ? 1 : 2;
+  const double gate_up = 1.0 / std::sqrt(double(gate_up_proj.size(fan_in)));
+  const double down = 1.0 / std::sqrt(double(down_proj.size(fan_in)));
   gate_up_proj.uniform_(-gate_up, gate_up);
   down_proj.uniform_(-down, down);
+  if (gate_up_proj_bias.defined()) gate_up_proj_bias.zero_();
+  if (down_proj_bias.defined()) down_proj_bias.zero_();
+}
+
+at::Tensor ExpertsImpl::activation(const at::Tensor& gate, const at::Tensor& up) const {
+  if (style.swiglu_limit <= 0) return torch::nn::functional::silu(gate) * up;
+  const double limit = style.swiglu_limit;
+  const at::Tensor g = gate.clamp_max(limit);
+  return (up.clamp(-limit, limit) + 1) * (g * at::sigmoid(g * style.swiglu_alpha));
 }
 
 // Note [Experts gathered per expert]
@@ -65,12 +87,21 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_ind
   const int64_t* count = counts.data_ptr<int64_t>();
   for (int64_t e = 0; e < num_experts; ++e) {
     if (count[e] == 0) continue;
-    const at::Tensor both = at::linear(gathered.narrow(0, begin, count[e]), gate_up_proj[e]);
+    const at::Tensor run = gathered.narrow(0, begin, count[e]);
+    begin += count[e];
+    if (!style.transposed) {
+      const at::Tensor both = at::linear(run, gate_up_proj[e]);
+      const int64_t inner = both.size(-1) / 2;
+      outputs.push_back(at::linear(
+          activation(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner)), down_proj[e]));
+      continue;
+    }
+    // gpt_oss: x @ W + b, as GptOssExperts, gate and up interleaved.
+    const at::Tensor both = at::matmul(run, gate_up_proj[e]) + gate_up_proj_bias[e];
     const int64_t inner = both.size(-1) / 2;
     const at::Tensor h =
-        torch::nn::functional::silu(both.narrow(-1, 0, inner)) * both.narrow(-1, inner, inner);
-    outputs.push_back(at::linear(h, down_proj[e]));
-    begin += count[e];
+        activation(both.slice(-1, 0, 2 * inner, 2), both.slice(-1, 1, 2 * inner, 2));
+    outputs.push_back(at::matmul(h, down_proj[e]) + down_proj_bias[e]);
   }
   const at::Tensor weighted =
       (at::cat(outputs) * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1))
@@ -82,11 +113,17 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const DecoderConfig& config,
                                        const at::TensorOptions& options)
     : top_k(config.num_experts_per_tok),
       norm_topk_prob(config.norm_topk_prob),
-      weights_fp32(config.router_weights_fp32) {
+      weights_fp32(config.router_weights_fp32),
+      topk_softmax(config.router_bias_topk_softmax) {
   const int64_t hidden = config.hidden_size;
-  gate = register_module("gate", projection(hidden, config.num_experts, /*bias=*/false, options));
+  gate = register_module(topk_softmax ? "router" : "gate",
+                         projection(hidden, config.num_experts, /*bias=*/topk_softmax, options));
+  ExpertsStyle style;
+  style.transposed = config.experts_transposed;
+  style.swiglu_limit = config.swiglu_limit;
+  style.swiglu_alpha = config.swiglu_alpha;
   experts = register_module(
-      "experts", Experts(config.num_experts, hidden, config.moe_intermediate_size, options));
+      "experts", Experts(config.num_experts, hidden, config.moe_intermediate_size, options, style));
   if (config.shared_expert_intermediate_size > 0) {
     DecoderConfig shared = config;
     shared.intermediate_size = config.shared_expert_intermediate_size;
@@ -100,6 +137,10 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const DecoderConfig& config,
 at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const at::Tensor flat = x.reshape({-1, x.size(-1)});
   router_logits = gate(flat);
+  if (topk_softmax) {  // gpt_oss: the top-k logits, softmax over them in their dtype
+    auto [top, index] = at::topk(router_logits, top_k, -1);
+    return experts(flat, index, at::softmax(top, -1)).view(x.sizes());
+  }
   const at::Tensor probs = at::softmax(router_logits, -1, at::kFloat);
   auto [weights, index] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);

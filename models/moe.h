@@ -1,5 +1,5 @@
 // The sparse mixture-of-experts block of the MoE families (config.h: qwen3_moe, mixtral,
-// olmoe, qwen2_moe), the MLP of their sparse layers: a router picks each token's top-k
+// olmoe, qwen2_moe, gpt_oss), the MLP of their sparse layers: a router picks each token's top-k
 // experts and the token's output is their SwiGLU outputs weighted by the router. The
 // experts are held fused, as transformers 5.x holds them in memory:
 //
@@ -13,13 +13,23 @@
 // (I = moe_intermediate_size.) The checkpoints hold the experts one by one
 // (mlp.experts.E.gate_proj.weight [I, hidden], ...; mixtral block_sparse_moe.experts.E.w1,
 // w3, w2): hf_checkpoint.h reads and writes those names into and out of the fused tensors.
+// gpt_oss holds them as its checkpoint does (DecoderConfig::experts_transposed), with
+// biases, and a router with a bias:
+//
+//   mlp.router.weight, mlp.router.bias [num_experts, hidden], [num_experts]
+//   mlp.experts.gate_up_proj           [num_experts, hidden, 2 I]  gate, up interleaved:
+//                                                                  columns 0, 2, ... gate
+//   mlp.experts.gate_up_proj_bias      [num_experts, 2 I]
+//   mlp.experts.down_proj              [num_experts, I, hidden]
+//   mlp.experts.down_proj_bias         [num_experts, hidden]
 //
 //   fsdp::models::SparseMoeBlock moe(config);
 //   at::Tensor y = moe(x);  // x [batch, time, hidden] -> y the same
 //   moe->router_logits;     // [batch * time, num_experts], the last forward's
 //
 // PyTorch/transformers counterpart: Qwen3MoeSparseMoeBlock (Qwen3MoeTopKRouter,
-// Qwen3MoeExperts), MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock;
+// Qwen3MoeExperts), MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock,
+// GptOssMLP (GptOssTopKRouter, GptOssExperts);
 // load_balancing_loss below is their modeling files' load_balancing_loss_func.
 // Errors: none of their own (ATen's, for shapes other than the config's). Threading: as
 // any LibTorch module.
@@ -39,34 +49,52 @@
 
 namespace fsdp::models {
 
-// A layer's routed experts, fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I], in the
-// constructor's tensor options (values as torch::nn::Linear's per expert, none on
-// c10::kMeta: reset_parameters). See Note [Experts gathered per expert] in moe.cc.
+// How a layer's experts are held and what they compute (DecoderConfig's experts_transposed,
+// swiglu_limit, swiglu_alpha).
+struct ExpertsStyle {
+  // gate_up_proj [E, H, 2 I] with gate and up interleaved (gate the even columns),
+  // down_proj [E, I, H], and biases gate_up_proj_bias [E, 2 I], down_proj_bias [E, H].
+  bool transposed = false;
+  // > 0: the clamped SwiGLU (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha g), g =
+  // gate.clamp(max=limit); else silu(gate) * up.
+  double swiglu_limit = 0.0;
+  double swiglu_alpha = 1.702;
+};
+
+// A layer's routed experts, fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I] (or as
+// `style` says), in the constructor's tensor options (values as torch::nn::Linear's per
+// expert, biases zero; none on c10::kMeta: reset_parameters). See Note [Experts gathered
+// per expert] in moe.cc.
 struct ExpertsImpl : torch::nn::Module {
   ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t inner,
-              const at::TensorOptions& options = {});
+              const at::TensorOptions& options = {}, const ExpertsStyle& style = {});
   // x [tokens, H]; top_k_index [tokens, k] (int64, experts below E); top_k_weights
   // [tokens, k] -> [tokens, H] in x's dtype: sum over j of w[t, j] expert_{i[t, j]}(x[t]),
-  // expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)).
+  // expert_e(x) = down_e(act(gate_e(x), up_e(x))).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& top_k_index,
                      const at::Tensor& top_k_weights);
-  // Uniform in +-1/sqrt(fan_in) per expert, as torch::nn::Linear's weight.
+  // Uniform in +-1/sqrt(fan_in) per expert, as torch::nn::Linear's weight; biases zero.
   void reset_parameters();
+  // The activation of gate and up [.., I] each, as `style` says.
+  at::Tensor activation(const at::Tensor& gate, const at::Tensor& up) const;
 
+  ExpertsStyle style;
   at::Tensor gate_up_proj, down_proj;
+  at::Tensor gate_up_proj_bias, down_proj_bias;  // style.transposed; else undefined
 };
 TORCH_MODULE(Experts);
 
 // The block: router `gate`, softmax over the experts in fp32, the top num_experts_per_tok
 // (renormalised with norm_topk_prob), the experts; qwen2_moe adds
-// sigmoid(shared_expert_gate(x)) * shared_expert(x).
+// sigmoid(shared_expert_gate(x)) * shared_expert(x). gpt_oss (router_bias_topk_softmax):
+// router `router` with a bias, its top-k logits softmaxed in their dtype.
 struct SparseMoeBlockImpl : torch::nn::Module {
   explicit SparseMoeBlockImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x);
 
   int64_t top_k;
-  bool norm_topk_prob, weights_fp32;
-  lora::LoraLinear gate{nullptr};
+  bool norm_topk_prob, weights_fp32, topk_softmax;
+  lora::LoraLinear gate{nullptr};  // mlp.gate, or gpt_oss's mlp.router
   Experts experts{nullptr};
   MLP shared_expert{nullptr};                    // qwen2_moe
   lora::LoraLinear shared_expert_gate{nullptr};  // qwen2_moe

@@ -134,6 +134,10 @@ VARIANTS = {
     ]),
 }
 
+# rope_theta 100: the correction range ends mid-pair, so truncate counts.
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+
 # The mixture-of-experts families: 8 or 4 experts, top-2, experts of width 16; the
 # checkpoints hold the experts one by one (save_pretrained's names), fsdp fuses them.
 MOE = dict(SMALL, pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -163,6 +167,21 @@ MOE_VARIANTS = {
         ("shared_expert_gate zeroed (sigmoid 1/2)", {}, "shared_gate"),
         ("q/k/v biases zeroed", {}, "bias"),
         ("norm_topk_prob on", {"norm_topk_prob": True}, None),
+    ]),
+    # gpt-oss's bf16 layout, experts fused on disk as in fsdp; gate_up_proj sharpened so that
+    # swiglu_limit's clamp is active (sharpen).
+    "gpt_oss": ("GptOssConfig", dict(MOE, head_dim=16, intermediate_size=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=8,
+                                     rope_parameters=GPT_OSS_YARN), True, None, [
+        ("sinks -> -inf (none)", {}, "sinks"),
+        ("attention and router biases zeroed", {}, "bias"),
+        ("experts' biases zeroed", {}, "experts_bias"),
+        ("sliding layers -> full", {"layer_types": ["full_attention"] * 3}, None),
+        ("rope yarn -> default", {"rope_parameters": {"rope_type": "default",
+                                                      "rope_theta": 100.0}}, None),
+        ("yarn truncate false -> true", {"rope_parameters": dict(GPT_OSS_YARN, truncate=True)},
+         None),
+        ("swiglu_limit 7 -> 1e4 (no clamp)", {"swiglu_limit": 1e4}, None),
     ]),
 }
 SETS = {"dense": VARIANTS, "moe": MOE_VARIANTS}
@@ -199,8 +218,15 @@ def sharpen(model, family):
                 p.mul_(3.0)
             elif name.endswith("qkv_proj.weight"):  # phi3: the rows of 4 q and 2 k heads of 8
                 p[: p.shape[0] * 3 // 4].mul_(3.0)
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
+            elif name.endswith("experts.gate_up_proj") and family == "gpt_oss":
+                p.mul_(10.0)  # gate and up beyond swiglu_limit: the clamp counts
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight",
+                                "mlp.router.weight")):
                 p.mul_(3.0)  # the experts' outputs and the router's choices count
+            elif name.endswith("self_attn.sinks"):
+                p.normal_(0.0, 2.0)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.uniform_(-0.5, 0.5)
             elif name.endswith("norm.weight"):
                 # Gemma's norms scale by (1 + w); Qwen3's q/k norms as Llama's by w.
                 p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
@@ -231,6 +257,10 @@ def ablate(folder, family, overrides, edit, w):
         for name, p in model.named_parameters():
             if edit == "bias" and name.endswith(".bias"):
                 p.zero_()
+            if edit == "experts_bias" and name.endswith("_proj_bias"):
+                p.zero_()
+            if edit == "sinks" and name.endswith("self_attn.sinks"):
+                p.fill_(float("-inf"))
             if edit == "qk_norm" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.fill_(0.0 if family.startswith("gemma") else 1.0)
             if edit == "router" and name.endswith("mlp.gate.weight"):

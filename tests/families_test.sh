@@ -11,10 +11,11 @@
 # and PEFT (base + adapter) compute the eval loss fsdp printed.
 # With SET "moe" (moe_families_test): the mixture-of-experts families instead (Qwen3-MoE
 # with a dense layer and renormalised top-k, Mixtral, OLMoE, Qwen2-MoE with its shared
-# expert), experts one by one in the checkpoints and fused in fsdp; at W = 1 one step at lr
+# expert, gpt-oss with sinks, biases, sliding layers, YaRN and the clamped SwiGLU), experts
+# one by one in the checkpoints (gpt-oss's fused, as in fsdp) and fused in fsdp; at W = 1 one step at lr
 # 0 whose training loss (cross-entropy + router_aux_loss_coef x the load-balancing loss)
 # equals transformers' output_router_logits=True loss within 1e-5 relative (Qwen3-MoE's
-# on conversation rows too, packed and padded); Qwen3-MoE trains with that loss; LoRA on
+# and gpt-oss's on conversation rows too, packed and padded); both train with that loss; LoRA on
 # the experts is refused with exit status 2.
 #   families_test.sh FINETUNE FAMILIES_PY PYTHON [SET]
 set -euo pipefail

@@ -1,6 +1,7 @@
 // Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-// Gemma 3 text, Granite, OLMo 2, Phi-3, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE: the families
-// of //models) with FSDP and writes the result back as a Hugging Face folder.
+// Gemma 3 text, Granite, OLMo 2, Phi-3, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, gpt-oss in
+// its bf16 layout: the families of //models) with FSDP and writes the result back as a Hugging Face
+// folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
@@ -31,7 +32,7 @@
 // With --lora_rank it trains LoRA adapters only (fsdp/lora), writes them to OUT/adapter/ as PEFT
 // does (PeftModel.from_pretrained loads them) and OUT/hf/ holds them merged into the base weights
 // (both written one unit at a time). The mixture-of-experts families (Qwen3-MoE, Mixtral,
-// OLMoE, Qwen2-MoE) train on the cross-entropy plus the router's load-balancing loss, as
+// OLMoE, Qwen2-MoE, gpt-oss) train on the cross-entropy plus the router's load-balancing loss, as
 // transformers does with output_router_logits (--router_aux_loss_coef; Note [The router's
 // load-balancing loss]). Without RANK in its environment it starts --world_size ranks
 // of itself; Ctrl-C stops every rank. Flags are checked before any rank starts: a bad one is one
@@ -120,12 +121,13 @@ ABSL_FLAG(int64_t, lora_rank, 0,
           "every other weight frozen");
 ABSL_FLAG(double, lora_alpha, 16, "LoRA's alpha: the update is scaled by alpha / rank");
 ABSL_FLAG(double, lora_dropout, 0.0, "dropout on the LoRA adapters' input, in [0, 1)");
-ABSL_FLAG(std::string, lora_target_modules, "",
-          "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
-          "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
-          "empty: PEFT's default for the family (q_proj,v_proj, mixtral too; phi3: qkv_proj; "
-          "none for qwen3_moe, qwen2_moe, olmoe: name them). The MoE families' routed experts "
-          "take no LoRA yet (PEFT's target_parameters)");
+ABSL_FLAG(
+    std::string, lora_target_modules, "",
+    "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+    "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
+    "empty: PEFT's default for the family (q_proj,v_proj, mixtral too; phi3: qkv_proj; "
+    "none for qwen3_moe, qwen2_moe, olmoe, gpt_oss: name them). The MoE families' routed experts "
+    "take no LoRA yet (PEFT's target_parameters)");
 ABSL_FLAG(std::string, router_aux_loss_coef, "auto",
           "mixture-of-experts families: the weight of the router's load-balancing loss added "
           "to each micro-batch's training loss (transformers' output_router_logits=True); "
@@ -353,7 +355,8 @@ std::string router_aux_flag_error(const DecoderConfig& config) {
   if (!config.is_moe() && coef != 0) {
     return absl::StrCat("--router_aux_loss_coef=", flag, ": a ", config.model_type,
                         " decoder has no router; the load-balancing loss is for the "
-                        "mixture-of-experts families (qwen3_moe, mixtral, olmoe, qwen2_moe)");
+                        "mixture-of-experts families (qwen3_moe, mixtral, olmoe, qwen2_moe, "
+                        "gpt_oss)");
   }
   return "";
 }

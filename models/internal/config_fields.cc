@@ -158,6 +158,7 @@ RopeConfig read_rope(const json& entry, const RopeConfig& defaults, int64_t max_
     rope.attention_factor = fields.positive_number("attention_factor", 0.0);
     rope.mscale = fields.positive_number("mscale", 0.0);
     rope.mscale_all_dim = fields.positive_number("mscale_all_dim", 0.0);
+    rope.truncate = fields.boolean("truncate", true);
   }
   if (rope.type == "longrope") {
     rope.long_factor = positive_numbers(fields, "long_factor");

@@ -42,6 +42,7 @@ class ConfigFields {
   // Whether the object has the field at all (null included).
   bool has(const char* name) const;
 
+  const nlohmann::json& json_object() const { return object_; }
   const std::string& source() const { return source_; }
   const std::string& prefix() const { return prefix_; }
 

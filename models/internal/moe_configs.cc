@@ -1,6 +1,6 @@
 // The readers of the mixture-of-experts families: each family's attention and layer as
-// its dense relative's (Qwen3, Mistral, OLMo 2 with norms before the sublayers, Qwen2),
-// and the router and experts' fields. See config_families.h and moe.h.
+// its dense relative's (Qwen3, Mistral, OLMo 2 with norms before the sublayers, Qwen2;
+// gpt-oss its own), and the router and experts' fields. See config_families.h and moe.h.
 #include <algorithm>
 #include <string>
 
@@ -32,7 +32,7 @@ FamilyDefaults with_positions(int64_t max_position_embeddings) {
 // The MoE families' layers attend fully: a sliding window is refused by name.
 void full_attention_only(const ConfigFields& fields, DecoderConfig& config) {
   fields.require("use_sliding_window", false,
-                 "sliding windows are not implemented for the mixture-of-experts families; "
+                 "sliding windows are not implemented for the Qwen mixture-of-experts families; "
                  "use_sliding_window false");
   config.layer_types.assign(config.num_hidden_layers, LayerType::kFull);
 }
@@ -159,6 +159,39 @@ void read_qwen2_moe_config(const ConfigFields& fields, DecoderConfig& config) {
   full_attention_only(fields, config);
   read_qwen_moe(fields, {60, 4, 0.001}, 1408, config);
   config.shared_expert_intermediate_size = fields.positive("shared_expert_intermediate_size", 5632);
+}
+
+// GptOssConfig: its defaults, layer_types alternating (sliding first) unless given, and
+// YaRN (factor 32 over 4096 positions, not truncated) when config.json gives no RoPE.
+// hidden_act is not read: transformers' gpt-oss uses none but its clamped SwiGLU.
+void read_gpt_oss_config(const ConfigFields& fields, DecoderConfig& config) {
+  config.qkv_bias = config.o_bias = fields.boolean("attention_bias", true);
+  config.attention_sinks = true;
+  config.norm_style = models::NormStyle::kOlmo;  // (w * x).to(dtype), as GptOssRMSNorm
+  FamilyDefaults defaults = with_positions(131072);
+  defaults.head_dim = 64;
+  defaults.rms_norm_eps = 1e-5;
+  defaults.rope_theta = 150000.0;
+  if (fields.find("rope_parameters") == nullptr && fields.find("rope_scaling") == nullptr) {
+    json object = fields.json_object();
+    object["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 32.0},
+                                 {"beta_fast", 32.0},   {"beta_slow", 1.0},
+                                 {"truncate", false},   {"original_max_position_embeddings", 4096}};
+    read_shared_fields(ConfigFields(object, fields.source()), defaults, config);
+  } else {
+    read_shared_fields(fields, defaults, config);
+  }
+  config.sliding_window = fields.count_or_null("sliding_window", 128);
+  config.layer_types.resize(config.num_hidden_layers);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    config.layer_types[i] = i % 2 == 0 ? LayerType::kSliding : LayerType::kFull;
+  }
+  read_layer_types_list(fields, config);
+  read_router(fields, {128, 4, 0.001}, config);
+  config.moe_intermediate_size = config.intermediate_size;
+  config.router_bias_topk_softmax = config.experts_transposed = true;
+  config.swiglu_limit = fields.positive_number("swiglu_limit", 7.0);
+  config.swiglu_alpha = fields.positive_number("swiglu_alpha", 1.702);
 }
 
 }  // namespace fsdp::models_internal

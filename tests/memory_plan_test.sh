@@ -74,8 +74,8 @@ for run in full lora lora_bf16 qlora moe; do
       echo "FAIL: transformers' Qwen3-MoE has $numel parameters; the trainer and fsdp_plan say:"
       grep "parameters (" "$dir/moe.log" "$dir/moe.plan"; exit 1; }
     echo "moe: $numel parameters in the trainer, fsdp_plan and transformers"
-    # What gathering a sparse layer costs: 16 experts x 3 x 256 x 256 fp32 elements.
-    line="mixture of experts: each sparse layer's unit gathers all 16 experts, 3 MiB in Float, though each token uses 4 of them"
+    # What gathering a sparse layer costs: 16 experts x 3 x 256 x 256 fp32 elements (12 MiB).
+    line="mixture of experts: each sparse layer's unit gathers all 16 experts, 12 MiB in Float, though each token uses 4 of them"
     grep -qF "$line" "$dir/moe.log" && grep -qxF "$line" "$dir/moe.plan" || {
       echo "FAIL: expected \"$line\" from the trainer and fsdp_plan"; exit 1; }
   fi

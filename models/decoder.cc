@@ -1,7 +1,11 @@
 #include "models/decoder.h"
 
 #include <cmath>
+#include <functional>
 #include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -37,26 +41,9 @@ using models_internal::projection;
 // cos and sin and Gemma's embedding scale are computed in forward from the config, so a
 // checkpoint load, which has no non-persistent buffers, leaves nothing uncomputed.
 
-DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
-                                   const at::TensorOptions& options)
-    : type(config.layer_types.at(index)), residual_multiplier(config.residual_multiplier) {
-  const auto norm = [&](const char* name) {
-    return register_module(
-        name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style, options));
-  };
-  self_attn = register_module("self_attn", Attention(config, type, options));
-  if (config.is_moe() && config.sparse_layers.at(index)) {
-    moe = register_module("mlp", SparseMoeBlock(config, options));
-  } else {
-    mlp = register_module("mlp", MLP(config, options));
-  }
-  if (!config.post_norms) input_layernorm = norm("input_layernorm");
-  post_attention_layernorm = norm("post_attention_layernorm");
-  if (config.sandwich_norms) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
-  if (config.sandwich_norms || config.post_norms) {
-    post_feedforward_layernorm = norm("post_feedforward_layernorm");
-  }
-}
+namespace {
+
+using CheckpointedFunction = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 // Note [Router logits out of a checkpointed layer]
 // A checkpointed layer runs its forward without recording a graph (fsdp::checkpoint is
@@ -66,42 +53,147 @@ DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
 // beside its output, [tokens, hidden + num_experts] (both in the compute dtype), and the
 // two are split after it: backward then reaches the recomputed router through the
 // checkpoint from either, as it does without checkpointing (moe_test holds the gradients
-// equal). The split copies the layer's output once.
-at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                     at::Tensor mask) {
-  if (!checkpoint_activations) return compute(x, cos, sin, mask);
-  std::vector<at::Tensor> inputs{x, cos, sin};
-  if (mask.defined()) inputs.push_back(mask);
-  const bool with_router = moe && at::GradMode::is_enabled();
+// equal). The split copies the layer's output once. The same holds for a MoE block
+// checkpointed in its own unit (DecoderUnits::kSublayer).
+//
+// fsdp::checkpoint of `function` (an output [.., hidden] of inputs[0]'s shape) over
+// `inputs` and `params`; undefined inputs (no mask) are passed on undefined, not saved.
+// `moe`: the MoE block whose router logits `function` sets, or null.
+at::Tensor checkpoint_with_router(CheckpointedFunction function,
+                                  const std::vector<at::Tensor>& inputs,
+                                  const std::vector<at::Tensor>& params, SparseMoeBlockImpl* moe) {
+  std::vector<at::Tensor> saved;
+  std::vector<size_t> positions;  // of the saved inputs among `inputs`
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    saved.push_back(inputs[i]);
+    positions.push_back(i);
+  }
+  const bool with_router = moe != nullptr && at::GradMode::is_enabled();
   const at::Tensor out = checkpoint(
-      [this, with_router](const std::vector<at::Tensor>& in) {
-        const at::Tensor y = compute(in[0], in[1], in[2], in.size() > 3 ? in[3] : at::Tensor());
+      [function = std::move(function), positions, count = inputs.size(), moe,
+       with_router](const std::vector<at::Tensor>& in) {
+        std::vector<at::Tensor> all(count);
+        for (size_t k = 0; k < in.size(); ++k) all[positions[k]] = in[k];
+        const at::Tensor y = function(all);
         if (!with_router) return y;
         return at::cat({y.reshape({-1, y.size(-1)}), moe->router_logits.to(y.scalar_type())}, -1);
       },
-      inputs, parameters());
+      saved, params);
   if (!with_router) return out;
-  const int64_t hidden = x.size(-1);
+  const int64_t hidden = inputs[0].size(-1);
   moe->router_logits = out.narrow(-1, hidden, out.size(-1) - hidden).contiguous();
-  return out.narrow(-1, 0, hidden).contiguous().view(x.sizes());
+  return out.narrow(-1, 0, hidden).contiguous().view(inputs[0].sizes());
+}
+
+template <size_t... I>
+auto tuple_of(const std::vector<at::Tensor>& in, std::index_sequence<I...>) {
+  return std::make_tuple(in[I]...);
+}
+// in[0], ..., in[N - 1] as a tuple.
+template <size_t N>
+auto tensors_of(const std::vector<at::Tensor>& in) {
+  return tuple_of(in, std::make_index_sequence<N>{});
+}
+
+// The module a layer holds as `name`: itself, or with DecoderUnits::kSublayer a unit
+// around it.
+template <typename Block, typename Sublayer>
+std::shared_ptr<Block> register_sublayer(torch::nn::Module& layer, const char* name,
+                                         std::shared_ptr<Sublayer> sublayer, DecoderUnits units) {
+  if (units == DecoderUnits::kSublayer) {
+    layer.register_module(name, Unit<Sublayer>(sublayer));
+  } else {
+    layer.register_module(name, sublayer);
+  }
+  return sublayer;
+}
+
+}  // namespace
+
+template <typename Block, typename... Args>
+at::Tensor SublayerImpl<Block, Args...>::forward(Args... args, bool checkpointed) {
+  if (!checkpointed) return Block::forward(args...);
+  SparseMoeBlockImpl* moe = nullptr;
+  if constexpr (std::is_same_v<Block, SparseMoeBlockImpl>) moe = this;
+  return checkpoint_with_router(
+      [this](const std::vector<at::Tensor>& in) {
+        return std::apply([this](const auto&... each) { return Block::forward(each...); },
+                          tensors_of<sizeof...(Args)>(in));
+      },
+      {args...}, this->parameters(), moe);
+}
+
+template struct SublayerImpl<AttentionImpl, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&>;
+template struct SublayerImpl<MLPImpl, const at::Tensor&>;
+template struct SublayerImpl<SparseMoeBlockImpl, const at::Tensor&>;
+
+DecoderLayerImpl::DecoderLayerImpl(const DecoderConfig& config, int64_t index,
+                                   const at::TensorOptions& options, DecoderUnits units)
+    : type(config.layer_types.at(index)),
+      residual_multiplier(config.residual_multiplier),
+      units(units) {
+  const auto norm = [&](const char* name) {
+    return register_module(
+        name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style, options));
+  };
+  self_attn = Attention(register_sublayer<AttentionImpl>(
+      *this, "self_attn", std::make_shared<AttentionSublayerImpl>(config, type, options), units));
+  if (config.is_moe() && config.sparse_layers.at(index)) {
+    moe = SparseMoeBlock(register_sublayer<SparseMoeBlockImpl>(
+        *this, "mlp", std::make_shared<MoeSublayerImpl>(config, options), units));
+  } else {
+    mlp = MLP(register_sublayer<MLPImpl>(
+        *this, "mlp", std::make_shared<MLPSublayerImpl>(config, options), units));
+  }
+  if (!config.post_norms) input_layernorm = norm("input_layernorm");
+  post_attention_layernorm = norm("post_attention_layernorm");
+  if (config.sandwich_norms) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
+  if (config.sandwich_norms || config.post_norms) {
+    post_feedforward_layernorm = norm("post_feedforward_layernorm");
+  }
+}
+
+// See Note [Router logits out of a checkpointed layer].
+at::Tensor DecoderLayerImpl::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                     at::Tensor mask) {
+  // With kSublayer the sublayers checkpoint themselves, inside their units.
+  if (!checkpoint_activations || units == DecoderUnits::kSublayer) {
+    return compute(x, cos, sin, mask);
+  }
+  return checkpoint_with_router(
+      [this](const std::vector<at::Tensor>& in) { return compute(in[0], in[1], in[2], in[3]); },
+      {x, cos, sin, mask}, parameters(), moe ? moe.get() : nullptr);
+}
+
+at::Tensor DecoderLayerImpl::attention(const at::Tensor& x, const at::Tensor& cos,
+                                       const at::Tensor& sin, const at::Tensor& mask) {
+  return forward_as<AttentionSublayerImpl>(self_attn.ptr(), x, cos, sin, mask,
+                                           sublayers_checkpointed());
+}
+
+at::Tensor DecoderLayerImpl::feed_forward(const at::Tensor& x) {
+  if (moe) return forward_as<MoeSublayerImpl>(moe.ptr(), x, sublayers_checkpointed());
+  return forward_as<MLPSublayerImpl>(mlp.ptr(), x, sublayers_checkpointed());
 }
 
 at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                      const at::Tensor& mask) {
   if (!input_layernorm) {  // post_norms (olmo2): norms after the sublayers only
-    x = x + post_attention_layernorm(self_attn(x, cos, sin, mask));
+    x = x + post_attention_layernorm(attention(x, cos, sin, mask));
     return x + post_feedforward_layernorm(feed_forward(x));
   }
   if (!pre_feedforward_layernorm) {    // without sandwich_norms
     if (residual_multiplier != 1.0) {  // granite
-      x = x + self_attn(input_layernorm(x), cos, sin, mask) * residual_multiplier;
+      x = x + attention(input_layernorm(x), cos, sin, mask) * residual_multiplier;
       return x + feed_forward(post_attention_layernorm(x)) * residual_multiplier;
     }
-    x = x + self_attn(input_layernorm(x), cos, sin, mask);
+    x = x + attention(input_layernorm(x), cos, sin, mask);
     return x + feed_forward(post_attention_layernorm(x));
   }
   // sandwich_norms (gemma)
-  x = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, mask));
+  x = x + post_attention_layernorm(attention(input_layernorm(x), cos, sin, mask));
   return x + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(x)));
 }
 
@@ -114,8 +206,9 @@ at::Tensor DecoderLayerImpl::compute(at::Tensor x, const at::Tensor& cos, const 
 // (fp32), and the head's unsharded gradient is reduced as soon as backward leaves it. Tied
 // embeddings stay in the root: one parameter serves both ends. The names are unchanged
 // (FSDP's names drop the unit's wrapper: fsdp/base/names.h).
-DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options)
-    : config(config) {
+DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options,
+                                   DecoderUnits units)
+    : config(config), units(units) {
   // See Note [Where the decoder's tensors are created].
   torch::nn::EmbeddingOptions embedding(config.vocab_size, config.hidden_size);
   if (config.pad_token_id >= 0) embedding.padding_idx(config.pad_token_id);
@@ -131,8 +224,12 @@ DecoderModelImpl::DecoderModelImpl(const DecoderConfig& config, const at::Tensor
   }
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    units.push_back(Unit<DecoderLayerImpl>(std::make_shared<DecoderLayerImpl>(config, i, options)));
-    layers->push_back(units.back());
+    decoder_layers.emplace_back(config, i, options, units);
+    if (units == DecoderUnits::kLayer) {
+      layers->push_back(Unit<DecoderLayerImpl>(decoder_layers.back().ptr()));
+    } else {
+      layers->push_back(decoder_layers.back());
+    }
   }
   norm = register_module(
       "norm", RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style, options));
@@ -191,9 +288,10 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
     if (config.rope_per_layer_type) at_positions(sliding);
     if (!config.rope_per_layer_type) sliding = full;
   }
-  for (size_t i = 0; i < units.size(); ++i) {
+  for (size_t i = 0; i < decoder_layers.size(); ++i) {
     const auto& [cos, sin] = config.layer_types[i] == LayerType::kSliding ? sliding : full;
-    x = units[i](x, cos, sin, mask);  // mask: undefined unless packed
+    // Through the layer's unit with DecoderUnits::kLayer; mask: undefined unless packed.
+    x = forward_as<DecoderLayerImpl>(decoder_layers[i].ptr(), x, cos, sin, mask);
   }
   if (cache != nullptr) cache->length += t;
   return norm(x);
@@ -201,16 +299,17 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
 
 std::vector<at::Tensor> DecoderModelImpl::router_logits() const {
   std::vector<at::Tensor> logits;
-  for (const auto& unit : units) {
-    const SparseMoeBlock& moe = unit->module()->moe;
+  for (const DecoderLayer& layer : decoder_layers) {
+    const SparseMoeBlock& moe = layer->moe;
     if (moe && moe->router_logits.defined()) logits.push_back(moe->router_logits);
   }
   return logits;
 }
 
-CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options)
+CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options,
+                           DecoderUnits units)
     : config(config) {
-  model = register_module("model", DecoderModel(config, options));
+  model = register_module("model", DecoderModel(config, options, units));
   if (!config.tie_word_embeddings) {
     lm_head = projection(config.hidden_size, config.vocab_size, /*bias=*/false, options);
     head_unit = register_module("lm_head", Unit<lora::LoraLinearImpl>(lm_head.ptr()));
@@ -261,17 +360,17 @@ KVCacheScope::KVCacheScope(CausalLMImpl& model, KVCache& cache) : model_(model) 
   DecoderModelImpl& decoder = *model_.model;
   TORCH_CHECK(decoder.cache == nullptr, "KVCacheScope: the model has a KV cache already");
   TORCH_CHECK(!model_.packed.positions.defined(), "KVCacheScope: the model's rows are packed");
-  cache.layers.resize(decoder.units.size());
+  cache.layers.resize(decoder.decoder_layers.size());
   decoder.cache = &cache;
-  for (size_t i = 0; i < decoder.units.size(); ++i) {
-    decoder.units[i]->module()->self_attn->cache = &cache.layers[i];
+  for (size_t i = 0; i < decoder.decoder_layers.size(); ++i) {
+    decoder.decoder_layers[i]->self_attn->cache = &cache.layers[i];
   }
 }
 
 KVCacheScope::~KVCacheScope() {
   DecoderModelImpl& decoder = *model_.model;
   decoder.cache = nullptr;
-  for (auto& unit : decoder.units) unit->module()->self_attn->cache = nullptr;
+  for (DecoderLayer& layer : decoder.decoder_layers) layer->self_attn->cache = nullptr;
 }
 
 void reset_decoder_parameters(torch::nn::Module& module) {
@@ -289,8 +388,8 @@ at::ScalarType lora_base_dtype(at::ScalarType master, at::ScalarType folder, boo
 
 int64_t store_projections_nf4(CausalLMImpl& net) {
   int64_t stored = 0;
-  for (auto& unit : net.model->units) {
-    for (const auto& item : unit->module()->named_modules("", /*include_self=*/false)) {
+  for (DecoderLayer& layer : net.model->decoder_layers) {
+    for (const auto& item : layer->named_modules("", /*include_self=*/false)) {
       auto* layer = dynamic_cast<lora::LoraLinearImpl*>(item.value().get());
       if (layer == nullptr || !absl::EndsWith(item.key(), "_proj")) continue;
       layer->store_weight_nf4();

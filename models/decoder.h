@@ -55,7 +55,9 @@
 //   // torch::manual_seed(seed); model->init_parameters(fsdp::models::reset_decoder_parameters);
 //
 // Each decoder layer is an fsdp::Unit (one FSDP unit once a FullyShardedDataParallel root
-// binds the model; embeddings, final norm and head stay in the root). Per layer: pre-norm
+// binds the model; embeddings, final norm and head stay in the root), or, built with
+// DecoderUnits::kSublayer, each layer's attention and feed-forward block are two (see
+// there). Per layer: pre-norm
 // x + attn(norm(x)), x + mlp(norm(x)) (Gemma: the sublayer outputs are normed again before
 // the residual add; OLMo 2: only they are; Granite: they are scaled by
 // residual_multiplier, the embeddings by embedding_multiplier, the logits divided by
@@ -101,13 +103,52 @@
 
 namespace fsdp::models {
 
-// One decoder layer, one FSDP unit. Input and output [batch, time, hidden]. With
-// checkpoint_activations (examples/llama/finetune's --activation_checkpointing), a forward
-// with grad mode on keeps only its inputs for backward and recomputes the layer there
-// (fsdp::checkpoint, inside the layer's unit; LoRA dropout draws the same masks again).
+// Which modules of a decoder are FSDP units (decided when it is built):
+// - kLayer (the default): each decoder layer is one unit. A sparse layer's unit gathers
+//   all its experts, and with backward prefetch (BACKWARD_PRE) the previous layer's unit
+//   is gathered while it runs backward: two layers' experts at once.
+// - kSublayer: each layer's attention (model.layers.N.self_attn) and feed-forward block
+//   (model.layers.N.mlp: the MoE block, or the dense MLP) are two sibling units, and the
+//   layer is none: its norms belong to the root unit (a few KiB). Backward prefetch then
+//   gathers a layer's attention while its feed-forward block runs backward, and the
+//   previous layer's feed-forward block only after this one's is resharded: one layer's
+//   experts at a time. Names are unchanged (checkpoints load and save as with kLayer).
+//   With checkpoint_activations each sublayer recomputes inside its own unit, the norms
+//   outside (their saved tensors are kept: models/memory_plan.h plans them). The price:
+//   two all-gathers and two reduce-scatters per layer and step instead of one each.
+// PyTorch: FSDP2's fully_shard applied to each layer (kLayer), or to layer.self_attn and
+// layer.mlp separately (kSublayer), as torchtitan's per-module wrapping allows.
+enum class DecoderUnits { kLayer, kSublayer };
+
+// A decoder layer's attention, dense MLP or MoE block (`Block`: AttentionImpl, MLPImpl or
+// SparseMoeBlockImpl, whose forward takes `Args`) as DecoderLayerImpl holds it: the block
+// itself (same parameters, names and forward arithmetic), with a forward that takes one
+// more argument, `checkpointed`: true (DecoderUnits::kSublayer with checkpoint_activations,
+// grad mode on) keeps only the block's inputs for backward and recomputes it there
+// (fsdp::checkpoint), so that the recomputation runs inside the block's own unit, which it
+// must (fsdp/core/checkpoint_wrapper.h); a MoE block's router logits keep their graph
+// (Note [Router logits out of a checkpointed layer] in decoder.cc). Called through
+// fsdp::forward_as<SublayerImpl<...>>, which runs the block's unit if it has one.
+template <typename Block, typename... Args>
+struct SublayerImpl : Block {
+  using Block::Block;
+  at::Tensor forward(Args... args, bool checkpointed);
+};
+using AttentionSublayerImpl = SublayerImpl<AttentionImpl, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&>;
+using MLPSublayerImpl = SublayerImpl<MLPImpl, const at::Tensor&>;
+using MoeSublayerImpl = SublayerImpl<SparseMoeBlockImpl, const at::Tensor&>;
+
+// One decoder layer: one FSDP unit (DecoderUnits::kLayer), or the parent of two
+// (kSublayer). Input and output [batch, time, hidden]. With checkpoint_activations
+// (examples/llama/finetune's --activation_checkpointing), a forward with grad mode on keeps
+// only its inputs for backward and recomputes the layer there (fsdp::checkpoint, inside the
+// layer's unit; LoRA dropout draws the same masks again); with kSublayer each sublayer
+// does so inside its own unit instead, the norms computed once.
 struct DecoderLayerImpl : torch::nn::Module {
   DecoderLayerImpl(const DecoderConfig& config, int64_t index,
-                   const at::TensorOptions& options = {});
+                   const at::TensorOptions& options = {},
+                   DecoderUnits units = DecoderUnits::kLayer);
   // `mask`: undefined, or packed rows' (AttentionImpl::forward).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor mask = {});
 
@@ -115,6 +156,9 @@ struct DecoderLayerImpl : torch::nn::Module {
 
   LayerType type;
   double residual_multiplier;
+  DecoderUnits units;
+  // Each an AttentionSublayerImpl, MLPSublayerImpl or MoeSublayerImpl; with kSublayer
+  // registered inside a Unit of its own.
   Attention self_attn{nullptr};
   // Registered as "mlp": the dense MLP, or in a sparse layer of a mixture-of-experts
   // family (config.sparse_layers) the MoE block; the other is null.
@@ -128,8 +172,15 @@ struct DecoderLayerImpl : torch::nn::Module {
  private:
   at::Tensor compute(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask);
-  at::Tensor feed_forward(const at::Tensor& x) { return moe ? moe(x) : mlp(x); }
+  // The sublayers, through their units with kSublayer (each checkpointed there).
+  bool sublayers_checkpointed() const {
+    return checkpoint_activations && units == DecoderUnits::kSublayer;
+  }
+  at::Tensor attention(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       const at::Tensor& mask);
+  at::Tensor feed_forward(const at::Tensor& x);
 };
+TORCH_MODULE(DecoderLayer);
 
 // The keys and values of every decoder layer for the tokens run so far: generation runs
 // the prompt once, then one token a forward, each attending to the cache instead of
@@ -144,7 +195,8 @@ struct KVCache {
 // see Note [Packed rows] in decoder.cc. With `cache` set (KVCacheScope), the ids follow
 // the cache's tokens: positions cache->length ... cache->length + time - 1.
 struct DecoderModelImpl : torch::nn::Module {
-  explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
+  explicit DecoderModelImpl(const DecoderConfig& config, const at::TensorOptions& options = {},
+                            DecoderUnits units = DecoderUnits::kLayer);
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions = {},
                      const at::Tensor& segments = {});
   // cos and sin of `rope` at positions 0..time-1: [time, rotary_dim] each, in `dtype`
@@ -157,8 +209,10 @@ struct DecoderModelImpl : torch::nn::Module {
   // Untied embeddings: embed_tokens in an FSDP unit of its own, registered under its name
   // (see Note [The embeddings and the head are units] in decoder.cc); null when tied.
   Unit<torch::nn::EmbeddingImpl> embed_unit{nullptr};
+  DecoderUnits units;
+  // Each layer, or with DecoderUnits::kLayer a Unit around it.
   torch::nn::ModuleList layers{nullptr};
-  std::vector<Unit<DecoderLayerImpl>> units;  // the layers, typed
+  std::vector<DecoderLayer> decoder_layers;  // the layers, typed (either way)
   RMSNorm norm{nullptr};
   // Mixture-of-experts families: the sparse layers' router logits of the last forward
   // ([batch * time, num_experts] each, with their graph), for load_balancing_loss.
@@ -173,8 +227,10 @@ TORCH_MODULE(DecoderModel);
 // on c10::kMeta: from_config under torch.device("meta").
 // Within a PackedRowsScope the rows are packed, within a KVCacheScope they follow the
 // cache's tokens (see there).
+// `units`: which modules are FSDP units (DecoderUnits).
 struct CausalLMImpl : torch::nn::Module {
-  explicit CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
+  explicit CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options = {},
+                        DecoderUnits units = DecoderUnits::kLayer);
   at::Tensor forward(const at::Tensor& ids);
   // Mixture-of-experts families: the last forward's load-balancing loss (moe.h's
   // load_balancing_loss over every sparse layer's router logits, the config's top-k), a
@@ -255,7 +311,7 @@ class KVCacheScope {
 at::ScalarType lora_base_dtype(at::ScalarType master, at::ScalarType folder, bool bf16_compute);
 
 // QLoRA's base (examples/llama:finetune --quantize=nf4): holds every LoraLinear named
-// "*_proj" inside a decoder layer's unit (attention's and the MLP's projections, shared
+// "*_proj" inside a decoder layer (attention's and the MLP's projections, shared
 // experts' included; not the MoE routers, the fused routed experts, the embeddings, the
 // norms or the head, which QLoRA leaves as they are) in NF4 with double quantization
 // (lora::LoraLinearImpl::store_weight_nf4), on the meta device or any other. Returns how

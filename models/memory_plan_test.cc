@@ -43,7 +43,9 @@ Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batc
   MemoryTracker tracker;
   at::manual_seed(0);
   auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().dtype(dtype));
-  for (auto& unit : net->model->units) unit->module()->checkpoint_activations = checkpoint_layers;
+  for (DecoderLayer& layer : net->model->decoder_layers) {
+    layer->checkpoint_activations = checkpoint_layers;
+  }
   if (trained.lora_rank > 0) {
     lora::LoraConfig lora;
     // Adapters in `dtype` too: what FSDP's mixed precision computes with (gathered in

@@ -100,10 +100,10 @@ TEST(SparseMoeBlock, Qwen3MoeDecoderKeepsItsSparseLayersRouterLogits) {
       "cfg.json");
   torch::manual_seed(0);
   CausalLMImpl model(config);
-  EXPECT_TRUE(model.model->units[0]->module()->moe && !model.model->units[0]->module()->mlp);
-  EXPECT_TRUE(model.model->units[1]->module()->mlp && !model.model->units[1]->module()->moe);
+  EXPECT_TRUE(model.model->decoder_layers[0]->moe && !model.model->decoder_layers[0]->mlp);
+  EXPECT_TRUE(model.model->decoder_layers[1]->mlp && !model.model->decoder_layers[1]->moe);
   // The layer's own names (the model's carry the unit's wrapper until FSDP cleans them).
-  const auto layer = [&](int64_t i) { return model.model->units[i]->module()->named_parameters(); };
+  const auto layer = [&](int64_t i) { return model.model->decoder_layers[i]->named_parameters(); };
   EXPECT_EQ(layer(0)["mlp.experts.gate_up_proj"].sizes(), at::IntArrayRef({4, 16, 16}));
   EXPECT_EQ(layer(2)["mlp.experts.down_proj"].sizes(), at::IntArrayRef({4, 16, 8}));
   EXPECT_EQ(layer(2)["mlp.gate.weight"].sizes(), at::IntArrayRef({4, 16}));
@@ -132,14 +132,16 @@ TEST(SparseMoeBlock, AuxLossTrainsTheRoutersOfCheckpointedLayers) {
   for (const bool checkpointed : {false, true}) {
     torch::manual_seed(0);
     CausalLMImpl model(config);
-    for (auto& unit : model.model->units) unit->module()->checkpoint_activations = checkpointed;
+    for (DecoderLayer& layer : model.model->decoder_layers) {
+      layer->checkpoint_activations = checkpointed;
+    }
     const at::Tensor logits = model.forward(ids);
     ASSERT_EQ(model.model->router_logits().size(), 2u) << "checkpointed " << checkpointed;
     const at::Tensor loss =
         logits.logsumexp(-1).mean() + model.aux_loss(at::tensor({1, 1, 1, 1, 0, 1, 1, 1, 1, 1}));
     loss.backward();
     losses.push_back(loss.detach());
-    const at::Tensor router = model.model->units[1]->module()->moe->gate->weight;
+    const at::Tensor router = model.model->decoder_layers[1]->moe->gate->weight;
     ASSERT_TRUE(router.grad().defined()) << "checkpointed " << checkpointed;
     grads.push_back(router.grad());
   }

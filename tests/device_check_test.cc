@@ -243,7 +243,9 @@ TEST(DeviceCheckTest, LlamaDecoderForwardAndBackwardStayOnTheModelsDevice) {
           "rope_theta": 500000.0})",
       "llama config");
   models::CausalLMImpl model(config);
-  for (auto& unit : model.model->units) unit->module()->checkpoint_activations = true;
+  for (models::DecoderLayer& layer : model.model->decoder_layers) {
+    layer->checkpoint_activations = true;
+  }
   const at::Tensor tokens = at::zeros({2, 16}, at::kLong);
   expect_on_its_device(
       model,

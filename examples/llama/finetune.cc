@@ -627,8 +627,8 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
   const at::ScalarType base = base_dtype_of(dtype, folder_dtype, levers.mixed_precision);
   auto net =
       std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(base));
-  for (auto& unit : net->model->units) {
-    unit->module()->checkpoint_activations = levers.activation_checkpointing;
+  for (DecoderLayer& layer : net->model->decoder_layers) {
+    layer->checkpoint_activations = levers.activation_checkpointing;
   }
   if (absl::GetFlag(FLAGS_lora_rank) > 0) {
     at::manual_seed(absl::GetFlag(FLAGS_seed));  // every rank draws the same adapters

@@ -11,10 +11,14 @@
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
 
 #include "fsdp/comm/fake.h"
+#include "fsdp/core/memory_plan.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/state_dict.h"
+#include "models/memory_plan.h"
 
 namespace fsdp::models {
 namespace {
@@ -229,6 +233,145 @@ TEST(KVCacheTest, MisuseIsRefused) {
   torch::NoGradGuard no_grad;
   const int64_t longest = net.config.max_position_embeddings;
   EXPECT_THROW(net.forward(at::zeros({1, longest + 1}, at::kLong)), c10::Error);
+}
+
+}  // namespace
+}  // namespace fsdp::models
+
+namespace fsdp::models {
+namespace {
+
+// What three AdamW steps of a decoder under FSDP gave rank 0: each step's loss, the last
+// step's collectives and its peak tracked memory (FullyShardedRoot::check_plan's
+// measurement: model state and what the step allocated), and the plan of that step
+// (plan_finetune, the fake backend).
+struct UnitsRun {
+  std::vector<at::Tensor> losses;
+  int64_t all_gathers = 0, reduce_scatters = 0;
+  int64_t measured_peak = 0;
+  FinetunePlan plan;
+};
+
+// Full fine-tuning of `config` (a CPU build from seed 5, every rank the same) with `units`
+// on `world` ranks as threads: each rank a batch of its own (2 rows of 8 tokens), loss
+// cross-entropy + 0.01 x the load-balancing loss, no gradient clipping (a collective).
+UnitsRun train_units(const DecoderConfig& config, DecoderUnits units, int world,
+                     bool checkpointed) {
+  UnitsRun run;
+  MemoryTracker tracker;
+  FakeWorld::run(FakeWorld::create(world), [&](Communicator& comm) {
+    MemoryTagGuard tag(comm.rank());
+    std::shared_ptr<CausalLMImpl> net;
+    {
+      std::lock_guard<std::mutex> lock(draw_mutex());
+      at::manual_seed(5);
+      net = std::make_shared<CausalLMImpl>(config, at::TensorOptions(), units);
+    }
+    for (DecoderLayer& layer : net->model->decoder_layers) {
+      layer->checkpoint_activations = checkpointed;
+    }
+    FinetunePlanOptions planned;
+    planned.world_size(world)
+        .micro_batch(2)
+        .context(8)
+        .activation_checkpointing(checkpointed)
+        .router_aux_loss(true)
+        .backend(PlanBackend::kFake)
+        .decoder_units(units);
+    const FinetunePlan plan = plan_finetune(config, plan_units(*net), planned);
+    FullyShardedDataParallel<CausalLMImpl> model(
+        net,
+        FullyShardedDataParallelOptions(std::shared_ptr<Communicator>(&comm, [](Communicator*) {
+        })).plan_check(true));
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      const at::Tensor ids =
+          (at::arange(18, at::kLong).view({2, 9}) * (7 + 2 * comm.rank() + step) + step) %
+          config.vocab_size;
+      adamw.zero_grad();
+      comm.counters().reset();
+      const at::Tensor logits = model->forward(ids.narrow(1, 0, 8));
+      const at::Tensor loss = torch::nn::functional::cross_entropy(
+                                  logits.reshape({16, -1}), ids.narrow(1, 1, 8).reshape({16})) +
+                              0.01 * net->aux_loss();
+      loss.backward();
+      adamw.step();
+      const PlanCheckResult check = model->check_plan(adamw);
+      if (comm.rank() != 0) continue;
+      run.losses.push_back(loss.detach());
+      run.all_gathers = comm.counters().get(CollectiveKind::kAllGather).calls;
+      run.reduce_scatters = comm.counters().get(CollectiveKind::kReduceScatter).calls;
+      run.measured_peak = check.row("peak").measured;
+      run.plan = plan;
+    }
+  });
+  return run;
+}
+
+// Note [Sublayer units] (DecoderUnits::kSublayer): the same losses as layer units, bit for
+// bit (the same arithmetic: each gradient element is reduced alone, whatever unit holds
+// it), with and without checkpointing, the routers' load-balancing loss on; per step the
+// collectives REFERENCE §4 counts for n units (n all-gathers in forward, n - 1 in
+// backward, n reduce-scatters), the plan's.
+TEST(SublayerUnitsTest, SameLossesAsLayerUnitsWithTwoCollectivesPerSublayer) {
+  const DecoderConfig config = tiny_qwen2_moe();  // 3 layers, layer 1 dense
+  for (const int world : {2, 3}) {
+    for (const bool checkpointed : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "W = " << world << ", checkpointed " << checkpointed);
+      const UnitsRun layer = train_units(config, DecoderUnits::kLayer, world, checkpointed);
+      const UnitsRun split = train_units(config, DecoderUnits::kSublayer, world, checkpointed);
+      ASSERT_EQ(split.losses.size(), 3u);
+      for (size_t step = 0; step < 3; ++step) {
+        EXPECT_TRUE(at::equal(split.losses[step], layer.losses[step]))
+            << "step " << step << ": " << split.losses[step].item<double>() << " vs "
+            << layer.losses[step].item<double>();
+      }
+      // Layer units: the root, the embeddings, 3 layers, the head (n = 6); sublayer units:
+      // 3 x 2 sublayers instead (n = 9).
+      EXPECT_EQ(layer.all_gathers, 6 + 5);
+      EXPECT_EQ(layer.reduce_scatters, 6);
+      EXPECT_EQ(split.all_gathers, 9 + 8);
+      EXPECT_EQ(split.reduce_scatters, 9);
+      for (const UnitsRun* run : {&layer, &split}) {
+        EXPECT_EQ(run->plan.step.traffic_of(CollectiveKind::kAllGather).calls, run->all_gathers);
+        EXPECT_EQ(run->plan.step.traffic_of(CollectiveKind::kReduceScatter).calls,
+                  run->reduce_scatters);
+      }
+    }
+  }
+}
+
+// A Qwen3-MoE whose experts are nearly all of it: 4 sparse layers of 16 experts of width 64
+// over hidden 32 (98304 elements a layer, 384 KiB in fp32), vocab 64.
+DecoderConfig experts_heavy_moe() {
+  return parse_decoder_config(
+      R"({"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 64, "num_experts": 16, "num_experts_per_tok": 2,
+        "norm_topk_prob": true, "head_dim": 8, "max_position_embeddings": 64,
+        "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "vocab_size": 64})",
+      "tiny.json");
+}
+
+// Where experts dominate, sublayer units lower the step's measured peak (one layer's
+// experts gathered at a time in backward instead of two), and each plan is within 15% of
+// what the rank measured.
+TEST(SublayerUnitsTest, LowerPeakWhereExpertsDominate) {
+  const DecoderConfig config = experts_heavy_moe();
+  const UnitsRun layer = train_units(config, DecoderUnits::kLayer, 2, false);
+  const UnitsRun split = train_units(config, DecoderUnits::kSublayer, 2, false);
+  for (const UnitsRun* run : {&layer, &split}) {
+    const double ratio = double(run->measured_peak) / double(run->plan.step.peak_bytes);
+    EXPECT_GT(ratio, 0.85) << run->measured_peak << " measured, " << run->plan.step.peak_bytes
+                           << " planned";
+    EXPECT_LT(ratio, 1.15) << run->measured_peak << " measured, " << run->plan.step.peak_bytes
+                           << " planned";
+  }
+  std::cout << "peak of a rank (W = 2): layer units " << layer.measured_peak << " B measured, "
+            << layer.plan.step.peak_bytes << " B planned; sublayer units " << split.measured_peak
+            << " B measured, " << split.plan.step.peak_bytes << " B planned\n";
+  EXPECT_LT(split.measured_peak, layer.measured_peak);
+  EXPECT_LT(split.plan.step.peak_bytes, layer.plan.step.peak_bytes);
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 #include "absl/strings/strip.h"
 #include <c10/util/Exception.h>
 
+#include "fsdp/base/names.h"
+
 namespace fsdp::models {
 namespace {
 
@@ -66,6 +68,13 @@ namespace {
 //   Qwen2-MoE's shared expert adds a gated MLP of its own width, its
 //   gate's sigmoid and its output. A checkpointed sparse layer keeps its router logits
 //   beside its input (Note [Router logits out of a checkpointed layer] in decoder.cc).
+// - With DecoderUnits::kSublayer each sublayer is checkpointed inside its unit and the
+//   norms run outside: a checkpointed layer saves each sublayer's input (its normed input,
+//   2 c H per token in all) and a CPU generator state each, and its norms' tensors as an
+//   unchecked layer's norms save them (Gemma's (1 + weight) included): with Llama-style
+//   norms, fp32, about 2 x (4 H + 4 + 4 H) more per token than the layer's input alone.
+//   Recomputation holds one sublayer at a time. Without checkpointing the split saves what
+//   the layer saves: the same operations run.
 // In LoRA the first layer's input needs no gradient, so its first norm saves nothing.
 constexpr int64_t kFp32 = 4;
 constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl's get_state()
@@ -96,15 +105,16 @@ struct LayerBytes {
   }
   // Gemma's norms multiply by (1 + weight), an fp32 [width] tensor that each norm saves
   // once, whatever the tokens: a layer's (LoRA's first layer's input norm saves nothing).
-  int64_t gemma_norm_weights(bool first) const {
+  // `qk_norms`: with the attention's q and k norms.
+  int64_t gemma_norm_weights(bool first, bool qk_norms = true) const {
     if (config.norm_style != NormStyle::kGemma) return 0;
     const int64_t h = config.hidden_size;
     const int64_t q = config.num_attention_heads * config.head_dim;
     const int64_t kv = config.num_key_value_heads * config.head_dim;
     int64_t width = 0;
     if (!config.post_norms && (full() || !first)) width += h;  // before attention
-    if (config.qk_norm) width += 2 * config.head_dim;
-    if (config.qk_norm_full_width) width += q + kv;
+    if (config.qk_norm && qk_norms) width += 2 * config.head_dim;
+    if (config.qk_norm_full_width && qk_norms) width += q + kv;
     if (config.sandwich_norms || config.post_norms) width += 2 * h;  // after each sublayer
     if (!config.post_norms) width += h;                              // before the MLP
     return kFp32 * width;
@@ -142,14 +152,16 @@ struct LayerBytes {
   // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer;
   // `sparse`: an MoE layer's.
   int64_t per_token(bool first, bool sparse = false) const {
+    return attention(first) + feed_forward(sparse);
+  }
+
+  // ... of its attention: from the layer's input to o_proj.
+  int64_t attention(bool first) const {
     const int64_t h = config.hidden_size, heads = config.num_attention_heads;
     const int64_t q = heads * config.head_dim, kv = config.num_key_value_heads * config.head_dim;
-    const int64_t inner = config.intermediate_size;
     const bool fused = config.fused_projections;
     const bool attention_trains =
         fused ? trains("qkv_proj") : trains("q_proj") || trains("k_proj") || trains("v_proj");
-    const bool gate_up_trains =
-        fused ? trains("gate_up_proj") : trains("gate_proj") || trains("up_proj");
     int64_t bytes = 0;
     // Input norm (or, for post norms, the layer input the projections read).
     if (config.post_norms) {
@@ -177,6 +189,17 @@ struct LayerBytes {
       bytes += c * (2 * q + 2 * kv) + kFp32 * heads;
     }
     bytes += adapter("o_proj");
+    return bytes;
+  }
+
+  // ... of its feed-forward block, from after attention to the layer's output (the norms
+  // between included).
+  int64_t feed_forward(bool sparse) const {
+    const int64_t h = config.hidden_size, inner = config.intermediate_size;
+    const bool fused = config.fused_projections;
+    const bool gate_up_trains =
+        fused ? trains("gate_up_proj") : trains("gate_proj") || trains("up_proj");
+    int64_t bytes = 0;
     // After attention: a post norm on its output, then the norm before the MLP.
     if (config.sandwich_norms || config.post_norms) bytes += norm(h);
     // The MLP's input, saved by what trains (a sparse layer's router or shared expert).
@@ -194,6 +217,20 @@ struct LayerBytes {
     if (config.sandwich_norms || config.post_norms) bytes += norm(h);
     return bytes;
   }
+
+  // DecoderUnits::kSublayer, checkpointed: per token, what the attention's part of a
+  // layer saves (the norm before it, its input) and the feed-forward block's (the norms
+  // after attention, before and after the block, its input). See the Note.
+  int64_t checkpointed_attention(bool first) const {
+    const int64_t h = config.hidden_size;
+    return c * h + (!config.post_norms && (full() || !first) ? norm(h) : 0);
+  }
+  int64_t checkpointed_feed_forward() const {
+    const int64_t h = config.hidden_size;
+    const int64_t norms =
+        (config.sandwich_norms || config.post_norms ? 2 : 0) + (config.post_norms ? 0 : 1);
+    return c * h + norms * norm(h);
+  }
 };
 
 int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
@@ -203,7 +240,8 @@ int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::el
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
-                                         bool packed_rows, bool router_aux_loss) {
+                                         bool packed_rows, bool router_aux_loss,
+                                         DecoderUnits units) {
   TORCH_CHECK(batch >= 1 && context >= 1,
               "decoder_activation_bytes: expected a batch and a "
               "context of at least 1, got ",
@@ -216,21 +254,36 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   const auto sparse = [&](int64_t i) {
     return config.is_moe() && config.sparse_layers.at(static_cast<size_t>(i));
   };
-  int64_t largest = layers == 1 ? layer.per_token(/*first=*/true, sparse(0)) : 0;
-  for (int64_t i = 0; i < layers; ++i)
-    largest = std::max(largest, layer.per_token(false, sparse(i)));
+  const bool split = units == DecoderUnits::kSublayer;
+  // What a layer's recomputation holds: the layer's, or with kSublayer a sublayer's.
+  const auto recomputed = [&](bool first, bool sparse) {
+    return split ? std::max(layer.attention(first), layer.feed_forward(sparse))
+                 : layer.per_token(first, sparse);
+  };
+  int64_t largest = layers == 1 ? recomputed(/*first=*/true, sparse(0)) : 0;
+  for (int64_t i = 0; i < layers; ++i) largest = std::max(largest, recomputed(false, sparse(i)));
   result.per_layer = tokens * largest + (packed_rows ? layer.mask(LayerType::kFull) : 0);
   for (int64_t i = 0; i < layers; ++i) {
     // A sparse layer's router logits held by its block, and the load-balancing loss's
     // softmax of them.
     const int64_t router =
         sparse(i) ? tokens * c * config.num_experts * (router_aux_loss ? 2 : 1) : 0;
-    result.layers.push_back(
-        checkpoint_layers
-            ? tokens * c * config.hidden_size + kCpuRngStateBytes + router
-            : tokens * layer.per_token(i == 0, sparse(i)) +
-                  (router_aux_loss && sparse(i) ? tokens * c * config.num_experts : 0) +
-                  layer.mask(config.layer_types[i]) + layer.gemma_norm_weights(i == 0));
+    const int64_t aux_softmax = router_aux_loss && sparse(i) ? tokens * c * config.num_experts : 0;
+    if (checkpoint_layers && split) {
+      const int64_t feed_forward =
+          tokens * layer.checkpointed_feed_forward() + kCpuRngStateBytes + router;
+      result.feed_forward.push_back(feed_forward);
+      result.layers.push_back(feed_forward + tokens * layer.checkpointed_attention(i == 0) +
+                              kCpuRngStateBytes +
+                              layer.gemma_norm_weights(i == 0, /*qk_norms=*/false));
+    } else if (checkpoint_layers) {
+      result.layers.push_back(tokens * c * config.hidden_size + kCpuRngStateBytes + router);
+    } else {
+      if (split)
+        result.feed_forward.push_back(tokens * layer.feed_forward(sparse(i)) + aux_softmax);
+      result.layers.push_back(tokens * layer.per_token(i == 0, sparse(i)) + aux_softmax +
+                              layer.mask(config.layer_types[i]) + layer.gemma_norm_weights(i == 0));
+    }
   }
   int64_t saved = std::accumulate(result.layers.begin(), result.layers.end(), int64_t{0});
   // The load-balancing loss's scalars, which its backward frees before the loss's
@@ -283,7 +336,9 @@ void count_param(const at::Tensor& p, at::ScalarType dtype, PlanUnit& unit, int6
 
 }  // namespace
 
-std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
+std::vector<PlanUnit> plan_units(CausalLMImpl& net) { return plan_units(net, net.model->units); }
+
+std::vector<PlanUnit> plan_units(CausalLMImpl& net, DecoderUnits decoder_units) {
   const std::vector<at::Tensor> params = net.parameters();
   // The plan's dtype: the trainable parameters' (else the first parameter's).
   at::ScalarType dtype = params.empty() ? at::kFloat : params.front().scalar_type();
@@ -296,17 +351,38 @@ std::vector<PlanUnit> plan_units(CausalLMImpl& net) {
   std::vector<PlanUnit> units(1);
   units[0].is_root = true;
   for (const at::Tensor& p : params) count_param(p, dtype, units[0]);  // less the units' below
-  // The units in forward order (pre-order: the embeddings, the layers, the head).
-  for (const auto& item : net.named_modules()) {
-    const auto* unit = dynamic_cast<const UnitBase*>(item.value().get());
-    if (unit == nullptr) continue;
+  const auto add_unit = [&](std::string fqn, const torch::nn::Module& module) {
     PlanUnit planned;
-    planned.fqn = item.key();
-    for (const at::Tensor& p : unit->wrapped_module()->parameters()) {
+    planned.fqn = std::move(fqn);
+    for (const at::Tensor& p : module.parameters()) {
       count_param(p, dtype, planned);
       count_param(p, dtype, units[0], -1);
     }
     units.push_back(planned);
+  };
+  // The units in forward order (pre-order: the embeddings, the layers, the head), each
+  // layer's as `decoder_units` makes them, whatever `net` was built with.
+  for (const auto& item : net.named_modules()) {
+    const torch::nn::Module& module = *item.value();
+    if (const auto* layer = dynamic_cast<const DecoderLayerImpl*>(&module)) {
+      const std::string fqn = clean_tensor_name(item.key());
+      if (decoder_units == DecoderUnits::kLayer) {
+        add_unit(fqn, *layer);
+      } else {
+        add_unit(fqn + ".self_attn", *layer->self_attn);
+        add_unit(fqn + ".mlp",
+                 layer->moe ? static_cast<const torch::nn::Module&>(*layer->moe) : *layer->mlp);
+      }
+      continue;
+    }
+    const auto* unit = dynamic_cast<const UnitBase*>(&module);
+    if (unit == nullptr) continue;
+    const torch::nn::Module& wrapped = *unit->wrapped_module();
+    const bool layer_or_sublayer = dynamic_cast<const DecoderLayerImpl*>(&wrapped) ||
+                                   dynamic_cast<const AttentionImpl*>(&wrapped) ||
+                                   dynamic_cast<const MLPImpl*>(&wrapped) ||
+                                   dynamic_cast<const SparseMoeBlockImpl*>(&wrapped);
+    if (!layer_or_sublayer) add_unit(item.key(), wrapped);  // the layers': above
   }
   return units;
 }
@@ -322,7 +398,7 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   const at::ScalarType compute = options.param_dtype().value_or(options.dtype());
   plan.activations = decoder_activation_bytes(
       config, options.micro_batch(), options.context(), compute, options.activation_checkpointing(),
-      options.trained(), options.packed_rows(), options.router_aux_loss());
+      options.trained(), options.packed_rows(), options.router_aux_loss(), options.decoder_units());
   MemoryPlanOptions step;
   step.world_size(options.world_size())
       .sharding_strategy(options.sharding_strategy())
@@ -340,13 +416,26 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
   std::vector<PlanUnit> with_activations = units;
   for (PlanUnit& unit : with_activations) {
     absl::string_view name = unit.fqn;
-    int64_t layer = 0;
     if (name == "lm_head") {
       unit.activation_bytes = plan.activations.head;
-    } else if (absl::ConsumePrefix(&name, "model.layers.") && absl::SimpleAtoi(name, &layer) &&
-               layer >= 0 && layer < static_cast<int64_t>(plan.activations.layers.size())) {
-      unit.activation_bytes = plan.activations.layers[layer];
+      continue;
     }
+    // "model.layers.N", or its sublayers "model.layers.N.self_attn" and "model.layers.N.mlp".
+    if (!absl::ConsumePrefix(&name, "model.layers.")) continue;
+    const size_t dot = name.find('.');
+    const absl::string_view sublayer = dot == name.npos ? "" : name.substr(dot + 1);
+    int64_t layer = 0;
+    if (!absl::SimpleAtoi(name.substr(0, dot), &layer) || layer < 0 ||
+        layer >= static_cast<int64_t>(plan.activations.layers.size())) {
+      continue;
+    }
+    const int64_t feed_forward = plan.activations.feed_forward.empty()
+                                     ? 0
+                                     : plan.activations.feed_forward[static_cast<size_t>(layer)];
+    const int64_t whole = plan.activations.layers[static_cast<size_t>(layer)];
+    if (sublayer.empty()) unit.activation_bytes = whole;
+    if (sublayer == "self_attn") unit.activation_bytes = whole - feed_forward;
+    if (sublayer == "mlp") unit.activation_bytes = feed_forward;
   }
   plan.step = plan_memory(with_activations, step);
   const auto at_peak = [&](PlanTerm term) {
@@ -422,13 +511,20 @@ std::string format_bytes(int64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
-std::string experts_gathered_line(const DecoderConfig& config, const FinetunePlan& plan) {
+std::string experts_gathered_line(const DecoderConfig& config, const FinetunePlan& plan,
+                                  const FinetunePlan& other) {
   if (!config.is_moe()) return "";
-  return absl::StrCat("mixture of experts: each sparse layer's unit gathers all ",
-                      config.num_experts, " experts, ", format_bytes(plan.experts_per_layer),
-                      " in ",
-                      c10::toString(plan.options.param_dtype().value_or(plan.options.dtype())),
-                      ", though each token uses ", config.num_experts_per_tok, " of them");
+  const bool split = plan.options.decoder_units() == DecoderUnits::kSublayer;
+  return absl::StrCat(
+      "mixture of experts: each sparse layer's ", split ? "feed-forward " : "", "unit gathers all ",
+      config.num_experts, " experts, ", format_bytes(plan.experts_per_layer), " in ",
+      c10::toString(plan.options.param_dtype().value_or(plan.options.dtype())),
+      ", though each token uses ", config.num_experts_per_tok, " of them; ",
+      split ? absl::StrCat("peak ", format_bytes(plan.peak_bytes), " instead of ",
+                           format_bytes(other.peak_bytes), " with --moe_units=layer")
+            : absl::StrCat("--moe_units=sublayer (attention and experts units of their own) ",
+                           "would peak at ", format_bytes(other.peak_bytes), " instead of ",
+                           format_bytes(plan.peak_bytes)));
 }
 
 std::string FinetunePlan::summary() const {

@@ -50,7 +50,9 @@ struct TrainedWeights {
 // `checkpoint_layers`). With `router_aux_loss`, a mixture-of-experts decoder's
 // load-balancing loss (CausalLMImpl::aux_loss) is part of the loss. Exact for the decoder
 // of decoder.h on the CPU, the sparse layers' MoE blocks included; a CUDA device's
-// attention kernels keep what their backward needs in other shapes.
+// attention kernels keep what their backward needs in other shapes. `units`: the
+// decoder's (with DecoderUnits::kSublayer and `checkpoint_layers` a layer saves its norms'
+// tensors and each sublayer's input, not the layer's input only).
 struct ActivationBytes {
   int64_t per_layer = 0;  // the largest layer's saved bytes (not checkpointed)
   int64_t saved_bytes = 0;
@@ -59,19 +61,27 @@ struct ActivationBytes {
   // layer's saved bytes, and the head's (its input when it trains, the logits' soft cap,
   // the log-softmax and, without checkpointing, the loss's gradients).
   std::vector<int64_t> layers;
+  // With DecoderUnits::kSublayer (else empty): the part of each layer's bytes that its
+  // feed-forward block's unit frees (the norms after attention, the MLP or MoE block, the
+  // router's logits); its attention's unit frees the rest.
+  std::vector<int64_t> feed_forward;
   int64_t head = 0;
 };
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
-                                         bool packed_rows = false, bool router_aux_loss = false);
+                                         bool packed_rows = false, bool router_aux_loss = false,
+                                         DecoderUnits units = DecoderUnits::kLayer);
 
-// The FSDP units of a decoder built by decoder.h (each layer a unit, and the embeddings
-// and the head when untied; the root holding the rest), with the elements each will train
-// and freeze, as FullyShardedDataParallel will flatten them: the root first, then the
-// units in forward order. Reads shapes only, so `net` may be on the meta device, with
-// LoRA adapters applied or not.
+// The FSDP units of a decoder built by decoder.h (each layer a unit, or each layer's
+// attention and feed-forward block, and the embeddings and the head when untied; the root
+// holding the rest), with the elements each will train and freeze, as
+// FullyShardedDataParallel will flatten them: the root first, then the units in forward
+// order. Reads shapes only, so `net` may be on the meta device, with LoRA adapters
+// applied or not. `units`: as if `net` had been built with them (to plan both ways from
+// one model); none: as it was built.
 std::vector<PlanUnit> plan_units(CausalLMImpl& net);
+std::vector<PlanUnit> plan_units(CausalLMImpl& net, DecoderUnits units);
 
 struct FinetunePlanOptions {
   TORCH_ARG(int64_t, world_size) = 1;
@@ -93,6 +103,9 @@ struct FinetunePlanOptions {
   // Mixture-of-experts families: the loss adds the router's load-balancing loss
   // (examples/llama:finetune's --router_aux_loss_coef > 0).
   TORCH_ARG(bool, router_aux_loss) = false;
+  // The decoder's units (decoder.h), as plan_units gave them: where each layer's
+  // activations are freed, and what a checkpointed layer saves.
+  TORCH_ARG(DecoderUnits, decoder_units) = DecoderUnits::kLayer;
   TORCH_ARG(bool, cpu_offload) = false;
   // The device the step runs on. CPU: the plan is the process's resident set. CUDA: the
   // GPU's memory (tensors, as torch.cuda.max_memory_allocated counts them, plus
@@ -152,10 +165,14 @@ struct FinetunePlan {
   std::string summary() const;
 };
 
-// For a mixture-of-experts config, one line on what gathering a sparse layer costs:
-// "mixture of experts: each sparse layer's unit gathers all 128 experts, 1.13 GiB in
-// BFloat16, though each token uses 8 of them"; "" for a dense config.
-std::string experts_gathered_line(const DecoderConfig& config, const FinetunePlan& plan);
+// For a mixture-of-experts config, one line on what gathering a sparse layer costs, and
+// the peak of `other`, the same plan with the other decoder_units (examples/llama:finetune's
+// --moe_units): "mixture of experts: each sparse layer's unit gathers all 128 experts,
+// 1.13 GiB in BFloat16, though each token uses 8 of them; --moe_units=sublayer (attention
+// and experts units of their own) would peak at 4.10 GiB instead of 5.12 GiB"; "" for a
+// dense config.
+std::string experts_gathered_line(const DecoderConfig& config, const FinetunePlan& plan,
+                                  const FinetunePlan& other);
 
 // The plan of one rank (every rank's is the same). Throws c10::Error on bad options.
 FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUnit>& units,

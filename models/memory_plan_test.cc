@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include <ATen/Functions.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
@@ -234,9 +235,20 @@ TEST(PlanFinetuneTest, SaysWhatGatheringASparseLayersExpertsCosts) {
   const std::vector<PlanUnit> units = plan_units(*net);
   const FinetunePlan fp32 = plan_finetune(moe, units, FinetunePlanOptions().world_size(2));
   EXPECT_EQ(fp32.experts_per_layer, 8 * 3 * 32 * 64 * 4);
-  EXPECT_EQ(experts_gathered_line(moe, fp32),
-            "mixture of experts: each sparse layer's unit gathers all 8 experts, 192 KiB in "
-            "Float, though each token uses 2 of them");
+  const FinetunePlan split =
+      plan_finetune(moe, plan_units(*net, DecoderUnits::kSublayer),
+                    FinetunePlanOptions().world_size(2).decoder_units(DecoderUnits::kSublayer));
+  EXPECT_EQ(
+      experts_gathered_line(moe, fp32, split),
+      absl::StrCat("mixture of experts: each sparse layer's unit gathers all 8 experts, 192 "
+                   "KiB in Float, though each token uses 2 of them; --moe_units=sublayer "
+                   "(attention and experts units of their own) would peak at ",
+                   format_bytes(split.peak_bytes), " instead of ", format_bytes(fp32.peak_bytes)));
+  EXPECT_EQ(experts_gathered_line(moe, split, fp32),
+            absl::StrCat("mixture of experts: each sparse layer's feed-forward unit gathers all 8 "
+                         "experts, 192 KiB in Float, though each token uses 2 of them; peak ",
+                         format_bytes(split.peak_bytes), " instead of ",
+                         format_bytes(fp32.peak_bytes), " with --moe_units=layer"));
   const FinetunePlan bf16 =
       plan_finetune(moe, units, FinetunePlanOptions().world_size(2).param_dtype(at::kBFloat16));
   EXPECT_EQ(bf16.experts_per_layer, 8 * 3 * 32 * 64 * 2);
@@ -245,7 +257,7 @@ TEST(PlanFinetuneTest, SaysWhatGatheringASparseLayersExpertsCosts) {
   auto dense_net = std::make_shared<CausalLMImpl>(dense, at::TensorOptions().device(c10::kMeta));
   const FinetunePlan plan = plan_finetune(dense, plan_units(*dense_net), FinetunePlanOptions());
   EXPECT_EQ(plan.experts_per_layer, 0);
-  EXPECT_EQ(experts_gathered_line(dense, plan), "");
+  EXPECT_EQ(experts_gathered_line(dense, plan, plan), "");
 }
 
 }  // namespace

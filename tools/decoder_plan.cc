@@ -42,7 +42,8 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
                           : options.dtype();
   // The decoder on the meta device: shapes only, as the trainer builds it.
   auto net = std::make_shared<models::CausalLMImpl>(
-      config, at::TensorOptions().device(c10::kMeta).dtype(report.base_dtype));
+      config, at::TensorOptions().device(c10::kMeta).dtype(report.base_dtype),
+      options.decoder_units());
   if (trained.lora_rank > 0) {
     if (trained.lora_targets.empty()) trained.lora_targets = models::default_lora_targets(config);
     const std::string error = models::lora_targets_error(config, trained.lora_targets);
@@ -66,6 +67,14 @@ DecoderPlanReport make_decoder_report(const models::DecoderConfig& config,
   options.micro_batch(
       models::micro_batch_of(global_batch, options.world_size(), grad_accumulation_steps));
   report.plan = models::plan_finetune(config, units, options);
+  if (config.is_moe()) {
+    const models::DecoderUnits other = options.decoder_units() == models::DecoderUnits::kLayer
+                                           ? models::DecoderUnits::kSublayer
+                                           : models::DecoderUnits::kLayer;
+    report.other_units_plan =
+        models::plan_finetune(config, models::plan_units(*net, other),
+                              models::FinetunePlanOptions(options).decoder_units(other));
+  }
   report.memory_per_rank = memory_per_rank;
   if (memory_per_rank > 0) {
     report.smallest_world_size = models::smallest_world_size(
@@ -102,7 +111,9 @@ std::string to_table(const DecoderPlanReport& r) {
     out += absl::StrFormat("  %-26s %14d B  %s\n", what, bytes, models::format_bytes(bytes));
   }
   out += absl::StrCat("the step's peak: ", p.step.peak_event, "\n");
-  if (r.config.is_moe()) out += models::experts_gathered_line(r.config, p) + "\n";
+  if (r.config.is_moe()) {
+    out += models::experts_gathered_line(r.config, p, r.other_units_plan) + "\n";
+  }
   out += absl::StrCat("memory plan: ", p.summary(), "\n");
   if (r.memory_per_rank > 0) {
     out += r.smallest_world_size > 0

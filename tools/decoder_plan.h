@@ -35,13 +35,16 @@ struct DecoderWeights {
 struct DecoderPlanReport {
   std::string source;  // the config.json's path
   models::DecoderConfig config;
-  int64_t numel = 0;                                    // parameters, adapters included
-  int64_t trainable = 0;                                // of which train
-  int64_t units = 0;                                    // FSDP units (the root and one per layer)
-  int64_t nf4_modules = 0;                              // projections stored in NF4
+  int64_t numel = 0;        // parameters, adapters included
+  int64_t trainable = 0;    // of which train
+  int64_t units = 0;        // FSDP units (the root, one or two per layer: options.decoder_units)
+  int64_t nf4_modules = 0;  // projections stored in NF4
   c10::ScalarType base_dtype = c10::ScalarType::Float;  // the frozen weights' (LoRA)
   int64_t global_batch = 0, grad_accumulation_steps = 1;
   models::FinetunePlan plan;
+  // A mixture-of-experts config: the same plan with the other decoder_units (what
+  // experts_gathered_line compares).
+  models::FinetunePlan other_units_plan;
   // With a memory per rank (> 0): the smallest world size whose plan's peak fits it (the
   // micro-batch shrinking with it; models::smallest_world_size), 0 when none up to
   // kMaxPlannedWorldSize does.

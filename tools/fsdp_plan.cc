@@ -90,6 +90,9 @@ ABSL_FLAG(std::string, context, "128", "--config: tokens per window");
 ABSL_FLAG(std::string, grad_accumulation_steps, "1", "--config: micro-batches per step");
 ABSL_FLAG(bool, activation_checkpointing, false, "--config: each layer recomputes its forward");
 ABSL_FLAG(std::string, lora_rank, "0", "--config: 0 (full fine-tuning) or the LoRA rank");
+ABSL_FLAG(std::string, moe_units, "layer",
+          "--config: as finetune's flag, for the mixture-of-experts families: layer (each "
+          "decoder layer one FSDP unit) or sublayer (its attention and its experts two)");
 ABSL_FLAG(std::vector<std::string>, lora_target_modules, {},
           "--config: the modules with adapters (default: the family's, as finetune)");
 ABSL_FLAG(std::string, lora_base_dtype, "auto",
@@ -454,6 +457,17 @@ int run_config(const std::string& format) {
   }
   // The MoE families' load-balancing loss, on as examples/llama:finetune has it by default.
   options.router_aux_loss(config.is_moe() && config.router_aux_loss_coef > 0);
+  const std::string moe_units = absl::GetFlag(FLAGS_moe_units);
+  if (moe_units != "layer" && moe_units != "sublayer") {
+    fail(absl::StrCat("unknown --moe_units '", moe_units, "': expected layer or sublayer"));
+  }
+  if (moe_units == "sublayer" && !config.is_moe()) {
+    fail(absl::StrCat("--moe_units=sublayer: a ", config.model_type,
+                      " decoder has no experts to gather apart; it is for the mixture-of-experts "
+                      "families"));
+  }
+  options.decoder_units(moe_units == "layer" ? fsdp::models::DecoderUnits::kLayer
+                                             : fsdp::models::DecoderUnits::kSublayer);
   const std::string memory = absl::GetFlag(FLAGS_memory_per_rank);
   const fsdp::tools::DecoderPlanReport report = fsdp::tools::make_decoder_report(
       config, path, options, weights,
@@ -514,6 +528,7 @@ int main(int argc, char** argv) {
       "  fsdp_plan --config=config.json [--world_size=W] [--batch_size=B] [--context=T]\n"
       "            [--mixed_precision=...] [--lora_rank=R] [--activation_checkpointing]\n"
       "            [--lora_base_dtype=auto|float32] [--quantize=none|nf4] [--device=cpu|cuda]\n"
+      "            [--moe_units=layer|sublayer]\n"
       "            [--grad_accumulation_steps=K] [--memory_per_rank=80GiB] [--format=...]");
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {

@@ -132,6 +132,14 @@ ABSL_FLAG(std::string, router_aux_loss_coef, "auto",
           "mixture-of-experts families: the weight of the router's load-balancing loss added "
           "to each micro-batch's training loss (transformers' output_router_logits=True); "
           "auto: the config's router_aux_loss_coef; 0: none");
+ABSL_FLAG(std::string, moe_units, "layer",
+          "mixture-of-experts families: the FSDP units of each decoder layer. layer: the layer "
+          "is one unit (backward gathers the previous layer's experts while a layer's are "
+          "still gathered: two layers' experts at once); sublayer: its attention and its "
+          "feed-forward block (the experts) are two units, so backward holds about one "
+          "layer's experts, for one more all-gather and reduce-scatter per layer and step. "
+          "The names, checkpoints and losses are the same either way; the memory plan says "
+          "what each would peak at (see Note [Sublayer units])");
 ABSL_FLAG(std::string, lora_base_dtype, "auto",
           "dtype of the frozen base weights of a LoRA run: auto (the folder's own bf16 or "
           "fp16 under --mixed_precision=bf16, else the training dtype) or float32 (an fp32 "
@@ -361,6 +369,32 @@ std::string router_aux_flag_error(const DecoderConfig& config) {
   return "";
 }
 
+// Note [Sublayer units]
+// --moe_units=sublayer builds the model with models::DecoderUnits::kSublayer: each decoder
+// layer's self_attn and mlp are FSDP units of their own, siblings in forward order, and the
+// layer's norms join the root (decoder.h). Backward prefetch (BACKWARD_PRE) gathers "the
+// latest unit in forward order whose backward has not started" (Note [Prefetching] in
+// fsdp/core/internal/runtime.cc): while layer i's mlp runs backward that is its
+// self_attn (small), and while the self_attn runs, layer i - 1's mlp, after layer i's was
+// resharded. So about one layer's experts (and their unsharded gradients) are held at the
+// peak instead of two layers' and a gradient in flight. A unit nested inside its layer
+// would not do: its pre-backward would prefetch the previous layer's experts while its own
+// are gathered. The memory plan is made both ways and printed in one line; the losses are
+// the same bit for bit (models:decoder_test). Dense families are refused: their layers
+// have no experts to keep apart.
+
+// --moe_units for `config`; throws c10::Error for another value or a dense family.
+DecoderUnits moe_units(const DecoderConfig& config) {
+  const std::string flag = absl::GetFlag(FLAGS_moe_units);
+  TORCH_CHECK(flag == "layer" || flag == "sublayer", "--moe_units=", flag,
+              ": expected layer (each decoder layer one FSDP unit) or sublayer (its attention "
+              "and its feed-forward block two)");
+  TORCH_CHECK(flag == "layer" || config.is_moe(), "--moe_units=sublayer: a ", config.model_type,
+              " decoder has no experts to gather apart; it is for the mixture-of-experts "
+              "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss)");
+  return flag == "layer" ? DecoderUnits::kLayer : DecoderUnits::kSublayer;
+}
+
 // The fine-tune's own flags, checked before a rank starts or a file is touched (the run
 // flags were): "" or one line.
 std::string flag_error() {
@@ -370,6 +404,7 @@ std::string flag_error() {
   try {
     config = load_decoder_config(from + "/config.json");
     hf_weights_dtype(from);  // one floating dtype (--mixed_precision=auto reads it)
+    moe_units(config);
     parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
     if (!absl::GetFlag(FLAGS_max_memory_per_rank).empty()) {
       parse_shard_size(absl::GetFlag(FLAGS_max_memory_per_rank), "--max_memory_per_rank");
@@ -512,6 +547,7 @@ FinetunePlan plan_for(const DecoderConfig& config, CausalLMImpl& net,
       .activation_checkpointing(levers.activation_checkpointing)
       .packed_rows(is_chat_file(absl::GetFlag(FLAGS_data)))
       .router_aux_loss(router_aux_coef(config) > 0)
+      .decoder_units(net.model->units)
       .cpu_offload(levers.cpu_offload)
       .backend(plan_backend_of(options.communicator()->backend_name()))
       .runtime_bytes(std::max<int64_t>(examples::resident_bytes(), 0))
@@ -549,6 +585,15 @@ std::vector<std::string> flags_that_fit(const DecoderConfig& config, CausalLMImp
     consider("--mixed_precision=pure_bf16",
              FinetunePlanOptions(options).dtype(at::kBFloat16).param_dtype(c10::nullopt));
   }
+  if (config.is_moe() && options.decoder_units() == DecoderUnits::kLayer) {
+    const FinetunePlan split =
+        plan_finetune(config, plan_units(net, DecoderUnits::kSublayer),
+                      FinetunePlanOptions(options).decoder_units(DecoderUnits::kSublayer));
+    if (split.peak_bytes <= budget) {
+      fits.push_back(
+          absl::StrCat("--moe_units=sublayer (peak ", format_bytes(split.peak_bytes), ")"));
+    }
+  }
   // More ranks (on more hosts): the smallest world size that fits, if any does.
   FinetunePlan wider;
   if (const int64_t world = smallest_world_size(
@@ -582,7 +627,14 @@ void check_memory_plan(const FinetunePlan& plan, const DecoderConfig& config, Ca
   }
   if (comm.rank() == 0) {
     std::cout << "memory plan: " << plan.summary() << "\n";
-    if (config.is_moe()) std::cout << experts_gathered_line(config, plan) << "\n";
+    if (config.is_moe()) {  // planned the other way too (Note [Sublayer units])
+      const DecoderUnits other = plan.options.decoder_units() == DecoderUnits::kLayer
+                                     ? DecoderUnits::kSublayer
+                                     : DecoderUnits::kLayer;
+      const FinetunePlan other_plan = plan_finetune(
+          config, plan_units(net, other), FinetunePlanOptions(plan.options).decoder_units(other));
+      std::cout << experts_gathered_line(config, plan, other_plan) << "\n";
+    }
   }
   if (!absl::GetFlag(FLAGS_memory_check) || plan.peak_bytes <= budget.bytes) return;
   const std::vector<std::string> fits =
@@ -625,8 +677,8 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
   const std::string from = absl::GetFlag(FLAGS_from);
   // See Note [The frozen base of a LoRA run].
   const at::ScalarType base = base_dtype_of(dtype, folder_dtype, levers.mixed_precision);
-  auto net =
-      std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(base));
+  auto net = std::make_shared<CausalLMImpl>(
+      config, at::TensorOptions().device(c10::kMeta).dtype(base), moe_units(config));
   for (DecoderLayer& layer : net->model->decoder_layers) {
     layer->checkpoint_activations = levers.activation_checkpointing;
   }

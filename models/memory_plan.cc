@@ -365,7 +365,9 @@ std::vector<PlanUnit> plan_units(CausalLMImpl& net, DecoderUnits decoder_units) 
   for (const auto& item : net.named_modules()) {
     const torch::nn::Module& module = *item.value();
     if (const auto* layer = dynamic_cast<const DecoderLayerImpl*>(&module)) {
-      const std::string fqn = clean_tensor_name(item.key());
+      // The layer's own key ends in its unit's wrapper name with kLayer: cleaned as a prefix.
+      std::string fqn = clean_tensor_name(absl::StrCat(item.key(), "."));
+      fqn.pop_back();
       if (decoder_units == DecoderUnits::kLayer) {
         add_unit(fqn, *layer);
       } else {

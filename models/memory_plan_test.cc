@@ -40,10 +40,10 @@ struct Measured {
 // Packed: each row two examples, of context / 3 tokens and the rest (PackedRowsScope).
 Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batch, int64_t context,
                  bool checkpoint_layers, const TrainedWeights& trained, bool packed,
-                 bool router_aux_loss = false) {
+                 bool router_aux_loss = false, DecoderUnits units = DecoderUnits::kLayer) {
   MemoryTracker tracker;
   at::manual_seed(0);
-  auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().dtype(dtype));
+  auto net = std::make_shared<CausalLMImpl>(config, at::TensorOptions().dtype(dtype), units);
   for (DecoderLayer& layer : net->model->decoder_layers) {
     layer->checkpoint_activations = checkpoint_layers;
   }
@@ -91,6 +91,7 @@ struct Case {
   TrainedWeights trained;
   bool packed = false;  // rows of two examples each
   bool router_aux_loss = false;
+  DecoderUnits units = DecoderUnits::kLayer;  // kSublayer: checkpointed per sublayer
 };
 
 class ActivationBytesTest : public ::testing::TestWithParam<Case> {};
@@ -101,9 +102,10 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
   const DecoderConfig config = config_of(c.json);
   for (const int64_t context : {40, 64}) {
     const Measured m = measure(config, c.dtype, 2, context, c.checkpoint_layers, c.trained,
-                               c.packed, c.router_aux_loss);
-    const ActivationBytes planned = decoder_activation_bytes(
-        config, 2, context, c.dtype, c.checkpoint_layers, c.trained, c.packed, c.router_aux_loss);
+                               c.packed, c.router_aux_loss, c.units);
+    const ActivationBytes planned =
+        decoder_activation_bytes(config, 2, context, c.dtype, c.checkpoint_layers, c.trained,
+                                 c.packed, c.router_aux_loss, c.units);
     EXPECT_EQ(planned.saved_bytes, m.saved) << c.name << " context " << context;
     // Gemma 2's eager attention in fp32 allocates a 4-byte scalar in backward.
     EXPECT_NEAR(planned.peak_bytes, m.peak, 4) << c.name << " context " << context;
@@ -112,6 +114,13 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
     EXPECT_LE(std::accumulate(planned.layers.begin(), planned.layers.end(), planned.head),
               planned.peak_bytes)
         << c.name;
+    // With sublayer units, each layer's feed-forward part is within it.
+    ASSERT_EQ(planned.feed_forward.size(),
+              c.units == DecoderUnits::kSublayer ? planned.layers.size() : 0u);
+    for (size_t i = 0; i < planned.feed_forward.size(); ++i) {
+      EXPECT_GT(planned.feed_forward[i], 0) << c.name;
+      EXPECT_LT(planned.feed_forward[i], planned.layers[i]) << c.name;
+    }
   }
 }
 
@@ -186,7 +195,29 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"gpt_oss_checkpointed", std::string(kGptOss) + R"(, "vocab_size": 4000)", at::kFloat,
              true, kFull, false, true},
         Case{"gpt_oss_lora_attention", kGptOss, at::kFloat, false,
-             TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true}),
+             TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true},
+        // Sublayer units (DecoderUnits::kSublayer): the same operations unchecked; checkpointed,
+        // each sublayer's input and the norms outside the checkpoints.
+        Case{"qwen3_moe_aux_sublayer", kQwen3Moe, at::kFloat, false, kFull, false, true,
+             DecoderUnits::kSublayer},
+        Case{"qwen3_moe_aux_checkpointed_sublayer",
+             std::string(kQwen3Moe) + R"(, "vocab_size": 4000)", at::kFloat, true, kFull, false,
+             true, DecoderUnits::kSublayer},
+        Case{"qwen3_moe_bf16_checkpointed_sublayer",
+             std::string(kQwen3Moe) + R"(, "vocab_size": 4000)", at::kBFloat16, true, kFull, false,
+             true, DecoderUnits::kSublayer},
+        Case{"qwen2_moe_lora_all_checkpointed_sublayer",
+             std::string(kQwen2Moe) + R"(, "vocab_size": 4000)", at::kFloat, true, kLoraAll, false,
+             false, DecoderUnits::kSublayer},
+        Case{"gpt_oss_packed_checkpointed_sublayer",
+             std::string(kGptOss) + R"(, "vocab_size": 4000)", at::kFloat, true, kFull, true, true,
+             DecoderUnits::kSublayer},
+        Case{"gemma2_checkpointed_sublayer", R"(, "model_type": "gemma2", "sliding_window": 8,
+              "query_pre_attn_scalar": 16, "hidden_activation": "gelu_pytorch_tanh",
+              "vocab_size": 4000)",
+             at::kFloat, true, kFull, false, false, DecoderUnits::kSublayer},
+        Case{"olmo2_checkpointed_sublayer", R"(, "model_type": "olmo2")", at::kFloat, true, kFull,
+             false, false, DecoderUnits::kSublayer}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A LoRA model over a bf16 base (fp32 adapters, PEFT's default): plan_units counts the
@@ -225,6 +256,57 @@ TEST(PlanUnitsTest, ABf16BaseIsFrozenElementsOfItsOwnDtype) {
   EXPECT_EQ(planned_trainable, trainable);
   EXPECT_EQ(planned_bf16, bf16);
   EXPECT_EQ(planned_trainable + planned_bf16, total);
+}
+
+// Sublayer units: each layer's self_attn and mlp, in forward order, the layers' norms in the
+// root; the same elements either way, and a net built with layer units planned as if split
+// gives what a split net gives.
+TEST(PlanUnitsTest, SublayerUnitsSplitEachLayerInTwo) {
+  const DecoderConfig config = config_of(kQwen3Moe);  // 2 layers, layer 1 dense; untied
+  auto layered = std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta));
+  auto split = std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta),
+                                              DecoderUnits::kSublayer);
+  const std::vector<PlanUnit> units = plan_units(*split);
+  std::vector<std::string> fqns;
+  for (const PlanUnit& unit : units) fqns.push_back(unit.fqn);
+  EXPECT_EQ(fqns, (std::vector<std::string>{"", "model.embed_tokens", "model.layers.0.self_attn",
+                                            "model.layers.0.mlp", "model.layers.1.self_attn",
+                                            "model.layers.1.mlp", "lm_head"}));
+  // Attention: q 64 x 64, k and v 32 x 64, o 64 x 64, q_norm and k_norm 16 each; layer 0's
+  // MoE block: router 8 x 64 and 8 experts x 3 x 32 x 64; layer 1's MLP 3 x 160 x 64; the
+  // root: 2 norms of 64 per layer and the final norm.
+  const int64_t attention = 64 * 64 * 2 + 32 * 64 * 2 + 2 * 16;
+  EXPECT_EQ(units[2].trainable_numel, attention);
+  EXPECT_EQ(units[3].trainable_numel, 8 * 64 + 8 * 3 * 32 * 64);
+  EXPECT_EQ(units[5].trainable_numel, 3 * 160 * 64);
+  EXPECT_EQ(units[0].trainable_numel, 2 * 2 * 64 + 64);
+  const std::vector<PlanUnit> layer_units = plan_units(*layered);
+  ASSERT_EQ(layer_units.size(), 5u);
+  EXPECT_EQ(layer_units[2].fqn, "model.layers.0");
+  EXPECT_EQ(layer_units[2].trainable_numel,
+            units[2].trainable_numel + units[3].trainable_numel + 2 * 64);
+  const std::vector<PlanUnit> as_if = plan_units(*layered, DecoderUnits::kSublayer);
+  ASSERT_EQ(as_if.size(), units.size());
+  for (size_t i = 0; i < units.size(); ++i) {
+    EXPECT_EQ(as_if[i].fqn, units[i].fqn);
+    EXPECT_EQ(as_if[i].trainable_numel, units[i].trainable_numel) << units[i].fqn;
+  }
+  const std::vector<PlanUnit> back = plan_units(*split, DecoderUnits::kLayer);
+  ASSERT_EQ(back.size(), layer_units.size());
+  for (size_t i = 0; i < back.size(); ++i) {
+    EXPECT_EQ(back[i].fqn, layer_units[i].fqn);
+    EXPECT_EQ(back[i].trainable_numel, layer_units[i].trainable_numel) << back[i].fqn;
+  }
+  // Each sublayer unit frees its part of its layer's activations, together the layer's.
+  FinetunePlanOptions options;
+  options.world_size(2).micro_batch(2).context(16).decoder_units(DecoderUnits::kSublayer);
+  const FinetunePlan plan = plan_finetune(config, units, options);
+  const ActivationBytes& a = plan.activations;
+  ASSERT_EQ(a.feed_forward.size(), 2u);
+  EXPECT_EQ(plan.step.peak_bytes > 0, true);
+  const FinetunePlan layer_plan = plan_finetune(
+      config, layer_units, FinetunePlanOptions(options).decoder_units(DecoderUnits::kLayer));
+  EXPECT_EQ(layer_plan.activations.layers, a.layers);  // unchecked: the same operations
 }
 
 // A sparse layer's experts as its unit gathers them: 8 experts x 3 x 32 x 64 elements in the

@@ -7,7 +7,9 @@
 # router's load-balancing loss on, as by default); each run's largest peak resident
 # set must lie within 15% of the plan printed before loading, and the MoE run's parameter
 # count (printed by the trainer and by fsdp_plan) is transformers' exactly, both naming what
-# gathering a sparse layer's experts costs. With --max_memory_per_rank below the plan, every rank
+# gathering a sparse layer's experts costs and what --moe_units=sublayer would peak at; the
+# same MoE run with --moe_units=sublayer (attention and feed-forward units) within 15% too.
+# With --max_memory_per_rank below the plan, every rank
 # stops before reading a weight, naming the sum and the budget, and writes nothing.
 # fsdp_plan --config gives the same plan from the config.json alone (all but the runtime,
 # which the trainer measures), and the smallest world size that fits a memory per rank.
@@ -48,12 +50,13 @@ np.random.default_rng(0).integers(0, 32000, 50000, dtype=np.uint16).tofile(sys.a
 PY
 common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=64
         --batch_size=4 --steps=2 --checkpoint_interval=0)
-for run in full lora lora_bf16 qlora moe; do
+for run in full lora lora_bf16 qlora moe moe_split; do
   extra=() from=model
   [[ $run == lora* || $run == qlora ]] && extra=(--lora_rank=8)
   [[ $run == lora_bf16 || $run == qlora ]] && from=model_bf16
   [[ $run == qlora ]] && extra+=(--quantize=nf4)
-  [[ $run == moe ]] && from=moe
+  [[ $run == moe* ]] && from=moe
+  [[ $run == moe_split ]] && extra=(--moe_units=sublayer)
   "$finetune" "${common[@]}" "${extra[@]}" --from="$dir/$from" --out_dir="$dir/$run" |
       tee "$dir/$run.log"
   grep -q "] memory plan: parameters .* = peak .* per rank" "$dir/$run.log"
@@ -75,8 +78,13 @@ for run in full lora lora_bf16 qlora moe; do
       grep "parameters (" "$dir/moe.log" "$dir/moe.plan"; exit 1; }
     echo "moe: $numel parameters in the trainer, fsdp_plan and transformers"
     # What gathering a sparse layer costs: 16 experts x 3 x 256 x 256 fp32 elements (12 MiB).
-    line="mixture of experts: each sparse layer's unit gathers all 16 experts, 12 MiB in Float, though each token uses 4 of them"
-    grep -qF "$line" "$dir/moe.log" && grep -qxF "$line" "$dir/moe.plan" || {
+    line="mixture of experts: each sparse layer's unit gathers all 16 experts, 12 MiB in Float, though each token uses 4 of them; --moe_units=sublayer (attention and experts units of their own) would peak at "
+    grep -qF "$line" "$dir/moe.log" && grep -qF "$line" "$dir/moe.plan" || {
+      echo "FAIL: expected \"$line\" from the trainer and fsdp_plan"; exit 1; }
+  fi
+  if [[ $run == moe_split ]]; then  # the attention and the experts units of their own
+    line="mixture of experts: each sparse layer's feed-forward unit gathers all 16 experts, 12 MiB in Float, though each token uses 4 of them; peak "
+    grep -qF "$line" "$dir/moe_split.log" && grep -qF "$line" "$dir/moe_split.plan" || {
       echo "FAIL: expected \"$line\" from the trainer and fsdp_plan"; exit 1; }
   fi
 done

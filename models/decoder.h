@@ -69,9 +69,10 @@
 // GeLU-tanh. No dropout, no KV cache. The projections and the head are
 // fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds an adapter;
 // lora_targets.h lists each family's targets, the head is none of them). The decoder
-// registers no buffers: RoPE's cos and sin and Gemma's embedding scale are computed in
-// each forward from the config, so nothing is left uncomputed after a build on the meta
-// device.
+// registers no non-persistent buffers: RoPE's cos and sin and Gemma's embedding scale are
+// computed in each forward from the config, so nothing is left uncomputed after a build
+// on the meta device. Its one buffer, deepseek_v3's mlp.gate.e_score_correction_bias
+// (moe.h), is the checkpoint's (read and written with the parameters, never trained).
 //
 // The modules are declared in their own headers, included here: rms_norm.h, attention.h
 // (with rotary.h's RoPE), mlp.h.

@@ -184,6 +184,34 @@ MOE_VARIANTS = {
         ("swiglu_limit 7 -> 1e4 (no clamp)", {"swiglu_limit": 1e4}, None),
     ]),
 }
+# DeepSeek-V3: latent attention with q_lora_rank, attention biases, interleaved RoPE and
+# YaRN with mscale_all_dim; a dense first layer, then 8 experts in 4 groups (the best 2
+# groups compete), top-2, norm_topk_prob, routed_scaling_factor 2.5, one shared expert, and a
+# random e_score_correction_bias (sharpen). Its plain-q_proj variant (q_lora_rank null) loads
+# and computes only.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "mscale": 1.0,
+                 "mscale_all_dim": 0.5, "original_max_position_embeddings": 16}
+DEEPSEEK = dict(MOE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=12, attention_bias=True, moe_intermediate_size=16,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                n_shared_experts=1, rope_interleave=True, rope_parameters=DEEPSEEK_YARN)
+MOE_VARIANTS["deepseek_v3"] = ("DeepseekV3Config", DEEPSEEK, True, None, [
+    ("rope_interleave off", {"rope_interleave": False}, None),
+    ("rope yarn -> default", {"rope_parameters": {"rope_type": "default",
+                                                  "rope_theta": 100.0}}, None),
+    ("yarn without mscale_all_dim", {"rope_parameters": {
+        k: v for k, v in DEEPSEEK_YARN.items() if k != "mscale_all_dim"}}, None),
+    ("topk_group 2 -> 4 (no group limit)", {"topk_group": 4}, None),
+    ("norm_topk_prob off", {"norm_topk_prob": False}, None),
+    ("routed_scaling_factor 2.5 -> 1", {"routed_scaling_factor": 1.0}, None),
+    ("e_score_correction_bias zeroed", {}, "correction_bias"),
+    ("shared experts zeroed", {}, "shared_experts"),
+    ("first layer's dense MLP zeroed", {}, "dense_mlp"),
+    ("attention biases zeroed", {}, "bias"),
+])
+MOE_VARIANTS["deepseek_v3_q_proj"] = ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None),
+                                      False, None, [])
 SETS = {"dense": VARIANTS, "moe": MOE_VARIANTS}
 
 
@@ -221,7 +249,7 @@ def sharpen(model, family):
             elif name.endswith("experts.gate_up_proj") and family == "gpt_oss":
                 p.mul_(10.0)  # gate and up beyond swiglu_limit: the clamp counts
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight",
-                                "mlp.router.weight")):
+                                "mlp.router.weight")) or ".shared_experts." in name:
                 p.mul_(3.0)  # the experts' outputs and the router's choices count
             elif name.endswith("self_attn.sinks"):
                 p.normal_(0.0, 2.0)
@@ -232,6 +260,9 @@ def sharpen(model, family):
                 p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.uniform_(-0.5, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):  # zeros as transformers makes it
+                b.uniform_(-0.3, 0.3)
 
 
 def token_stream(n, seed):
@@ -267,6 +298,13 @@ def ablate(folder, family, overrides, edit, w):
                 p.zero_()
             if edit == "shared_gate" and name.endswith("shared_expert_gate.weight"):
                 p.zero_()
+            if edit == "shared_experts" and name.endswith("shared_experts.down_proj.weight"):
+                p.zero_()
+            if edit == "dense_mlp" and name == "model.layers.0.mlp.down_proj.weight":
+                p.zero_()
+        for name, b in model.named_buffers():
+            if edit == "correction_bias" and name.endswith("e_score_correction_bias"):
+                b.zero_()
     return loss_of(model, w)
 
 
@@ -324,10 +362,15 @@ def make(root, variants):
                 print(f"  {what}: loss changes by {change:.3g} relative "
                       f"({'ok' if ok else 'FAIL'}: >= {5 * TOLERANCE:g})")
             targets = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cls == "Phi3Config"
+                       else (["q_a_proj", "q_b_proj"] if kwargs["q_lora_rank"] else ["q_proj"]) +
+                       ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"] if cls == "DeepseekV3Config"
                        else ["q_proj", "k_proj", "v_proj", "o_proj"] if variants is MOE_VARIANTS
                        else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"])
-            listing.write(f"{name} {int(trains)} {','.join(targets)}\n")
+            # Whether the family has a load-balancing loss (DeepseekV3 has none).
+            aux = int(variants is MOE_VARIANTS and cls != "DeepseekV3Config")
+            listing.write(f"{name} {int(trains)} {','.join(targets)} {aux}\n")
     return failed
 
 
@@ -348,6 +391,8 @@ def first_step_loss(model, x, y):
     """transformers' training loss with the router's term, and the term itself."""
     with torch.no_grad():
         out = model(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
+    if out.aux_loss is None:  # DeepseekV3: no load-balancing loss
+        return out.loss.item(), 0.0
     return out.loss.item(), model.config.router_aux_loss_coef * out.aux_loss.item()
 
 
@@ -445,7 +490,7 @@ def check(root):
 
     with open(os.path.join(root, "variants.txt")) as f:
         variants = [line.split() for line in f if line.strip()]
-    for name, trains, _ in variants:
+    for name, trains, _, has_aux in variants:
         d = os.path.join(root, name)
         model = os.path.join(d, "model")
         print(f"{name}:")
@@ -460,8 +505,12 @@ def check(root):
             theirs, aux = first_step_loss(load(model), *first_batch(root))
             compare("first step's training loss (cross-entropy + router aux) at W = 1",
                     logged_step(f"{d}/w1/metrics.csv", 1), theirs)
-            print(f"    (the aux term, {aux:.3g}, is {aux / theirs / TOLERANCE:.0f}x the tolerance)")
-            if trains == "1":
+            if has_aux == "1":
+                print(f"    (the aux term, {aux:.3g}, is {aux / theirs / TOLERANCE:.0f}x the "
+                      "tolerance)")
+            else:
+                print("    (no aux term: transformers computes no load-balancing loss)")
+            if trains == "1" and has_aux == "1":
                 for rows in ("packed", "per_row"):
                     theirs = chat_loss(load(model), chat_first_batch(root, rows == "packed"))
                     compare(f"first step's loss on conversation rows ({rows.replace('_', ' ')})",

@@ -25,7 +25,7 @@ dir=${TEST_TMPDIR:-$(mktemp -d)}/families
 rm -rf "$dir" && mkdir -p "$dir"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 "$python" "$script" make "$dir" "$set"
-while read -r name trains targets; do
+while read -r name trains targets aux; do
   d="$dir/$name"
   common=(--from="$d/model" --data="$dir/train.bin" --eval_data="$dir/eval.bin" --context=40
           --batch_size=3 --checkpoint_interval=0 --max_shard_size=40KB)
@@ -36,7 +36,7 @@ while read -r name trains targets; do
     "$finetune" "${common[@]}" --world_size=$w "${steps[@]}" --out_dir="$d/w$w" > "$d/w$w.log"
   done
   [ "$trains" = 1 ] || continue
-  if [[ $set == moe ]]; then  # the router's term on conversation rows, packed and not
+  if [[ $aux == 1 ]]; then  # the router's term on conversation rows, packed and not
     for rows in packed per_row; do
       packing=--packing
       [[ $rows == per_row ]] && packing=--nopacking

@@ -212,6 +212,16 @@ std::map<std::string, std::string> bnb_4bit_weights(const SafetensorsCheckpoint&
   return weights;
 }
 
+// Note [Tensors kept in fp32]
+// transformers keeps DeepSeek-V3's router bias (mlp.gate.e_score_correction_bias) in fp32
+// in every checkpoint, a bf16 one included (DeepseekV3PreTrainedModel's
+// _keep_in_fp32_modules_strict), and the decoder holds it in fp32 whatever its dtype
+// (moe.h). It is therefore no part of the folder's one dtype (hf_weights_dtype), and a save
+// writes it in fp32 (SaveSafetensorsOptions::keep_dtype), bit for bit.
+bool kept_in_fp32(const std::string& name) {
+  return absl::EndsWith(name, ".e_score_correction_bias");
+}
+
 // hf_weights_dtype of an opened folder.
 at::ScalarType weights_dtype(const SafetensorsCheckpoint& checkpoint, const std::string& dir) {
   const auto quantized = bnb_4bit_weights(checkpoint);
@@ -220,7 +230,7 @@ at::ScalarType weights_dtype(const SafetensorsCheckpoint& checkpoint, const std:
   for (const std::string& name : checkpoint.names()) {
     const at::ScalarType found = checkpoint.info(name).dtype;
     const size_t state = name.find(".weight.");  // "<module>.weight.absmax", ...
-    if (!c10::isFloatingType(found) ||
+    if (!c10::isFloatingType(found) || kept_in_fp32(name) ||
         (state != std::string::npos && quantized.count(name.substr(0, state + 7)))) {
       continue;
     }
@@ -469,6 +479,7 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                    SaveSafetensorsOptions()
                        .max_shard_size(max_shard_size)
                        .dtype(hf_weights_dtype(from_dir))
+                       .keep_dtype(kept_in_fp32)
                        .rename(rename_of(names))
                        .split(split_of(names)));
 }
@@ -515,6 +526,7 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
       SaveSafetensorsOptions()
           .max_shard_size(max_shard_size)
           .dtype(hf_weights_dtype(from_dir))
+          .keep_dtype(kept_in_fp32)
           .skip([&modules](const std::string& fqn) {
             const auto nf4 = nf4_entry(modules, fqn);
             return lora::is_adapter_key(fqn) || (nf4 && nf4->second != "weight");

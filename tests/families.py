@@ -6,7 +6,9 @@
                             save_pretrained (DIR/<variant>/model; the 4.x variants' config.json
                             then rewritten by hand in transformers 4.x spellings), token files
                             DIR/train.bin and DIR/eval.bin, DIR/variants.txt ("name trains
-                            lora_targets" per line); prints, per family feature, how much turning it off changes
+                            lora_targets aux" per line, aux 1 where the family has a
+                            load-balancing loss; DeepSeek-V3 also as a bf16 folder,
+                            DIR/deepseek_v3/bf16); prints, per family feature, how much turning it off changes
                             transformers' loss (each must change it by >= 5x the tolerance)
     families.py check DIR   against the finetune runs families_test.sh made: fsdp's eval loss
                             at W = 1 and W = 3 equals transformers' (eager attention, fp32)
@@ -353,6 +355,10 @@ def make(root, variants):
                         saved[key] = value
                 with open(path, "w") as f:
                     json.dump(saved, f, indent=2)
+            if cls == "DeepseekV3Config" and trains:  # its router bias stays fp32 in bf16
+                transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.bfloat16).save_pretrained(
+                        os.path.join(root, name, "bf16"), max_shard_size="40KB")
             base = loss_of(load(folder), w)
             print(f"{name}: transformers' eval loss {base:.6f}")
             for what, overrides, edit in ablations:
@@ -362,9 +368,11 @@ def make(root, variants):
                 print(f"  {what}: loss changes by {change:.3g} relative "
                       f"({'ok' if ok else 'FAIL'}: >= {5 * TOLERANCE:g})")
             targets = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cls == "Phi3Config"
+                       # (not the shared experts' and dense layer's gate_proj, up_proj, down_proj:
+                       # PEFT 0.21 reads those names as the routed experts of transformers 5's
+                       # qwen2_moe-style MoE models, deepseek_v3 included)
                        else (["q_a_proj", "q_b_proj"] if kwargs["q_lora_rank"] else ["q_proj"]) +
-                       ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"] if cls == "DeepseekV3Config"
+                       ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if cls == "DeepseekV3Config"
                        else ["q_proj", "k_proj", "v_proj", "o_proj"] if variants is MOE_VARIANTS
                        else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"])
@@ -501,6 +509,10 @@ def check(root):
             n = same(model, f"{d}/w{world}/hf")
             steps = "--steps=1 at lr 0" if moe and world == 1 else "--steps=0"
             print(f"  {steps} at W = {world}: {n} tensors written back bit for bit")
+        if os.path.isdir(os.path.join(d, "bf16")):
+            n = same(os.path.join(d, "bf16"), f"{d}/bf16_w3/hf")
+            print(f"  bf16 folder (its e_score_correction_bias fp32): --steps=0 at W = 3: {n} "
+                  "tensors written back bit for bit, dtypes included")
         if moe:
             theirs, aux = first_step_loss(load(model), *first_batch(root))
             compare("first step's training loss (cross-entropy + router aux) at W = 1",

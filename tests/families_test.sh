@@ -11,12 +11,16 @@
 # and PEFT (base + adapter) compute the eval loss fsdp printed.
 # With SET "moe" (moe_families_test): the mixture-of-experts families instead (Qwen3-MoE
 # with a dense layer and renormalised top-k, Mixtral, OLMoE, Qwen2-MoE with its shared
-# expert, gpt-oss with sinks, biases, sliding layers, YaRN and the clamped SwiGLU), experts
-# one by one in the checkpoints (gpt-oss's fused, as in fsdp) and fused in fsdp; at W = 1 one step at lr
-# 0 whose training loss (cross-entropy + router_aux_loss_coef x the load-balancing loss)
+# expert, gpt-oss with sinks, biases, sliding layers, YaRN and the clamped SwiGLU,
+# DeepSeek-V3 with latent attention (q_lora_rank set, and null), interleaved RoPE, YaRN's
+# mscale_all_dim, grouped sigmoid routing with a random e_score_correction_bias, a shared
+# expert and a dense first layer), experts one by one in the checkpoints (gpt-oss's fused,
+# as in fsdp) and fused in fsdp; at W = 1 one step at lr 0 whose training loss
+# (cross-entropy + router_aux_loss_coef x the load-balancing loss; DeepSeek-V3 has none)
 # equals transformers' output_router_logits=True loss within 1e-5 relative (Qwen3-MoE's
-# and gpt-oss's on conversation rows too, packed and padded); both train with that loss; LoRA on
-# the experts is refused with exit status 2.
+# and gpt-oss's on conversation rows too, packed and padded); they train with that loss;
+# DeepSeek-V3's bf16 folder (its router bias fp32) written back bit for bit; LoRA on the
+# experts is refused with exit status 2.
 #   families_test.sh FINETUNE FAMILIES_PY PYTHON [SET]
 set -euo pipefail
 finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON [dense|moe]}
@@ -35,6 +39,10 @@ while read -r name trains targets aux; do
     [[ $set == moe && $w == 1 ]] && steps=(--steps=1 --lr=0 --warmup_steps=0)
     "$finetune" "${common[@]}" --world_size=$w "${steps[@]}" --out_dir="$d/w$w" > "$d/w$w.log"
   done
+  if [[ -d $d/bf16 ]]; then  # a bf16 folder whose router bias transformers keeps fp32
+    "$finetune" "${common[@]}" --from="$d/bf16" --world_size=3 --steps=0 --out_dir="$d/bf16_w3" \
+        > "$d/bf16_w3.log"
+  fi
   [ "$trains" = 1 ] || continue
   if [[ $aux == 1 ]]; then  # the router's term on conversation rows, packed and not
     for rows in packed per_row; do

@@ -6,6 +6,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/max.h>
@@ -129,7 +130,8 @@ void AttentionImpl::reset_parameters() {
 // rotate_half computes transformers' apply_rotary_pos_emb_interleave bit for bit. Queries
 // and keys are then [unrotated, rotated] per head, and attention runs as for the other
 // families with qk_head_dim-wide scores (scaled by config.attention_scale) over v_head_dim-wide
-// values.
+// values (padded with zeros to qk_head_dim for scaled_dot_product_attention, whose flash
+// kernels take one head size, as transformers pads them for flash attention).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::latent_qkv(const at::Tensor& x,
                                                                          const at::Tensor& cos,
                                                                          const at::Tensor& sin) {
@@ -216,10 +218,16 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
       attended = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), v);
     }
   } else {
+    // Latent attention's narrower values padded with zeros to the queries' width: the
+    // flash kernels take one head size (the math fallback would keep every score), and the
+    // padding's outputs, zeros, are dropped.
+    const int64_t width = v.size(-1), padding = q.size(-1) - width;
     attended = at::scaled_dot_product_attention(
-        q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
+        q, k, padding > 0 ? at::constant_pad_nd(v, {0, padding}) : v,
+        allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
         /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale,
         /*enable_gqa=*/kv_heads != heads);
+    if (padding > 0) attended = attended.narrow(-1, 0, width);
   }
   return o_proj(attended.transpose(1, 2).reshape({b, t, heads * v.size(-1)}));
 }

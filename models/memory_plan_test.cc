@@ -125,6 +125,16 @@ const char* const kMixtral = R"(, "model_type": "mixtral", "intermediate_size": 
 const char* const kGptOss = R"(, "model_type": "gpt_oss", "head_dim": 16, "intermediate_size": 32,
     "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8)";
 
+// DeepSeek-V3: latent attention (q_lora_rank 24, kv_lora_rank 32, 4 heads of 16 + 8 rotated,
+// values of 12), YaRN with mscale_all_dim; a dense layer, then 8 experts of width 32 in 4
+// groups, top-2, a shared expert.
+const char* const kDeepSeek = R"(, "model_type": "deepseek_v3", "num_key_value_heads": 4,
+    "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+    "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+    "rope_theta": 10000.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 128})";
+
 const TrainedWeights kFull;
 const TrainedWeights kLoraQv{8, {"q_proj", "v_proj"}};
 const TrainedWeights kLoraAll{
@@ -183,7 +193,20 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"gpt_oss_checkpointed", std::string(kGptOss) + R"(, "vocab_size": 4000)", at::kFloat,
              true, kFull, false, true},
         Case{"gpt_oss_lora_attention", kGptOss, at::kFloat, false,
-             TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true}),
+             TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true},
+        Case{"deepseek_v3", kDeepSeek, at::kFloat, false, kFull},
+        Case{"deepseek_v3_bf16", kDeepSeek, at::kBFloat16, false, kFull},
+        Case{"deepseek_v3_q_proj", std::string(kDeepSeek) + R"(, "q_lora_rank": null)", at::kFloat,
+             false, kFull},
+        Case{"deepseek_v3_packed", kDeepSeek, at::kFloat, false, kFull, true},
+        Case{"deepseek_v3_checkpointed", std::string(kDeepSeek) + R"(, "vocab_size": 4000)",
+             at::kFloat, true, kFull},
+        Case{"deepseek_v3_lora_all", kDeepSeek, at::kFloat, false,
+             TrainedWeights{4,
+                            {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                             "gate_proj", "up_proj", "down_proj"}}},
+        Case{"deepseek_v3_lora_kv_bf16", kDeepSeek, at::kBFloat16, false,
+             TrainedWeights{8, {"kv_b_proj", "o_proj"}}}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A LoRA model over a bf16 base (fp32 adapters, PEFT's default): plan_units counts the

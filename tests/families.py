@@ -539,6 +539,13 @@ def check(root):
             failed += not ok
             print(f"  full fine-tune kept the padding row {pad} of the embeddings "
                   f"({'ok' if ok else 'FAIL'})")
+        biases = {k: v for k, v in tensors(model).items() if k.endswith("e_score_correction_bias")}
+        if biases:  # a buffer, as in transformers: the optimizer leaves it as it was
+            trained = tensors(f"{d}/full/hf")
+            ok = all(torch.equal(v, trained[k]) for k, v in biases.items())
+            failed += not ok
+            print(f"  full fine-tune kept the {len(biases)} e_score_correction_bias bit for bit "
+                  f"({'ok' if ok else 'FAIL'})")
         for run in ("full", "lora"):
             before, after = logged(f"{d}/{run}.log", "before"), logged(f"{d}/{run}.log", "after")
             ok = after < before

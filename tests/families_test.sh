@@ -19,8 +19,9 @@
 # (cross-entropy + router_aux_loss_coef x the load-balancing loss; DeepSeek-V3 has none)
 # equals transformers' output_router_logits=True loss within 1e-5 relative (Qwen3-MoE's
 # and gpt-oss's on conversation rows too, packed and padded); they train with that loss;
-# DeepSeek-V3's bf16 folder (its router bias fp32) written back bit for bit; LoRA on the
-# experts is refused with exit status 2.
+# DeepSeek-V3's bf16 folder (its router bias fp32) written back bit for bit, its router
+# bias kept by the full fine-tune; LoRA on the experts and a router loss for DeepSeek-V3
+# are refused with exit status 2.
 #   families_test.sh FINETUNE FAMILIES_PY PYTHON [SET]
 set -euo pipefail
 finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON [dense|moe]}
@@ -58,15 +59,24 @@ while read -r name trains targets aux; do
   "$finetune" "${common[@]}" "${train[@]}" --out_dir="$d/lora" --lora_rank=4 \
       --lora_target_modules="$targets" > "$d/lora.log"
 done < "$dir/variants.txt"
-if [[ $set == moe ]]; then  # LoRA on the routed experts is refused before any rank starts
-  status=0
-  "$finetune" --from="$dir/qwen3_moe/model" --data="$dir/train.bin" --context=40 --lora_rank=4 \
-      --lora_target_modules=q_proj,experts --out_dir="$dir/experts" 2> "$dir/experts.err" || status=$?
-  if [[ $status != 2 ]] || ! grep -q "LoRA on the experts (PEFT's target_parameters) is not supported yet" "$dir/experts.err"; then
-    echo "FAIL: --lora_target_modules=q_proj,experts: expected exit status 2 and the experts' refusal, got $status:"
-    cat "$dir/experts.err"; exit 1
+# `refused NAME EXPECTED FLAGS...`: finetune with FLAGS exits with status 2 before any rank
+# starts, its message containing EXPECTED.
+refused() {
+  local name=$1 expected=$2 status=0
+  shift 2
+  "$finetune" --data="$dir/train.bin" --context=40 --out_dir="$dir/$name" "$@" \
+      2> "$dir/$name.err" || status=$?
+  if [[ $status != 2 ]] || ! grep -qF "$expected" "$dir/$name.err"; then
+    echo "FAIL: $*: expected exit status 2 and \"$expected\", got $status:"
+    cat "$dir/$name.err"; exit 1
   fi
-  echo "--lora_target_modules=q_proj,experts refused: $(cat "$dir/experts.err")"
+  echo "$* refused: $(cat "$dir/$name.err")"
+}
+if [[ $set == moe ]]; then  # LoRA on the routed experts; DeepSeek-V3's absent router loss
+  refused experts "LoRA on the experts (PEFT's target_parameters) is not supported yet" \
+      --from="$dir/qwen3_moe/model" --lora_rank=4 --lora_target_modules=q_proj,experts
+  refused no_aux "a deepseek_v3 decoder has no load-balancing loss" \
+      --from="$dir/deepseek_v3/model" --router_aux_loss_coef=0.01
 fi
 "$python" "$script" check "$dir"
 echo "PASS: every family's loss matches transformers' at W = 1 and 3, and trains"

@@ -246,6 +246,10 @@ struct DecoderConfig {
   // moe_intermediate_size wide); else qwen2_moe's mlp.shared_expert scaled by
   // sigmoid(mlp.shared_expert_gate(x)).
   bool shared_experts_ungated = false;
+  // deepseek_v3: num_nextn_predict_layers, the multi-token prediction layers a checkpoint
+  // may hold after the decoder's (model.layers.num_hidden_layers ...), which transformers
+  // neither builds nor reads: hf_checkpoint skips their tensors. No part of the model.
+  int64_t mtp_layers = 0;
 
   bool has_sliding_layers() const;
   bool is_moe() const { return num_experts > 0; }

@@ -651,6 +651,7 @@ TEST(DecoderConfigTest, DeepSeekV3SetsItsSwitches) {
   EXPECT_EQ(c.shared_expert_intermediate_size, 2048);
   EXPECT_TRUE(c.shared_experts_ungated);
   EXPECT_EQ(c.router_aux_loss_coef, 0.0);  // no load-balancing loss
+  EXPECT_EQ(c.mtp_layers, 1);              // num_nextn_predict_layers: skipped on reading
   std::vector<bool> sparse(61, true);
   sparse[0] = sparse[1] = sparse[2] = false;
   EXPECT_EQ(c.sparse_layers, sparse);

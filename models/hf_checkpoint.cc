@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -220,6 +221,22 @@ std::map<std::string, std::string> bnb_4bit_weights(const SafetensorsCheckpoint&
 // writes it in fp32 (SaveSafetensorsOptions::keep_dtype), bit for bit.
 bool kept_in_fp32(const std::string& name) {
   return absl::EndsWith(name, ".e_score_correction_bias");
+}
+
+// Note [Multi-token prediction layers]
+// DeepSeek-V3's checkpoints may hold its multi-token prediction layers after the decoder's
+// (num_nextn_predict_layers of them: model.layers.61.* in DeepSeek-V3's bf16 conversions),
+// which transformers neither builds nor reads (DeepseekV3PreTrainedModel's
+// _keys_to_ignore_on_load_unexpected) nor writes. The reader leaves their tensors unread
+// and a save leaves them out, as save_pretrained does.
+bool mtp_tensor(const std::optional<DecoderConfig>& config, const std::string& name) {
+  if (!config || config->mtp_layers == 0) return false;
+  absl::string_view rest = name;
+  int64_t layer = 0;
+  return absl::ConsumePrefix(&rest, "model.layers.") &&
+         absl::SimpleAtoi(rest.substr(0, rest.find('.')), &layer) &&
+         layer >= config->num_hidden_layers &&
+         layer < config->num_hidden_layers + config->mtp_layers;
 }
 
 // hf_weights_dtype of an opened folder.
@@ -467,7 +484,10 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
             return std::vector<SafetensorsPiece>{{name_of(fqn), {shape[0], 1}}};
           })
           .derive(modules.empty() ? nullptr : derive)
-          .unread([&quant_maps](const std::string& name) { return quant_maps.count(name) > 0; }));
+          .unread([&quant_maps, &config](const std::string& name) {
+            // See Note [Multi-token prediction layers].
+            return quant_maps.count(name) > 0 || mtp_tensor(config, name);
+          }));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,

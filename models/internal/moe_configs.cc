@@ -200,8 +200,9 @@ void read_gpt_oss_config(const ConfigFields& fields, DecoderConfig& config) {
 // says, and reads none of DeepSeek's remote-code routing fields (scoring_func, topk_method,
 // moe_layer_freq, aux_loss_alpha, seq_aux): V3's values are accepted, others refused, since
 // transformers would compute V3's routing for them. transformers' DeepseekV3 has no
-// load-balancing loss (router_aux_loss_coef 0); num_nextn_predict_layers (the multi-token
-// prediction layer, which transformers does not build) changes nothing here.
+// load-balancing loss (router_aux_loss_coef 0); num_nextn_predict_layers counts the
+// multi-token prediction layers, which transformers does not build (mtp_layers: their
+// tensors are skipped on reading).
 void read_deepseek_v3_config(const ConfigFields& fields, DecoderConfig& config) {
   read_swiglu_moe_family(fields, config);
   read_attention_bias(fields, config);
@@ -271,6 +272,7 @@ void read_deepseek_v3_config(const ConfigFields& fields, DecoderConfig& config) 
       fields.positive("n_shared_experts", 1) * config.moe_intermediate_size;
   config.shared_experts_ungated = true;
   config.output_router_logits = fields.boolean("output_router_logits", false);
+  config.mtp_layers = fields.count_or_null("num_nextn_predict_layers", 1);
   const int64_t dense = fields.count_or_null("first_k_dense_replace", 3);
   config.sparse_layers.resize(config.num_hidden_layers);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) config.sparse_layers[i] = i >= dense;

@@ -1,8 +1,10 @@
 // The decoder's self-attention: grouped-query, causal (over the last sliding_window keys
 // in a sliding layer), with RoPE, optional q/k norms, logit soft-cap and sinks, its projections
 // fsdp::lora::LoraLinear under the families' names (q_proj, k_proj, v_proj, o_proj, or
-// qkv_proj fused). PyTorch/transformers counterpart: LlamaAttention and the families'
-// variants (attn_implementation "eager" when soft-capped or with sinks, else sdpa).
+// qkv_proj fused); or DeepSeek-V3's multi-head latent attention (config.latent_attention():
+// q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj). PyTorch/transformers
+// counterpart: LlamaAttention and the families' variants, DeepseekV3Attention
+// (attn_implementation "eager" when soft-capped or with sinks, else sdpa).
 //
 //   fsdp::models::Attention attention(config, fsdp::models::LayerType::kFull);
 //   at::Tensor y = attention(x, cos, sin);  // x [batch, time, hidden] -> y the same
@@ -13,6 +15,7 @@
 #define FSDP_MODELS_ATTENTION_H_
 
 #include <cstdint>
+#include <tuple>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -37,7 +40,9 @@ struct KVCacheLayer {
 // attend to key j; packed_attention_mask) for packed rows, with a sliding layer's window
 // applied on top. Output [batch, time, hidden]. With `cache` set, the input is the `time`
 // tokens after the cache's: they attend to the cached keys too (positions: cos and sin
-// are theirs), and their keys and values are appended to it.
+// are theirs), and their keys and values are appended to it. Latent attention: queries and
+// keys of qk_head_dim() per head (the unrotated qk_nope_head_dim, then the rotated head_dim),
+// values of v_head_dim; the cache holds them expanded per head.
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DecoderConfig& config, LayerType type, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -45,8 +50,8 @@ struct AttentionImpl : torch::nn::Module {
   // The sinks' values as built (zeros); the projections reset themselves.
   void reset_parameters();
 
-  int64_t heads, kv_heads, head_dim;
-  int64_t window;  // 0: causal over every earlier position
+  int64_t heads, kv_heads, head_dim;  // latent attention: head_dim is the rotated part
+  int64_t window;                     // 0: causal over every earlier position
   double scale, softcap;
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   lora::LoraLinear qkv_proj{nullptr};  // fused_projections: q, k, v in one (the others null)
@@ -54,11 +59,26 @@ struct AttentionImpl : torch::nn::Module {
   // (qk_norm_full_width); null without either.
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   bool full_width_norm = false;
+  // Latent attention (config.latent_attention()), as config.h describes them; q_a_proj,
+  // q_a_layernorm and q_b_proj null without q_lora_rank (then q_proj); the other modules
+  // above but o_proj null.
+  lora::LoraLinear q_a_proj{nullptr}, q_b_proj{nullptr}, kv_a_proj_with_mqa{nullptr},
+      kv_b_proj{nullptr};
+  RMSNorm q_a_layernorm{nullptr}, kv_a_layernorm{nullptr};
+  int64_t kv_lora_rank = 0, qk_nope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = false;
   // attention_sinks (gpt_oss): [heads], a logit per head that joins each query's softmax
   // over the keys and is dropped after it (transformers' eager_attention_forward of
   // GptOssAttention); zeros as built. Undefined without.
   at::Tensor sinks;
   KVCacheLayer* cache = nullptr;  // set by KVCacheScope (decoder.h) while it lives
+
+ private:
+  // Latent attention's queries, keys [batch, heads, time, qk_head_dim()] and values [batch,
+  // heads, time, v_head_dim], rotated.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> latent_qkv(const at::Tensor& x,
+                                                            const at::Tensor& cos,
+                                                            const at::Tensor& sin);
 };
 TORCH_MODULE(Attention);
 

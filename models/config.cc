@@ -18,11 +18,18 @@ namespace {
 using models_internal::ConfigFields;
 using nlohmann::json;
 
+// Which count of experts a family reads; the others' are refused.
+enum class ExpertsField {
+  kNone,           // a dense family: no experts
+  kNumExperts,     // num_experts or num_local_experts (Qwen's, Mixtral's, OLMoE's, gpt-oss's)
+  kRoutedExperts,  // n_routed_experts (DeepSeek's)
+};
+
 // The families the decoder builds: model_type to its reader (config_families.h).
 struct Family {
   const char* model_type;
   models_internal::FamilyReader read;
-  bool moe = false;  // reads the experts fields the dense families refuse
+  ExpertsField experts = ExpertsField::kNone;
 };
 
 constexpr Family kFamilies[] = {
@@ -35,11 +42,12 @@ constexpr Family kFamilies[] = {
     {"granite", models_internal::read_granite_config},
     {"olmo2", models_internal::read_olmo2_config},
     {"phi3", models_internal::read_phi3_config},
-    {"qwen3_moe", models_internal::read_qwen3_moe_config, true},
-    {"mixtral", models_internal::read_mixtral_config, true},
-    {"olmoe", models_internal::read_olmoe_config, true},
-    {"qwen2_moe", models_internal::read_qwen2_moe_config, true},
-    {"gpt_oss", models_internal::read_gpt_oss_config, true},
+    {"qwen3_moe", models_internal::read_qwen3_moe_config, ExpertsField::kNumExperts},
+    {"mixtral", models_internal::read_mixtral_config, ExpertsField::kNumExperts},
+    {"olmoe", models_internal::read_olmoe_config, ExpertsField::kNumExperts},
+    {"qwen2_moe", models_internal::read_qwen2_moe_config, ExpertsField::kNumExperts},
+    {"gpt_oss", models_internal::read_gpt_oss_config, ExpertsField::kNumExperts},
+    {"deepseek_v3", models_internal::read_deepseek_v3_config, ExpertsField::kRoutedExperts},
 };
 
 // The whole text of a config.json as a JSON object, parsed with its nesting bounded
@@ -55,12 +63,11 @@ json parse_json_object(const std::string& json_text, const std::string& source) 
 // the reason, any other with the list of supported ones.
 const Family& family_of(const ConfigFields& fields, const std::string& model_type) {
   const std::string supported = "fsdp's decoder builds " + supported_model_types();
-  for (std::string_view moe : {"deepseek_v2", "deepseek_v3"}) {
-    TORCH_CHECK(model_type != moe, fields.source(), ": \"model_type\" = \"", model_type,
-                "\" is not supported: its mixture of experts (multi-latent attention, grouped "
-                "routing) is not implemented; ",
-                supported);
-  }
+  TORCH_CHECK(model_type != "deepseek_v2", fields.source(),
+              ": \"model_type\" = \"deepseek_v2\" is not supported: DeepSeek-V2's routing "
+              "(softmax scores, greedy or group-limited top-k, its load-balancing losses) is not "
+              "implemented; ",
+              supported);
   TORCH_CHECK(model_type != "gemma3", fields.source(),
               ": \"model_type\" = \"gemma3\" is not supported: a multimodal Gemma 3 folder (vision "
               "tower and text_config); fsdp's decoder builds its language model only from a "
@@ -78,30 +85,50 @@ void refuse_other_architectures(const ConfigFields& fields, const Family& family
   fields.refuse("text_config", "a multimodal folder; fsdp's decoder builds text models only");
   fields.refuse("vision_config", "a multimodal folder; fsdp's decoder builds text models only");
   for (const char* experts : {"num_local_experts", "num_experts", "n_routed_experts"}) {
-    if (family.moe && std::string_view(experts) != "n_routed_experts") continue;
+    const bool routed = std::string_view(experts) == "n_routed_experts";
+    if (family.experts == ExpertsField::kNumExperts && !routed) continue;
+    if (family.experts == ExpertsField::kRoutedExperts) continue;  // its reader's
     const json* value = fields.find(experts);
     TORCH_CHECK(value == nullptr || (value->is_number_integer() && value->get<int64_t>() == 0),
                 fields.source(), ": \"", experts, "\" = ", value == nullptr ? "" : value->dump(),
-                " is not supported: mixture-of-experts layers are built for the model types "
-                "qwen3_moe, mixtral, olmoe, qwen2_moe and gpt_oss only; a ",
-                family.model_type, " decoder has one dense MLP per layer");
+                " is not supported: ",
+                routed ? "n_routed_experts counts the experts of model type deepseek_v3 only"
+                       : "mixture-of-experts layers are built for the model types qwen3_moe, "
+                         "mixtral, olmoe, qwen2_moe, gpt_oss and deepseek_v3 only",
+                "; a ", family.model_type,
+                family.experts == ExpertsField::kNone ? " decoder has one dense MLP per layer"
+                                                      : " decoder counts its experts in "
+                                                        "num_experts or num_local_experts");
   }
   fields.require("use_bidirectional_attention", false,
                  "fsdp's decoder is causal (use_bidirectional_attention false)");
 }
 
-// gpt-oss as openai ships it: the experts in MXFP4 (gate_up_proj_blocks, _scales), refused
-// with how to get the bf16 layout fsdp reads. Checked before the family's reader.
-void refuse_mxfp4(const ConfigFields& fields) {
+// gpt-oss as openai ships it (the experts in MXFP4: gate_up_proj_blocks, _scales) and
+// DeepSeek-V3 / Kimi K2 as the Hub ships them (FP8 weights with a scale per
+// weight_block_size block: *.weight_scale_inv), refused with how to get the bf16 layout
+// fsdp reads. Checked before the family's reader.
+void refuse_mxfp4_and_fp8(const ConfigFields& fields) {
   const json* object = fields.object("quantization_config");
   if (object == nullptr) return;
   const ConfigFields quantization(*object, fields.source(), "quantization_config.");
-  TORCH_CHECK(quantization.string("quant_method", "") != "mxfp4", fields.source(),
+  const std::string method = quantization.string("quant_method", "");
+  TORCH_CHECK(method != "mxfp4", fields.source(),
               ": \"quantization_config.quant_method\" = \"mxfp4\" is not supported: MXFP4 "
               "experts (gpt-oss as openai/gpt-oss-20b ships) are not implemented; fsdp reads "
               "gpt-oss in its bf16 layout: a *-BF16 folder (such as unsloth/gpt-oss-20b-BF16), "
               "or the folder transformers' save_pretrained writes after from_pretrained(..., "
               "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)");
+  TORCH_CHECK(method != "fp8", fields.source(),
+              ": \"quantization_config.quant_method\" = \"fp8\" is not supported: FP8 "
+              "block-scaled weights (weight_block_size ",
+              quantization.find("weight_block_size") == nullptr
+                  ? std::string("unset")
+                  : quantization.find("weight_block_size")->dump(),
+              "; DeepSeek-V3 and Kimi K2 as the Hub ships them) are not implemented; fsdp reads "
+              "the bf16 layout: a *-BF16 folder, or the folder transformers' save_pretrained "
+              "writes after from_pretrained(..., quantization_config=FineGrainedFP8Config("
+              "dequantize=True), dtype=torch.bfloat16)");
 }
 
 // Note [A bitsandbytes 4-bit folder's quantization_config]
@@ -166,7 +193,7 @@ DecoderConfig parse_decoder_config(const std::string& json_text, const std::stri
   config.model_type = model_type->get<std::string>();
   const Family& family = family_of(fields, config.model_type);
   refuse_other_architectures(fields, family);
-  refuse_mxfp4(fields);
+  refuse_mxfp4_and_fp8(fields);
   family.read(fields, config);
   read_quantization_config(fields, config);  // after the family's: it needs the dtype
   return config;

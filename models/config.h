@@ -38,6 +38,15 @@
 //                  with a bias (softmax over its top-k logits), num_local_experts experts
 //                  of intermediate_size with biases and the clamped SwiGLU (swiglu_limit),
 //                  fused on disk as in memory ([E, H, 2 I], gate and up interleaved)
+//   "deepseek_v3"  DeepSeek-V3 and Kimi K2 (bf16 folders): multi-head latent attention
+//                  (q_lora_rank, kv_lora_rank, qk_nope_head_dim + qk_rope_head_dim, v_head_dim;
+//                  RoPE on the qk_rope_head_dim part only, interleaved with rope_interleave;
+//                  YaRN's mscale_all_dim in the attention scale); the first
+//                  first_k_dense_replace layers dense, then n_routed_experts experts of
+//                  moe_intermediate_size chosen by sigmoid scores plus the checkpoint's
+//                  e_score_correction_bias among the best topk_group of n_group groups,
+//                  weighted by routed_scaling_factor, and n_shared_experts shared experts
+//                  (one gated MLP, ungated). No load-balancing loss, as in transformers.
 //
 //   const fsdp::models::DecoderConfig config =
 //       fsdp::models::load_decoder_config("/models/mistral-7b-v0.1/config.json");
@@ -57,10 +66,13 @@
 // supported): a file that cannot be read or is not a JSON object; a missing or mistyped
 // required field; anything the decoder does not implement, refused by name, never
 // ignored: another model_type (mixture-of-experts families other than the four above,
-// such as "deepseek_v3"; multimodal "gemma3" folders whose vision tower is not carried),
-// experts fields (num_local_experts, num_experts) in a dense family, n_routed_experts,
-// sliding windows in the MoE families but gpt_oss, gpt-oss's MXFP4 folders (quant_method
-// "mxfp4", how openai/gpt-oss-20b ships: the message says how to get the bf16 layout), OLMoE's
+// such as "deepseek_v2"; multimodal "gemma3" folders whose vision tower is not carried),
+// experts fields (num_local_experts, num_experts) in a dense family, n_routed_experts
+// outside deepseek_v3, sliding windows in the MoE families but gpt_oss, gpt-oss's MXFP4
+// folders (quant_method "mxfp4", how openai/gpt-oss-20b ships) and DeepSeek-V3's FP8
+// block-scaled ones (quant_method "fp8", as the Hub ships it): the messages say how to get
+// the bf16 layout; deepseek_v3's rope types other than default and yarn, DeepSeek's
+// remote-code routing other than V3's (scoring_func, topk_method, moe_layer_freq); OLMoE's
 // clip_qkv, Mixtral's router_jitter_noise, linear-attention layer types, rope types such as
 // "dynamic", quantised weights other than bitsandbytes' 4-bit NF4 with double quantization
 // (quantization_config; see load_in_4bit), another activation, attention dropout, ...
@@ -147,6 +159,26 @@ struct DecoderConfig {
   // gpt_oss: a learned logit per head (self_attn.sinks [heads]) joins each query's softmax
   // over the keys and is dropped after it; attention then computed eagerly.
   bool attention_sinks = false;
+  // deepseek_v3, kv_lora_rank > 0: multi-head latent attention. Queries through q_a_proj
+  // [q_lora_rank, hidden], q_a_layernorm, q_b_proj [heads * qk_head_dim(), q_lora_rank]
+  // (q_lora_rank 0: one q_proj [heads * qk_head_dim(), hidden]); keys and values through
+  // kv_a_proj_with_mqa [kv_lora_rank + head_dim, hidden], whose first kv_lora_rank outputs
+  // are normed (kv_a_layernorm) and expanded by kv_b_proj [heads * (qk_nope_head_dim +
+  // v_head_dim), kv_lora_rank] into each head's unrotated key part and value, and whose
+  // last head_dim (qk_rope_head_dim) are one rotated key part shared by the heads. head_dim
+  // is the rotated part of a query or key (qk_rope_head_dim, as transformers sets it);
+  // o_proj [hidden, heads * v_head_dim]. q_a_proj, kv_a_proj_with_mqa and o_proj have
+  // biases with attention_bias (qkv_bias, o_bias), the others none.
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;  // the unrotated part of a query or key
+  int64_t v_head_dim = 0;
+  // deepseek_v3: the rotated part's dimensions pair up interleaved ((0, 1), (2, 3), ...) and
+  // come out of RoPE as the pairs' first halves, then their second ones (transformers'
+  // apply_rotary_pos_emb_interleave); else rotate_half's halves.
+  bool rope_interleave = false;
+  bool latent_attention() const { return kv_lora_rank > 0; }
+  int64_t qk_head_dim() const { return qk_nope_head_dim + head_dim; }
   int64_t rotary_dim = 0;  // head_dim x partial_rotary_factor: the rotated dimensions
   // The Gemma families (gemma2, gemma3_text), whose readers set scale_embeddings,
   // sandwich_norms, norm_style kGemma and activation kGeluTanh; the decoder reads those.
@@ -174,15 +206,16 @@ struct DecoderConfig {
   RopeConfig rope;          // full-attention layers (every layer without rope_per_layer_type)
   RopeConfig sliding_rope;  // sliding layers with rope_per_layer_type; else equal to `rope`
 
-  // Mixture of experts (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss; moe.h): the sparse layers'
-  // MLP routes each token to its num_experts_per_tok best of num_experts experts. 0
+  // Mixture of experts (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss, deepseek_v3; moe.h): the
+  // sparse layers' MLP routes each token to its num_experts_per_tok best of num_experts experts. 0
   // experts: a dense family, every layer's MLP the gated MLP of intermediate_size.
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;    // top-k
   int64_t moe_intermediate_size = 0;  // each expert's inner width
   bool norm_topk_prob = false;        // the top-k weights renormalised to sum to 1
-  bool router_weights_fp32 = false;   // mixtral: top-k weights stay fp32 (else hidden dtype)
-  int64_t shared_expert_intermediate_size = 0;  // qwen2_moe's shared expert (0: none)
+  bool router_weights_fp32 =
+      false;  // mixtral, deepseek_v3: top-k weights stay fp32 (else hidden dtype)
+  int64_t shared_expert_intermediate_size = 0;  // the shared expert's width (0: none)
   std::vector<bool> sparse_layers;              // per layer: the MoE block (else the dense MLP)
   double router_aux_loss_coef = 0.0;            // the load-balancing loss's weight in the loss
   bool output_router_logits = false;            // transformers adds that loss in training when set
@@ -200,6 +233,23 @@ struct DecoderConfig {
   // (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: silu(gate) * up.
   double swiglu_limit = 0.0;
   double swiglu_alpha = 1.702;
+  // deepseek_v3: the router mlp.gate (weight [E, hidden] and the checkpoint's fp32 buffer
+  // e_score_correction_bias [E]) scores the experts with a sigmoid in fp32; each token's
+  // experts are the top-k of score + bias among the topk_group best of n_group groups (a
+  // group's score: the sum of its two best), weighted by their scores (renormalised with
+  // norm_topk_prob) times routed_scaling_factor, in fp32. No load-balancing loss.
+  bool router_sigmoid_groups = false;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  // deepseek_v3: the shared expert is mlp.shared_experts, added as it is (n_shared_experts x
+  // moe_intermediate_size wide); else qwen2_moe's mlp.shared_expert scaled by
+  // sigmoid(mlp.shared_expert_gate(x)).
+  bool shared_experts_ungated = false;
+  // deepseek_v3: num_nextn_predict_layers, the multi-token prediction layers a checkpoint
+  // may hold after the decoder's (model.layers.num_hidden_layers ...), which transformers
+  // neither builds nor reads: hf_checkpoint skips their tensors. No part of the model.
+  int64_t mtp_layers = 0;
 
   bool has_sliding_layers() const;
   bool is_moe() const { return num_experts > 0; }

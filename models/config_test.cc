@@ -87,21 +87,19 @@ TEST(DecoderConfigTest, UnsupportedFieldsAreOneErrorNamingFieldAndValue) {
 TEST(DecoderConfigTest, OtherArchitecturesAreRefusedByName) {
   const std::string families =
       "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3, qwen3_moe, "
-      "mixtral, olmoe, qwen2_moe, gpt_oss";
+      "mixtral, olmoe, qwen2_moe, gpt_oss, deepseek_v3";
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gpt_neox")")),
             "cfg.json: \"model_type\" = \"gpt_neox\" is not supported: fsdp's decoder builds " +
                 families);
-  for (const char* moe : {"deepseek_v2", "deepseek_v3"}) {
-    EXPECT_EQ(error_of(config_json(std::string(R"(, "model_type": ")") + moe + "\"")),
-              std::string("cfg.json: \"model_type\" = \"") + moe +
-                  "\" is not supported: its mixture of experts (multi-latent attention, grouped "
-                  "routing) is not implemented; fsdp's decoder builds " +
-                  families);
-  }
+  EXPECT_EQ(error_of(config_json(R"(, "model_type": "deepseek_v2")")),
+            "cfg.json: \"model_type\" = \"deepseek_v2\" is not supported: DeepSeek-V2's "
+            "routing (softmax scores, greedy or group-limited top-k, its load-balancing losses) "
+            "is not implemented; fsdp's decoder builds " +
+                families);
   EXPECT_EQ(error_of(config_json(R"(, "num_local_experts": 8)")),
             "cfg.json: \"num_local_experts\" = 8 is not supported: mixture-of-experts layers "
-            "are built for the model types qwen3_moe, mixtral, olmoe, qwen2_moe and gpt_oss only; "
-            "a llama decoder has one dense MLP per layer");
+            "are built for the model types qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss and "
+            "deepseek_v3 only; a llama decoder has one dense MLP per layer");
   EXPECT_EQ(error_of(config_json(R"(, "model_type": "gemma3", "text_config": {})")),
             "cfg.json: \"model_type\" = \"gemma3\" is not supported: a multimodal Gemma 3 "
             "folder (vision tower and text_config); fsdp's decoder builds its language model "
@@ -154,8 +152,8 @@ TEST(DecoderConfigTest, Bitsandbytes4BitNf4IsReadOtherQuantizationRefusedByName)
   const std::string nf4 =
       " is not supported: fsdp reads bitsandbytes' 4-bit NF4 with double quantization "
       "(load_in_4bit true, bnb_4bit_quant_type \"nf4\", bnb_4bit_use_double_quant true)";
-  EXPECT_EQ(error_of(config_json(R"(, "quantization_config": {"quant_method": "fp8"})")),
-            "cfg.json: \"quantization_config\" = {\"quant_method\":\"fp8\"} is not supported: "
+  EXPECT_EQ(error_of(config_json(R"(, "quantization_config": {"quant_method": "gptq"})")),
+            "cfg.json: \"quantization_config\" = {\"quant_method\":\"gptq\"} is not supported: "
             "quantised weights other than bitsandbytes' (FP8, GPTQ, AWQ, ...) are not "
             "implemented; fsdp reads bitsandbytes' 4-bit NF4 with double quantization "
             "(load_in_4bit true, bnb_4bit_quant_type \"nf4\", bnb_4bit_use_double_quant true)");
@@ -379,7 +377,7 @@ TEST(DecoderConfigTest, BadValuesNameTheField) {
   EXPECT_EQ(error_of(R"({"vocab_size": 5})"),
             "cfg.json: the field \"model_type\" is missing; expected one of llama, mistral, "
             "qwen2, qwen3, gemma2, gemma3_text, granite, olmo2, phi3, qwen3_moe, mixtral, "
-            "olmoe, qwen2_moe, gpt_oss (a config saved by transformers)");
+            "olmoe, qwen2_moe, gpt_oss, deepseek_v3 (a config saved by transformers)");
   EXPECT_EQ(error_of("{\"model_type\": \"llama\","),
             "cfg.json is not valid JSON: [json.exception.parse_error.101] parse error at line 1, "
             "column 24: syntax error while parsing object key - unexpected end of input; "
@@ -458,9 +456,9 @@ TEST(DecoderConfigTest, Qwen3MoeRoutesEveryLayerButTheDenseOnes) {
             "cfg.json: \"use_sliding_window\" = true is not supported: sliding windows are not "
             "implemented for the Qwen mixture-of-experts families; use_sliding_window false");
   EXPECT_EQ(error_of(qwen3_moe_json(R"(, "n_routed_experts": 8)")),
-            "cfg.json: \"n_routed_experts\" = 8 is not supported: mixture-of-experts layers are "
-            "built for the model types qwen3_moe, mixtral, olmoe, qwen2_moe and gpt_oss only; a "
-            "qwen3_moe decoder has one dense MLP per layer");
+            "cfg.json: \"n_routed_experts\" = 8 is not supported: n_routed_experts counts the "
+            "experts of model type deepseek_v3 only; a qwen3_moe decoder counts its experts in "
+            "num_experts or num_local_experts");
 }
 
 TEST(DecoderConfigTest, MixtralOlmoeQwen2MoeSetTheirSwitches) {
@@ -596,6 +594,128 @@ TEST(DecoderConfigTest, GptOssRefusalsNameTheField) {
       "factor": 2.0})")),
             "cfg.json: \"rope_parameters.rope_type\" = \"dynamic\" is not supported: fsdp's "
             "decoder implements the rope types default, linear, llama3, yarn and longrope");
+}
+
+// deepseek-ai/DeepSeek-V3's config.json as the Hub has it (transformers 4.x spellings, its
+// remote code's fields, FP8 weights), less auto_map; `quantization` replaces its
+// quantization_config (empty: none) and `extra` adds or overrides fields.
+std::string deepseek_v3_json(const std::string& quantization, const std::string& extra = "") {
+  return R"({"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32,
+    "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": true,
+    "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true,
+    "v_head_dim": 128, "vocab_size": 129280)" +
+         quantization + extra + "}";
+}
+
+constexpr char kDeepSeekFp8[] = R"(, "quantization_config": {"activation_scheme": "dynamic",
+    "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]})";
+
+TEST(DecoderConfigTest, DeepSeekV3SetsItsSwitches) {
+  const DecoderConfig c = parse_decoder_config(deepseek_v3_json(""), "cfg.json");
+  EXPECT_TRUE(c.latent_attention());
+  EXPECT_EQ(c.q_lora_rank, 1536);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.qk_nope_head_dim, 128);
+  EXPECT_EQ(c.head_dim, 64);  // qk_rope_head_dim, as transformers sets it
+  EXPECT_EQ(c.rotary_dim, 64);
+  EXPECT_EQ(c.qk_head_dim(), 192);
+  EXPECT_EQ(c.v_head_dim, 128);
+  EXPECT_TRUE(c.rope_interleave);  // DeepseekV3Config's default
+  EXPECT_FALSE(c.qkv_bias || c.o_bias);
+  EXPECT_EQ(c.rope.type, "yarn");
+  EXPECT_EQ(c.rope.factor, 40.0);
+  EXPECT_EQ(c.rope.mscale_all_dim, 1.0);
+  // 192^-0.5 x (0.1 ln 40 + 1)^2, transformers' yarn_apply_mscale.
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(c.attention_scale, mscale * mscale / std::sqrt(192.0));
+  EXPECT_EQ(c.num_experts, 256);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.moe_intermediate_size, 2048);
+  EXPECT_EQ(c.intermediate_size, 18432);
+  EXPECT_TRUE(c.router_sigmoid_groups && c.norm_topk_prob && c.router_weights_fp32);
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 2048);
+  EXPECT_TRUE(c.shared_experts_ungated);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.0);  // no load-balancing loss
+  EXPECT_EQ(c.mtp_layers, 1);              // num_nextn_predict_layers: skipped on reading
+  std::vector<bool> sparse(61, true);
+  sparse[0] = sparse[1] = sparse[2] = false;
+  EXPECT_EQ(c.sparse_layers, sparse);
+  EXPECT_EQ(c.layer_types, std::vector<LayerType>(61, LayerType::kFull));
+  // A config.json as transformers 5.23 writes a small DeepseekV3Config: rope_parameters,
+  // head_dim, q_lora_rank null (one q_proj), rope_interleave false, default RoPE: scale
+  // qk_head_dim^-0.5.
+  const DecoderConfig small = parse_decoder_config(
+      R"({"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": null, "kv_lora_rank": 16,
+          "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+          "rope_interleave": false, "n_routed_experts": 8, "num_experts_per_tok": 2,
+          "n_group": 4, "topk_group": 2, "moe_intermediate_size": 16, "n_shared_experts": 2,
+          "first_k_dense_replace": 1, "attention_bias": true,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}})",
+      "cfg.json");
+  EXPECT_EQ(small.q_lora_rank, 0);
+  EXPECT_FALSE(small.rope_interleave);
+  EXPECT_TRUE(small.qkv_bias && small.o_bias);
+  EXPECT_DOUBLE_EQ(small.attention_scale, 0.25);
+  EXPECT_EQ(small.shared_expert_intermediate_size, 32);
+  EXPECT_EQ(small.sparse_layers, std::vector<bool>({false, true, true}));
+}
+
+TEST(DecoderConfigTest, DeepSeekV3RefusalsNameTheField) {
+  // The Hub's DeepSeek-V3 (and Kimi K2): FP8 weights with a scale per 128 x 128 block.
+  EXPECT_EQ(error_of(deepseek_v3_json(kDeepSeekFp8)),
+            "cfg.json: \"quantization_config.quant_method\" = \"fp8\" is not supported: FP8 "
+            "block-scaled weights (weight_block_size [128,128]; DeepSeek-V3 and Kimi K2 as the "
+            "Hub ships them) are not implemented; fsdp reads the bf16 layout: a *-BF16 folder, "
+            "or the folder transformers' save_pretrained writes after from_pretrained(..., "
+            "quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16)");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "num_key_value_heads": 64)")),
+            "cfg.json: \"num_key_value_heads\" = 64 is not supported: multi-head latent "
+            "attention expands keys and values for every head (num_key_value_heads equal to "
+            "num_attention_heads = 128)");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "scoring_func": "softmax")")),
+            "cfg.json: \"scoring_func\" = \"softmax\" is not supported: transformers' DeepseekV3 "
+            "scores the experts with a sigmoid");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "topk_method": "greedy")")),
+            "cfg.json: \"topk_method\" = \"greedy\" is not supported: transformers' DeepseekV3 "
+            "routes as DeepSeek-V3's noaux_tc (group-limited top-k with "
+            "e_score_correction_bias)");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "moe_layer_freq": 2)")),
+            "cfg.json: \"moe_layer_freq\" = 2 is not supported: transformers' DeepseekV3 makes "
+            "every layer from first_k_dense_replace on sparse");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "n_group": 3)")),
+            "cfg.json: \"n_group\" = 3 does not split 256 experts into equal groups of two or "
+            "more (a group scores its two best)");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "topk_group": 9)")),
+            "cfg.json: \"topk_group\" = 9: expected at most n_group = 8 groups, holding at least "
+            "num_experts_per_tok = 8 experts");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "num_experts": 256)")),
+            "cfg.json: \"num_experts\" = 256 is not supported: deepseek_v3 counts its experts in "
+            "n_routed_experts");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "rope_scaling": {"type": "linear",
+      "factor": 2.0})")),
+            "cfg.json: rope type \"linear\" is not supported for deepseek_v3: its attention "
+            "scale is implemented for the rope types default and yarn (DeepSeek-V3's and Kimi "
+            "K2's)");
+  EXPECT_EQ(error_of(deepseek_v3_json("", R"(, "hidden_act": "gelu")")),
+            "cfg.json: \"hidden_act\" = \"gelu\" is not supported: the MLP and experts are "
+            "SwiGLU (hidden_act \"silu\")");
 }
 
 }  // namespace

@@ -37,9 +37,11 @@ using models_internal::projection;
 // allocated or drawn, and reset_decoder_parameters, passed to
 // FullyShardedRoot::init_parameters, gives each module what its constructor would have:
 // init_parameters visits the modules in pre-order, the order the constructors run in, so
-// with the same seed a meta build equals a CPU build. The decoder has no buffers: RoPE's
-// cos and sin and Gemma's embedding scale are computed in forward from the config, so a
-// checkpoint load, which has no non-persistent buffers, leaves nothing uncomputed.
+// with the same seed a meta build equals a CPU build. The decoder has no non-persistent
+// buffers: RoPE's cos and sin and Gemma's embedding scale are computed in forward from the
+// config, so a checkpoint load leaves nothing uncomputed. Its one (persistent) buffer,
+// deepseek_v3's e_score_correction_bias, is read from the checkpoint, or zeroed by
+// reset_decoder_parameters as transformers initialises it.
 
 namespace {
 
@@ -69,7 +71,8 @@ at::Tensor checkpoint_with_router(CheckpointedFunction function,
     saved.push_back(inputs[i]);
     positions.push_back(i);
   }
-  const bool with_router = moe != nullptr && at::GradMode::is_enabled();
+  // deepseek_v3's router keeps no logits: it has no load-balancing loss.
+  const bool with_router = moe != nullptr && !moe->group_router && at::GradMode::is_enabled();
   const at::Tensor out = checkpoint(
       [function = std::move(function), positions, count = inputs.size(), moe,
        with_router](const std::vector<at::Tensor>& in) {
@@ -341,6 +344,9 @@ at::Tensor CausalLMImpl::aux_loss(const at::Tensor& token_mask) const {
   TORCH_CHECK(config.is_moe(), "aux_loss: a ", config.model_type,
               " decoder has no experts; the load-balancing loss is for the mixture-of-experts "
               "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss)");
+  TORCH_CHECK(!config.router_sigmoid_groups, "aux_loss: a ", config.model_type,
+              " decoder has no load-balancing loss (transformers' DeepseekV3 computes none: "
+              "its routing is balanced by e_score_correction_bias)");
   return load_balancing_loss(model->router_logits(), config.num_experts, config.num_experts_per_tok,
                              token_mask);
 }
@@ -377,6 +383,7 @@ void reset_decoder_parameters(torch::nn::Module& module) {
   if (auto* norm = module.as<RMSNormImpl>()) return norm->reset_parameters();
   if (auto* linear = module.as<lora::LoraLinearImpl>()) return linear->reset_parameters();
   if (auto* experts = module.as<ExpertsImpl>()) return experts->reset_parameters();
+  if (auto* router = module.as<SigmoidGroupRouterImpl>()) return router->reset_parameters();
   if (auto* attention = module.as<AttentionImpl>()) return attention->reset_parameters();
   if (auto* embedding = module.as<torch::nn::EmbeddingImpl>()) embedding->reset_parameters();
 }

@@ -1,8 +1,8 @@
 // The decoder-only transformer of Hugging Face transformers' LlamaForCausalLM,
 // MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
 // Gemma3ForCausalLM, GraniteForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM and the
-// mixture-of-experts Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM and
-// Qwen2MoeForCausalLM in LibTorch:
+// mixture-of-experts Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
+// Qwen2MoeForCausalLM, GptOssForCausalLM and DeepseekV3ForCausalLM in LibTorch:
 // one module tree whose per-family options come from a DecoderConfig (config.h), with the
 // families' own module and parameter names, so a checkpoint's tensors load under their own
 // names with no renaming:
@@ -33,6 +33,24 @@
 // mlp.experts.down_proj [E, hidden, I]; qwen2_moe mlp.shared_expert.* and
 // mlp.shared_expert_gate.weight [1, hidden]); the checkpoints hold the experts one by one
 // (hf_checkpoint.cc, Note [Experts one by one in the checkpoint]).
+//
+// deepseek_v3's attention is multi-head latent attention (attention.h, config.h):
+//
+//   model.layers.N.self_attn.q_a_proj.weight            [q_lora_rank, hidden_size] (+ bias
+//                                                       with attention_bias)
+//   model.layers.N.self_attn.q_a_layernorm.weight       [q_lora_rank]
+//   model.layers.N.self_attn.q_b_proj.weight            [heads * qk_head_dim, q_lora_rank]
+//                                                       (q_proj [heads * qk_head_dim, hidden]
+//                                                       when q_lora_rank is null)
+//   model.layers.N.self_attn.kv_a_proj_with_mqa.weight  [kv_lora_rank + qk_rope_head_dim,
+//                                                       hidden_size] (+ bias)
+//   model.layers.N.self_attn.kv_a_layernorm.weight      [kv_lora_rank]
+//   model.layers.N.self_attn.kv_b_proj.weight           [heads * (qk_nope_head_dim +
+//                                                       v_head_dim), kv_lora_rank]
+//   model.layers.N.self_attn.o_proj.weight              [hidden_size, heads * v_head_dim]
+//
+// and its sparse layers' router mlp.gate.weight [E, hidden] with the buffer
+// mlp.gate.e_score_correction_bias [E] (fp32), and mlp.shared_experts.*.
 //
 // phi3 holds q, k, v and gate, up fused instead:
 //
@@ -71,9 +89,10 @@
 // GeLU-tanh. No dropout, no KV cache. The projections and the head are
 // fsdp::lora::LoraLinear (plain Linear until fsdp::lora::apply_lora adds an adapter;
 // lora_targets.h lists each family's targets, the head is none of them). The decoder
-// registers no buffers: RoPE's cos and sin and Gemma's embedding scale are computed in
-// each forward from the config, so nothing is left uncomputed after a build on the meta
-// device.
+// registers no non-persistent buffers: RoPE's cos and sin and Gemma's embedding scale are
+// computed in each forward from the config, so nothing is left uncomputed after a build
+// on the meta device. Its one buffer, deepseek_v3's mlp.gate.e_score_correction_bias
+// (moe.h), is the checkpoint's (read and written with the parameters, never trained).
 //
 // The modules are declared in their own headers, included here: rms_norm.h, attention.h
 // (with rotary.h's RoPE), mlp.h.

@@ -62,11 +62,33 @@ DecoderConfig tiny_gpt_oss() {
       "tiny.json");
 }
 
-// Sinks drawn (they are built zero) and large enough to count.
+// A small DeepSeek-V3: latent attention (q_lora_rank 8, kv_lora_rank 8, 4 heads of 8 + 8
+// rotated, interleaved, values of 6), YaRN; a dense layer, then 8 experts in 4 groups, top-2,
+// a shared expert.
+DecoderConfig tiny_deepseek_v3() {
+  return parse_decoder_config(
+      R"({"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 48,
+        "max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 3, "vocab_size": 64, "q_lora_rank": 8, "kv_lora_rank": 8,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 6,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}})",
+      "tiny.json");
+}
+
+// Sinks and DeepSeek-V3's router biases drawn (they are built zero) and large enough to
+// count.
 void draw_sinks(CausalLMImpl& net) {
   torch::NoGradGuard no_grad;
   for (const auto& item : net.named_parameters()) {
     if (item.key().find("sinks") != std::string::npos) item.value().normal_(0, 2);
+  }
+  for (const auto& item : net.named_buffers()) {
+    if (item.key().find("e_score_correction_bias") != std::string::npos) {
+      item.value().uniform_(-0.3, 0.3);
+    }
   }
 }
 
@@ -82,7 +104,8 @@ TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
   // The experts too (ExpertsImpl's reset_parameters, in the constructors' order).
   for (const auto& [label, config] :
        {std::pair("own head", tiny_llama(false)), std::pair("tied head", tiny_llama(true)),
-        std::pair("qwen2_moe", tiny_qwen2_moe()), std::pair("gpt_oss", tiny_gpt_oss())}) {
+        std::pair("qwen2_moe", tiny_qwen2_moe()), std::pair("gpt_oss", tiny_gpt_oss()),
+        std::pair("deepseek_v3", tiny_deepseek_v3())}) {
     SCOPED_TRACE(label);
     const bool tied = config.tie_word_embeddings;
     std::shared_ptr<CausalLMImpl> cpu;
@@ -91,7 +114,9 @@ TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
       at::manual_seed(3);
       cpu = std::make_shared<CausalLMImpl>(config);
     }
-    EXPECT_TRUE(cpu->buffers().empty());  // RoPE and embedding scales come from the config
+    // RoPE and embedding scales come from the config; DeepSeek-V3's router biases, zeros as
+    // built, from the checkpoint.
+    EXPECT_EQ(cpu->buffers().size(), config.router_sigmoid_groups ? 2u : 0u);
     const StateDict want = module_state_dict(*cpu);
     EXPECT_EQ(want.contains("lm_head.weight"), !tied);
     // Untied, the embeddings and the head are units of their own, as the layers are.
@@ -143,7 +168,8 @@ DecoderConfig tiny_gemma(const std::string& model_type) {
 // absolute), padding aside.
 TEST(PackedRowsTest, EachExampleAttendsOnlyToItself) {
   for (const DecoderConfig& config :
-       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text"), tiny_gpt_oss()}) {
+       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text"), tiny_gpt_oss(),
+        tiny_deepseek_v3()}) {
     SCOPED_TRACE(config.model_type);
     at::manual_seed(3);
     CausalLMImpl net(config);
@@ -177,11 +203,12 @@ TEST(PackedRowsTest, EachExampleAttendsOnlyToItself) {
 // Generation with a KV cache: a prompt of 5 tokens, then 2, then one at a time, each
 // forward's logits those of the whole 12-token sequence at its positions (Gemma: past the
 // sliding window of 3; Gemma 2: soft-capped; Gemma 3: RoPE per layer type; gpt-oss:
-// sinks).
+// sinks; DeepSeek-V3: latent attention, its keys and values expanded per head).
 TEST(KVCacheTest, EachForwardEqualsTheWholeSequence) {
   torch::NoGradGuard no_grad;
   for (const DecoderConfig& config :
-       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text"), tiny_gpt_oss()}) {
+       {tiny_llama(false), tiny_gemma("gemma2"), tiny_gemma("gemma3_text"), tiny_gpt_oss(),
+        tiny_deepseek_v3()}) {
     SCOPED_TRACE(config.model_type);
     at::manual_seed(3);
     CausalLMImpl net(config);
@@ -201,8 +228,10 @@ TEST(KVCacheTest, EachForwardEqualsTheWholeSequence) {
     }
     EXPECT_EQ(cache.length, 12);
     ASSERT_EQ(cache.layers.size(), size_t(config.num_hidden_layers));
+    // Latent attention caches its keys expanded: qk_head_dim() per head.
+    const int64_t key_width = config.latent_attention() ? config.qk_head_dim() : config.head_dim;
     EXPECT_EQ(cache.layers[1].keys.sizes(),
-              (std::vector<int64_t>{1, config.num_key_value_heads, 12, config.head_dim}));
+              (std::vector<int64_t>{1, config.num_key_value_heads, 12, key_width}));
     EXPECT_EQ(net.model->cache, nullptr) << "the scope cleared the cache";
     // The next token without the cache: it would start again at position 0.
     EXPECT_FALSE(

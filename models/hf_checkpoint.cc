@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -212,6 +213,32 @@ std::map<std::string, std::string> bnb_4bit_weights(const SafetensorsCheckpoint&
   return weights;
 }
 
+// Note [Tensors kept in fp32]
+// transformers keeps DeepSeek-V3's router bias (mlp.gate.e_score_correction_bias) in fp32
+// in every checkpoint, a bf16 one included (DeepseekV3PreTrainedModel's
+// _keep_in_fp32_modules_strict), and the decoder holds it in fp32 whatever its dtype
+// (moe.h). It is therefore no part of the folder's one dtype (hf_weights_dtype), and a save
+// writes it in fp32 (SaveSafetensorsOptions::keep_dtype), bit for bit.
+bool kept_in_fp32(const std::string& name) {
+  return absl::EndsWith(name, ".e_score_correction_bias");
+}
+
+// Note [Multi-token prediction layers]
+// DeepSeek-V3's checkpoints may hold its multi-token prediction layers after the decoder's
+// (num_nextn_predict_layers of them: model.layers.61.* in DeepSeek-V3's bf16 conversions),
+// which transformers neither builds nor reads (DeepseekV3PreTrainedModel's
+// _keys_to_ignore_on_load_unexpected) nor writes. The reader leaves their tensors unread
+// and a save leaves them out, as save_pretrained does.
+bool mtp_tensor(const std::optional<DecoderConfig>& config, const std::string& name) {
+  if (!config || config->mtp_layers == 0) return false;
+  absl::string_view rest = name;
+  int64_t layer = 0;
+  return absl::ConsumePrefix(&rest, "model.layers.") &&
+         absl::SimpleAtoi(rest.substr(0, rest.find('.')), &layer) &&
+         layer >= config->num_hidden_layers &&
+         layer < config->num_hidden_layers + config->mtp_layers;
+}
+
 // hf_weights_dtype of an opened folder.
 at::ScalarType weights_dtype(const SafetensorsCheckpoint& checkpoint, const std::string& dir) {
   const auto quantized = bnb_4bit_weights(checkpoint);
@@ -220,7 +247,7 @@ at::ScalarType weights_dtype(const SafetensorsCheckpoint& checkpoint, const std:
   for (const std::string& name : checkpoint.names()) {
     const at::ScalarType found = checkpoint.info(name).dtype;
     const size_t state = name.find(".weight.");  // "<module>.weight.absmax", ...
-    if (!c10::isFloatingType(found) ||
+    if (!c10::isFloatingType(found) || kept_in_fp32(name) ||
         (state != std::string::npos && quantized.count(name.substr(0, state + 7)))) {
       continue;
     }
@@ -457,7 +484,10 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
             return std::vector<SafetensorsPiece>{{name_of(fqn), {shape[0], 1}}};
           })
           .derive(modules.empty() ? nullptr : derive)
-          .unread([&quant_maps](const std::string& name) { return quant_maps.count(name) > 0; }));
+          .unread([&quant_maps, &config](const std::string& name) {
+            // See Note [Multi-token prediction layers].
+            return quant_maps.count(name) > 0 || mtp_tensor(config, name);
+          }));
 }
 
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
@@ -469,6 +499,7 @@ void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                    SaveSafetensorsOptions()
                        .max_shard_size(max_shard_size)
                        .dtype(hf_weights_dtype(from_dir))
+                       .keep_dtype(kept_in_fp32)
                        .rename(rename_of(names))
                        .split(split_of(names)));
 }
@@ -515,6 +546,7 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
       SaveSafetensorsOptions()
           .max_shard_size(max_shard_size)
           .dtype(hf_weights_dtype(from_dir))
+          .keep_dtype(kept_in_fp32)
           .skip([&modules](const std::string& fqn) {
             const auto nf4 = nf4_entry(modules, fqn);
             return lora::is_adapter_key(fqn) || (nf4 && nf4->second != "weight");

@@ -45,7 +45,9 @@ namespace fsdp::models {
 
 // The dtype of the floating tensors of HF folder `dir` (headers only are read), the
 // quantization state of a bitsandbytes 4-bit folder's weights (float32 whatever their dtype)
-// left out: the dtype its weights dequantize to. Throws naming two tensors when they differ.
+// left out: the dtype its weights dequantize to; DeepSeek-V3's e_score_correction_bias
+// (float32 in every folder, and written so) left out too. Throws naming two tensors when
+// they differ.
 at::ScalarType hf_weights_dtype(const std::string& dir);
 
 // A folder transformers saved after loading a model in bitsandbytes' 4-bit NF4 with double

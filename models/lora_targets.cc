@@ -7,18 +7,36 @@
 
 namespace fsdp::models {
 
+namespace {
+
+// Whether a gated MLP of gate_proj, up_proj, down_proj is somewhere in the decoder: every
+// layer of a dense family, a mixture of experts' dense layers or shared expert.
+bool has_dense_mlp(const DecoderConfig& config) {
+  return !config.is_moe() || config.shared_expert_intermediate_size > 0 ||
+         std::find(config.sparse_layers.begin(), config.sparse_layers.end(), false) !=
+             config.sparse_layers.end();
+}
+
+}  // namespace
+
 std::vector<std::string> lora_target_modules(const DecoderConfig& config) {
   if (config.fused_projections) return {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
-  const bool dense_mlp = !config.is_moe() || config.shared_expert_intermediate_size > 0 ||
-                         std::find(config.sparse_layers.begin(), config.sparse_layers.end(),
-                                   false) != config.sparse_layers.end();
-  if (!dense_mlp) return {"q_proj", "k_proj", "v_proj", "o_proj"};
-  return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  std::vector<std::string> modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  if (config.latent_attention()) {
+    modules = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
+    const std::vector<std::string> queries = config.q_lora_rank > 0
+                                                 ? std::vector<std::string>{"q_a_proj", "q_b_proj"}
+                                                 : std::vector<std::string>{"q_proj"};
+    modules.insert(modules.begin(), queries.begin(), queries.end());
+  }
+  if (has_dense_mlp(config)) modules.insert(modules.end(), {"gate_proj", "up_proj", "down_proj"});
+  return modules;
 }
 
 std::vector<std::string> default_lora_targets(const DecoderConfig& config) {
   if (config.fused_projections) return {"qkv_proj"};
-  // PEFT 0.21 maps mixtral to q_proj, v_proj, and has no entry for the other MoE families.
+  // PEFT 0.21 maps mixtral to q_proj, v_proj, and has no entry for the other MoE families
+  // (deepseek_v3 included).
   if (config.is_moe() && config.model_type != "mixtral") return {};
   return {"q_proj", "v_proj"};
 }
@@ -50,7 +68,7 @@ std::string lora_targets_error(const DecoderConfig& config,
     return absl::StrCat("--lora_target_modules: expected one or more of ",
                         absl::StrJoin(modules, ", "));
   }
-  const bool dense_mlp = modules.size() > 4;
+  const bool dense_mlp = has_dense_mlp(config);
   for (const std::string& target : targets) {
     if (names_experts(config, target, dense_mlp)) {
       return absl::StrCat("--lora_target_modules: \"", target, "\" names the routed experts of a ",
@@ -59,7 +77,7 @@ std::string lora_targets_error(const DecoderConfig& config,
                           "supported yet: adapt some of ",
                           absl::StrJoin(modules, ", "),
                           dense_mlp ? " (gate_proj, up_proj, down_proj: the dense MLPs and the "
-                                      "shared expert, not the experts)"
+                                      "shared experts, not the routed experts)"
                                     : "");
     }
     if (std::find(modules.begin(), modules.end(), target) == modules.end()) {

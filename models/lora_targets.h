@@ -6,13 +6,17 @@
 //
 // Every family but phi3 has the same seven projections: q_proj, k_proj, v_proj, o_proj
 // (attention) and gate_proj, up_proj, down_proj (MLP); phi3 has its fused qkv_proj and
-// gate_up_proj instead (with o_proj and down_proj). The mixture-of-experts families
+// gate_up_proj instead (with o_proj and down_proj); deepseek_v3's latent attention has
+// q_a_proj, q_b_proj (or q_proj without q_lora_rank), kv_a_proj_with_mqa, kv_b_proj and
+// o_proj. The mixture-of-experts families
 // (config.is_moe()) have the MLP's three only where a dense MLP is (qwen2_moe's shared
-// expert, layers in mlp_only_layers or off decoder_sparse_step); their fused experts are
+// expert, deepseek_v3's shared experts and first_k_dense_replace layers, layers in
+// mlp_only_layers or off decoder_sparse_step); their fused experts are
 // no Linear and take none, nor does the router. The norms, embeddings and head take
 // none. default_lora_targets returns PEFT's defaults
 // (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING of PEFT 0.21): q_proj and v_proj
-// (mixtral too), qkv_proj for phi3, and none for qwen3_moe, qwen2_moe, olmoe and gpt_oss, which
+// (mixtral too), qkv_proj for phi3, and none for qwen3_moe, qwen2_moe, olmoe, gpt_oss and
+// deepseek_v3, which
 // PEFT does not map (its LoraConfig then asks for target_modules; lora_targets_error asks
 // for --lora_target_modules). LoRA on the routed experts (PEFT's target_parameters on
 // mlp.experts.gate_up_proj and down_proj) is not supported yet: a target naming them
@@ -32,7 +36,7 @@ namespace fsdp::models {
 std::vector<std::string> lora_target_modules(const DecoderConfig& config);
 
 // PEFT's default target modules for the family; empty where PEFT has none (qwen3_moe,
-// qwen2_moe, olmoe).
+// qwen2_moe, olmoe, gpt_oss, deepseek_v3).
 std::vector<std::string> default_lora_targets(const DecoderConfig& config);
 
 // "" when every name of `targets` is one of lora_target_modules(config) and there is at

@@ -87,9 +87,26 @@ TEST(LoraTargetsTest, MixtureOfExpertsDefaultsAndExpertsRefused) {
       "--lora_target_modules: \"experts\" names the routed experts of a qwen3_moe decoder; LoRA "
       "on the experts (PEFT's target_parameters) is not supported yet: adapt some of q_proj, "
       "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (gate_proj, up_proj, down_proj: the "
-      "dense MLPs and the shared expert, not the experts)");
+      "dense MLPs and the shared experts, not the routed experts)");
   EXPECT_NE(lora_targets_error(config, {"mlp.experts.gate_up_proj"}).find("LoRA on the experts"),
             std::string::npos);
+  // deepseek_v3: latent attention's projections, the dense layers' and shared experts' MLP;
+  // PEFT has no default for it.
+  DecoderConfig deepseek = config;
+  deepseek.model_type = "deepseek_v3";
+  deepseek.kv_lora_rank = 16;
+  deepseek.q_lora_rank = 8;
+  deepseek.sparse_layers = {true, true};
+  deepseek.shared_expert_intermediate_size = 16;
+  EXPECT_EQ(default_lora_targets(deepseek), std::vector<std::string>{});
+  EXPECT_EQ(lora_target_modules(deepseek),
+            (std::vector<std::string>{"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                      "o_proj", "gate_proj", "up_proj", "down_proj"}));
+  deepseek.q_lora_rank = 0;
+  EXPECT_EQ(lora_targets_error(deepseek, {"q_proj", "kv_b_proj"}), "");
+  EXPECT_EQ(lora_targets_error(deepseek, {"k_proj"}),
+            "--lora_target_modules: \"k_proj\" is not a module of a deepseek_v3 decoder; expected "
+            "some of q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, up_proj, down_proj");
   config.model_type = "llama";  // a dense family: a module of that name is only unknown
   config.num_experts = 0;
   EXPECT_EQ(lora_targets_error(config, {"experts"}),

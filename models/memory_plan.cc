@@ -68,6 +68,15 @@ namespace {
 //   Qwen2-MoE's shared expert adds a gated MLP of its own width, its
 //   gate's sigmoid and its output. A checkpointed sparse layer keeps its router logits
 //   beside its input (Note [Router logits out of a checkpointed layer] in decoder.cc).
+//   DeepSeek-V3's router keeps no logits but its fp32 sigmoid scores [T, E], and when the
+//   compute dtype is not fp32 the fp32 copies of its input (when it trains) and of its
+//   weight ([E, H] per sparse layer); its shared experts are a gated MLP without a gate.
+// - DeepSeek-V3's latent attention (Note [Multi-head latent attention] in attention.cc):
+//   the norms of the q and kv latents (kv_a_layernorm's input, a view, keeps all of
+//   kv_a_proj_with_mqa's output in fp32), q_b_proj's and kv_b_proj's inputs when they
+//   train, and scaled_dot_product_attention's q, k, v padded to qk_head_dim, its padded
+//   output and log-sum-exp; o_proj's input is then a copy of the output's first
+//   v_head_dim.
 // - With DecoderUnits::kSublayer each sublayer is checkpointed inside its unit and the
 //   norms run outside: a checkpointed layer saves each sublayer's input (its normed input,
 //   2 c H per token in all) and a CPU generator state each, and its norms' tensors as an
@@ -129,48 +138,13 @@ struct LayerBytes {
     return packed || type == LayerType::kSliding ? c * each : 0;
   }
 
-  // A sparse layer's MoE block after its norm, bytes per token (see the Note).
-  int64_t sparse_mlp() const {
-    const int64_t h = config.hidden_size, e = config.num_experts;
-    const int64_t k = config.num_experts_per_tok, inner = config.moe_intermediate_size;
-    const int64_t weights = config.router_weights_fp32 || c == kFp32 ? kFp32 : c;
-    // Router logits, probabilities (gpt_oss: of the top-k only), top-k indices.
-    int64_t bytes = c * e + (config.router_bias_topk_softmax ? c * k : kFp32 * e) + 8 * k;
-    if (config.norm_topk_prob) bytes += kFp32 * (k + 1);
-    bytes += 2 * 8 * k;                        // the pairs' order and tokens
-    if (full()) bytes += k * c * (h + inner);  // the gathered tokens, down's input
-    const int64_t activation = config.swiglu_limit > 0 ? 6 * inner : 3 * inner;
-    bytes += k * c * (activation + 2 * h) + k * weights;
-    const int64_t shared = config.shared_expert_intermediate_size;
-    if (shared > 0) {
-      bytes += adapter("gate_proj") + adapter("up_proj") + adapter("down_proj");
-      bytes += 3 * c * shared + (trains("down_proj") ? c * shared : 0) + c + c * h;
-    }
-    return bytes;
-  }
-
-  // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer;
-  // `sparse`: an MoE layer's.
-  int64_t per_token(bool first, bool sparse = false) const {
-    return attention(first) + feed_forward(sparse);
-  }
-
-  // ... of its attention: from the layer's input to o_proj.
-  int64_t attention(bool first) const {
-    const int64_t h = config.hidden_size, heads = config.num_attention_heads;
+  // The other families' attention after the input norm, bytes per token, o_proj's adapter
+  // left out: the q/k/v adapters and norms, and what the attention kernel saves.
+  int64_t projected_attention() const {
+    const int64_t heads = config.num_attention_heads;
     const int64_t q = heads * config.head_dim, kv = config.num_key_value_heads * config.head_dim;
     const bool fused = config.fused_projections;
-    const bool attention_trains =
-        fused ? trains("qkv_proj") : trains("q_proj") || trains("k_proj") || trains("v_proj");
-    int64_t bytes = 0;
-    // Input norm (or, for post norms, the layer input the projections read).
-    if (config.post_norms) {
-      if (attention_trains) bytes += c * h;
-    } else {
-      if (full() || !first) bytes += norm(h);
-      if (attention_trains) bytes += c * h;
-    }
-    bytes +=
+    int64_t bytes =
         fused ? adapter("qkv_proj") : adapter("q_proj") + adapter("k_proj") + adapter("v_proj");
     if (config.qk_norm) bytes += norm(q, heads) + norm(kv, config.num_key_value_heads);
     if (config.qk_norm_full_width) bytes += norm(q) + norm(kv);
@@ -188,6 +162,82 @@ struct LayerBytes {
     } else {
       bytes += c * (2 * q + 2 * kv) + kFp32 * heads;
     }
+    return bytes;
+  }
+
+  // Latent attention after the input norm, bytes per token, o_proj's adapter left out;
+  // `input_grad`: whether the layer's input needs a gradient (see the Note).
+  int64_t latent_attention(bool input_grad) const {
+    const int64_t n = config.num_attention_heads, qk = config.qk_head_dim();
+    const int64_t lq = config.q_lora_rank, lk = config.kv_lora_rank, v = config.v_head_dim;
+    int64_t bytes = adapter("kv_a_proj_with_mqa") + adapter("kv_b_proj");
+    if (lq > 0) {
+      bytes += adapter("q_a_proj") + adapter("q_b_proj");
+      if (input_grad || trains("q_a_proj")) bytes += norm(lq);
+      if (trains("q_b_proj")) bytes += c * lq;
+    } else {
+      bytes += adapter("q_proj");
+    }
+    if (input_grad || trains("kv_a_proj_with_mqa")) {
+      bytes += norm(lk) + (c == kFp32 ? kFp32 * config.head_dim : 0);
+    }
+    if (trains("kv_b_proj")) bytes += c * lk;
+    // q, k; v padded (or, as wide as q, a view keeping kv_b_proj's output); the output.
+    bytes += 2 * c * n * qk + (v != qk ? c * n * qk : c * n * (config.qk_nope_head_dim + v));
+    bytes += c * n * qk + kFp32 * n;
+    if (v != qk && trains("o_proj")) bytes += c * n * v;
+    return bytes;
+  }
+
+  // A sparse layer's MoE block after its norm, bytes per token (see the Note).
+  int64_t sparse_mlp() const {
+    const int64_t h = config.hidden_size, e = config.num_experts;
+    const int64_t k = config.num_experts_per_tok, inner = config.moe_intermediate_size;
+    const int64_t weights = config.router_weights_fp32 || c == kFp32 ? kFp32 : c;
+    // Router logits, probabilities (gpt_oss: of the top-k only; deepseek_v3: its sigmoid
+    // scores, and its input's fp32 copy), top-k indices.
+    int64_t bytes = config.router_sigmoid_groups
+                        ? kFp32 * e + (full() && c != kFp32 ? kFp32 * h : 0)
+                        : c * e + (config.router_bias_topk_softmax ? c * k : kFp32 * e);
+    bytes += 8 * k;
+    if (config.norm_topk_prob) bytes += kFp32 * (k + 1);
+    bytes += 2 * 8 * k;                        // the pairs' order and tokens
+    if (full()) bytes += k * c * (h + inner);  // the gathered tokens, down's input
+    const int64_t activation = config.swiglu_limit > 0 ? 6 * inner : 3 * inner;
+    bytes += k * c * (activation + 2 * h) + k * weights;
+    const int64_t shared = config.shared_expert_intermediate_size;
+    if (shared > 0) {
+      bytes += adapter("gate_proj") + adapter("up_proj") + adapter("down_proj");
+      bytes += 3 * c * shared + (trains("down_proj") ? c * shared : 0);
+      if (!config.shared_experts_ungated) bytes += c + c * h;  // the gate's sigmoid, the product
+    }
+    return bytes;
+  }
+
+  // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer;
+  // `sparse`: an MoE layer's.
+  int64_t per_token(bool first, bool sparse = false) const {
+    return attention(first) + feed_forward(sparse);
+  }
+
+  // ... of its attention: from the layer's input to o_proj.
+  int64_t attention(bool first) const {
+    const int64_t h = config.hidden_size;
+    const bool fused = config.fused_projections;
+    const bool attention_trains =
+        config.latent_attention()
+            ? trains("q_a_proj") || trains("q_proj") || trains("kv_a_proj_with_mqa")
+        : fused ? trains("qkv_proj")
+                : trains("q_proj") || trains("k_proj") || trains("v_proj");
+    int64_t bytes = 0;
+    // Input norm (or, for post norms, the layer input the projections read).
+    if (config.post_norms) {
+      if (attention_trains) bytes += c * h;
+    } else {
+      if (full() || !first) bytes += norm(h);
+      if (attention_trains) bytes += c * h;
+    }
+    bytes += config.latent_attention() ? latent_attention(full() || !first) : projected_attention();
     bytes += adapter("o_proj");
     return bytes;
   }
@@ -265,9 +315,13 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   result.per_layer = tokens * largest + (packed_rows ? layer.mask(LayerType::kFull) : 0);
   for (int64_t i = 0; i < layers; ++i) {
     // A sparse layer's router logits held by its block, and the load-balancing loss's
-    // softmax of them.
+    // softmax of them (deepseek_v3's router keeps none, but in a compute dtype other than
+    // fp32 an fp32 copy of its weight).
+    const bool sigmoid = config.router_sigmoid_groups;
     const int64_t router =
-        sparse(i) ? tokens * c * config.num_experts * (router_aux_loss ? 2 : 1) : 0;
+        sparse(i) && !sigmoid ? tokens * c * config.num_experts * (router_aux_loss ? 2 : 1) : 0;
+    const int64_t router_weight =
+        sparse(i) && sigmoid && c != kFp32 ? kFp32 * config.num_experts * config.hidden_size : 0;
     const int64_t aux_softmax = router_aux_loss && sparse(i) ? tokens * c * config.num_experts : 0;
     if (checkpoint_layers && split) {
       const int64_t feed_forward =
@@ -279,10 +333,13 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
     } else if (checkpoint_layers) {
       result.layers.push_back(tokens * c * config.hidden_size + kCpuRngStateBytes + router);
     } else {
-      if (split)
-        result.feed_forward.push_back(tokens * layer.feed_forward(sparse(i)) + aux_softmax);
+      if (split) {
+        result.feed_forward.push_back(tokens * layer.feed_forward(sparse(i)) + aux_softmax +
+                                      router_weight);
+      }
       result.layers.push_back(tokens * layer.per_token(i == 0, sparse(i)) + aux_softmax +
-                              layer.mask(config.layer_types[i]) + layer.gemma_norm_weights(i == 0));
+                              layer.mask(config.layer_types[i]) + layer.gemma_norm_weights(i == 0) +
+                              router_weight);
     }
   }
   int64_t saved = std::accumulate(result.layers.begin(), result.layers.end(), int64_t{0});

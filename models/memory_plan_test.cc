@@ -137,6 +137,16 @@ const char* const kMixtral = R"(, "model_type": "mixtral", "intermediate_size": 
 const char* const kGptOss = R"(, "model_type": "gpt_oss", "head_dim": 16, "intermediate_size": 32,
     "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8)";
 
+// DeepSeek-V3: latent attention (q_lora_rank 24, kv_lora_rank 32, 4 heads of 16 + 8 rotated,
+// values of 12), YaRN with mscale_all_dim; a dense layer, then 8 experts of width 32 in 4
+// groups, top-2, a shared expert.
+const char* const kDeepSeek = R"(, "model_type": "deepseek_v3", "num_key_value_heads": 4,
+    "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+    "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+    "rope_theta": 10000.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 128})";
+
 const TrainedWeights kFull;
 const TrainedWeights kLoraQv{8, {"q_proj", "v_proj"}};
 const TrainedWeights kLoraAll{
@@ -196,6 +206,19 @@ INSTANTIATE_TEST_SUITE_P(
              true, kFull, false, true},
         Case{"gpt_oss_lora_attention", kGptOss, at::kFloat, false,
              TrainedWeights{4, {"q_proj", "k_proj", "v_proj", "o_proj"}}, false, true},
+        Case{"deepseek_v3", kDeepSeek, at::kFloat, false, kFull},
+        Case{"deepseek_v3_bf16", kDeepSeek, at::kBFloat16, false, kFull},
+        Case{"deepseek_v3_q_proj", std::string(kDeepSeek) + R"(, "q_lora_rank": null)", at::kFloat,
+             false, kFull},
+        Case{"deepseek_v3_packed", kDeepSeek, at::kFloat, false, kFull, true},
+        Case{"deepseek_v3_checkpointed", std::string(kDeepSeek) + R"(, "vocab_size": 4000)",
+             at::kFloat, true, kFull},
+        Case{"deepseek_v3_lora_all", kDeepSeek, at::kFloat, false,
+             TrainedWeights{4,
+                            {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                             "gate_proj", "up_proj", "down_proj"}}},
+        Case{"deepseek_v3_lora_kv_bf16", kDeepSeek, at::kBFloat16, false,
+             TrainedWeights{8, {"kv_b_proj", "o_proj"}}},
         // Sublayer units (DecoderUnits::kSublayer): the same operations unchecked; checkpointed,
         // each sublayer's input and the norms outside the checkpoints.
         Case{"qwen3_moe_aux_sublayer", kQwen3Moe, at::kFloat, false, kFull, false, true,
@@ -216,6 +239,9 @@ INSTANTIATE_TEST_SUITE_P(
               "query_pre_attn_scalar": 16, "hidden_activation": "gelu_pytorch_tanh",
               "vocab_size": 4000)",
              at::kFloat, true, kFull, false, false, DecoderUnits::kSublayer},
+        Case{"deepseek_v3_checkpointed_sublayer",
+             std::string(kDeepSeek) + R"(, "vocab_size": 4000)", at::kFloat, true, kFull, false,
+             false, DecoderUnits::kSublayer},
         Case{"olmo2_checkpointed_sublayer", R"(, "model_type": "olmo2")", at::kFloat, true, kFull,
              false, false, DecoderUnits::kSublayer}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
@@ -307,6 +333,52 @@ TEST(PlanUnitsTest, SublayerUnitsSplitEachLayerInTwo) {
   const FinetunePlan layer_plan = plan_finetune(
       config, layer_units, FinetunePlanOptions(options).decoder_units(DecoderUnits::kLayer));
   EXPECT_EQ(layer_plan.activations.layers, a.layers);  // unchecked: the same operations
+}
+
+// deepseek-ai/DeepSeek-V3's config.json (the Hub's, less its FP8 quantization_config and
+// auto_map): 671,026,404,352 parameters, the 671 B of its paper (the multi-token prediction
+// layer, which transformers does not build, left out). Per layer: latent attention
+// 187,107,328 (q_a 7168 x 1536, q_b 1536 x 128 x 192, kv_a 7168 x 576, kv_b 512 x 128 x 256,
+// o 128 x 128 x 7168, two latent norms) and norms 14,336; a dense MLP 3 x 7168 x 18432; a
+// sparse one 256 experts and a shared expert of 3 x 2048 x 7168 each and the router's
+// 256 x 7168 (its e_score_correction_bias is a buffer).
+TEST(PlanUnitsTest, DeepSeekV3HasItsParameterCount) {
+  const DecoderConfig config = parse_decoder_config(
+      R"({"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false,
+          "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0,
+          "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+          "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+          "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+          "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+          "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+          "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+          "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+          "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4,
+          "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33.1",
+          "use_cache": true, "v_head_dim": 128, "vocab_size": 129280})",
+      "deepseek_v3.json");
+  auto net = std::make_shared<CausalLMImpl>(
+      config, at::TensorOptions().device(c10::kMeta).dtype(at::kBFloat16));
+  const std::vector<PlanUnit> units = plan_units(*net);
+  int64_t total = 0;
+  for (const PlanUnit& unit : units) total += unit.trainable_numel + unit.frozen_numel;
+  EXPECT_EQ(total, int64_t{671'026'404'352});
+  const auto layer = [&](int64_t i) {
+    for (const PlanUnit& unit : units) {
+      if (unit.fqn == "model.layers." + std::to_string(i)) return unit.trainable_numel;
+    }
+    return int64_t{-1};
+  };
+  const int64_t attention = 187'107'328 + 14'336;
+  EXPECT_EQ(layer(2), attention + 3 * int64_t{7168} * 18432);
+  EXPECT_EQ(layer(3), attention + 257 * 3 * int64_t{2048} * 7168 + 256 * 7168);
+  int64_t buffers = 0;
+  for (const at::Tensor& b : net->buffers()) buffers += b.numel();
+  EXPECT_EQ(buffers, 58 * 256);
 }
 
 // A sparse layer's experts as its unit gathers them: 8 experts x 3 x 32 x 64 elements in the

@@ -1,6 +1,7 @@
 #include "models/moe.h"
 
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include <ATen/TensorOperators.h>
@@ -14,6 +15,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/activation.h>
@@ -109,6 +111,57 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_ind
   return at::zeros_like(x).index_add_(0, tokens, weighted);
 }
 
+SigmoidGroupRouterImpl::SigmoidGroupRouterImpl(const DecoderConfig& config,
+                                               const at::TensorOptions& options)
+    : top_k(config.num_experts_per_tok),
+      n_group(config.n_group),
+      topk_group(config.topk_group),
+      norm_topk_prob(config.norm_topk_prob),
+      routed_scaling_factor(config.routed_scaling_factor) {
+  weight =
+      register_parameter("weight", at::empty({config.num_experts, config.hidden_size}, options));
+  e_score_correction_bias = register_buffer(
+      "e_score_correction_bias", at::empty({config.num_experts}, options.dtype(at::kFloat)));
+  if (!options.device().is_meta()) reset_parameters();
+}
+
+void SigmoidGroupRouterImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double bound = 1.0 / std::sqrt(double(weight.size(1)));
+  weight.uniform_(-bound, bound);
+  e_score_correction_bias.zero_();
+}
+
+// Note [Grouped sigmoid routing]
+// DeepseekV3TopkRouter, operation for operation: the logits in fp32 (x and the weight cast
+// up), scores = sigmoid(logits); the choice is by scores + e_score_correction_bias: the
+// experts fall in n_group groups of E / n_group, each group scored by the sum of its two
+// best, and only the topk_group best groups' experts compete for the top-k. The weights are
+// the chosen experts' scores (not the biased ones), divided by their sum (+ 1e-20) with
+// norm_topk_prob, times routed_scaling_factor, in fp32; the gradient reaches the router
+// through them. The bias steers the choice only and has no gradient (DeepSeek-V3 updates it
+// outside backward, by the experts' load; a fine-tune keeps the checkpoint's).
+std::pair<at::Tensor, at::Tensor> SigmoidGroupRouterImpl::forward(const at::Tensor& x) {
+  const int64_t experts = weight.size(0);
+  const at::Tensor scores = at::linear(x.to(at::kFloat), weight.to(at::kFloat)).sigmoid();
+  const at::Tensor biased = scores.detach() + e_score_correction_bias;
+  const at::Tensor groups =
+      std::get<0>(biased.view({-1, n_group, experts / n_group}).topk(2, -1)).sum(-1);
+  const at::Tensor best_groups = std::get<1>(at::topk(groups, topk_group, -1, true, false));
+  const at::Tensor allowed = at::zeros_like(groups)
+                                 .scatter_(1, best_groups, 1.0)
+                                 .unsqueeze(-1)
+                                 .expand({-1, n_group, experts / n_group})
+                                 .reshape({-1, experts})
+                                 .to(at::kBool);
+  const at::Tensor index = std::get<1>(
+      at::topk(biased.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()),
+               top_k, -1, true, false));
+  at::Tensor weights = scores.gather(1, index);
+  if (norm_topk_prob) weights = weights / (weights.sum(-1, /*keepdim=*/true) + 1e-20);
+  return {weights * routed_scaling_factor, index};
+}
+
 SparseMoeBlockImpl::SparseMoeBlockImpl(const DecoderConfig& config,
                                        const at::TensorOptions& options)
     : top_k(config.num_experts_per_tok),
@@ -116,8 +169,12 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const DecoderConfig& config,
       weights_fp32(config.router_weights_fp32),
       topk_softmax(config.router_bias_topk_softmax) {
   const int64_t hidden = config.hidden_size;
-  gate = register_module(topk_softmax ? "router" : "gate",
-                         projection(hidden, config.num_experts, /*bias=*/topk_softmax, options));
+  if (config.router_sigmoid_groups) {
+    group_router = register_module("gate", SigmoidGroupRouter(config, options));
+  } else {
+    gate = register_module(topk_softmax ? "router" : "gate",
+                           projection(hidden, config.num_experts, /*bias=*/topk_softmax, options));
+  }
   ExpertsStyle style;
   style.transposed = config.experts_transposed;
   style.swiglu_limit = config.swiglu_limit;
@@ -128,14 +185,22 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const DecoderConfig& config,
     DecoderConfig shared = config;
     shared.intermediate_size = config.shared_expert_intermediate_size;
     shared.fused_projections = shared.mlp_bias = false;
-    shared_expert = register_module("shared_expert", MLP(shared, options));
-    shared_expert_gate =
-        register_module("shared_expert_gate", projection(hidden, 1, /*bias=*/false, options));
+    if (config.shared_experts_ungated) {
+      shared_expert = register_module("shared_experts", MLP(shared, options));
+    } else {
+      shared_expert = register_module("shared_expert", MLP(shared, options));
+      shared_expert_gate =
+          register_module("shared_expert_gate", projection(hidden, 1, /*bias=*/false, options));
+    }
   }
 }
 
 at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  if (group_router) {  // deepseek_v3: See Note [Grouped sigmoid routing].
+    auto [weights, index] = group_router(flat);
+    return (experts(flat, index, weights) + shared_expert(flat)).view(x.sizes());
+  }
   router_logits = gate(flat);
   if (topk_softmax) {  // gpt_oss: the top-k logits, softmax over them in their dtype
     auto [top, index] = at::topk(router_logits, top_k, -1);

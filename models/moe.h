@@ -1,6 +1,6 @@
 // The sparse mixture-of-experts block of the MoE families (config.h: qwen3_moe, mixtral,
-// olmoe, qwen2_moe, gpt_oss), the MLP of their sparse layers: a router picks each token's top-k
-// experts and the token's output is their SwiGLU outputs weighted by the router. The
+// olmoe, qwen2_moe, gpt_oss, deepseek_v3), the MLP of their sparse layers: a router picks each
+// token's top-k experts and the token's output is their SwiGLU outputs weighted by the router. The
 // experts are held fused, as transformers 5.x holds them in memory:
 //
 //   mlp.gate.weight                    [num_experts, hidden]       the router, no bias
@@ -23,13 +23,22 @@
 //   mlp.experts.down_proj              [num_experts, I, hidden]
 //   mlp.experts.down_proj_bias         [num_experts, hidden]
 //
+// deepseek_v3 (DecoderConfig::router_sigmoid_groups) routes with a sigmoid and a correction
+// bias, the checkpoint's buffer, and adds its shared experts ungated:
+//
+//   mlp.gate.weight                    [num_experts, hidden]       the router, trained
+//   mlp.gate.e_score_correction_bias   [num_experts] fp32          a buffer, not trained
+//   mlp.shared_experts.{gate,up,down}_proj.weight                  a dense MLP of
+//                                                                  n_shared_experts x I
+//
 //   fsdp::models::SparseMoeBlock moe(config);
 //   at::Tensor y = moe(x);  // x [batch, time, hidden] -> y the same
 //   moe->router_logits;     // [batch * time, num_experts], the last forward's
 //
 // PyTorch/transformers counterpart: Qwen3MoeSparseMoeBlock (Qwen3MoeTopKRouter,
 // Qwen3MoeExperts), MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock,
-// GptOssMLP (GptOssTopKRouter, GptOssExperts);
+// GptOssMLP (GptOssTopKRouter, GptOssExperts), DeepseekV3MoE (DeepseekV3TopkRouter,
+// DeepseekV3Experts, DeepseekV3MLP as shared_experts);
 // load_balancing_loss below is their modeling files' load_balancing_loss_func.
 // Errors: none of their own (ATen's, for shapes other than the config's). Threading: as
 // any LibTorch module.
@@ -37,6 +46,7 @@
 #define FSDP_MODELS_MOE_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -84,22 +94,46 @@ struct ExpertsImpl : torch::nn::Module {
 };
 TORCH_MODULE(Experts);
 
+// deepseek_v3's router (DecoderConfig::router_sigmoid_groups), registered as mlp.gate:
+// `weight` [num_experts, hidden] (trained; uniform in +-1/sqrt(hidden) as built, as
+// torch::nn::Linear's) and `e_score_correction_bias` [num_experts], a buffer always in fp32
+// (transformers keeps it so: _keep_in_fp32_modules_strict) that the checkpoint holds and no
+// optimizer trains (zeros as built, as transformers initialises it). See Note [Grouped
+// sigmoid routing] in moe.cc.
+struct SigmoidGroupRouterImpl : torch::nn::Module {
+  SigmoidGroupRouterImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
+  // x [tokens, hidden] -> the top-k weights [tokens, k] (fp32) and experts [tokens, k]
+  // (int64), in no particular order within a token.
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  void reset_parameters();
+
+  int64_t top_k, n_group, topk_group;
+  bool norm_topk_prob;
+  double routed_scaling_factor;
+  at::Tensor weight, e_score_correction_bias;
+};
+TORCH_MODULE(SigmoidGroupRouter);
+
 // The block: router `gate`, softmax over the experts in fp32, the top num_experts_per_tok
 // (renormalised with norm_topk_prob), the experts; qwen2_moe adds
 // sigmoid(shared_expert_gate(x)) * shared_expert(x). gpt_oss (router_bias_topk_softmax):
-// router `router` with a bias, its top-k logits softmaxed in their dtype.
+// router `router` with a bias, its top-k logits softmaxed in their dtype. deepseek_v3
+// (router_sigmoid_groups): router `gate` a SigmoidGroupRouter, plus shared_experts(x).
 struct SparseMoeBlockImpl : torch::nn::Module {
   explicit SparseMoeBlockImpl(const DecoderConfig& config, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x);
 
   int64_t top_k;
   bool norm_topk_prob, weights_fp32, topk_softmax;
-  lora::LoraLinear gate{nullptr};  // mlp.gate, or gpt_oss's mlp.router
+  lora::LoraLinear gate{nullptr};  // mlp.gate, or gpt_oss's mlp.router; null for deepseek_v3
+  SigmoidGroupRouter group_router{nullptr};  // deepseek_v3's mlp.gate
   Experts experts{nullptr};
-  MLP shared_expert{nullptr};                    // qwen2_moe
+  // qwen2_moe's shared_expert, or deepseek_v3's shared_experts (shared_experts_ungated)
+  MLP shared_expert{nullptr};
   lora::LoraLinear shared_expert_gate{nullptr};  // qwen2_moe
   // The last forward's router logits [tokens, num_experts] in the hidden dtype, with their
-  // autograd graph (for load_balancing_loss); undefined before the first.
+  // autograd graph (for load_balancing_loss); undefined before the first, and always for
+  // deepseek_v3, which has no load-balancing loss.
   at::Tensor router_logits;
 };
 TORCH_MODULE(SparseMoeBlock);

@@ -6,7 +6,9 @@
                             save_pretrained (DIR/<variant>/model; the 4.x variants' config.json
                             then rewritten by hand in transformers 4.x spellings), token files
                             DIR/train.bin and DIR/eval.bin, DIR/variants.txt ("name trains
-                            lora_targets" per line); prints, per family feature, how much turning it off changes
+                            lora_targets aux" per line, aux 1 where the family has a
+                            load-balancing loss; DeepSeek-V3 also as a bf16 folder,
+                            DIR/deepseek_v3/bf16); prints, per family feature, how much turning it off changes
                             transformers' loss (each must change it by >= 5x the tolerance)
     families.py check DIR   against the finetune runs families_test.sh made: fsdp's eval loss
                             at W = 1 and W = 3 equals transformers' (eager attention, fp32)
@@ -184,6 +186,34 @@ MOE_VARIANTS = {
         ("swiglu_limit 7 -> 1e4 (no clamp)", {"swiglu_limit": 1e4}, None),
     ]),
 }
+# DeepSeek-V3: latent attention with q_lora_rank, attention biases, interleaved RoPE and
+# YaRN with mscale_all_dim; a dense first layer, then 8 experts in 4 groups (the best 2
+# groups compete), top-2, norm_topk_prob, routed_scaling_factor 2.5, one shared expert, and a
+# random e_score_correction_bias (sharpen). Its plain-q_proj variant (q_lora_rank null) loads
+# and computes only.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "mscale": 1.0,
+                 "mscale_all_dim": 0.5, "original_max_position_embeddings": 16}
+DEEPSEEK = dict(MOE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=12, attention_bias=True, moe_intermediate_size=16,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                n_shared_experts=1, rope_interleave=True, rope_parameters=DEEPSEEK_YARN)
+MOE_VARIANTS["deepseek_v3"] = ("DeepseekV3Config", DEEPSEEK, True, None, [
+    ("rope_interleave off", {"rope_interleave": False}, None),
+    ("rope yarn -> default", {"rope_parameters": {"rope_type": "default",
+                                                  "rope_theta": 100.0}}, None),
+    ("yarn without mscale_all_dim", {"rope_parameters": {
+        k: v for k, v in DEEPSEEK_YARN.items() if k != "mscale_all_dim"}}, None),
+    ("topk_group 2 -> 4 (no group limit)", {"topk_group": 4}, None),
+    ("norm_topk_prob off", {"norm_topk_prob": False}, None),
+    ("routed_scaling_factor 2.5 -> 1", {"routed_scaling_factor": 1.0}, None),
+    ("e_score_correction_bias zeroed", {}, "correction_bias"),
+    ("shared experts zeroed", {}, "shared_experts"),
+    ("first layer's dense MLP zeroed", {}, "dense_mlp"),
+    ("attention biases zeroed", {}, "bias"),
+])
+MOE_VARIANTS["deepseek_v3_q_proj"] = ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None),
+                                      False, None, [])
 SETS = {"dense": VARIANTS, "moe": MOE_VARIANTS}
 
 
@@ -221,7 +251,7 @@ def sharpen(model, family):
             elif name.endswith("experts.gate_up_proj") and family == "gpt_oss":
                 p.mul_(10.0)  # gate and up beyond swiglu_limit: the clamp counts
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight",
-                                "mlp.router.weight")):
+                                "mlp.router.weight")) or ".shared_experts." in name:
                 p.mul_(3.0)  # the experts' outputs and the router's choices count
             elif name.endswith("self_attn.sinks"):
                 p.normal_(0.0, 2.0)
@@ -232,6 +262,9 @@ def sharpen(model, family):
                 p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.uniform_(-0.5, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):  # zeros as transformers makes it
+                b.uniform_(-0.3, 0.3)
 
 
 def token_stream(n, seed):
@@ -267,6 +300,13 @@ def ablate(folder, family, overrides, edit, w):
                 p.zero_()
             if edit == "shared_gate" and name.endswith("shared_expert_gate.weight"):
                 p.zero_()
+            if edit == "shared_experts" and name.endswith("shared_experts.down_proj.weight"):
+                p.zero_()
+            if edit == "dense_mlp" and name == "model.layers.0.mlp.down_proj.weight":
+                p.zero_()
+        for name, b in model.named_buffers():
+            if edit == "correction_bias" and name.endswith("e_score_correction_bias"):
+                b.zero_()
     return loss_of(model, w)
 
 
@@ -284,6 +324,22 @@ def make_chat(path):
     save_file({"input_ids": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.uint8),
                "example_offsets": np.asarray(offsets, np.int64)},
               path, metadata={"format": "fsdp-chat-v1"})
+
+
+def add_mtp_tensor(folder, layers):
+    """A tensor of a multi-token prediction layer after the decoder's, as DeepSeek-V3's bf16
+    conversions hold layer 61's (transformers skips them): written into its own file."""
+    from safetensors.torch import save_file
+
+    name = f"model.layers.{layers}.eh_proj.weight"
+    save_file({name: torch.randn(32, 64).to(torch.bfloat16)},
+              os.path.join(folder, "mtp.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(folder, "model.safetensors.index.json")
+    with open(path) as f:
+        index = json.load(f)
+    index["weight_map"][name] = "mtp.safetensors"
+    with open(path, "w") as f:
+        json.dump(index, f, indent=2)
 
 
 def make(root, variants):
@@ -315,6 +371,11 @@ def make(root, variants):
                         saved[key] = value
                 with open(path, "w") as f:
                     json.dump(saved, f, indent=2)
+            if cls == "DeepseekV3Config" and trains:  # its router bias stays fp32 in bf16
+                bf16 = os.path.join(root, name, "bf16")
+                transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.bfloat16).save_pretrained(bf16, max_shard_size="40KB")
+                add_mtp_tensor(bf16, kwargs["num_hidden_layers"])
             base = loss_of(load(folder), w)
             print(f"{name}: transformers' eval loss {base:.6f}")
             for what, overrides, edit in ablations:
@@ -324,10 +385,17 @@ def make(root, variants):
                 print(f"  {what}: loss changes by {change:.3g} relative "
                       f"({'ok' if ok else 'FAIL'}: >= {5 * TOLERANCE:g})")
             targets = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cls == "Phi3Config"
+                       # (not the shared experts' and dense layer's gate_proj, up_proj, down_proj:
+                       # PEFT 0.21 reads those names as the routed experts of transformers 5's
+                       # qwen2_moe-style MoE models, deepseek_v3 included)
+                       else (["q_a_proj", "q_b_proj"] if kwargs["q_lora_rank"] else ["q_proj"]) +
+                       ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if cls == "DeepseekV3Config"
                        else ["q_proj", "k_proj", "v_proj", "o_proj"] if variants is MOE_VARIANTS
                        else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"])
-            listing.write(f"{name} {int(trains)} {','.join(targets)}\n")
+            # Whether the family has a load-balancing loss (DeepseekV3 has none).
+            aux = int(variants is MOE_VARIANTS and cls != "DeepseekV3Config")
+            listing.write(f"{name} {int(trains)} {','.join(targets)} {aux}\n")
     return failed
 
 
@@ -348,6 +416,8 @@ def first_step_loss(model, x, y):
     """transformers' training loss with the router's term, and the term itself."""
     with torch.no_grad():
         out = model(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
+    if out.aux_loss is None:  # DeepseekV3: no load-balancing loss
+        return out.loss.item(), 0.0
     return out.loss.item(), model.config.router_aux_loss_coef * out.aux_loss.item()
 
 
@@ -419,8 +489,10 @@ def logged(path, what):
         return float(re.search(rf"eval loss {what}: ([0-9.]+)", f.read()).group(1))
 
 
-def same(a, b):
+def same(a, b, skipped=()):
+    """Every tensor of folder `a` but those named in `skipped` is in `b`, bit for bit."""
     ta, tb = tensors(a), tensors(b)
+    ta = {k: v for k, v in ta.items() if k not in skipped}
     assert sorted(ta) == sorted(tb), (sorted(ta), sorted(tb))
     for name in ta:
         assert ta[name].dtype == tb[name].dtype and ta[name].shape == tb[name].shape, name
@@ -445,7 +517,7 @@ def check(root):
 
     with open(os.path.join(root, "variants.txt")) as f:
         variants = [line.split() for line in f if line.strip()]
-    for name, trains, _ in variants:
+    for name, trains, _, has_aux in variants:
         d = os.path.join(root, name)
         model = os.path.join(d, "model")
         print(f"{name}:")
@@ -456,12 +528,23 @@ def check(root):
             n = same(model, f"{d}/w{world}/hf")
             steps = "--steps=1 at lr 0" if moe and world == 1 else "--steps=0"
             print(f"  {steps} at W = {world}: {n} tensors written back bit for bit")
+        if os.path.isdir(os.path.join(d, "bf16")):
+            layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
+            mtp = f"model.layers.{layers}.eh_proj.weight"
+            n = same(os.path.join(d, "bf16"), f"{d}/bf16_w3/hf", skipped={mtp})
+            print(f"  bf16 folder (its e_score_correction_bias fp32, and {mtp}, left unread and "
+                  f"unwritten as transformers does): --steps=0 at W = 3: {n} tensors written back "
+                  "bit for bit, dtypes included")
         if moe:
             theirs, aux = first_step_loss(load(model), *first_batch(root))
             compare("first step's training loss (cross-entropy + router aux) at W = 1",
                     logged_step(f"{d}/w1/metrics.csv", 1), theirs)
-            print(f"    (the aux term, {aux:.3g}, is {aux / theirs / TOLERANCE:.0f}x the tolerance)")
-            if trains == "1":
+            if has_aux == "1":
+                print(f"    (the aux term, {aux:.3g}, is {aux / theirs / TOLERANCE:.0f}x the "
+                      "tolerance)")
+            else:
+                print("    (no aux term: transformers computes no load-balancing loss)")
+            if trains == "1" and has_aux == "1":
                 for rows in ("packed", "per_row"):
                     theirs = chat_loss(load(model), chat_first_batch(root, rows == "packed"))
                     compare(f"first step's loss on conversation rows ({rows.replace('_', ' ')})",
@@ -477,6 +560,13 @@ def check(root):
             ok = torch.equal(row_before, row_after)
             failed += not ok
             print(f"  full fine-tune kept the padding row {pad} of the embeddings "
+                  f"({'ok' if ok else 'FAIL'})")
+        biases = {k: v for k, v in tensors(model).items() if k.endswith("e_score_correction_bias")}
+        if biases:  # a buffer, as in transformers: the optimizer leaves it as it was
+            trained = tensors(f"{d}/full/hf")
+            ok = all(torch.equal(v, trained[k]) for k, v in biases.items())
+            failed += not ok
+            print(f"  full fine-tune kept the {len(biases)} e_score_correction_bias bit for bit "
                   f"({'ok' if ok else 'FAIL'})")
         for run in ("full", "lora"):
             before, after = logged(f"{d}/{run}.log", "before"), logged(f"{d}/{run}.log", "after")

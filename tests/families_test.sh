@@ -11,12 +11,17 @@
 # and PEFT (base + adapter) compute the eval loss fsdp printed.
 # With SET "moe" (moe_families_test): the mixture-of-experts families instead (Qwen3-MoE
 # with a dense layer and renormalised top-k, Mixtral, OLMoE, Qwen2-MoE with its shared
-# expert, gpt-oss with sinks, biases, sliding layers, YaRN and the clamped SwiGLU), experts
-# one by one in the checkpoints (gpt-oss's fused, as in fsdp) and fused in fsdp; at W = 1 one step at lr
-# 0 whose training loss (cross-entropy + router_aux_loss_coef x the load-balancing loss)
+# expert, gpt-oss with sinks, biases, sliding layers, YaRN and the clamped SwiGLU,
+# DeepSeek-V3 with latent attention (q_lora_rank set, and null), interleaved RoPE, YaRN's
+# mscale_all_dim, grouped sigmoid routing with a random e_score_correction_bias, a shared
+# expert and a dense first layer), experts one by one in the checkpoints (gpt-oss's fused,
+# as in fsdp) and fused in fsdp; at W = 1 one step at lr 0 whose training loss
+# (cross-entropy + router_aux_loss_coef x the load-balancing loss; DeepSeek-V3 has none)
 # equals transformers' output_router_logits=True loss within 1e-5 relative (Qwen3-MoE's
-# and gpt-oss's on conversation rows too, packed and padded); both train with that loss; LoRA on
-# the experts is refused with exit status 2.
+# and gpt-oss's on conversation rows too, packed and padded); they train with that loss;
+# DeepSeek-V3's bf16 folder (its router bias fp32) written back bit for bit, its router
+# bias kept by the full fine-tune; LoRA on the experts and a router loss for DeepSeek-V3
+# are refused with exit status 2.
 #   families_test.sh FINETUNE FAMILIES_PY PYTHON [SET]
 set -euo pipefail
 finetune=${1:?usage: families_test.sh FINETUNE FAMILIES_PY PYTHON [dense|moe]}
@@ -25,7 +30,7 @@ dir=${TEST_TMPDIR:-$(mktemp -d)}/families
 rm -rf "$dir" && mkdir -p "$dir"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 "$python" "$script" make "$dir" "$set"
-while read -r name trains targets; do
+while read -r name trains targets aux; do
   d="$dir/$name"
   common=(--from="$d/model" --data="$dir/train.bin" --eval_data="$dir/eval.bin" --context=40
           --batch_size=3 --checkpoint_interval=0 --max_shard_size=40KB)
@@ -35,8 +40,12 @@ while read -r name trains targets; do
     [[ $set == moe && $w == 1 ]] && steps=(--steps=1 --lr=0 --warmup_steps=0)
     "$finetune" "${common[@]}" --world_size=$w "${steps[@]}" --out_dir="$d/w$w" > "$d/w$w.log"
   done
+  if [[ -d $d/bf16 ]]; then  # a bf16 folder whose router bias transformers keeps fp32
+    "$finetune" "${common[@]}" --from="$d/bf16" --world_size=3 --steps=0 --out_dir="$d/bf16_w3" \
+        > "$d/bf16_w3.log"
+  fi
   [ "$trains" = 1 ] || continue
-  if [[ $set == moe ]]; then  # the router's term on conversation rows, packed and not
+  if [[ $aux == 1 ]]; then  # the router's term on conversation rows, packed and not
     for rows in packed per_row; do
       packing=--packing
       [[ $rows == per_row ]] && packing=--nopacking
@@ -50,15 +59,24 @@ while read -r name trains targets; do
   "$finetune" "${common[@]}" "${train[@]}" --out_dir="$d/lora" --lora_rank=4 \
       --lora_target_modules="$targets" > "$d/lora.log"
 done < "$dir/variants.txt"
-if [[ $set == moe ]]; then  # LoRA on the routed experts is refused before any rank starts
-  status=0
-  "$finetune" --from="$dir/qwen3_moe/model" --data="$dir/train.bin" --context=40 --lora_rank=4 \
-      --lora_target_modules=q_proj,experts --out_dir="$dir/experts" 2> "$dir/experts.err" || status=$?
-  if [[ $status != 2 ]] || ! grep -q "LoRA on the experts (PEFT's target_parameters) is not supported yet" "$dir/experts.err"; then
-    echo "FAIL: --lora_target_modules=q_proj,experts: expected exit status 2 and the experts' refusal, got $status:"
-    cat "$dir/experts.err"; exit 1
+# `refused NAME EXPECTED FLAGS...`: finetune with FLAGS exits with status 2 before any rank
+# starts, its message containing EXPECTED.
+refused() {
+  local name=$1 expected=$2 status=0
+  shift 2
+  "$finetune" --data="$dir/train.bin" --context=40 --out_dir="$dir/$name" "$@" \
+      2> "$dir/$name.err" || status=$?
+  if [[ $status != 2 ]] || ! grep -qF "$expected" "$dir/$name.err"; then
+    echo "FAIL: $*: expected exit status 2 and \"$expected\", got $status:"
+    cat "$dir/$name.err"; exit 1
   fi
-  echo "--lora_target_modules=q_proj,experts refused: $(cat "$dir/experts.err")"
+  echo "$* refused: $(cat "$dir/$name.err")"
+}
+if [[ $set == moe ]]; then  # LoRA on the routed experts; DeepSeek-V3's absent router loss
+  refused experts "LoRA on the experts (PEFT's target_parameters) is not supported yet" \
+      --from="$dir/qwen3_moe/model" --lora_rank=4 --lora_target_modules=q_proj,experts
+  refused no_aux "a deepseek_v3 decoder has no load-balancing loss" \
+      --from="$dir/deepseek_v3/model" --router_aux_loss_coef=0.01
 fi
 "$python" "$script" check "$dir"
 echo "PASS: every family's loss matches transformers' at W = 1 and 3, and trains"

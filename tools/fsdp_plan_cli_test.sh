@@ -91,8 +91,42 @@ expect_error() {
 
 expect_error missing_model "--model=FILE is required (a .pt2 archive from torch.export.save or a TorchScript file)"
 # --config: a decoder fine-tune's memory plan; what the decoder refuses is one line.
-echo '{"model_type": "deepseek_v3", "hidden_size": 8}' > "$tmp/moe.json"
-expect_error config_moe "deepseek_v3" --config="$tmp/moe.json"
+echo '{"model_type": "deepseek_v2", "hidden_size": 8}' > "$tmp/moe.json"
+expect_error config_moe "deepseek_v2" --config="$tmp/moe.json"
+# deepseek-ai/DeepSeek-V3's config.json: its FP8 weights are refused, saying how to get bf16;
+# without its quantization_config (a bf16 folder's) it plans 671 B parameters.
+cat > "$tmp/dsv3.json" <<'JSON'
+{"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+ "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+ "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+ "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+ "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+ "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+ "norm_topk_prob": true, "num_attention_heads": 128, "num_experts_per_tok": 8,
+ "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+ "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+ "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+ "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+ "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+ "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc",
+ "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true,
+ "v_head_dim": 128, "vocab_size": 129280,
+ "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+ "weight_block_size": [128, 128]}}
+JSON
+expect_error config_fp8 "FineGrainedFP8Config(dequantize=True)" --config="$tmp/dsv3.json"
+"$python" -c 'import json, sys; c = json.load(open(sys.argv[1])); del c["quantization_config"]
+json.dump(c, open(sys.argv[2], "w"))' "$tmp/dsv3.json" "$tmp/dsv3_bf16.json"
+out=$("$plan" --config="$tmp/dsv3_bf16.json" --world_size=256 --device=cuda --context=4096 \
+  --activation_checkpointing 2>&1)
+if grep -q "(deepseek_v3): 671026404352 parameters" <<<"$out" &&
+   grep -q "gathers all 256 experts" <<<"$out"; then
+  echo "ok config_deepseek_v3"
+  passed=$((passed + 1))
+else
+  echo "FAIL config_deepseek_v3: expected 671026404352 parameters and 256 experts in: $out"
+  failed=$((failed + 1))
+fi
 expect_error config_missing "$tmp/none.json" --config="$tmp/none.json"
 expect_error config_and_model "give --config or --model, not both" --config="$tmp/moe.json" --model="$tmp/nope.pt"
 echo '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

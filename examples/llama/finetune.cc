@@ -366,6 +366,11 @@ std::string router_aux_flag_error(const DecoderConfig& config) {
                         "mixture-of-experts families (qwen3_moe, mixtral, olmoe, qwen2_moe, "
                         "gpt_oss)");
   }
+  if (config.router_sigmoid_groups && coef != 0) {
+    return absl::StrCat("--router_aux_loss_coef=", flag, ": a ", config.model_type,
+                        " decoder has no load-balancing loss (transformers computes none; "
+                        "e_score_correction_bias balances its routing); give 0 or auto");
+  }
   return "";
 }
 

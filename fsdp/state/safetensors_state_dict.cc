@@ -259,9 +259,12 @@ void load_groups(const std::vector<Entry>& entries, const std::vector<Group>& gr
   }
 }
 
-// The dtype `tensor_dtype` is written in under `options`.
-at::ScalarType written_dtype(at::ScalarType tensor_dtype, const SaveSafetensorsOptions& options) {
-  return options.dtype() && at::isFloatingType(tensor_dtype) ? *options.dtype() : tensor_dtype;
+// The dtype entry `fqn`, of `tensor_dtype`, is written in under `options`.
+at::ScalarType written_dtype(const std::string& fqn, at::ScalarType tensor_dtype,
+                             const SaveSafetensorsOptions& options) {
+  const bool kept = options.keep_dtype() && options.keep_dtype()(fqn);
+  return options.dtype() && at::isFloatingType(tensor_dtype) && !kept ? *options.dtype()
+                                                                      : tensor_dtype;
 }
 
 // What `group` is written as: one tensor, or its pieces.
@@ -275,29 +278,26 @@ void add_specs(const Group& group, const Entry& entry, const SaveSafetensorsOpti
     }
   }
   if (group.pieces.empty()) {
-    specs.push_back({group.chosen, written_dtype(dtype, options), std::move(shape)});
+    specs.push_back({group.chosen, written_dtype(entry.fqn, dtype, options), std::move(shape)});
   }
   for (const SafetensorsPiece& piece : group.pieces) {
-    specs.push_back({piece.name, written_dtype(dtype, options), piece.shape});
+    specs.push_back({piece.name, written_dtype(entry.fqn, dtype, options), piece.shape});
   }
 }
 
-// `tensor` in the dtype it is written in.
-at::Tensor as_written(const at::Tensor& tensor, const SaveSafetensorsOptions& options) {
-  return tensor.to(written_dtype(tensor.scalar_type(), options));
-}
-
-// Writes `value` (already transformed) as `group`: one tensor, or its pieces.
-void write_group(SafetensorsFolderWriter& writer, const Group& group, const at::Tensor& value,
-                 const SaveSafetensorsOptions& options) {
-  if (group.pieces.empty()) return writer.write(group.chosen, as_written(value, options));
+// Writes `value` (entry `fqn`'s, already transformed) as `group`: one tensor, or its pieces.
+void write_group(SafetensorsFolderWriter& writer, const Group& group, const std::string& fqn,
+                 const at::Tensor& value, const SaveSafetensorsOptions& options) {
+  const auto as_written = [&](const at::Tensor& tensor) {
+    return tensor.to(written_dtype(fqn, tensor.scalar_type(), options));
+  };
+  if (group.pieces.empty()) return writer.write(group.chosen, as_written(value));
   const at::Tensor flat = value.reshape(-1);
   for (size_t i = 0; i < group.pieces.size(); ++i) {
     const SafetensorsPiece& piece = group.pieces[i];
     writer.write(
         piece.name,
-        as_written(flat.narrow(0, group.offsets[i], numel_of(piece.shape)).view(piece.shape),
-                   options));
+        as_written(flat.narrow(0, group.offsets[i], numel_of(piece.shape)).view(piece.shape)));
   }
 }
 
@@ -364,7 +364,7 @@ std::vector<std::string> save_safetensors(FullyShardedRoot& model, const std::st
       if (!in_unit(entry)) break;
       if (!writer) continue;
       const at::Tensor value = value_of(entry);
-      write_group(*writer, *order[next],
+      write_group(*writer, *order[next], entry.fqn,
                   options.transform() ? options.transform()(entry.fqn, value, unit) : value,
                   options);
     }
@@ -424,7 +424,7 @@ std::vector<std::string> save_module_safetensors(const torch::nn::Module& module
   for (const Group& group : groups) {
     const Entry& entry = entries[group.entries.front()];
     write_group(
-        writer, group,
+        writer, group, entry.fqn,
         options.transform() ? options.transform()(entry.fqn, entry.tensor, all) : entry.tensor,
         options);
   }

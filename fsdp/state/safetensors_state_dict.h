@@ -142,6 +142,10 @@ struct SaveSafetensorsOptions {
   // as the bf16 checkpoint they came from, rounded to nearest); none: the model's own.
   // Other tensors keep theirs.
   TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
+  // Entries (model FQNs) written in the model's own dtype whatever `dtype` says, as
+  // transformers' _keep_in_fp32_modules keeps some tensors of a bf16 checkpoint in fp32
+  // (DeepSeek-V3's e_score_correction_bias); nullptr: none.
+  TORCH_ARG(std::function<bool(const std::string&)>, keep_dtype) = nullptr;
   // Entries written as several tensors (after `transform`; rename is not applied to them).
   TORCH_ARG(SafetensorsSplit, split) = nullptr;
   // Entries `transform` writes in another shape or dtype than the model holds them in

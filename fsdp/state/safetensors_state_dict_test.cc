@@ -349,6 +349,26 @@ TEST(SafetensorsCast, ABf16CheckpointRoundTripsThroughFp32Shards) {
   }
 }
 
+// keep_dtype: the entries it names are written in the model's dtype whatever `dtype` says
+// (transformers' _keep_in_fp32_modules: DeepSeek-V3's router bias in a bf16 checkpoint).
+TEST(SafetensorsCast, KeepDtypeWritesTheNamedEntriesInTheModelsDtype) {
+  auto net = make<NetImpl>();
+  const StateDict state = module_state_dict(*net);
+  const std::string kept = state.keys().front();
+  const std::string dir = temp_dir() + "/kept";
+  save_module_safetensors(
+      *net, dir,
+      SaveSafetensorsOptions().dtype(at::kBFloat16).keep_dtype([&](const std::string& fqn) {
+        return fqn == kept;
+      }));
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  for (const auto& item : state) {
+    const at::Tensor got = ckpt.read(item.key());
+    EXPECT_EQ(got.scalar_type(), item.key() == kept ? at::kFloat : at::kBFloat16) << item.key();
+    EXPECT_TRUE(at::equal(got, item.value().to(got.scalar_type()))) << item.key();
+  }
+}
+
 // lm_head.weight is model.embed_tokens.weight: transformers writes only the embedding.
 struct TiedImpl : torch::nn::Module {
   TiedImpl() {

@@ -38,6 +38,7 @@ void read_mixtral_config(const ConfigFields& fields, models::DecoderConfig& conf
 void read_olmoe_config(const ConfigFields& fields, models::DecoderConfig& config);
 void read_qwen2_moe_config(const ConfigFields& fields, models::DecoderConfig& config);
 void read_gpt_oss_config(const ConfigFields& fields, models::DecoderConfig& config);
+void read_deepseek_v3_config(const ConfigFields& fields, models::DecoderConfig& config);
 
 // Gemma 2 and Gemma 3's language model (gemma_configs.cc).
 void read_gemma2_config(const ConfigFields& fields, models::DecoderConfig& config);

@@ -2,6 +2,7 @@
 // its dense relative's (Qwen3, Mistral, OLMo 2 with norms before the sublayers, Qwen2;
 // gpt-oss its own), and the router and experts' fields. See config_families.h and moe.h.
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include <c10/util/Exception.h>
@@ -192,6 +193,89 @@ void read_gpt_oss_config(const ConfigFields& fields, DecoderConfig& config) {
   config.router_bias_topk_softmax = config.experts_transposed = true;
   config.swiglu_limit = fields.positive_number("swiglu_limit", 7.0);
   config.swiglu_alpha = fields.positive_number("swiglu_alpha", 1.702);
+}
+
+// DeepseekV3Config (DeepSeek-V3, Kimi K2): multi-head latent attention and grouped sigmoid
+// routing (config.h). transformers sets head_dim to qk_rope_head_dim whatever config.json
+// says, and reads none of DeepSeek's remote-code routing fields (scoring_func, topk_method,
+// moe_layer_freq, aux_loss_alpha, seq_aux): V3's values are accepted, others refused, since
+// transformers would compute V3's routing for them. transformers' DeepseekV3 has no
+// load-balancing loss (router_aux_loss_coef 0); num_nextn_predict_layers counts the
+// multi-token prediction layers, which transformers does not build (mtp_layers: their
+// tensors are skipped on reading).
+void read_deepseek_v3_config(const ConfigFields& fields, DecoderConfig& config) {
+  read_swiglu_moe_family(fields, config);
+  read_attention_bias(fields, config);
+  fields.require("scoring_func", "sigmoid",
+                 "transformers' DeepseekV3 scores the experts with a sigmoid");
+  fields.require("topk_method", "noaux_tc",
+                 "transformers' DeepseekV3 routes as DeepSeek-V3's noaux_tc (group-limited top-k "
+                 "with e_score_correction_bias)");
+  fields.require("moe_layer_freq", 1,
+                 "transformers' DeepseekV3 makes every layer from first_k_dense_replace on sparse");
+  config.qk_nope_head_dim = fields.positive("qk_nope_head_dim", 128);
+  const int64_t rope_dim = fields.positive("qk_rope_head_dim", 64);
+  json object = fields.json_object();
+  object["head_dim"] = rope_dim;
+  const ConfigFields with_head_dim(object, fields.source());
+  FamilyDefaults defaults = with_positions(4096);
+  read_shared_fields(with_head_dim, defaults, config);
+  TORCH_CHECK(config.num_key_value_heads == config.num_attention_heads, fields.source(),
+              ": \"num_key_value_heads\" = ", config.num_key_value_heads,
+              " is not supported: multi-head latent attention expands keys and values for every "
+              "head (num_key_value_heads equal to num_attention_heads = ",
+              config.num_attention_heads, ")");
+  TORCH_CHECK(config.rope.type == "default" || config.rope.type == "yarn", fields.source(),
+              ": rope type \"", config.rope.type,
+              "\" is not supported for deepseek_v3: its attention scale is implemented for the "
+              "rope types default and yarn (DeepSeek-V3's and Kimi K2's)");
+  TORCH_CHECK(config.rotary_dim == config.head_dim, fields.source(),
+              ": \"partial_rotary_factor\" = ", config.rope.partial_rotary_factor,
+              " is not supported: deepseek_v3 rotates the whole qk_rope_head_dim part");
+  config.layer_types.assign(config.num_hidden_layers, LayerType::kFull);
+  config.q_lora_rank = fields.count_or_null("q_lora_rank", 1536);
+  config.kv_lora_rank = fields.positive("kv_lora_rank", 512);
+  config.v_head_dim = fields.positive("v_head_dim", 128);
+  config.rope_interleave = fields.boolean("rope_interleave", true);
+  // transformers' yarn_apply_mscale: qk_head_dim^-0.5, times mscale^2 under YaRN.
+  config.attention_scale = 1.0 / std::sqrt(double(config.qk_head_dim()));
+  if (config.rope.type == "yarn" && config.rope.mscale_all_dim > 0 && config.rope.factor > 1) {
+    const double mscale = 0.1 * config.rope.mscale_all_dim * std::log(config.rope.factor) + 1.0;
+    config.attention_scale *= mscale * mscale;
+  }
+
+  const bool local = fields.find("num_local_experts") != nullptr;  // transformers' alias
+  config.num_experts = fields.positive(local ? "num_local_experts" : "n_routed_experts", 256);
+  if (local && fields.find("n_routed_experts") != nullptr) {
+    TORCH_CHECK(fields.positive("n_routed_experts") == config.num_experts, fields.source(),
+                ": \"n_routed_experts\" and \"num_local_experts\" differ; expected one count "
+                "of experts (transformers reads them as one field)");
+  }
+  fields.refuse("num_experts", "deepseek_v3 counts its experts in n_routed_experts");
+  config.num_experts_per_tok = fields.positive("num_experts_per_tok", 8);
+  config.moe_intermediate_size = fields.positive("moe_intermediate_size", 2048);
+  config.norm_topk_prob = fields.boolean("norm_topk_prob", true);
+  config.router_sigmoid_groups = config.router_weights_fp32 = true;
+  config.routed_scaling_factor = fields.positive_number("routed_scaling_factor", 2.5);
+  config.n_group = fields.positive("n_group", 8);
+  config.topk_group = fields.positive("topk_group", 4);
+  const int64_t per_group = config.num_experts / config.n_group;
+  TORCH_CHECK(config.num_experts % config.n_group == 0 && per_group >= 2, fields.source(),
+              ": \"n_group\" = ", config.n_group, " does not split ", config.num_experts,
+              " experts into equal groups of two or more (a group scores its two best)");
+  TORCH_CHECK(config.topk_group <= config.n_group &&
+                  config.num_experts_per_tok <= config.topk_group * per_group,
+              fields.source(), ": \"topk_group\" = ", config.topk_group,
+              ": expected at most n_group = ", config.n_group, " groups, holding at least ",
+              "num_experts_per_tok = ", config.num_experts_per_tok, " experts");
+  config.shared_expert_intermediate_size =
+      fields.positive("n_shared_experts", 1) * config.moe_intermediate_size;
+  config.shared_experts_ungated = true;
+  config.output_router_logits = fields.boolean("output_router_logits", false);
+  config.mtp_layers = fields.count_or_null("num_nextn_predict_layers", 1);
+  const int64_t dense = fields.count_or_null("first_k_dense_replace", 3);
+  config.sparse_layers.resize(config.num_hidden_layers);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) config.sparse_layers[i] = i >= dense;
 }
 
 }  // namespace fsdp::models_internal

@@ -396,7 +396,7 @@ DecoderUnits moe_units(const DecoderConfig& config) {
               "and its feed-forward block two)");
   TORCH_CHECK(flag == "layer" || config.is_moe(), "--moe_units=sublayer: a ", config.model_type,
               " decoder has no experts to gather apart; it is for the mixture-of-experts "
-              "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss)");
+              "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss, deepseek_v3)");
   return flag == "layer" ? DecoderUnits::kLayer : DecoderUnits::kSublayer;
 }
 

@@ -24,6 +24,16 @@
 
 namespace fsdp::models {
 
+DecoderUnits parse_decoder_units(const std::string& flag, const DecoderConfig& config) {
+  TORCH_CHECK(flag == "layer" || flag == "sublayer", "--moe_units=", flag,
+              ": expected layer (each decoder layer one FSDP unit) or sublayer (its attention "
+              "and its feed-forward block two)");
+  TORCH_CHECK(flag == "layer" || config.is_moe(), "--moe_units=sublayer: a ", config.model_type,
+              " decoder has no experts to gather apart; it is for the mixture-of-experts "
+              "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss, deepseek_v3)");
+  return flag == "layer" ? DecoderUnits::kLayer : DecoderUnits::kSublayer;
+}
+
 using models_internal::projection;
 
 // Note [Where the decoder's tensors are created]

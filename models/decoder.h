@@ -139,6 +139,11 @@ namespace fsdp::models {
 // layer.mlp separately (kSublayer), as torchtitan's per-module wrapping allows.
 enum class DecoderUnits { kLayer, kSublayer };
 
+// The --moe_units flag of examples/llama:finetune and tools:fsdp_plan: "layer" is kLayer,
+// "sublayer" kSublayer. Throws c10::Error for another value, and for "sublayer" with a
+// dense family (config.is_moe() false: its layers have no experts to keep apart).
+DecoderUnits parse_decoder_units(const std::string& flag, const DecoderConfig& config);
+
 // A decoder layer's attention, dense MLP or MoE block (`Block`: AttentionImpl, MLPImpl or
 // SparseMoeBlockImpl, whose forward takes `Args`) as DecoderLayerImpl holds it: the block
 // itself (same parameters, names and forward arithmetic), with a forward that takes one

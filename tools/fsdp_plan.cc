@@ -46,6 +46,7 @@
 #include "fsdp/wrap/plan.h"
 #include "fsdp/wrap/policy.h"
 #include "fsdp/wrap/torchscript_tree.h"
+#include "models/decoder.h"
 #include "models/hf_checkpoint.h"
 #include "tools/decoder_plan.h"
 #include "tools/plan_report.h"
@@ -457,17 +458,7 @@ int run_config(const std::string& format) {
   }
   // The MoE families' load-balancing loss, on as examples/llama:finetune has it by default.
   options.router_aux_loss(config.is_moe() && config.router_aux_loss_coef > 0);
-  const std::string moe_units = absl::GetFlag(FLAGS_moe_units);
-  if (moe_units != "layer" && moe_units != "sublayer") {
-    fail(absl::StrCat("unknown --moe_units '", moe_units, "': expected layer or sublayer"));
-  }
-  if (moe_units == "sublayer" && !config.is_moe()) {
-    fail(absl::StrCat("--moe_units=sublayer: a ", config.model_type,
-                      " decoder has no experts to gather apart; it is for the mixture-of-experts "
-                      "families"));
-  }
-  options.decoder_units(moe_units == "layer" ? fsdp::models::DecoderUnits::kLayer
-                                             : fsdp::models::DecoderUnits::kSublayer);
+  options.decoder_units(fsdp::models::parse_decoder_units(absl::GetFlag(FLAGS_moe_units), config));
   const std::string memory = absl::GetFlag(FLAGS_memory_per_rank);
   const fsdp::tools::DecoderPlanReport report = fsdp::tools::make_decoder_report(
       config, path, options, weights,

@@ -388,18 +388,6 @@ std::string router_aux_flag_error(const DecoderConfig& config) {
 // the same bit for bit (models:decoder_test). Dense families are refused: their layers
 // have no experts to keep apart.
 
-// --moe_units for `config`; throws c10::Error for another value or a dense family.
-DecoderUnits moe_units(const DecoderConfig& config) {
-  const std::string flag = absl::GetFlag(FLAGS_moe_units);
-  TORCH_CHECK(flag == "layer" || flag == "sublayer", "--moe_units=", flag,
-              ": expected layer (each decoder layer one FSDP unit) or sublayer (its attention "
-              "and its feed-forward block two)");
-  TORCH_CHECK(flag == "layer" || config.is_moe(), "--moe_units=sublayer: a ", config.model_type,
-              " decoder has no experts to gather apart; it is for the mixture-of-experts "
-              "families (qwen3_moe, mixtral, olmoe, qwen2_moe, gpt_oss, deepseek_v3)");
-  return flag == "layer" ? DecoderUnits::kLayer : DecoderUnits::kSublayer;
-}
-
 // The fine-tune's own flags, checked before a rank starts or a file is touched (the run
 // flags were): "" or one line.
 std::string flag_error() {
@@ -409,7 +397,7 @@ std::string flag_error() {
   try {
     config = load_decoder_config(from + "/config.json");
     hf_weights_dtype(from);  // one floating dtype (--mixed_precision=auto reads it)
-    moe_units(config);
+    parse_decoder_units(absl::GetFlag(FLAGS_moe_units), config);
     parse_shard_size(absl::GetFlag(FLAGS_max_shard_size));
     if (!absl::GetFlag(FLAGS_max_memory_per_rank).empty()) {
       parse_shard_size(absl::GetFlag(FLAGS_max_memory_per_rank), "--max_memory_per_rank");
@@ -682,8 +670,9 @@ Model load_model(const DecoderConfig& config, const FullyShardedDataParallelOpti
   const std::string from = absl::GetFlag(FLAGS_from);
   // See Note [The frozen base of a LoRA run].
   const at::ScalarType base = base_dtype_of(dtype, folder_dtype, levers.mixed_precision);
-  auto net = std::make_shared<CausalLMImpl>(
-      config, at::TensorOptions().device(c10::kMeta).dtype(base), moe_units(config));
+  auto net =
+      std::make_shared<CausalLMImpl>(config, at::TensorOptions().device(c10::kMeta).dtype(base),
+                                     parse_decoder_units(absl::GetFlag(FLAGS_moe_units), config));
   for (DecoderLayer& layer : net->model->decoder_layers) {
     layer->checkpoint_activations = levers.activation_checkpointing;
   }

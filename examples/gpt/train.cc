@@ -253,7 +253,10 @@ int train() {
   for (int64_t step = first; step < flags.steps; ++step) {
     const double lr = scheduler.last_lr.at(0);
     for (auto& group : adamw.param_groups()) group.options().set_lr(lr);
-    auto [x, y] = batch(corpus.train, step, comm, device);
+    // Named tensors, not a structured binding: C++17 lambdas cannot capture those.
+    const auto xy = batch(corpus.train, step, comm, device);
+    const at::Tensor& x = xy.first;
+    const at::Tensor& y = xy.second;
     adamw.zero_grad();
     // --grad_accumulation_steps: this rank's share in equal micro-batches, no_sync between.
     const int64_t micro = x.size(0) / flags.grad_accumulation_steps;

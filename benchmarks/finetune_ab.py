@@ -507,6 +507,19 @@ at step 2 against 10.73 for ours and for the peer without `fully_shard` on one p
 at W = 1 10.77345, 10.73260, 10.75077). Ours computes the first step's loss 1.8e-6 from
 transformers in fp32 over the same dequantized weights (10.77347); transformers in bf16
 over them gives 10.77476 and bitsandbytes' CPU kernels 10.77201, both within 1.4e-4.
+
+The moe_full and moe_lora cases (issue 47) start from a random 1.02 B-parameter Qwen3-MoE
+saved in bf16. Both sides add the router's load-balancing loss (router_aux_loss_coef 0.001,
+transformers' `output_router_logits=True`), and both gather a decoder layer's 64 experts
+at once: the peer's `fully_shard` wraps each layer, and ours makes each layer a unit by
+default. transformers runs the experts with `grouped_mm`, ours one matrix product per
+expert over the tokens routed to it. On moe_lora ours peaks about 1.2x its plan although
+its tensors peak at the plan's figure (the trainer's tracked peak): the rest is outside the
+tensors. Part of it is oneDNN's primitive cache: each expert's bf16 matrix products take a
+new shape whenever its number of tokens changes, and oneDNN keeps a primitive for each.
+With `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` (same machine, 2026-12-06) ours peaked at 1,700
+MiB instead of 1,820 (1.11x its plan; 66.5 tokens/s instead of 78.7) and the peer at 2,850
+MiB instead of 3,137.
 """
 
 

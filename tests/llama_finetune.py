@@ -23,6 +23,9 @@
                                      BASE: a random tiny bf16 Llama (tied embeddings, hidden
                                      64); OUT: BASE loaded by transformers in bitsandbytes'
                                      4-bit NF4 with double quantization (bf16 compute), saved
+    llama_finetune.py batch DIR QUEUE
+                                     each line of QUEUE (one of the commands below without
+                                     DIR, its words tab-separated) in this one process
     llama_finetune.py bnb4_peft DIR BASE4 ADAPTER HF EVAL CONTEXT LOG
                                      on token file EVAL in windows of CONTEXT + 1: transformers +
                                      bitsandbytes' loss on the 4-bit BASE4 equals LOG's `eval
@@ -322,29 +325,46 @@ def logits(root, folder, path):
     assert not failed
 
 
-if __name__ == "__main__":
-    command, root = sys.argv[1], sys.argv[2]
+def run(command, root, args):
     if command == "make":
-        make(root, sys.argv[3:])
+        make(root, args)
     elif command == "same":
-        same(sys.argv[3], sys.argv[4])
+        same(args[0], args[1])
     elif command == "differ":
-        differ(sys.argv[3], sys.argv[4])
+        differ(args[0], args[1])
     elif command == "lora":
-        lora(sys.argv[3], sys.argv[4])
+        lora(args[0], args[1])
     elif command == "peft":
-        peft_check(root, sys.argv[3], sys.argv[4], sys.argv[5])
+        peft_check(root, args[0], args[1], args[2])
     elif command == "peft_merge":
-        peft_merge(sys.argv[3], sys.argv[4], sys.argv[5])
+        peft_merge(args[0], args[1], args[2])
     elif command == "qlora":
-        qlora(sys.argv[3], sys.argv[4], sys.argv[5])
+        qlora(args[0], args[1], args[2])
     elif command == "eval":
-        eval_loss(root, sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        eval_loss(root, args[0], int(args[1]), args[2])
     elif command == "logits":
-        logits(root, sys.argv[3], sys.argv[4])
+        logits(root, args[0], args[1])
     elif command == "bnb4":
-        bnb4(root, sys.argv[3], sys.argv[4])
+        bnb4(root, args[0], args[1])
     elif command == "bnb4_peft":
-        bnb4_peft(sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7]), sys.argv[8])
+        bnb4_peft(args[0], args[1], args[2], args[3], int(args[4]), args[5])
     else:
         sys.exit(f"unknown command {command}")
+
+
+def batch(root, queue):
+    """Each line of `queue` (a command and its arguments, tab-separated) in this one process:
+    the checks share one start of torch and transformers."""
+    with open(queue) as f:
+        lines = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+    for line in lines:
+        print("check:", " ".join(line), flush=True)
+        run(line[0], root, line[1:])
+
+
+if __name__ == "__main__":
+    command, root = sys.argv[1], sys.argv[2]
+    if command == "batch":
+        batch(root, sys.argv[3])
+    else:
+        run(command, root, sys.argv[3:])

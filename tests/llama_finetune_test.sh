@@ -15,6 +15,12 @@ logits=${2:?} tokenize=${3:?} script=${4:?} python=${5:?}
 dir=${TEST_TMPDIR:-$(mktemp -d)}/llama_finetune
 rm -rf "$dir" && mkdir -p "$dir"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# The checks that only read what a run wrote are queued and run together by check_queued,
+# in one Python process: each start of torch, transformers and PEFT costs seconds.
+queue="$dir/checks.tsv"
+: > "$queue"
+check() { (IFS=$'\t'; echo "$*") >> "$queue"; }
+check_queued() { "$python" "$script" batch "$dir" "$queue"; : > "$queue"; }
 fortunes=(/usr/share/games/fortunes/{fortunes,literature,science})
 "$python" "$script" make "$dir" "${fortunes[@]}"
 "$python" "$tokenize" --model="$dir/model" --out="$dir/train.bin" "$dir/train.txt"
@@ -23,15 +29,15 @@ fortunes=(/usr/share/games/fortunes/{fortunes,literature,science})
 common=(--from="$dir/model" --data="$dir/train.bin" --world_size=2 --context=32
         --batch_size=4 --max_shard_size=30KB)
 "$finetune" "${common[@]}" --out_dir="$dir/out0" --steps=0 | tee "$dir/out0.log"
-"$python" "$script" same "$dir" "$dir/model" "$dir/out0/hf"
+check same "$dir/model" "$dir/out0/hf"
 # bfloat16 weights and tied embeddings, at W = 3: kept bit for bit through the fp32 master
 # weights, then trained (bf16 compute) and written back in bf16.
 bf16=(--from="$dir/model_bf16" --data="$dir/train.bin" --world_size=3 --context=32
       --batch_size=3 --max_shard_size=30KB)
 "$finetune" "${bf16[@]}" --out_dir="$dir/bf16_0" --steps=0
-"$python" "$script" same "$dir" "$dir/model_bf16" "$dir/bf16_0/hf"
+check same "$dir/model_bf16" "$dir/bf16_0/hf"
 "$finetune" "${bf16[@]}" --out_dir="$dir/bf16_3" --steps=3 --lr=1e-2 --warmup_steps=0
-"$python" "$script" differ "$dir" "$dir/model_bf16" "$dir/bf16_3/hf"
+check differ "$dir/model_bf16" "$dir/bf16_3/hf"
 # LoRA over the bf16 folder: the frozen base stays bf16 on every rank (fp32 adapters; Note
 # [The frozen base of a LoRA run] in examples/llama/finetune.cc), half the parameter bytes
 # of an fp32 copy of it (--lora_base_dtype=float32) with the same losses, adapters and
@@ -44,17 +50,17 @@ grep -q "memory plan: parameters 20 KiB" "$dir/bf16_lora.log"
     --lora_rank=4 --lora_base_dtype=float32 | tee "$dir/bf16_lora32.log"
 grep -q "memory plan: parameters 38 KiB" "$dir/bf16_lora32.log"
 diff <(cut -d, -f1-3 "$dir/bf16_lora/metrics.csv") <(cut -d, -f1-3 "$dir/bf16_lora32/metrics.csv")
-"$python" "$script" same "$dir" "$dir/bf16_lora32/hf" "$dir/bf16_lora/hf"
-"$python" "$script" same "$dir" "$dir/bf16_lora32/adapter" "$dir/bf16_lora/adapter"
-"$python" "$script" lora "$dir" "$dir/model_bf16" "$dir/bf16_lora/hf"
-"$python" "$script" peft_merge "$dir" "$dir/model_bf16" "$dir/bf16_lora/adapter" "$dir/bf16_lora/hf"
+check same "$dir/bf16_lora32/hf" "$dir/bf16_lora/hf"
+check same "$dir/bf16_lora32/adapter" "$dir/bf16_lora/adapter"
+check lora "$dir/model_bf16" "$dir/bf16_lora/hf"
+check peft_merge "$dir/model_bf16" "$dir/bf16_lora/adapter" "$dir/bf16_lora/hf"
 # QLoRA (--quantize=nf4) over both folders: the layer projections are bitsandbytes' NF4 of
 # the base bit for bit in OUT/hf (dequantized, plus the update); over the fp32 folder the
 # eval loss falls and transformers gives fsdp's eval loss on OUT/hf.
 "$finetune" "${bf16[@]}" --out_dir="$dir/bf16_qlora" --steps=3 --lr=1e-2 --warmup_steps=0 \
     --lora_rank=4 --quantize=nf4 | tee "$dir/bf16_qlora.log"
 grep -q "QLoRA: 14 projections in NF4" "$dir/bf16_qlora.log"
-"$python" "$script" qlora "$dir" "$dir/model_bf16" "$dir/bf16_qlora/adapter" "$dir/bf16_qlora/hf"
+check qlora "$dir/model_bf16" "$dir/bf16_qlora/adapter" "$dir/bf16_qlora/hf"
 # A bitsandbytes 4-bit folder (transformers' save_pretrained after loading a bf16 Llama with
 # BitsAndBytesConfig(load_in_4bit=True, nf4, double quantization, bf16 compute)) is read as
 # it is stored. Its projections hold the bytes --quantize=nf4 makes of the bf16 folder's
@@ -77,9 +83,9 @@ plan_of() { grep -o "memory plan: parameters [0-9.]* [KMG]*i*B" "$1"; }
   [ "$(plan_of "$dir/bnb4.log")" = "$(plan_of "$dir/bnb4_quantized.log")" ] || {
   echo "FAIL: plans: $(plan_of "$dir/bnb4.log") / $(plan_of "$dir/bnb4_quantized.log")"; exit 1; }
 diff <(cut -d, -f1-3 "$dir/bnb4_quantized/metrics.csv") <(cut -d, -f1-3 "$dir/bnb4/metrics.csv")
-"$python" "$script" same "$dir" "$dir/bnb4_quantized/adapter" "$dir/bnb4/adapter"
-"$python" "$script" same "$dir" "$dir/bnb4_quantized/hf" "$dir/bnb4/hf"
-"$python" "$script" bnb4_peft "$dir" "$dir/model_bnb4" "$dir/bnb4/adapter" "$dir/bnb4/hf" \
+check same "$dir/bnb4_quantized/adapter" "$dir/bnb4/adapter"
+check same "$dir/bnb4_quantized/hf" "$dir/bnb4/hf"
+check bnb4_peft "$dir/model_bnb4" "$dir/bnb4/adapter" "$dir/bnb4/hf" \
     "$dir/eval_short.bin" 32 "$dir/bnb4.log"
 "$finetune" "${bnb4[@]}" --from="$dir/model_bnb4" --quantize=nf4 --steps=0 \
     --out_dir="$dir/bnb4_quantize" | tee "$dir/bnb4_quantize.log"
@@ -97,8 +103,8 @@ qlora_before=$(sed -n 's/.*eval loss before: //p' "$dir/qlora.log")
 qlora_after=$(sed -n 's/.*eval loss after: //p' "$dir/qlora.log")
 awk -v b="$qlora_before" -v a="$qlora_after" 'BEGIN { exit !(a < b) }' || {
   echo "FAIL: QLoRA eval loss did not fall: $qlora_before -> $qlora_after"; exit 1; }
-"$python" "$script" qlora "$dir" "$dir/model" "$dir/qlora/adapter" "$dir/qlora/hf"
-"$python" "$script" eval "$dir" "$dir/qlora/hf" 32 "$dir/qlora.log"
+check qlora "$dir/model" "$dir/qlora/adapter" "$dir/qlora/hf"
+check eval "$dir/qlora/hf" 32 "$dir/qlora.log"
 
 "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 --lr=3e-3 --warmup_steps=2 \
     --checkpoint_interval=10 --eval_data="$dir/eval.bin" | tee "$dir/out20.log"
@@ -109,10 +115,10 @@ awk -v b="$before" -v a="$after" 'BEGIN { exit !(a < b) }' || {
   echo "FAIL: eval loss did not fall: $before -> $after"; exit 1; }
 [ "$(wc -l < "$dir/out20/metrics.csv")" -eq 21 ] || { echo "FAIL: metrics.csv rows"; exit 1; }
 ls "$dir/out20/checkpoints/step_00000020/.metadata" > /dev/null  # a DCP folder (the default)
-"$python" "$script" differ "$dir" "$dir/model" "$dir/out20/hf"
-"$python" "$script" eval "$dir" "$dir/out20/hf" 32 "$dir/out20.log"
+check differ "$dir/model" "$dir/out20/hf"
+check eval "$dir/out20/hf" 32 "$dir/out20.log"
 "$logits" "$dir/out20/hf" "$dir/ids.pt" "$dir/out20_logits.pt" 2
-"$python" "$script" logits "$dir" "$dir/out20/hf" "$dir/out20_logits.pt"
+check logits "$dir/out20/hf" "$dir/out20_logits.pt"
 
 # LoRA (rank 4 on q_proj and v_proj, the rest frozen): OUT/hf holds the merged weights,
 # which from_pretrained loads with the eval loss fsdp printed; OUT/adapter loads in PEFT
@@ -121,9 +127,11 @@ ls "$dir/out20/checkpoints/step_00000020/.metadata" > /dev/null  # a DCP folder 
     --lora_rank=4 --eval_data="$dir/eval.bin" | tee "$dir/lora.log"
 grep -q "LoRA: adapters on 4 modules" "$dir/lora.log"
 grep -q "38688 parameters (896 trainable;" "$dir/lora.log"
-"$python" "$script" lora "$dir" "$dir/model" "$dir/lora/hf"
-"$python" "$script" eval "$dir" "$dir/lora/hf" 32 "$dir/lora.log"
-"$python" "$script" peft "$dir" "$dir/model" "$dir/lora/adapter" "$dir/lora/hf"
+check lora "$dir/model" "$dir/lora/hf"
+check eval "$dir/lora/hf" 32 "$dir/lora.log"
+check peft "$dir/model" "$dir/lora/adapter" "$dir/lora/hf"
+
+check_queued  # before the resume below writes out20 again
 
 # A second run in the same folder needs --resume (or --overwrite); --resume continues.
 if "$finetune" "${common[@]}" --out_dir="$dir/out20" --steps=20 2> "$dir/again.err"; then

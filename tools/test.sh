@@ -25,10 +25,10 @@ bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" "${fsdp_b
   status=$?
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
-# sed drops gold's warning for each of ASan's outlined checks (__asan_check_*) that clang 14's
-# runtime lists for export but keeps local: thousands of harmless lines per run.
+# sed drops gold's warning for each ASan symbol (__asan_check_*, __asan_extra_spill_area)
+# that clang 14's runtime lists for export but keeps local: thousands of harmless lines.
 bazel test --config=asan --build_tests_only --nocache_test_results "$@" -- "${asan_tests[@]}" 2>&1 |
-  sed -E -e "/warning: Cannot export local symbol '__asan_check_/d" -e 's#^(//[^ ]+) #\1 (asan) #' |
+  sed -E -e "/warning: Cannot export local symbol '__asan_/d" -e 's#^(//[^ ]+) #\1 (asan) #' |
   tee -a "$log" || status=$?
 # House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).
 if find fsdp models examples benchmarks tests tools \( -name '*.cc' -o -name '*.h' \) -print0 |

@@ -19,7 +19,8 @@
 //   sharded training             fsdp/core/fully_sharded.h (FullyShardedDataParallel,
 //                                FullyShardedRoot; with unit.h, training_state.h),
 //                                options.h (the enums and option structs),
-//                                flat_param.h, checkpoint_wrapper.h, tracking_allocator.h
+//                                flat_param.h, checkpoint_wrapper.h, tracking_allocator.h,
+//                                fused_adamw.h (AdamW on ATen's fused kernel)
 //   state dicts and checkpoints  fsdp/state/state_dict.h, optim_state_dict.h, checkpoint.h,
 //                                async_checkpoint.h, dcp_checkpoint.h (PyTorch Distributed
 //                                Checkpoint folders)
@@ -43,6 +44,7 @@
 #include "fsdp/core/checkpoint_wrapper.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/fused_adamw.h"
 #include "fsdp/core/options.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/core/training_state.h"

@@ -69,7 +69,8 @@ ABSL_FLAG(std::vector<std::string>, ignored_modules, {},
 ABSL_FLAG(std::string, world_size, "1", "number of ranks to shard over, 1 ... 1048576");
 ABSL_FLAG(std::string, format, "table", "output: table or json");
 ABSL_FLAG(std::string, optimizer, "adam",
-          "optimizer of the plan: adam, adamw, sgd, sgd_momentum, adagrad or rmsprop");
+          "optimizer of the plan: adam, adamw, fused_adamw (fsdp::FusedAdamW), sgd, "
+          "sgd_momentum, adagrad or rmsprop");
 ABSL_FLAG(std::string, param_dtype, "fp32",
           "dtype of unsharded parameters (mixed precision): fp32, bf16 or fp16; gradients "
           "are reduced in fp32");
@@ -344,8 +345,9 @@ fsdp::MemoryPlanOptions plan_options(int64_t world_size) {
   const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
   const c10::optional<fsdp::OptimizerSpec> spec = fsdp::parse_optimizer_spec(optimizer);
   if (!spec) {
-    fail(absl::StrCat("unknown --optimizer '", optimizer,
-                      "': expected adam, adamw, sgd, sgd_momentum, adagrad or rmsprop"));
+    fail(absl::StrCat(
+        "unknown --optimizer '", optimizer,
+        "': expected adam, adamw, fused_adamw, sgd, sgd_momentum, adagrad or rmsprop"));
   }
   options.optimizer(*spec);
   const std::string dtype = absl::GetFlag(FLAGS_param_dtype);

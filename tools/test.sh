@@ -15,19 +15,24 @@ trap 'rm -f "$log"' EXIT
 status=0
 # Test results are not taken from the cache: every run really runs the tests. fsdp's own
 # unit tests (//fsdp/...) and the two tests below run once, under ASan + UBSan further
-# down, not also here: compiling them twice cost minutes of a cold run.
+# down, not also here: compiling them twice cost minutes of a cold run. fsdp's tests
+# tagged "gpu" run here instead (without a GPU their CUDA cases skip, and clang's ASan
+# build of those large files took the longest compiles of the stage).
 asan_tests=(//fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_test)
+fsdp_gpu_tests=($(bazel query 'attr(tags, "\bgpu\b", tests(//fsdp/...))' 2>/dev/null))
 # fsdp's benchmarks are compiled here, not under ASan, where nothing would run them
 # (--build_tests_only there; the fuzzers build in the fuzz configuration only, below).
 fsdp_binaries=($(bazel query 'filter("_benchmark$", kind("cc_binary", //fsdp/...))' 2>/dev/null))
-bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" "${fsdp_binaries[@]}" 2>&1 |
+bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" "${fsdp_gpu_tests[@]}" \
+  "${fsdp_binaries[@]}" 2>&1 |
   tee -a "$log" ||
   status=$?
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
 # sed drops gold's warning for each ASan symbol (__asan_check_*, __asan_extra_spill_area)
 # that clang 14's runtime lists for export but keeps local: thousands of harmless lines.
-bazel test --config=asan --build_tests_only --nocache_test_results "$@" -- "${asan_tests[@]}" 2>&1 |
+bazel test --config=asan --build_tests_only --test_tag_filters=-gpu --nocache_test_results "$@" \
+  -- "${asan_tests[@]}" 2>&1 |
   sed -E -e "/warning: Cannot export local symbol '__asan_/d" -e 's#^(//[^ ]+) #\1 (asan) #' |
   tee -a "$log" || status=$?
 # House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).

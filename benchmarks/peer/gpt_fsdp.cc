@@ -13,7 +13,9 @@
 // rank r of W takes rows [r B/W, (r + 1) B/W) of each step's batch, inputs the first
 // `context` tokens and targets the last. AdamW (lr --lr, PyTorch's other defaults:
 // betas 0.9, 0.999, eps 1e-8, weight decay 0.01), fp32, constant learning rate, one
-// intra-op thread per rank.
+// intra-op thread per rank. The step runs fsdp::FusedAdamW (--nofused_adamw:
+// torch::optim::AdamW, the element-wise implementation PyTorch's AdamW runs on the CPU
+// unless given fused=True, as fsdp2_gpt.py leaves it).
 //
 // JSON (rank 0): "losses" (the mean over ranks of each step's loss, before the update),
 // "step_ms" (each step's wall time on rank 0: zero_grad to optimizer step), "host_ms"
@@ -79,6 +81,7 @@
 #include "fsdp/core/device_handle.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/fused_adamw.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/checkpoint.h"
 #include "fsdp/state/state_dict.h"
@@ -105,6 +108,10 @@ ABSL_FLAG(
     bool, caching_cpu_allocator, true,
     "serve CPU tensors from fsdp's caching CPU allocator (fsdp/core/caching_cpu_allocator.h), "
     "as the trainers do; false: glibc's malloc with its defaults, as PyTorch runs");
+ABSL_FLAG(bool, fused_adamw, true,
+          "step with fsdp::FusedAdamW (ATen's fused kernel, as the trainers do); false: "
+          "torch::optim::AdamW, the element-wise implementation PyTorch's AdamW runs on the "
+          "CPU by default (train)");
 ABSL_FLAG(bool, forward_prefetch, false,
           "FullyShardedDataParallelOptions::forward_prefetch (train)");
 
@@ -222,8 +229,12 @@ int train(const std::string& dir) {
       at::autocast::set_autocast_enabled(device.type(), true);
     }
   }
-  torch::optim::AdamW adamw(trained,
-                            torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr)).weight_decay(0.01));
+  const auto adamw_options = torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr)).weight_decay(0.01);
+  std::unique_ptr<torch::optim::AdamW> optimizer =
+      absl::GetFlag(FLAGS_fused_adamw)
+          ? std::make_unique<FusedAdamW>(trained, adamw_options)
+          : std::make_unique<torch::optim::AdamW>(trained, adamw_options);
+  torch::optim::AdamW& adamw = *optimizer;
   const std::shared_ptr<DeviceHandle> handle = DeviceHandle::for_device(device);
 
   std::vector<double> losses, step_ms, host_ms;

@@ -83,6 +83,7 @@
 #include "examples/trainer/trainer.h"
 #include "fsdp/core/flat_param.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/fused_adamw.h"
 #include "fsdp/lora/lora.h"
 #include "fsdp/state/checkpoint.h"
 #include "models/config.h"
@@ -897,8 +898,8 @@ int finetune() {
   Model model = load_model(config, examples::lever_options(run.comm_ptr(), flags), flags,
                            examples::model_dtype(flags.mixed_precision), folder_dtype, device,
                            &numel, &trainable, &plan);
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(flags.lr).weight_decay(
-                                                     absl::GetFlag(FLAGS_weight_decay)));
+  FusedAdamW adamw(model->parameters(), torch::optim::AdamWOptions(flags.lr).weight_decay(
+                                            absl::GetFlag(FLAGS_weight_decay)));
   if (lead) {
     std::cout << absl::StrFormat(
         "model: %s (%s), %d parameters (%d trainable; %d layers, %d heads, %d key/value heads) in "

@@ -27,6 +27,8 @@ c10::optional<OptimizerSpec> parse_optimizer_spec(absl::string_view name) {
   if (name == "sgd_momentum") return OptimizerSpec::sgd(true);
   if (name == "adam") return OptimizerSpec::adam();
   if (name == "adamw") return OptimizerSpec::adamw();
+  // fsdp::FusedAdamW (fused_adamw.h): AdamW's two moments, no temporaries in its step.
+  if (name == "fused_adamw") return OptimizerSpec{"fused_adamw", 2, 0};
   if (name == "adagrad") return OptimizerSpec::adagrad();
   if (name == "rmsprop") return OptimizerSpec::rmsprop(false, false);
   return c10::nullopt;

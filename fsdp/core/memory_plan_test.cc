@@ -121,6 +121,16 @@ TEST(MemoryPlanTest, MixedPrecisionFrozenParametersAndOptimizers) {
   EXPECT_FALSE(parse_optimizer_spec("lamb").has_value());
 }
 
+// fsdp::FusedAdamW keeps AdamW's two moments and makes no temporary in its step.
+TEST(MemoryPlanTest, FusedAdamWPlansNoStepTemporaries) {
+  const OptimizerSpec fused = *parse_optimizer_spec("fused_adamw");
+  EXPECT_EQ(fused.name, "fused_adamw");
+  const MemoryPlan plan =
+      plan_memory(two_units(), MemoryPlanOptions().world_size(2).optimizer(fused));
+  EXPECT_EQ(plan.term_bytes(PlanTerm::kOptimizerState), 8 * 65);
+  EXPECT_EQ(plan.term_bytes(PlanTerm::kOptimizerTemporaries), 0);
+}
+
 TEST(MemoryPlanTest, CheckNamesTheTermAboveItsTolerance) {
   const MemoryPlan plan = plan_memory(two_units(), MemoryPlanOptions().world_size(2));
   PlanMeasurement measured;

@@ -520,6 +520,10 @@ new shape whenever its number of tokens changes, and oneDNN keeps a primitive fo
 With `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` (same machine, 2026-12-06) ours peaked at 1,700
 MiB instead of 1,820 (1.11x its plan; 66.5 tokens/s instead of 78.7) and the peer at 2,850
 MiB instead of 3,137.
+On a CPU without bf16 instructions (AVX2 only: no AVX-512 BF16, no AMX) every bf16 case
+means little: a bf16 matrix product ran 70x slower than fp32 there (0.9 against 66
+GFLOP/s, 2026-12-06), moe_lora ran at 4 tokens/s, and its peak was 0.98x its plan, since
+oneDNN's bf16 kernels and their cache are not used on such a CPU.
 """
 
 

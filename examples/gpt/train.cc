@@ -213,6 +213,7 @@ int train() {
   const std::optional<double> peak_flops =
       peak_bf16_flops(device.is_cuda() ? device_name : "", flags.peak_tflops);
   FusedAdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  const OptimizerSpec adamw_spec = *parse_optimizer_spec("fused_adamw");  // for the memory plan
   if (lead) {
     std::cout << absl::StrFormat(
         "corpus: %d fortunes, %d train / %d validation characters, vocabulary %d\n"
@@ -233,7 +234,7 @@ int train() {
   if (lead) {
     // What each rank's tensors will hold at the step's peak (fsdp/core/memory_plan.h;
     // activations not planned: --plan_check compares it with each step).
-    const MemoryPlan plan = model->memory_plan(*parse_optimizer_spec("fused_adamw"));
+    const MemoryPlan plan = model->memory_plan(adamw_spec);
     std::cout << absl::StrFormat(
         "memory plan: sharded parameters %.1f MiB + gradients %.1f MiB + optimizer state "
         "%.1f MiB, peak %.1f MiB per rank without activations (%s)\n",
@@ -292,7 +293,7 @@ int train() {
   const std::string text = flags.sample_length > 0 ? sample(model, corpus) : "";
   if (!lead) return 0;
   if (!plan_check.rows.empty()) {
-    std::cout << memory_plan_table(model->memory_plan(*parse_optimizer_spec("fused_adamw")))
+    std::cout << memory_plan_table(model->memory_plan(adamw_spec))
               << "plan check, last step, rank 0 (bytes):\n";
     for (const PlanComparison& row : plan_check.rows) {
       std::cout << absl::StrFormat("  %-36s measured %12d planned %12d ratio %.3f\n", row.what,

@@ -466,7 +466,7 @@ FinetunePlan plan_finetune(const DecoderConfig& config, const std::vector<PlanUn
       .param_dtype(options.param_dtype())
       .reduce_dtype(options.param_dtype() ? c10::optional<at::ScalarType>(options.dtype())
                                           : c10::nullopt)
-      .optimizer(*parse_optimizer_spec("fused_adamw"))  // the trainer's fsdp::FusedAdamW
+      .optimizer(OptimizerSpec::fused_adamw())  // the trainer's fsdp::FusedAdamW
       .cpu_offload(options.cpu_offload())
       .host_is_tracked(options.device() == c10::DeviceType::CPU)
       .backend(options.backend())

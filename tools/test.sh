@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The test command (README.md, docs/main-job.md): installs what is missing, then builds and
-# runs every test (the NCCL backend's among them: its GPU tests skip without a GPU), the consumer
-# workspace (examples/consumer: fsdp used from another workspace), the unit tests and a
-# 2-rank training run under clang's ASan + UBSan (--config=asan), the clang-format check of every
-# C++ source, and fuzzing of the checkpoint, safetensors, .pt2 and pickle readers and of
-# whole checkpoint folders (tools/fuzz.sh). Prints "N passed, M failed" last; exits
-# non-zero on any failure.
+# runs every test (the NCCL backend's among them: its GPU tests skip without a GPU), the
+# consumer workspace (examples/consumer: fsdp used from another workspace), fsdp's unit
+# tests and its 2-rank parity test over Gloo under clang's ASan + UBSan (--config=asan),
+# the clang-format check of every C++ source, and fuzzing of the checkpoint, safetensors,
+# .pt2 and pickle readers and of whole checkpoint folders (tools/fuzz.sh). Prints
+# "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -14,11 +14,13 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 # Test results are not taken from the cache: every run really runs the tests. fsdp's own
-# unit tests (//fsdp/...) and the two tests below run once, under ASan + UBSan further
-# down, not also here: compiling them twice cost minutes of a cold run. fsdp's tests
-# tagged "gpu" run here instead (without a GPU their CUDA cases skip, and clang's ASan
-# build of those large files took the longest compiles of the stage).
-asan_tests=(//fsdp/... //tests:fsdp_gloo_test //tests:gpt_smoke_test)
+# unit tests (//fsdp/...) and the real-process test below run once, under ASan + UBSan
+# further down, not also here: compiling them twice cost minutes of a cold run. The
+# trainers' runs (the GPT smoke test among them) run here only: under ASan they would
+# compile the trainer libraries a second time (~7 minutes of a cold run's 2 cores).
+# fsdp's tests tagged "gpu" run here instead (without a GPU their CUDA cases skip, and
+# clang's ASan build of those large files took the longest compiles of the stage).
+asan_tests=(//fsdp/... //tests:fsdp_gloo_test)
 fsdp_gpu_tests=($(bazel query 'attr(tags, "\bgpu\b", tests(//fsdp/...))' 2>/dev/null))
 # fsdp's benchmarks are compiled here, not under ASan, where nothing would run them
 # (--build_tests_only there; the fuzzers build in the fuzz configuration only, below).

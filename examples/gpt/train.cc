@@ -213,7 +213,7 @@ int train() {
   const std::optional<double> peak_flops =
       peak_bf16_flops(device.is_cuda() ? device_name : "", flags.peak_tflops);
   FusedAdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-  const OptimizerSpec adamw_spec = *parse_optimizer_spec("fused_adamw");  // for the memory plan
+  const OptimizerSpec adamw_spec = optimizer_spec_of(adamw);  // for the memory plan
   if (lead) {
     std::cout << absl::StrFormat(
         "corpus: %d fortunes, %d train / %d validation characters, vocabulary %d\n"

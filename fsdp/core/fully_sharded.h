@@ -525,7 +525,8 @@ class FullyShardedRoot {
 };
 
 // The OptimizerSpec of a LibTorch optimizer: torch::optim::SGD (momentum of its first
-// parameter group), Adam, AdamW, Adagrad, RMSprop (momentum, centered); throws c10::Error
+// parameter group), Adam, AdamW, fsdp::FusedAdamW (fused_adamw.h: AdamW's state, no step
+// temporaries), Adagrad, RMSprop (momentum, centered); throws c10::Error
 // naming the supported ones for any other.
 OptimizerSpec optimizer_spec_of(const torch::optim::Optimizer& optimizer);
 // Bytes of every state tensor `optimizer` holds (the C++ optimizers keep their step

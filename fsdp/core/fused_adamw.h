@@ -19,9 +19,8 @@
 // after a step; a run is still bitwise reproducible with itself (resume included).
 //
 // Memory: the state of torch::optim::AdamW and no temporaries in the step; fsdp's memory
-// plan takes it as parse_optimizer_spec("fused_adamw") (fsdp/core/memory_plan.h).
-// optimizer_spec_of (fully_sharded.h) sees an AdamW and plans its two parameter-sized
-// temporaries, an overestimate of 2 x the largest shard.
+// plan takes it as OptimizerSpec::fused_adamw() (fsdp/core/memory_plan.h), which
+// optimizer_spec_of (fully_sharded.h) returns for it.
 //
 // Tensors. Parameters of any floating dtype ATen's kernel takes (float, double, bfloat16,
 // half; the moments are kept in the parameter's dtype, as torch::optim::AdamW keeps them)

@@ -17,6 +17,7 @@ OptimizerSpec OptimizerSpec::sgd(bool momentum) {
 }
 OptimizerSpec OptimizerSpec::adam() { return {"adam", 2, 2}; }
 OptimizerSpec OptimizerSpec::adamw() { return {"adamw", 2, 2}; }
+OptimizerSpec OptimizerSpec::fused_adamw() { return {"fused_adamw", 2, 0}; }
 OptimizerSpec OptimizerSpec::adagrad() { return {"adagrad", 1, 1}; }
 OptimizerSpec OptimizerSpec::rmsprop(bool momentum, bool centered) {
   return {"rmsprop", 1 + (momentum ? 1 : 0) + (centered ? 1 : 0), centered ? 2 : 1};
@@ -27,8 +28,7 @@ c10::optional<OptimizerSpec> parse_optimizer_spec(absl::string_view name) {
   if (name == "sgd_momentum") return OptimizerSpec::sgd(true);
   if (name == "adam") return OptimizerSpec::adam();
   if (name == "adamw") return OptimizerSpec::adamw();
-  // fsdp::FusedAdamW (fused_adamw.h): AdamW's two moments, no temporaries in its step.
-  if (name == "fused_adamw") return OptimizerSpec{"fused_adamw", 2, 0};
+  if (name == "fused_adamw") return OptimizerSpec::fused_adamw();
   if (name == "adagrad") return OptimizerSpec::adagrad();
   if (name == "rmsprop") return OptimizerSpec::rmsprop(false, false);
   return c10::nullopt;

@@ -56,12 +56,13 @@ struct OptimizerSpec {
   static OptimizerSpec sgd(bool momentum);  // momentum_buffer if momentum != 0
   static OptimizerSpec adam();              // exp_avg, exp_avg_sq; denom's two temporaries
   static OptimizerSpec adamw();             // as adam()
+  static OptimizerSpec fused_adamw();       // fsdp::FusedAdamW: adamw()'s, no temporaries
   static OptimizerSpec adagrad();           // sum; std's temporary
   static OptimizerSpec rmsprop(bool momentum, bool centered);  // square_avg (+ buffers)
 };
 
-// "sgd", "sgd_momentum", "adam", "adamw", "adagrad", "rmsprop" (as command-line flags
-// spell them), or nullopt.
+// "sgd", "sgd_momentum", "adam", "adamw", "fused_adamw", "adagrad", "rmsprop" (as
+// command-line flags spell them), or nullopt.
 c10::optional<OptimizerSpec> parse_optimizer_spec(absl::string_view name);
 
 // How the communication backend allocates scratch memory through c10's allocator (see

@@ -15,10 +15,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include "fsdp/comm/fake.h"
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/fused_adamw.h"
 #include "fsdp/core/testing/mlp_model.h"
 #include "fsdp/core/tracking_allocator.h"
 
@@ -121,10 +123,23 @@ TEST(MemoryPlanTest, MixedPrecisionFrozenParametersAndOptimizers) {
   EXPECT_FALSE(parse_optimizer_spec("lamb").has_value());
 }
 
-// fsdp::FusedAdamW keeps AdamW's two moments and makes no temporary in its step.
+// fsdp::FusedAdamW keeps AdamW's two moments and makes no temporary in its step;
+// optimizer_spec_of tells it from the AdamW it derives from.
 TEST(MemoryPlanTest, FusedAdamWPlansNoStepTemporaries) {
   const OptimizerSpec fused = *parse_optimizer_spec("fused_adamw");
   EXPECT_EQ(fused.name, "fused_adamw");
+  const std::vector<at::Tensor> params = {at::zeros({3}).requires_grad_()};
+  const OptimizerSpec of_fused = optimizer_spec_of(FusedAdamW(params));
+  EXPECT_EQ(of_fused.name, "fused_adamw");
+  EXPECT_EQ(of_fused.states_per_element, 2);
+  EXPECT_EQ(of_fused.step_temporaries, 0);
+  EXPECT_EQ(
+      optimizer_spec_of(FusedAdamW(params, torch::optim::AdamWOptions().amsgrad(true)))
+          .states_per_element,
+      3);
+  const OptimizerSpec of_adamw = optimizer_spec_of(torch::optim::AdamW(params));
+  EXPECT_EQ(of_adamw.name, "adamw");
+  EXPECT_EQ(of_adamw.step_temporaries, 2);
   const MemoryPlan plan =
       plan_memory(two_units(), MemoryPlanOptions().world_size(2).optimizer(fused));
   EXPECT_EQ(plan.term_bytes(PlanTerm::kOptimizerState), 8 * 65);
@@ -170,11 +185,13 @@ struct Run {
   // outside autograd (its input needs no gradient; the plan takes a trainable root to come
   // first), block 2 a frozen unit between trainable ones.
   bool frozen_blocks = false;
+  bool fused_adamw = false;  // fsdp::FusedAdamW instead of Adam
 };
 
 std::string name_of(const Run& run) {
   return absl::StrFormat("%s W=%d %s%s%s%s", sharding_strategy_name(run.strategy), run.world_size,
-                         run.sgd ? "SGD(momentum)" : "Adam", run.bf16 ? " bf16" : "",
+                         run.sgd ? "SGD(momentum)" : run.fused_adamw ? "FusedAdamW" : "Adam",
+                         run.bf16 ? " bf16" : "",
                          run.frozen ? " frozen fc1" : "",
                          run.frozen_blocks ? " frozen head, blocks 0 and 2" : "");
 }
@@ -209,6 +226,9 @@ void train_and_check(const Run& run) {
     if (run.sgd) {
       optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
                                                       torch::optim::SGDOptions(1e-2).momentum(0.9));
+    } else if (run.fused_adamw) {
+      optimizer =
+          std::make_unique<FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
     } else {
       optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                        torch::optim::AdamOptions(1e-3));
@@ -241,6 +261,8 @@ class PlanCheckTest : public ::testing::TestWithParam<ShardingStrategy> {};
 TEST_P(PlanCheckTest, MeasuredWithinTheBoundsAtOneToFourRanks) {
   for (int w = 1; w <= 4; ++w) train_and_check({GetParam(), w});
   train_and_check({GetParam(), 2, /*sgd=*/true});
+  train_and_check({GetParam(), 2, /*sgd=*/false, /*bf16=*/false, /*frozen=*/false,
+                   /*frozen_blocks=*/false, /*fused_adamw=*/true});
 }
 
 TEST_P(PlanCheckTest, MixedPrecisionAndFrozenParametersWithinTheBounds) {

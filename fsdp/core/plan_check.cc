@@ -13,6 +13,7 @@
 #include <torch/optim/sgd.h>
 
 #include "fsdp/core/fully_sharded.h"
+#include "fsdp/core/fused_adamw.h"
 #include "fsdp/core/internal/runtime.h"
 #include "fsdp/core/memory_plan.h"
 
@@ -87,7 +88,10 @@ OptimizerSpec optimizer_spec_of(const torch::optim::Optimizer& optimizer) {
     return spec;
   }
   if (auto* o = first_group_options<torch::optim::AdamWOptions>(optimizer)) {
-    OptimizerSpec spec = OptimizerSpec::adamw();
+    // A FusedAdamW is an AdamW whose step makes no temporaries.
+    OptimizerSpec spec = dynamic_cast<const FusedAdamW*>(&optimizer) != nullptr
+                             ? OptimizerSpec::fused_adamw()
+                             : OptimizerSpec::adamw();
     spec.states_per_element += o->amsgrad() ? 1 : 0;
     return spec;
   }

@@ -133,10 +133,9 @@ TEST(MemoryPlanTest, FusedAdamWPlansNoStepTemporaries) {
   EXPECT_EQ(of_fused.name, "fused_adamw");
   EXPECT_EQ(of_fused.states_per_element, 2);
   EXPECT_EQ(of_fused.step_temporaries, 0);
-  EXPECT_EQ(
-      optimizer_spec_of(FusedAdamW(params, torch::optim::AdamWOptions().amsgrad(true)))
-          .states_per_element,
-      3);
+  EXPECT_EQ(optimizer_spec_of(FusedAdamW(params, torch::optim::AdamWOptions().amsgrad(true)))
+                .states_per_element,
+            3);
   const OptimizerSpec of_adamw = optimizer_spec_of(torch::optim::AdamW(params));
   EXPECT_EQ(of_adamw.name, "adamw");
   EXPECT_EQ(of_adamw.step_temporaries, 2);
@@ -190,9 +189,10 @@ struct Run {
 
 std::string name_of(const Run& run) {
   return absl::StrFormat("%s W=%d %s%s%s%s", sharding_strategy_name(run.strategy), run.world_size,
-                         run.sgd ? "SGD(momentum)" : run.fused_adamw ? "FusedAdamW" : "Adam",
-                         run.bf16 ? " bf16" : "",
-                         run.frozen ? " frozen fc1" : "",
+                         run.sgd           ? "SGD(momentum)"
+                         : run.fused_adamw ? "FusedAdamW"
+                                           : "Adam",
+                         run.bf16 ? " bf16" : "", run.frozen ? " frozen fc1" : "",
                          run.frozen_blocks ? " frozen head, blocks 0 and 2" : "");
 }
 

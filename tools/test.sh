@@ -8,7 +8,15 @@
 # "N passed, M failed" last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Seconds each stage took, printed before the counts (docs/main-job.md: what a cold run costs).
+stage_times=()
+stage_start=$SECONDS
+end_stage() {
+  stage_times+=("$1 $((SECONDS - stage_start)) s")
+  stage_start=$SECONDS
+}
 tools/setup.sh
+end_stage setup
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
@@ -29,14 +37,17 @@ bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" "${fsdp_g
   "${fsdp_binaries[@]}" 2>&1 |
   tee -a "$log" ||
   status=$?
+end_stage gcc
 (cd examples/consumer && bazel test //... --nocache_test_results "$@") 2>&1 |
   tee -a "$log" || status=$?
+end_stage consumer
 # sed drops gold's warning for each ASan symbol (__asan_check_*, __asan_extra_spill_area)
 # that clang 14's runtime lists for export but keeps local: thousands of harmless lines.
 bazel test --config=asan --build_tests_only --test_tag_filters=-gpu --nocache_test_results "$@" \
   -- "${asan_tests[@]}" 2>&1 |
   sed -E -e "/warning: Cannot export local symbol '__asan_/d" -e 's#^(//[^ ]+) #\1 (asan) #' |
   tee -a "$log" || status=$?
+end_stage asan
 # House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).
 if find fsdp models examples benchmarks tests tools \( -name '*.cc' -o -name '*.h' \) -print0 |
   xargs -0 clang-format --dry-run -Werror; then
@@ -67,6 +78,8 @@ for fuzz in "torch_file 20 //fsdp/state:torch_file_fuzzer" \
   echo "$fuzz_label $fuzz_result" | tee -a "$log"
   rm -f "$fuzz_log"
 done
+end_stage "format and fuzzers"
+echo "stage times: $(printf '%s, ' "${stage_times[@]}" | sed 's/, $//')"
 passed=$(grep -cE '^//[^ ]+( \(asan\))? +PASSED' "$log" || true)
 failed=$(grep -cE '^//[^ ]+( \(asan\))? +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log" || true)
 if [[ $status -ne 0 && $failed -eq 0 ]]; then failed=1; fi  # e.g. a build error

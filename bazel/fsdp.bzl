@@ -19,8 +19,8 @@ FUZZ_ONLY = select({
     "//conditions:default": ["//bazel:unsupported"],
 })
 
-# libFuzzer's coverage hooks (--config=asan and --config=fuzz): in the libraries and the
-# fuzzers, which the fuzzers run, not in the tests, whose compiles they would slow by ~15%.
+# libFuzzer's coverage hooks under --config=asan and --config=fuzz: in the libraries (what
+# the fuzzers exercise) and the fuzzers, not in the tests, whose compiles they slowed ~15%.
 FUZZ_COVERAGE_COPTS = select({
     "//bazel:fuzz_enabled": ["-fsanitize=fuzzer-no-link"],
     "//conditions:default": [],

@@ -25,7 +25,7 @@ status=0
 # unit tests (//fsdp/...) and the real-process test below run once, under ASan + UBSan
 # further down, not also here: compiling them twice cost minutes of a cold run. The
 # trainers' runs (the GPT smoke test among them) run here only: under ASan they would
-# compile the trainer libraries a second time (~7 minutes of a cold run's 2 cores).
+# compile the trainer libraries a second time (about 400 s of compiling in a cold run).
 # fsdp's tests tagged "gpu" run here instead (without a GPU their CUDA cases skip, and
 # clang's ASan build of those large files took the longest compiles of the stage).
 asan_tests=(//fsdp/... //tests:fsdp_gloo_test)

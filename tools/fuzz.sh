@@ -49,5 +49,12 @@ case "$target" in
     exit 2
     ;;
 esac
+# With FSDP_FUZZ_WORKSPACE, the fuzzer is built in that workspace, which depends on fsdp
+# as @fsdp (tools/test.sh names examples/consumer, where its ASan stage compiled the
+# libraries); the seeds above are made here either way.
+if [[ -n "${FSDP_FUZZ_WORKSPACE:-}" ]]; then
+  label="@fsdp$label"
+  cd "$FSDP_FUZZ_WORKSPACE"
+fi
 bazel run --config=fuzz "$label" -- -max_total_time="$seconds" \
   -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 "$corpus"

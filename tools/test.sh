@@ -20,7 +20,8 @@ tools/setup.sh
 end_stage setup
 
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+query_err=$(mktemp)
+trap 'rm -f "$log" "$query_err"' EXIT
 status=0
 # Test results are not taken from the cache: every run really runs the tests. fsdp's own
 # unit tests (//fsdp/...) and the real-process test below run once, under ASan + UBSan in
@@ -30,8 +31,23 @@ status=0
 # in a cold run). fsdp's tests tagged "gpu" run here instead (without a GPU their CUDA
 # cases skip, and clang's ASan build of those large files took the longest compiles).
 asan_tests=(//fsdp/... //tests:fsdp_gloo_test)
-bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" "${fsdp_gpu_tests[@]}" \
-  "${fsdp_binaries[@]}" 2>&1 |
+# The labels a query finds, one per line; a failing query ends the run rather than
+# leaving its targets out unseen.
+labels() {
+  if ! bazel query "$1" 2>"$query_err"; then
+    cat "$query_err" >&2
+    echo "test.sh: bazel query '$1' failed" >&2
+    return 1
+  fi
+}
+fsdp_gpu_tests=$(labels 'attr(tags, "\bgpu\b", tests(//fsdp/...))')
+# fsdp's benchmarks are compiled here, not under ASan, where nothing would run them
+# (--build_tests_only there; the fuzzers build in the fuzz configuration only, below).
+fsdp_binaries=$(labels 'filter("_benchmark$", kind("cc_binary", //fsdp/...))')
+# Both lists expand unquoted, one word per label (labels hold no spaces or wildcards).
+# shellcheck disable=SC2086
+bazel test --nocache_test_results "$@" -- //... "${asan_tests[@]/#/-}" $fsdp_gpu_tests \
+  $fsdp_binaries 2>&1 |
   tee -a "$log" ||
   status=$?
 end_stage gcc

@@ -75,26 +75,6 @@ at::Tensor ExpertsImpl::activation(const at::Tensor& gate, const at::Tensor& up)
 // the counts per expert cost one device-to-host copy per layer. A grouped GEMM
 // (at::_grouped_mm) would save the launches per expert on CUDA; the loop keeps CPU and
 // every dtype.
-// Note [Expert rows in buckets]
-// Each expert's matrix products take the number of tokens routed to it as their row count,
-// which changes from expert to expert and step to step. In bf16 or fp16 on the CPU, ATen
-// runs them with oneDNN, which builds and caches a kernel (a "primitive", with buffers of
-// its own, allocated outside LibTorch's allocator and so outside the memory plan) for each
-// shape. Measured on the 1.02 B Qwen3-MoE of benchmarks/README.md (64 experts, W = 2, LoRA,
-// 2-core Xeon with AMX, 2026-12-07): the process's heap held 427 MiB at its peak, the
-// largest rank 1,830 MiB against a plan of 1,528. Rounding each expert's rows up to a
-// multiple of 8 (zero rows, whose outputs are dropped) leaves a few shapes per layer:
-// heap 168 MiB, largest rank 1,558 MiB (1.02x the plan), tokens/s as before (128.8 against
-// 129.9) and the same losses to the printed digits (a real row's output does not depend on
-// the rows beside it, though a kernel chosen for another row count may round differently).
-// The zero rows cost at most 7 rows of work per expert.
-// In fp32 (MKL, no per-shape cache) and on CUDA the rows stay exact.
-int64_t expert_gemm_rows(int64_t rows, const at::Tensor& x) {
-  const bool reduced = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
-  if (!reduced || !x.is_cpu()) return rows;
-  return (rows + kExpertRowBucket - 1) / kExpertRowBucket * kExpertRowBucket;
-}
-
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_index,
                                 const at::Tensor& top_k_weights) {
   const int64_t num_experts = gate_up_proj.size(0), k = top_k_index.size(1);
@@ -109,27 +89,21 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_ind
   const int64_t* count = counts.data_ptr<int64_t>();
   for (int64_t e = 0; e < num_experts; ++e) {
     if (count[e] == 0) continue;
-    at::Tensor run = gathered.narrow(0, begin, count[e]);
+    const at::Tensor run = gathered.narrow(0, begin, count[e]);
     begin += count[e];
-    const int64_t rows = expert_gemm_rows(count[e], run);
-    if (rows != count[e]) {
-      run = at::cat({run, at::zeros({rows - count[e], run.size(1)}, run.options())});
-    }
-    at::Tensor out;
     if (!style.transposed) {
       const at::Tensor both = at::linear(run, gate_up_proj[e]);
       const int64_t inner = both.size(-1) / 2;
-      out = at::linear(activation(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner)),
-                       down_proj[e]);
-    } else {
-      // gpt_oss: x @ W + b, as GptOssExperts, gate and up interleaved.
-      const at::Tensor both = at::matmul(run, gate_up_proj[e]) + gate_up_proj_bias[e];
-      const int64_t inner = both.size(-1) / 2;
-      const at::Tensor h =
-          activation(both.slice(-1, 0, 2 * inner, 2), both.slice(-1, 1, 2 * inner, 2));
-      out = at::matmul(h, down_proj[e]) + down_proj_bias[e];
+      outputs.push_back(at::linear(
+          activation(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner)), down_proj[e]));
+      continue;
     }
-    outputs.push_back(out.narrow(0, 0, count[e]));
+    // gpt_oss: x @ W + b, as GptOssExperts, gate and up interleaved.
+    const at::Tensor both = at::matmul(run, gate_up_proj[e]) + gate_up_proj_bias[e];
+    const int64_t inner = both.size(-1) / 2;
+    const at::Tensor h =
+        activation(both.slice(-1, 0, 2 * inner, 2), both.slice(-1, 1, 2 * inner, 2));
+    outputs.push_back(at::matmul(h, down_proj[e]) + down_proj_bias[e]);
   }
   const at::Tensor weighted =
       (at::cat(outputs) * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1))

@@ -71,13 +71,6 @@ struct ExpertsStyle {
   double swiglu_alpha = 1.702;
 };
 
-// The rows an expert's matrix products run on for `rows` tokens routed to it: `rows`
-// rounded up to a multiple of kExpertRowBucket when the inputs are bf16 or fp16 on the
-// CPU (oneDNN's matmul, which keeps buffers for each shape it sees), else `rows`. See
-// Note [Expert rows in buckets] in moe.cc.
-inline constexpr int64_t kExpertRowBucket = 8;
-int64_t expert_gemm_rows(int64_t rows, const at::Tensor& x);
-
 // A layer's routed experts, fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I] (or as
 // `style` says), in the constructor's tensor options (values as torch::nn::Linear's per
 // expert, biases zero; none on c10::kMeta: reset_parameters). See Note [Experts gathered

@@ -54,13 +54,14 @@ end_stage gcc
 # The consumer workspace builds fsdp as an external repository, @fsdp; its ASan build
 # there is the only other compile of fsdp's libraries (Bazel keys actions by path, so
 # external/fsdp/... never shares the main build's), and it serves fsdp's unit tests, the
-# consumer's two programs and the fuzzers below. sed drops gold's warning for each ASan
-# symbol (__asan_check_*, __asan_extra_spill_area) that clang 14's runtime lists for
-# export but keeps local: thousands of harmless lines.
+# consumer's two programs and the fuzzers below. The sed expression drops gold's warning
+# for each ASan symbol (__asan_check_*, __asan_extra_spill_area) that clang 14's runtime
+# lists for export but keeps local: thousands of harmless lines in each ASan link.
+drop_asan_export_warnings="/warning: Cannot export local symbol '__asan_/d"
 (cd examples/consumer &&
   bazel test --config=asan --build_tests_only --test_tag_filters=-gpu --nocache_test_results \
     "$@" -- //... "${asan_tests[@]/#/@fsdp}") 2>&1 |
-  sed -E -e "/warning: Cannot export local symbol '__asan_/d" -e 's#^((@fsdp)?//[^ ]+) #\1 (asan) #' |
+  sed -E -e "$drop_asan_export_warnings" -e 's#^((@fsdp)?//[^ ]+) #\1 (asan) #' |
   tee -a "$log" || status=$?
 end_stage "consumer and asan"
 # House style: every C++ source as .clang-format says (clang-format 14, tools/setup.sh).
@@ -84,7 +85,7 @@ fuzzers=("torch_file 20 //fsdp/state:torch_file_fuzzer"
   "pickle 20 //fsdp/formats:pickle_fuzzer")
 fuzz_labels=($(printf '@fsdp%s\n' "${fuzzers[@]##* }"))
 (cd examples/consumer && bazel build --config=fuzz "$@" -- "${fuzz_labels[@]}") 2>&1 |
-  sed -E "/warning: Cannot export local symbol '__asan_/d" || status=$?
+  sed -E "$drop_asan_export_warnings" || status=$?
 fuzz_dir=$(mktemp -d)
 running=()
 report_fuzzers() {

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/base/names.h"
+#include "models/moe.h"
 
 namespace fsdp::models {
 namespace {
@@ -71,6 +72,11 @@ namespace {
 //   DeepSeek-V3's router keeps no logits but its fp32 sigmoid scores [T, E], and when the
 //   compute dtype is not fp32 the fp32 copies of its input (when it trains) and of its
 //   weight ([E, H] per sparse layer); its shared experts are a gated MLP without a gate.
+//   In bf16 and fp16 each expert's rows are padded with zero rows to a multiple of 8 (Note
+//   [Expert rows in multiples of 8] in moe.cc): each zero row saves a pair's gate, up and
+//   activation tensors (and, when the experts train, its gathered token and down's input).
+//   How many there are depends on the routing, so the plan counts the most: 7 per expert
+//   that can have tokens (min(E, k T)), unless told how many there were.
 // - DeepSeek-V3's latent attention (Note [Multi-head latent attention] in attention.cc):
 //   the norms of the q and kv latents (kv_a_layernorm's input, a view, keeps all of
 //   kv_a_proj_with_mqa's output in fp32), q_b_proj's and kv_b_proj's inputs when they
@@ -203,8 +209,7 @@ struct LayerBytes {
     if (config.norm_topk_prob) bytes += kFp32 * (k + 1);
     bytes += 2 * 8 * k;                        // the pairs' order and tokens
     if (full()) bytes += k * c * (h + inner);  // the gathered tokens, down's input
-    const int64_t activation = config.swiglu_limit > 0 ? 6 * inner : 3 * inner;
-    bytes += k * c * (activation + 2 * h) + k * weights;
+    bytes += k * c * (expert_activation() + 2 * h) + k * weights;
     const int64_t shared = config.shared_expert_intermediate_size;
     if (shared > 0) {
       bytes += adapter("gate_proj") + adapter("up_proj") + adapter("down_proj");
@@ -214,10 +219,28 @@ struct LayerBytes {
     return bytes;
   }
 
-  // Bytes per token of one (not checkpointed) layer; `first`: the model's first layer;
-  // `sparse`: an MoE layer's.
-  int64_t per_token(bool first, bool sparse = false) const {
-    return attention(first) + feed_forward(sparse);
+  // Per (token, expert) pair, the elements the experts' activation saves: gate and up, and
+  // silu's output or the clamped SwiGLU's four tensors (see the Note).
+  int64_t expert_activation() const {
+    const int64_t inner = config.moe_intermediate_size;
+    return config.swiglu_limit > 0 ? 6 * inner : 3 * inner;
+  }
+
+  // What one zero row of a sparse layer's experts saves (Note [Expert rows in multiples
+  // of 8] in moe.cc; bf16 and fp16 only): a pair's tensors up to the experts' outputs,
+  // which are narrowed back to the real rows.
+  int64_t expert_padded_row() const {
+    if (c != 2) return 0;
+    const int64_t down_input = full() ? config.hidden_size + config.moe_intermediate_size : 0;
+    return c * (expert_activation() + down_input);
+  }
+
+  // The most zero rows a sparse layer's experts add: kExpertRowMultiple - 1 for each
+  // expert that has tokens.
+  int64_t most_padded_rows() const {
+    if (expert_padded_row() == 0) return 0;
+    return std::min(config.num_experts, config.num_experts_per_tok * batch * context) *
+           (kExpertRowMultiple - 1);
   }
 
   // ... of its attention: from the layer's input to o_proj.
@@ -291,7 +314,8 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
                                          bool packed_rows, bool router_aux_loss,
-                                         DecoderUnits units) {
+                                         DecoderUnits units,
+                                         const std::vector<int64_t>& expert_padded_rows) {
   TORCH_CHECK(batch >= 1 && context >= 1,
               "decoder_activation_bytes: expected a batch and a "
               "context of at least 1, got ",
@@ -304,15 +328,27 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   const auto sparse = [&](int64_t i) {
     return config.is_moe() && config.sparse_layers.at(static_cast<size_t>(i));
   };
+  TORCH_CHECK(expert_padded_rows.empty() ||
+                  static_cast<int64_t>(expert_padded_rows.size()) == config.num_hidden_layers,
+              "decoder_activation_bytes: expected the padded expert rows of each of the ",
+              config.num_hidden_layers, " layers, got ", expert_padded_rows.size());
   const bool split = units == DecoderUnits::kSublayer;
-  // What a layer's recomputation holds: the layer's, or with kSublayer a sublayer's.
-  const auto recomputed = [&](bool first, bool sparse) {
-    return split ? std::max(layer.attention(first), layer.feed_forward(sparse))
-                 : layer.per_token(first, sparse);
+  // A sparse layer's feed-forward block, with its experts' zero rows (as given, or the most).
+  const auto feed_forward = [&](int64_t i) {
+    if (!sparse(i)) return tokens * layer.feed_forward(false);
+    const int64_t padded = expert_padded_rows.empty()
+                               ? layer.most_padded_rows()
+                               : expert_padded_rows[static_cast<size_t>(i)];
+    return tokens * layer.feed_forward(true) + padded * layer.expert_padded_row();
   };
-  int64_t largest = layers == 1 ? recomputed(/*first=*/true, sparse(0)) : 0;
-  for (int64_t i = 0; i < layers; ++i) largest = std::max(largest, recomputed(false, sparse(i)));
-  result.per_layer = tokens * largest + (packed_rows ? layer.mask(LayerType::kFull) : 0);
+  // What layer i's recomputation holds: the layer's, or with kSublayer a sublayer's.
+  const auto recomputed = [&](int64_t i, bool first) {
+    const int64_t attention = tokens * layer.attention(first);
+    return split ? std::max(attention, feed_forward(i)) : attention + feed_forward(i);
+  };
+  int64_t largest = layers == 1 ? recomputed(0, /*first=*/true) : 0;
+  for (int64_t i = 0; i < layers; ++i) largest = std::max(largest, recomputed(i, false));
+  result.per_layer = largest + (packed_rows ? layer.mask(LayerType::kFull) : 0);
   for (int64_t i = 0; i < layers; ++i) {
     // A sparse layer's router logits held by its block, and the load-balancing loss's
     // softmax of them (deepseek_v3's router keeps none, but in a compute dtype other than
@@ -333,11 +369,8 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
     } else if (checkpoint_layers) {
       result.layers.push_back(tokens * c * config.hidden_size + kCpuRngStateBytes + router);
     } else {
-      if (split) {
-        result.feed_forward.push_back(tokens * layer.feed_forward(sparse(i)) + aux_softmax +
-                                      router_weight);
-      }
-      result.layers.push_back(tokens * layer.per_token(i == 0, sparse(i)) + aux_softmax +
+      if (split) result.feed_forward.push_back(feed_forward(i) + aux_softmax + router_weight);
+      result.layers.push_back(tokens * layer.attention(i == 0) + feed_forward(i) + aux_softmax +
                               layer.mask(config.layer_types[i]) + layer.gemma_norm_weights(i == 0) +
                               router_weight);
     }

@@ -52,7 +52,12 @@ struct TrainedWeights {
 // of decoder.h on the CPU, the sparse layers' MoE blocks included; a CUDA device's
 // attention kernels keep what their backward needs in other shapes. `units`: the
 // decoder's (with DecoderUnits::kSublayer and `checkpoint_layers` a layer saves its norms'
-// tensors and each sublayer's input, not the layer's input only).
+// tensors and each sublayer's input, not the layer's input only). In bf16 and fp16 the
+// experts' zero rows (Note [Expert rows in multiples of 8] in moe.cc) depend on the routing:
+// `expert_padded_rows`, one count per layer (ExpertsImpl::padded_rows; 0 for a dense layer),
+// gives how many there were; empty: the most there can be, so the figures are an upper
+// bound for a mixture-of-experts decoder in bf16 or fp16. Raises c10::Error when
+// `expert_padded_rows` is neither empty nor one per layer.
 struct ActivationBytes {
   int64_t per_layer = 0;  // the largest layer's saved bytes (not checkpointed)
   int64_t saved_bytes = 0;
@@ -71,7 +76,8 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
                                          bool packed_rows = false, bool router_aux_loss = false,
-                                         DecoderUnits units = DecoderUnits::kLayer);
+                                         DecoderUnits units = DecoderUnits::kLayer,
+                                         const std::vector<int64_t>& expert_padded_rows = {});
 
 // The FSDP units of a decoder built by decoder.h (each layer a unit, or each layer's
 // attention and feed-forward block, and the embeddings and the head when untied; the root

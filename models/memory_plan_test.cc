@@ -7,6 +7,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include <ATen/Functions.h>
@@ -34,6 +35,8 @@ DecoderConfig config_of(const std::string& extra) {
 struct Measured {
   int64_t saved = 0;  // held after forward and the loss, before backward
   int64_t peak = 0;   // the most held during forward and backward, less the parameters' gradients
+  // Per layer, the zero rows its experts added (Note [Expert rows in multiples of 8]).
+  std::vector<int64_t> expert_padded_rows;
 };
 
 // One forward, loss and backward of a CPU-built decoder under the tracking allocator.
@@ -76,6 +79,9 @@ Measured measure(const DecoderConfig& config, at::ScalarType dtype, int64_t batc
   if (router_aux_loss) loss = loss + 0.01 * net->aux_loss();
   Measured m;
   m.saved = memory_allocated() - before;
+  for (const DecoderLayer& layer : net->model->decoder_layers) {
+    m.expert_padded_rows.push_back(layer->moe ? layer->moe->experts->padded_rows : 0);
+  }
   loss.backward();
   // The loss's gradients come first in backward, before any parameter's: with 2 x tokens
   // above the hidden size the peak is there, before any parameter has a gradient.
@@ -105,8 +111,21 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
                                c.packed, c.router_aux_loss, c.units);
     const ActivationBytes planned =
         decoder_activation_bytes(config, 2, context, c.dtype, c.checkpoint_layers, c.trained,
-                                 c.packed, c.router_aux_loss, c.units);
+                                 c.packed, c.router_aux_loss, c.units, m.expert_padded_rows);
     EXPECT_EQ(planned.saved_bytes, m.saved) << c.name << " context " << context;
+    // Without the routing, the plan counts the most zero rows the experts can add.
+    const ActivationBytes most =
+        decoder_activation_bytes(config, 2, context, c.dtype, c.checkpoint_layers, c.trained,
+                                 c.packed, c.router_aux_loss, c.units);
+    EXPECT_GE(most.saved_bytes, planned.saved_bytes) << c.name;
+    EXPECT_GE(most.peak_bytes, planned.peak_bytes) << c.name;
+    const int64_t padded =
+        std::accumulate(m.expert_padded_rows.begin(), m.expert_padded_rows.end(), int64_t{0});
+    // Only a bf16 decoder with experts pads, and then some expert's count is not a
+    // multiple of 8 (2 x 40 or 2 x 64 tokens, top-2, over 8 experts).
+    EXPECT_EQ(padded > 0, config.is_moe() && c.dtype == at::kBFloat16) << c.name;
+    EXPECT_EQ(most.saved_bytes > planned.saved_bytes, padded > 0 && !c.checkpoint_layers)
+        << c.name;
     // Gemma 2's eager attention in fp32 allocates a 4-byte scalar in backward.
     EXPECT_NEAR(planned.peak_bytes, m.peak, 4) << c.name << " context " << context;
     // The parts units free (each layer's, the head's) are within what is held.

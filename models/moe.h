@@ -71,10 +71,18 @@ struct ExpertsStyle {
   double swiglu_alpha = 1.702;
 };
 
+// The rows an expert's matrix products run on for `rows` tokens routed to it: `rows`
+// rounded up to a multiple of kExpertRowMultiple when x (the layer's input) is bf16 or
+// fp16 on the CPU, where oneDNN keeps a kernel with buffers of its own for each shape it
+// sees; else `rows`. See Note [Expert rows in multiples of 8] in moe.cc.
+inline constexpr int64_t kExpertRowMultiple = 8;
+int64_t expert_gemm_rows(int64_t rows, const at::Tensor& x);
+
 // A layer's routed experts, fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I] (or as
 // `style` says), in the constructor's tensor options (values as torch::nn::Linear's per
 // expert, biases zero; none on c10::kMeta: reset_parameters). See Note [Experts gathered
-// per expert] in moe.cc.
+// per expert] in moe.cc; in bf16 and fp16 on the CPU each expert's rows are padded, Note
+// [Expert rows in multiples of 8].
 struct ExpertsImpl : torch::nn::Module {
   ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t inner,
               const at::TensorOptions& options = {}, const ExpertsStyle& style = {});
@@ -89,6 +97,10 @@ struct ExpertsImpl : torch::nn::Module {
   at::Tensor activation(const at::Tensor& gate, const at::Tensor& up) const;
 
   ExpertsStyle style;
+  // The zero rows the last forward added to the experts' matrix products (Note [Expert
+  // rows in multiples of 8] in moe.cc): what decoder_activation_bytes' expert_padded_rows
+  // takes.
+  int64_t padded_rows = 0;
   at::Tensor gate_up_proj, down_proj;
   at::Tensor gate_up_proj_bias, down_proj_bias;  // style.transposed; else undefined
 };

@@ -90,6 +90,50 @@ TEST(Experts, GatheredPerExpertEqualsEachTokenAlone) {
                         at::zeros({0, 8})));
 }
 
+// Note [Expert rows in multiples of 8]: only bf16 and fp16 on the CPU round up.
+TEST(Experts, GemmRowsRoundUpForReducedPrecisionOnTheCpuOnly) {
+  const at::Tensor bf16 = at::zeros({1, 4}, at::kBFloat16);
+  EXPECT_EQ(expert_gemm_rows(1, bf16), 8);
+  EXPECT_EQ(expert_gemm_rows(8, bf16), 8);
+  EXPECT_EQ(expert_gemm_rows(9, bf16), 16);
+  EXPECT_EQ(expert_gemm_rows(37, at::zeros({1, 4}, at::kHalf)), 40);
+  EXPECT_EQ(expert_gemm_rows(37, at::zeros({1, 4})), 37);
+  EXPECT_EQ(
+      expert_gemm_rows(37, at::zeros({1, 4}, at::TensorOptions(at::kMeta).dtype(at::kBFloat16))),
+      37);
+}
+
+// In bf16 on the CPU each expert's 1-4 tokens run padded to 8 rows; the outputs and the
+// gradients of the real rows equal fp32's over the same bf16 values, to bf16's precision.
+TEST(Experts, PaddedRowsInBf16KeepEachTokensOutputAndGradients) {
+  torch::manual_seed(0);
+  Experts experts(4, 8, 6, at::TensorOptions().dtype(at::kBFloat16));
+  Experts reference(4, 8, 6);
+  {
+    at::NoGradGuard no_grad;
+    reference->gate_up_proj.copy_(experts->gate_up_proj);
+    reference->down_proj.copy_(experts->down_proj);
+  }
+  const at::Tensor x = at::randn({5, 8}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor x32 = x.detach().to(at::kFloat).requires_grad_();
+  const at::Tensor index = at::tensor({0, 1, 1, 2, 2, 1, 0, 2, 1, 0}, at::kLong).view({5, 2});
+  const at::Tensor weights = at::rand({5, 2});
+  const at::Tensor y = experts(x, index, weights.to(at::kBFloat16));
+  const at::Tensor want = reference(x32, index, weights);
+  // 3, 4 and 3 tokens: 5 + 4 + 5 zero rows; none in fp32.
+  EXPECT_EQ(experts->padded_rows, 14);
+  EXPECT_EQ(reference->padded_rows, 0);
+  ASSERT_EQ(y.sizes(), at::IntArrayRef({5, 8}));
+  EXPECT_TRUE(at::allclose(y.to(at::kFloat), want, 2e-2, 2e-2)) << y << want;
+  y.to(at::kFloat).square().sum().backward();
+  want.square().sum().backward();
+  EXPECT_TRUE(at::allclose(x.grad().to(at::kFloat), x32.grad(), 3e-2, 3e-2));
+  EXPECT_TRUE(at::allclose(experts->down_proj.grad().to(at::kFloat), reference->down_proj.grad(),
+                           3e-2, 3e-2));
+  EXPECT_TRUE(at::allclose(experts->gate_up_proj.grad().to(at::kFloat),
+                           reference->gate_up_proj.grad(), 3e-2, 3e-2));
+}
+
 TEST(SparseMoeBlock, Qwen3MoeDecoderKeepsItsSparseLayersRouterLogits) {
   const DecoderConfig config = parse_decoder_config(
       R"({"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 16,

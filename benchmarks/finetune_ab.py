@@ -513,13 +513,33 @@ saved in bf16. Both sides add the router's load-balancing loss (router_aux_loss_
 transformers' `output_router_logits=True`), and both gather a decoder layer's 64 experts
 at once: the peer's `fully_shard` wraps each layer, and ours makes each layer a unit by
 default. transformers runs the experts with `grouped_mm`, ours one matrix product per
-expert over the tokens routed to it. On moe_lora ours peaks about 1.2x its plan although
-its tensors peak at the plan's figure (the trainer's tracked peak): the rest is outside the
-tensors. Part of it is oneDNN's primitive cache: each expert's bf16 matrix products take a
-new shape whenever its number of tokens changes, and oneDNN keeps a primitive for each.
-With `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` (same machine, 2026-12-06) ours peaked at 1,700
-MiB instead of 1,820 (1.11x its plan; 66.5 tokens/s instead of 78.7) and the peer at 2,850
-MiB instead of 3,137.
+expert over the tokens routed to it, with two choices that the figures depend on
+(models/moe.cc):
+- Each expert's weights come from the fused tensor by one `unbind` (Note [Each expert's
+  weights by unbind]). Taken one `select` at a time, each expert's weight gradient was a
+  zero-filled tensor the size of all 64 experts, summed 64 times per weight: moe_full ran
+  at 12.2 tokens/s against the peer's 13.9 (0.88x) on the Xeon below, 42 tokens/s after.
+- In bf16 on the CPU each expert's rows are padded to a multiple of 8 (Note [Expert rows
+  in multiples of 8]). oneDNN builds and keeps a kernel, with buffers of its own, for each
+  matrix shape, and exact rows gave it a new shape whenever an expert's number of tokens
+  changed. Before the padding moe_lora peaked at 1.20x its plan while its tensors peaked
+  at the plan's figure. Measured on a 2-core Intel Xeon with AVX-512 BF16 and AMX
+  (2026-12-07; rank 0's mappings read from `/proc/PID/smaps` at its largest resident set,
+  5 steps, plan 1,528 MiB, tensors' tracked peak 1,329 MiB):
+
+| setting | anonymous mappings | glibc heap | largest rank | / plan | tokens/s |
+|---|---|---|---|---|---|
+| exact rows (a521356) | 1,310 MiB | 428 MiB | 1,827 MiB | 1.20 | 129 |
+| exact rows, `ONEDNN_PRIMITIVE_CACHE_CAPACITY=128` | | 374 MiB | 1,764 MiB | 1.15 | 109 |
+| exact rows, `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` | | | 1,694 MiB | 1.11 | 71 |
+| exact rows, `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=65536` | 1,590 MiB | 112 MiB | 1,792 MiB | 1.17 | 113 |
+| rows padded to a multiple of 8 | 1,297 MiB | 168 MiB | 1,558 MiB | 1.02 | 127 |
+
+The anonymous mappings are fsdp's caching CPU allocator's blocks (tensors of 256 KiB or
+more); the heap holds what is allocated below that size. The excess was ~280 MiB of heap
+blocks of 64-256 KiB that are not tensors (fsdp's allocator taking tensors down to 64 KiB
+moved none of them). The plan counts the most zero rows the padding can add (7 per expert
+that has tokens), so it stays an upper bound of what autograd holds.
 On a CPU without bf16 instructions (AVX2 only: no AVX-512 BF16, no AMX) every bf16 case
 means little: a bf16 matrix product ran 70x slower than fp32 there (0.9 against 66
 GFLOP/s, 2026-12-06), moe_lora ran at 4 tokens/s, and its peak was 0.98x its plan, since

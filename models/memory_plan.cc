@@ -313,8 +313,7 @@ int64_t element_size(at::ScalarType dtype) { return static_cast<int64_t>(c10::el
 ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch,
                                          int64_t context, at::ScalarType compute_dtype,
                                          bool checkpoint_layers, const TrainedWeights& trained,
-                                         bool packed_rows, bool router_aux_loss,
-                                         DecoderUnits units,
+                                         bool packed_rows, bool router_aux_loss, DecoderUnits units,
                                          const std::vector<int64_t>& expert_padded_rows) {
   TORCH_CHECK(batch >= 1 && context >= 1,
               "decoder_activation_bytes: expected a batch and a "
@@ -336,9 +335,8 @@ ActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t ba
   // A sparse layer's feed-forward block, with its experts' zero rows (as given, or the most).
   const auto feed_forward = [&](int64_t i) {
     if (!sparse(i)) return tokens * layer.feed_forward(false);
-    const int64_t padded = expert_padded_rows.empty()
-                               ? layer.most_padded_rows()
-                               : expert_padded_rows[static_cast<size_t>(i)];
+    const int64_t padded = expert_padded_rows.empty() ? layer.most_padded_rows()
+                                                      : expert_padded_rows[static_cast<size_t>(i)];
     return tokens * layer.feed_forward(true) + padded * layer.expert_padded_row();
   };
   // What layer i's recomputation holds: the layer's, or with kSublayer a sublayer's.

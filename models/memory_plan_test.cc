@@ -124,8 +124,7 @@ TEST_P(ActivationBytesTest, EqualsWhatAutogradHolds) {
     // Only a bf16 decoder with experts pads, and then some expert's count is not a
     // multiple of 8 (2 x 40 or 2 x 64 tokens, top-2, over 8 experts).
     EXPECT_EQ(padded > 0, config.is_moe() && c.dtype == at::kBFloat16) << c.name;
-    EXPECT_EQ(most.saved_bytes > planned.saved_bytes, padded > 0 && !c.checkpoint_layers)
-        << c.name;
+    EXPECT_EQ(most.saved_bytes > planned.saved_bytes, padded > 0 && !c.checkpoint_layers) << c.name;
     // Gemma 2's eager attention in fp32 allocates a 4-byte scalar in backward.
     EXPECT_NEAR(planned.peak_bytes, m.peak, 4) << c.name << " context " << context;
     // The parts units free (each layer's, the head's) are within what is held.

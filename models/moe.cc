@@ -153,8 +153,8 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_ind
     if (!style.transposed) {
       const at::Tensor both = at::linear(run, gate_up[e]);
       const int64_t inner = both.size(-1) / 2;
-      out = at::linear(activation(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner)),
-                       down[e]);
+      out =
+          at::linear(activation(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner)), down[e]);
     } else {
       // gpt_oss: x @ W + b, as GptOssExperts, gate and up interleaved.
       const at::Tensor both = at::matmul(run, gate_up[e]) + gate_up_bias[e];

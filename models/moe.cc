@@ -104,6 +104,7 @@ int64_t expert_gemm_rows(int64_t rows, const at::Tensor& x) {
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_index,
                                 const at::Tensor& top_k_weights) {
   const int64_t num_experts = gate_up_proj.size(0), k = top_k_index.size(1);
+  padded_rows = 0;
   if (x.size(0) == 0) return at::zeros_like(x);
   const at::Tensor choices = top_k_index.reshape(-1);  // [tokens * k]: token t's j-th at t k + j
   const at::Tensor order = at::argsort(choices, /*stable=*/true);
@@ -113,7 +114,6 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_ind
   at::Tensor gathered = x.index_select(0, tokens);
   // Note [Expert rows in multiples of 8]: each expert's run of rows, padded.
   std::vector<int64_t> rows(static_cast<size_t>(num_experts));
-  padded_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     rows[e] = count[e] == 0 ? 0 : expert_gemm_rows(count[e], x);
     padded_rows += rows[e] - count[e];

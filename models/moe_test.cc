@@ -132,6 +132,10 @@ TEST(Experts, PaddedRowsInBf16KeepEachTokensOutputAndGradients) {
                            3e-2, 3e-2));
   EXPECT_TRUE(at::allclose(experts->gate_up_proj.grad().to(at::kFloat),
                            reference->gate_up_proj.grad(), 3e-2, 3e-2));
+  // A forward of no tokens pads nothing.
+  experts(x.detach().narrow(0, 0, 0), index.narrow(0, 0, 0),
+          weights.narrow(0, 0, 0).to(at::kBFloat16));
+  EXPECT_EQ(experts->padded_rows, 0);
 }
 
 TEST(SparseMoeBlock, Qwen3MoeDecoderKeepsItsSparseLayersRouterLogits) {

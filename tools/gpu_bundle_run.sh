@@ -4,6 +4,8 @@
 # with an NVIDIA GPU whose python3 has torch 2.11 (CUDA 13 build), no Bazel needed:
 #
 #   bash .gpu_bundle/run.sh          # PYTHON=/path/to/python3 picks the interpreter
+#   bash .gpu_bundle/run.sh real_size [CASES]   # only the fine-tunes at real size (issue
+#                                    # 51: real_size_check.py, its own 240 s per side)
 #
 # LibTorch, NCCL and the CUDA runtime are that torch's own: run.sh asks python3 where
 # torch is and puts torch/lib and site-packages/nvidia/*/lib on LD_LIBRARY_PATH. It runs
@@ -94,6 +96,23 @@ echo "torch $torch_version (CUDA $torch_cuda) from $python; CUDA devices: $devic
 first=$(head -1 "$here/tests.tsv" | cut -f2)
 if command -v ldd >/dev/null; then
   ldd "$here/$first" | awk '$1 ~ /^lib(torch_cpu|c10|nccl|cudart)\.so/ { print "  " $1 " => " $3 }'
+fi
+
+# --- fine-tunes at real size (issue 51), instead of everything below --------------------
+# `run.sh real_size [CASES]`: real_size_check.py's cases (comma-separated; its default: all
+# three) against transformers + PEFT + FSDP2 on this device; the table goes to
+# $OUT/real_size.md (or logs/). Each side of a case has 240 s.
+if [[ ${1:-} == real_size ]]; then
+  if ((devices == 0)); then
+    echo "real_size: no CUDA device"
+    exit 2
+  fi
+  table_dir=${OUT:-$here/logs}
+  mkdir -p "$table_dir"
+  "$python" "$here/real_size_check.py" --finetune="$here/bin/examples/llama/finetune" \
+    --peer="$here/peer/hf_fsdp2_finetune.py" --work="${REAL_SIZE_WORK:-/tmp/fsdp_real_size}" \
+    --out="$table_dir/real_size.md" ${2:+--cases="$2"}
+  exit $?
 fi
 
 # --- the test binaries -----------------------------------------------------------------

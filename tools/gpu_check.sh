@@ -78,7 +78,8 @@ done
 for label in "${TRAINER_BINARIES[@]}"; do bundle_binary "$label"; done
 install -m 755 tools/gpu_bundle_run.sh "$BUNDLE/run.sh"
 mkdir -p "$BUNDLE/peer" "$BUNDLE/fortunes"
-install -m 644 benchmarks/peer/fsdp2_gpt.py "$BUNDLE/peer/"
+install -m 644 benchmarks/peer/fsdp2_gpt.py benchmarks/peer/hf_fsdp2_finetune.py "$BUNDLE/peer/"
+install -m 644 tools/real_size_check.py "$BUNDLE/"
 # The fortune files as load_fortunes reads them (no .dat indexes, no .u8 copies).
 find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' -exec install -m 644 {} "$BUNDLE/fortunes/" \;
 # The Llama the fine-tune step trains (the GPU machine needs no transformers).

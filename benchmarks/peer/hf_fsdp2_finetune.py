@@ -39,6 +39,10 @@ of a Hugging Face decoder folder (Llama, Qwen3-MoE), the same run as examples/ll
   experts run as transformers picks by default (grouped_mm where torch has it; printed).
 Rank 0 prints `step k/N | loss X` after each step (after the all-reduce of the loss, as the
 trainer), and its own peak resident set after loading and at the end.
+With --device=cuda (tools/real_size_check.py) rank r runs on cuda:LOCAL_RANK over NCCL: the
+shards are materialised there, each batch is copied there, and rank 0 also prints
+torch.cuda.max_memory_allocated at the end. --activation_checkpointing turns on
+transformers' gradient checkpointing (non-reentrant) before the adapters and fully_shard.
 """
 
 import argparse
@@ -77,6 +81,10 @@ def parse_args():
     p.add_argument("--quantize", default="none", choices=["none", "nf4"])
     p.add_argument("--fsdp", type=int, default=1,
                    help="0: no fully_shard (one process: plain transformers + PEFT)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: rank r on cuda:LOCAL_RANK over NCCL")
+    p.add_argument("--activation_checkpointing", action="store_true",
+                   help="transformers' gradient checkpointing (non-reentrant) of every layer")
     return p.parse_args()
 
 
@@ -115,6 +123,8 @@ def build(args):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=base)
     decoder_layers = list(model.model.layers)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(
@@ -123,7 +133,7 @@ def build(args):
     if not args.fsdp:
         assert dist.get_world_size() == 1, "--fsdp=0 runs one process"
         return model, len(decoder_layers)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if sixteen is not None else MixedPrecisionPolicy()
     for layer in decoder_layers:
@@ -168,7 +178,8 @@ def materialise(model, args):
     QLoRA: the base is loaded already; only the adapters are drawn."""
     quantized = args.quantize == "nf4"
     if not quantized:
-        model.to_empty(device="cpu")
+        model.to_empty(device=torch.device(args.device, torch.cuda.current_device())
+                        if args.device == "cuda" else "cpu")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     index = os.path.join(args.folder, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -211,7 +222,9 @@ def materialise(model, args):
 def main():
     args = parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     assert args.batch_size % world_size == 0, "--batch_size must be a multiple of the world size"
     model, layers = build(args)
@@ -242,6 +255,7 @@ def main():
         starts = torch.randint(tokens.numel() - args.context - 1, (args.batch_size,))
         starts = starts[rank * local:(rank + 1) * local]
         chunk = tokens[starts[:, None] + torch.arange(args.context + 1)[None, :]]
+        chunk = chunk.to(torch.cuda.current_device()) if args.device == "cuda" else chunk
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
         optimizer.zero_grad()
         out = model(input_ids=x, output_router_logits=True) if aux_coef else model(input_ids=x)
@@ -259,6 +273,9 @@ def main():
     if rank == 0:
         print(f"peak resident set: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
               " MiB (rank 0)", flush=True)
+        if args.device == "cuda":
+            print(f"peak memory allocated: {torch.cuda.max_memory_allocated() / 1e6:.1f} MB "
+                  "(rank 0)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     # DTensor's caches keep the Gloo group alive into interpreter teardown, where a rank

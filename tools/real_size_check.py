@@ -18,8 +18,8 @@ Cases (--cases; context and batch per case, 5 steps by default):
                   activation checkpointing, context 4096, 1 window a step
   qwen3_8b_qlora  the same with ours' --quantize=nf4 (the peer needs bitsandbytes, which
                   the device does not have: its row says so)
-  tiny_full, tiny_lora  2-layer versions of the above on the CPU (--device=cpu): the
-                  plumbing, checked here without a GPU
+  tiny_full, tiny_lora  2-layer versions of the above (a Llama, a Qwen3) on the CPU
+                  (--device=cpu): the plumbing, checked here without a GPU
 Per row: tokens/s of the steps after the first (from the time each `step k/N` line
 arrives, the same for both sides), model FLOPs utilisation, peak GPU memory (ours:
 max_memory_allocated of its device handle; the peer: torch.cuda.max_memory_allocated) and
@@ -50,6 +50,7 @@ QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=32000,
             tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5)
+TINY_QWEN3 = dict(TINY, model_type="qwen3", rms_norm_eps=1e-6)
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 # name: (model, LoRA rank, ours' extra flags, the peer runs it, context, windows a step)
@@ -59,9 +60,9 @@ CASES = {
     "qwen3_8b_qlora": ("qwen3_8b", 16, ["--activation_checkpointing", "--quantize=nf4"], False,
                        4096, 1),
     "tiny_full": ("tiny", 0, [], True, 128, 2),
-    "tiny_lora": ("tiny", 8, ["--activation_checkpointing"], True, 128, 2),
+    "tiny_lora": ("tiny_qwen3", 8, ["--activation_checkpointing"], True, 128, 2),
 }
-MODELS = {"llama1b": LLAMA_1B, "qwen3_8b": QWEN3_8B, "tiny": TINY}
+MODELS = {"llama1b": LLAMA_1B, "qwen3_8b": QWEN3_8B, "tiny": TINY, "tiny_qwen3": TINY_QWEN3}
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
 
 

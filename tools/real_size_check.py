@@ -35,8 +35,10 @@ not counted (the usual convention: MFU counts the model's FLOPs, not the work do
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
@@ -121,12 +123,22 @@ def device_peak(device):
 
 
 def run(command, env, log_path, timeout_s):
-    """Runs `command`, stamping each `step k/N` line; returns (status, stamps, losses, text)."""
+    """Runs `command`, stamping each `step k/N` line, killed after timeout_s (silent or
+    not); returns (status, stamps, losses, text)."""
     stamps, losses, lines = [], [], []
     with open(log_path, "w") as log:
+        # Its own process group, so that the timer ends its children too (ours' ranks).
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + timeout_s
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+        def kill():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended as the timer fired
+                pass
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
         for line in process.stdout:
             log.write(line)
             lines.append(line)
@@ -134,17 +146,10 @@ def run(command, env, log_path, timeout_s):
             if match:
                 stamps.append(time.monotonic())
                 losses.append(float(match.group(2)))
-            if time.monotonic() > deadline:
-                process.kill()
-                break
-        try:
-            code = process.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            code = process.wait()
-    status = "ok" if code == 0 else f"exit {code}"
-    if time.monotonic() > deadline:
-        status = f"timed out after {timeout_s} s"
+        code = process.wait()
+        timed_out = not timer.is_alive()
+        timer.cancel()
+    status = f"timed out after {timeout_s} s" if timed_out else "ok" if code == 0 else f"exit {code}"
     return status, stamps, losses, "".join(lines)
 
 

@@ -5,7 +5,7 @@
 #
 #   bash .gpu_bundle/run.sh          # PYTHON=/path/to/python3 picks the interpreter
 #   bash .gpu_bundle/run.sh real_size [CASES]   # only the fine-tunes at real size (issue
-#                                    # 51: real_size_check.py, its own 240 s per side)
+#                                    # 51: real_size_check.py, 9 minutes at most)
 #
 # LibTorch, NCCL and the CUDA runtime are that torch's own: run.sh asks python3 where
 # torch is and puts torch/lib and site-packages/nvidia/*/lib on LD_LIBRARY_PATH. It runs
@@ -99,9 +99,9 @@ if command -v ldd >/dev/null; then
 fi
 
 # --- fine-tunes at real size (issue 51), instead of everything below --------------------
-# `run.sh real_size [CASES]`: real_size_check.py's cases (comma-separated; its default: all
-# three) against transformers + PEFT + FSDP2 on this device; the table goes to
-# $OUT/real_size.md (or logs/). Each side of a case has 240 s.
+# `run.sh real_size [CASES]`: real_size_check.py's cases (comma-separated; its default:
+# llama1b_full,qwen3_8b_lora) against transformers + PEFT + FSDP2 on this device, within 9
+# minutes; the table goes to $OUT/real_size.md (or logs/), rewritten after every run.
 if [[ ${1:-} == real_size ]]; then
   if ((devices == 0)); then
     echo "real_size: no CUDA device"

@@ -1,13 +1,13 @@
 """Fine-tunes at real size on one GPU (issue 51, item 2): examples/llama:finetune against
 transformers + PEFT + PyTorch FSDP2 (benchmarks/peer/hf_fsdp2_finetune.py --device=cuda) on
 the same random folder and the same batches, W = 1. Run by the GPU bundle
-(`bash .gpu_bundle/run.sh real_size`, docs/GPU.md); no weights travel: each folder is made
-on the device by transformers from its config, in bf16, with random values.
+(`bash .gpu_bundle/run.sh real_size [CASES]`, docs/GPU.md); no weights travel: each folder
+is made on the device by transformers from its config, in bf16, with random values.
 
     python3 real_size_check.py --finetune=bin/examples/llama/finetune \
         --peer=peer/hf_fsdp2_finetune.py --work=/tmp/real_size --out=$OUT/real_size.md
 
-Cases (--cases; context and batch per case, 5 steps by default):
+Cases (--cases, default llama1b_full,qwen3_8b_lora; 10 steps each):
   llama1b_full    a Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 heads, 8 KV heads,
                   intermediate 8192, vocabulary 128256, tied embeddings), full fine-tune:
                   bf16 compute, fp32 master weights and AdamW (both sides' default for a
@@ -16,15 +16,25 @@ Cases (--cases; context and batch per case, 5 steps by default):
                   heads, intermediate 12288, vocabulary 151936), LoRA rank 16 on q_proj,
                   k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj over the bf16 base,
                   activation checkpointing, context 4096, 1 window a step
-  qwen3_8b_qlora  the same with ours' --quantize=nf4 (the peer needs bitsandbytes, which
-                  the device does not have: its row says so)
+  qwen3_8b_qlora  the same with ours' --quantize=nf4, ours only (the peer needs
+                  bitsandbytes, which the device does not have: its row says so). Ours
+                  quantizes 7 B weights on one CPU thread as it reads them (minutes), so it
+                  has 480 s and a device command of its own
   tiny_full, tiny_lora  2-layer versions of the above (a Llama, a Qwen3) on the CPU
                   (--device=cpu): the plumbing, checked here without a GPU
+Each side has its case's time limit (240 s; the QLoRA one 480 s), cut to what is left of
+--deadline_s (540 s: the script ends inside a 10-minute device command); a case that
+cannot start in time says so. The table is rewritten after every side, with the last
+lines of each failed side's log, so a command killed midway keeps what was measured;
+every side dies with this script (PR_SET_PDEATHSIG). Ours' written-back folder (OUT/hf)
+is deleted after each run, so the disk holds the folders (2.5 GB and 16.4 GB) and one
+copy at a time.
 Per row: tokens/s of the steps after the first (from the time each `step k/N` line
 arrives, the same for both sides), model FLOPs utilisation, peak GPU memory (ours:
 max_memory_allocated of its device handle; the peer: torch.cuda.max_memory_allocated) and
-the loss at the last step. MFU = FLOPs per token x tokens/s / the device's dense bf16 peak
-(989.4 TFLOP/s for an H100 or H200 SXM; none for another device). FLOPs per token, with N
+the loss at the last step (ours prints 4 decimals). MFU = FLOPs per token x tokens/s / the
+device's dense bf16 peak (nvidia-smi's name: 989.4 TFLOP/s for an H100 SXM or H200, 835
+for an H100 NVL, 756 for an H100 PCIe; none for another device). FLOPs per token, with N
 the weights of the matrix products (every linear layer and the head) and the attention's
 12 x layers x context x (heads x head_dim): a full fine-tune 6 N + attention; LoRA 4 N +
 attention (forward 2 N and the input gradients 2 N; the frozen weights get no weight
@@ -35,6 +45,7 @@ not counted (the usual convention: MFU counts the model's FLOPs, not the work do
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,29 +66,33 @@ TINY = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidde
 TINY_QWEN3 = dict(TINY, model_type="qwen3", rms_norm_eps=1e-6)
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
-# name: (model, LoRA rank, ours' extra flags, the peer runs it, context, windows a step)
+# name: (model, LoRA rank, ours' extra flags, the peer runs it, context, windows a step,
+# seconds per side)
 CASES = {
-    "llama1b_full": ("llama1b", 0, [], True, 2048, 4),
-    "qwen3_8b_lora": ("qwen3_8b", 16, ["--activation_checkpointing"], True, 4096, 1),
+    "llama1b_full": ("llama1b", 0, [], True, 2048, 4, 240),
+    "qwen3_8b_lora": ("qwen3_8b", 16, ["--activation_checkpointing"], True, 4096, 1, 240),
     "qwen3_8b_qlora": ("qwen3_8b", 16, ["--activation_checkpointing", "--quantize=nf4"], False,
-                       4096, 1),
-    "tiny_full": ("tiny", 0, [], True, 128, 2),
-    "tiny_lora": ("tiny_qwen3", 8, ["--activation_checkpointing"], True, 128, 2),
+                       4096, 1, 480),
+    "tiny_full": ("tiny", 0, [], True, 128, 2, 240),
+    "tiny_lora": ("tiny_qwen3", 8, ["--activation_checkpointing"], True, 128, 2, 240),
 }
 MODELS = {"llama1b": LLAMA_1B, "qwen3_8b": QWEN3_8B, "tiny": TINY, "tiny_qwen3": TINY_QWEN3}
-PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
+# Dense bf16 TFLOP/s by the device's name (nvidia-smi's), the more specific first.
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12),
+             ("H200", 989.4e12)]
+MIN_SIDE_S = 60  # a side is not started with less time left
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="llama1b_full,qwen3_8b_lora,qwen3_8b_qlora")
+    p.add_argument("--cases", default="llama1b_full,qwen3_8b_lora")
     p.add_argument("--finetune", required=True, help="examples/llama:finetune binary")
     p.add_argument("--peer", required=True, help="benchmarks/peer/hf_fsdp2_finetune.py")
     p.add_argument("--work", required=True, help="folders, tokens and runs go here")
     p.add_argument("--out", required=True, help="the markdown table is written here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--timeout_s", type=int, default=240, help="per side and case")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--deadline_s", type=int, default=540, help="the whole run")
     p.add_argument("--make_folder", nargs=3, metavar=("DIR", "MODEL", "DEVICE"),
                    help=argparse.SUPPRESS)
     return p.parse_args()
@@ -105,6 +120,12 @@ def matmul_weights(fields):
     return layers * per_layer + fields["vocab_size"] * h
 
 
+def folder_bytes(fields):
+    """The bf16 folder's size, near enough: the matrix weights and an untied embedding."""
+    untied = 0 if fields["tie_word_embeddings"] else fields["vocab_size"] * fields["hidden_size"]
+    return 2 * (matmul_weights(fields) + untied)
+
+
 def flops_per_token(fields, lora, context):
     attention = 12 * fields["num_hidden_layers"] * context * (
         fields["num_attention_heads"] * fields["head_dim"])
@@ -112,14 +133,26 @@ def flops_per_token(fields, lora, context):
 
 
 def device_peak(device):
+    """(dense bf16 FLOP/s or None, the device's name), asked of nvidia-smi: this process
+    opens no CUDA context of its own."""
     if device != "cuda":
         return None, "CPU"
-    import torch
-    name = torch.cuda.get_device_name(0)
-    for key, value in PEAK_BF16.items():
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader",
+                               "--id=0"], capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"unknown CUDA device (nvidia-smi: {error})"
+    for key, value in PEAK_BF16:
         if key in name:
             return value, name
     return None, name
+
+
+def die_with_parent():
+    """In the child: SIGKILL when this script ends (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def run(command, env, log_path, timeout_s):
@@ -128,8 +161,12 @@ def run(command, env, log_path, timeout_s):
     stamps, losses, lines = [], [], []
     with open(log_path, "w") as log:
         # Its own process group, so that the timer ends its children too (ours' ranks).
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, errors="replace",
+                                       start_new_session=True, preexec_fn=die_with_parent)
+        except OSError as error:
+            return f"cannot start: {error}", stamps, losses, str(error)
 
         def kill():
             try:
@@ -158,12 +195,31 @@ def peak_mb(text, pattern):
     return float(match.group(1)) if match else None
 
 
+def write_table(path, device_name, steps, rows, failures):
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    table = (f"Device: {device_name}; W = 1, {steps} steps; tokens/s of steps 2-{steps}; MFU "
+             "as tools/real_size_check.py says.\n\n"
+             "| case | side | status | tokens/s | MFU | peak memory (MB) | last loss |\n"
+             "|---|---|---|---|---|---|---|\n")
+    for case, side, status, tps, mfu, memory, loss in rows:
+        table += (f"| {case} | {side} | {status} | {fmt(tps, ',.0f')} | "
+                  f"{fmt(mfu and 100 * mfu, '.1f')}{'%' if mfu else ''} | {fmt(memory, ',.0f')} | "
+                  f"{fmt(loss, '.5f')} |\n")
+    for name, tail in failures:
+        table += f"\n{name}, the end of its log:\n\n" + "".join(
+            "    " + line + "\n" for line in tail.splitlines())
+    with open(path, "w") as f:
+        f.write(table)
+    return table
+
+
 def main():
     args = parse_args()
     if args.make_folder:
         make_folder(*args.make_folder)
         return 0
     import numpy as np
+    start = time.monotonic()
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -174,16 +230,35 @@ def main():
     peer_env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                     LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517",
                     PYTHONUNBUFFERED="1")
-    rows = []
+    rows, failures = [], []
+    left = lambda: args.deadline_s - (time.monotonic() - start)
+
+    def skip(case, why):
+        rows.extend([(case, "ours", why, None, None, None, None),
+                     (case, "peer", why, None, None, None, None)])
+
     for case in cases:
-        model, lora, extra, peer_runs, context, windows = CASES[case]
+        model, lora, extra, peer_runs, context, windows, side_s = CASES[case]
         fields = MODELS[model]
         folder = os.path.join(args.work, model)
         if not os.path.exists(os.path.join(folder, "config.json")):
+            free = shutil.disk_usage(args.work).free
+            if free < 2.5 * folder_bytes(fields):  # the folder and ours' written-back copy
+                skip(case, f"not run: {free / 1e9:.1f} GB free in {args.work}")
+                continue
             print(f"real_size_check: writing a random {model} folder", flush=True)
-            subprocess.run([sys.executable, __file__, "--finetune", args.finetune, "--peer",
-                            args.peer, "--work", args.work, "--out", args.out, "--make_folder",
-                            folder, model, args.device], check=True)
+            partial = folder + ".partial"  # renamed when complete: a killed write is redone
+            shutil.rmtree(partial, ignore_errors=True)
+            status, _, _, text = run([sys.executable, __file__, "--finetune", args.finetune,
+                                      "--peer", args.peer, "--work", args.work, "--out",
+                                      args.out, "--make_folder", partial, model, args.device],
+                                     os.environ, partial + ".log", int(max(1, left())))
+            if status != "ok":
+                skip(case, f"not run: writing the folder: {status}")
+                failures.append((f"{case}, writing the folder", text[-3000:]))
+                write_table(args.out, device_name, args.steps, rows, failures)
+                continue
+            os.rename(partial, folder)
         tokens = os.path.join(args.work, f"{model}_tokens.bin")
         if not os.path.exists(tokens):  # random ids, enough for every window
             rng = np.random.default_rng(1234)
@@ -192,10 +267,11 @@ def main():
         common = [f"--steps={args.steps}", f"--context={context}", f"--batch_size={windows}",
                   "--lr=1e-5", "--seed=1234"]
         lora_flags = [f"--lora_rank={lora}", f"--lora_target_modules={ALL_LINEAR}"] if lora else []
+        out_dir = os.path.join(args.work, case + "_ours")
         ours = [args.finetune, f"--from={folder}", f"--data={tokens}", "--data_dtype=uint32",
                 "--world_size=1", f"--device={args.device}", "--warmup_steps=0",
                 "--log_interval=1", "--checkpoint_interval=0", "--timeout_s=600",
-                f"--out_dir={os.path.join(args.work, case + '_ours')}"] + common + lora_flags + extra
+                f"--out_dir={out_dir}"] + common + lora_flags + extra
         peer = [sys.executable, args.peer, f"--from={folder}", f"--data={tokens}",
                 "--data_dtype=uint32", f"--device={args.device}"] + common + lora_flags + [
                     f for f in extra if f == "--activation_checkpointing"]
@@ -207,9 +283,17 @@ def main():
                 rows.append((case, side, "not run: the peer's QLoRA needs bitsandbytes", None,
                              None, None, None))
                 continue
-            print(f"real_size_check: {case}, {side}", flush=True)
+            limit = int(min(side_s, left()))
+            if limit < MIN_SIDE_S:
+                rows.append((case, side, f"not run: {max(0, limit)} s left of --deadline_s",
+                             None, None, None, None))
+                continue
+            print(f"real_size_check: {case}, {side} ({limit} s at most)", flush=True)
+            shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's
             status, stamps, losses, text = run(command, env, os.path.join(
-                args.work, f"{case}_{side}.log"), args.timeout_s)
+                args.work, f"{case}_{side}.log"), limit)
+            if side == "ours":
+                shutil.rmtree(out_dir, ignore_errors=True)  # OUT/hf: a copy of the folder
             tokens_per_s = (windows * context * (len(stamps) - 1) / (stamps[-1] - stamps[0])
                             if len(stamps) >= 2 else None)
             mfu = (flops_per_token(fields, lora, context) * tokens_per_s / peak
@@ -219,20 +303,10 @@ def main():
             rows.append((case, side, status, tokens_per_s, mfu, peak_mb(text, memory) if memory
                          else None, losses[-1] if losses else None))
             if status != "ok":
-                print(text[-3000:], flush=True)
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)
-    table = (f"Device: {device_name}; W = 1, {args.steps} steps; tokens/s of steps 2-"
-             f"{args.steps}; MFU as tools/real_size_check.py says.\n\n"
-             "| case | side | status | tokens/s | MFU | peak memory (MB) | last loss |\n"
-             "|---|---|---|---|---|---|---|\n")
-    for case, side, status, tps, mfu, memory, loss in rows:
-        table += (f"| {case} | {side} | {status} | {fmt(tps, ',.0f')} | "
-                  f"{fmt(mfu and 100 * mfu, '.1f')}{'%' if mfu else ''} | {fmt(memory, ',.0f')} | "
-                  f"{fmt(loss, '.5f')} |\n")
-    with open(args.out, "w") as f:
-        f.write(table)
-    print(table, flush=True)
-    return 0 if all(row[2] == "ok" or row[2].startswith("not run") for row in rows) else 1
+                failures.append((f"{case}, {side}", "".join(text.splitlines(True)[-40:])))
+            write_table(args.out, device_name, args.steps, rows, failures)
+    print(write_table(args.out, device_name, args.steps, rows, failures), flush=True)
+    return 0 if all(row[2] == "ok" or row[2].startswith("not run: the peer") for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -55,11 +55,18 @@ struct Nf4Tensor {
   int64_t blocks() const { return (numel() + blocksize - 1) / blocksize; }
 };
 
-// `x` (floating, any shape, not empty) in NF4: each block's absmax, then each element
-// scaled by it and given the code of the nearest NF4 value (ties to the lower one), as
-// bitsandbytes' quantize_4bit does on the CPU; with `double_quant` the absmax values less
-// their mean, in blocks of 256, given the nearest value of dynamic_map() the same way.
+// `x` (floating, any shape, not empty, finite) in NF4: each block's absmax, then each
+// element scaled by it and given the code of the nearest NF4 value (ties to the lower one),
+// as bitsandbytes' quantize_4bit does on the CPU; with `double_quant` the absmax values less
+// their mean, in blocks of 256, given the nearest value of dynamic_map() the same way. The
+// result is on x's device. On the CPU one loop over the values (at::parallel_for); elsewhere
+// quantize_nf4_composite. A NaN or infinite value raises c10::Error naming its block.
 Nf4Tensor quantize_nf4(const at::Tensor& x, bool double_quant = true, int64_t blocksize = 64);
+
+// The same bytes from a composition of ATen ops, on any device: what quantize_nf4 runs off
+// the CPU (CUDA), here so that the two can be compared on the CPU.
+Nf4Tensor quantize_nf4_composite(const at::Tensor& x, bool double_quant = true,
+                                 int64_t blocksize = 64);
 
 // The tensor `q` stands for: shape q.shape, dtype q.dtype, on q.codes' device; bit for bit
 // bitsandbytes' dequantize_4bit of the same bytes. On the CPU one loop over the codes

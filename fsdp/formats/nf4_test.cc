@@ -2,6 +2,8 @@
 // double quantization's round trip, and sizes that do not agree refused.
 #include "fsdp/formats/nf4.h"
 
+#include <limits>
+#include <string>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -82,6 +84,64 @@ TEST(Nf4Test, CpuLoopEqualsTheAtenComposition) {
         EXPECT_EQ(loop.sizes(), composite.sizes());
         EXPECT_TRUE(at::equal(loop, composite)) << c10::IntArrayRef(shape) << " " << dtype;
       }
+    }
+  }
+}
+
+// Quantizing: the CPU loop and the ATen composition give the same bytes, for every input
+// dtype, blocksize and double quantization, for a numel that is odd and not a multiple of
+// the blocksize, a block of zeros, and values exactly on the midpoints between NF4 values
+// (the lower code) and on the NF4 values themselves.
+TEST(Nf4Test, CpuQuantizationEqualsTheAtenComposition) {
+  at::manual_seed(0);
+  const at::Tensor code = nf4_code();
+  const at::Tensor midpoints = (code.narrow(0, 0, 15) + code.narrow(0, 1, 15)) / 2;
+  // One block of 64 whose absmax is 1: the 15 midpoints, the 16 values, then zeros.
+  const at::Tensor ties = at::cat({midpoints, code, at::zeros({64 - 31})});
+  const std::vector<at::Tensor> inputs = {at::randn({96, 70}), at::randn({3, 5, 7}) * 1e-3,
+                                          at::randn({1}),
+                                          at::cat({ties, at::zeros({64}), at::randn({65})})};
+  for (const at::Tensor& input : inputs) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+      for (const int64_t blocksize : {64, 4, 2}) {
+        for (const bool double_quant : {true, false}) {
+          const at::Tensor x = input.to(dtype);
+          const Nf4Tensor loop = quantize_nf4(x, double_quant, blocksize),
+                          composite = quantize_nf4_composite(x, double_quant, blocksize);
+          const std::string what = ::testing::PrintToString(input.sizes().vec()) + " " +
+                                   c10::toString(dtype) + " blocksize " + std::to_string(blocksize);
+          EXPECT_TRUE(at::equal(loop.codes, composite.codes)) << what;
+          EXPECT_TRUE(at::equal(loop.absmax, composite.absmax)) << what;
+          EXPECT_EQ(loop.offset, composite.offset) << what;
+          if (double_quant) {
+            EXPECT_TRUE(at::equal(loop.nested_absmax, composite.nested_absmax)) << what;
+          }
+        }
+      }
+    }
+  }
+  // The ties block by hand: midpoint k takes code k (the lower of its two values), value k
+  // code k, zeros code 7.
+  const at::Tensor codes = quantize_nf4(ties, false).codes;
+  std::vector<int64_t> expected;
+  for (int64_t i = 0; i < 64; i += 2) {
+    const auto nibble = [](int64_t j) -> int64_t { return j < 15 ? j : j < 31 ? j - 15 : 7; };
+    expected.push_back(nibble(i) << 4 | nibble(i + 1));
+  }
+  EXPECT_EQ(bytes(codes), expected);
+}
+
+TEST(Nf4Test, NonFiniteValuesAreRefused) {
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    at::Tensor x = at::ones({4, 64});
+    x[2][5] = bad;
+    for (const bool composite : {false, true}) {
+      EXPECT_THAT(
+          [&] { composite ? quantize_nf4_composite(x) : quantize_nf4(x); },
+          ThrowsMessage<c10::Error>(HasSubstr(
+              "quantize_nf4: expected finite values, found NaN or infinity in the block of 64 "
+              "values from flat index 128 of a tensor of shape [4, 64]")));
     }
   }
 }

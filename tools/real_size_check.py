@@ -18,8 +18,8 @@ Cases (--cases, default llama1b_full,qwen3_8b_lora; 10 steps each):
                   activation checkpointing, context 4096, 1 window a step
   qwen3_8b_qlora  the same with ours' --quantize=nf4, ours only (the peer needs
                   bitsandbytes, which the device does not have: its row says so). Ours
-                  quantizes 7 B weights on one CPU thread as it reads them (minutes), so it
-                  has 480 s and a device command of its own
+                  quantizes 7 B weights on the CPU as it reads them (~30 s on one core),
+                  and it has 480 s and a device command of its own
   tiny_full, tiny_lora  2-layer versions of the above (a Llama, a Qwen3) on the CPU
                   (--device=cpu): the plumbing, checked here without a GPU
 Each side has its case's time limit (240 s; the QLoRA one 480 s), cut to what is left of

@@ -151,6 +151,7 @@ namespace {
 // (at::bucketize: a value on a midpoint takes the lower code). So the bytes are the same:
 // fsdp/formats:nf4_test compares the two. A block with a non-finite value gets a NaN
 // absmax, which quantize_nf4 refuses.
+
 // The bits of |v| as an unsigned integer: ordered as |v| is for finite values, and
 // 0x7f800000 or more exactly when v is infinite or NaN.
 inline uint32_t abs_bits(float v) {

@@ -4,6 +4,8 @@
 // [Dequantizing NF4 on the CPU] in nf4.cc). Values/s counts the weight's values.
 //
 //   bazel run -c opt //fsdp/formats:nf4_benchmark
+#include <malloc.h>
+
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -16,6 +18,10 @@ namespace {
 const at::Tensor& weight() {
   static const at::Tensor w = [] {
     at::set_num_threads(1);
+    // Outputs reuse freed memory, as in the trainers (fsdp::CachingCpuAllocator): glibc
+    // would map each 100 MB output afresh, and its page faults would outweigh the loops.
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
     at::manual_seed(0);
     return at::randn({4096, 12288}, at::kBFloat16);
   }();

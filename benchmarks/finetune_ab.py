@@ -507,6 +507,11 @@ at step 2 against 10.73 for ours and for the peer without `fully_shard` on one p
 at W = 1 10.77345, 10.73260, 10.75077). Ours computes the first step's loss 1.8e-6 from
 transformers in fp32 over the same dequantized weights (10.77347); transformers in bf16
 over them gives 10.77476 and bitsandbytes' CPU kernels 10.77201, both within 1.4e-4.
+Ours dequantizes each projection in forward and again in backward (Note [Dequantizing
+NF4 on the CPU] in fsdp/formats/nf4.cc). Converting each element to bf16 one at a time,
+ours ran at 53-57 tokens/s against the peer's 70-72 (0.76-0.79x; three runs alternating,
+2026-12-07); from a per-block table looked up 32 values at a time with SSSE3, at 84-88
+against 67-69 (1.25-1.28x), with the same losses to the last digit.
 
 The moe_full and moe_lora cases (issue 47) start from a random 1.02 B-parameter Qwen3-MoE
 saved in bf16. Both sides add the router's load-balancing loss (router_aux_loss_coef 0.001,

@@ -92,6 +92,7 @@ at::Tensor dequantize_blocks(const at::Tensor& index, const at::Tensor& absmax,
 // 32 elements at a time with SSSE3's byte shuffle. On one core, a [4096, 12288] bf16
 // weight (fsdp/formats:nf4_benchmark): 22-29 ms, against 92-124 ms converting each
 // element, and 268-428 ms for the composition.
+
 #if FSDP_NF4_SSSE3
 // The 16-bit case of dequantize_block over the first multiple of 16 of `bytes` code bytes;
 // returns how many it did. SSSE3's byte shuffle is a lookup in a table of 16 bytes, so the

@@ -72,10 +72,9 @@ TEST(Nf4Test, DoubleQuantizationKeepsTheAbsmaxClose) {
 
 // The CPU loop and the ATen composition (CUDA's path) give the same bits, for every
 // output dtype, with and without double quantization, for a numel that is odd and not a
-// multiple of the blocksize.
-// Blocksizes of 64 and 32 run the 16-bit values through the SSSE3 lookup (16 code bytes at
-// a time) on x86-64, with the scalar loop for the rest of each block; 4 and 2 the scalar
-// loop alone, as do fp32 and fp64.
+// multiple of the blocksize. Blocksizes of 64 and 32 run the 16-bit values through the
+// SSSE3 lookup (16 code bytes at a time) on x86-64, with the scalar loop for the rest of
+// each block; 4 and 2 the scalar loop alone, as do fp32 and fp64.
 TEST(Nf4Test, CpuLoopEqualsTheAtenComposition) {
   at::manual_seed(0);
   for (const std::vector<int64_t>& shape :

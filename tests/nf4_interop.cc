@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
     nested.absmax = t.at("absmax");
     nested.nested_absmax = t.at("nested_absmax");
     nested.nested_code = t.at("nested_code");
-    nested.offset = t.at("offset").item<float>();
+    nested.offset = t.at("offset").reshape({1});
     check(same_bits(fsdp::dequantize_nf4(plain), t.at("plain_dequantized")),
           name + ": dequantized bitsandbytes' bytes bit for bit");
     check(same_bits(fsdp::dequantize_nf4(nested), t.at("dequantized")),
@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
     const int64_t differ = ours2.absmax.ne(t.at("absmax")).sum().item<int64_t>();
     check(same_bits(ours2.codes, t.at("codes")) && differ == 0 &&
               same_bits(ours2.nested_absmax, t.at("nested_absmax")) &&
-              same_bits(ours2.nested_code, t.at("nested_code")) && ours2.offset == nested.offset,
+              same_bits(ours2.nested_code, t.at("nested_code")) &&
+              same_bits(ours2.offset, nested.offset),
           name + ": double-quantized to bitsandbytes' codes, absmax bytes (" +
               std::to_string(differ) + " of " + std::to_string(ours2.absmax.numel()) +
               " differ), nested absmax, code and offset");

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -68,30 +70,46 @@ std::pair<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x, const at:
   return {at::cat(absmax), at::bucketize(at::cat(scaled), bounds)};
 }
 
-// code[index] x absmax[i / blocksize] in fp32, flat [index.numel()].
-at::Tensor dequantize_blocks(const at::Tensor& index, const at::Tensor& absmax,
-                             const at::Tensor& code, int64_t blocksize) {
-  const int64_t n = index.numel();
-  const at::Tensor values = code.index_select(0, index.reshape(-1).to(at::kLong));
-  const at::Tensor scale =
-      absmax.repeat_interleave(blocksize).narrow(0, 0, n);  // absmax of each element's block
-  return values * scale;
+// out[i] = values[i] x absmax[i / blocksize] for the flat `out` [n]: one fp32 product,
+// rounded once to out's dtype (at::mul_out computes in its inputs' dtype and casts on
+// store). values float32 [>= n], absmax float32 [ceil(n / blocksize)], all on one device.
+void scale_blocks(at::Tensor& out, const at::Tensor& values, const at::Tensor& absmax,
+                  int64_t blocksize) {
+  const int64_t n = out.numel(), full = n / blocksize, head = full * blocksize;
+  if (full > 0) {
+    at::Tensor blocks = out.narrow(0, 0, head).view({full, blocksize});
+    at::mul_out(blocks, values.narrow(0, 0, head).view({full, blocksize}),
+                absmax.narrow(0, 0, full).unsqueeze(1));
+  }
+  if (head < n) {
+    at::Tensor rest = out.narrow(0, head, n - head);
+    at::mul_out(rest, values.narrow(0, head, n - head), absmax.narrow(0, full, 1));
+  }
 }
 
 // Note [Dequantizing NF4 on the CPU]
 // QLoRA dequantizes every projection of a unit in forward and again in backward, so this
-// runs over every frozen weight twice a step. As a composition of ATen ops (the path kept
-// for other devices) it makes six passes over n elements with an int64 index and a
-// repeated absmax (about 30 bytes of memory traffic a weight); the CPU loop below reads
-// each code byte once and writes each value once in the output dtype. Both compute
-// nf4 value x absmax as one fp32 product and round it to the dtype once (c10's
-// conversions, round to nearest even), so they give the same bits: fsdp/formats:nf4_test
-// compares the two, and tests:nf4_interop_test the loop with bitsandbytes. The loop makes
-// each block's 16 products and conversions once, into a table, and copies every element
-// from it; for 16-bit dtypes (bf16, fp16: QLoRA's compute dtypes) on x86-64 it looks up
-// 32 elements at a time with SSSE3's byte shuffle. On one core, a [4096, 12288] bf16
-// weight (fsdp/formats:nf4_benchmark): 22-29 ms, against 92-124 ms converting each
-// element, and 268-428 ms for the composition.
+// runs over every frozen weight twice a step. The CPU loop below reads each code byte
+// once and writes each value once in the output dtype. Like the composition of Note
+// [Dequantizing NF4 off the CPU], it computes nf4 value x absmax as one fp32 product and
+// rounds it to the dtype once (c10's conversions, round to nearest even), so the two give
+// the same bits: fsdp/formats:nf4_test compares them, and tests:nf4_interop_test the loop
+// with bitsandbytes. The loop makes each block's 16 products and conversions once, into a
+// table, and copies every element from it; for 16-bit dtypes (bf16, fp16: QLoRA's compute
+// dtypes) on x86-64 it looks up 32 elements at a time with SSSE3's byte shuffle. On one
+// core, a [4096, 12288] bf16 weight (fsdp/formats:nf4_benchmark): 22-29 ms, against
+// 92-124 ms converting each element.
+
+// Note [Dequantizing NF4 off the CPU]
+// On CUDA, dequantize_nf4 is a composition of ATen ops, three passes over a weight of n
+// values: the code bytes widened to int32 (n / 2 x 4 bytes), each byte's two values looked
+// up in a [256, 2] table (nf4_pairs; n x 4 bytes of fp32), and those times their block's
+// absmax, broadcast over a [blocks, blocksize] view and written in the output dtype by the
+// multiplication itself: about 14.5 bytes of memory traffic a bf16 value. (Unpacking the
+// nibbles into an int64 index, repeating each absmax blocksize times and casting apart
+// took about 47.) Nothing in it reads a value on the host: the table is made once per
+// device and the double quantization's offset is a device tensor, so the host never waits
+// for the device while it queues a step.
 
 #if FSDP_NF4_SSSE3
 // The 16-bit case of dequantize_block over the first multiple of 16 of `bytes` code bytes;
@@ -360,7 +378,7 @@ Nf4Tensor quantize(const at::Tensor& x, bool double_quant, int64_t blocksize, bo
     return q;
   }
   const at::Tensor mean = absmax.mean();
-  q.offset = mean.item<float>();
+  q.offset = mean.reshape({1});
   q.nested_code = dynamic_map().to(x.device());
   auto [nested, bytes] = quantize_blocks(absmax - mean, q.nested_code, q.nested_blocksize);
   q.absmax = bytes.to(at::kByte);
@@ -400,19 +418,43 @@ at::Tensor checked_absmax(const Nf4Tensor& q) {
   check_tensor(q.nested_absmax, "nested_absmax", at::kFloat,
                (blocks + q.nested_blocksize - 1) / q.nested_blocksize, q);
   check_tensor(q.nested_code, "nested_code", at::kFloat, 256, q);
-  return dequantize_blocks(q.absmax, q.nested_absmax, q.nested_code, q.nested_blocksize) + q.offset;
+  check_tensor(q.offset, "offset", at::kFloat, 1, q);
+  at::Tensor absmax = at::empty({blocks}, q.nested_absmax.options());
+  scale_blocks(absmax, q.nested_code.index_select(0, q.absmax.to(at::kInt)), q.nested_absmax,
+               q.nested_blocksize);
+  return absmax.add_(q.offset);
 }
 
-// The ATen composition of Note [Dequantizing NF4 on the CPU], on codes' device.
+// Each code byte's two NF4 values, its high nibble's first: float32 [256, 2] on `device`.
+// Made once per device and kept for the process, since a copy to a CUDA device waits for
+// the device, which dequantizing (every frozen weight, every step) must not.
+at::Tensor nf4_pairs(c10::Device device) {
+  struct Tables {
+    std::mutex mutex;
+    absl::flat_hash_map<c10::Device, at::Tensor> by_device;
+  };
+  static Tables* const tables = new Tables;  // never destroyed: CUDA may be torn down first
+  std::lock_guard<std::mutex> lock(tables->mutex);
+  at::Tensor& pairs = tables->by_device[device];
+  if (!pairs.defined()) {
+    at::Tensor cpu = at::empty({256, 2}, at::TensorOptions(at::kFloat).device(c10::kCPU));
+    float* values = cpu.data_ptr<float>();
+    for (int byte = 0; byte < 256; ++byte) {
+      values[2 * byte] = kNf4[byte >> 4];
+      values[2 * byte + 1] = kNf4[byte & 15];
+    }
+    pairs = cpu.to(device);
+  }
+  return pairs;
+}
+
+// The ATen composition of Note [Dequantizing NF4 off the CPU], on codes' device.
 at::Tensor dequantize_composite(const Nf4Tensor& q, const at::Tensor& absmax) {
-  const at::Tensor codes = q.codes.reshape(-1);
-  const at::Tensor index =
-      at::stack({at::bitwise_right_shift(codes, 4), at::bitwise_and(codes, 15)}, 1)
-          .reshape(-1)
-          .narrow(0, 0, q.numel());
-  return dequantize_blocks(index, absmax, nf4_code().to(codes.device()), q.blocksize)
-      .to(q.dtype)
-      .view(q.shape);
+  const at::Tensor values =
+      nf4_pairs(q.codes.device()).index_select(0, q.codes.reshape(-1).to(at::kInt)).view(-1);
+  at::Tensor out = at::empty({q.numel()}, q.codes.options().dtype(q.dtype));
+  scale_blocks(out, values, absmax, q.blocksize);
+  return out.view(q.shape);
 }
 
 }  // namespace

@@ -47,7 +47,9 @@ struct Nf4Tensor {
   at::Tensor absmax;
   at::Tensor nested_absmax;  // float32 [ceil(blocks / nested_blocksize)]
   at::Tensor nested_code;    // float32 [256]: the absmax bytes' values (dynamic_map())
-  float offset = 0;          // the mean of the absmax values, added back
+  // float32 [1]: the mean of the absmax values, added back. A tensor on the codes' device,
+  // so that dequantizing never reads it on the host (a wait for the device on CUDA).
+  at::Tensor offset;
   int64_t nested_blocksize = 256;
 
   bool double_quantized() const { return nested_absmax.defined(); }

@@ -57,7 +57,6 @@ class Nf4Weight : public StoredWeight {
         offset_(std::move(offset)) {}
 
   at::Tensor unpack(c10::ScalarType dtype) const override {
-    // One host read of the offset per use (a device sync on CUDA).
     return dequantize_nf4_entries(shape_, dtype, codes_, absmax_, nested_absmax_, nested_code_,
                                   offset_);
   }
@@ -130,7 +129,7 @@ std::vector<std::pair<std::string, at::Tensor>> nf4_weight_entries(const at::Ten
           {"weight_absmax", q.absmax},
           {"weight_nested_absmax", as_bytes(q.nested_absmax)},
           {"weight_nested_quant_map", as_bytes(q.nested_code)},
-          {"weight_nested_offset", as_bytes(at::full({1}, q.offset, q.nested_absmax.options()))}};
+          {"weight_nested_offset", as_bytes(q.offset)}};
 }
 
 at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarType dtype,
@@ -144,7 +143,7 @@ at::Tensor dequantize_nf4_entries(const std::vector<int64_t>& shape, at::ScalarT
   q.absmax = absmax;
   q.nested_absmax = from_bytes(nested_absmax);
   q.nested_code = from_bytes(nested_code);
-  q.offset = from_bytes(offset).item<float>();
+  q.offset = from_bytes(offset);
   return dequantize_nf4(q);
 }
 

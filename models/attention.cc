@@ -155,6 +155,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::latent_qkv(const a
   return {query, key, kv.narrow(-1, qk_nope_head_dim, v_head_dim)};
 }
 
+// Note [Grouped heads with a mask]
+// scaled_dot_product_attention's enable_gqa (keys and values of fewer heads than the
+// queries) is taken, in PyTorch 2.11 on CUDA, by the flash kernel, which takes no mask,
+// and by the math kernel, which keeps fp32 scores of [batch, heads, t, s] for backward
+// (2 GiB a layer for Qwen3-8B at 4096 tokens); the memory-efficient kernel takes a mask
+// but not grouped heads. So with a mask (packed rows, a sliding window, a KV cache) off
+// the CPU, keys and values are repeated per query head first, as transformers'
+// sdpa_attention does whenever it passes a mask, and the memory-efficient kernel runs.
+// Without a mask, the flash kernel takes the grouped heads as they are. On the CPU the
+// flash kernel takes both, so nothing is repeated there (models/memory_plan.cc counts
+// what it saves).
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                   const at::Tensor& mask) {
   const int64_t b = x.size(0), t = x.size(1);
@@ -195,14 +206,16 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   const bool eager = softcap > 0 || sinks.defined();
   if (!mask.defined() && (window > 0 || eager || s > t))
     allowed = attention_mask(t, s, window, x.device());
+  // Each key/value head serves heads / kv_heads query heads: repeated per query head for
+  // eager attention, and for a mask off the CPU (Note [Grouped heads with a mask]).
+  if (k.size(1) != heads && (eager || (allowed.defined() && !x.device().is_cpu()))) {
+    k = k.repeat_interleave(heads / k.size(1), 1);
+    v = v.repeat_interleave(heads / v.size(1), 1);
+  }
   at::Tensor attended;
   if (eager) {
     // As transformers' eager attention: scores scaled, capped, masked, softmax in fp32
     // (with sinks: in the scores' dtype).
-    if (kv_heads != heads) {  // each key/value head serves heads / kv_heads query heads
-      k = k.repeat_interleave(heads / kv_heads, 1);
-      v = v.repeat_interleave(heads / kv_heads, 1);
-    }
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
     if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
     scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
@@ -226,7 +239,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
         q, k, padding > 0 ? at::constant_pad_nd(v, {0, padding}) : v,
         allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
         /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale,
-        /*enable_gqa=*/kv_heads != heads);
+        /*enable_gqa=*/k.size(1) != heads);
     if (padding > 0) attended = attended.narrow(-1, 0, width);
   }
   return o_proj(attended.transpose(1, 2).reshape({b, t, heads * v.size(-1)}));

@@ -269,9 +269,8 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& ids, const at::Tensor& po
               "DecoderModel: a forward with a KV cache runs without grad (torch::NoGradGuard)");
   at::Tensor x = embed_unit ? embed_unit(ids) : embed_tokens(ids);
   if (config.scale_embeddings) {  // transformers: a fp32 scalar sqrt(hidden), in the weights' dtype
-    x = x * at::scalar_tensor(std::sqrt(double(config.hidden_size)), at::kFloat)
-                .to(x.scalar_type())
-                .to(x.device());
+    x = x * at::scalar_tensor(std::sqrt(double(config.hidden_size)), x.options().dtype(at::kFloat))
+                .to(x.scalar_type());
   }
   if (config.embedding_multiplier != 1.0) x = x * config.embedding_multiplier;  // granite
   TORCH_CHECK(positions.defined() == segments.defined(),

@@ -7,12 +7,13 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/argsort.h>
-#include <ATen/ops/bincount.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
@@ -109,7 +110,11 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& top_k_ind
   const at::Tensor choices = top_k_index.reshape(-1);  // [tokens * k]: token t's j-th at t k + j
   const at::Tensor order = at::argsort(choices, /*stable=*/true);
   const at::Tensor tokens = order.div(k, "floor");
-  const at::Tensor counts = at::bincount(choices, {}, num_experts).cpu();
+  // Tokens per expert, read on the host once (at::bincount on CUDA also reads the choices'
+  // minimum and maximum back).
+  const at::Tensor counts = at::zeros({num_experts}, choices.options())
+                                .scatter_add_(0, choices, at::ones_like(choices))
+                                .cpu();
   const int64_t* count = counts.data_ptr<int64_t>();
   at::Tensor gathered = x.index_select(0, tokens);
   // Note [Expert rows in multiples of 8]: each expert's run of rows, padded.
@@ -303,7 +308,8 @@ at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int
       prob_sum = prob_sum + (probs * mask).sum(0);
       rows = rows + mask.sum();
     } else {
-      counts = counts + at::bincount(chosen.reshape(-1), {}, num_experts).to(at::kFloat);
+      counts = counts + at::zeros({num_experts}, fp32)
+                            .scatter_add_(0, chosen.reshape(-1), at::ones({chosen.numel()}, fp32));
       prob_sum = prob_sum + probs.sum(0);
       rows = rows + double(logits.size(0));
     }

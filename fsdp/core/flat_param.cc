@@ -508,7 +508,7 @@ void FlatParamHandle::finish_reduce_grad() {
   if (!keep_low_precision_grads_) shard_grad = shard_grad.to(sharded_.scalar_type());
   if (!offload_) return add_to_grad(shard_grad);
   // See Note [CPU offload]: to the host without waiting; wait_for_offload adds it.
-  wait_for_offload();  // an earlier reduction's copy, if nobody waited for it
+  finish_grad_offload();  // an earlier reduction's copy, if nobody waited for it
   grad_offload_.host = device_->empty_host(shard_numel_, shard_grad.scalar_type());
   grad_offload_.host.copy_(shard_grad, /*non_blocking=*/true);
   grad_offload_.done = device_->record_event(device_->current_stream());
@@ -544,7 +544,9 @@ void FlatParamHandle::add_to_grad(const at::Tensor& shard_grad) {
 // - Reduce: the gradient is flattened, reduced (and for HYBRID all-reduced across groups)
 //   and divided on the device as without offload; finish_reduce_grad then queues the
 //   shard's copy to a new pinned host buffer on the compute stream (non_blocking) and
-//   records an event, without blocking the host in backward. wait_for_offload, which
+//   records an event, without blocking the host in backward (it waits only for an earlier
+//   reduction's copy that nobody waited for, never for the copy-in, which the copy stream
+//   holds behind the compute stream). wait_for_offload, which
 //   the runtime calls for every unit at the end of each iteration (before the optimizer
 //   can read a gradient or write a shard), synchronizes on that event and on the last
 //   copy-in event, then adds the host buffer to .grad (or makes it .grad): FSDP1's
@@ -579,6 +581,10 @@ void FlatParamHandle::wait_for_offload() {
     copy_in_done_->synchronize();
     copy_in_done_ = nullptr;
   }
+  finish_grad_offload();
+}
+
+void FlatParamHandle::finish_grad_offload() {
   if (!grad_offload_.host.defined()) return;
   grad_offload_.done->synchronize();
   GradOffload done = std::exchange(grad_offload_, GradOffload());

@@ -310,6 +310,9 @@ class FlatParamHandle {
   }
   // Adds `shard_grad` to sharded_flat_param().grad() (or makes it the grad).
   void add_to_grad(const at::Tensor& shard_grad);
+  // offload_params: the half of wait_for_offload that waits for the reduced gradient's
+  // copy to the host and adds it; no-op with none in flight.
+  void finish_grad_offload();
   // offload_params: the shard copied to the device (in param_dtype) on the copy stream,
   // which the compute stream then waits for; release_copied_shard drops such a copy once
   // the compute stream's work queued so far is all that reads it (Note [CPU offload]).

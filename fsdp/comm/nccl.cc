@@ -328,7 +328,7 @@ class NcclResources {
 
   // Blocks the host while `limit` or more collectives of `kind` are pending (issued, not
   // known to be complete), so that at most `limit` are in flight once the caller issues
-  // the next one: PyTorch FSDP1's limit_all_gathers. The watchdog ends the wait on a
+  // the next one (NcclOptions::max_in_flight_all_gathers). The watchdog ends the wait on a
   // failure or an expired deadline (the pending works are then failed). limit 0: no bound.
   void wait_for_slot(CollectiveKind kind, int limit) {
     if (limit <= 0) return;

@@ -43,7 +43,7 @@
 // queues the next kernels while the collective runs; it throws if the work already
 // failed, and moves the work's deadline to now + timeout if that is earlier. The host
 // blocks only to bound the all-gathers in flight (NcclOptions::
-// max_in_flight_all_gathers) and in size checks; with NcclOptions::blocking_wait, wait()
+// max_in_flight_all_gathers, when set) and in size checks; with NcclOptions::blocking_wait, wait()
 // blocks until the collective completed. A barrier's wait() (so barrier()) always blocks
 // the host until the barrier completed on the device, after the work queued on the
 // compute stream before it, as dist.barrier() does (Note [A barrier that blocks the
@@ -107,9 +107,11 @@ struct NcclOptions {
   TORCH_ARG(bool, blocking_wait) = false;
   // At most this many all-gathers in flight (issued, not complete on the device): issuing
   // one more blocks the host until the oldest completes, so the host runs at most that
-  // far ahead of the device. PyTorch FSDP1's limit_all_gathers (two), FSDP2's all-gather
-  // state. >= 0; 0: no bound.
-  TORCH_ARG(int, max_in_flight_all_gathers) = 2;
+  // far ahead of the device. >= 0; 0 (the default): no bound, as ProcessGroupNCCL. FSDP
+  // bounds the host per unit instead, whatever a unit's number of all-gathers (Note
+  // [Limiting all-gathers] in fsdp/core/internal/runtime.cc: PyTorch FSDP1's
+  // limit_all_gathers).
+  TORCH_ARG(int, max_in_flight_all_gathers) = 0;
   // Namespace of this communicator's keys in the store: the NCCL unique id is published
   // under "<store_prefix>/nccl_unique_id", a subgroup's under "<store_prefix>/<tag>/...".
   // Keys are never deleted: every communicator made from one store needs its own prefix.

@@ -186,7 +186,7 @@ TEST(NcclOptionsTest, DefaultsAndChaining) {
   EXPECT_EQ(options.compute_stream(), nullptr);
   EXPECT_EQ(options.store_prefix(), "fsdp/nccl");
   EXPECT_FALSE(options.blocking_wait());
-  EXPECT_EQ(options.max_in_flight_all_gathers(), 2);
+  EXPECT_EQ(options.max_in_flight_all_gathers(), 0);
   int stream_stand_in = 0;
   options.device_index(3)
       .timeout(std::chrono::milliseconds(50))

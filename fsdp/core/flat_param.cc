@@ -387,16 +387,15 @@ void FlatParamHandle::unshard_full_precision() {
 //
 // The bound. Prefetching is one unit ahead (Note [Prefetching] in
 // fsdp/core/internal/runtime.cc) and a unit is resharded on the host before the unit after
-// the next is unsharded, so freed blocks are reused in compute-stream order; NCCL also makes
-// the host wait for the oldest all-gather before issuing a third (NcclOptions::
-// max_in_flight_all_gathers). Under FULL_SHARD (and HYBRID_SHARD) at most three flat
-// parameters are unsharded or unsharding at once: the root's (kept from forward to
-// backward), the unit computing and the unit prefetched, i.e. two units besides the root:
-// PyTorch's limit_all_gathers with two all-gathers in flight, always on (there is no
-// option). fully_sharded_test's GatheredUnitsTest counts it. SHARD_GRAD_OP keeps every
-// unit gathered from forward to backward by design, as in PyTorch. Under NCCL the host
-// runs ahead of the device (it queues the next unit's kernels while an all-gather runs);
-// over Gloo each wait finishes the collective on the host.
+// the next is unsharded, so freed blocks are reused in compute-stream order. Under
+// FULL_SHARD (and HYBRID_SHARD) at most three units' flat parameters are unsharded or
+// unsharding at once: the root's (kept from forward to backward), the unit computing and
+// the unit prefetched, i.e. two units besides the root. fully_sharded_test's
+// GatheredUnitsTest counts it. SHARD_GRAD_OP keeps every unit gathered from forward to
+// backward by design, as in PyTorch. Under NCCL the host runs ahead of the device (it
+// queues the next unit's kernels while an all-gather runs), at most two units ahead (Note
+// [Limiting all-gathers] in fsdp/core/internal/runtime.cc: PyTorch's limit_all_gathers,
+// always on); over Gloo each wait finishes the collective on the host.
 
 // Note [Freeing the unsharded flat parameter]
 // The original parameters, and tensors autograd saved from them, are views of

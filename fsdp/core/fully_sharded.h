@@ -174,9 +174,10 @@ struct FullyShardedDataParallelOptions {
   // its forward. See Note [Prefetching] in internal/runtime.cc.
   // Neither prefetch gathers more than one unit ahead, and each unit waits (on the host)
   // for its all-gather, so under FULL_SHARD at most the root, the unit computing and the
-  // one prefetched are unsharded at a time: PyTorch's limit_all_gathers=True (two
-  // all-gathers in flight), which here is always on and has no option. See Note [Streams
-  // and freeing unsharded memory] in flat_param.cc.
+  // one prefetched are unsharded at a time; on a device the host runs at most two units
+  // ahead of it (PyTorch's limit_all_gathers=True, here always on, with no option: Note
+  // [Limiting all-gathers] in internal/runtime.cc). See Note [Streams and freeing
+  // unsharded memory] in flat_param.cc.
   TORCH_ARG(bool, forward_prefetch) = false;
   // Modules (with everything below them) FSDP leaves alone: not flattened, not sharded.
   TORCH_ARG(std::vector<const torch::nn::Module*>, ignored_modules);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -72,8 +73,14 @@ UnitState::UnitState(std::string fqn, bool is_root, RootState* root,
 // parameters (a LoRA layer's frozen weight for its input gradient), the same guarantee the
 // trainable parameters rely on.
 void UnitState::unshard() {
+  if (will_all_gather()) root_->wait_for_all_gather_slot();
   handle_->unshard();
   for (const auto& frozen : frozen_handles_) frozen->unshard();
+}
+
+bool UnitState::will_all_gather() const {
+  return handle_ != nullptr && handle_->state() == FlatParamState::kSharded &&
+         handle_->strategy() != ShardingStrategy::kNoShard;
 }
 
 // Note [Gradient sinks]
@@ -266,6 +273,7 @@ void UnitState::post_backward(std::vector<at::Tensor> grads) {
 
 void UnitState::prefetch() {
   if (!handle_ || handle_state_ != HandleTrainingState::kIdle) return;
+  if (will_all_gather()) root_->wait_for_all_gather_slot();
   for (FlatParamHandle* handle : handles()) handle->prefetch();
 }
 
@@ -278,8 +286,11 @@ void UnitState::summon(bool keep) {
 }
 
 void UnitState::reshard() {
-  // NO_SHARD: frees only a mixed-precision copy.
+  // Gathered parameters to free (NO_SHARD frees only a mixed-precision copy).
+  const bool frees_gathered = handle_ != nullptr && handle_->state() != FlatParamState::kSharded &&
+                              handle_->strategy() != ShardingStrategy::kNoShard;
   for (FlatParamHandle* handle : handles()) handle->reshard();
+  if (frees_gathered) root_->record_reshard();
 }
 
 void UnitState::finish_iteration() {
@@ -488,6 +499,31 @@ void RootState::validate_position(const UnitState* unit, size_t position) {
               position, " of the first iteration: ", absl::StrJoin(ranks, ", "),
               ". Every rank must run the units in the same order (the same control flow), "
               "or units would all-gather each other's parameters");
+}
+
+// Note [Limiting all-gathers]
+// PyTorch FSDP1's limit_all_gathers: a unit may issue its all-gathers only once the device
+// has finished the work queued before the second-to-last reshard that freed gathered
+// parameters, so the host runs at most two units ahead of the device, however many flat
+// parameters (so all-gathers) a unit has: a LoRA unit has two, a QLoRA unit three. Each
+// such reshard records an event on the compute stream; a unit about to all-gather (unshard
+// or prefetch) waits on the host for the oldest while two or more are queued. On the CPU
+// every event has completed when it is recorded. The memory the units hold does not depend
+// on it (Note [Streams and freeing unsharded memory] in flat_param.cc): it bounds how much
+// work the host queues ahead. NCCL's own bound (NcclOptions::max_in_flight_all_gathers)
+// counts all-gathers instead, so at two the third all-gather of a QLoRA unit waited for
+// the device to finish the unit before; it is off unless asked for.
+void RootState::wait_for_all_gather_slot() {
+  if (reshard_events_.size() < kUnitsAhead) return;
+  const std::unique_ptr<DeviceEvent> oldest = std::move(reshard_events_.front());
+  reshard_events_.pop_front();
+  oldest->synchronize();
+}
+
+void RootState::record_reshard() {
+  // Only the last two are waited for.
+  if (reshard_events_.size() == kUnitsAhead) reshard_events_.pop_front();
+  reshard_events_.push_back(device_->record_event(device_->current_stream()));
 }
 
 void RootState::prefetch_in_first_iteration_order() {

@@ -7,6 +7,7 @@
 #define FSDP_CORE_INTERNAL_RUNTIME_H_
 
 #include <array>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +112,9 @@ class UnitState : public FullyShardedUnit, public std::enable_shared_from_this<U
   uint64_t iteration_ = 0;
 
   void unshard();  // every flat parameter of the unit (handles())
+  // Whether unshard() or prefetch() would all-gather now (a sharded flat parameter of a
+  // sharding strategy).
+  bool will_all_gather() const;
   bool all_frozen() const;
   at::Tensor watch_input(const at::Tensor& input);
   void input_gradient_ready(uint64_t iteration);
@@ -221,6 +225,10 @@ class RootState {
   void record_forward(UnitState* unit);
   void prefetch_for_forward_after(const UnitState* unit);
   void prefetch_for_backward_after(const UnitState* unit, BackwardPrefetch when);
+  // See Note [Limiting all-gathers] in runtime.cc: before a unit issues its all-gathers,
+  // and after a unit freed gathered parameters.
+  void wait_for_all_gather_slot();
+  void record_reshard();
 
   void begin_forward();                    // root pre-forward
   void end_forward_without_grad();         // no backward will come: reshard, back to idle
@@ -246,6 +254,10 @@ class RootState {
   std::vector<UnitState*> forward_order_;        // units with parameters, this iteration
   std::vector<UnitState*> last_forward_order_;   // ... the previous iteration
   std::vector<UnitState*> first_forward_order_;  // ... the first iteration
+  // Note [Limiting all-gathers]: the compute stream at each recent reshard that freed
+  // gathered parameters, oldest first.
+  static constexpr size_t kUnitsAhead = 2;
+  std::deque<std::unique_ptr<DeviceEvent>> reshard_events_;
   bool validate_execution_order_ = false;
   int64_t schedule_check_every_ = 0;
   int64_t iterations_ = 0;  // that ended normally, for schedule_check_every_

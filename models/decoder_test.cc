@@ -1,13 +1,18 @@
 // The decoder built on the meta device (decoder.h): no memory until FSDP allocates each
 // rank's shards, and init_parameters with reset_decoder_parameters gives the values a CPU
-// build from the same seed has (tied and untied heads), with no buffer left uncomputed.
+// build from the same seed has (tied and untied heads), with no buffer left uncomputed. And
+// packed rows, the KV cache, sublayer units, and on a CUDA device masked attention over
+// grouped key/value heads against the CPU.
 #include "models/decoder.h"
 
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -15,6 +20,7 @@
 #include <torch/optim/adamw.h>
 
 #include "fsdp/comm/fake.h"
+#include "fsdp/comm/testing/gpu_testing.h"
 #include "fsdp/core/memory_plan.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/state_dict.h"
@@ -401,6 +407,94 @@ TEST(SublayerUnitsTest, LowerPeakWhereExpertsDominate) {
             << " B measured, " << split.plan.step.peak_bytes << " B planned\n";
   EXPECT_LT(split.measured_peak, layer.measured_peak);
   EXPECT_LT(split.plan.step.peak_bytes, layer.plan.step.peak_bytes);
+}
+
+// On a CUDA device (skipped without one, naming why): with packed rows and with sliding
+// windows attention runs with a mask, and grouped key/value heads are repeated per query
+// head before scaled_dot_product_attention (Note [Grouped heads with a mask] in
+// models/attention.cc); the logits and gradients equal the CPU's, which runs the grouped
+// heads as they are. And the premise of that note on the device: PyTorch 2.11 runs grouped
+// heads with a mask in its math kernel only, and the repeated heads in a fused one.
+const c10::Device kCpu(c10::kCPU), kCuda("cuda:0");
+
+struct CudaPass {
+  at::Tensor logits;              // on the CPU
+  std::vector<at::Tensor> grads;  // every parameter's, on the CPU, in parameters() order
+};
+
+// Forward (rows [5 | 3 | pad] and [8 | pad] packed when `packed`), the mean of the squared
+// logits, and backward, with `net` and its inputs on `device`.
+CudaPass run_on(CausalLMImpl& net, c10::Device device, bool packed) {
+  net.zero_grad(/*set_to_none=*/true);  // no gradient left on the other device
+  net.to(device);
+  const at::Tensor ids = (at::arange(18, at::kLong) * 7 % 64).view({2, 9}).to(device);
+  const at::Tensor positions =
+      at::tensor({0, 1, 2, 3, 4, 0, 1, 2, 0, 0, 1, 2, 3, 4, 5, 6, 7, 0}, at::kLong)
+          .view({2, 9})
+          .to(device);
+  const at::Tensor segments =
+      at::tensor({0, 0, 0, 0, 0, 1, 1, 1, -1, 0, 0, 0, 0, 0, 0, 0, 0, -1}, at::kLong)
+          .view({2, 9})
+          .to(device);
+  at::Tensor logits;
+  if (packed) {
+    PackedRowsScope scope(net, positions, segments);
+    logits = net.forward(ids);
+  } else {
+    logits = net.forward(ids);
+  }
+  EXPECT_EQ(logits.device(), device);
+  logits.square().mean().backward();
+  CudaPass pass{logits.detach().to(kCpu), {}};
+  for (const at::Tensor& p : net.parameters()) {
+    EXPECT_TRUE(p.grad().defined());
+    pass.grads.push_back(p.grad().defined() ? p.grad().to(kCpu) : at::Tensor());
+  }
+  return pass;
+}
+
+// fp32 on both devices: the CPU's flash kernel and CUDA's memory-efficient one differ in
+// summation order only (1e-4 of the largest value is far above their rounding; a query
+// head served by the wrong key head is off by whole units).
+TEST(DecoderCudaTest, MaskedAttentionWithGroupedHeadsEqualsTheCpu) {
+  FSDP_SKIP_WITHOUT_GPU();
+  for (const auto& [config, packed] :
+       std::vector<std::pair<DecoderConfig, bool>>{{tiny_llama(false), true},
+                                                   {tiny_llama(false), false},
+                                                   {tiny_gemma("gemma3_text"), false}}) {
+    SCOPED_TRACE(config.model_type + (packed ? " packed" : ""));
+    at::manual_seed(0);
+    CausalLMImpl net(config);
+    const CudaPass cpu = run_on(net, kCpu, packed), cuda = run_on(net, kCuda, packed);
+    EXPECT_TRUE(at::allclose(cuda.logits, cpu.logits, 1e-4, 1e-5))
+        << (cuda.logits - cpu.logits).abs().max().item<float>();
+    ASSERT_EQ(cuda.grads.size(), cpu.grads.size());
+    for (size_t i = 0; i < cpu.grads.size(); ++i) {
+      const double scale = cpu.grads[i].abs().max().item<double>();
+      EXPECT_TRUE(at::allclose(cuda.grads[i], cpu.grads[i], 1e-3, 1e-4 * scale))
+          << "parameter " << i << ": " << (cuda.grads[i] - cpu.grads[i]).abs().max().item<float>();
+    }
+  }
+}
+
+// scaled_dot_product_attention's choice (SDPBackend: 0 math, 1 flash, 2 memory-efficient,
+// 3 cuDNN) for Qwen3-8B's attention at 4096 tokens in bf16: grouped heads with a mask go
+// to the math kernel (fp32 scores of 2 GiB), repeated heads with the mask and grouped
+// heads without one to a fused kernel.
+TEST(DecoderCudaTest, GroupedHeadsWithAMaskWouldTakeTheMathKernel) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(kCuda);
+  const at::Tensor q = at::randn({1, 32, 4096, 128}, options).requires_grad_(),
+                   k = at::randn({1, 8, 4096, 128}, options).requires_grad_(),
+                   v = at::randn({1, 8, 4096, 128}, options).requires_grad_();
+  const at::Tensor mask = at::ones({1, 1, 4096, 4096}, options.dtype(at::kBool)).tril();
+  constexpr int64_t kMath = 0;
+  EXPECT_EQ(at::_fused_sdp_choice(q, k, v, mask, 0.0, false, std::nullopt, true), kMath)
+      << "PyTorch now runs grouped heads with a mask in a fused kernel: models/attention.cc "
+         "need not repeat them (Note [Grouped heads with a mask])";
+  const at::Tensor k4 = k.repeat_interleave(4, 1), v4 = v.repeat_interleave(4, 1);
+  EXPECT_NE(at::_fused_sdp_choice(q, k4, v4, mask, 0.0, false, std::nullopt, false), kMath);
+  EXPECT_NE(at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, true, std::nullopt, true), kMath);
 }
 
 }  // namespace

@@ -3,7 +3,9 @@
 #include <limits>
 #include <optional>
 
+#include <ATen/SDPBackend.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -157,15 +159,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::latent_qkv(const a
 
 // Note [Grouped heads with a mask]
 // scaled_dot_product_attention's enable_gqa (keys and values of fewer heads than the
-// queries) is taken, in PyTorch 2.11 on CUDA, by the flash kernel, which takes no mask,
-// and by the math kernel, which keeps fp32 scores of [batch, heads, t, s] for backward
-// (2 GiB a layer for Qwen3-8B at 4096 tokens); the memory-efficient kernel takes a mask
-// but not grouped heads. So with a mask (packed rows, a sliding window, a KV cache) off
-// the CPU, keys and values are repeated per query head first, as transformers'
-// sdpa_attention does whenever it passes a mask, and the memory-efficient kernel runs.
-// Without a mask, the flash kernel takes the grouped heads as they are. On the CPU the
-// flash kernel takes both, so nothing is repeated there (models/memory_plan.cc counts
-// what it saves).
+// queries) is taken on CUDA, in PyTorch 2.11, by the flash kernel (bf16/fp16, no mask),
+// by cuDNN's (bf16/fp16, masks too; preferred on sm90 and sm100 with cuDNN 9.15 or later,
+// as the pinned wheel's 9.19), and by the math kernel, which keeps fp32 scores of
+// [batch, heads, t, s] for backward (2 GiB a layer for Qwen3-8B at 4096 tokens); the
+// memory-efficient kernel takes masks and fp32 but not grouped heads (it does from
+// pytorch/pytorch#191085, after 2.11). So a mask (packed rows, a sliding window, a KV
+// cache) on an A100, or fp32 attention anywhere, would run grouped heads in the math
+// kernel. grouped_heads_take_the_math_kernel asks PyTorch which kernel it would pick (a
+// host-side check); only where that is the math kernel are the keys and values repeated
+// per query head first, as transformers' sdpa_attention repeats them whenever it passes a
+// mask, and the memory-efficient kernel runs instead. On the CPU the flash kernel takes
+// grouped heads with or without a mask, and nothing is repeated (models/memory_plan.cc
+// counts what it saves).
+bool grouped_heads_take_the_math_kernel(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& mask, double scale) {
+  if (q.device().is_cpu()) return false;
+  const int64_t backend = at::_fused_sdp_choice(
+      q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+      /*dropout_p=*/0.0, /*is_causal=*/!mask.defined(), scale, /*enable_gqa=*/true);
+  return backend == static_cast<int64_t>(at::SDPBackend::math);
+}
+
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                   const at::Tensor& mask) {
   const int64_t b = x.size(0), t = x.size(1);
@@ -207,8 +222,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   if (!mask.defined() && (window > 0 || eager || s > t))
     allowed = attention_mask(t, s, window, x.device());
   // Each key/value head serves heads / kv_heads query heads: repeated per query head for
-  // eager attention, and for a mask off the CPU (Note [Grouped heads with a mask]).
-  if (k.size(1) != heads && (eager || (allowed.defined() && !x.device().is_cpu()))) {
+  // eager attention, and where PyTorch would run grouped heads in its math kernel (Note
+  // [Grouped heads with a mask]).
+  if (k.size(1) != heads &&
+      (eager || grouped_heads_take_the_math_kernel(q, k, v, allowed, scale))) {
     k = k.repeat_interleave(heads / k.size(1), 1);
     v = v.repeat_interleave(heads / v.size(1), 1);
   }

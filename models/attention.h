@@ -90,6 +90,16 @@ TORCH_MODULE(Attention);
 // (padding_free with position_ids; flash-attention's varlen cu_seqlens).
 at::Tensor packed_attention_mask(const at::Tensor& segments);
 
+// Whether scaled_dot_product_attention of the queries `q` [batch, heads, t, head_dim] over
+// grouped keys and values `k`, `v` [batch, kv_heads, s, head_dim] (heads a multiple of
+// kv_heads), with `mask` (bool [batch or 1, 1, t, s]; undefined: causal) and `scale`, would
+// run PyTorch's math kernel off the CPU, so that AttentionImpl repeats the key/value heads
+// first (Note [Grouped heads with a mask] in attention.cc). A host-side check of the
+// kernels' constraints (at::_fused_sdp_choice, what scaled_dot_product_attention itself
+// asks), which queues nothing on the device. False on the CPU.
+bool grouped_heads_take_the_math_kernel(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& mask, double scale);
+
 }  // namespace fsdp::models
 
 #endif  // FSDP_MODELS_ATTENTION_H_

@@ -5,6 +5,8 @@
 // grouped key/value heads against the CPU.
 #include "models/decoder.h"
 
+#include <cmath>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/SDPBackend.h>
 #include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
@@ -24,6 +27,7 @@
 #include "fsdp/core/memory_plan.h"
 #include "fsdp/core/tracking_allocator.h"
 #include "fsdp/state/state_dict.h"
+#include "models/attention.h"
 #include "models/memory_plan.h"
 
 namespace fsdp::models {
@@ -409,12 +413,11 @@ TEST(SublayerUnitsTest, LowerPeakWhereExpertsDominate) {
   EXPECT_LT(split.plan.step.peak_bytes, layer.plan.step.peak_bytes);
 }
 
-// On a CUDA device (skipped without one, naming why): with packed rows and with sliding
-// windows attention runs with a mask, and grouped key/value heads are repeated per query
-// head before scaled_dot_product_attention (Note [Grouped heads with a mask] in
-// models/attention.cc); the logits and gradients equal the CPU's, which runs the grouped
-// heads as they are. And the premise of that note on the device: PyTorch 2.11 runs grouped
-// heads with a mask in its math kernel only, and the repeated heads in a fused one.
+// On a CUDA device (skipped without one, naming why): where PyTorch would run grouped
+// key/value heads in its math kernel, attention repeats them per query head first (Note
+// [Grouped heads with a mask] in models/attention.cc). In fp32, with packed rows, causal
+// and with sliding windows, the logits and gradients equal the CPU's, which runs the
+// grouped heads as they are; and at real shapes attention never runs the math kernel.
 const c10::Device kCpu(c10::kCPU), kCuda("cuda:0");
 
 struct CudaPass {
@@ -455,7 +458,8 @@ CudaPass run_on(CausalLMImpl& net, c10::Device device, bool packed) {
 
 // fp32 on both devices: the CPU's flash kernel and CUDA's memory-efficient one differ in
 // summation order only (1e-4 of the largest value is far above their rounding; a query
-// head served by the wrong key head is off by whole units).
+// head served by the wrong key head is off by whole units). In fp32 grouped heads would
+// take CUDA's math kernel, so every case here runs the repeated heads.
 TEST(DecoderCudaTest, MaskedAttentionWithGroupedHeadsEqualsTheCpu) {
   FSDP_SKIP_WITHOUT_GPU();
   for (const auto& [config, packed] :
@@ -466,7 +470,8 @@ TEST(DecoderCudaTest, MaskedAttentionWithGroupedHeadsEqualsTheCpu) {
     at::manual_seed(0);
     CausalLMImpl net(config);
     const CudaPass cpu = run_on(net, kCpu, packed), cuda = run_on(net, kCuda, packed);
-    EXPECT_TRUE(at::allclose(cuda.logits, cpu.logits, 1e-4, 1e-5))
+    const double largest = cpu.logits.abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(cuda.logits, cpu.logits, 1e-4, 1e-4 * largest))
         << (cuda.logits - cpu.logits).abs().max().item<float>();
     ASSERT_EQ(cuda.grads.size(), cpu.grads.size());
     for (size_t i = 0; i < cpu.grads.size(); ++i) {
@@ -477,24 +482,34 @@ TEST(DecoderCudaTest, MaskedAttentionWithGroupedHeadsEqualsTheCpu) {
   }
 }
 
-// scaled_dot_product_attention's choice (SDPBackend: 0 math, 1 flash, 2 memory-efficient,
-// 3 cuDNN) for Qwen3-8B's attention at 4096 tokens in bf16: grouped heads with a mask go
-// to the math kernel (fp32 scores of 2 GiB), repeated heads with the mask and grouped
-// heads without one to a fused kernel.
-TEST(DecoderCudaTest, GroupedHeadsWithAMaskWouldTakeTheMathKernel) {
+// What attention runs at Qwen3-8B's shapes (32 query heads of 128 over 8 key/value heads,
+// 4096 tokens), with a bool mask and causal, in bf16 and fp32: never the math kernel.
+// Where PyTorch would run the grouped heads there (fp32; a mask on GPUs whose cuDNN
+// attention is not preferred), the repeated heads run in a fused kernel. Prints each
+// choice (SDPBackend: 0 math, 1 flash, 2 memory-efficient, 3 cuDNN).
+TEST(DecoderCudaTest, AttentionNeverRunsTheMathKernel) {
   FSDP_SKIP_WITHOUT_GPU();
-  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(kCuda);
-  const at::Tensor q = at::randn({1, 32, 4096, 128}, options).requires_grad_(),
-                   k = at::randn({1, 8, 4096, 128}, options).requires_grad_(),
-                   v = at::randn({1, 8, 4096, 128}, options).requires_grad_();
-  const at::Tensor mask = at::ones({1, 1, 4096, 4096}, options.dtype(at::kBool)).tril();
-  constexpr int64_t kMath = 0;
-  EXPECT_EQ(at::_fused_sdp_choice(q, k, v, mask, 0.0, false, std::nullopt, true), kMath)
-      << "PyTorch now runs grouped heads with a mask in a fused kernel: models/attention.cc "
-         "need not repeat them (Note [Grouped heads with a mask])";
-  const at::Tensor k4 = k.repeat_interleave(4, 1), v4 = v.repeat_interleave(4, 1);
-  EXPECT_NE(at::_fused_sdp_choice(q, k4, v4, mask, 0.0, false, std::nullopt, false), kMath);
-  EXPECT_NE(at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, true, std::nullopt, true), kMath);
+  const double scale = 1.0 / std::sqrt(128.0);
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    const auto options = at::TensorOptions().dtype(dtype).device(kCuda);
+    const at::Tensor q = at::randn({1, 32, 4096, 128}, options).requires_grad_(),
+                     k = at::randn({1, 8, 4096, 128}, options).requires_grad_(),
+                     v = at::randn({1, 8, 4096, 128}, options).requires_grad_();
+    const at::Tensor mask = at::ones({1, 1, 4096, 4096}, options.dtype(at::kBool)).tril();
+    for (const at::Tensor& m : {mask, at::Tensor()}) {
+      const bool repeat = grouped_heads_take_the_math_kernel(q, k, v, m, scale);
+      const at::Tensor keys = repeat ? k.repeat_interleave(4, 1) : k,
+                       values = repeat ? v.repeat_interleave(4, 1) : v;
+      const int64_t backend = at::_fused_sdp_choice(
+          q, keys, values, m.defined() ? std::optional<at::Tensor>(m) : std::nullopt, 0.0,
+          !m.defined(), scale, /*enable_gqa=*/!repeat);
+      std::cout << dtype << (m.defined() ? " with a mask" : " causal")
+                << (repeat ? ": heads repeated, backend " : ": grouped heads, backend ") << backend
+                << "\n";
+      EXPECT_NE(backend, static_cast<int64_t>(at::SDPBackend::math))
+          << dtype << (m.defined() ? " with a mask" : " causal");
+    }
+  }
 }
 
 }  // namespace

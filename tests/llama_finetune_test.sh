@@ -124,7 +124,7 @@ check logits "$dir/out20/hf" "$dir/out20_logits.pt"
 # which from_pretrained loads with the eval loss fsdp printed; OUT/adapter loads in PEFT
 # onto the base model with the merged model's logits.
 "$finetune" "${common[@]}" --out_dir="$dir/lora" --steps=10 --lr=1e-2 --warmup_steps=0 \
-    --lora_rank=4 --eval_data="$dir/eval.bin" | tee "$dir/lora.log"
+    --lora_rank=4 --lora_dropout=0.1 --eval_data="$dir/eval.bin" | tee "$dir/lora.log"
 grep -q "LoRA: adapters on 4 modules" "$dir/lora.log"
 grep -q "38688 parameters (896 trainable;" "$dir/lora.log"
 check lora "$dir/model" "$dir/lora/hf"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPT trainer under bad input and interruption (issue 15): bad flags are refused
 # before anything starts or is written (exit 2, one line); records survive SIGTERM;
-# one run per out_dir; a new run does not splice into another run's checkpoints; ranks
+# one run per out_dir; a new run does not splice into another run's checkpoints nor
+# replace its results; a diverging run stops; ranks
 # started with different flags stop at once naming the flag; HYBRID traffic is counted;
 # unreadable and too-small corpora are named; a failed start (a damaged checkpoint to
 # resume, an error found late) leaves the previous run's records byte for byte; loss.png
@@ -86,6 +87,31 @@ check "a rerun without --resume is refused" \
   --overwrite --out_dir="$dir" >/dev/null 2>&1
 check "--overwrite starts over" \
   "[[ -d $dir/checkpoints/step_00000002 && ! -d $dir/checkpoints/step_00000004 ]]"
+
+# ... nor replaces the results of a run too short to checkpoint; --resume and --overwrite
+# together are refused before anything starts.
+dir=$root/no_checkpoints
+"$train" "${small[@]}" --world_size=1 --steps=2 --eval_interval=100 --checkpoint_interval=0 \
+  --out_dir="$dir" >/dev/null 2>&1
+again=$("$train" "${small[@]}" --world_size=1 --steps=2 --checkpoint_interval=0 --out_dir="$dir" 2>&1)
+check "a rerun over a run without checkpoints is refused" \
+  "grep -q \"train: --out_dir=$dir holds another run's results (metrics.csv, no checkpoint to continue from); pass another --out_dir, or --overwrite to replace them\" <<<\"\$again\""
+"$train" "${small[@]}" --world_size=1 --steps=3 --eval_interval=100 --checkpoint_interval=0 \
+  --overwrite --out_dir="$dir" >/dev/null 2>&1
+check "--overwrite replaces its results" "[[ \$(grep -c . $dir/metrics.csv) -eq 4 ]]"
+check_refusal "refuses --resume with --overwrite" \
+  "train: --resume=latest and --overwrite: expected one of them (--resume continues the run in --out_dir, --overwrite starts it over)" \
+  "$train" "${small[@]}" --resume --overwrite --out_dir="$dir"
+
+# A diverging run stops at the first step whose loss is not finite, naming it, and writes
+# neither that step's checkpoint nor a model.
+dir=$root/diverged
+out=$("$train" "${small[@]}" --world_size=2 --steps=20 --lr=1e30 --warmup_steps=0 \
+  --eval_interval=100 --checkpoint_interval=1 --out_dir="$dir" 2>&1)
+status=$?
+bad=$(sed -nE 's#^\[rank 0\] train: step ([0-9]+): the training loss is (nan|inf|-inf): the run diverged; try a lower --lr or more --warmup_steps\. Stopped before writing this step.s checkpoint or the model; the earlier checkpoints are kept$#\1#p' <<<"$out")
+check "a diverging run stops naming the step (status $status, step ${bad:-none})" \
+  "[[ $status -eq 1 && -n '$bad' && ! -e $dir/model.pt && ! -e $dir/checkpoints/step_\$(printf %08d $bad) ]]"
 
 # 5. Ranks started with different --steps stop at once, naming the flag.
 port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -271,6 +271,7 @@ int train() {
     // Before any other collective (global_mean): see FullyShardedRoot::check_plan.
     if (flags.plan_check) plan_check = model->check_plan(adamw);
     const double train_loss = global_mean(loss, comm);
+    run.check_loss(step + 1, train_loss);
     const bool eval = (step + 1) % flags.eval_interval == 0 || step + 1 == flags.steps;
     const std::optional<double> val =
         eval ? std::optional<double>(validation_loss(model, corpus, comm)) : std::nullopt;

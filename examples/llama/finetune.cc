@@ -53,7 +53,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <optional>
@@ -74,9 +73,9 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
-#include "examples/gpt/corpus.h"
 #include "examples/llama/chat_data.h"
 #include "examples/llama/sampling.h"
+#include "examples/llama/token_file.h"
 #include "examples/trainer/lever_flags.h"
 #include "examples/trainer/run_flags.h"
 #include "examples/trainer/run_support.h"
@@ -171,53 +170,12 @@ int64_t token_bytes(const std::string& data_dtype, int64_t vocab_size) {
   return vocab_size <= 65536 ? 2 : 4;
 }
 
-// The token ids of `path` as int64 [n]; throws naming the file and the first id that is
-// not below vocab_size.
-at::Tensor read_tokens(const std::string& path, int64_t bytes, int64_t vocab_size) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot open ", path);
-  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const int64_t n = static_cast<int64_t>(raw.size()) / bytes;
-  at::Tensor ids = at::empty({n}, at::kLong);
-  int64_t* out = ids.data_ptr<int64_t>();
-  const auto* data = reinterpret_cast<const unsigned char*>(raw.data());
-  for (int64_t i = 0; i < n; ++i) {
-    uint64_t id = 0;  // little-endian
-    for (int64_t b = bytes - 1; b >= 0; --b) id = (id << 8) | data[i * bytes + b];
-    TORCH_CHECK(int64_t(id) < vocab_size, path, ": token ", i, " is ", id,
-                ", not below the model's vocab_size ", vocab_size,
-                "; was it made with another tokenizer, or with the other --data_dtype?");
-    out[i] = int64_t(id);
-  }
-  return ids;
-}
-
-// "" if a token file flag is usable, else why not.
-std::string token_file_error(const char* flag, const std::string& path, int64_t bytes,
-                             int64_t min_tokens) {
-  std::error_code error;
-  const auto size = std::filesystem::file_size(path, error);
-  if (error || !std::filesystem::is_regular_file(path)) {
-    return absl::StrCat("--", flag, "=", path, ": expected a readable token file (",
-                        error ? error.message() : "not a regular file", ")");
-  }
-  if (size % bytes != 0) {
-    return absl::StrCat("--", flag, "=", path, ": ", size, " bytes is not a whole number of ",
-                        bytes, "-byte token ids; check --data_dtype");
-  }
-  if (int64_t(size) / bytes < min_tokens) {
-    return absl::StrCat("--", flag, "=", path, ": ", size / bytes, " tokens, fewer than ",
-                        min_tokens, " (one window of --context + 1 = ", min_tokens, ")");
-  }
-  return "";
-}
-
 // Training or evaluation data: a token file (windows of --context + 1 tokens) or a
 // conversation file (rows of --context tokens; see Note [Conversations]).
 struct Data {
-  at::Tensor tokens;  // a token file's ids, int64 [n]
-  ChatRows rows;      // a conversation file's rows
-  bool chat() const { return rows.rows() > 0; }
+  std::optional<TokenFile> tokens;  // a token file
+  ChatRows rows;                    // a conversation file's rows
+  bool chat() const { return !tokens.has_value(); }
 };
 
 bool is_chat_file(const std::string& path) { return absl::EndsWith(path, ".safetensors"); }
@@ -236,22 +194,22 @@ Data read_data(const std::string& path, const DecoderConfig& config) {
     data.rows = pack_chat_rows(read_chat_file(path, config.vocab_size),
                                absl::GetFlag(FLAGS_context), packing_flag(), long_examples_flag());
   } else {
-    data.tokens = read_tokens(path, token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size),
-                              config.vocab_size);
+    data.tokens.emplace(path, token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size),
+                        config.vocab_size);
   }
   return data;
 }
 
-// "" if --`flag`=`path` is a usable token file (at least `min_tokens` tokens) or
-// conversation file (rows left in the context), else why not.
+// "" if --`flag`=`path` is a usable token file (at least `min_tokens` tokens, `why`) or
+// conversation file (rows left in the context), else why not. Reads the whole file once.
 std::string data_file_error(const char* flag, const std::string& path, const DecoderConfig& config,
-                            int64_t min_tokens) {
-  if (!is_chat_file(path)) {
-    return token_file_error(
-        flag, path, token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size), min_tokens);
-  }
+                            int64_t min_tokens, const char* why) {
   try {
-    read_data(path, config);
+    const Data data = read_data(path, config);
+    if (!data.chat() && data.tokens->size() < min_tokens) {
+      return absl::StrCat("--", flag, "=", path, ": ", data.tokens->size(), " tokens, fewer than ",
+                          min_tokens, " (", why, ")");
+    }
   } catch (const c10::Error& e) {
     return absl::StrCat("--", flag, "=", path, ": ", e.msg());
   }
@@ -426,9 +384,12 @@ std::string flag_error() {
   if (absl::GetFlag(FLAGS_data).empty()) {
     return "--data: expected a token file or a conversation file (.safetensors)";
   }
-  std::string error = data_file_error("data", absl::GetFlag(FLAGS_data), config, context + 2);
+  std::string error =
+      data_file_error("data", absl::GetFlag(FLAGS_data), config, context + 2,
+                      "--context + 2: a window of --context + 1 tokens at a random start");
   if (error.empty() && !absl::GetFlag(FLAGS_eval_data).empty()) {
-    error = data_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), config, context + 1);
+    error = data_file_error("eval_data", absl::GetFlag(FLAGS_eval_data), config, context + 1,
+                            "one window of --context + 1");
   }
   if (!error.empty()) return error;
   if (error = sample_prompts_error(config); !error.empty()) return error;
@@ -723,20 +684,20 @@ void save_model(Model& model, const DecoderConfig& config) {
 
 // This rank's share of global batch `index`: random windows of --context + 1 tokens, the
 // same whatever the world size.
-std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& tokens, int64_t index, Communicator& comm,
+std::pair<at::Tensor, at::Tensor> batch(const TokenFile& tokens, int64_t index, Communicator& comm,
                                         c10::Device device) {
   const int64_t global = absl::GetFlag(FLAGS_batch_size);
   const int64_t context = absl::GetFlag(FLAGS_context);
   at::manual_seed(absl::GetFlag(FLAGS_seed) * 1000003 + index);
-  const at::Tensor starts = at::randint(tokens.numel() - context - 1, {global}, at::kLong);
+  const at::Tensor starts = at::randint(tokens.size() - context - 1, {global}, at::kLong);
   const int64_t local = global / comm.world_size();
-  auto [x, y] = examples::windows(tokens, starts.narrow(0, comm.rank() * local, local), context);
+  auto [x, y] = tokens.windows(starts.narrow(0, comm.rank() * local, local), context);
   return {x.to(device), y.to(device)};
 }
 
 // What a data file holds, for the progress lines.
 std::string data_words(const Data& data) {
-  if (!data.chat()) return absl::StrFormat("%d tokens", data.tokens.numel());
+  if (!data.chat()) return absl::StrFormat("%d tokens", data.tokens->size());
   return absl::StrFormat(
       "%d examples in %d rows of %d tokens (%s, %.1f%% padding), %d counted targets%s",
       data.rows.examples, data.rows.rows(), absl::GetFlag(FLAGS_context),
@@ -762,13 +723,13 @@ at::Tensor summed_loss(Model& model, const ChatBatch& rows) {
 // The evaluation units of `data`: a token file's consecutive windows of context + 1 (the
 // remainder dropped), or a conversation file's rows in order. Units [first, first + count).
 int64_t eval_units(const Data& data) {
-  return data.chat() ? data.rows.rows() : data.tokens.numel() / (absl::GetFlag(FLAGS_context) + 1);
+  return data.chat() ? data.rows.rows() : data.tokens->size() / (absl::GetFlag(FLAGS_context) + 1);
 }
 ChatBatch eval_rows(const Data& data, int64_t first, int64_t count) {
   if (data.chat()) return chat_rows(data.rows, first, count);
   const int64_t context = absl::GetFlag(FLAGS_context);
-  auto [x, y] = examples::windows(
-      data.tokens, at::arange(first, first + count, at::kLong) * (context + 1), context);
+  auto [x, y] =
+      data.tokens->windows(at::arange(first, first + count, at::kLong) * (context + 1), context);
   return {x, y, at::Tensor(), at::Tensor()};
 }
 
@@ -778,6 +739,9 @@ ChatBatch eval_rows(const Data& data, int64_t first, int64_t count) {
 // runs the same units.
 double eval_loss(Model& model, const Data& data, Communicator& comm) {
   torch::NoGradGuard no_grad;
+  CausalLMImpl& net = *model->module();
+  const bool training = net.is_training();
+  net.eval();  // no dropout (LoRA's), as PEFT's model.eval() and transformers' evaluation
   const c10::Device device = model->device_handle().device();
   const int64_t units = eval_units(data);
   const int64_t local = absl::GetFlag(FLAGS_batch_size) / comm.world_size();
@@ -794,6 +758,7 @@ double eval_loss(Model& model, const Data& data, Communicator& comm) {
     sums[1] += (rows.targets != -100).sum().to(at::kDouble);
   }
   comm.all_reduce(sums, ReduceOp::kSum);
+  net.train(training);
   return sums[0].item<double>() / sums[1].item<double>();
 }
 
@@ -964,7 +929,7 @@ int finetune() {
       loss =
           chat_step(model, train.rows, step, flags.grad_accumulation_steps, comm, device, with_aux);
     } else {
-      auto [x, y] = batch(train.tokens, step, comm, device);
+      auto [x, y] = batch(*train.tokens, step, comm, device);
       const int64_t micro = x.size(0) / flags.grad_accumulation_steps;
       loss = examples::accumulate_gradients(*model, flags.grad_accumulation_steps, [&](int64_t k) {
         return with_aux(next_token_loss(model->forward(x.narrow(0, k * micro, micro)),
@@ -975,6 +940,7 @@ int finetune() {
     adamw.step();
     scheduler = {step + 1, {learning_rate(step + 1)}};  // as scheduler.step()
     const double train_loss = global_mean(loss, comm);
+    run.check_loss(step + 1, train_loss);
     run.checkpoint_if_due(step + 1, *model, adamw, &scheduler);
     std::string aux_words;
     if (aux_sum.defined()) {

@@ -63,7 +63,8 @@ ABSL_FLAG(bool, async_save, taken().async_save,
           "write checkpoints in the background (training stops only for the copy to host "
           "memory); false: training waits for each write");
 ABSL_FLAG(bool, overwrite, taken().overwrite,
-          "start over in an --out_dir that holds another run's checkpoints (deletes them)");
+          "start over in an --out_dir that holds another run's checkpoints (deletes them) or "
+          "results (metrics.csv; rewritten)");
 ABSL_FLAG(std::string, resume, taken().resume,
           "--resume: continue from the newest complete checkpoint in the checkpoint folder "
           "(either format); --resume=DIR: from checkpoint folder DIR, e.g. one PyTorch's "
@@ -118,6 +119,12 @@ RunFlags run_flags_from_command_line() {
   return f;
 }
 
+ResumeFlag parse_resume_flag(const std::string& value) {
+  if (value.empty() || value == "false" || value == "0") return {};
+  if (value == "latest" || value == "true" || value == "1") return {true, ""};
+  return {true, value};
+}
+
 std::string run_flag_error(const RunFlags& f, const MachineLimits& machine) {
   if (!f.launch_error.empty()) return f.launch_error;
   if (f.launched_world_size == 0 && (f.world_size < 1 || f.world_size > machine.max_ranks)) {
@@ -148,6 +155,11 @@ std::string run_flag_error(const RunFlags& f, const MachineLimits& machine) {
   }
   if (f.schedule_check_every < 0) {
     return bad_flag("schedule_check_every", f.schedule_check_every, "0 (off) or more iterations");
+  }
+  if (f.overwrite && parse_resume_flag(f.resume).resume) {
+    return absl::StrCat("--resume=", f.resume,
+                        " and --overwrite: expected one of them (--resume continues the run in "
+                        "--out_dir, --overwrite starts it over)");
   }
   if (std::string error = output_dir_error("out_dir", f.out_dir,
                                            "metrics.csv, the model and the checkpoints go there");

@@ -51,6 +51,15 @@ ABSL_DECLARE_FLAG(int64_t, schedule_check_every);
 
 namespace fsdp::examples {
 
+// A --resume value (after run_support.h's allow_bare_resume_flag): "" (or false, 0) no resume;
+// "latest" (or true, 1) the newest checkpoint in the checkpoint folder (run_support.h's
+// resume_step); anything else a checkpoint folder (resume_from).
+struct ResumeFlag {
+  bool resume = false;
+  std::string dir;  // the folder of --resume=DIR; empty for the newest
+};
+ResumeFlag parse_resume_flag(const std::string& value);
+
 // The run flags' values (with the levers'). The member defaults are those of the flags
 // when a binary calls no use_run_flag_defaults.
 struct RunFlags : LeverFlags {

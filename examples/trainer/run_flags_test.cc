@@ -94,6 +94,17 @@ TEST(RunFlagsTest, EveryBadValueIsNamed) {
   EXPECT_EQ(error_of([](RunFlags& f) { f.checkpoint_dir = "/proc/x"; }),
             "--checkpoint_dir=/proc/x: expected a folder that can be written, or made (the "
             "checkpoints go there); cannot make a folder in '/proc': No such file or directory");
+  EXPECT_EQ(error_of([](RunFlags& f) {
+              f.resume = "latest";
+              f.overwrite = true;
+            }),
+            "--resume=latest and --overwrite: expected one of them (--resume continues the run "
+            "in --out_dir, --overwrite starts it over)");
+  EXPECT_EQ(error_of([](RunFlags& f) {
+              f.resume = "false";
+              f.overwrite = true;
+            }),
+            "");
   // The levers are checked with them.
   EXPECT_EQ(error_of([](RunFlags& f) { f.grad_accumulation_steps = 0; }),
             "--grad_accumulation_steps=0: expected at least 1 micro-batch per optimizer step");

@@ -70,6 +70,13 @@ int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device)
   return fd;
 }
 
+void check_fresh_out_dir(const std::string& out_dir, int64_t first, bool overwrite) {
+  const bool old = first == 0 && std::filesystem::exists(out_dir + "/metrics.csv");
+  TORCH_CHECK(!old || overwrite, "--out_dir=", out_dir,
+              " holds another run's results (metrics.csv, no checkpoint to continue from); "
+              "pass another --out_dir, or --overwrite to replace them");
+}
+
 void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_dir, bool resume,
                              bool overwrite) {
   if (resume) return;
@@ -186,12 +193,6 @@ void allow_bare_resume_flag(int argc, char** argv) {
     if (arg == "--resume" || arg == "-resume") argv[i] = kLatest;
     if (arg == "--noresume" || arg == "-noresume") argv[i] = kNone;
   }
-}
-
-ResumeFlag parse_resume_flag(const std::string& value) {
-  if (value.empty() || value == "false" || value == "0") return {};
-  if (value == "latest" || value == "true" || value == "1") return {true, ""};
-  return {true, value};
 }
 
 void remove_leftover_checkpoints(const std::string& checkpoint_dir, bool lead) {

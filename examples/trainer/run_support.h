@@ -35,6 +35,11 @@ namespace fsdp::examples {
 // (one broadcast on `device`).
 int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device);
 
+// A new run (`first` step 0) does not replace the results of another run that wrote no
+// checkpoint (its OUT_DIR/metrics.csv) unless `overwrite`: raises naming the folder and
+// what to do. Reads the file system only.
+void check_fresh_out_dir(const std::string& out_dir, int64_t first, bool overwrite);
+
 // A new run (resume false) does not mix its checkpoints with another run's in
 // `checkpoint_dir`: it raises, or with `overwrite` deletes them (rank 0, before any is
 // written). Collective (a barrier).
@@ -69,15 +74,6 @@ void check_resumed_step(int64_t step, int64_t steps);
 // "--resume" in argv to "--resume=latest" (and "--noresume" to "--resume=") before
 // absl::ParseCommandLine, since a string flag needs a value.
 void allow_bare_resume_flag(int argc, char** argv);
-
-// A --resume value (after allow_bare_resume_flag): "" (or false, 0) no resume; "latest"
-// (or true, 1) the newest checkpoint in the checkpoint folder (resume_step); anything
-// else a checkpoint folder (resume_from).
-struct ResumeFlag {
-  bool resume = false;
-  std::string dir;  // the folder of --resume=DIR; empty for the newest
-};
-ResumeFlag parse_resume_flag(const std::string& value);
 
 // Rank 0 (`lead`) removes the partial checkpoints a killed save left in `checkpoint_dir`
 // (remove_partial_checkpoints) and says so. Call it while holding the out_dir's lock.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -226,6 +227,7 @@ int64_t TrainingRun::start(FullyShardedRoot& model, torch::optim::Optimizer& opt
                 "; it was written by another run: start a new run with --overwrite");
   }
   check_fresh_checkpoints(*comm_, checkpoints, resume.resume, flags_.overwrite);
+  check_fresh_out_dir(flags_.out_dir, first, flags_.overwrite);
   if (lead()) std::filesystem::create_directories(checkpoints);
   remove_leftover_checkpoints(checkpoints, lead());
   if (lead()) {
@@ -245,6 +247,12 @@ int64_t TrainingRun::start(FullyShardedRoot& model, torch::optim::Optimizer& opt
   first_ = first;
   start_time_ = std::chrono::steady_clock::now();
   return first;
+}
+
+void TrainingRun::check_loss(int64_t step, double train_loss) const {
+  TORCH_CHECK(std::isfinite(train_loss), "step ", step, ": the training loss is ", train_loss,
+              ": the run diverged; try a lower --lr or more --warmup_steps. Stopped before "
+              "writing this step's checkpoint or the model; the earlier checkpoints are kept");
 }
 
 void TrainingRun::checkpoint_if_due(int64_t step, FullyShardedRoot& model,

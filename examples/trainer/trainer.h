@@ -14,6 +14,7 @@
 //     torch::optim::AdamW adamw(model->parameters(), ...);
 //     for (int64_t step = run.start(*model, adamw); step < steps; ++step) {
 //       ... forward, backward, adamw.step() ...
+//       run.check_loss(step + 1, train_loss);  // the mean over ranks
 //       run.checkpoint_if_due(step + 1, *model, adamw);
 //       run.record(step + 1, {loss, std::nullopt, lr}, *model);
 //     }
@@ -109,12 +110,19 @@ class TrainingRun {
   // rank can read (or --resume=DIR) into `model` and `optimizer` (and `scheduler`, when
   // not null and the checkpoint holds one; one that holds none is set to the resumed
   // step with `lr_at`); else checks that the checkpoint folder holds no other run's
-  // checkpoints (--overwrite deletes them). Then removes what an interrupted save left,
+  // checkpoints (--overwrite deletes them) and --out_dir no other run's metrics.csv
+  // (check_fresh_out_dir). Then removes what an interrupted save left,
   // opens metrics.csv (rows up to the resumed step kept) and memory_rank<R>.csv. Call
   // once, before any record().
   int64_t start(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,
                 SchedulerState* scheduler = nullptr,
                 const std::function<double(int64_t)>& lr_at = nullptr);
+
+  // After step `step` (1-based), before its checkpoint: raises if `train_loss` (the mean
+  // over ranks, the same on every rank) is not finite, naming the step: a diverged run
+  // stops with its earlier checkpoints kept (--resume continues from the newest) and
+  // writes no model of NaNs.
+  void check_loss(int64_t step, double train_loss) const;
 
   // Collective: after optimizer step `step` (1-based) has been taken, writes the sharded
   // checkpoint step_NNNNNNNN (model, optimizer, step, and `scheduler` when not null) if

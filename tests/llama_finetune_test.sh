@@ -153,4 +153,13 @@ status=$?
 set -e
 [ $status -eq 2 ] && grep -q "^finetune: --context=65: expected 1 to max_position_embeddings = 64$" "$dir/bad.err" || {
   echo "FAIL: bad --context: status $status, $(cat "$dir/bad.err")"; exit 1; }
+for bad in "--weight_decay=nan:--weight_decay=nan: expected a finite value >= 0" \
+           "--lora_target_modules=q_proj:--lora_target_modules=q_proj: adapters need --lora_rank=R (R >= 1); without it every weight is fine-tuned"; do
+  set +e
+  "$finetune" --from="$dir/model" --data="$dir/train.bin" --out_dir="$dir/x" "${bad%%:*}" 2> "$dir/bad.err"
+  status=$?
+  set -e
+  [ $status -eq 2 ] && [ "$(cat "$dir/bad.err")" = "finetune: ${bad#*:}" ] || {
+    echo "FAIL: ${bad%%:*}: status $status, $(cat "$dir/bad.err")"; exit 1; }
+done
 echo "PASS: finetune writes what it read at --steps=0 and a trained folder transformers loads"

@@ -402,6 +402,15 @@ std::string flag_error() {
     return absl::StrCat("--lora_dropout=", dropout, ": expected a value in [0, 1)");
   }
   if (!(absl::GetFlag(FLAGS_lora_alpha) > 0)) return "--lora_alpha: expected a positive number";
+  if (absl::GetFlag(FLAGS_lora_rank) == 0 && !absl::GetFlag(FLAGS_lora_target_modules).empty()) {
+    return absl::StrCat("--lora_target_modules=", absl::GetFlag(FLAGS_lora_target_modules),
+                        ": adapters need --lora_rank=R (R >= 1); without it every weight is "
+                        "fine-tuned");
+  }
+  const double weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  if (!(std::isfinite(weight_decay) && weight_decay >= 0)) {
+    return absl::StrCat("--weight_decay=", weight_decay, ": expected a finite value >= 0");
+  }
   const std::string base_dtype = absl::GetFlag(FLAGS_lora_base_dtype);
   if (base_dtype != "auto" && base_dtype != "float32") {
     return absl::StrCat("--lora_base_dtype=", base_dtype, ": expected auto or float32");

@@ -308,7 +308,10 @@ def main(argv=None):
         "source": os.path.basename(args.data),
     }
     tensors = {"input_ids": input_ids, "loss_mask": loss_mask, "example_offsets": offsets}
-    write_atomically(args.out, save(tensors, metadata=metadata))
+    try:
+        write_atomically(args.out, save(tensors, metadata=metadata))
+    except OSError as error:
+        stop(f"--out={args.out}: cannot write it ({error})")
 
     shapes = ", ".join(f"{shape} {sum(s == shape for _, _, s in examples)}" for shape in SHAPES)
     longer = ""

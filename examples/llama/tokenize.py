@@ -36,13 +36,22 @@ def main(argv=None):
         sys.exit(f"tokenize.py: --dtype=uint16: the vocabulary of {vocab} ids does not fit")
     ids = []
     for name in args.text:
-        with open(name, encoding="utf-8") as f:
-            ids.extend(tokenizer.encode(f.read()).ids)
+        try:
+            with open(name, encoding="utf-8") as f:
+                ids.extend(tokenizer.encode(f.read()).ids)
+        except (OSError, UnicodeDecodeError) as error:
+            sys.exit(f"tokenize.py: {name}: expected a readable UTF-8 text file ({error})")
     array = np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<"))
     tmp = args.out + ".tmp"
-    array.tofile(tmp)
-    os.replace(tmp, args.out)
-    print(f"{args.out}: {len(ids)} tokens, {dtype} (vocabulary {vocab})")
+    try:
+        array.tofile(tmp)
+        os.replace(tmp, args.out)
+    except OSError as error:
+        sys.exit(f"tokenize.py: --out={args.out}: cannot write it ({error})")
+    # A width other than the one finetune's --data_dtype=auto picks must be named to it.
+    flag = "" if dtype == ("uint16" if vocab <= 65536 else "uint32") else (
+        f"; finetune reads it with --data_dtype={dtype}")
+    print(f"{args.out}: {len(ids)} tokens, {dtype} (vocabulary {vocab}){flag}")
 
 
 if __name__ == "__main__":

@@ -70,21 +70,18 @@ int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device)
   return fd;
 }
 
-void check_fresh_out_dir(const std::string& out_dir, int64_t first, bool overwrite) {
-  const bool old = first == 0 && std::filesystem::exists(out_dir + "/metrics.csv");
-  TORCH_CHECK(!old || overwrite, "--out_dir=", out_dir,
-              " holds another run's results (metrics.csv, no checkpoint to continue from); "
-              "pass another --out_dir, or --overwrite to replace them");
-}
-
-void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_dir, bool resume,
-                             bool overwrite) {
+void check_fresh_run(Communicator& comm, const std::string& out_dir,
+                     const std::string& checkpoint_dir, bool resume, bool overwrite) {
   if (resume) return;
   const std::optional<std::string> old = latest_checkpoint(checkpoint_dir);
   TORCH_CHECK(!old || overwrite, "'", checkpoint_dir, "' holds another run's checkpoints (newest ",
               old.value_or(""),
               "); continue that run with --resume, or start over with --overwrite (deletes "
               "them)");
+  TORCH_CHECK(old || overwrite || !std::filesystem::exists(out_dir + "/metrics.csv"),
+              "--out_dir=", out_dir,
+              " holds another run's results (metrics.csv, no checkpoint to continue from); "
+              "pass another --out_dir, or --overwrite to replace them");
   if (old && comm.rank() == 0) {
     for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir)) {
       const std::string name = entry.path().filename().string();

@@ -4,7 +4,7 @@
 // ranks, the learning-rate schedule and per-rank figures.
 //
 //   const int lock = fsdp::examples::lock_out_dir(*comm, out_dir, device);
-//   fsdp::examples::check_fresh_checkpoints(*comm, ckpt_dir, resume, overwrite);
+//   fsdp::examples::check_fresh_run(*comm, out_dir, ckpt_dir, resume, overwrite);
 //   const int64_t first = fsdp::examples::resume_step(*model, &adamw, ckpt_dir, resume, lead);
 //   fsdp::examples::remove_leftover_checkpoints(ckpt_dir, lead);
 //
@@ -35,16 +35,14 @@ namespace fsdp::examples {
 // (one broadcast on `device`).
 int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device);
 
-// A new run (`first` step 0) does not replace the results of another run that wrote no
-// checkpoint (its OUT_DIR/metrics.csv) unless `overwrite`: raises naming the folder and
-// what to do. Reads the file system only.
-void check_fresh_out_dir(const std::string& out_dir, int64_t first, bool overwrite);
-
 // A new run (resume false) does not mix its checkpoints with another run's in
-// `checkpoint_dir`: it raises, or with `overwrite` deletes them (rank 0, before any is
-// written). Collective (a barrier).
-void check_fresh_checkpoints(Communicator& comm, const std::string& checkpoint_dir, bool resume,
-                             bool overwrite);
+// `checkpoint_dir`, nor replace the results of another run that wrote none (its
+// `out_dir`/metrics.csv): it raises naming them, or with `overwrite` deletes the old
+// checkpoints (rank 0, before any is written; metrics.csv is rewritten later). Every rank
+// checks before the barrier that ends it, so none sees a file of this run. Collective (a
+// barrier).
+void check_fresh_run(Communicator& comm, const std::string& out_dir,
+                     const std::string& checkpoint_dir, bool resume, bool overwrite);
 
 // With `resume`, loads the newest checkpoint (step_NNNNNNNN) of `checkpoint_dir` that every
 // rank can read into `model` and `optimizer` and returns its step; else 0. The ranks agree

@@ -111,7 +111,7 @@ class TrainingRun {
   // not null and the checkpoint holds one; one that holds none is set to the resumed
   // step with `lr_at`); else checks that the checkpoint folder holds no other run's
   // checkpoints (--overwrite deletes them) and --out_dir no other run's metrics.csv
-  // (check_fresh_out_dir). Then removes what an interrupted save left,
+  // (check_fresh_run). Then removes what an interrupted save left,
   // opens metrics.csv (rows up to the resumed step kept) and memory_rank<R>.csv. Call
   // once, before any record().
   int64_t start(FullyShardedRoot& model, torch::optim::Optimizer& optimizer,

@@ -147,6 +147,48 @@ TEST(LaunchEnvironmentTest, BadValuesNameTheVariable) {
       ThrowsMessage<c10::Error>(HasSubstr("MASTER_PORT='70000'")));
 }
 
+// The message of the c10::Error `f` throws; "" if it throws none.
+template <typename F>
+std::string error_message(F f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.msg();
+  }
+  return "";
+}
+
+// Note [A partial torchrun environment].
+TEST(LaunchEnvironmentTest, PartialTorchrunVariablesAreRefused) {
+  EXPECT_EQ(error_message([] {
+              read_launch_environment(lookup_in({{"RANK", "0"}}));
+            }),
+            "rendezvous: RANK='0' is set but WORLD_SIZE is not: a rank of a launched job has "
+            "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun and fsdp_run set "
+            "them; set WORLD_SIZE too, or unset RANK to let the program start its own ranks");
+  EXPECT_EQ(error_message([] {
+              read_launch_environment(lookup_in({{"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}}));
+            }),
+            "rendezvous: WORLD_SIZE='2' and LOCAL_RANK='1' are set but RANK is not: a rank of a "
+            "launched job has RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun "
+            "and fsdp_run set them; set RANK too, or unset WORLD_SIZE and LOCAL_RANK to let the "
+            "program start its own ranks");
+  EXPECT_EQ(error_message([] {
+              read_launch_environment(lookup_in({{"LOCAL_RANK", "0"}}));
+            }),
+            "rendezvous: LOCAL_RANK='0' is set but RANK and WORLD_SIZE are not: a rank of a "
+            "launched job has RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun "
+            "and fsdp_run set them; set RANK and WORLD_SIZE too, or unset LOCAL_RANK to let the "
+            "program start its own ranks");
+  // Another launcher's complete variables win, as before: a Slurm step whose script
+  // exports LOCAL_RANK alone, and an sbatch script itself (SLURM_PROCID of SLURM_NTASKS).
+  const LaunchEnvironment env = read_launch_environment(lookup_in(
+      {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}, {"LOCAL_RANK", "1"}}));
+  EXPECT_EQ(env.launcher, "Slurm");
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 2);
+}
+
 // --- the backend (Note [Choosing the backend]) ----------------------------------------
 
 TEST(ChooseBackendTest, DefaultIsGlooWithoutCudaDevices) {

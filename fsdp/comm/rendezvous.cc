@@ -1,5 +1,7 @@
 #include "fsdp/comm/rendezvous.h"
 
+#include <netdb.h>
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -118,6 +120,20 @@ void refuse_partial_torchrun(const EnvLookup& lookup) {
               "LOCAL_WORLD_SIZE, as torchrun and fsdp_run set them; set ",
               absl::StrJoin(missing, " and "), " too, or unset ", absl::StrJoin(set_names, " and "),
               " to let the program start its own ranks");
+}
+
+// Throws naming MASTER_ADDR and the resolver's words when `address` does not resolve:
+// TCPStore would retry its connection until the timeout and then blame the port.
+void check_resolves(const std::string& address) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int status = getaddrinfo(address.c_str(), nullptr, &hints, &found);
+  if (found != nullptr) freeaddrinfo(found);
+  TORCH_CHECK(status == 0, "rendezvous: MASTER_ADDR='", address, "' does not resolve (",
+              gai_strerror(status),
+              "); set MASTER_ADDR to the host name or IP address of the node that runs rank 0, "
+              "as every node can resolve it");
 }
 
 bool is_loopback(const std::string& address) {
@@ -267,6 +283,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
                 "RendezvousOptions::file_store_path");
     const std::string addr = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
     where = absl::StrCat(addr, ":", env.master_port);
+    check_resolves(addr);
     c10d::TCPStoreOptions tcp;
     tcp.port = static_cast<uint16_t>(env.master_port);
     tcp.isServer = env.rank == 0;

@@ -20,9 +20,10 @@
 //
 // Errors (c10::Error, one clear sentence each): unparsable or inconsistent variables,
 // torchrun's variables set only in part (RANK without WORLD_SIZE, or the reverse; Note [A
-// partial torchrun environment] in rendezvous.cc), an unreachable master, a port rank 0 cannot
-// listen on, ranks missing after the timeout (named), ranks started with different world sizes
-// (named), a backend that cannot run here or differs from rank 0's (named).
+// partial torchrun environment] in rendezvous.cc), a MASTER_ADDR that does not resolve
+// (at once, with the resolver's words), an unreachable master, a port rank 0 cannot listen on,
+// ranks missing after the timeout (named), ranks started with different world sizes (named), a
+// backend that cannot run here or differs from rank 0's (named).
 //
 // Note [Choosing the backend]
 // As in PyTorch's init_process_group(backend=...), the program names the backend with

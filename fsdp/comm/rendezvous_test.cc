@@ -3,6 +3,7 @@
 // sizes.
 #include "fsdp/comm/rendezvous.h"
 
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -325,6 +326,26 @@ TEST(RendezvousTest, PortInUseIsAClearError) {
               ThrowsMessage<c10::Error>(
                   HasSubstr("rank 0 cannot host the store on 127.0.0.1:" + std::to_string(port))));
   close(fd);
+}
+
+// Said at once, instead of after the timeout as a port to change.
+TEST(RendezvousTest, UnresolvableMasterIsNamedAtOnce) {
+  LaunchEnvironment env = two_ranks(1, 29500);
+  env.master_addr = "no.such.host.invalid";  // RFC 2606: never resolves
+  addrinfo* found = nullptr;
+  const int status = getaddrinfo(env.master_addr.c_str(), nullptr, nullptr, &found);
+  ASSERT_NE(status, 0);
+  const RendezvousOptions options = RendezvousOptions().timeout(std::chrono::seconds(60));
+  const auto start = std::chrono::steady_clock::now();
+  for (int rank : {0, 1}) {
+    env.rank = rank;
+    EXPECT_EQ(error_message([&] { connect_store(env, options); }),
+              std::string("rendezvous: MASTER_ADDR='no.such.host.invalid' does not resolve (") +
+                  gai_strerror(status) +
+                  "); set MASTER_ADDR to the host name or IP address of the node that runs rank "
+                  "0, as every node can resolve it");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 TEST(RendezvousTest, MasterAddressIsRequiredForSeveralRanks) {

@@ -40,6 +40,7 @@
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 
+#include "fsdp/comm/launcher.h"
 #include "fsdp/core/memory_plan.h"
 #include "fsdp/wrap/exported_program_tree.h"
 #include "fsdp/wrap/module_tree.h"
@@ -523,6 +524,9 @@ int main(int argc, char** argv) {
       "            [--lora_base_dtype=auto|float32] [--quantize=none|nf4] [--device=cpu|cuda]\n"
       "            [--moe_units=layer|sublayer]\n"
       "            [--grad_accumulation_steps=K] [--memory_per_rank=80GiB] [--format=...]");
+  if (const absl::Status entered = fsdp::enter_build_working_directory(); !entered.ok()) {
+    fail(std::string(entered.message()));
+  }
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
     fail(absl::StrCat("unexpected argument '", positional[1], "'; see --help"));

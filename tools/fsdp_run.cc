@@ -49,6 +49,9 @@ int main(int argc, char** argv) {
       "  fsdp_run --nproc_per_node=N [--nnodes=1] [--node_rank=0] "
       "[--master_addr=127.0.0.1]\n"
       "           [--master_port=0] [--grace_period_ms=5000] -- BINARY [ARGS...]");
+  if (const absl::Status entered = fsdp::enter_build_working_directory(); !entered.ok()) {
+    fail(std::string(entered.message()));
+  }
   // Abseil sees only what is before the first "--"; the rest is the command.
   int separator = 1;
   while (separator < argc && std::strcmp(argv[separator], "--") != 0) ++separator;

@@ -436,6 +436,9 @@ int main(int argc, char** argv) {
       "Trains an MLP on Fashion-MNIST with FSDP.\n"
       "  fashion_mnist [--world_size=2] [--epochs=3] [--batch_size=128] [--lr=0.05] ...\n"
       "Starts --world_size ranks of itself, or runs as one rank under fsdp_run/torchrun.");
+  if (const absl::Status entered = fsdp::enter_build_working_directory(); !entered.ok()) {
+    fail_usage(std::string(entered.message()));
+  }
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) fail_usage(absl::StrCat("unexpected argument '", positional[1], "'"));
   const Config config = config_from_flags();

@@ -135,6 +135,10 @@ void check_same_flags(Communicator& comm, c10::Device device) {
 }
 
 int trainer_main(int argc, char** argv, const char* name, const TrainerHooks& hooks) {
+  if (const absl::Status entered = enter_build_working_directory(); !entered.ok()) {
+    std::cerr << name << ": " << entered.message() << "\n";
+    return 2;
+  }
   use_run_flag_defaults(hooks.defaults);
   install_caching_cpu_allocator();  // before any tensor: see caching_cpu_allocator.h
   allow_bare_resume_flag(argc, argv);

@@ -64,9 +64,10 @@ struct TrainerHooks {
   std::function<int()> run;
 };
 
-// A trainer's main(): installs the caching CPU allocator, parses the command line (a
-// bare --resume allowed; a positional argument is refused), applies the CUDA defaults,
-// checks every flag before any rank starts or any file is touched (a bad one: one line
+// A trainer's main(): enters the directory `bazel run` was started from
+// (enter_build_working_directory, fsdp/comm/launcher.h), installs the caching CPU allocator, parses
+// the command line (a bare --resume allowed; a positional argument is refused), applies the CUDA
+// defaults, checks every flag before any rank starts or any file is touched (a bad one: one line
 // "<name>: ..." on stderr, exit status 2), resolves --device and --mixed_precision,
 // starts --world_size ranks of this program when no launcher did (Ctrl-C stops them
 // all), and runs hooks.run on each rank, an exception becoming one line on stderr and

@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <iterator>
@@ -784,6 +785,26 @@ int launch_self(int nproc_per_node, int argc, char** argv) {
   options.nproc_per_node(nproc_per_node).command({"/proc/self/exe"});
   for (int i = 1; i < argc; ++i) options.command().push_back(argv[i]);
   return launch(options, std::cout, std::cerr);
+}
+
+absl::Status enter_build_working_directory() {
+  const char* directory = std::getenv("BUILD_WORKING_DIRECTORY");
+  if (directory == nullptr || *directory == '\0') return absl::OkStatus();
+  const std::string what = absl::StrCat("BUILD_WORKING_DIRECTORY='", directory,
+                                        "' (the directory `bazel run` was started from)");
+  if (directory[0] != '/') {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what,
+                     " is not an absolute path; unset it, or set it to the directory that relative "
+                     "paths on the command line are relative to"));
+  }
+  if (chdir(directory) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " cannot be entered: ", std::strerror(errno),
+        "; run bazel from an existing directory, or give the program absolute paths and unset "
+        "BUILD_WORKING_DIRECTORY"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace fsdp

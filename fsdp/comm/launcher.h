@@ -141,6 +141,16 @@ int launch(const LaunchOptions& options, std::ostream& out, std::ostream& err);
 // job's exit status as launch() does.
 int launch_self(int nproc_per_node, int argc, char** argv);
 
+// Under `bazel run`, changes the working directory to $BUILD_WORKING_DIRECTORY, the
+// directory bazel was run from, so that relative paths on the command line (--out_dir=out,
+// ./my_binary) mean what they mean there: Bazel starts the program in its runfiles
+// folder. Does nothing when the variable is unset or empty. Idempotent: ranks the program
+// starts inherit the variable and the new directory, and changing to it again is a no-op.
+// Every user-facing binary (fsdp_run, fsdp_plan, the trainers) calls it first thing in
+// main(), before reading a path (a relative --flagfile too). Returns FailedPrecondition
+// when the value is not an absolute path or cannot be entered, saying what to do.
+absl::Status enter_build_working_directory();
+
 }  // namespace fsdp
 
 #endif  // FSDP_COMM_LAUNCHER_H_

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -431,6 +432,62 @@ TEST(LaunchTest, SigtermIsForwardedAndAConcurrentLaunchIsRefused) {
   const Result result = job.join();
   EXPECT_EQ(result.status, 143);
   EXPECT_EQ(result.err, "fsdp_run: got signal 15 (Terminated); forwarded it to 1 running rank\n");
+}
+
+// The working directory as getcwd gives it; "" on error.
+std::string working_directory() {
+  char path[PATH_MAX] = {};
+  return getcwd(path, sizeof(path)) == nullptr ? "" : path;
+}
+
+// The status of enter_build_working_directory() with BUILD_WORKING_DIRECTORY=`value`
+// (unset when nullptr); the working directory and the variable are restored.
+absl::Status enter_with(const char* value, std::string* entered = nullptr) {
+  const std::string before = working_directory();
+  if (value == nullptr) {
+    unsetenv("BUILD_WORKING_DIRECTORY");
+  } else {
+    setenv("BUILD_WORKING_DIRECTORY", value, 1);
+  }
+  absl::Status status = enter_build_working_directory();
+  if (entered != nullptr) *entered = working_directory();
+  unsetenv("BUILD_WORKING_DIRECTORY");
+  EXPECT_EQ(chdir(before.c_str()), 0);
+  return status;
+}
+
+TEST(EnterBuildWorkingDirectoryTest, EntersTheDirectoryBazelRunWasStartedFrom) {
+  char resolved[PATH_MAX] = {};
+  ASSERT_NE(realpath(make_temp_dir().c_str(), resolved), nullptr);
+  const std::string dir = resolved;
+  std::string entered;
+  EXPECT_TRUE(enter_with(dir.c_str(), &entered).ok());
+  EXPECT_EQ(entered, dir);
+  // Idempotent: a rank started from there, with the variable inherited, stays there.
+  ASSERT_EQ(chdir(dir.c_str()), 0);
+  EXPECT_TRUE(enter_with(dir.c_str(), &entered).ok());
+  EXPECT_EQ(entered, dir);
+  // Unset or empty: the directory is left as it is.
+  const std::string here = working_directory();
+  EXPECT_TRUE(enter_with(nullptr, &entered).ok());
+  EXPECT_EQ(entered, here);
+  EXPECT_TRUE(enter_with("", &entered).ok());
+  EXPECT_EQ(entered, here);
+}
+
+TEST(EnterBuildWorkingDirectoryTest, SaysWhatIsWrongWithTheValue) {
+  EXPECT_EQ(enter_with("relative/dir"),
+            absl::FailedPreconditionError(
+                "BUILD_WORKING_DIRECTORY='relative/dir' (the directory `bazel run` was started "
+                "from) is not an absolute path; unset it, or set it to the directory that "
+                "relative paths on the command line are relative to"));
+  const std::string missing = make_temp_dir() + "/missing";
+  EXPECT_EQ(enter_with(missing.c_str()),
+            absl::FailedPreconditionError(absl::StrCat(
+                "BUILD_WORKING_DIRECTORY='", missing,
+                "' (the directory `bazel run` was started from) cannot be entered: No such file "
+                "or directory; run bazel from an existing directory, or give the program "
+                "absolute paths and unset BUILD_WORKING_DIRECTORY")));
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 #include "fsdp/comm/rendezvous.h"
 
+#include <netdb.h>
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -85,6 +88,52 @@ std::optional<int> slurm_step_tasks_here(const EnvLookup& lookup, int world_size
   TORCH_CHECK(here, "SLURM_STEP_TASKS_PER_NODE='", *counts, "' gives no task count in [1, ",
               world_size, "] for node ", node, " (SLURM_NODEID); check how the job was launched");
   return here;
+}
+
+// Note [A partial torchrun environment]
+// torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE for every rank; a
+// process is its rank only with both RANK and WORLD_SIZE. One that has some of them but
+// not both (RANK=0 exported by hand, a variable left over in the shell) would otherwise
+// count as launched by nothing and start its own ranks, ignoring what the user set; so
+// it is refused, naming what is set and what is missing. Only when no other launcher's
+// variables are complete: a Slurm or MPI job whose script exports LOCAL_RANK (or RANK)
+// alone for its programs stays that launcher's job.
+void refuse_partial_torchrun(const EnvLookup& lookup) {
+  const Scheme& torchrun = kSchemes[0];
+  std::vector<std::string> set;
+  std::vector<std::string> set_names;
+  for (const char* name :
+       {torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.local_world_size}) {
+    if (const std::optional<std::string> value = lookup(name)) {
+      set.push_back(absl::StrCat(name, "='", *value, "'"));
+      set_names.push_back(name);
+    }
+  }
+  if (set.empty()) return;
+  std::vector<std::string> missing;
+  for (const char* name : {torchrun.rank, torchrun.world_size}) {
+    if (!lookup(name)) missing.push_back(name);
+  }
+  TORCH_CHECK(false, "rendezvous: ", absl::StrJoin(set, " and "), set.size() == 1 ? " is" : " are",
+              " set but ", absl::StrJoin(missing, " and "), missing.size() == 1 ? " is" : " are",
+              " not: a rank of a launched job has RANK, WORLD_SIZE, LOCAL_RANK and "
+              "LOCAL_WORLD_SIZE, as torchrun and fsdp_run set them; set ",
+              absl::StrJoin(missing, " and "), " too, or unset ", absl::StrJoin(set_names, " and "),
+              " to let the program start its own ranks");
+}
+
+// Throws naming MASTER_ADDR and the resolver's words when `address` does not resolve:
+// TCPStore would retry its connection until the timeout and then blame the port.
+void check_resolves(const std::string& address) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int status = getaddrinfo(address.c_str(), nullptr, &hints, &found);
+  if (found != nullptr) freeaddrinfo(found);
+  TORCH_CHECK(status == 0, "rendezvous: MASTER_ADDR='", address, "' does not resolve (",
+              gai_strerror(status),
+              "); set MASTER_ADDR to the host name or IP address of the node that runs rank 0, "
+              "as every node can resolve it");
 }
 
 bool is_loopback(const std::string& address) {
@@ -210,6 +259,7 @@ LaunchEnvironment read_launch_environment(const EnvLookup& lookup_or_null) {
                                   env.local_world_size - 1);
     break;
   }
+  if (env.launcher == "none") refuse_partial_torchrun(lookup);
   env.master_addr = lookup("MASTER_ADDR")
                         .value_or(env.launcher == std::string("Slurm")
                                       ? lookup("SLURM_LAUNCH_NODE_IPADDR").value_or("")
@@ -233,6 +283,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnvironment& env,
                 "RendezvousOptions::file_store_path");
     const std::string addr = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
     where = absl::StrCat(addr, ":", env.master_port);
+    check_resolves(addr);
     c10d::TCPStoreOptions tcp;
     tcp.port = static_cast<uint16_t>(env.master_port);
     tcp.isServer = env.rank == 0;

@@ -19,9 +19,11 @@
 // With no variables at all the process is rank 0 of 1.
 //
 // Errors (c10::Error, one clear sentence each): unparsable or inconsistent variables,
-// an unreachable master, a port rank 0 cannot listen on, ranks missing after the
-// timeout (named), ranks started with different world sizes (named), a backend that
-// cannot run here or differs from rank 0's (named).
+// torchrun's variables set only in part (RANK without WORLD_SIZE, or the reverse; Note [A
+// partial torchrun environment] in rendezvous.cc), a MASTER_ADDR that does not resolve
+// (at once, with the resolver's words), an unreachable master, a port rank 0 cannot listen on,
+// ranks missing after the timeout (named), ranks started with different world sizes (named), a
+// backend that cannot run here or differs from rank 0's (named).
 //
 // Note [Choosing the backend]
 // As in PyTorch's init_process_group(backend=...), the program names the backend with
@@ -71,7 +73,9 @@ struct LaunchEnvironment {
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
 
 // Reads the variables through `lookup` (the process environment by default). Throws
-// c10::Error naming the variable if a value is not an integer or out of range.
+// c10::Error naming the variable if a value is not an integer or out of range, and naming
+// what is set and what is missing if no launcher's variables are complete but some of
+// torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) are set.
 LaunchEnvironment read_launch_environment(const EnvLookup& lookup = nullptr);
 
 // The communicator init_from_environment makes. PyTorch: init_process_group's `backend`.

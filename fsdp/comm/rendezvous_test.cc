@@ -3,6 +3,7 @@
 // sizes.
 #include "fsdp/comm/rendezvous.h"
 
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -147,6 +148,48 @@ TEST(LaunchEnvironmentTest, BadValuesNameTheVariable) {
       ThrowsMessage<c10::Error>(HasSubstr("MASTER_PORT='70000'")));
 }
 
+// The message of the c10::Error `f` throws; "" if it throws none.
+template <typename F>
+std::string error_message(F f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.msg();
+  }
+  return "";
+}
+
+// Note [A partial torchrun environment].
+TEST(LaunchEnvironmentTest, PartialTorchrunVariablesAreRefused) {
+  EXPECT_EQ(error_message([] {
+              read_launch_environment(lookup_in({{"RANK", "0"}}));
+            }),
+            "rendezvous: RANK='0' is set but WORLD_SIZE is not: a rank of a launched job has "
+            "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun and fsdp_run set "
+            "them; set WORLD_SIZE too, or unset RANK to let the program start its own ranks");
+  EXPECT_EQ(error_message([] {
+              read_launch_environment(lookup_in({{"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}}));
+            }),
+            "rendezvous: WORLD_SIZE='2' and LOCAL_RANK='1' are set but RANK is not: a rank of a "
+            "launched job has RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun "
+            "and fsdp_run set them; set RANK too, or unset WORLD_SIZE and LOCAL_RANK to let the "
+            "program start its own ranks");
+  EXPECT_EQ(error_message([] {
+              read_launch_environment(lookup_in({{"LOCAL_RANK", "0"}}));
+            }),
+            "rendezvous: LOCAL_RANK='0' is set but RANK and WORLD_SIZE are not: a rank of a "
+            "launched job has RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun "
+            "and fsdp_run set them; set RANK and WORLD_SIZE too, or unset LOCAL_RANK to let the "
+            "program start its own ranks");
+  // Another launcher's complete variables win, as before: a Slurm step whose script
+  // exports LOCAL_RANK alone, and an sbatch script itself (SLURM_PROCID of SLURM_NTASKS).
+  const LaunchEnvironment env = read_launch_environment(lookup_in(
+      {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}, {"LOCAL_RANK", "1"}}));
+  EXPECT_EQ(env.launcher, "Slurm");
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 2);
+}
+
 // --- the backend (Note [Choosing the backend]) ----------------------------------------
 
 TEST(ChooseBackendTest, DefaultIsGlooWithoutCudaDevices) {
@@ -283,6 +326,26 @@ TEST(RendezvousTest, PortInUseIsAClearError) {
               ThrowsMessage<c10::Error>(
                   HasSubstr("rank 0 cannot host the store on 127.0.0.1:" + std::to_string(port))));
   close(fd);
+}
+
+// Said at once, instead of after the timeout as a port to change.
+TEST(RendezvousTest, UnresolvableMasterIsNamedAtOnce) {
+  LaunchEnvironment env = two_ranks(1, 29500);
+  env.master_addr = "no.such.host.invalid";  // RFC 2606: never resolves
+  addrinfo* found = nullptr;
+  const int status = getaddrinfo(env.master_addr.c_str(), nullptr, nullptr, &found);
+  ASSERT_NE(status, 0);
+  const RendezvousOptions options = RendezvousOptions().timeout(std::chrono::seconds(60));
+  const auto start = std::chrono::steady_clock::now();
+  for (int rank : {0, 1}) {
+    env.rank = rank;
+    EXPECT_EQ(error_message([&] { connect_store(env, options); }),
+              std::string("rendezvous: MASTER_ADDR='no.such.host.invalid' does not resolve (") +
+                  gai_strerror(status) +
+                  "); set MASTER_ADDR to the host name or IP address of the node that runs rank "
+                  "0, as every node can resolve it");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 TEST(RendezvousTest, MasterAddressIsRequiredForSeveralRanks) {

@@ -31,12 +31,30 @@
 namespace fsdp::models {
 namespace {
 
-// The files of an HF folder that describe the model besides its weights. A config.json with
-// a quantization_config is written without it (the weights are written dequantized: Note [A
+// The files of an HF folder that describe the model besides its weights (save_hf_folder in
+// hf_checkpoint.h): the config, the generation config, and every file transformers 4.4x
+// and 5.x save a tokenizer as (tokenizer.json, or a BPE's vocab.json and merges.txt, or
+// SentencePiece's tokenizer.model; the chat template: chat_template.jinja in 5.x,
+// chat_template.json in 4.4x).
+constexpr const char* kModelFiles[] = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+};
+
+// Copies those of kModelFiles that `from_dir` holds. A config.json with a
+// quantization_config is written without it (the weights are written dequantized: Note [A
 // bitsandbytes 4-bit folder]), as transformers writes a config (indent 2, sorted keys).
 void copy_model_files(const std::string& from_dir, const std::string& out_dir) {
-  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
-                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
+  for (const char* name : kModelFiles) {
     const std::filesystem::path from = std::filesystem::path(from_dir) / name;
     const std::filesystem::path to = std::filesystem::path(out_dir) / name;
     if (!std::filesystem::exists(from)) continue;

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -607,6 +608,58 @@ TEST(Bnb4BitFolderTest, WrittenConfigHasNoQuantizationConfig) {
   std::ifstream in(out + "/config.json");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()),
             "{\n  \"dtype\": \"bfloat16\",\n  \"model_type\": \"llama\"\n}\n");
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The names of the files in `dir`, sorted.
+std::set<std::string> files_in(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.insert(entry.path().filename().string());
+  }
+  return names;
+}
+
+// Every file a tokenizer is saved as is copied byte for byte: transformers 5's
+// chat_template.jinja, 4.4x's chat_template.json, a BPE's vocab.json and merges.txt
+// (no tokenizer.json), added_tokens.json; the files the folder lacks are not created.
+TEST(HfFolderFilesTest, CopiesTheTokenizerFilesItHolds) {
+  const std::map<std::string, std::string> files = {
+      {"config.json", R"({"model_type": "llama"})"},
+      {"generation_config.json", R"({"eos_token_id": 2})"},
+      {"tokenizer.json", R"({"model": {"type": "BPE"}})"},
+      {"tokenizer_config.json", R"({"model_max_length": 64})"},
+      {"special_tokens_map.json", R"({"eos_token": "</s>"})"},
+      {"tokenizer.model", std::string("\x0a\x00\xff sentencepiece", 17)},
+      {"vocab.json", R"({"a": 0, "b": 1})"},
+      {"merges.txt", "#version: 0.2\na b\n"},
+      {"added_tokens.json", R"({"<|im_end|>": 2})"},
+      {"chat_template.jinja", "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"},
+      {"chat_template.json", R"({"chat_template": "{{ messages[0]['content'] }}"})"},
+  };
+  const std::string from = temp_dir(), out = temp_dir() + "/out";
+  for (const auto& [name, bytes] : files)
+    std::ofstream(from + "/" + name, std::ios::binary) << bytes;
+  std::ofstream(from + "/README.md") << "not copied";
+  prepare_hf_folder(from, out);
+  std::set<std::string> names;
+  for (const auto& [name, bytes] : files) {
+    names.insert(name);
+    EXPECT_EQ(slurp(out + "/" + name), bytes) << name;
+  }
+  EXPECT_EQ(files_in(out), names);
+
+  const std::string some = temp_dir(), some_out = temp_dir() + "/out";
+  for (const char* name : {"config.json", "vocab.json", "merges.txt", "chat_template.jinja"}) {
+    std::ofstream(some + "/" + name, std::ios::binary) << files.at(name);
+  }
+  prepare_hf_folder(some, some_out);
+  EXPECT_EQ(files_in(some_out), (std::set<std::string>{"chat_template.jinja", "config.json",
+                                                       "merges.txt", "vocab.json"}));
 }
 
 }  // namespace

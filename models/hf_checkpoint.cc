@@ -257,6 +257,31 @@ bool mtp_tensor(const std::optional<DecoderConfig>& config, const std::string& n
          layer < config->num_hidden_layers + config->mtp_layers;
 }
 
+// Note [A tied head stored anyway]
+// A folder whose config ties the head to the embeddings (tie_word_embeddings) may still
+// hold lm_head.weight (some Qwen and Llama conversions on the Hub). transformers 5.x loads
+// it, ties the head and leaves the stored one unread; so does the reader, once the stored
+// head's shape is checked against the embeddings' ([vocab_size, hidden_size]). The model
+// holds no head of its own (decoder.h), so a save writes none, as save_pretrained does.
+constexpr char kHeadName[] = "lm_head.weight";
+
+bool stored_tied_head(const std::optional<DecoderConfig>& config, const std::string& name) {
+  return config && config->tie_word_embeddings && name == kHeadName;
+}
+
+// Refuses a stored tied head of another shape than the embeddings'.
+void check_stored_tied_head(const DecoderConfig& config, const std::string& dir) {
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
+  if (!checkpoint.contains(kHeadName)) return;
+  const std::vector<int64_t> embeddings = {config.vocab_size, config.hidden_size};
+  const std::vector<int64_t>& shape = checkpoint.info(kHeadName).shape;
+  TORCH_CHECK(shape == embeddings, dir, ": tensor '", kHeadName, "' has shape ",
+              c10::IntArrayRef(shape),
+              " but config.json ties the head to the embeddings (tie_word_embeddings), of shape ",
+              c10::IntArrayRef(embeddings),
+              "; expected the head in that shape or no head (is config.json the folder's own?)");
+}
+
 // hf_weights_dtype of an opened folder.
 at::ScalarType weights_dtype(const SafetensorsCheckpoint& checkpoint, const std::string& dir) {
   const auto quantized = bnb_4bit_weights(checkpoint);
@@ -487,6 +512,8 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
                               }};
   };
   const SafetensorsSplit experts = split_of(names);
+  // See Note [A tied head stored anyway].
+  if (config && config->tie_word_embeddings) check_stored_tied_head(*config, dir);
   load_safetensors(
       model, dir,
       LoadSafetensorsOptions()
@@ -503,8 +530,9 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
           })
           .derive(modules.empty() ? nullptr : derive)
           .unread([&quant_maps, &config](const std::string& name) {
-            // See Note [Multi-token prediction layers].
-            return quant_maps.count(name) > 0 || mtp_tensor(config, name);
+            // See Note [Multi-token prediction layers] and Note [A tied head stored anyway].
+            return quant_maps.count(name) > 0 || mtp_tensor(config, name) ||
+                   stored_tied_head(config, name);
           }));
 }
 

@@ -85,7 +85,11 @@ std::vector<std::string> store_hf_nf4_weights(torch::nn::Module& model, const st
 // float weight, each rank reads that weight whole, one at a time, quantizes it as
 // bitsandbytes does and keeps its shards' bytes (Note [NF4 base weights in an HF folder]
 // in hf_checkpoint.cc). A 4-bit weight of the folder that the model does not hold in NF4 is
-// an error saying to call store_hf_nf4_weights. No communication; every rank calls it.
+// an error saying to call store_hf_nf4_weights. A folder whose config.json ties the head to
+// the embeddings (tie_word_embeddings) but still holds lm_head.weight (some conversions on
+// the Hub) loads as transformers 5.x loads it: the stored head is never read, and is an
+// error when its shape is not the embeddings' [vocab_size, hidden_size]. No communication;
+// every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:

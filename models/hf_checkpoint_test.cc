@@ -28,6 +28,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adamw.h>
 
 #include "fsdp/base/names.h"
@@ -660,6 +661,65 @@ TEST(HfFolderFilesTest, CopiesTheTokenizerFilesItHolds) {
   prepare_hf_folder(some, some_out);
   EXPECT_EQ(files_in(some_out), (std::set<std::string>{"chat_template.jinja", "config.json",
                                                        "merges.txt", "vocab.json"}));
+}
+
+// Note [A tied head stored anyway]: a folder whose config ties the head may still hold
+// lm_head.weight. It loads as the folder without it does (the stored head is never read:
+// its values here differ from the embeddings), the same weights and logits; a head of
+// another shape is refused; a save writes no head, as before.
+TEST(TiedHeadTest, StoredHeadIsLeftUnreadAndNotWritten) {
+  const std::string tied_json = absl::StrReplaceAll(
+      kTinyLlama, {{R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"}});
+  const DecoderConfig tied = parse_decoder_config(tied_json, "tied.json");
+  const std::string plain = temp_dir(), stored = temp_dir(), bad = temp_dir();
+  at::manual_seed(1);
+  save_module_safetensors(CausalLMImpl(tied), plain);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const SafetensorsCheckpoint plain_ckpt = SafetensorsCheckpoint::open(plain);
+  for (const std::string& name : plain_ckpt.names()) {
+    tensors.emplace_back(name, plain_ckpt.read(name));
+  }
+  const at::Tensor embeddings = plain_ckpt.read("model.embed_tokens.weight");
+  ASSERT_FALSE(plain_ckpt.contains("lm_head.weight"));
+  tensors.emplace_back("lm_head.weight", at::full({64, 32}, 5.0));
+  save_safetensors_file(stored + "/model.safetensors", tensors);
+  tensors.back().second = at::full({63, 32}, 5.0);
+  save_safetensors_file(bad + "/model.safetensors", tensors);
+  for (const std::string& dir : {plain, stored, bad})
+    std::ofstream(dir + "/config.json") << tied_json;
+
+  const auto load = [&](const std::string& dir, std::shared_ptr<Communicator> comm) {
+    Model model(std::make_shared<CausalLMImpl>(tied, at::TensorOptions().device(c10::kMeta)),
+                FullyShardedDataParallelOptions(comm));
+    load_hf_weights(*model, dir);
+    return model;
+  };
+  const at::Tensor ids = at::arange(16, at::kLong).view({2, 8}) * 5 % 64;
+  on_ranks([&](std::shared_ptr<Communicator> comm) {
+    Model from_plain = load(plain, comm);
+    Model from_stored = load(stored, comm);
+    const StateDict got = full_state_dict(*from_stored);
+    EXPECT_TRUE(at::equal(got["model.embed_tokens.weight"], embeddings));
+    expect_equal(got, full_state_dict(*from_plain));
+    {
+      torch::NoGradGuard no_grad;  // forward only: the model is idle again after it
+      EXPECT_TRUE(at::equal(from_stored->forward(ids), from_plain->forward(ids)));
+    }
+    try {
+      load(bad, comm);
+      ADD_FAILURE() << "no error for a head of shape [63, 32]";
+    } catch (const c10::Error& e) {
+      EXPECT_EQ(absl::StrReplaceAll(e.what_without_backtrace(), {{bad, "DIR"}}),
+                "DIR: tensor 'lm_head.weight' has shape [63, 32] but config.json ties the head "
+                "to the embeddings (tie_word_embeddings), of shape [64, 32]; expected the head "
+                "in that shape or no head (is config.json the folder's own?)");
+    }
+    const std::string out = stored + "/out";
+    save_hf_folder(*from_stored, stored, out, 5'000'000'000);
+    if (comm->rank() == 0) {
+      EXPECT_EQ(SafetensorsCheckpoint::open(out).names(), plain_ckpt.names());
+    }
+  });
 }
 
 }  // namespace

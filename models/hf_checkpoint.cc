@@ -31,12 +31,30 @@
 namespace fsdp::models {
 namespace {
 
-// The files of an HF folder that describe the model besides its weights. A config.json with
-// a quantization_config is written without it (the weights are written dequantized: Note [A
+// The files of an HF folder that describe the model besides its weights (save_hf_folder in
+// hf_checkpoint.h): the config, the generation config, and every file transformers 4.4x
+// and 5.x save a tokenizer as (tokenizer.json, or a BPE's vocab.json and merges.txt, or
+// SentencePiece's tokenizer.model; the chat template: chat_template.jinja in 5.x,
+// chat_template.json in 4.4x).
+constexpr const char* kModelFiles[] = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+};
+
+// Copies those of kModelFiles that `from_dir` holds. A config.json with a
+// quantization_config is written without it (the weights are written dequantized: Note [A
 // bitsandbytes 4-bit folder]), as transformers writes a config (indent 2, sorted keys).
 void copy_model_files(const std::string& from_dir, const std::string& out_dir) {
-  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
-                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"}) {
+  for (const char* name : kModelFiles) {
     const std::filesystem::path from = std::filesystem::path(from_dir) / name;
     const std::filesystem::path to = std::filesystem::path(out_dir) / name;
     if (!std::filesystem::exists(from)) continue;
@@ -237,6 +255,31 @@ bool mtp_tensor(const std::optional<DecoderConfig>& config, const std::string& n
          absl::SimpleAtoi(rest.substr(0, rest.find('.')), &layer) &&
          layer >= config->num_hidden_layers &&
          layer < config->num_hidden_layers + config->mtp_layers;
+}
+
+// Note [A tied head stored anyway]
+// A folder whose config ties the head to the embeddings (tie_word_embeddings) may still
+// hold lm_head.weight (some Qwen and Llama conversions on the Hub). transformers 5.x loads
+// it, ties the head and leaves the stored one unread; so does the reader, once the stored
+// head's shape is checked against the embeddings' ([vocab_size, hidden_size]). The model
+// holds no head of its own (decoder.h), so a save writes none, as save_pretrained does.
+constexpr char kHeadName[] = "lm_head.weight";
+
+bool stored_tied_head(const std::optional<DecoderConfig>& config, const std::string& name) {
+  return config && config->tie_word_embeddings && name == kHeadName;
+}
+
+// Refuses a stored tied head of another shape than the embeddings'.
+void check_stored_tied_head(const DecoderConfig& config, const std::string& dir) {
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
+  if (!checkpoint.contains(kHeadName)) return;
+  const std::vector<int64_t> embeddings = {config.vocab_size, config.hidden_size};
+  const std::vector<int64_t>& shape = checkpoint.info(kHeadName).shape;
+  TORCH_CHECK(shape == embeddings, dir, ": tensor '", kHeadName, "' has shape ",
+              c10::IntArrayRef(shape),
+              " but config.json ties the head to the embeddings (tie_word_embeddings), of shape ",
+              c10::IntArrayRef(embeddings),
+              "; expected the head in that shape or no head (is config.json the folder's own?)");
 }
 
 // hf_weights_dtype of an opened folder.
@@ -469,6 +512,8 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
                               }};
   };
   const SafetensorsSplit experts = split_of(names);
+  // See Note [A tied head stored anyway].
+  if (config && config->tie_word_embeddings) check_stored_tied_head(*config, dir);
   load_safetensors(
       model, dir,
       LoadSafetensorsOptions()
@@ -485,8 +530,9 @@ void load_hf_weights(FullyShardedRoot& model, const std::string& dir) {
           })
           .derive(modules.empty() ? nullptr : derive)
           .unread([&quant_maps, &config](const std::string& name) {
-            // See Note [Multi-token prediction layers].
-            return quant_maps.count(name) > 0 || mtp_tensor(config, name);
+            // See Note [Multi-token prediction layers] and Note [A tied head stored anyway].
+            return quant_maps.count(name) > 0 || mtp_tensor(config, name) ||
+                   stored_tied_head(config, name);
           }));
 }
 

@@ -85,17 +85,24 @@ std::vector<std::string> store_hf_nf4_weights(torch::nn::Module& model, const st
 // float weight, each rank reads that weight whole, one at a time, quantizes it as
 // bitsandbytes does and keeps its shards' bytes (Note [NF4 base weights in an HF folder]
 // in hf_checkpoint.cc). A 4-bit weight of the folder that the model does not hold in NF4 is
-// an error saying to call store_hf_nf4_weights. No communication; every rank calls it.
+// an error saying to call store_hf_nf4_weights. A folder whose config.json ties the head to
+// the embeddings (tie_word_embeddings) but still holds lm_head.weight (some conversions on
+// the Hub) loads as transformers 5.x loads it: the stored head is never read, and is an
+// error when its shape is not the embeddings' [vocab_size, hidden_size]. No communication;
+// every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
 // Writes the model as an HF folder `out_dir` that transformers' from_pretrained loads:
 // the weights (split into files of at most `max_shard_size` bytes, with the index, as
 // save_pretrained(max_shard_size=...)), the floating ones in the dtype `from_dir` holds
 // (hf_weights_dtype: fp32 master weights go back as the bf16 folder they came from,
-// rounded to nearest), and the other files of `from_dir` that describe the model
-// (config.json, generation_config.json and the tokenizer's files) copied unchanged, except
-// that config.json loses its quantization_config (the weights are written dequantized);
-// weight files an earlier save left there are removed first.
+// rounded to nearest), and the other files of `from_dir` that describe the model, those of
+// them it holds, copied byte for byte: config.json, generation_config.json and the files a
+// tokenizer is saved as (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+// tokenizer.model, vocab.json, merges.txt, added_tokens.json, and the chat template's
+// chat_template.jinja or chat_template.json), except that config.json loses its
+// quantization_config (the weights are written dequantized); weight files an earlier save
+// left there are removed first.
 // Collective: the units are gathered one at a time; rank 0 writes.
 void save_hf_folder(FullyShardedRoot& model, const std::string& from_dir,
                     const std::string& out_dir, int64_t max_shard_size);

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -27,6 +28,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adamw.h>
 
 #include "fsdp/base/names.h"
@@ -607,6 +609,117 @@ TEST(Bnb4BitFolderTest, WrittenConfigHasNoQuantizationConfig) {
   std::ifstream in(out + "/config.json");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()),
             "{\n  \"dtype\": \"bfloat16\",\n  \"model_type\": \"llama\"\n}\n");
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The names of the files in `dir`, sorted.
+std::set<std::string> files_in(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.insert(entry.path().filename().string());
+  }
+  return names;
+}
+
+// Every file a tokenizer is saved as is copied byte for byte: transformers 5's
+// chat_template.jinja, 4.4x's chat_template.json, a BPE's vocab.json and merges.txt
+// (no tokenizer.json), added_tokens.json; the files the folder lacks are not created.
+TEST(HfFolderFilesTest, CopiesTheTokenizerFilesItHolds) {
+  const std::map<std::string, std::string> files = {
+      {"config.json", R"({"model_type": "llama"})"},
+      {"generation_config.json", R"({"eos_token_id": 2})"},
+      {"tokenizer.json", R"({"model": {"type": "BPE"}})"},
+      {"tokenizer_config.json", R"({"model_max_length": 64})"},
+      {"special_tokens_map.json", R"({"eos_token": "</s>"})"},
+      {"tokenizer.model", std::string("\x0a\x00\xff sentencepiece", 17)},
+      {"vocab.json", R"({"a": 0, "b": 1})"},
+      {"merges.txt", "#version: 0.2\na b\n"},
+      {"added_tokens.json", R"({"<|im_end|>": 2})"},
+      {"chat_template.jinja", "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"},
+      {"chat_template.json", R"({"chat_template": "{{ messages[0]['content'] }}"})"},
+  };
+  const std::string from = temp_dir(), out = temp_dir() + "/out";
+  for (const auto& [name, bytes] : files)
+    std::ofstream(from + "/" + name, std::ios::binary) << bytes;
+  std::ofstream(from + "/README.md") << "not copied";
+  prepare_hf_folder(from, out);
+  std::set<std::string> names;
+  for (const auto& [name, bytes] : files) {
+    names.insert(name);
+    EXPECT_EQ(slurp(out + "/" + name), bytes) << name;
+  }
+  EXPECT_EQ(files_in(out), names);
+
+  const std::string some = temp_dir(), some_out = temp_dir() + "/out";
+  for (const char* name : {"config.json", "vocab.json", "merges.txt", "chat_template.jinja"}) {
+    std::ofstream(some + "/" + name, std::ios::binary) << files.at(name);
+  }
+  prepare_hf_folder(some, some_out);
+  EXPECT_EQ(files_in(some_out), (std::set<std::string>{"chat_template.jinja", "config.json",
+                                                       "merges.txt", "vocab.json"}));
+}
+
+// Note [A tied head stored anyway]: a folder whose config ties the head may still hold
+// lm_head.weight. It loads as the folder without it does (the stored head is never read:
+// its values here differ from the embeddings), the same weights and logits; a head of
+// another shape is refused; a save writes no head, as before.
+TEST(TiedHeadTest, StoredHeadIsLeftUnreadAndNotWritten) {
+  const std::string tied_json = absl::StrReplaceAll(
+      kTinyLlama, {{R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"}});
+  const DecoderConfig tied = parse_decoder_config(tied_json, "tied.json");
+  const std::string plain = temp_dir(), stored = temp_dir(), bad = temp_dir();
+  at::manual_seed(1);
+  save_module_safetensors(CausalLMImpl(tied), plain);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const SafetensorsCheckpoint plain_ckpt = SafetensorsCheckpoint::open(plain);
+  for (const std::string& name : plain_ckpt.names()) {
+    tensors.emplace_back(name, plain_ckpt.read(name));
+  }
+  const at::Tensor embeddings = plain_ckpt.read("model.embed_tokens.weight");
+  ASSERT_FALSE(plain_ckpt.contains("lm_head.weight"));
+  tensors.emplace_back("lm_head.weight", at::full({64, 32}, 5.0));
+  save_safetensors_file(stored + "/model.safetensors", tensors);
+  tensors.back().second = at::full({63, 32}, 5.0);
+  save_safetensors_file(bad + "/model.safetensors", tensors);
+  for (const std::string& dir : {plain, stored, bad})
+    std::ofstream(dir + "/config.json") << tied_json;
+
+  const auto load = [&](const std::string& dir, std::shared_ptr<Communicator> comm) {
+    Model model(std::make_shared<CausalLMImpl>(tied, at::TensorOptions().device(c10::kMeta)),
+                FullyShardedDataParallelOptions(comm));
+    load_hf_weights(*model, dir);
+    return model;
+  };
+  const at::Tensor ids = at::arange(16, at::kLong).view({2, 8}) * 5 % 64;
+  on_ranks([&](std::shared_ptr<Communicator> comm) {
+    Model from_plain = load(plain, comm);
+    Model from_stored = load(stored, comm);
+    const StateDict got = full_state_dict(*from_stored);
+    EXPECT_TRUE(at::equal(got["model.embed_tokens.weight"], embeddings));
+    expect_equal(got, full_state_dict(*from_plain));
+    {
+      torch::NoGradGuard no_grad;  // forward only: the model is idle again after it
+      EXPECT_TRUE(at::equal(from_stored->forward(ids), from_plain->forward(ids)));
+    }
+    try {
+      load(bad, comm);
+      ADD_FAILURE() << "no error for a head of shape [63, 32]";
+    } catch (const c10::Error& e) {
+      EXPECT_EQ(absl::StrReplaceAll(e.what_without_backtrace(), {{bad, "DIR"}}),
+                "DIR: tensor 'lm_head.weight' has shape [63, 32] but config.json ties the head "
+                "to the embeddings (tie_word_embeddings), of shape [64, 32]; expected the head "
+                "in that shape or no head (is config.json the folder's own?)");
+    }
+    const std::string out = stored + "/out";
+    save_hf_folder(*from_stored, stored, out, 5'000'000'000);
+    if (comm->rank() == 0) {
+      EXPECT_EQ(SafetensorsCheckpoint::open(out).names(), plain_ckpt.names());
+    }
+  });
 }
 
 }  // namespace

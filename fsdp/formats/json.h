@@ -1,7 +1,8 @@
 // JSON that may have been written by anyone (safetensors headers, config.json, index
 // files, the JSON records of .pt2 archives), parsed with nlohmann-json under two limits
-// checked before or while parsing: its size and how deeply it nests. Every reader of
-// such JSON in fsdp parses it here.
+// checked before it is built: its size, then how deeply it nests (a first pass that builds
+// nothing, nlohmann's SAX parser). Both passes take time linear in the text's size. Every
+// reader of such JSON in fsdp parses it here.
 //
 //   nlohmann::json j = fsdp::parse_untrusted_json(text, "config.json '/m/config.json'",
 //                                                 "expected a Hugging Face config");

@@ -343,10 +343,14 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& path) {
     auto it = file_position.find(name);
     if (it == file_position.end()) {
       const std::string file = (fs::path(path) / name).string();
-      TORCH_CHECK(name.find('/') == std::string::npos && name != ".." && fs::exists(file, ec),
-                  "index '", index_path, "' names file '", name, "' for tensor '", item.key(),
-                  "', but '", file, "' does not exist; expected every file of the index in '", path,
-                  "'");
+      TORCH_CHECK(name.find('/') == std::string::npos && name != "..", "index '", index_path,
+                  "' names file '", name, "' for tensor '", item.key(),
+                  "', a path that leaves folder '", path,
+                  "' or enters another; expected the name of a file inside the folder, as "
+                  "save_pretrained writes");
+      TORCH_CHECK(fs::exists(file, ec), "index '", index_path, "' names file '", name,
+                  "' for tensor '", item.key(), "', but '", file,
+                  "' does not exist; expected every file of the index in '", path, "'");
       ckpt.files_.push_back(SafetensorsFile::open(file));
       it = file_position.emplace(name, ckpt.files_.size() - 1).first;
     }

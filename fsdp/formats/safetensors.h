@@ -27,9 +27,10 @@
 // Errors: c10::Error naming the file, the tensor and what was expected (a truncated file,
 // a header length past the end, a header that is not UTF-8 JSON or not of this form, an
 // unknown dtype, a shape whose bytes differ from its offsets, offsets that overlap or leave
-// gaps, an index naming a missing file or a tensor its file lacks). Bad input never reads
-// out of bounds. Threading: a reader's const methods may be called from several threads
-// (pread has no shared file position); a writer is used from one thread.
+// gaps, an index naming a file outside its folder, a missing file or a tensor its file
+// lacks). Bad input never reads out of bounds. Threading: a reader's const methods may be
+// called from several threads (pread has no shared file position); a writer is used from
+// one thread.
 #ifndef FSDP_FORMATS_SAFETENSORS_H_
 #define FSDP_FORMATS_SAFETENSORS_H_
 
@@ -116,8 +117,8 @@ class SafetensorsCheckpoint {
  public:
   // `path`: a .safetensors file, or a folder with model.safetensors.index.json or
   // model.safetensors. Throws when neither exists, when the index is not of the form
-  // above, names a missing file, or names a tensor its file lacks, or when two files
-  // hold the same tensor.
+  // above, names a file outside the folder (a path with '/' or '..') or a missing one, or
+  // names a tensor its file lacks, or when two files hold the same tensor.
   static SafetensorsCheckpoint open(const std::string& path);
 
   // Every tensor name, sorted.

@@ -354,6 +354,17 @@ TEST(SafetensorsBadInput, IndexNamingAMissingFileOrTensor) {
                 "/model-00002-of-00002.safetensors' does not exist; expected every file "
                 "of the index in '" +
                 dir + "'");
+  // A file outside the folder is refused as such, even when it exists.
+  const std::string other = temp_dir();
+  save_safetensors_file(other + "/model.safetensors", {{"b", at::arange(2.0)}});
+  const std::string escape = "../" + fs::path(other).filename().string() + "/model.safetensors";
+  spit(dir + "/model.safetensors.index.json",
+       R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": ")" + escape + R"("}})");
+  EXPECT_EQ(error_of([&] { SafetensorsCheckpoint::open(dir); }),
+            "index '" + dir + "/model.safetensors.index.json' names file '" + escape +
+                "' for tensor 'b', a path that leaves folder '" + dir +
+                "' or enters another; expected the name of a file inside the folder, as "
+                "save_pretrained writes");
   spit(dir + "/model.safetensors.index.json",
        R"({"weight_map": {"c": "model-00001-of-00002.safetensors"}})");
   EXPECT_EQ(error_of([&] { SafetensorsCheckpoint::open(dir); }),

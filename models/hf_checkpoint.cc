@@ -623,7 +623,7 @@ int64_t parse_shard_size(const std::string& text, std::string_view flag) {
   std::string number = text;
   int64_t unit = 1;
   for (const auto& [suffix, bytes] : kUnits) {
-    if (absl::EndsWith(text, suffix)) {
+    if (absl::EndsWithIgnoreCase(text, suffix)) {  // "5gb" too, as save_pretrained
       number = text.substr(0, text.size() - std::string(suffix).size());
       unit = bytes;
       break;

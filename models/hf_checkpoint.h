@@ -130,9 +130,10 @@ void save_lora_hf_folders(FullyShardedRoot& model, const lora::LoraConfig& confi
 void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir);
 
 // A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,
-// MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024): "20KB" is 20000, "2GiB"
-// 2147483648. Throws c10::Error otherwise, naming `flag` (the flag or option the text was
-// given for, e.g. "--max_memory_per_rank") and the value: "--max_memory_per_rank=5TB: ...".
+// MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024), in any case as transformers
+// takes them: "20KB" is 20000, "2GiB" and "2gib" 2147483648. Throws c10::Error
+// otherwise, naming `flag` (the flag or option the text was given for, e.g.
+// "--max_memory_per_rank") and the value: "--max_memory_per_rank=5TB: ...".
 int64_t parse_shard_size(const std::string& text, std::string_view flag = "--max_shard_size");
 
 }  // namespace fsdp::models

@@ -54,6 +54,8 @@ TEST(ParseShardSizeTest, TransformersUnits) {
   EXPECT_EQ(parse_shard_size("1KiB"), 1024);
   EXPECT_EQ(parse_shard_size("3MiB"), 3 * 1048576);
   EXPECT_EQ(parse_shard_size("2GiB"), 2147483648);
+  EXPECT_EQ(parse_shard_size("5gb"), 5000000000);  // save_pretrained ignores the case
+  EXPECT_EQ(parse_shard_size("2gib"), 2147483648);
 }
 
 TEST(ParseShardSizeTest, BadValuesNameTheFlag) {

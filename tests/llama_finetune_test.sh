@@ -156,7 +156,8 @@ set -e
 for bad in "--weight_decay=nan:--weight_decay=nan: expected a finite value >= 0" \
            "--lora_target_modules=q_proj:--lora_target_modules=q_proj: adapters need --lora_rank=R (R >= 1); without it every weight is fine-tuned"; do
   set +e
-  "$finetune" --from="$dir/model" --data="$dir/train.bin" --out_dir="$dir/x" "${bad%%:*}" 2> "$dir/bad.err"
+  "$finetune" --from="$dir/model" --data="$dir/train.bin" --out_dir="$dir/x" --context=32 \
+    "${bad%%:*}" 2> "$dir/bad.err"
   status=$?
   set -e
   [ $status -eq 2 ] && [ "$(cat "$dir/bad.err")" = "finetune: ${bad#*:}" ] || {

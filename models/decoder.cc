@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
@@ -321,10 +322,22 @@ std::vector<at::Tensor> DecoderModelImpl::router_logits() const {
 CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions& options,
                            DecoderUnits units)
     : config(config) {
-  model = register_module("model", DecoderModel(config, options, units));
-  if (!config.tie_word_embeddings) {
-    lm_head = projection(config.hidden_size, config.vocab_size, /*bias=*/false, options);
-    head_unit = register_module("lm_head", Unit<lora::LoraLinearImpl>(lm_head.ptr()));
+  try {
+    model = register_module("model", DecoderModel(config, options, units));
+    if (!config.tie_word_embeddings) {
+      lm_head = projection(config.hidden_size, config.vocab_size, /*bias=*/false, options);
+      head_unit = register_module("lm_head", Unit<lora::LoraLinearImpl>(lm_head.ptr()));
+    }
+  } catch (const c10::Error& e) {
+    // A config whose sizes make a tensor past what a process can address ("Storage size
+    // calculation overflowed") is named as the config's, not as a tensor's.
+    TORCH_CHECK(false, "CausalLM: cannot build the ", config.model_type,
+                " model its config describes (vocab_size ", config.vocab_size, ", hidden_size ",
+                config.hidden_size, ", intermediate_size ", config.intermediate_size,
+                ", num_hidden_layers ", config.num_hidden_layers, ", num_attention_heads ",
+                config.num_attention_heads, ", head_dim ", config.head_dim,
+                config.is_moe() ? absl::StrCat(", num_experts ", config.num_experts) : "",
+                "): ", e.what_without_backtrace(), "; check the sizes in its config.json");
   }
 }
 

@@ -155,6 +155,26 @@ TEST(DecoderTest, MetaBuildInitialisedEqualsACpuBuildFromTheSameSeed) {
   }
 }
 
+// Sizes that make a tensor past what a process can address are named as the config's.
+TEST(DecoderTest, SizesPastAnAddressAreTheConfigs) {
+  DecoderConfig config = tiny_llama(false);
+  config.vocab_size = int64_t{1} << 62;
+  try {
+    CausalLMImpl net(config, at::TensorOptions().device(c10::kMeta));
+    FAIL() << "a [2^62, 32] embedding was built";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_EQ(message.rfind("CausalLM: cannot build the llama model its config describes "
+                            "(vocab_size 4611686018427387904, hidden_size 32, intermediate_size "
+                            "64, num_hidden_layers 4, num_attention_heads 4, head_dim 8): ",
+                            0),
+              0u)
+        << message;
+    EXPECT_NE(message.find("overflow"), std::string::npos) << message;
+    EXPECT_EQ(message.substr(message.size() - 36), "; check the sizes in its config.json");
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::models
 

@@ -89,16 +89,22 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
     int64_t example, length;
   };
   std::vector<Kept> kept;
+  // Why examples were left out: too long (kDrop), no counted token at all, none before
+  // the cut.
+  int64_t too_long = 0, uncounted = 0, counted_past_cut = 0;
+  const auto any_counted = [&](int64_t begin, int64_t end) {
+    return std::any_of(counted + begin, counted + end, [](bool c) { return c; });
+  };
   for (int64_t e = 0; e < examples.size(); ++e) {
     const int64_t begin = examples.offsets[e];
     const int64_t full = examples.length(e);
     if (full > context && long_examples == LongExamples::kDrop) {
-      ++out.dropped;
+      ++out.dropped, ++too_long;
       continue;
     }
     const int64_t length = std::min(full, context);
-    if (!std::any_of(counted + begin + 1, counted + begin + length, [](bool c) { return c; })) {
-      ++out.dropped;  // nothing to learn from what is left
+    if (!any_counted(begin + 1, begin + length)) {  // nothing to learn from what is left
+      ++out.dropped, ++(any_counted(begin + 1, begin + full) ? counted_past_cut : uncounted);
       continue;
     }
     if (length < full) ++out.cut;
@@ -106,7 +112,14 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
   }
   TORCH_CHECK(!kept.empty(), "pack_chat_rows: none of the ", examples.size(),
               " examples is left with a counted token in a context of ", context, " (", out.dropped,
-              " left out); raise --context, or --long_examples=cut");
+              " left out: ", too_long, " longer than the context with --long_examples=drop, ",
+              counted_past_cut, " counting only tokens past it, ", uncounted,
+              " counting no token at all)",
+              uncounted == examples.size()
+                  ? "; the file's loss_mask counts nothing: remake it (prepare_chat.py --mask, "
+                    "and a chat template that marks the assistant's turns)"
+              : too_long > 0 ? "; raise --context, or pass --long_examples=cut"
+                             : "; raise --context");
   // rows[r]: the kept examples of row r, in order.
   std::vector<std::vector<Kept>> rows;
   if (packing == ChatPacking::kPerRow) {

@@ -133,7 +133,16 @@ TEST(ChatDataTest, LongExamplesAreCutOrDropped) {
   EXPECT_THAT([&] { pack_chat_rows(silent, 4, ChatPacking::kPacked, LongExamples::kCut); },
               testing::ThrowsMessage<c10::Error>(testing::HasSubstr(
                   "pack_chat_rows: none of the 1 examples is left with a counted token in a "
-                  "context of 4 (1 left out)")));
+                  "context of 4 (1 left out: 0 longer than the context with "
+                  "--long_examples=drop, 0 counting only tokens past it, 1 counting no token at "
+                  "all); the file's loss_mask counts nothing: remake it (prepare_chat.py "
+                  "--mask, and a chat template that marks the assistant's turns)")));
+  // Its one counted token past a context of 2: a longer context would keep it.
+  silent.counted[2] = true;
+  EXPECT_THAT([&] { pack_chat_rows(silent, 2, ChatPacking::kPacked, LongExamples::kCut); },
+              testing::ThrowsMessage<c10::Error>(testing::HasSubstr(
+                  "(1 left out: 0 longer than the context with --long_examples=drop, 1 counting "
+                  "only tokens past it, 0 counting no token at all); raise --context")));
 }
 
 // A token file's windows carry no positions or segments: narrow() and to() keep them so.

@@ -1,7 +1,7 @@
 // Fine-tunes a Hugging Face decoder model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
 // Gemma 3 text, Granite, OLMo 2, Phi-3, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, gpt-oss in
-// its bf16 layout: the families of //models) with FSDP and writes the result back as a Hugging Face
-// folder.
+// its bf16 layout, DeepSeek-V3 / Kimi K2 in bf16: the families of //models) with FSDP and writes
+// the result back as a Hugging Face folder.
 //
 //   bazel run -c opt //examples/llama:finetune -- --from=HF_DIR --data=TOKENS
 //       --out_dir=OUT --world_size=2 --steps=100 [--eval_data=TOKENS]   (one line)
@@ -126,8 +126,8 @@ ABSL_FLAG(
     "comma-separated module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
     "gate_proj, up_proj, down_proj; phi3: qkv_proj, o_proj, gate_up_proj, down_proj); "
     "empty: PEFT's default for the family (q_proj,v_proj, mixtral too; phi3: qkv_proj; "
-    "none for qwen3_moe, qwen2_moe, olmoe, gpt_oss: name them). The MoE families' routed experts "
-    "take no LoRA yet (PEFT's target_parameters)");
+    "none for qwen3_moe, qwen2_moe, olmoe, gpt_oss, deepseek_v3: name them). The MoE families' "
+    "routed experts take no LoRA yet (PEFT's target_parameters)");
 ABSL_FLAG(std::string, router_aux_loss_coef, "auto",
           "mixture-of-experts families: the weight of the router's load-balancing loss added "
           "to each micro-batch's training loss (transformers' output_router_logits=True); "

@@ -161,8 +161,8 @@ void match(std::vector<Group>& groups, const std::vector<Entry>& entries,
     TORCH_CHECK(info.dtype == dtype || cast, what, ": dtype mismatch for ", where,
                 ": the file has ", safetensors_dtype_name(info.dtype), ", the model has ",
                 c10::toString(dtype),
-                "; convert one of them first, or pass cast_floating (fsdp does not cast "
-                "silently)");
+                "; convert one of them first, or load with "
+                "LoadSafetensorsOptions().cast_floating(true) (fsdp does not cast silently)");
   };
   for (const Group& group : groups) {
     const Entry& entry = entries[group.entries.front()];

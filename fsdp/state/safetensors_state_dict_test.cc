@@ -466,7 +466,8 @@ TEST(LoadSafetensors, MismatchesNameTheTensorAndTheFile) {
     EXPECT_EQ(message(dtype),
               "load_safetensors: dtype mismatch for 'head.bias' (tensor 'head.bias' in "
               "'DIR/dtype.safetensors'): the file has F64, the model has Float; convert one of "
-              "them first, or pass cast_floating (fsdp does not cast silently)");
+              "them first, or load with LoadSafetensorsOptions().cast_floating(true) (fsdp does "
+              "not cast silently)");
   });
 }
 

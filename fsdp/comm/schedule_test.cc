@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -236,6 +237,31 @@ TEST_P(FakeDivergenceTest, EveryRankNamesTheDivergenceWithinTheTimeout) {
 
 INSTANTIATE_TEST_SUITE_P(Steps, FakeDivergenceTest,
                          ::testing::Values(kAtStep1, kAtStep7, kInLastStep));
+
+// A rank that stops answering (SIGSTOP, or stuck outside collectives): its peer's
+// collective times out after T, then the peer's schedule check waits for it 2 T more on
+// the side channel, and the error says both waits.
+TEST(ScheduleTest, ARankThatStopsAnsweringIsNamedWithBothWaits) {
+  const auto timeout = std::chrono::milliseconds(200);
+  std::string message;
+  FakeWorld::run(FakeWorld::create(2, timeout), [&](Communicator& comm) {
+    comm.enable_schedule_checks();
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(4 * timeout);
+      return;
+    }
+    try {
+      comm.all_reduce(at::ones({1}));
+    } catch (const CommError& e) {
+      message = e.what_without_backtrace();
+    }
+  });
+  EXPECT_EQ(message,
+            "all_reduce #0 failed on rank 0 (peer rank 1): rank(s) 1 did not reach it within 200 "
+            "ms (then the collective schedule check waited for the ranks too (a rank stopped, or "
+            "is stuck outside collectives): all_gather_into_tensor #0 in group [0, 1] failed on "
+            "rank 0 (peer rank 1): rank(s) 1 did not reach it within 400 ms)");
+}
 
 // --- Gloo: ranks as processes ---
 

@@ -343,8 +343,15 @@ void CollectiveSchedule::fail(const CommError& failure) {
   std::string mismatch;
   try {
     mismatch = compare(/*failed=*/true, &peer);
-  } catch (const CommError&) {
-    throw failure;  // the peers are gone too: the failure says which
+  } catch (const CommError& e) {
+    // The peers are gone too (the failure names one), or one stopped answering: then the
+    // job ended only after this wait too, which the failure's own words do not count.
+    CommError unanswered = failure;
+    unanswered.add_context(absl::StrCat(
+        "then the collective schedule check waited for the ranks too (a rank stopped, or is "
+        "stuck outside collectives): ",
+        e.what_without_backtrace()));
+    throw unanswered;
   }
   if (mismatch.empty()) throw failure;
   final_error_ = error(absl::StrCat(mismatch, "; on this rank, then: ", failure.what()),

@@ -259,27 +259,54 @@ bool mtp_tensor(const std::optional<DecoderConfig>& config, const std::string& n
 
 // Note [A tied head stored anyway]
 // A folder whose config ties the head to the embeddings (tie_word_embeddings) may still
-// hold lm_head.weight (some Qwen and Llama conversions on the Hub). transformers 5.x loads
-// it, ties the head and leaves the stored one unread; so does the reader, once the stored
-// head's shape is checked against the embeddings' ([vocab_size, hidden_size]). The model
-// holds no head of its own (decoder.h), so a save writes none, as save_pretrained does.
+// hold lm_head.weight (some Qwen and Llama conversions on the Hub). transformers 5.x ties
+// them when the stored head equals the embeddings, leaving it unread; when it differs,
+// transformers loads the two untied, against the config (with a warning). The reader
+// takes the first case as transformers does, once the stored head's shape and values are
+// checked against the embeddings' (both read in blocks of 1 M elements: no whole tensor
+// is held), and refuses the second, saying how to make the folder say what it holds. The
+// model holds no head of its own (decoder.h), so a save writes none, as save_pretrained
+// does.
 constexpr char kHeadName[] = "lm_head.weight";
 
 bool stored_tied_head(const std::optional<DecoderConfig>& config, const std::string& name) {
   return config && config->tie_word_embeddings && name == kHeadName;
 }
 
-// Refuses a stored tied head of another shape than the embeddings'.
+// Refuses a stored tied head whose shape, dtype or values are not the embeddings'.
 void check_stored_tied_head(const DecoderConfig& config, const std::string& dir) {
   const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
   if (!checkpoint.contains(kHeadName)) return;
+  constexpr char kEmbeddings[] = "model.embed_tokens.weight";
   const std::vector<int64_t> embeddings = {config.vocab_size, config.hidden_size};
-  const std::vector<int64_t>& shape = checkpoint.info(kHeadName).shape;
-  TORCH_CHECK(shape == embeddings, dir, ": tensor '", kHeadName, "' has shape ",
-              c10::IntArrayRef(shape),
+  const SafetensorsTensorInfo& head = checkpoint.info(kHeadName);
+  TORCH_CHECK(head.shape == embeddings, dir, ": tensor '", kHeadName, "' has shape ",
+              c10::IntArrayRef(head.shape),
               " but config.json ties the head to the embeddings (tie_word_embeddings), of shape ",
               c10::IntArrayRef(embeddings),
               "; expected the head in that shape or no head (is config.json the folder's own?)");
+  const auto untied = [&](const std::string& how) {
+    TORCH_CHECK(false, dir,
+                ": config.json ties the head to the embeddings (tie_word_embeddings) "
+                "but the folder's '",
+                kHeadName, "' ", how, " '", kEmbeddings,
+                "', so transformers loads the two untied; set \"tie_word_embeddings\": false in "
+                "config.json to train them untied, or remove '",
+                kHeadName, "' to tie them");
+  };
+  if (!checkpoint.contains(kEmbeddings) || checkpoint.info(kEmbeddings).shape != head.shape ||
+      checkpoint.info(kEmbeddings).dtype != head.dtype) {
+    untied("is not stored like");
+  }
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  const int64_t numel = config.vocab_size * config.hidden_size;
+  for (int64_t begin = 0; begin < numel; begin += kBlock) {
+    const int64_t count = std::min(kBlock, numel - begin);
+    if (!at::equal(checkpoint.read_range(kHeadName, begin, count),
+                   checkpoint.read_range(kEmbeddings, begin, count))) {
+      untied("differs from");
+    }
+  }
 }
 
 // hf_weights_dtype of an opened folder.

@@ -666,14 +666,14 @@ TEST(HfFolderFilesTest, CopiesTheTokenizerFilesItHolds) {
 }
 
 // Note [A tied head stored anyway]: a folder whose config ties the head may still hold
-// lm_head.weight. It loads as the folder without it does (the stored head is never read:
-// its values here differ from the embeddings), the same weights and logits; a head of
+// lm_head.weight. Equal to the embeddings, it loads as the folder without it does, the
+// same weights and logits; a head of other values (transformers then unties them) or of
 // another shape is refused; a save writes no head, as before.
 TEST(TiedHeadTest, StoredHeadIsLeftUnreadAndNotWritten) {
   const std::string tied_json = absl::StrReplaceAll(
       kTinyLlama, {{R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"}});
   const DecoderConfig tied = parse_decoder_config(tied_json, "tied.json");
-  const std::string plain = temp_dir(), stored = temp_dir(), bad = temp_dir();
+  const std::string plain = temp_dir(), stored = temp_dir(), differs = temp_dir(), bad = temp_dir();
   at::manual_seed(1);
   save_module_safetensors(CausalLMImpl(tied), plain);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -683,11 +683,14 @@ TEST(TiedHeadTest, StoredHeadIsLeftUnreadAndNotWritten) {
   }
   const at::Tensor embeddings = plain_ckpt.read("model.embed_tokens.weight");
   ASSERT_FALSE(plain_ckpt.contains("lm_head.weight"));
-  tensors.emplace_back("lm_head.weight", at::full({64, 32}, 5.0));
+  tensors.emplace_back("lm_head.weight", embeddings);
   save_safetensors_file(stored + "/model.safetensors", tensors);
+  tensors.back().second = embeddings.clone();
+  tensors.back().second[63][31] = 5.0;  // the last element only
+  save_safetensors_file(differs + "/model.safetensors", tensors);
   tensors.back().second = at::full({63, 32}, 5.0);
   save_safetensors_file(bad + "/model.safetensors", tensors);
-  for (const std::string& dir : {plain, stored, bad})
+  for (const std::string& dir : {plain, stored, differs, bad})
     std::ofstream(dir + "/config.json") << tied_json;
 
   const auto load = [&](const std::string& dir, std::shared_ptr<Communicator> comm) {
@@ -706,6 +709,16 @@ TEST(TiedHeadTest, StoredHeadIsLeftUnreadAndNotWritten) {
     {
       torch::NoGradGuard no_grad;  // forward only: the model is idle again after it
       EXPECT_TRUE(at::equal(from_stored->forward(ids), from_plain->forward(ids)));
+    }
+    try {
+      load(differs, comm);
+      ADD_FAILURE() << "no error for a head that differs from the embeddings";
+    } catch (const c10::Error& e) {
+      EXPECT_EQ(absl::StrReplaceAll(e.what_without_backtrace(), {{differs, "DIR"}}),
+                "DIR: config.json ties the head to the embeddings (tie_word_embeddings) but the "
+                "folder's 'lm_head.weight' differs from 'model.embed_tokens.weight', so "
+                "transformers loads the two untied; set \"tie_word_embeddings\": false in "
+                "config.json to train them untied, or remove 'lm_head.weight' to tie them");
     }
     try {
       load(bad, comm);

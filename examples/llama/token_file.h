@@ -1,9 +1,9 @@
 // Token files for the fine-tune trainer: a flat little-endian array of token ids of 2
 // bytes (uint16) or 4 (uint32), the nanoGPT / llm.c convention (examples/llama/tokenize.py
 // writes one with a model folder's tokenizer). The file is read window by window
-// (pread), never held whole: a rank's memory does not grow with the data, and ranks on
-// one machine share the page cache. PyTorch counterpart: nanoGPT's np.memmap of
-// train.bin.
+// (pread, through fsdp/formats/files.h), never held whole: a rank's memory does not grow
+// with the data, and ranks on one machine share the page cache. PyTorch counterpart: nanoGPT's
+// np.memmap of train.bin.
 //
 //   const TokenFile tokens("train.bin", /*bytes_per_id=*/2, config.vocab_size);
 //   auto [inputs, targets] = tokens.windows(starts, /*context=*/512);  // int64 [n, 512]
@@ -14,11 +14,12 @@
 #define FSDP_EXAMPLES_LLAMA_TOKEN_FILE_H_
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+
+#include "fsdp/formats/files.h"
 
 namespace fsdp::models {
 
@@ -29,7 +30,7 @@ class TokenFile {
   // Throws naming the first id that is not, with its index.
   TokenFile(const std::string& path, int64_t bytes_per_id, int64_t vocab_size);
 
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
   int64_t size() const { return size_; }  // ids in the file
 
   // The windows of context + 1 consecutive ids starting at `starts` (int64 [n], each in
@@ -39,11 +40,10 @@ class TokenFile {
   std::pair<at::Tensor, at::Tensor> windows(const at::Tensor& starts, int64_t context) const;
 
  private:
-  std::string path_;
+  ReadableFile file_;  // copies share the descriptor
   int64_t bytes_per_id_;
   int64_t vocab_size_;
   int64_t size_ = 0;
-  std::shared_ptr<const int> fd_;  // closed with the last copy
 };
 
 }  // namespace fsdp::models

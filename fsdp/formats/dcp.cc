@@ -426,7 +426,7 @@ DcpMetadata read_dcp_metadata(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kDcpMetadataFile);
   std::string bytes;
   try {
-    bytes = read_regular_file(path, "Distributed Checkpoint metadata");
+    bytes = read_regular_file(path, "Distributed Checkpoint metadata", kMaxMetadataBytes);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "'", dir,
                 "' is not a complete Distributed Checkpoint: ", e.what_without_backtrace());

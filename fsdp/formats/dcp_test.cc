@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include "fsdp/formats/files.h"
 #include "fsdp/formats/testing/python_testing.h"
 
 namespace fsdp {
@@ -264,6 +265,18 @@ TEST(DcpMetadata, MetadataMustBeARegularFile) {
   write_bytes(dir + "/real", serialize_dcp_metadata(one_tensor({2}, {{{0}, {2}}})));
   fs::create_symlink(dir + "/real", dir + "/.metadata");
   EXPECT_EQ(read_dcp_metadata(dir).entries.size(), 1u);
+  // A .metadata over kMaxMetadataBytes (sparse: no disk) is refused before it is read.
+  fs::remove(dir + "/.metadata");
+  write_bytes(dir + "/.metadata", "");
+  fs::resize_file(dir + "/.metadata", kMaxMetadataBytes + 1);
+  EXPECT_THAT([&] { read_dcp_metadata(dir); },
+              ThrowsMessage<c10::Error>(HasSubstr(absl::StrCat(
+                  "'", dir,
+                  "' is not a complete Distributed Checkpoint: Distributed Checkpoint "
+                  "metadata '",
+                  dir,
+                  "/.metadata' has 1073741825 bytes, more than the 1073741824 "
+                  "fsdp reads for it; it is not Distributed Checkpoint metadata or is damaged"))));
 }
 
 // Issue 38: a .metadata holding a list nested 300,000 deep crashed the reader (SIGSEGV).

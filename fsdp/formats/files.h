@@ -50,6 +50,12 @@ class ReadableFile {
   int64_t size_ = 0;
 };
 
+// The most bytes fsdp reads of a checkpoint's metadata file (a Distributed Checkpoint's
+// .metadata, an fsdp checkpoint's metadata.pt), refused before reading: 1 GiB, far above
+// the metadata of a real job (some hundred bytes a chunk) and below what would exhaust a
+// host's memory.
+constexpr int64_t kMaxMetadataBytes = int64_t{1} << 30;
+
 // The whole of the regular file `path` (see ReadableFile::open), refused before reading
 // when it is larger than `max_bytes`.
 std::string read_regular_file(const std::string& path, std::string_view what,

@@ -163,4 +163,16 @@ for bad in "--weight_decay=nan:--weight_decay=nan: expected a finite value >= 0"
   [ $status -eq 2 ] && [ "$(cat "$dir/bad.err")" = "finetune: ${bad#*:}" ] || {
     echo "FAIL: ${bad%%:*}: status $status, $(cat "$dir/bad.err")"; exit 1; }
 done
+# A uint32 token file: tokenize.py names the flag it needs, and under --data_dtype=auto
+# finetune refuses it rather than read every second id as 0.
+"$python" "$tokenize" --model="$dir/model" --dtype=uint32 --out="$dir/train32.bin" \
+    "$dir/train.txt" | grep -q "; finetune reads it with --data_dtype=uint32$" || {
+  echo "FAIL: tokenize.py --dtype=uint32 does not name --data_dtype=uint32"; exit 1; }
+set +e
+"$finetune" --from="$dir/model" --data="$dir/train32.bin" --out_dir="$dir/x" --context=32 \
+    2> "$dir/bad.err"
+status=$?
+set -e
+[ $status -eq 2 ] && [ "$(cat "$dir/bad.err")" = "finetune: --data=$dir/train32.bin: every second 16-bit id is 0, as when a file of uint32 ids (tokenize.py --dtype=uint32) is read as uint16; pass --data_dtype=uint32, or --data_dtype=uint16 if it does hold 16-bit ids" ] || {
+  echo "FAIL: a uint32 file under --data_dtype=auto: status $status, $(cat "$dir/bad.err")"; exit 1; }
 echo "PASS: finetune writes what it read at --steps=0 and a trained folder transformers loads"

@@ -194,8 +194,12 @@ Data read_data(const std::string& path, const DecoderConfig& config) {
     data.rows = pack_chat_rows(read_chat_file(path, config.vocab_size),
                                absl::GetFlag(FLAGS_context), packing_flag(), long_examples_flag());
   } else {
-    data.tokens.emplace(path, token_bytes(absl::GetFlag(FLAGS_data_dtype), config.vocab_size),
-                        config.vocab_size);
+    const std::string dtype = absl::GetFlag(FLAGS_data_dtype);
+    data.tokens.emplace(path, token_bytes(dtype, config.vocab_size), config.vocab_size);
+    TORCH_CHECK(dtype != "auto" || !data.tokens->looks_like_4_byte_ids(),
+                "every second 16-bit id is 0, as when a file of uint32 ids (tokenize.py "
+                "--dtype=uint32) is read as uint16; pass --data_dtype=uint32, or "
+                "--data_dtype=uint16 if it does hold 16-bit ids");
   }
   return data;
 }

@@ -30,7 +30,8 @@ TokenFile::TokenFile(const std::string& path, int64_t bytes_per_id, int64_t voca
               "-byte token ids; check --data_dtype");
   size_ = file_.size() / bytes_per_id;
   std::vector<char> block(static_cast<size_t>(std::min(kBlockBytes, file_.size())));
-  for (int64_t first = 0; first < size_;) {
+  bool odd_all_zero = true, even_all_zero = true;
+  for (int64_t first = 0; first < size_;) {  // blocks hold an even number of ids
     const int64_t count = std::min(size_ - first, kBlockBytes / bytes_per_id);
     file_.read_into(block.data(), first * bytes_per_id, count * bytes_per_id);
     for (int64_t i = 0; i < count; ++i) {
@@ -38,9 +39,11 @@ TokenFile::TokenFile(const std::string& path, int64_t bytes_per_id, int64_t voca
       TORCH_CHECK(id < vocab_size, kWhat, " '", path, "': token ", first + i, " is ", id,
                   ", not below the model's vocab_size ", vocab_size,
                   "; was it made with another tokenizer, or with the other --data_dtype?");
+      ((first + i) % 2 == 1 ? odd_all_zero : even_all_zero) &= id == 0;
     }
     first += count;
   }
+  looks_like_4_byte_ids_ = bytes_per_id == 2 && size_ >= 64 && odd_all_zero && !even_all_zero;
 }
 
 std::pair<at::Tensor, at::Tensor> TokenFile::windows(const at::Tensor& starts,

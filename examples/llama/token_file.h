@@ -33,6 +33,12 @@ class TokenFile {
   const std::string& path() const { return file_.path(); }
   int64_t size() const { return size_; }  // ids in the file
 
+  // True when the file was read as 2-byte ids, holds at least 64 of them, and every id at
+  // an odd index is 0 while some id at an even index is not: a file of 4-byte ids read as
+  // 2-byte ones (every id below 65536 has a zero high half). Real 2-byte data does not
+  // look like that.
+  bool looks_like_4_byte_ids() const { return looks_like_4_byte_ids_; }
+
   // The windows of context + 1 consecutive ids starting at `starts` (int64 [n], each in
   // [0, size() - context - 1]): inputs [n, context] and next-token targets [n, context],
   // int64 on the CPU. Throws if a window does not lie in the file, or if the file has
@@ -44,6 +50,7 @@ class TokenFile {
   int64_t bytes_per_id_;
   int64_t vocab_size_;
   int64_t size_ = 0;
+  bool looks_like_4_byte_ids_ = false;
 };
 
 }  // namespace fsdp::models

@@ -55,6 +55,21 @@ TEST(TokenFileTest, WindowsOfBothWidths) {
   EXPECT_EQ(values(b), (std::vector<int64_t>{7, 9, 1, 65535, 7, 9}));
 }
 
+// 4-byte ids read as 2-byte ones: every second id is 0 (the high halves).
+TEST(TokenFileTest, TellsFourByteIdsReadAsTwoByteOnes) {
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 32; ++i) ids.push_back(1 + i % 7);
+  const std::string wide = write_ids("wide32.bin", ids, 4);
+  EXPECT_TRUE(TokenFile(wide, 2, 100).looks_like_4_byte_ids());
+  EXPECT_FALSE(TokenFile(wide, 4, 100).looks_like_4_byte_ids());
+  ids.pop_back();  // 62 two-byte ids: too few to tell
+  EXPECT_FALSE(TokenFile(write_ids("short32.bin", ids, 4), 2, 100).looks_like_4_byte_ids());
+  ids.push_back(1);  // the same ids as 2-byte ones
+  EXPECT_FALSE(TokenFile(write_ids("narrow16.bin", ids, 2), 2, 100).looks_like_4_byte_ids());
+  EXPECT_FALSE(TokenFile(write_ids("zeros.bin", std::vector<uint32_t>(64, 0), 2), 2, 100)
+                   .looks_like_4_byte_ids());
+}
+
 TEST(TokenFileTest, RefusesWhatItCannotTrainOn) {
   const std::string odd = temp_path("odd.bin");
   std::ofstream(odd, std::ios::binary) << "abc";

@@ -205,7 +205,8 @@ DecoderConfig load_decoder_config(const std::string& path) {
     text = read_regular_file(path, "config.json", kMaxJsonBytes);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, e.what_without_backtrace(),
-                "; --from must be a Hugging Face model folder holding config.json");
+                "; expected the config.json of a Hugging Face model folder, as "
+                "save_pretrained writes it");
   }
   return parse_decoder_config(text, path);
 }

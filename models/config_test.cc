@@ -396,8 +396,8 @@ TEST(DecoderConfigTest, MissingFileSaysWhatToPass) {
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "cannot open config.json '/nonexistent/config.json': No such file or directory; "
-              "--from must be a Hugging Face model "
-              "folder holding config.json");
+              "expected the config.json of a Hugging Face model folder, as save_pretrained "
+              "writes it");
   }
 }
 

@@ -605,16 +605,19 @@ std::string experts_gathered_line(const DecoderConfig& config, const FinetunePla
                                   const FinetunePlan& other) {
   if (!config.is_moe()) return "";
   const bool split = plan.options.decoder_units() == DecoderUnits::kSublayer;
+  const std::string mine = format_bytes(plan.peak_bytes), theirs = format_bytes(other.peak_bytes);
+  // Peaks the same as printed (the experts a small part of either) are said to be.
   return absl::StrCat(
       "mixture of experts: each sparse layer's ", split ? "feed-forward " : "", "unit gathers all ",
       config.num_experts, " experts, ", format_bytes(plan.experts_per_layer), " in ",
       c10::toString(plan.options.param_dtype().value_or(plan.options.dtype())),
       ", though each token uses ", config.num_experts_per_tok, " of them; ",
-      split ? absl::StrCat("peak ", format_bytes(plan.peak_bytes), " instead of ",
-                           format_bytes(other.peak_bytes), " with --moe_units=layer")
+      split ? absl::StrCat("peak ", mine,
+                           mine == theirs ? ", as" : absl::StrCat(" instead of ", theirs),
+                           " with --moe_units=layer")
             : absl::StrCat("--moe_units=sublayer (attention and experts units of their own) ",
-                           "would peak at ", format_bytes(other.peak_bytes), " instead of ",
-                           format_bytes(plan.peak_bytes)));
+                           "would peak at ", theirs,
+                           mine == theirs ? " as well" : absl::StrCat(" instead of ", mine)));
 }
 
 std::string FinetunePlan::summary() const {

@@ -410,17 +410,31 @@ TEST(PlanFinetuneTest, SaysWhatGatheringASparseLayersExpertsCosts) {
   const FinetunePlan split =
       plan_finetune(moe, plan_units(*net, DecoderUnits::kSublayer),
                     FinetunePlanOptions().world_size(2).decoder_units(DecoderUnits::kSublayer));
-  EXPECT_EQ(
-      experts_gathered_line(moe, fp32, split),
-      absl::StrCat("mixture of experts: each sparse layer's unit gathers all 8 experts, 192 "
-                   "KiB in Float, though each token uses 2 of them; --moe_units=sublayer "
-                   "(attention and experts units of their own) would peak at ",
-                   format_bytes(split.peak_bytes), " instead of ", format_bytes(fp32.peak_bytes)));
+  // Here both peak at 5 MiB as printed: said to be the same, not compared.
+  ASSERT_EQ(format_bytes(split.peak_bytes), format_bytes(fp32.peak_bytes));
+  EXPECT_EQ(experts_gathered_line(moe, fp32, split),
+            absl::StrCat("mixture of experts: each sparse layer's unit gathers all 8 experts, 192 "
+                         "KiB in Float, though each token uses 2 of them; --moe_units=sublayer "
+                         "(attention and experts units of their own) would peak at ",
+                         format_bytes(split.peak_bytes), " as well"));
   EXPECT_EQ(experts_gathered_line(moe, split, fp32),
             absl::StrCat("mixture of experts: each sparse layer's feed-forward unit gathers all 8 "
                          "experts, 192 KiB in Float, though each token uses 2 of them; peak ",
+                         format_bytes(split.peak_bytes), ", as with --moe_units=layer"));
+  // Peaks that differ as printed (the other plan at W = 1 here) are compared.
+  const FinetunePlan one = plan_finetune(moe, units, FinetunePlanOptions().world_size(1));
+  ASSERT_NE(format_bytes(one.peak_bytes), format_bytes(fp32.peak_bytes));
+  EXPECT_EQ(
+      experts_gathered_line(moe, fp32, one),
+      absl::StrCat("mixture of experts: each sparse layer's unit gathers all 8 experts, 192 "
+                   "KiB in Float, though each token uses 2 of them; --moe_units=sublayer "
+                   "(attention and experts units of their own) would peak at ",
+                   format_bytes(one.peak_bytes), " instead of ", format_bytes(fp32.peak_bytes)));
+  EXPECT_EQ(experts_gathered_line(moe, split, one),
+            absl::StrCat("mixture of experts: each sparse layer's feed-forward unit gathers all 8 "
+                         "experts, 192 KiB in Float, though each token uses 2 of them; peak ",
                          format_bytes(split.peak_bytes), " instead of ",
-                         format_bytes(fp32.peak_bytes), " with --moe_units=layer"));
+                         format_bytes(one.peak_bytes), " with --moe_units=layer"));
   const FinetunePlan bf16 =
       plan_finetune(moe, units, FinetunePlanOptions().world_size(2).param_dtype(at::kBFloat16));
   EXPECT_EQ(bf16.experts_per_layer, 8 * 3 * 32 * 64 * 2);

@@ -98,18 +98,25 @@ void check_fresh_run(Communicator& comm, const std::string& out_dir,
 namespace {
 
 // A checkpoint's step: its "step" entry (a DCP folder's), else its step_NNNNNNNN name;
-// either must be an integer in [0, 2^53).
+// either must be an integer in [0, 2^53). Throws for a "step" entry of another type when
+// the name gives none either.
 std::optional<int64_t> step_of(const std::string& dir, const DcpExtras& extras) {
+  std::string other_type;
   for (const auto& [name, value] : extras) {
-    if (name == "step" && value.isInt()) {
+    if (name != "step") continue;
+    if (value.isInt()) {
       return checked_count(value.toInt(), absl::StrCat("'", dir, "': its \"step\" entry"));
     }
+    other_type = value.tagKind();
   }
   int64_t step = 0;
   const std::string name = std::filesystem::path(dir).filename().string();
   if (absl::StartsWith(name, "step_") && absl::SimpleAtoi(name.substr(5), &step)) {
     return checked_count(step, absl::StrCat("'", dir, "': the step in its name"));
   }
+  TORCH_CHECK(other_type.empty(), "'", dir, "': its \"step\" entry is a ", other_type,
+              ", not an int; save {\"step\": step} with step a Python int, or name the folder "
+              "step_NNNNNNNN");
   return std::nullopt;
 }
 

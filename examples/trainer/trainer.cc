@@ -254,8 +254,12 @@ int64_t TrainingRun::start(FullyShardedRoot& model, torch::optim::Optimizer& opt
 
 void TrainingRun::check_loss(int64_t step, double train_loss) const {
   TORCH_CHECK(std::isfinite(train_loss), "step ", step, ": the training loss is ", train_loss,
-              ": the run diverged; try a lower --lr or more --warmup_steps. Stopped before "
-              "writing this step's checkpoint or the model; the earlier checkpoints are kept");
+              step == first_ + 1
+                  ? " in the run's first step: the weights it started from (the model folder "
+                    "or checkpoint) or its data may hold NaN or inf, or --lr is far too high"
+                  : ": the run diverged; try a lower --lr or more --warmup_steps",
+              ". Stopped before writing this step's checkpoint or the model; the earlier "
+              "checkpoints are kept");
 }
 
 void TrainingRun::checkpoint_if_due(int64_t step, FullyShardedRoot& model,

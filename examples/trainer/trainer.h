@@ -120,9 +120,9 @@ class TrainingRun {
                 const std::function<double(int64_t)>& lr_at = nullptr);
 
   // After step `step` (1-based), before its checkpoint: raises if `train_loss` (the mean
-  // over ranks, the same on every rank) is not finite, naming the step: a diverged run
-  // stops with its earlier checkpoints kept (--resume continues from the newest) and
-  // writes no model of NaNs.
+  // over ranks, the same on every rank) is not finite, naming the step and, for the run's
+  // first step, its inputs as the likelier cause: a diverged run stops with its earlier
+  // checkpoints kept (--resume continues from the newest) and writes no model of NaNs.
   void check_loss(int64_t step, double train_loss) const;
 
   // Collective: after optimizer step `step` (1-based) has been taken, writes the sharded

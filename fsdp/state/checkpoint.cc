@@ -261,8 +261,8 @@ class CheckpointReader {
     const std::string path = (fs::path(dir_) / kMetadata).string();
     TORCH_CHECK(fs::exists(path), "'", dir_, "' is not a complete checkpoint: it has no ",
                 kMetadata);
-    const PyValuePtr root =
-        state_internal::read_torch_file(read_regular_file(path, "checkpoint metadata", kMaxMetadataBytes), path);
+    const PyValuePtr root = state_internal::read_torch_file(
+        read_regular_file(path, "checkpoint metadata", kMaxMetadataBytes), path);
     const PyValuePtr format = dict_get(root, "format", path);
     TORCH_CHECK(format->kind == PyValue::Kind::kString && format->string == kFormat, "'", path,
                 "' is not the metadata of an fsdp sharded checkpoint");

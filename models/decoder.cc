@@ -328,6 +328,8 @@ CausalLMImpl::CausalLMImpl(const DecoderConfig& config, const at::TensorOptions&
       lm_head = projection(config.hidden_size, config.vocab_size, /*bias=*/false, options);
       head_unit = register_module("lm_head", Unit<lora::LoraLinearImpl>(lm_head.ptr()));
     }
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // memory, not sizes: a caller may catch it as such
   } catch (const c10::Error& e) {
     // A config whose sizes make a tensor past what a process can address ("Storage size
     // calculation overflowed") is named as the config's, not as a tensor's.

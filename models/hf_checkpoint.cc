@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
@@ -302,8 +303,9 @@ void check_stored_tied_head(const DecoderConfig& config, const std::string& dir)
   const int64_t numel = config.vocab_size * config.hidden_size;
   for (int64_t begin = 0; begin < numel; begin += kBlock) {
     const int64_t count = std::min(kBlock, numel - begin);
-    if (!at::equal(checkpoint.read_range(kHeadName, begin, count),
-                   checkpoint.read_range(kEmbeddings, begin, count))) {
+    // Bytes, not values: a NaN equals its own copy.
+    if (!at::equal(checkpoint.read_range(kHeadName, begin, count).view(at::kByte),
+                   checkpoint.read_range(kEmbeddings, begin, count).view(at::kByte))) {
       untied("differs from");
     }
   }
@@ -650,12 +652,17 @@ int64_t parse_shard_size(const std::string& text, std::string_view flag) {
   std::string number = text;
   int64_t unit = 1;
   for (const auto& [suffix, bytes] : kUnits) {
-    if (absl::EndsWithIgnoreCase(text, suffix)) {  // "5gb" too, as save_pretrained
+    if (absl::EndsWithIgnoreCase(text, suffix)) {  // "5gib", "5gB" too, as save_pretrained
       number = text.substr(0, text.size() - std::string(suffix).size());
       unit = bytes;
       break;
     }
   }
+  // save_pretrained reads "5gb" and "5Gb" as gigabits (625000000 bytes): too easily
+  // mistaken for bytes to take either way.
+  TORCH_CHECK(unit % 1000 != 0 || text.back() != 'b', flag, "=", text,
+              ": a final lowercase b means bits to save_pretrained; write ", number,
+              absl::AsciiStrToUpper(text.substr(number.size())), " for bytes");
   int64_t value = 0;
   TORCH_CHECK(absl::SimpleAtoi(number, &value) && value > 0 && value <= INT64_MAX / unit, flag, "=",
               text,

@@ -87,8 +87,9 @@ std::vector<std::string> store_hf_nf4_weights(torch::nn::Module& model, const st
 // in hf_checkpoint.cc). A 4-bit weight of the folder that the model does not hold in NF4 is
 // an error saying to call store_hf_nf4_weights. A folder whose config.json ties the head to
 // the embeddings (tie_word_embeddings) but still holds lm_head.weight (some conversions on
-// the Hub) loads as transformers 5.x loads it: the stored head is never read, and is an
-// error when its shape is not the embeddings' [vocab_size, hidden_size]. No communication;
+// the Hub) loads as transformers 5.x loads it when that head equals the embeddings (each
+// rank compares the two, 1 M elements at a time), and is an error otherwise: a head of
+// another shape, dtype or values, which transformers would load untied. No communication;
 // every rank calls it.
 void load_hf_weights(FullyShardedRoot& model, const std::string& dir);
 
@@ -131,8 +132,9 @@ void prepare_hf_folder(const std::string& from_dir, const std::string& out_dir);
 
 // A size as transformers' max_shard_size takes it: bytes ("20000"), or a number with KB,
 // MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024), in any case as transformers
-// takes them: "20KB" is 20000, "2GiB" and "2gib" 2147483648. Throws c10::Error
-// otherwise, naming `flag` (the flag or option the text was given for, e.g.
+// takes them: "20KB" is 20000, "2GiB" and "2gib" 2147483648; a final lowercase b ("5gb"),
+// which transformers reads as bits, is refused. Throws c10::Error otherwise, naming `flag` (the
+// flag or option the text was given for, e.g.
 // "--max_memory_per_rank") and the value: "--max_memory_per_rank=5TB: ...".
 int64_t parse_shard_size(const std::string& text, std::string_view flag = "--max_shard_size");
 

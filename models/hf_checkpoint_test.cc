@@ -26,6 +26,7 @@
 #include <ATen/Functions.h>
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -54,8 +55,12 @@ TEST(ParseShardSizeTest, TransformersUnits) {
   EXPECT_EQ(parse_shard_size("1KiB"), 1024);
   EXPECT_EQ(parse_shard_size("3MiB"), 3 * 1048576);
   EXPECT_EQ(parse_shard_size("2GiB"), 2147483648);
-  EXPECT_EQ(parse_shard_size("5gb"), 5000000000);  // save_pretrained ignores the case
-  EXPECT_EQ(parse_shard_size("2gib"), 2147483648);
+  EXPECT_EQ(parse_shard_size("2gib"), 2147483648);  // save_pretrained ignores the case
+  EXPECT_EQ(parse_shard_size("5gB"), 5000000000);   // ... but for a final lowercase b: bits
+  EXPECT_THAT([] { parse_shard_size("5gb", "--max_memory_per_rank"); },
+              testing::ThrowsMessage<c10::Error>(testing::HasSubstr(
+                  "--max_memory_per_rank=5gb: a final lowercase b means bits to save_pretrained; "
+                  "write 5GB for bytes")));
 }
 
 TEST(ParseShardSizeTest, BadValuesNameTheFlag) {

@@ -99,7 +99,7 @@ ChatRows pack_chat_rows(const ChatExamples& examples, int64_t context, ChatPacki
     const int64_t begin = examples.offsets[e];
     const int64_t full = examples.length(e);
     if (full > context && long_examples == LongExamples::kDrop) {
-      ++out.dropped, ++too_long;
+      ++out.dropped, ++(any_counted(begin + 1, begin + full) ? too_long : uncounted);
       continue;
     }
     const int64_t length = std::min(full, context);

@@ -137,6 +137,10 @@ TEST(ChatDataTest, LongExamplesAreCutOrDropped) {
                   "--long_examples=drop, 0 counting only tokens past it, 1 counting no token at "
                   "all); the file's loss_mask counts nothing: remake it (prepare_chat.py "
                   "--mask, and a chat template that marks the assistant's turns)")));
+  // Too long under kDrop too: still a mask that counts nothing.
+  EXPECT_THAT([&] { pack_chat_rows(silent, 2, ChatPacking::kPacked, LongExamples::kDrop); },
+              testing::ThrowsMessage<c10::Error>(testing::HasSubstr(
+                  "1 counting no token at all); the file's loss_mask counts nothing")));
   // Its one counted token past a context of 2: a longer context would keep it.
   silent.counted[2] = true;
   EXPECT_THAT([&] { pack_chat_rows(silent, 2, ChatPacking::kPacked, LongExamples::kCut); },

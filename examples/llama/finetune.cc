@@ -188,14 +188,17 @@ LongExamples long_examples_flag() {
   return absl::GetFlag(FLAGS_long_examples) == "drop" ? LongExamples::kDrop : LongExamples::kCut;
 }
 
-Data read_data(const std::string& path, const DecoderConfig& config) {
+// A token file's ids are all checked once a process, by flag_error (`check` kEvery) before
+// any rank runs; the run then checks the windows it reads (kAsRead).
+Data read_data(const std::string& path, const DecoderConfig& config,
+               TokenFile::IdCheck check = TokenFile::IdCheck::kAsRead) {
   Data data;
   if (is_chat_file(path)) {
     data.rows = pack_chat_rows(read_chat_file(path, config.vocab_size),
                                absl::GetFlag(FLAGS_context), packing_flag(), long_examples_flag());
   } else {
     const std::string dtype = absl::GetFlag(FLAGS_data_dtype);
-    data.tokens.emplace(path, token_bytes(dtype, config.vocab_size), config.vocab_size);
+    data.tokens.emplace(path, token_bytes(dtype, config.vocab_size), config.vocab_size, check);
     TORCH_CHECK(dtype != "auto" || !data.tokens->looks_like_4_byte_ids(),
                 "every second 16-bit id is 0, as when a file of uint32 ids (tokenize.py "
                 "--dtype=uint32) is read as uint16; pass --data_dtype=uint32, or "
@@ -209,7 +212,7 @@ Data read_data(const std::string& path, const DecoderConfig& config) {
 std::string data_file_error(const char* flag, const std::string& path, const DecoderConfig& config,
                             int64_t min_tokens, const char* why) {
   try {
-    const Data data = read_data(path, config);
+    const Data data = read_data(path, config, TokenFile::IdCheck::kEvery);
     if (!data.chat() && data.tokens->size() < min_tokens) {
       return absl::StrCat("--", flag, "=", path, ": ", data.tokens->size(), " tokens, fewer than ",
                           min_tokens, " (", why, ")");

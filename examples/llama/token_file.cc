@@ -21,7 +21,8 @@ int64_t id_at(const char* p, int64_t bytes) {
 
 }  // namespace
 
-TokenFile::TokenFile(const std::string& path, int64_t bytes_per_id, int64_t vocab_size)
+TokenFile::TokenFile(const std::string& path, int64_t bytes_per_id, int64_t vocab_size,
+                     IdCheck check)
     : file_(ReadableFile::open(path, kWhat)), bytes_per_id_(bytes_per_id), vocab_size_(vocab_size) {
   TORCH_CHECK(bytes_per_id == 2 || bytes_per_id == 4,
               "TokenFile: expected 2- or 4-byte token ids, got ", bytes_per_id);
@@ -29,6 +30,7 @@ TokenFile::TokenFile(const std::string& path, int64_t bytes_per_id, int64_t voca
               " bytes is not a whole number of ", bytes_per_id,
               "-byte token ids; check --data_dtype");
   size_ = file_.size() / bytes_per_id;
+  if (check == IdCheck::kAsRead) return;
   std::vector<char> block(static_cast<size_t>(std::min(kBlockBytes, file_.size())));
   bool odd_all_zero = true, even_all_zero = true;
   for (int64_t first = 0; first < size_;) {  // blocks hold an even number of ids

@@ -25,15 +25,23 @@ namespace fsdp::models {
 
 class TokenFile {
  public:
+  // Which ids are checked against the vocabulary when the file is opened.
+  enum class IdCheck {
+    kEvery,   // every id, the file read once in 1 MiB blocks (and looks_like_4_byte_ids)
+    kAsRead,  // none (a check of kEvery made earlier); windows() checks the ids it reads
+  };
+
   // Opens `path` and checks it: a regular file of a whole number of `bytes_per_id`-byte
-  // ids (2 or 4), every id below `vocab_size` (the file is read once, in 1 MiB blocks).
-  // Throws naming the first id that is not, with its index.
-  TokenFile(const std::string& path, int64_t bytes_per_id, int64_t vocab_size);
+  // ids (2 or 4), and with kEvery every id below `vocab_size`. Throws naming the file, and
+  // the first id that is not with its index.
+  TokenFile(const std::string& path, int64_t bytes_per_id, int64_t vocab_size,
+            IdCheck check = IdCheck::kEvery);
 
   const std::string& path() const { return file_.path(); }
   int64_t size() const { return size_; }  // ids in the file
 
-  // True when the file was read as 2-byte ids, holds at least 64 of them, and every id at
+  // True when, checked with kEvery, the file was read as 2-byte ids, holds at least 64 of
+  // them, and every id at
   // an odd index is 0 while some id at an even index is not: a file of 4-byte ids read as
   // 2-byte ones (every id below 65536 has a zero high half). Real 2-byte data does not
   // look like that.

@@ -81,6 +81,11 @@ TEST(TokenFileTest, RefusesWhatItCannotTrainOn) {
   EXPECT_THAT([&] { TokenFile(big, 2, 500); },
               ThrowsMessage<c10::Error>(HasSubstr(
                   "'" + big + "': token 2 is 500, not below the model's vocab_size 500")));
+  // Checked as read instead: opening passes, the window holding the id does not.
+  const TokenFile unchecked(big, 2, 500, TokenFile::IdCheck::kAsRead);
+  EXPECT_EQ(unchecked.windows(at::tensor({0}, at::kLong), 1).first.item<int64_t>(), 1);
+  EXPECT_THAT([&] { unchecked.windows(at::tensor({1}, at::kLong), 1); },
+              ThrowsMessage<c10::Error>(HasSubstr("token 2 is now 500, not below vocab_size 500")));
   EXPECT_THAT([&] { TokenFile(temp_path("missing.bin"), 2, 10); },
               ThrowsMessage<c10::Error>(HasSubstr("cannot open token file")));
   EXPECT_THAT(

@@ -71,15 +71,28 @@ int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device)
 }
 
 void check_fresh_run(Communicator& comm, const std::string& out_dir,
-                     const std::string& checkpoint_dir, bool resume, bool overwrite) {
+                     const std::string& checkpoint_dir, bool resume, bool overwrite,
+                     c10::Device device) {
   if (resume) return;
-  const std::optional<std::string> old = latest_checkpoint(checkpoint_dir);
-  TORCH_CHECK(!old || overwrite, "'", checkpoint_dir, "' holds another run's checkpoints (newest ",
-              old.value_or(""),
+  // Rank 0 looks (the folders may be its node's alone) and every rank learns what it saw.
+  std::optional<std::string> old;
+  int64_t seen[2] = {0, 0};  // old checkpoints; a metrics.csv with rows and no checkpoint
+  if (comm.rank() == 0) {
+    old = latest_checkpoint(checkpoint_dir);
+    std::ifstream metrics(out_dir + "/metrics.csv");
+    std::string header, row;
+    seen[0] = old.has_value();
+    // A header alone: a run that stopped before its first step, nothing to lose.
+    seen[1] = !old && std::getline(metrics, header) && std::getline(metrics, row);
+  }
+  at::Tensor status = at::tensor(at::ArrayRef<int64_t>(seen, 2), at::kLong).to(device);
+  comm.broadcast(status, /*root=*/0);
+  status = status.cpu();
+  TORCH_CHECK(status[0].item<int64_t>() == 0 || overwrite, "'", checkpoint_dir,
+              "' holds another run's checkpoints (newest ", old.value_or("named on rank 0"),
               "); continue that run with --resume, or start over with --overwrite (deletes "
               "them)");
-  TORCH_CHECK(old || overwrite || !std::filesystem::exists(out_dir + "/metrics.csv"),
-              "--out_dir=", out_dir,
+  TORCH_CHECK(status[1].item<int64_t>() == 0 || overwrite, "--out_dir=", out_dir,
               " holds another run's results (metrics.csv, no checkpoint to continue from); "
               "pass another --out_dir, or --overwrite to replace them");
   if (old && comm.rank() == 0) {

@@ -4,7 +4,7 @@
 // ranks, the learning-rate schedule and per-rank figures.
 //
 //   const int lock = fsdp::examples::lock_out_dir(*comm, out_dir, device);
-//   fsdp::examples::check_fresh_run(*comm, out_dir, ckpt_dir, resume, overwrite);
+//   fsdp::examples::check_fresh_run(*comm, out_dir, ckpt_dir, resume, overwrite, device);
 //   const int64_t first = fsdp::examples::resume_step(*model, &adamw, ckpt_dir, resume, lead);
 //   fsdp::examples::remove_leftover_checkpoints(ckpt_dir, lead);
 //
@@ -36,13 +36,15 @@ namespace fsdp::examples {
 int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device);
 
 // A new run (resume false) does not mix its checkpoints with another run's in
-// `checkpoint_dir`, nor replace the results of another run that wrote none (its
-// `out_dir`/metrics.csv): it raises naming them, or with `overwrite` deletes the old
-// checkpoints (rank 0, before any is written; metrics.csv is rewritten later). Every rank
-// checks before the barrier that ends it, so none sees a file of this run. Collective (a
-// barrier).
+// `checkpoint_dir`, nor replace the results of another run that wrote none (an
+// `out_dir`/metrics.csv with a row): it raises on every rank naming them, or with
+// `overwrite` deletes the old checkpoints (rank 0, before any is written; metrics.csv is
+// rewritten later). Rank 0 looks, before the barrier that ends it (no rank has written a
+// file of this run yet), and broadcasts what it saw on `device`, so ranks whose folders
+// differ (node-local out_dirs) agree. Collective (a broadcast and a barrier).
 void check_fresh_run(Communicator& comm, const std::string& out_dir,
-                     const std::string& checkpoint_dir, bool resume, bool overwrite);
+                     const std::string& checkpoint_dir, bool resume, bool overwrite,
+                     c10::Device device);
 
 // With `resume`, loads the newest checkpoint (step_NNNNNNNN) of `checkpoint_dir` that every
 // rank can read into `model` and `optimizer` and returns its step; else 0. The ranks agree

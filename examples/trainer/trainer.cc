@@ -230,7 +230,7 @@ int64_t TrainingRun::start(FullyShardedRoot& model, torch::optim::Optimizer& opt
                 " holds the LR schedule of step ", scheduler->last_epoch,
                 "; it was written by another run: start a new run with --overwrite");
   }
-  check_fresh_run(*comm_, flags_.out_dir, checkpoints, resume.resume, flags_.overwrite);
+  check_fresh_run(*comm_, flags_.out_dir, checkpoints, resume.resume, flags_.overwrite, device_);
   if (lead()) std::filesystem::create_directories(checkpoints);
   remove_leftover_checkpoints(checkpoints, lead());
   if (lead()) {

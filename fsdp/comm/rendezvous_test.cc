@@ -345,7 +345,8 @@ TEST(RendezvousTest, UnresolvableMasterIsNamedAtOnce) {
                   "); set MASTER_ADDR to the host name or IP address of the node that runs rank "
                   "0, as every node can resolve it");
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  // Not after the 60 s timeout (the resolver's own retries may take seconds).
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
 TEST(RendezvousTest, MasterAddressIsRequiredForSeveralRanks) {

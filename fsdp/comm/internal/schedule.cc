@@ -344,13 +344,13 @@ void CollectiveSchedule::fail(const CommError& failure) {
   try {
     mismatch = compare(/*failed=*/true, &peer);
   } catch (const CommError& e) {
-    // The peers are gone too (the failure names one), or one stopped answering: then the
-    // job ended only after this wait too, which the failure's own words do not count.
+    // The peers are gone too (a closed connection: at once), or one stopped answering
+    // (a timeout: the job ended only after this wait too, which the failure's own words
+    // do not count). The side channel's error says which.
     CommError unanswered = failure;
-    unanswered.add_context(absl::StrCat(
-        "then the collective schedule check waited for the ranks too (a rank stopped, or is "
-        "stuck outside collectives): ",
-        e.what_without_backtrace()));
+    unanswered.add_context(
+        absl::StrCat("then the ranks' collective schedules could not be compared either: ",
+                     e.what_without_backtrace()));
     throw unanswered;
   }
   if (mismatch.empty()) throw failure;

@@ -36,6 +36,17 @@
 
 namespace fsdp::examples {
 
+namespace {
+
+// Rank 0's `value` on every rank (a broadcast on `device`, where the collective runs).
+int64_t rank0_value(Communicator& comm, int64_t value, c10::Device device) {
+  at::Tensor status = at::full({1}, value, at::dtype(at::kLong).device(device));
+  comm.broadcast(status, /*root=*/0);
+  return status.item<int64_t>();
+}
+
+}  // namespace
+
 int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device) {
   int fd = -1;
   int64_t holder = 0;
@@ -61,9 +72,7 @@ int lock_out_dir(Communicator& comm, const std::string& dir, c10::Device device)
       }
     }
   }
-  at::Tensor status = at::full({1}, holder, at::dtype(at::kLong).device(device));
-  comm.broadcast(status, /*root=*/0);
-  holder = status.item<int64_t>();
+  holder = rank0_value(comm, holder, device);
   TORCH_CHECK(holder == 0, "--out_dir=", dir, " is in use by another run (",
               holder > 1 ? "pid " + std::to_string(holder) : std::string("see its .lock"),
               "); wait for it to finish or pass another --out_dir");
@@ -75,24 +84,26 @@ void check_fresh_run(Communicator& comm, const std::string& out_dir,
                      c10::Device device) {
   if (resume) return;
   // Rank 0 looks (the folders may be its node's alone) and every rank learns what it saw.
+  enum : int64_t { kFresh, kCheckpoints, kResults };  // kResults: metrics.csv rows only
   std::optional<std::string> old;
-  int64_t seen[2] = {0, 0};  // old checkpoints; a metrics.csv with rows and no checkpoint
+  int64_t seen = kFresh;
   if (comm.rank() == 0) {
     old = latest_checkpoint(checkpoint_dir);
     std::ifstream metrics(out_dir + "/metrics.csv");
     std::string header, row;
-    seen[0] = old.has_value();
-    // A header alone: a run that stopped before its first step, nothing to lose.
-    seen[1] = !old && std::getline(metrics, header) && std::getline(metrics, row);
+    if (old) {
+      seen = kCheckpoints;
+    } else if (std::getline(metrics, header) && std::getline(metrics, row)) {
+      // (A header alone: a run that stopped before its first step, nothing to lose.)
+      seen = kResults;
+    }
   }
-  at::Tensor status = at::tensor(at::ArrayRef<int64_t>(seen, 2), at::kLong).to(device);
-  comm.broadcast(status, /*root=*/0);
-  status = status.cpu();
-  TORCH_CHECK(status[0].item<int64_t>() == 0 || overwrite, "'", checkpoint_dir,
+  seen = rank0_value(comm, seen, device);
+  TORCH_CHECK(seen != kCheckpoints || overwrite, "'", checkpoint_dir,
               "' holds another run's checkpoints (newest ", old.value_or("named on rank 0"),
               "); continue that run with --resume, or start over with --overwrite (deletes "
               "them)");
-  TORCH_CHECK(status[1].item<int64_t>() == 0 || overwrite, "--out_dir=", out_dir,
+  TORCH_CHECK(seen != kResults || overwrite, "--out_dir=", out_dir,
               " holds another run's results (metrics.csv, no checkpoint to continue from); "
               "pass another --out_dir, or --overwrite to replace them");
   if (old && comm.rank() == 0) {
